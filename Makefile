@@ -1,0 +1,38 @@
+# s3ckpt: every target builds .venv itself; nothing needs installing by hand.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.s3ckpt-installed
+BENCH_STAMP := $(VENV)/.s3ckpt-bench-installed
+
+.PHONY: install test demo bench lint clean
+
+install: $(STAMP)
+
+# torch is installed first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[test]" "$(TORCH_SPEC)"
+	touch $@
+
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e ".[bench]" "$(TORCH_SPEC)"
+	touch $@
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+demo: $(STAMP)
+	$(BIN)/python -m s3ckpt.demo
+
+bench: $(BENCH_STAMP)
+	$(BIN)/python -m benchmarks.run
+
+lint: $(STAMP)
+	$(BIN)/ruff check s3ckpt tests benchmarks
+	$(BIN)/ruff format --check s3ckpt tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""s3ckpt: object-storage checkpoint engine for PyTorch Distributed Checkpoint."""

@@ -1,0 +1,110 @@
+"""The exception hierarchy: every error s3ckpt raises on purpose derives from S3CkptError.
+
+::
+
+    S3CkptError
+    ├── ConfigError (ValueError)               bad options or arguments
+    │   └── InvalidURIError                    not an s3://bucket/key URI
+    ├── StorageError                           the object store said no
+    │   ├── EndpointError (ConnectionError)    unreachable endpoint, TLS failure, timeout
+    │   ├── AccessDeniedError (PermissionError) wrong or missing credentials, no permission
+    │   ├── BucketNotFoundError
+    │   ├── ObjectNotFoundError (FileNotFoundError)
+    │   ├── PreconditionFailedError            a conditional write lost its race
+    │   └── TransientStorageError              throttling or 5xx that outlived the retries
+    ├── CheckpointError                        checkpoint-level problems
+    │   ├── CheckpointNotFoundError (FileNotFoundError)  no committed manifest
+    │   ├── CheckpointExistsError (FileExistsError)      saving over a commit without overwrite
+    │   ├── CommitConflictError                another writer committed the same id first
+    │   └── CorruptCheckpointError             checksum or size mismatch, unreadable manifest
+    └── LocalServerError                       the embedded S3 server could not start
+
+Messages name the bucket, key and operation involved and never contain credentials.
+The standard-library bases let callers who do not know s3ckpt still catch the
+natural category (``except FileNotFoundError``).
+"""
+
+from __future__ import annotations
+
+
+class S3CkptError(Exception):
+    """Base class of every error raised by s3ckpt."""
+
+
+class ConfigError(S3CkptError, ValueError):
+    """An option or argument is invalid."""
+
+
+class InvalidURIError(ConfigError):
+    """A checkpoint location is not a valid ``s3://bucket/prefix`` URI."""
+
+
+class StorageError(S3CkptError):
+    """The object store failed a request.
+
+    ``operation`` is the S3 operation (``PutObject``...), ``code`` the S3 error code when
+    the server sent one, ``bucket``/``key`` the target.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        operation: str | None = None,
+        code: str | None = None,
+        bucket: str | None = None,
+        key: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.operation = operation
+        self.code = code
+        self.bucket = bucket
+        self.key = key
+
+
+class EndpointError(StorageError, ConnectionError):
+    """The endpoint could not be reached, the TLS handshake failed, or a request timed out."""
+
+
+class AccessDeniedError(StorageError, PermissionError):
+    """The credentials are wrong, missing, or lack permission."""
+
+
+class BucketNotFoundError(StorageError):
+    """The bucket does not exist."""
+
+
+class ObjectNotFoundError(StorageError, FileNotFoundError):
+    """The object does not exist."""
+
+
+class PreconditionFailedError(StorageError):
+    """A conditional request (``If-None-Match: *``) found the object already there."""
+
+
+class TransientStorageError(StorageError):
+    """Throttling or a server error that persisted through every retry."""
+
+
+class CheckpointError(S3CkptError):
+    """A checkpoint-level problem."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No committed checkpoint (no manifest) exists at the location."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A committed checkpoint already exists and overwrite was not requested."""
+
+
+class CommitConflictError(CheckpointError):
+    """Another writer committed the same checkpoint id first."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """Stored bytes do not match their recorded size or checksum, or a manifest is unreadable."""
+
+
+class LocalServerError(S3CkptError):
+    """The embedded local S3 server could not be started or stopped."""

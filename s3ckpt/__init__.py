@@ -1,1 +1,65 @@
-"""s3ckpt: object-storage checkpoint engine for PyTorch Distributed Checkpoint."""
+"""s3ckpt: object-storage checkpoint engine for PyTorch Distributed Checkpoint.
+
+Data flow of a save, module by module::
+
+    dcp.save / dcp.async_save
+      -> writer.S3StorageWriter        DCP adapter (lifecycle documented there)
+         -> layout.plan_objects        which object and offset each item gets
+         -> codec                      zero-copy tensor bytes, block CRC32Cs
+         -> upload.RankUploader        parts as tasks on the I/O loop (loop.io_loop)
+            -> store.ObjectStore       typed S3 calls; errors mapped in error_mapping
+         -> manifest.commit            DCP metadata, then the manifest: the commit
+
+and of a load::
+
+    dcp.load -> reader.S3StorageReader -> manifest + dcp_metadata (restricted unpickler)
+             -> download.RangeReader   coalesced parallel ranged GETs into the tensors
+             -> codec.verify_blocks    every byte checked against its CRC32C
+"""
+
+from s3ckpt._version import __version__
+from s3ckpt.config import S3URI, S3Config
+from s3ckpt.errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CommitConflictError,
+    ConfigError,
+    CorruptCheckpointError,
+    EndpointError,
+    InvalidURIError,
+    LocalServerError,
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    S3CkptError,
+    StorageError,
+    TransientStorageError,
+)
+from s3ckpt.reader import S3StorageReader
+from s3ckpt.writer import S3StorageWriter
+
+__all__ = [
+    "S3URI",
+    "AccessDeniedError",
+    "BucketNotFoundError",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CommitConflictError",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "EndpointError",
+    "InvalidURIError",
+    "LocalServerError",
+    "ObjectNotFoundError",
+    "PreconditionFailedError",
+    "S3CkptError",
+    "S3Config",
+    "S3StorageReader",
+    "S3StorageWriter",
+    "StorageError",
+    "TransientStorageError",
+    "__version__",
+]

@@ -1,0 +1,112 @@
+"""Everything s3ckpt needs from torch beyond DCP's public storage API, in one place.
+
+Only public names are imported at module level. The one private detail s3ckpt relies on
+is how DCP's ``Metadata`` pickles (the classes its pickle refers to); that list lives in
+:data:`METADATA_PICKLE_GLOBALS` and ``tests/unit/test_compat.py`` fails loudly when a
+torch release changes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+
+TORCH_VERSION = torch.__version__
+
+# (module, name) pairs that DCP's Metadata pickle may reference.
+METADATA_PICKLE_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    {("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    )}
+    | {("torch", "Size"), ("torch.serialization", "_get_layout")}
+    | {("torch", str(dtype).removeprefix("torch.")) for dtype in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16,
+        torch.complex128, torch.complex64, torch.complex32,
+        torch.int64, torch.int32, torch.int16, torch.int8,
+        torch.uint64, torch.uint32, torch.uint16, torch.uint8, torch.bool,
+        torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+    )}
+    | {("torch", n) for n in ("contiguous_format", "channels_last", "channels_last_3d", "preserve_format")}
+    | {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice")}
+)
+
+
+def item_nbytes(item: WriteItem) -> int:
+    """Bytes a tensor write item will occupy, from its planned size and dtype."""
+    assert item.tensor_data is not None
+    numel = 1
+    for size in item.tensor_data.size:
+        numel *= size
+    return numel * item.tensor_data.properties.dtype.itemsize
+
+
+def narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """The sub-tensor at ``offsets`` with ``lengths`` (a view)."""
+    for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+        if offset != 0 or length != tensor.size(dim):
+            tensor = tensor.narrow(dim, offset, length)
+    return tensor
+
+
+def chunk_shapes(metadata: Metadata) -> dict[MetadataIndex, tuple[torch.dtype, torch.Size]]:
+    """dtype and stored shape of every tensor chunk, keyed like ``storage_data``."""
+    shapes: dict[MetadataIndex, tuple[torch.dtype, torch.Size]] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            for index, chunk in enumerate(md.chunks):
+                key = MetadataIndex(fqn, chunk.offsets, index)
+                shapes[key] = (md.properties.dtype, chunk.sizes)
+    return shapes
+
+
+__all__ = [
+    "METADATA_PICKLE_GLOBALS",
+    "TORCH_VERSION",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "LoadItemType",
+    "LoadPlan",
+    "LoadPlanner",
+    "Metadata",
+    "MetadataIndex",
+    "ReadItem",
+    "SavePlan",
+    "SavePlanner",
+    "StorageMeta",
+    "StorageReader",
+    "StorageWriter",
+    "TensorStorageMetadata",
+    "WriteItem",
+    "WriteItemType",
+    "WriteResult",
+    "chunk_shapes",
+    "item_nbytes",
+    "narrow",
+]

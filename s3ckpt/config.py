@@ -1,0 +1,158 @@
+"""Connection and tuning settings: one frozen, validated dataclass, plus ``s3://`` URI parsing.
+
+Anything left as ``None`` falls through to the standard AWS chain (environment variables
+such as ``AWS_ENDPOINT_URL`` and ``AWS_ACCESS_KEY_ID``, the shared config and credentials
+files, the selected profile), so a job configured for the AWS CLI works unchanged and
+keyword arguments only override. The config pickles (process-mode ``async_save`` ships the
+writer to a child process) and never prints its secrets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+from urllib.parse import urlparse
+
+from s3ckpt.errors import ConfigError, InvalidURIError
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+
+
+@dataclass(frozen=True)
+class S3Config:
+    """How to reach the object store and how hard to drive it.
+
+    Connection:
+        endpoint_url: e.g. ``https://flashblade.example.com``; ``None`` uses ``AWS_ENDPOINT_URL``
+            or AWS itself.
+        region, profile: as in the AWS CLI.
+        access_key_id, secret_access_key, session_token: explicit credentials (hidden from repr).
+        addressing_style: ``"path"`` (FlashBlade's default), ``"virtual"`` or ``"auto"``.
+        verify: ``True`` to verify TLS against the system CAs, a CA bundle path for a private CA,
+            or ``False`` to skip verification (not recommended).
+    Transfers:
+        part_size: multipart part size in bytes; ``None`` picks one per object within S3's limits.
+        max_concurrency: concurrent requests per process, across all transfers.
+        max_bytes_in_flight: bytes handed to the transfer engine but not yet acknowledged.
+        checksums: send a CRC32C with every upload so the server rejects corrupted parts.
+        conditional_commit: commit manifests with ``If-None-Match: *``; ``None`` probes once
+            per endpoint and bucket, ``False`` uses the documented fallback (check, then put,
+            then read back).
+        connect_timeout, read_timeout: seconds; max_attempts: tries per request
+            (botocore's standard retry mode: throttling, 5xx and connection errors, with
+            exponential backoff and jitter).
+    """
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    profile: str | None = None
+    access_key_id: str | None = field(default=None, repr=False)
+    secret_access_key: str | None = field(default=None, repr=False)
+    session_token: str | None = field(default=None, repr=False)
+    addressing_style: Literal["path", "virtual", "auto"] = "path"
+    verify: bool | str = True
+    part_size: int | None = None
+    max_concurrency: int = 16
+    max_bytes_in_flight: int = 1 * GiB
+    checksums: bool = True
+    conditional_commit: bool | None = None
+    connect_timeout: float = 10.0
+    read_timeout: float = 120.0
+    max_attempts: int = 4
+
+    def __post_init__(self) -> None:
+        if self.endpoint_url is not None:
+            parsed = urlparse(self.endpoint_url)
+            if parsed.scheme not in ("http", "https") or not parsed.netloc:
+                raise ConfigError(
+                    f"endpoint_url must look like https://host[:port], got {self.endpoint_url!r}"
+                )
+        if self.addressing_style not in ("path", "virtual", "auto"):
+            raise ConfigError(f"addressing_style must be path, virtual or auto, got {self.addressing_style!r}")
+        if (self.access_key_id is None) != (self.secret_access_key is None):
+            raise ConfigError("access_key_id and secret_access_key must be given together")
+        if self.part_size is not None and not (5 * MiB <= self.part_size <= 5 * GiB):
+            raise ConfigError(f"part_size must be between 5 MiB and 5 GiB, got {self.part_size}")
+        if self.max_concurrency < 1:
+            raise ConfigError("max_concurrency must be at least 1")
+        if self.max_bytes_in_flight < 5 * MiB:
+            raise ConfigError("max_bytes_in_flight must be at least 5 MiB")
+        if self.max_attempts < 1:
+            raise ConfigError("max_attempts must be at least 1")
+        if self.connect_timeout <= 0 or self.read_timeout <= 0:
+            raise ConfigError("timeouts must be positive")
+
+    def replace(self, **changes: object) -> S3Config:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def client_key(self) -> tuple[object, ...]:
+        """The fields that decide which client is used: equal keys share one client."""
+        return (
+            self.endpoint_url,
+            self.region,
+            self.profile,
+            self.access_key_id,
+            self.secret_access_key,
+            self.session_token,
+            self.addressing_style,
+            self.verify,
+            self.max_concurrency,
+            self.connect_timeout,
+            self.read_timeout,
+            self.max_attempts,
+        )
+
+
+def make_config(config: S3Config | None, **overrides: object) -> S3Config:
+    """Merge keyword overrides (those not ``None``) into ``config`` or the defaults."""
+    base = config or S3Config()
+    given = {k: v for k, v in overrides.items() if v is not None}
+    unknown = set(given) - {f.name for f in dataclasses.fields(S3Config)}
+    if unknown:
+        raise ConfigError(f"unknown option(s): {', '.join(sorted(unknown))}")
+    return base.replace(**given) if given else base
+
+
+@dataclass(frozen=True)
+class S3URI:
+    """A parsed ``s3://bucket/prefix`` location; ``prefix`` has no leading or trailing slash."""
+
+    bucket: str
+    prefix: str
+
+    @classmethod
+    def parse(cls, uri: object, *, require_prefix: bool = True) -> S3URI:
+        text = str(uri) if uri is not None else ""
+        if not text.startswith("s3://"):
+            raise InvalidURIError(f"expected an s3://bucket/prefix URI, got {text!r}")
+        bucket, _, prefix = text[len("s3://") :].partition("/")
+        prefix = prefix.strip("/")
+        if not _valid_bucket(bucket):
+            raise InvalidURIError(f"invalid bucket name {bucket!r} in {text!r}")
+        if require_prefix and not prefix:
+            raise InvalidURIError(
+                f"{text!r} names a bucket only; a checkpoint needs a prefix, e.g. s3://{bucket}/run1/step-100"
+            )
+        if "//" in prefix:
+            raise InvalidURIError(f"empty path segment in {text!r}")
+        return cls(bucket, prefix)
+
+    def key(self, name: str) -> str:
+        """The object key of ``name`` inside this location."""
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def child(self, name: str) -> S3URI:
+        return S3URI(self.bucket, self.key(name.strip("/")))
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+
+def _valid_bucket(name: str) -> bool:
+    if not 3 <= len(name) <= 63:
+        return False
+    allowed = set("abcdefghijklmnopqrstuvwxyz0123456789.-_")
+    return set(name) <= allowed and name[0].isalnum() and name[-1].isalnum()

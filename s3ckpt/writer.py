@@ -1,0 +1,286 @@
+"""``S3StorageWriter``: DCP's StorageWriter for S3, committed atomically by a manifest.
+
+Lifecycle of a save (the order DCP calls in, see ``torch.distributed.checkpoint.storage``):
+
+0. ``reset(checkpoint_id)`` (all ranks, when ``checkpoint_id`` is passed to ``dcp.save``):
+   point the writer at a location and start a new save id.
+1. ``set_up_storage_writer(is_coordinator, rank=...)`` (all ranks).
+2. ``prepare_local_plan(plan)`` (all ranks): the coordinator checks that the bucket exists
+   and, unless ``overwrite=True``, that no checkpoint is committed at the location yet,
+   so a doomed save fails before any byte is uploaded.
+3. ``prepare_global_plan(plans)`` (coordinator): gives every rank its rank number and the
+   coordinator's save id, which names all objects of this save.
+4. ``write_data(plan, planner)`` (all ranks): packs the rank's items into a few data
+   objects (:mod:`s3ckpt.layout`), streams their bytes zero-copy into PUTs and multipart
+   uploads (:mod:`s3ckpt.upload`) and records per item its object, offset, length and
+   block CRC32Cs. A failure aborts and deletes everything the rank uploaded.
+5. ``finish(metadata, results)`` (coordinator): writes DCP's metadata, then the manifest
+   (:mod:`s3ckpt.manifest`): the commit. Before it, the checkpoint does not exist.
+
+The writer holds only its configuration and location, so it pickles (process-mode
+``async_save``) and works after ``fork``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from crc32c import crc32c
+from torch.futures import Future
+
+from s3ckpt import dcp_metadata
+from s3ckpt._version import __version__
+from s3ckpt.codec import as_cpu_contiguous, block_crcs, tensor_view
+from s3ckpt.compat import (
+    TORCH_VERSION,
+    Metadata,
+    SavePlan,
+    SavePlanner,
+    StorageMeta,
+    StorageWriter,
+    WriteItem,
+    WriteItemType,
+    WriteResult,
+    item_nbytes,
+)
+from s3ckpt.config import S3URI, S3Config, make_config
+from s3ckpt.errors import CheckpointExistsError, ConfigError
+from s3ckpt.layout import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_OBJECT_SIZE, Slot, StoredItem, plan_objects
+from s3ckpt.loop import io_loop
+from s3ckpt.manifest import MANIFEST_NAME, ItemEntry, Manifest, ObjectEntry, commit, new_save_id
+from s3ckpt.store import ObjectStore
+from s3ckpt.upload import RankUploader
+
+@dataclass(frozen=True)
+class _RankAssignment:
+    """What the coordinator tells each rank in ``SavePlan.storage_data``."""
+
+    rank: int
+    save_id: str
+
+
+class S3StorageWriter(StorageWriter):
+    """Save DCP checkpoints to ``s3://bucket/prefix``.
+
+    Args:
+        checkpoint_id: the location, ``s3://bucket/prefix``; may instead be passed to
+            ``dcp.save(..., checkpoint_id=...)``.
+        endpoint_url: the S3 endpoint, e.g. ``https://flashblade.example.com``.
+        config: an :class:`~s3ckpt.config.S3Config`; keyword ``options`` override its fields.
+        overwrite: replace a committed checkpoint at the location (atomically); by default
+            saving over one raises :class:`~s3ckpt.errors.CheckpointExistsError`.
+        max_object_size: the largest data object a rank writes before starting another.
+    """
+
+    def __init__(
+        self,
+        checkpoint_id: str | os.PathLike[str] | None = None,
+        *,
+        endpoint_url: str | None = None,
+        config: S3Config | None = None,
+        overwrite: bool = False,
+        max_object_size: int = DEFAULT_MAX_OBJECT_SIZE,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        self.config = make_config(config, endpoint_url=endpoint_url, **options)
+        if max_object_size < 5 * 1024 * 1024:
+            raise ConfigError("max_object_size must be at least 5 MiB")
+        self.overwrite = overwrite
+        self.max_object_size = max_object_size
+        self.location: S3URI | None = S3URI.parse(checkpoint_id) if checkpoint_id is not None else None
+        self.save_id = new_save_id()
+        self.is_coordinator = False
+        self.rank = 0
+
+    def __repr__(self) -> str:
+        return f"S3StorageWriter({str(self.location)!r}, endpoint_url={self.config.endpoint_url!r})"
+
+    # -- DCP lifecycle --------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.location = S3URI.parse(checkpoint_id)
+        self.save_id = new_save_id()
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank") or 0)
+        if kwargs.get("use_collectives", True) is False:
+            raise ConfigError("S3StorageWriter needs use_collectives=True: the coordinator commits for all ranks")
+        self._require_location()
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if self.is_coordinator:
+            io_loop().run(self._check_target())
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return [
+            dataclasses.replace(plan, storage_data=_RankAssignment(rank, self.save_id))
+            for rank, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        assignment: _RankAssignment = plan.storage_data
+        results = _RankSave(self._store(), self._require_location(), assignment, self.max_object_size).run(
+            plan.items, planner
+        )
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        location = self._require_location()
+        flat = [wr for rank_results in results for wr in rank_results]
+        metadata.storage_data = {wr.index: wr.storage_data for wr in flat}
+        metadata.storage_meta = self.storage_meta()
+        manifest_items = _manifest_items(metadata, flat)
+        io_loop().run(self._commit(location, metadata, manifest_items, results))
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=str(self.location) if self.location else None, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return str(self.location) if self.location else None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return str(checkpoint_id).startswith("s3://")
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _require_location(self) -> S3URI:
+        if self.location is None:
+            raise ConfigError("no checkpoint location: pass s3://bucket/prefix to S3StorageWriter or dcp.save")
+        return self.location
+
+    def _store(self) -> ObjectStore:
+        return ObjectStore(self.config, self._require_location().bucket)
+
+    async def _check_target(self) -> None:
+        store, location = self._store(), self._require_location()
+        await store.head_bucket()
+        if not self.overwrite and await store.exists(location.key(MANIFEST_NAME)):
+            raise CheckpointExistsError(
+                f"a checkpoint is already committed at {location}; pass overwrite=True to replace it"
+            )
+
+    async def _commit(
+        self, location: S3URI, metadata: Metadata, items: tuple[ItemEntry, ...], results: list[list[WriteResult]]
+    ) -> None:
+        store = self._store()
+        body = dcp_metadata.dumps(metadata)
+        metadata_key = f"metadata-{self.save_id}.pkl"
+        checksum = crc32c(body)
+        await store.put(location.key(metadata_key), body, crc32c=checksum)
+        manifest = Manifest(
+            save_id=self.save_id,
+            world_size=len(results),
+            metadata_key=metadata_key,
+            metadata_size=len(body),
+            metadata_crc32c=checksum,
+            objects=_object_entries(results),
+            items=items,
+            torch_version=TORCH_VERSION,
+            s3ckpt_version=__version__,
+        )
+        await commit(store, location, manifest, overwrite=self.overwrite)
+
+
+class _RankSave:
+    """One rank's ``write_data``: lay items out, stream them, describe where they went."""
+
+    def __init__(self, store: ObjectStore, location: S3URI, assignment: _RankAssignment, max_object_size: int) -> None:
+        self.store = store
+        self.location = location
+        self.assignment = assignment
+        self.max_object_size = max_object_size
+        self.stored: dict[Any, StoredItem] = {}
+
+    def run(self, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        # Non-tensor items are small pickles whose size is only known once resolved.
+        blobs = {
+            item.index: planner.resolve_data(item).getbuffer()
+            for item in items
+            if item.type == WriteItemType.BYTE_IO
+        }
+        by_index = {item.index: item for item in items}
+        sizes = [(item.index, len(blobs[item.index]) if item.index in blobs else item_nbytes(item)) for item in items]
+        objects = plan_objects(
+            sizes, rank=self.assignment.rank, save_id=self.assignment.save_id, max_object_size=self.max_object_size
+        )
+        key_of_slot = {slot.index: plan.key for plan in objects for slot in plan.slots}
+
+        def read(slot: Slot) -> memoryview:
+            item = by_index[slot.index]
+            data = blobs.pop(slot.index) if slot.index in blobs else self._tensor_bytes(item, planner)
+            if len(data) != slot.length:
+                raise ValueError(f"item {item.index.fqn} resolved to {len(data)} bytes, planned {slot.length}")
+            self.stored[slot.index] = StoredItem(
+                key=key_of_slot[slot.index],
+                offset=slot.offset,
+                length=slot.length,
+                crc32c=block_crcs(data, DEFAULT_BLOCK_SIZE),
+            )
+            return data
+
+        uploaded = RankUploader(self.store).upload(objects, self.location.key, read)
+        etags = {plan.key: obj.etag for plan, obj in zip(objects, uploaded, strict=True)}
+        for index, stored in self.stored.items():
+            self.stored[index] = dataclasses.replace(stored, etag=etags[stored.key])
+        return [
+            WriteResult(index=item.index, size_in_bytes=self.stored[item.index].length, storage_data=self.stored[item.index])
+            for item in items
+        ]
+
+    @staticmethod
+    def _tensor_bytes(item: WriteItem, planner: SavePlanner) -> memoryview:
+        tensor = planner.resolve_data(item)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"planner resolved {item.index.fqn} to {type(tensor).__name__}, expected a tensor")
+        return tensor_view(as_cpu_contiguous(tensor))
+
+
+def _object_entries(results: list[list[WriteResult]]) -> tuple[ObjectEntry, ...]:
+    sizes: dict[tuple[int, str], int] = {}
+    etags: dict[str, str] = {}
+    for rank, rank_results in enumerate(results):
+        for wr in rank_results:
+            stored: StoredItem = wr.storage_data
+            key = (rank, stored.key)
+            sizes[key] = max(sizes.get(key, 0), stored.offset + stored.length)
+            etags[stored.key] = stored.etag
+    return tuple(ObjectEntry(key=k, size=s, etag=etags[k], rank=r) for (r, k), s in sorted(sizes.items()))
+
+
+def _manifest_items(metadata: Metadata, results: list[WriteResult]) -> tuple[ItemEntry, ...]:
+    entries = []
+    for wr in results:
+        stored: StoredItem = wr.storage_data
+        md = metadata.state_dict_metadata.get(wr.index.fqn)
+        chunk = None
+        if md is not None and hasattr(md, "chunks"):
+            chunk = next((c for c in md.chunks if c.offsets == wr.index.offset), None)
+        entries.append(
+            ItemEntry(
+                fqn=wr.index.fqn,
+                chunk_offsets=tuple(wr.index.offset or ()),
+                kind="tensor" if chunk is not None else "bytes",
+                dtype=str(md.properties.dtype).removeprefix("torch.") if chunk is not None else None,
+                shape=tuple(chunk.sizes) if chunk is not None else None,
+                key=stored.key,
+                offset=stored.offset,
+                length=stored.length,
+                codec=stored.codec,
+                block_size=stored.block_size,
+                crc32c=stored.crc32c,
+            )
+        )
+    return tuple(entries)
+

@@ -39,7 +39,7 @@ def as_cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
 def tensor_view(tensor: torch.Tensor) -> memoryview:
     """A byte ``memoryview`` over a CPU contiguous tensor's elements (zero-copy)."""
     if tensor.numel() == 0:
-        return memoryview(b"")
+        return memoryview(bytearray())
     flat = tensor.reshape(-1)
     raw = flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
     return memoryview(raw.numpy()).cast("B")

@@ -100,6 +100,9 @@ def _create_client(config: S3Config) -> Any:
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
         tcp_keepalive=True,
+        # Validation rejects memoryview bodies, which is how tensor bytes are sent without a
+        # copy; every request's parameters are built by this module.
+        parameter_validation=False,
     )
     return session.create_client(
         "s3",

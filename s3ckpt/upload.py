@@ -104,9 +104,16 @@ class RankUploader:
         return self._spawn(self._complete(key, plan.size, created, parts), 0)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], nbytes: int) -> Future[Any]:
-        self._raise_if_failed()
-        self._budget.acquire(nbytes, lambda: self._error is not None)
-        self._raise_if_failed()
+        try:
+            self._raise_if_failed()
+            self._budget.acquire(nbytes, lambda: self._error is not None)
+        except BaseException:
+            coro.close()
+            raise
+        if self._error is not None:
+            self._budget.release(nbytes)
+            coro.close()
+            raise self._error
         future = self._loop.submit(self._tracked(coro))
         future.add_done_callback(lambda f: self._settle(f, nbytes))
         self._futures.append(future)

@@ -1,0 +1,66 @@
+"""Fixtures for tests that talk to the embedded SeaweedFS server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from s3ckpt import S3StorageReader, S3StorageWriter
+from s3ckpt.config import S3URI
+from s3ckpt.local_s3 import LocalS3Server
+
+
+@pytest.fixture
+def s3_options(local_s3: LocalS3Server) -> dict[str, Any]:
+    """Keyword options that point a writer or reader at the local server."""
+    return {
+        "endpoint_url": local_s3.endpoint_url,
+        "access_key_id": local_s3.access_key,
+        "secret_access_key": local_s3.secret_key,
+        "region": local_s3.region,
+    }
+
+
+@pytest.fixture
+def make_writer(s3_options: dict[str, Any]):
+    def make(uri: str | None = None, **options: Any) -> S3StorageWriter:
+        return S3StorageWriter(uri, **{**s3_options, **options})
+
+    return make
+
+
+@pytest.fixture
+def make_reader(s3_options: dict[str, Any]):
+    def make(uri: str | None = None, **options: Any) -> S3StorageReader:
+        return S3StorageReader(uri, **{**s3_options, **options})
+
+    return make
+
+
+@pytest.fixture
+def list_keys(local_s3: LocalS3Server):
+    """All keys under a checkpoint URI, relative to it."""
+
+    def keys(uri: str) -> list[str]:
+        location = S3URI.parse(uri)
+        client = local_s3.client()
+        paginator = client.get_paginator("list_objects_v2")
+        found = []
+        for page in paginator.paginate(Bucket=location.bucket, Prefix=location.prefix + "/"):
+            found += [item["Key"][len(location.prefix) + 1 :] for item in page.get("Contents", [])]
+        return sorted(found)
+
+    return keys
+
+
+@pytest.fixture
+def pending_uploads(local_s3: LocalS3Server):
+    """Multipart uploads still open under a checkpoint URI."""
+
+    def uploads(uri: str) -> list[str]:
+        location = S3URI.parse(uri)
+        response = local_s3.client().list_multipart_uploads(Bucket=location.bucket, Prefix=location.prefix + "/")
+        return [u["Key"] for u in response.get("Uploads", [])]
+
+    return uploads

@@ -1,0 +1,49 @@
+import pytest
+from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
+
+from s3ckpt.error_mapping import translate
+from s3ckpt.errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    EndpointError,
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    StorageError,
+    TransientStorageError,
+)
+
+
+def _client_error(code, status=400):
+    return ClientError({"Error": {"Code": code, "Message": "msg"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "Op")
+
+
+@pytest.mark.parametrize(
+    ("code", "key", "expected"),
+    [
+        ("NoSuchKey", "k", ObjectNotFoundError),
+        ("404", "k", ObjectNotFoundError),
+        ("404", None, BucketNotFoundError),
+        ("NoSuchBucket", "k", BucketNotFoundError),
+        ("InvalidAccessKeyId", "k", AccessDeniedError),
+        ("SignatureDoesNotMatch", "k", AccessDeniedError),
+        ("PreconditionFailed", "k", PreconditionFailedError),
+        ("SlowDown", "k", TransientStorageError),
+        ("NoSuchUpload", "k", StorageError),
+    ],
+)
+def test_client_errors_map_to_the_hierarchy(code, key, expected):
+    error = translate(_client_error(code), operation="PutObject", bucket="b", key=key)
+    assert type(error) is expected
+    assert error.code == code
+    assert "PutObject" in str(error)
+
+
+def test_not_found_is_a_file_not_found_error():
+    assert isinstance(translate(_client_error("NoSuchKey"), operation="GetObject", bucket="b", key="k"), FileNotFoundError)
+
+
+def test_connection_and_credential_errors():
+    assert isinstance(translate(EndpointConnectionError(endpoint_url="http://127.0.0.1:1"), operation="PutObject"), EndpointError)
+    error = translate(NoCredentialsError(), operation="PutObject", bucket="b", key="k")
+    assert isinstance(error, AccessDeniedError)
+    assert "credentials" in str(error)

@@ -18,6 +18,7 @@ and of a load::
 """
 
 from s3ckpt._version import __version__
+from s3ckpt.compat import unwrap
 from s3ckpt.config import S3URI, S3Config
 from s3ckpt.errors import (
     AccessDeniedError,
@@ -62,4 +63,5 @@ __all__ = [
     "StorageError",
     "TransientStorageError",
     "__version__",
+    "unwrap",
 ]

@@ -45,7 +45,9 @@ def tensor_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(raw.numpy()).cast("B")
 
 
-def tensor_from_bytes(buffer: torch.Tensor, dtype: torch.dtype, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+def tensor_from_bytes(
+    buffer: torch.Tensor, dtype: torch.dtype, shape: torch.Size | tuple[int, ...]
+) -> torch.Tensor:
     """Reinterpret a ``uint8`` buffer as a tensor of ``dtype`` and ``shape`` (zero-copy)."""
     if buffer.numel() == 0:
         return torch.empty(shape, dtype=dtype)

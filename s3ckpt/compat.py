@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -35,27 +36,70 @@ TORCH_VERSION = torch.__version__
 
 # (module, name) pairs that DCP's Metadata pickle may reference.
 METADATA_PICKLE_GLOBALS: frozenset[tuple[str, str]] = frozenset(
-    {("torch.distributed.checkpoint.metadata", n) for n in (
-        "Metadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "_MEM_FORMAT_ENCODING",
-    )}
+    {
+        ("torch.distributed.checkpoint.metadata", n)
+        for n in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
     | {("torch", "Size"), ("torch.serialization", "_get_layout")}
-    | {("torch", str(dtype).removeprefix("torch.")) for dtype in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.complex128, torch.complex64, torch.complex32,
-        torch.int64, torch.int32, torch.int16, torch.int8,
-        torch.uint64, torch.uint32, torch.uint16, torch.uint8, torch.bool,
-        torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
-    )}
-    | {("torch", n) for n in ("contiguous_format", "channels_last", "channels_last_3d", "preserve_format")}
-    | {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice")}
+    | {
+        ("torch", str(dtype).removeprefix("torch."))
+        for dtype in (
+            torch.float64,
+            torch.float32,
+            torch.float16,
+            torch.bfloat16,
+            torch.complex128,
+            torch.complex64,
+            torch.complex32,
+            torch.int64,
+            torch.int32,
+            torch.int16,
+            torch.int8,
+            torch.uint64,
+            torch.uint32,
+            torch.uint16,
+            torch.uint8,
+            torch.bool,
+            torch.float8_e4m3fn,
+            torch.float8_e5m2,
+            torch.float8_e4m3fnuz,
+            torch.float8_e5m2fnuz,
+        )
+    }
+    | {
+        ("torch", n)
+        for n in ("contiguous_format", "channels_last", "channels_last_3d", "preserve_format")
+    }
+    | {
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "slice"),
+    }
 )
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The error a rank raised inside DCP's ``CheckpointException``, else ``exc`` itself.
+
+    ``dcp.save``/``dcp.load`` collect each rank's exception into a ``CheckpointException``
+    (a ``BaseException``); this returns the first failing rank's original s3ckpt error so
+    callers can match on the documented hierarchy.
+    """
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and failures:
+        first = failures[min(failures)]
+        return first[0] if isinstance(first, tuple) else first
+    return exc
 
 
 def item_nbytes(item: WriteItem) -> int:
@@ -106,7 +150,9 @@ __all__ = [
     "WriteItem",
     "WriteItemType",
     "WriteResult",
+    "CheckpointException",
     "chunk_shapes",
     "item_nbytes",
     "narrow",
+    "unwrap",
 ]

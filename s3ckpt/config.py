@@ -70,7 +70,9 @@ class S3Config:
                     f"endpoint_url must look like https://host[:port], got {self.endpoint_url!r}"
                 )
         if self.addressing_style not in ("path", "virtual", "auto"):
-            raise ConfigError(f"addressing_style must be path, virtual or auto, got {self.addressing_style!r}")
+            raise ConfigError(
+                f"addressing_style must be path, virtual or auto, got {self.addressing_style!r}"
+            )
         if (self.access_key_id is None) != (self.secret_access_key is None):
             raise ConfigError("access_key_id and secret_access_key must be given together")
         if self.part_size is not None and not (5 * MiB <= self.part_size <= 5 * GiB):

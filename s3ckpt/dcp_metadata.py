@@ -20,7 +20,9 @@ _ALLOWED = METADATA_PICKLE_GLOBALS | {("s3ckpt.layout", "StoredItem")}
 class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> object:
         if (module, name) not in _ALLOWED:
-            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in checkpoint metadata")
+            raise pickle.UnpicklingError(
+                f"global {module}.{name} is not allowed in checkpoint metadata"
+            )
         return super().find_class(module, name)
 
 

@@ -52,7 +52,10 @@ class RangeRequest:
 
 
 def plan_requests(
-    targets: list[ReadTarget], *, max_request_size: int = DEFAULT_REQUEST_SIZE, max_gap: int = DEFAULT_MAX_GAP
+    targets: list[ReadTarget],
+    *,
+    max_request_size: int = DEFAULT_REQUEST_SIZE,
+    max_gap: int = DEFAULT_MAX_GAP,
 ) -> list[RangeRequest]:
     """Coalesce targets per object into ranges, then cut ranges into requests (pure)."""
     by_key: dict[str, list[ReadTarget]] = {}

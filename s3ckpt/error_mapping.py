@@ -69,7 +69,9 @@ def translate(
     ctx = {"operation": operation, "bucket": bucket, "key": key}
     if isinstance(exc, bce.ClientError):
         error = exc.response.get("Error", {})
-        code = str(error.get("Code") or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+        code = str(
+            error.get("Code") or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", "")
+        )
         message = error.get("Message") or ""
         text = f"{operation} {where} failed: {code}{': ' + message if message else ''}"
         cls = _class_for_code(code, key)

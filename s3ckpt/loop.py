@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import os
 import threading
 from collections.abc import Coroutine
@@ -54,10 +55,8 @@ class EventLoopThread:
         """Close the resources registered on the loop, then stop it."""
         if not self.loop.is_running():
             return
-        try:
+        with contextlib.suppress(Exception):
             self.submit(_close_resources(self.resources)).result(timeout=10)
-        except Exception:  # noqa: S110 - best effort at interpreter exit
-            pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
 

@@ -31,7 +31,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from s3ckpt.config import S3URI
-from s3ckpt.errors import CommitConflictError, CorruptCheckpointError, PreconditionFailedError, StorageError
+from s3ckpt.errors import (
+    CommitConflictError,
+    CorruptCheckpointError,
+    PreconditionFailedError,
+    StorageError,
+)
 from s3ckpt.store import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -97,7 +102,9 @@ class Manifest:
             if raw.get("format") != FORMAT_NAME:
                 raise ValueError("not an s3ckpt manifest")
             if int(raw["version"]) > FORMAT_VERSION:
-                raise ValueError(f"format version {raw['version']} is newer than this s3ckpt supports ({FORMAT_VERSION})")
+                raise ValueError(
+                    f"format version {raw['version']} is newer than this s3ckpt supports ({FORMAT_VERSION})"
+                )
             return cls(
                 save_id=str(raw["save_id"]),
                 world_size=int(raw["world_size"]),
@@ -176,7 +183,9 @@ async def _probe(store: ObjectStore, location: S3URI) -> bool:
             log.warning("could not delete probe object %s: %s", key, exc)
 
 
-async def commit(store: ObjectStore, location: S3URI, manifest: Manifest, *, overwrite: bool) -> None:
+async def commit(
+    store: ObjectStore, location: S3URI, manifest: Manifest, *, overwrite: bool
+) -> None:
     """Make the checkpoint visible by writing its manifest (see the module docstring)."""
     key = location.key(MANIFEST_NAME)
     body = manifest.to_json()
@@ -186,22 +195,30 @@ async def commit(store: ObjectStore, location: S3URI, manifest: Manifest, *, ove
         try:
             await store.put(key, body, mode="create", content_type="application/json")
         except PreconditionFailedError as exc:
-            raise CommitConflictError(f"another writer committed s3://{store.bucket}/{key} first") from exc
+            raise CommitConflictError(
+                f"another writer committed s3://{store.bucket}/{key} first"
+            ) from exc
     else:
         await _commit_fallback(store, location, manifest, body)
 
 
-async def _commit_fallback(store: ObjectStore, location: S3URI, manifest: Manifest, body: bytes) -> None:
+async def _commit_fallback(
+    store: ObjectStore, location: S3URI, manifest: Manifest, body: bytes
+) -> None:
     key = location.key(MANIFEST_NAME)
     if await store.exists(key):
         raise CommitConflictError(f"another writer committed s3://{store.bucket}/{key} first")
     await store.put(key, body, content_type="application/json")
     committed = await read_manifest(store, location)
     if committed.save_id != manifest.save_id:
-        raise CommitConflictError(f"another writer committed s3://{store.bucket}/{key} at the same time")
+        raise CommitConflictError(
+            f"another writer committed s3://{store.bucket}/{key} at the same time"
+        )
 
 
-async def _commit_overwrite(store: ObjectStore, location: S3URI, manifest: Manifest, body: bytes) -> None:
+async def _commit_overwrite(
+    store: ObjectStore, location: S3URI, manifest: Manifest, body: bytes
+) -> None:
     try:
         previous: Manifest | None = await read_manifest(store, location)
     except FileNotFoundError:
@@ -214,4 +231,6 @@ async def _commit_overwrite(store: ObjectStore, location: S3URI, manifest: Manif
         try:
             await store.delete_many(sorted(location.key(k) for k in stale))
         except StorageError as exc:
-            log.warning("overwrote %s but could not delete the previous save's objects: %s", location, exc)
+            log.warning(
+                "overwrote %s but could not delete the previous save's objects: %s", location, exc
+            )

@@ -46,4 +46,6 @@ def part_ranges(object_size: int, part_size: int) -> list[tuple[int, int]]:
     """``[start, end)`` byte ranges of each part, in part-number order."""
     if object_size == 0:
         return [(0, 0)]
-    return [(start, min(start + part_size, object_size)) for start in range(0, object_size, part_size)]
+    return [
+        (start, min(start + part_size, object_size)) for start in range(0, object_size, part_size)
+    ]

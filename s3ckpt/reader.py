@@ -86,7 +86,9 @@ class S3StorageReader(StorageReader):
     ) -> None:
         super().__init__()
         self.config = make_config(config, endpoint_url=endpoint_url, **options)
-        self.location: S3URI | None = S3URI.parse(checkpoint_id) if checkpoint_id is not None else None
+        self.location: S3URI | None = (
+            S3URI.parse(checkpoint_id) if checkpoint_id is not None else None
+        )
         self.request_size = request_size
         self.manifest: Manifest | None = None
         self.storage_data: dict[MetadataIndex, StoredItem] = {}
@@ -108,8 +110,16 @@ class S3StorageReader(StorageReader):
         manifest, body = io_loop().run(self._fetch_metadata(location))
         where = f"{location}/{manifest.metadata_key}"
         if len(body) != manifest.metadata_size:
-            raise CorruptCheckpointError(f"{where} has {len(body)} bytes, the manifest says {manifest.metadata_size}")
-        verify_blocks(memoryview(body), (manifest.metadata_crc32c,), block_size=max(len(body), 1), first_block=0, what=where)
+            raise CorruptCheckpointError(
+                f"{where} has {len(body)} bytes, the manifest says {manifest.metadata_size}"
+            )
+        verify_blocks(
+            memoryview(body),
+            (manifest.metadata_crc32c,),
+            block_size=max(len(body), 1),
+            first_block=0,
+            what=where,
+        )
         metadata = dcp_metadata.loads(body, where)
         self.manifest = manifest
         if getattr(metadata, "storage_meta", None) is None:
@@ -117,9 +127,13 @@ class S3StorageReader(StorageReader):
         metadata.storage_meta.load_id = manifest.save_id
         return metadata
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         if metadata.storage_data is None:
-            raise CorruptCheckpointError(f"checkpoint metadata at {self.location} has no storage data")
+            raise CorruptCheckpointError(
+                f"checkpoint metadata at {self.location} has no storage data"
+            )
         self.storage_data = metadata.storage_data
         self._shapes = chunk_shapes(metadata)
 
@@ -133,7 +147,13 @@ class S3StorageReader(StorageReader):
         location = self._require_location()
         pending = [self._prepare(request, planner) for request in plan.items]
         targets = [
-            ReadTarget(location.key(p.stored.key), p.stored.offset + p.span[0], p.stored.offset + p.span[1], _bytes_of(p.buffer), p)
+            ReadTarget(
+                location.key(p.stored.key),
+                p.stored.offset + p.span[0],
+                p.stored.offset + p.span[1],
+                _bytes_of(p.buffer),
+                p,
+            )
             for p in pending
         ]
         store = ObjectStore(self.config, location.bucket)
@@ -155,7 +175,9 @@ class S3StorageReader(StorageReader):
 
     def _require_location(self) -> S3URI:
         if self.location is None:
-            raise ConfigError("no checkpoint location: pass s3://bucket/prefix to S3StorageReader or dcp.load")
+            raise ConfigError(
+                "no checkpoint location: pass s3://bucket/prefix to S3StorageReader or dcp.load"
+            )
         return self.location
 
     async def _fetch_metadata(self, location: S3URI) -> tuple[Manifest, bytes]:
@@ -164,23 +186,30 @@ class S3StorageReader(StorageReader):
             manifest = await read_manifest(store, location)
         except FileNotFoundError as exc:
             await store.head_bucket()  # a missing bucket deserves its own error
-            raise CheckpointNotFoundError(f"no committed checkpoint at {location} (no manifest)") from exc
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint at {location} (no manifest)"
+            ) from exc
         try:
             body = await store.get(location.key(manifest.metadata_key))
         except FileNotFoundError as exc:
-            raise CorruptCheckpointError(f"{location} is committed but its metadata object is missing") from exc
+            raise CorruptCheckpointError(
+                f"{location} is committed but its metadata object is missing"
+            ) from exc
         return manifest, body
 
     def _prepare(self, request: ReadItem, planner: LoadPlanner) -> _PendingRead:
         stored = self.storage_data[request.storage_index]
         if request.type == LoadItemType.BYTE_IO:
-            return _PendingRead(request, stored, (0, stored.length), None, byte_buffer(stored.length), None, False)
+            return _PendingRead(
+                request, stored, (0, stored.length), None, byte_buffer(stored.length), None, False
+            )
         dtype, shape = self._shapes[request.storage_index]
         wanted = _contiguous_range(shape, request.storage_offsets, request.lengths, dtype.itemsize)
         first, last = stored.block_span(*(wanted or (0, stored.length)))
         destination = planner.resolve_tensor(request).detach()
         direct = (
-            wanted == (0, stored.length) or (wanted is None and tuple(request.lengths) == tuple(shape))
+            wanted == (0, stored.length)
+            or (wanted is None and tuple(request.lengths) == tuple(shape))
         ) and _can_receive(destination, dtype, stored.length)
         buffer = _as_bytes_tensor(destination) if direct else byte_buffer(last - first)
         return _PendingRead(request, stored, (first, last), wanted, buffer, destination, direct)
@@ -206,7 +235,9 @@ class S3StorageReader(StorageReader):
         first = pending.span[0]
         if pending.wanted is not None:
             start, end = pending.wanted
-            return tensor_from_bytes(pending.buffer[start - first : end - first], dtype, tuple(pending.request.lengths))
+            return tensor_from_bytes(
+                pending.buffer[start - first : end - first], dtype, tuple(pending.request.lengths)
+            )
         chunk = tensor_from_bytes(pending.buffer, dtype, shape)
         return narrow(chunk, pending.request.storage_offsets, pending.request.lengths)
 

@@ -179,7 +179,9 @@ class ObjectStore:
                 async with response["Body"] as stream:
                     return await stream.read()
 
-    async def read_range(self, key: str, start: int, end: int, sink: Callable[[int, bytes], None]) -> None:
+    async def read_range(
+        self, key: str, start: int, end: int, sink: Callable[[int, bytes], None]
+    ) -> None:
         """Stream bytes ``[start, end)`` of ``key``, calling ``sink(offset, chunk)`` as they arrive.
 
         The sink copies each chunk where it belongs (usually straight into a tensor), so
@@ -196,7 +198,9 @@ class ObjectStore:
                 async with response["Body"] as stream:
                     content = stream.content if hasattr(stream, "content") else None
                     while position < end:
-                        chunk = await (content.readany() if content is not None else stream.read(1 << 20))
+                        chunk = await (
+                            content.readany() if content is not None else stream.read(1 << 20)
+                        )
                         if not chunk:
                             break
                         sink(position, chunk)
@@ -212,7 +216,12 @@ class ObjectStore:
 
     async def head(self, key: str) -> ObjectMeta:
         response = await self._call("HeadObject", key, Key=key)
-        return ObjectMeta(key, int(response["ContentLength"]), str(response.get("ETag", "")), response.get("LastModified"))
+        return ObjectMeta(
+            key,
+            int(response["ContentLength"]),
+            str(response.get("ETag", "")),
+            response.get("LastModified"),
+        )
 
     async def exists(self, key: str) -> bool:
         try:
@@ -233,7 +242,12 @@ class ObjectStore:
                 params["ContinuationToken"] = token
             response = await self._call("ListObjectsV2", None, **params)
             for item in response.get("Contents", []):
-                yield ObjectMeta(item["Key"], int(item["Size"]), str(item.get("ETag", "")), item.get("LastModified"))
+                yield ObjectMeta(
+                    item["Key"],
+                    int(item["Size"]),
+                    str(item.get("ETag", "")),
+                    item.get("LastModified"),
+                )
             if not response.get("IsTruncated"):
                 return
             token = response.get("NextContinuationToken")
@@ -242,7 +256,9 @@ class ObjectStore:
         """Delete ``keys`` with batched DeleteObjects (1000 per request); missing keys are fine."""
         for i in range(0, len(keys), 1000):
             batch = [{"Key": k} for k in keys[i : i + 1000]]
-            response = await self._call("DeleteObjects", batch[0]["Key"], Delete={"Objects": batch, "Quiet": True})
+            response = await self._call(
+                "DeleteObjects", batch[0]["Key"], Delete={"Objects": batch, "Quiet": True}
+            )
             errors = response.get("Errors") or []
             if errors:
                 first = errors[0]
@@ -267,7 +283,12 @@ class ObjectStore:
     async def upload_part(
         self, key: str, upload_id: str, part_number: int, body: Body, crc32c: int | None
     ) -> PartResult:
-        params: dict[str, Any] = {"Key": key, "UploadId": upload_id, "PartNumber": part_number, "Body": body}
+        params: dict[str, Any] = {
+            "Key": key,
+            "UploadId": upload_id,
+            "PartNumber": part_number,
+            "Body": body,
+        }
         checksum = crc32c_header(crc32c) if crc32c is not None and self.config.checksums else None
         if checksum:
             params["ChecksumCRC32C"] = checksum
@@ -275,12 +296,19 @@ class ObjectStore:
         return PartResult(part_number, str(response["ETag"]), checksum)
 
     async def complete_multipart(
-        self, key: str, upload_id: str, parts: list[PartResult], *, mode: Literal["overwrite", "create"] = "overwrite"
+        self,
+        key: str,
+        upload_id: str,
+        parts: list[PartResult],
+        *,
+        mode: Literal["overwrite", "create"] = "overwrite",
     ) -> str:
         params: dict[str, Any] = {
             "Key": key,
             "UploadId": upload_id,
-            "MultipartUpload": {"Parts": [p.as_complete_entry() for p in sorted(parts, key=lambda p: p.part_number)]},
+            "MultipartUpload": {
+                "Parts": [p.as_complete_entry() for p in sorted(parts, key=lambda p: p.part_number)]
+            },
         }
         if mode == "create":
             params["IfNoneMatch"] = "*"

@@ -74,7 +74,12 @@ class RankUploader:
         self._error: BaseException | None = None
         self._planned_keys: list[str] = []
 
-    def upload(self, objects: list[ObjectPlan], key_of: Callable[[str], str], read: Callable[[Slot], memoryview]) -> list[UploadedObject]:
+    def upload(
+        self,
+        objects: list[ObjectPlan],
+        key_of: Callable[[str], str],
+        read: Callable[[Slot], memoryview],
+    ) -> list[UploadedObject]:
         """Upload every object; ``read(slot)`` returns the bytes of one item."""
         completions: list[Future[UploadedObject]] = []
         try:
@@ -91,7 +96,9 @@ class RankUploader:
 
     # -- producer side (calling thread) -----------------------------------------------
 
-    def _upload_object(self, key: str, plan: ObjectPlan, read: Callable[[Slot], memoryview]) -> Future[UploadedObject]:
+    def _upload_object(
+        self, key: str, plan: ObjectPlan, read: Callable[[Slot], memoryview]
+    ) -> Future[UploadedObject]:
         part_size = choose_part_size(plan.size, self.store.config.part_size)
         if not is_multipart(plan.size, part_size):
             body = _join([read(slot) for slot in plan.slots])
@@ -150,7 +157,9 @@ class RankUploader:
             self._tasks.discard(task)
 
     async def _put(self, key: str, body: Body) -> UploadedObject:
-        etag = await self.store.put(key, body, crc32c=crc32c(body) if self.store.config.checksums else None)
+        etag = await self.store.put(
+            key, body, crc32c=crc32c(body) if self.store.config.checksums else None
+        )
         return UploadedObject(key, len(body), etag)
 
     async def _create(self, key: str) -> str:
@@ -163,7 +172,9 @@ class RankUploader:
         checksum = crc32c(body) if self.store.config.checksums else None
         return await self.store.upload_part(key, upload_id, number, body, checksum)
 
-    async def _complete(self, key: str, size: int, created: Future[str], parts: list[Future[PartResult]]) -> UploadedObject:
+    async def _complete(
+        self, key: str, size: int, created: Future[str], parts: list[Future[PartResult]]
+    ) -> UploadedObject:
         upload_id = await asyncio.wrap_future(created)
         results = [await asyncio.wrap_future(p) for p in parts]
         etag = await self.store.complete_multipart(key, upload_id, results)

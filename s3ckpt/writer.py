@@ -49,11 +49,18 @@ from s3ckpt.compat import (
 )
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.errors import CheckpointExistsError, ConfigError
-from s3ckpt.layout import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_OBJECT_SIZE, Slot, StoredItem, plan_objects
+from s3ckpt.layout import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_OBJECT_SIZE,
+    Slot,
+    StoredItem,
+    plan_objects,
+)
 from s3ckpt.loop import io_loop
 from s3ckpt.manifest import MANIFEST_NAME, ItemEntry, Manifest, ObjectEntry, commit, new_save_id
 from s3ckpt.store import ObjectStore
 from s3ckpt.upload import RankUploader
+
 
 @dataclass(frozen=True)
 class _RankAssignment:
@@ -92,7 +99,9 @@ class S3StorageWriter(StorageWriter):
             raise ConfigError("max_object_size must be at least 5 MiB")
         self.overwrite = overwrite
         self.max_object_size = max_object_size
-        self.location: S3URI | None = S3URI.parse(checkpoint_id) if checkpoint_id is not None else None
+        self.location: S3URI | None = (
+            S3URI.parse(checkpoint_id) if checkpoint_id is not None else None
+        )
         self.save_id = new_save_id()
         self.is_coordinator = False
         self.rank = 0
@@ -111,7 +120,9 @@ class S3StorageWriter(StorageWriter):
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
         if kwargs.get("use_collectives", True) is False:
-            raise ConfigError("S3StorageWriter needs use_collectives=True: the coordinator commits for all ranks")
+            raise ConfigError(
+                "S3StorageWriter needs use_collectives=True: the coordinator commits for all ranks"
+            )
         self._require_location()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -127,9 +138,9 @@ class S3StorageWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assignment: _RankAssignment = plan.storage_data
-        results = _RankSave(self._store(), self._require_location(), assignment, self.max_object_size).run(
-            plan.items, planner
-        )
+        results = _RankSave(
+            self._store(), self._require_location(), assignment, self.max_object_size
+        ).run(plan.items, planner)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -143,7 +154,9 @@ class S3StorageWriter(StorageWriter):
         io_loop().run(self._commit(location, metadata, manifest_items, results))
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=str(self.location) if self.location else None, save_id=self.save_id)
+        return StorageMeta(
+            checkpoint_id=str(self.location) if self.location else None, save_id=self.save_id
+        )
 
     @property
     def checkpoint_id(self) -> str | None:
@@ -157,7 +170,9 @@ class S3StorageWriter(StorageWriter):
 
     def _require_location(self) -> S3URI:
         if self.location is None:
-            raise ConfigError("no checkpoint location: pass s3://bucket/prefix to S3StorageWriter or dcp.save")
+            raise ConfigError(
+                "no checkpoint location: pass s3://bucket/prefix to S3StorageWriter or dcp.save"
+            )
         return self.location
 
     def _store(self) -> ObjectStore:
@@ -172,7 +187,11 @@ class S3StorageWriter(StorageWriter):
             )
 
     async def _commit(
-        self, location: S3URI, metadata: Metadata, items: tuple[ItemEntry, ...], results: list[list[WriteResult]]
+        self,
+        location: S3URI,
+        metadata: Metadata,
+        items: tuple[ItemEntry, ...],
+        results: list[list[WriteResult]],
     ) -> None:
         store = self._store()
         body = dcp_metadata.dumps(metadata)
@@ -196,7 +215,9 @@ class S3StorageWriter(StorageWriter):
 class _RankSave:
     """One rank's ``write_data``: lay items out, stream them, describe where they went."""
 
-    def __init__(self, store: ObjectStore, location: S3URI, assignment: _RankAssignment, max_object_size: int) -> None:
+    def __init__(
+        self, store: ObjectStore, location: S3URI, assignment: _RankAssignment, max_object_size: int
+    ) -> None:
         self.store = store
         self.location = location
         self.assignment = assignment
@@ -211,17 +232,27 @@ class _RankSave:
             if item.type == WriteItemType.BYTE_IO
         }
         by_index = {item.index: item for item in items}
-        sizes = [(item.index, len(blobs[item.index]) if item.index in blobs else item_nbytes(item)) for item in items]
+        sizes = [
+            (item.index, len(blobs[item.index]) if item.index in blobs else item_nbytes(item))
+            for item in items
+        ]
         objects = plan_objects(
-            sizes, rank=self.assignment.rank, save_id=self.assignment.save_id, max_object_size=self.max_object_size
+            sizes,
+            rank=self.assignment.rank,
+            save_id=self.assignment.save_id,
+            max_object_size=self.max_object_size,
         )
         key_of_slot = {slot.index: plan.key for plan in objects for slot in plan.slots}
 
         def read(slot: Slot) -> memoryview:
             item = by_index[slot.index]
-            data = blobs.pop(slot.index) if slot.index in blobs else self._tensor_bytes(item, planner)
+            data = (
+                blobs.pop(slot.index) if slot.index in blobs else self._tensor_bytes(item, planner)
+            )
             if len(data) != slot.length:
-                raise ValueError(f"item {item.index.fqn} resolved to {len(data)} bytes, planned {slot.length}")
+                raise ValueError(
+                    f"item {item.index.fqn} resolved to {len(data)} bytes, planned {slot.length}"
+                )
             self.stored[slot.index] = StoredItem(
                 key=key_of_slot[slot.index],
                 offset=slot.offset,
@@ -235,7 +266,11 @@ class _RankSave:
         for index, stored in self.stored.items():
             self.stored[index] = dataclasses.replace(stored, etag=etags[stored.key])
         return [
-            WriteResult(index=item.index, size_in_bytes=self.stored[item.index].length, storage_data=self.stored[item.index])
+            WriteResult(
+                index=item.index,
+                size_in_bytes=self.stored[item.index].length,
+                storage_data=self.stored[item.index],
+            )
             for item in items
         ]
 
@@ -243,7 +278,9 @@ class _RankSave:
     def _tensor_bytes(item: WriteItem, planner: SavePlanner) -> memoryview:
         tensor = planner.resolve_data(item)
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"planner resolved {item.index.fqn} to {type(tensor).__name__}, expected a tensor")
+            raise TypeError(
+                f"planner resolved {item.index.fqn} to {type(tensor).__name__}, expected a tensor"
+            )
         return tensor_view(as_cpu_contiguous(tensor))
 
 
@@ -256,7 +293,9 @@ def _object_entries(results: list[list[WriteResult]]) -> tuple[ObjectEntry, ...]
             key = (rank, stored.key)
             sizes[key] = max(sizes.get(key, 0), stored.offset + stored.length)
             etags[stored.key] = stored.etag
-    return tuple(ObjectEntry(key=k, size=s, etag=etags[k], rank=r) for (r, k), s in sorted(sizes.items()))
+    return tuple(
+        ObjectEntry(key=k, size=s, etag=etags[k], rank=r) for (r, k), s in sorted(sizes.items())
+    )
 
 
 def _manifest_items(metadata: Metadata, results: list[WriteResult]) -> tuple[ItemEntry, ...]:
@@ -272,7 +311,9 @@ def _manifest_items(metadata: Metadata, results: list[WriteResult]) -> tuple[Ite
                 fqn=wr.index.fqn,
                 chunk_offsets=tuple(wr.index.offset or ()),
                 kind="tensor" if chunk is not None else "bytes",
-                dtype=str(md.properties.dtype).removeprefix("torch.") if chunk is not None else None,
+                dtype=str(md.properties.dtype).removeprefix("torch.")
+                if chunk is not None
+                else None,
                 shape=tuple(chunk.sizes) if chunk is not None else None,
                 key=stored.key,
                 offset=stored.offset,
@@ -283,4 +324,3 @@ def _manifest_items(metadata: Metadata, results: list[WriteResult]) -> tuple[Ite
             )
         )
     return tuple(entries)
-

@@ -55,7 +55,9 @@ def test_non_contiguous_tensors_are_gathered():
     transposed = base.t()
     assert not transposed.is_contiguous()
     data = tensor_view(as_cpu_contiguous(transposed))
-    restored = tensor_from_bytes(torch.frombuffer(bytearray(data), dtype=torch.uint8), torch.float32, (4, 3))
+    restored = tensor_from_bytes(
+        torch.frombuffer(bytearray(data), dtype=torch.uint8), torch.float32, (4, 3)
+    )
     assert torch.equal(restored, transposed)
 
 

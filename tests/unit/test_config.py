@@ -46,7 +46,11 @@ def test_bad_options_raise_config_error(options):
 
 
 def test_secrets_never_appear_in_repr_and_everything_pickles():
-    config = S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="AKIDEXAMPLE", secret_access_key="SECRETSECRET")
+    config = S3Config(
+        endpoint_url="http://127.0.0.1:9",
+        access_key_id="AKIDEXAMPLE",
+        secret_access_key="SECRETSECRET",
+    )
     writer = S3StorageWriter("s3://bucket/run/step-1", config=config)
     reader = S3StorageReader("s3://bucket/run/step-1", config=config)
     for obj in (config, writer, reader):
@@ -57,7 +61,9 @@ def test_secrets_never_appear_in_repr_and_everything_pickles():
 
 
 def test_keyword_options_override_the_config():
-    writer = S3StorageWriter("s3://bucket/x", config=S3Config(max_concurrency=4), endpoint_url="https://fb.example:443")
+    writer = S3StorageWriter(
+        "s3://bucket/x", config=S3Config(max_concurrency=4), endpoint_url="https://fb.example:443"
+    )
     assert writer.config.max_concurrency == 4
     assert writer.config.endpoint_url == "https://fb.example:443"
     assert writer.config.addressing_style == "path"

@@ -16,7 +16,11 @@ def test_adjacent_targets_are_coalesced_into_one_request():
 def test_gaps_beyond_the_limit_split_requests_and_objects_never_mix():
     targets = [_target("a", 0, 10), _target("a", 100, 110), _target("b", 10, 20)]
     requests = plan_requests(targets, max_request_size=1000, max_gap=50)
-    assert sorted((r.key, r.start, r.end) for r in requests) == [("a", 0, 10), ("a", 100, 110), ("b", 10, 20)]
+    assert sorted((r.key, r.start, r.end) for r in requests) == [
+        ("a", 0, 10),
+        ("a", 100, 110),
+        ("b", 10, 20),
+    ]
 
 
 def test_large_ranges_are_cut_into_parallel_requests():

@@ -14,7 +14,10 @@ from s3ckpt.errors import (
 
 
 def _client_error(code, status=400):
-    return ClientError({"Error": {"Code": code, "Message": "msg"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "Op")
+    return ClientError(
+        {"Error": {"Code": code, "Message": "msg"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+        "Op",
+    )
 
 
 @pytest.mark.parametrize(
@@ -39,11 +42,19 @@ def test_client_errors_map_to_the_hierarchy(code, key, expected):
 
 
 def test_not_found_is_a_file_not_found_error():
-    assert isinstance(translate(_client_error("NoSuchKey"), operation="GetObject", bucket="b", key="k"), FileNotFoundError)
+    assert isinstance(
+        translate(_client_error("NoSuchKey"), operation="GetObject", bucket="b", key="k"),
+        FileNotFoundError,
+    )
 
 
 def test_connection_and_credential_errors():
-    assert isinstance(translate(EndpointConnectionError(endpoint_url="http://127.0.0.1:1"), operation="PutObject"), EndpointError)
+    assert isinstance(
+        translate(
+            EndpointConnectionError(endpoint_url="http://127.0.0.1:1"), operation="PutObject"
+        ),
+        EndpointError,
+    )
     error = translate(NoCredentialsError(), operation="PutObject", bucket="b", key="k")
     assert isinstance(error, AccessDeniedError)
     assert "credentials" in str(error)

@@ -12,7 +12,9 @@ def test_items_are_packed_in_order_into_few_objects():
 
 
 def test_an_item_larger_than_the_limit_gets_its_own_object():
-    objects = plan_objects([("a", 10), ("big", 500), ("b", 10)], rank=0, save_id="s", max_object_size=100)
+    objects = plan_objects(
+        [("a", 10), ("big", 500), ("b", 10)], rank=0, save_id="s", max_object_size=100
+    )
     assert [[s.index for s in o.slots] for o in objects] == [["a"], ["big"], ["b"]]
     assert objects[1].size == 500
 

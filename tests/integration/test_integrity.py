@@ -1,0 +1,121 @@
+"""Every byte is checked: corruption is caught on load, and by the server on upload."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from s3ckpt import CorruptCheckpointError, StorageError, unwrap
+from s3ckpt.config import S3URI
+from s3ckpt.loop import io_loop
+from s3ckpt.manifest import MANIFEST_NAME, Manifest
+from s3ckpt.store import ObjectStore
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
+MiB = 1024 * 1024
+
+
+def _rewrite(local_s3, uri: str, relative_key: str, mutate) -> None:
+    location = S3URI.parse(uri)
+    client = local_s3.client()
+    key = location.key(relative_key)
+    body = bytearray(client.get_object(Bucket=location.bucket, Key=key)["Body"].read())
+    mutate(body)
+    client.put_object(Bucket=location.bucket, Key=key, Body=bytes(body))
+
+
+def _manifest(local_s3, uri: str) -> Manifest:
+    location = S3URI.parse(uri)
+    raw = (
+        local_s3.client()
+        .get_object(Bucket=location.bucket, Key=location.key(MANIFEST_NAME))["Body"]
+        .read()
+    )
+    return Manifest.from_json(raw, uri)
+
+
+def test_a_flipped_byte_in_a_data_object_is_caught_and_named(
+    local_s3, s3_prefix, make_writer, make_reader
+):
+    state = {"first": torch.arange(1000.0), "second": torch.arange(2000.0)}
+    dcp.save(state, storage_writer=make_writer(s3_prefix))
+    manifest = _manifest(local_s3, s3_prefix)
+    second = next(item for item in manifest.items if item.fqn == "second")
+
+    def flip(body: bytearray) -> None:
+        body[second.offset + 1234] ^= 0x40
+
+    _rewrite(local_s3, s3_prefix, second.key, flip)
+    with pytest.raises(BaseException) as info:
+        dcp.load(
+            {"first": torch.zeros(1000), "second": torch.zeros(2000)},
+            storage_reader=make_reader(s3_prefix),
+        )
+    error = unwrap(info.value)
+    assert isinstance(error, CorruptCheckpointError)
+    assert second.key in str(error) and "'second'" in str(error)
+
+
+def test_corruption_inside_a_large_tensor_is_caught_in_a_partial_read(
+    local_s3, s3_prefix, make_writer, make_reader
+):
+    big = torch.randn(5 * MiB)  # 20 MiB: three checksum blocks
+    dcp.save({"big": big}, storage_writer=make_writer(s3_prefix))
+    manifest = _manifest(local_s3, s3_prefix)
+    item = manifest.items[0]
+    _rewrite(
+        local_s3,
+        s3_prefix,
+        item.key,
+        lambda b: b.__setitem__(item.offset + 17 * MiB, b[item.offset + 17 * MiB] ^ 1),
+    )
+    with pytest.raises(BaseException) as info:
+        dcp.load(
+            {"big": torch.zeros(5 * MiB)},
+            storage_reader=make_reader(s3_prefix, request_size=5 * MiB),
+        )
+    assert isinstance(unwrap(info.value), CorruptCheckpointError)
+    assert "block 2" in str(unwrap(info.value))
+
+
+def test_tampered_metadata_is_refused(local_s3, s3_prefix, make_writer, make_reader):
+    dcp.save({"a": torch.ones(3)}, storage_writer=make_writer(s3_prefix))
+    manifest = _manifest(local_s3, s3_prefix)
+    _rewrite(local_s3, s3_prefix, manifest.metadata_key, lambda b: b.__setitem__(10, b[10] ^ 0xFF))
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        make_reader(s3_prefix).read_metadata()
+
+
+def test_a_truncated_object_fails_the_load(local_s3, s3_prefix, make_writer, make_reader):
+    dcp.save({"a": torch.arange(4096.0)}, storage_writer=make_writer(s3_prefix))
+    manifest = _manifest(local_s3, s3_prefix)
+    _rewrite(local_s3, s3_prefix, manifest.items[0].key, lambda b: b.__delitem__(slice(8000, None)))
+    with pytest.raises(BaseException) as info:
+        dcp.load({"a": torch.zeros(4096)}, storage_reader=make_reader(s3_prefix))
+    assert isinstance(unwrap(info.value), (StorageError, CorruptCheckpointError))
+
+
+def test_the_server_rejects_a_part_whose_checksum_does_not_match(local_s3, s3_prefix, s3_options):
+    store = ObjectStore(make_config_for(s3_options), local_s3.bucket)
+    key = S3URI.parse(s3_prefix).key("data/bad-part.bin")
+    loop = io_loop()
+    upload_id = loop.run(store.create_multipart(key))
+    try:
+        with pytest.raises(StorageError) as info:
+            loop.run(store.upload_part(key, upload_id, 1, b"x" * (5 * MiB), crc32c=12345))
+        assert info.value.code == "BadDigest"
+    finally:
+        loop.run(store.abort_multipart(key, upload_id))
+    with pytest.raises(StorageError):
+        loop.run(store.put(key, b"payload", crc32c=1))
+    assert not loop.run(store.exists(key))
+
+
+def make_config_for(options):
+    from s3ckpt.config import make_config
+
+    return make_config(None, **options)

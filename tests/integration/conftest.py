@@ -60,7 +60,9 @@ def pending_uploads(local_s3: LocalS3Server):
 
     def uploads(uri: str) -> list[str]:
         location = S3URI.parse(uri)
-        response = local_s3.client().list_multipart_uploads(Bucket=location.bucket, Prefix=location.prefix + "/")
+        response = local_s3.client().list_multipart_uploads(
+            Bucket=location.bucket, Prefix=location.prefix + "/"
+        )
         return [u["Key"] for u in response.get("Uploads", [])]
 
     return uploads

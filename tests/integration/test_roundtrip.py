@@ -6,7 +6,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
 
 MiB = 1024 * 1024
 
@@ -39,7 +42,9 @@ def _zeros_like(state: dict) -> dict:
     out = {}
     for key, value in state.items():
         if isinstance(value, torch.Tensor):
-            out[key] = torch.zeros_like(value.contiguous()) if value.numel() else torch.empty_like(value)
+            out[key] = (
+                torch.zeros_like(value.contiguous()) if value.numel() else torch.empty_like(value)
+            )
         elif isinstance(value, dict):
             out[key] = _zeros_like(value)
         else:
@@ -81,7 +86,9 @@ def test_tensors_larger_than_one_part_use_multipart(s3_prefix, make_writer, make
     ]
 
 
-def test_many_small_tensors_are_packed_into_few_objects(s3_prefix, make_writer, make_reader, list_keys):
+def test_many_small_tensors_are_packed_into_few_objects(
+    s3_prefix, make_writer, make_reader, list_keys
+):
     state = {f"layer{i}.weight": torch.full((16,), float(i)) for i in range(300)}
     dcp.save(state, storage_writer=make_writer(s3_prefix))
     keys = list_keys(s3_prefix)
@@ -92,7 +99,9 @@ def test_many_small_tensors_are_packed_into_few_objects(s3_prefix, make_writer, 
     _assert_same(state, restored)
 
 
-def test_max_object_size_splits_a_rank_into_several_objects(s3_prefix, make_writer, make_reader, list_keys):
+def test_max_object_size_splits_a_rank_into_several_objects(
+    s3_prefix, make_writer, make_reader, list_keys
+):
     state = {f"t{i}": torch.full((MiB,), float(i)) for i in range(6)}  # 4 MiB each
     dcp.save(state, storage_writer=make_writer(s3_prefix, max_object_size=9 * MiB))
     assert len([k for k in list_keys(s3_prefix) if k.startswith("data/")]) == 3
@@ -109,7 +118,9 @@ def test_checkpoint_id_can_be_passed_to_dcp(s3_prefix, make_writer, make_reader)
     _assert_same(state, restored)
 
 
-def test_loads_into_non_contiguous_and_differently_laid_out_destinations(s3_prefix, make_writer, make_reader):
+def test_loads_into_non_contiguous_and_differently_laid_out_destinations(
+    s3_prefix, make_writer, make_reader
+):
     state = {"w": torch.arange(24, dtype=torch.float32).reshape(4, 6)}
     dcp.save(state, storage_writer=make_writer(s3_prefix))
     target = torch.zeros(6, 4).t()  # a (4, 6) view that is not contiguous
@@ -144,4 +155,6 @@ def test_nn_module_and_optimizer_state(s3_prefix, make_writer, make_reader):
     dcp.load(target, storage_reader=make_reader(s3_prefix))
     for key, value in model.state_dict().items():
         assert torch.equal(target["model"][key], value)
-    assert torch.equal(target["optim"]["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(
+        target["optim"]["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"]
+    )

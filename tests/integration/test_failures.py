@@ -63,6 +63,6 @@ def test_a_failed_overwrite_leaves_the_previous_checkpoint_intact(
 
 def test_an_object_that_cannot_be_serialized_fails_cleanly(s3_prefix, make_writer, list_keys):
     state = {"w": torch.ones(4), "bad": {"fn": lambda x: x}}
-    with pytest.raises(BaseException, match="(?i)pickle"):
+    with pytest.raises(BaseException, match=r"(?i)pickle"):
         dcp.save(state, storage_writer=make_writer(s3_prefix))
     assert list_keys(s3_prefix) == []

@@ -103,10 +103,10 @@ def unwrap(exc: BaseException) -> BaseException:
 
 
 def item_nbytes(item: WriteItem) -> int:
-    """Bytes a tensor write item will occupy, from its planned size and dtype."""
+    """Bytes a tensor write item (a whole tensor or one shard) will occupy."""
     assert item.tensor_data is not None
     numel = 1
-    for size in item.tensor_data.size:
+    for size in item.tensor_data.chunk.sizes:
         numel *= size
     return numel * item.tensor_data.properties.dtype.itemsize
 

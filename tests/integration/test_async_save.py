@@ -1,0 +1,306 @@
+"""``dcp.async_save`` with S3StorageWriter: thread mode, DCP's stager, process mode, failures.
+
+Thread-mode tests run in the test process without a process group (DCP then saves as a
+single process). Process mode needs an initialized gloo group and ships the pickled
+writer to DCP's background checkpoint process, so it runs in a spawned 1-rank job.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from botocore.exceptions import ClientError
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+from s3ckpt import BucketNotFoundError, S3StorageReader, S3StorageWriter
+from s3ckpt.local_s3 import LocalS3Server
+from s3ckpt.manifest import MANIFEST_NAME
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # the helper module for spawned ranks
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _dist_worker as worker
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
+
+MIB = 1 << 20
+MISSING_BUCKET = "no-such-bucket-xyz"
+
+
+def s3_options(server: LocalS3Server) -> dict[str, Any]:
+    return {
+        "endpoint_url": server.endpoint_url,
+        "access_key_id": server.access_key,
+        "secret_access_key": server.secret_key,
+        "region": server.region,
+    }
+
+
+def make_state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {
+            "weight": torch.randn(128, 96, generator=g),
+            "bias": torch.randn(96, generator=g).to(torch.bfloat16),
+        },
+        "ids": torch.arange(seed, seed + 300, dtype=torch.int64),
+        "step": seed,
+    }
+
+
+def snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: snapshot(v) if isinstance(v, dict) else v.clone() if isinstance(v, torch.Tensor) else v
+        for k, v in state.items()
+    }
+
+
+def mutate(state: dict[str, Any]) -> None:
+    """Change every tensor of ``state`` in place."""
+    for value in state.values():
+        if isinstance(value, dict):
+            mutate(value)
+        elif isinstance(value, torch.Tensor):
+            value.add_(1)
+
+
+def load(server: LocalS3Server, uri: str, like: dict[str, Any]) -> dict[str, Any]:
+    target = _garbage(like)
+    dcp.load(target, storage_reader=S3StorageReader(uri, **s3_options(server)))
+    return target
+
+
+def _garbage(state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: _garbage(v)
+        if isinstance(v, dict)
+        else torch.full_like(v, 7)
+        if isinstance(v, torch.Tensor)
+        else None
+        for k, v in state.items()
+    }
+
+
+def assert_state_equal(actual: Any, expected: Any, path: str = "") -> None:
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict) and set(actual) == set(expected), path
+        for key in expected:
+            assert_state_equal(actual[key], expected[key], f"{path}.{key}")
+    elif isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), path
+        assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), path
+        assert torch.equal(actual, expected), f"{path} differs"
+    else:
+        assert actual == expected, path
+
+
+def split(uri: str) -> tuple[str, str]:
+    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+    return bucket, prefix
+
+
+def leftovers(server: LocalS3Server, uri: str) -> tuple[list[str], list[str]]:
+    """(object keys, keys of pending multipart uploads) under the checkpoint prefix."""
+    bucket, prefix = split(uri)
+    client = server.client()
+    objects = client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", [])
+    uploads = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix + "/").get("Uploads", [])
+    return [o["Key"] for o in objects], [u["Key"] for u in uploads]
+
+
+def test_thread_mode_async_save_round_trip(local_s3: LocalS3Server, s3_prefix: str) -> None:
+    state = make_state(1)
+    future = dcp.async_save(
+        state, storage_writer=S3StorageWriter(s3_prefix, **s3_options(local_s3))
+    )
+    assert isinstance(future, Future)
+    metadata = future.result(timeout=60)
+    assert metadata.storage_meta.checkpoint_id == s3_prefix
+    assert_state_equal(load(local_s3, s3_prefix, state), state)
+
+
+def test_caller_is_blocked_only_for_staging(local_s3: LocalS3Server, s3_prefix: str) -> None:
+    """async_save returns once the state is copied: later in-place changes are not saved."""
+    state = make_state(2)
+    original = snapshot(state)
+    future = dcp.async_save(
+        state, storage_writer=S3StorageWriter(s3_prefix, **s3_options(local_s3))
+    )
+    mutate(state)  # right away, while the upload may still be running
+    future.result(timeout=60)
+    loaded = load(local_s3, s3_prefix, original)
+    assert_state_equal(loaded, original)
+    assert not torch.equal(loaded["model"]["weight"], state["model"]["weight"])
+
+
+def test_default_stager_with_async_staging(local_s3: LocalS3Server, s3_prefix: str) -> None:
+    state = make_state(3)
+    original = snapshot(state)
+    stager = DefaultStager(
+        StagingOptions(
+            use_pinned_memory=False,
+            use_shared_memory=False,
+            use_async_staging=True,
+            use_non_blocking_copy=False,
+        )
+    )
+    try:
+        response = dcp.async_save(
+            state,
+            storage_writer=S3StorageWriter(s3_prefix, **s3_options(local_s3)),
+            async_stager=stager,
+        )
+        assert isinstance(response, AsyncSaveResponse)
+        assert response.staging_completion.result(timeout=60) is None
+        mutate(state)  # staged: the upload must not see this
+        response.upload_completion.result(timeout=60)
+    finally:
+        stager.close()
+    assert_state_equal(load(local_s3, s3_prefix, original), original)
+
+
+def test_process_mode_async_save(local_s3: LocalS3Server, s3_prefix: str, tmp_path: Path) -> None:
+    """The writer is pickled into DCP's background process; failures come back through the future."""
+    uris = {
+        "first": f"{s3_prefix}/first",
+        "second": f"{s3_prefix}/second",
+        "missing_bucket": f"s3://{MISSING_BUCKET}/run/step-1",
+    }
+    worker.run_ranks(
+        worker.process_mode_main, 1, s3_options(local_s3), uris, str(tmp_path), timeout=200
+    )
+    report = torch.load(tmp_path / "rank0.pt", weights_only=True)
+
+    # DCP's background process answered TERMINATE and was joined (exit code 0, not
+    # killed) before the rank exited, so nothing is left running.
+    assert report["background_exitcode"] == 0, report
+    assert "background_killed" not in report
+
+    failure = report["failure"]
+    assert failure is not None, "the save to a missing bucket succeeded"
+    assert failure["type"] == "torch.distributed.checkpoint.api.CheckpointException", failure
+    assert failure["bucket_not_found"], failure
+    assert MISSING_BUCKET in failure["message"], failure
+
+    # The first save's in-place change after async_save returned did not reach S3, and
+    # the background process kept serving after the failed save.
+    assert_state_equal(
+        load(local_s3, uris["first"], worker.process_mode_state(0)), worker.process_mode_state(0)
+    )
+    expected = worker.process_mode_state(0, offset=10)
+    assert_state_equal(load(local_s3, uris["second"], expected), expected)
+
+
+def test_failed_save_raises_through_the_future(local_s3: LocalS3Server) -> None:
+    """A missing bucket fails the background save; the caller gets the s3ckpt error."""
+    uri = f"s3://{MISSING_BUCKET}/run/step-1"
+    future = dcp.async_save(
+        make_state(4), storage_writer=S3StorageWriter(uri, **s3_options(local_s3))
+    )
+    with pytest.raises(CheckpointException) as raised:
+        future.result(timeout=60)
+    found = [e for e in worker.find_exceptions(raised.value) if isinstance(e, BucketNotFoundError)]
+    assert len(found) == 1, worker.find_exceptions(raised.value)
+    assert found[0].bucket == MISSING_BUCKET and found[0].operation == "HeadBucket", vars(found[0])
+    # DCP reports per-rank failures: rank 0 (the only one) failed planning.
+    assert set(raised.value.failures) == {0}
+    # Nothing was created: not the bucket, so neither objects, uploads nor a manifest.
+    with pytest.raises(ClientError) as missing:
+        local_s3.client().head_bucket(Bucket=MISSING_BUCKET)
+    assert missing.value.response["ResponseMetadata"]["HTTPStatusCode"] == 404
+
+
+class _FailingPlanner(DefaultSavePlanner):
+    """Fails to produce the bytes of ``tail``, once earlier objects are really on the server.
+
+    Before raising it waits until the server shows a completed data object and a pending
+    multipart upload under the prefix, so the failure lands mid-save for certain.
+    """
+
+    def __init__(self, server: LocalS3Server, uri: str) -> None:
+        super().__init__()
+        self.server, self.uri = server, uri
+        self.seen: tuple[list[str], list[str]] = ([], [])
+
+    def resolve_data(self, write_item: Any) -> Any:
+        if write_item.index.fqn == "tail":
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                self.seen = leftovers(self.server, self.uri)
+                if all(self.seen):
+                    raise RuntimeError("boom while resolving tail")
+                time.sleep(0.05)
+            raise AssertionError(f"no completed object and pending upload appeared: {self.seen}")
+        return super().resolve_data(write_item)
+
+
+def test_failed_upload_leaves_nothing_behind(local_s3: LocalS3Server, s3_prefix: str) -> None:
+    """A save failing after one object is complete and during a multipart upload cleans up."""
+    # At most 6 MiB per object: object 0 is "small" (one PUT); object 1 is "head" + "tail"
+    # (a multipart upload of 5 MiB parts: the second part needs "tail", which fails).
+    state = {
+        "small": torch.arange(MIB // 4, dtype=torch.float32),  # 1 MiB
+        "head": torch.arange(11 * MIB // 8, dtype=torch.float32),  # 5.5 MiB
+        "tail": torch.ones(1024),
+    }
+    writer = S3StorageWriter(
+        s3_prefix, part_size=5 * MIB, max_object_size=6 * MIB, **s3_options(local_s3)
+    )
+    planner = _FailingPlanner(local_s3, s3_prefix)
+    future = dcp.async_save(state, storage_writer=writer, planner=planner)
+    with pytest.raises(CheckpointException) as raised:
+        future.result(timeout=60)
+    found = worker.find_exceptions(raised.value)
+    assert any(isinstance(e, RuntimeError) and "boom" in str(e) for e in found), found
+    objects, uploads = planner.seen  # at the moment of the failure
+    assert len(objects) == 1 and objects[0].endswith("-0000.bin"), objects
+    assert len(uploads) == 1 and uploads[0].endswith("-0001.bin"), uploads
+    objects, uploads = leftovers(local_s3, s3_prefix)
+    assert uploads == [], f"multipart uploads left behind: {uploads}"
+    assert objects == [], f"objects left behind: {objects}"
+    assert MANIFEST_NAME not in objects
+
+
+def test_two_async_saves_in_flight(local_s3: LocalS3Server, s3_prefix: str) -> None:
+    """Two saves to different checkpoint ids overlap; both commit and load."""
+    first, second = make_state(5), make_state(6)
+    uris = [f"{s3_prefix}/step-5", f"{s3_prefix}/step-6"]
+    futures = [
+        dcp.async_save(state, storage_writer=S3StorageWriter(uri, **s3_options(local_s3)))
+        for state, uri in zip([first, second], uris, strict=True)
+    ]
+    metadata = [f.result(timeout=60) for f in futures]
+    assert [m.storage_meta.checkpoint_id for m in metadata] == uris
+    assert metadata[0].storage_meta.save_id != metadata[1].storage_meta.save_id
+    assert_state_equal(load(local_s3, uris[0], first), first)
+    assert_state_equal(load(local_s3, uris[1], second), second)
+
+
+def test_one_writer_reused_for_consecutive_checkpoint_ids(
+    local_s3: LocalS3Server, s3_prefix: str
+) -> None:
+    """``checkpoint_id=`` re-points the same writer instance; each save gets its own save id."""
+    writer = S3StorageWriter(**s3_options(local_s3))  # no location: each save names one
+    states = {f"{s3_prefix}/step-{i}": make_state(10 + i) for i in range(2)}
+    save_ids = []
+    for uri, state in states.items():
+        metadata = dcp.async_save(state, checkpoint_id=uri, storage_writer=writer).result(
+            timeout=60
+        )
+        assert metadata.storage_meta.checkpoint_id == uri
+        save_ids.append(metadata.storage_meta.save_id)
+    assert len(set(save_ids)) == 2
+    for uri, state in states.items():
+        assert_state_equal(load(local_s3, uri, state), state)

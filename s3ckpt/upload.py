@@ -61,13 +61,22 @@ class _ByteBudget:
             self._cond.notify_all()
 
 
+def _shared_budget(limit: int) -> _ByteBudget:
+    """The process-wide budget for ``limit``: saves running at once share one bound."""
+    resources = io_loop().resources
+    key = ("byte-budget", limit)
+    if key not in resources:
+        resources.setdefault(key, _ByteBudget(limit))
+    return resources[key]
+
+
 class RankUploader:
     """Uploads the objects of one rank's save. Use once, from one thread."""
 
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
         self._loop = io_loop()
-        self._budget = _ByteBudget(store.config.max_bytes_in_flight)
+        self._budget = _shared_budget(store.config.max_bytes_in_flight)
         self._futures: list[Future[Any]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._upload_ids: dict[str, str] = {}

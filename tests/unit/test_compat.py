@@ -1,0 +1,39 @@
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from s3ckpt import CheckpointExistsError, unwrap
+from s3ckpt.compat import item_nbytes, narrow
+
+
+def test_a_shard_is_sized_by_its_chunk_not_the_whole_tensor():
+    item = WriteItem(
+        index=MetadataIndex("w", torch.Size([32, 0])),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(torch.Size([32, 0]), torch.Size([32, 48])),
+            properties=TensorProperties(dtype=torch.bfloat16),
+            size=torch.Size([64, 48]),
+        ),
+    )
+    assert item_nbytes(item) == 32 * 48 * 2
+
+
+def test_unwrap_returns_the_first_failing_ranks_error():
+    error = CheckpointExistsError("exists")
+    wrapped = CheckpointException("failed", {1: (error, None), 3: (RuntimeError("x"), None)})
+    assert unwrap(wrapped) is error
+    plain = ValueError("x")
+    assert unwrap(plain) is plain
+
+
+def test_narrow_selects_the_region_as_a_view():
+    base = torch.arange(24).reshape(4, 6)
+    region = narrow(base, (1, 2), (2, 3))
+    assert torch.equal(region, base[1:3, 2:5])
+    assert region.data_ptr() != base.data_ptr() or region.storage_offset() > 0

@@ -17,8 +17,9 @@ and of a load::
              -> codec.verify_blocks    every byte checked against its CRC32C
 """
 
+from typing import TYPE_CHECKING, Any
+
 from s3ckpt._version import __version__
-from s3ckpt.compat import unwrap
 from s3ckpt.config import S3URI, S3Config
 from s3ckpt.errors import (
     AccessDeniedError,
@@ -38,8 +39,25 @@ from s3ckpt.errors import (
     StorageError,
     TransientStorageError,
 )
-from s3ckpt.reader import S3StorageReader
-from s3ckpt.writer import S3StorageWriter
+
+if TYPE_CHECKING:
+    from s3ckpt.compat import unwrap
+    from s3ckpt.reader import S3StorageReader
+    from s3ckpt.writer import S3StorageWriter
+
+# The DCP adapters import torch (seconds); the CLI and catalog do not need it.
+_LAZY = {"S3StorageReader": "s3ckpt.reader", "S3StorageWriter": "s3ckpt.writer", "unwrap": "s3ckpt.compat"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 's3ckpt' has no attribute {name!r}")
+
 
 __all__ = [
     "S3URI",

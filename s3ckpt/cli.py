@@ -1,8 +1,13 @@
 """The ``s3ckpt`` command line.
 
 Each subcommand is one :class:`Command` row in :data:`COMMANDS`: a function that adds its
-arguments and a function that runs it and returns the exit status. Adding ``ls`` or
-``verify`` means writing those two functions and one row; :func:`main` never changes.
+arguments and a function that runs it and returns the exit status. The catalog commands
+(ls, show, verify, prune, gc, rm) live in :mod:`s3ckpt.commands`; :func:`main` never changes.
+
+Exit statuses: 0 success; 1 a problem found (damage reported by verify, no committed
+checkpoint where one was named, an unreadable manifest); 2 a usage, configuration or
+connection error (bad options, unreachable endpoint, denied access, missing bucket, any
+store failure). Errors are one line on stderr: ``s3ckpt: error: ...``.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import FrameType
+from typing import NoReturn
 
-from s3ckpt.errors import ConfigError, S3CkptError
+from s3ckpt import commands
+from s3ckpt.errors import ConfigError, S3CkptError, StorageError
 
 
 @dataclass(frozen=True)
@@ -101,13 +108,49 @@ COMMANDS: tuple[Command, ...] = (
         _local_s3_arguments,
         _local_s3,
     ),
+    Command(
+        "ls",
+        "list the checkpoints under a prefix, oldest first",
+        commands.ls_arguments,
+        commands.run_ls,
+    ),
+    Command(
+        "show",
+        "show a checkpoint's manifest and every item",
+        commands.show_arguments,
+        commands.run_show,
+    ),
+    Command(
+        "verify",
+        "re-read a checkpoint and check every size and checksum",
+        commands.verify_arguments,
+        commands.run_verify,
+    ),
+    Command(
+        "prune",
+        "delete old checkpoints by a retention policy",
+        commands.prune_arguments,
+        commands.run_prune,
+    ),
+    Command(
+        "gc",
+        "remove what failed saves left behind (after a grace period)",
+        commands.gc_arguments,
+        commands.run_gc,
+    ),
+    Command("rm", "delete one checkpoint", commands.rm_arguments, commands.run_rm),
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr (exit 2), like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="s3ckpt", description="S3 checkpoint engine for PyTorch: tools."
-    )
+    parser = _Parser(prog="s3ckpt", description="S3 checkpoint engine for PyTorch: tools.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS:
         sub_parser = sub.add_parser(command.name, help=command.help, description=command.help)
@@ -118,10 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``s3ckpt`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help (0), or a usage error already reported (2)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     try:
         return int(args._run(args))
-    except ConfigError as exc:
+    except (ConfigError, StorageError) as exc:
         print(f"s3ckpt: error: {exc}", file=sys.stderr)
         return 2
     except S3CkptError as exc:

@@ -196,13 +196,10 @@ class ObjectStore:
                 )
                 position = start
                 async with response["Body"] as stream:
-                    content = stream.content if hasattr(stream, "content") else None
-                    while position < end:
-                        chunk = await (
-                            content.readany() if content is not None else stream.read(1 << 20)
-                        )
-                        if not chunk:
-                            break
+                    # aiohttp's readany() hands over each received buffer as is; read(n)
+                    # would join buffers into a new bytes object first.
+                    content = stream.raw_stream.content
+                    while position < end and (chunk := await content.readany()):
                         sink(position, chunk)
                         position += len(chunk)
                 if position != end:
@@ -270,6 +267,15 @@ class ObjectStore:
                     bucket=self.bucket,
                     key=first.get("Key"),
                 )
+
+    async def delete_if_match(self, key: str, etag: str) -> None:
+        """Delete ``key`` only while its ETag is still ``etag`` (``If-Match``).
+
+        Raises :class:`PreconditionFailedError` if the object changed (or, on some stores,
+        is gone). Stores that do not implement conditional deletes ignore the header, which
+        makes this a plain delete; callers must be correct either way.
+        """
+        await self._call("DeleteObject", key, Key=key, IfMatch=etag)
 
     # -- multipart ---------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +28,7 @@ from crc32c import crc32c
 
 from s3ckpt.layout import ObjectPlan, Slot
 from s3ckpt.loop import io_loop
-from s3ckpt.parts import choose_part_size, is_multipart
+from s3ckpt.parts import choose_part_size, cut_parts, is_multipart
 from s3ckpt.store import Body, ObjectStore, PartResult
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class RankUploader:
         created = self._spawn(self._create(key), 0)
         parts = [
             self._spawn(self._part(key, created, number, body), len(body))
-            for number, body in enumerate(_cut_parts(plan.slots, read, part_size), start=1)
+            for number, body in enumerate(_part_bodies(plan.slots, read, part_size), start=1)
         ]
         return self._spawn(self._complete(key, plan.size, created, parts), 0)
 
@@ -208,23 +208,25 @@ class RankUploader:
             await self.store.delete_many(self._planned_keys)
 
 
-def _cut_parts(slots: list[Slot], read: Callable[[Slot], memoryview], part_size: int) -> Any:
-    """Yield part bodies of ``part_size`` bytes (the last shorter) from the items' bytes."""
-    pieces: list[memoryview] = []
-    filled = 0
-    for slot in slots:
-        data = read(slot)
-        position = 0
-        while position < len(data):
-            take = min(part_size - filled, len(data) - position)
-            pieces.append(data[position : position + take])
-            filled += take
-            position += take
-            if filled == part_size:
-                yield _join(pieces)
-                pieces, filled = [], 0
-    if pieces:
+def _part_bodies(slots: list[Slot], read: Callable[[Slot], memoryview], part_size: int) -> Iterator[Body]:
+    """Yield part bodies following :func:`~s3ckpt.parts.cut_parts`, reading items lazily.
+
+    An item is read when its first piece is needed and forgotten after its last one, so a
+    GPU tensor's CPU copy lives only as long as its parts are in flight.
+    """
+    plan = cut_parts([slot.length for slot in slots], part_size)
+    last_use = {item: n for n, part in enumerate(plan) for item, _, _ in part}
+    views: dict[int, memoryview] = {}
+    for n, part in enumerate(plan):
+        pieces = []
+        for item, start, end in part:
+            if item not in views:
+                views[item] = read(slots[item])
+            pieces.append(views[item][start:end])
         yield _join(pieces)
+        for item, _, _ in part:
+            if last_use[item] == n:
+                views.pop(item, None)
 
 
 def _join(pieces: list[memoryview]) -> Body:

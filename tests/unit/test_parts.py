@@ -10,6 +10,7 @@ from s3ckpt.parts import (
     MiB,
     TiB,
     choose_part_size,
+    cut_parts,
     is_multipart,
     part_ranges,
 )
@@ -46,3 +47,55 @@ def test_part_ranges_cover_the_object_exactly():
 def test_small_objects_are_single_puts():
     assert not is_multipart(16 * MiB, 16 * MiB)
     assert is_multipart(16 * MiB + 1, 16 * MiB)
+
+
+def _check_cut(lengths, part_size, min_part=MIN_PART_SIZE):
+    parts = cut_parts(lengths, part_size, min_part)
+    flat = [piece for part in parts for piece in part]
+    # every byte of every item exactly once, in order
+    position = {i: 0 for i in range(len(lengths))}
+    order = []
+    for item, start, end in flat:
+        assert start == position[item]
+        position[item] = end
+        order.append(item)
+    assert position == dict(enumerate(lengths))
+    assert order == sorted(order)
+    sizes = [sum(end - start for _, start, end in part) for part in parts]
+    assert all(size >= min_part for size in sizes[:-1]), sizes
+    assert len(parts) <= MAX_PARTS
+    return parts, sizes
+
+
+def test_large_items_get_parts_of_their_own_split_evenly():
+    parts, sizes = _check_cut([100 * MiB, 6 * MiB, 40 * MiB], 16 * MiB)
+    assert all(len(part) == 1 for part in parts)  # nothing joined
+    assert sizes[:7] == [100 * MiB // 7 + (1 if i < 100 * MiB % 7 else 0) for i in range(7)]
+    assert sizes[7] == 6 * MiB
+
+
+def test_small_items_share_parts_and_small_tails_are_topped_up():
+    parts, sizes = _check_cut([MiB] * 40 + [30 * MiB], 16 * MiB)
+    assert len(parts[0]) == 16  # 16 x 1 MiB in one joined part
+    assert max(sizes) <= 16 * MiB or len(parts[-1]) == 1
+
+
+def test_empty_items_are_kept_and_never_make_an_empty_last_part():
+    parts, sizes = _check_cut([0, 20 * MiB, 0, 0], 16 * MiB)
+    assert sizes[-1] > 0
+    assert sum(sizes) == 20 * MiB
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_layouts_stay_within_s3_limits(seed):
+    import random
+
+    rng = random.Random(seed)
+    lengths = [rng.choice([0, 1, 1000, MiB, 3 * MiB, 5 * MiB, 17 * MiB, 70 * MiB]) for _ in range(rng.randint(1, 60))]
+    _check_cut(lengths, rng.choice([5, 8, 16, 64]) * MiB)
+
+
+def test_too_many_parts_fall_back_to_fixed_size_parts():
+    lengths = [MIN_PART_SIZE] * (MAX_PARTS + 5)
+    parts, sizes = _check_cut(lengths, 2 * MIN_PART_SIZE)
+    assert len(parts) <= MAX_PARTS

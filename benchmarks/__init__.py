@@ -1,0 +1,1 @@
+"""Benchmarks of s3ckpt against its peers and the raw ceilings (``make bench``)."""

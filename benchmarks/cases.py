@@ -1,0 +1,265 @@
+"""One benchmark case per process: ``python -m benchmarks.cases CASE`` prints a JSON result.
+
+A fresh process per case gives each its own CPU-time and peak-RSS accounting (client CPU
+only: the S3 server is another process). The environment carries the endpoint and the
+credentials (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``...), plus ``BENCH_BUCKET``,
+``BENCH_PREFIX``, ``BENCH_SIZE_MIB``, ``BENCH_REPS`` and ``BENCH_TMP``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import resource
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from benchmarks.data import empty_like_state, make_state, state_nbytes
+
+MiB = 1024 * 1024
+PART = 16 * MiB
+CONCURRENCY = 16
+PEER_THREADS = 8
+
+warnings.filterwarnings("ignore")
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _reset_peak_rss() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+class Env:
+    def __init__(self) -> None:
+        self.bucket = os.environ["BENCH_BUCKET"]
+        self.prefix = os.environ["BENCH_PREFIX"]
+        self.size_mib = int(os.environ["BENCH_SIZE_MIB"])
+        self.reps = int(os.environ["BENCH_REPS"])
+        self.tmp = Path(os.environ["BENCH_TMP"])
+        self.endpoint = os.environ["AWS_ENDPOINT_URL"]
+
+    def uri(self, system: str, rep: int) -> str:
+        return f"s3://{self.bucket}/{self.prefix}/{system}/rep{rep}"
+
+
+def _s3ckpt_options(env: Env) -> dict[str, Any]:
+    return {"endpoint_url": env.endpoint}
+
+
+# -- the cases: each returns a per-rep callable (and may keep state between reps) --------
+
+
+def memcpy(env: Env, state: dict) -> Callable[[int], dict]:
+    buffers = empty_like_state(state)
+
+    def rep(_: int) -> dict:
+        for key, tensor in state.items():
+            buffers[key].copy_(tensor)
+        return {}
+
+    return rep
+
+
+def s3ckpt_save(env: Env, state: dict) -> Callable[[int], dict]:
+    from s3ckpt import S3StorageWriter
+
+    def rep(i: int) -> dict:
+        dcp.save(state, storage_writer=S3StorageWriter(env.uri("s3ckpt", i), **_s3ckpt_options(env)))
+        return {}
+
+    return rep
+
+
+def s3ckpt_async(env: Env, state: dict) -> Callable[[int], dict]:
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from s3ckpt import S3StorageWriter
+
+    stager = DefaultStager(StagingOptions(False, False, False, False))  # reused: buffers cached
+
+    def rep(i: int) -> dict:
+        started = time.perf_counter()
+        future = dcp.async_save(
+            state,
+            storage_writer=S3StorageWriter(env.uri("s3ckpt-async", i), **_s3ckpt_options(env)),
+            async_stager=stager,
+        )
+        blocked = time.perf_counter() - started
+        (future.upload_completion if hasattr(future, "upload_completion") else future).result()
+        return {"blocked": blocked}
+
+    return rep
+
+
+def s3ckpt_load(env: Env, state: dict) -> Callable[[int], dict]:
+    from s3ckpt import S3StorageReader
+
+    target = empty_like_state(state)
+
+    def rep(i: int) -> dict:
+        dcp.load(target, storage_reader=S3StorageReader(env.uri("s3ckpt", i), **_s3ckpt_options(env)))
+        return {}
+
+    return rep
+
+
+def _s3torch_config() -> Any:
+    from s3torchconnector import S3ClientConfig
+
+    return S3ClientConfig(force_path_style=True)
+
+
+def s3torch_save(env: Env, state: dict) -> Callable[[int], dict]:
+    from s3torchconnector.dcp import S3StorageWriter
+
+    def rep(i: int) -> dict:
+        writer = S3StorageWriter(
+            "us-east-1", env.uri("s3torch", i), s3client_config=_s3torch_config(), thread_count=PEER_THREADS
+        )
+        dcp.save(state, storage_writer=writer)
+        return {}
+
+    return rep
+
+
+def s3torch_load(env: Env, state: dict) -> Callable[[int], dict]:
+    from s3torchconnector.dcp import S3StorageReader
+
+    target = empty_like_state(state)
+
+    def rep(i: int) -> dict:
+        dcp.load(target, storage_reader=S3StorageReader("us-east-1", env.uri("s3torch", i), s3client_config=_s3torch_config()))
+        return {}
+
+    return rep
+
+
+def _fsspec_kwargs(env: Env) -> dict[str, Any]:
+    return {"endpoint_url": env.endpoint, "key": os.environ["AWS_ACCESS_KEY_ID"], "secret": os.environ["AWS_SECRET_ACCESS_KEY"]}
+
+
+def fsspec_save(env: Env, state: dict) -> Callable[[int], dict]:
+    from torch.distributed.checkpoint import FsspecWriter
+
+    def rep(i: int) -> dict:
+        writer = FsspecWriter(env.uri("fsspec", i), thread_count=PEER_THREADS, overwrite=True, **_fsspec_kwargs(env))
+        dcp.save(state, storage_writer=writer)
+        return {}
+
+    return rep
+
+
+def fsspec_load(env: Env, state: dict) -> Callable[[int], dict]:
+    from torch.distributed.checkpoint import FsspecReader
+
+    target = empty_like_state(state)
+
+    def rep(i: int) -> dict:
+        dcp.load(target, storage_reader=FsspecReader(env.uri("fsspec", i), **_fsspec_kwargs(env)))
+        return {}
+
+    return rep
+
+
+def filesystem_save(env: Env, state: dict) -> Callable[[int], dict]:
+    def rep(i: int) -> dict:
+        writer = dcp.FileSystemWriter(str(env.tmp / f"fs-rep{i}"), thread_count=PEER_THREADS, overwrite=True)
+        dcp.save(state, storage_writer=writer)
+        return {}
+
+    return rep
+
+
+def filesystem_load(env: Env, state: dict) -> Callable[[int], dict]:
+    target = empty_like_state(state)
+
+    def rep(i: int) -> dict:
+        dcp.load(target, storage_reader=dcp.FileSystemReader(str(env.tmp / f"fs-rep{i}")))
+        return {}
+
+    return rep
+
+
+def raw_upload(env: Env, state: dict) -> Callable[[int], dict]:
+    """The ceiling: one multipart upload of the same bytes, zero-copy bodies, no extras."""
+    from benchmarks.raw import RawClient, concat_bytes
+
+    payload = concat_bytes(state)
+    client = RawClient(env.endpoint, CONCURRENCY)
+
+    def rep(i: int) -> dict:
+        client.upload(env.bucket, f"{env.prefix}/raw/rep{i}", payload, PART)
+        return {}
+
+    return rep
+
+
+def raw_download(env: Env, state: dict) -> Callable[[int], dict]:
+    """The ceiling: parallel ranged GETs of the uploaded object into one preallocated buffer."""
+    from benchmarks.raw import RawClient
+
+    size = state_nbytes(state)
+    buffer = torch.empty(size, dtype=torch.uint8)
+    client = RawClient(env.endpoint, CONCURRENCY)
+
+    def rep(i: int) -> dict:
+        client.download(env.bucket, f"{env.prefix}/raw/rep{i}", buffer, PART)
+        return {}
+
+    return rep
+
+
+CASES: dict[str, Callable[[Env, dict], Callable[[int], dict]]] = {
+    f.__name__: f
+    for f in (
+        memcpy, raw_upload, raw_download, s3ckpt_save, s3ckpt_async, s3ckpt_load,
+        s3torch_save, s3torch_load, fsspec_save, fsspec_load, filesystem_save, filesystem_load,
+    )
+}  # fmt: skip
+
+
+def run(case: str) -> dict[str, Any]:
+    env = Env()
+    state = make_state(env.size_mib)
+    rep = CASES[case](env, state)
+    _reset_peak_rss()
+    baseline = _rss_kib("VmRSS")
+    samples = []
+    for i in range(env.reps):
+        cpu, started = _cpu(), time.perf_counter()
+        extra = rep(i)
+        samples.append({"wall": time.perf_counter() - started, "cpu": _cpu() - cpu, **extra})
+    return {
+        "case": case,
+        "bytes": state_nbytes(state),
+        "samples": samples,
+        "rss_baseline_mib": baseline / 1024,
+        "rss_peak_mib": _rss_kib("VmHWM") / 1024,
+    }
+
+
+if __name__ == "__main__":
+    asyncio.set_event_loop_policy(None)
+    print(json.dumps(run(sys.argv[1])))

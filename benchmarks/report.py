@@ -1,0 +1,141 @@
+"""Summaries, the ratio targets, the terminal table and the chart of a benchmark run."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+GiB = 1024**3
+
+# The systems compared, by operation: (case, label).
+SAVES = [("raw_upload", "raw multipart upload (ceiling)"), ("s3ckpt_save", "s3ckpt dcp.save"),
+         ("s3ckpt_async", "s3ckpt dcp.async_save"), ("s3torch_save", "s3torchconnector"),
+         ("fsspec_save", "FsspecWriter + s3fs"), ("filesystem_save", "FileSystemWriter (local disk)")]  # fmt: skip
+LOADS = [("raw_download", "raw ranged GETs (ceiling)"), ("s3ckpt_load", "s3ckpt dcp.load"),
+         ("s3torch_load", "s3torchconnector"), ("fsspec_load", "FsspecReader + s3fs"),
+         ("filesystem_load", "FileSystemReader (local disk)")]  # fmt: skip
+
+
+def summarize(results: dict[str, Any]) -> dict[str, Any]:
+    """Per case: throughput (median/min/max MB/s), CPU-s per GiB, peak RSS over baseline."""
+    summary: dict[str, Any] = {}
+    for case, result in results.items():
+        if "error" in result:
+            summary[case] = {"error": result["error"].splitlines()[-1] if result["error"] else "failed"}
+            continue
+        nbytes = result["bytes"]
+        walls = [s["wall"] for s in result["samples"]]
+        rates = sorted(nbytes / w / 1e6 for w in walls)
+        entry = {
+            "mbps_median": statistics.median(rates),
+            "mbps_min": rates[0],
+            "mbps_max": rates[-1],
+            "seconds_median": statistics.median(walls),
+            "cpu_s_per_gib": statistics.median(s["cpu"] for s in result["samples"]) / (nbytes / GiB),
+            "rss_over_baseline_mib": result["rss_peak_mib"] - result["rss_baseline_mib"],
+            "bytes": nbytes,
+        }
+        blocked = [s["blocked"] for s in result["samples"] if "blocked" in s]
+        if blocked:
+            entry["blocked_first_s"] = blocked[0]
+            entry["blocked_median_after_first_s"] = statistics.median(blocked[1:] or blocked)
+        summary[case] = entry
+    return summary
+
+
+def _ratio(summary: dict[str, Any], a: str, b: str, field: str) -> float | None:
+    if field not in summary.get(a, {}) or field not in summary.get(b, {}) or not summary[b][field]:
+        return None
+    return summary[a][field] / summary[b][field]
+
+
+def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target as (name, measured ratio, goal, met)."""
+    staged_mib = summary.get("s3ckpt_save", {}).get("bytes", 0) / 2**20
+    checks = [
+        ("save throughput / raw upload", _ratio(summary, "s3ckpt_save", "raw_upload", "mbps_median"), ">=", 0.95),
+        ("save throughput / s3torchconnector", _ratio(summary, "s3ckpt_save", "s3torch_save", "mbps_median"), ">", 1.0),
+        ("load throughput / raw ranged GETs", _ratio(summary, "s3ckpt_load", "raw_download", "mbps_median"), ">=", 0.85),
+        ("load throughput / s3torchconnector", _ratio(summary, "s3ckpt_load", "s3torch_load", "mbps_median"), ">=", 1.7),
+        ("async_save blocked (2nd save on) / memcpy", _blocked_ratio(summary), "<=", 2.0),
+        ("save CPU-s/GiB / raw upload", _ratio(summary, "s3ckpt_save", "raw_upload", "cpu_s_per_gib"), "<=", 1.2),
+        ("save CPU-s/GiB / s3torchconnector", _ratio(summary, "s3ckpt_save", "s3torch_save", "cpu_s_per_gib"), "<", 1.0),
+        ("load CPU-s/GiB / raw ranged GETs", _ratio(summary, "s3ckpt_load", "raw_download", "cpu_s_per_gib"), "<=", 1.2),
+        ("load CPU-s/GiB / s3torchconnector", _ratio(summary, "s3ckpt_load", "s3torch_load", "cpu_s_per_gib"), "<", 1.0),
+        ("save peak RSS over baseline / 512 MiB", _rss_ratio(summary, "s3ckpt_save", 0), "<=", 1.0),
+        ("async_save peak RSS over baseline / (staged + 512 MiB)", _rss_ratio(summary, "s3ckpt_async", staged_mib), "<=", 1.0),
+    ]
+    out = []
+    for name, value, op, goal in checks:
+        met = None if value is None else {">=": value >= goal, ">": value > goal, "<=": value <= goal, "<": value < goal}[op]
+        out.append({"target": name, "ratio": value, "goal": f"{op} {goal}", "met": met})
+    return out
+
+
+def _blocked_ratio(summary: dict[str, Any]) -> float | None:
+    blocked = summary.get("s3ckpt_async", {}).get("blocked_median_after_first_s")
+    memcpy = summary.get("memcpy", {}).get("seconds_median")
+    return blocked / memcpy if blocked is not None and memcpy else None
+
+
+def _rss_ratio(summary: dict[str, Any], case: str, staged_mib: float) -> float | None:
+    over = summary.get(case, {}).get("rss_over_baseline_mib")
+    return None if over is None else over / (staged_mib + 512)
+
+
+def table(report: dict[str, Any]) -> str:
+    summary = report["cases"]
+    lines = [f"s3ckpt benchmark: {report['size_mib']} MiB state dict, {report['reps']} runs per case, local SeaweedFS", ""]
+    header = f"{'':38} {'MB/s med':>9} {'min':>7} {'max':>7} {'CPU s/GiB':>10} {'RSS+ MiB':>9}"
+    for title, rows in (("save", SAVES), ("load", LOADS)):
+        lines += [f"{title}:", header]
+        for case, label in rows:
+            lines.append(_row(label, summary.get(case)))
+        lines.append("")
+    if "memcpy" in summary and "error" not in summary["memcpy"]:
+        m = summary["memcpy"]
+        lines.append(f"staging limit (copy into preallocated CPU buffers): {m['mbps_median']:.0f} MB/s, {m['seconds_median']:.3f} s")
+    a = summary.get("s3ckpt_async", {})
+    if "blocked_first_s" in a:
+        lines.append(f"async_save blocked: first {a['blocked_first_s']:.3f} s, then median {a['blocked_median_after_first_s']:.3f} s")
+    lines += ["", f"{'target':56} {'ratio':>7} {'goal':>8}  met"]
+    for t in report["targets"]:
+        ratio = "n/a" if t["ratio"] is None else f"{t['ratio']:.2f}"
+        met = "n/a" if t["met"] is None else ("yes" if t["met"] else "NO")
+        lines.append(f"{t['target']:56} {ratio:>7} {t['goal']:>8}  {met}")
+    return "\n".join(lines)
+
+
+def _row(label: str, entry: dict[str, Any] | None) -> str:
+    if entry is None:
+        return f"  {label:36} {'(not run)':>9}"
+    if "error" in entry:
+        return f"  {label:36} failed: {entry['error'][:60]}"
+    return (f"  {label:36} {entry['mbps_median']:9.0f} {entry['mbps_min']:7.0f} {entry['mbps_max']:7.0f}"
+            f" {entry['cpu_s_per_gib']:10.2f} {entry['rss_over_baseline_mib']:9.0f}")  # fmt: skip
+
+
+def chart(report: dict[str, Any], path: Path) -> None:
+    """Throughput and CPU per GiB, save and load, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = report["cases"]
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8))
+    for col, (title, rows) in enumerate((("save", SAVES), ("load", LOADS))):
+        present = [(c, label) for c, label in rows if "mbps_median" in summary.get(c, {})]
+        labels = [label.replace(" (", "\n(") for _, label in present]
+        colors = ["#888888" if "ceiling" in label else "#d62728" if c.startswith("s3ckpt") else "#1f77b4" for c, label in present]
+        for row, (field, unit) in enumerate((("mbps_median", "MB/s (median)"), ("cpu_s_per_gib", "client CPU s/GiB"))):
+            ax = axes[row][col]
+            ax.barh(labels, [summary[c][field] for c, _ in present], color=colors)
+            ax.set_title(f"{title}: {unit}")
+            ax.invert_yaxis()
+            ax.tick_params(axis="y", labelsize=8)
+    fig.suptitle(f"s3ckpt vs peers, {report['size_mib']} MiB, local SeaweedFS (2 cores shared with the server)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,98 @@
+"""``make bench``: s3ckpt, its peers and the ceilings, in one run, on one local S3 server.
+
+Starts the embedded SeaweedFS server, runs every case in its own process (see
+``benchmarks/cases.py``), and reports medians, min/max, client CPU-seconds per GiB and
+peak RSS, then the ratios the performance targets are stated in. Absolute numbers on a
+shared 2-core machine drift from run to run; the ratios, measured side by side, are the
+result. Output: a table on the terminal, ``benchmarks/results/bench.json`` and
+``benchmarks/results/bench.png``.
+
+    python -m benchmarks.run [--size-mib 1024] [--reps 3] [--cases s3ckpt_save,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import chart, summarize, table, targets
+from s3ckpt.local_s3 import LocalS3Server
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ORDER = [
+    "memcpy",
+    "raw_upload",
+    "raw_download",
+    "s3ckpt_save",
+    "s3ckpt_async",
+    "s3ckpt_load",
+    "s3torch_save",
+    "s3torch_load",
+    "fsspec_save",
+    "fsspec_load",
+    "filesystem_save",
+    "filesystem_load",
+]
+# After these cases their objects are no longer needed: delete them to keep the disk small.
+CLEANUP_AFTER = {"raw_download": "raw", "s3ckpt_load": "s3ckpt", "s3ckpt_async": "s3ckpt-async",
+                 "s3torch_load": "s3torch", "fsspec_load": "fsspec"}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mib", type=int, default=1024, help="state dict size (default 1024)")
+    parser.add_argument("--reps", type=int, default=3, help="runs per case (default 3)")
+    parser.add_argument("--cases", default=",".join(ORDER), help="comma-separated subset of: " + ", ".join(ORDER))
+    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for bench.json and bench.png")
+    args = parser.parse_args(argv)
+    cases = [c for c in ORDER if c in set(args.cases.split(","))]
+    if not cases or args.reps < 1 or args.size_mib < 1:
+        parser.error("need at least one known case, reps >= 1 and size >= 1")
+
+    results: dict[str, Any] = {}
+    with LocalS3Server() as server, tempfile.TemporaryDirectory(prefix="s3ckpt-bench-") as tmp:
+        env = {**os.environ, **server.env(), "BENCH_BUCKET": server.bucket, "BENCH_PREFIX": f"bench-{int(time.time())}",
+               "BENCH_SIZE_MIB": str(args.size_mib), "BENCH_REPS": str(args.reps), "BENCH_TMP": tmp}  # fmt: skip
+        for case in cases:
+            print(f"running {case} ({args.reps} x {args.size_mib} MiB) ...", file=sys.stderr, flush=True)
+            results[case] = _run_case(case, env)
+            if case in CLEANUP_AFTER:
+                _delete_prefix(server, f"{env['BENCH_PREFIX']}/{CLEANUP_AFTER[case]}/")
+    summary = summarize(results)
+    report = {"size_mib": args.size_mib, "reps": args.reps, "cases": summary, "targets": targets(summary)}
+    print(table(report))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench.json").write_text(json.dumps({"report": report, "raw": results}, indent=2))
+    chart(report, args.out / "bench.png")
+    print(f"\nwrote {args.out / 'bench.json'} and {args.out / 'bench.png'}", file=sys.stderr)
+    return 0
+
+
+def _run_case(case: str, env: dict[str, str]) -> dict[str, Any]:
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.cases", case], env=env, capture_output=True, text=True, timeout=1800
+    )
+    if completed.returncode != 0:
+        tail = "\n".join(completed.stderr.strip().splitlines()[-15:])
+        print(f"  {case} failed:\n{tail}", file=sys.stderr)
+        return {"case": case, "error": tail}
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def _delete_prefix(server: LocalS3Server, prefix: str) -> None:
+    client = server.client()
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=server.bucket, Prefix=prefix):
+        keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=server.bucket, Delete={"Objects": keys, "Quiet": True})
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -20,6 +20,7 @@ save; all other decisions come from the listing.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,7 +118,8 @@ def _list_prefix(location: S3URI) -> str:
 
 
 def _initiated(upload: PendingUpload) -> float:
-    return upload.initiated.timestamp() if upload.initiated is not None else 0.0
+    """Start time of an upload; one the server gave no time for counts as just started."""
+    return upload.initiated.timestamp() if upload.initiated is not None else math.inf
 
 
 def _aborted(upload: PendingUpload, now: float) -> AbortedUpload:

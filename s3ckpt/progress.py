@@ -57,12 +57,13 @@ class Progress:
         self.label, self.total, self.unit, self.done = "", 0, "", 0
         self._last = 0.0
         self._drawn = False
+        self._shown = -1
 
     def start(self, label: str, total: int, unit: str) -> None:
         with self._lock:
             self.label, self.total, self.unit, self.done = label, total, unit, 0
             self._last = time.monotonic()
-            self._drawn = False
+            self._drawn, self._shown = False, -1
 
     def advance(self, amount: int) -> None:
         with self._lock:
@@ -75,13 +76,14 @@ class Progress:
     def finish(self) -> None:
         with self._lock:
             if self._drawn:  # only operations long enough to have shown progress end with a line
-                self._emit()
+                if self._shown != self.done:
+                    self._emit()
                 if self.tty:
                     self.stream.write("\n")
                     self.stream.flush()
 
     def _emit(self) -> None:
-        self._drawn = True
+        self._drawn, self._shown = True, self.done
         fraction = self.done / self.total if self.total else 1.0
         text = (
             f"{self.label}: {self._amount(self.done)}/{self._amount(self.total)} ({fraction:.0%})"

@@ -162,14 +162,24 @@ def child(location: S3URI, name: str) -> S3URI:
 
 
 async def bounded(calls: Iterable[Callable[[], Awaitable[T]]], limit: int = _PARALLEL) -> list[T]:
-    """Run the calls concurrently, at most ``limit`` at a time, results in order."""
+    """Run the calls concurrently, at most ``limit`` at a time, results in order.
+
+    The first failure cancels the calls still pending, so nothing keeps deleting after an
+    error has been reported.
+    """
     slots = asyncio.Semaphore(limit)
 
     async def run(call: Callable[[], Awaitable[T]]) -> T:
         async with slots:
             return await call()
 
-    return await asyncio.gather(*(run(c) for c in calls))
+    tasks = [asyncio.ensure_future(run(c)) for c in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def delete_keys(store: ObjectStore, keys: list[str], progress: Reporter) -> None:

@@ -12,7 +12,8 @@ all ahead of time and reports *every* damaged item rather than stopping at the f
    its CRC32C as soon as its piece arrives.
 
 Memory stays bounded: pieces are fetched in batches that share one reusable buffer of at
-most ``max_buffer`` bytes, however large the checkpoint. The CRC check is done here with
+most ``max_buffer`` bytes (or one checksum block, if that is larger), however large the
+checkpoint. The CRC check is done here with
 ``crc32c`` directly, not :mod:`s3ckpt.codec`, because that module imports torch and the
 CLI must start without it.
 """
@@ -147,17 +148,20 @@ class Verifier:
                 self.problem(label, item.key, "its object is not in the manifest's object list")
             elif size is None:
                 self.problem(label, item.key, "object missing")
-            elif size != recorded[item.key] or item.offset + item.length > size:
+            elif size != recorded[item.key]:
                 self.problem(
                     label, item.key, f"object is {size} bytes, expected {recorded[item.key]}"
                 )
+            elif item.offset + item.length > size:
+                self.problem(label, item.key, f"item runs past the end of its {size}-byte object")
             elif len(item.crc32c) != blocks:
                 self.problem(label, item.key, f"{len(item.crc32c)} checksums for {blocks} blocks")
             elif item.length == 0 and bad_block(memoryview(b""), item.crc32c, 1, 0) is not None:
                 self.problem(label, item.key, "checksum mismatch (empty item)")
             if size is None or item.length == 0 or (label, item.key) in self._reported:
                 continue
-            step = max(item.block_size, _PIECE // item.block_size * item.block_size)
+            piece = min(_PIECE, self.max_buffer) // item.block_size * item.block_size
+            step = max(item.block_size, piece)
             for start in range(0, item.length, step):
                 yield _Piece(item, start, min(start + step, item.length))
 

@@ -161,10 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``s3ckpt`` console script; returns the exit status."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # --help (0), or a usage error already reported (2)
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    args = build_parser().parse_args(argv)  # --help and usage errors raise SystemExit (0, 2)
     try:
         return int(args._run(args))
     except (ConfigError, StorageError) as exc:

@@ -55,7 +55,10 @@ def cli(aws_env, monkeypatch, capsys):
 
     def run(*argv: str) -> Result:
         capsys.readouterr()
-        code = main(list(argv))
+        try:
+            code = main(list(argv))
+        except SystemExit as exc:  # argparse: --help, usage errors
+            code = exc.code if isinstance(exc.code, int) else 2
         out, err = capsys.readouterr()
         return Result(code, out, err)
 

@@ -3,7 +3,7 @@
 The CLI is a thin layer over these functions, which scripts can call directly. Each has
 an ``async`` form taking an :class:`ObjectStore` (run it on :func:`s3ckpt.loop.io_loop`)
 and a synchronous wrapper taking an ``s3://`` URI plus the usual connection options.
-Garbage collection is in :mod:`s3ckpt.gc`, verification in :mod:`s3ckpt.verify`.
+Garbage collection (:mod:`s3ckpt.gc`) and verification (:mod:`s3ckpt.verify`) are re-exported.
 
 Deleting a committed checkpoint always removes its manifest first, so readers stop
 seeing it at once, and then exactly the objects that manifest lists. Anything else in the

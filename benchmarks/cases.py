@@ -9,6 +9,7 @@ credentials (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``...), plus ``BENCH_BUCKE
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -38,10 +39,8 @@ def _cpu() -> float:
 
 
 def _reset_peak_rss() -> None:
-    try:
+    with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
 
 
 def _rss_kib(field: str) -> int:

@@ -89,16 +89,27 @@ def _coalesce(group: list[ReadTarget], max_gap: int) -> Iterator[tuple[int, int,
 
 
 class _Scatter:
-    """Copies the chunks of one response into the target buffers they overlap."""
+    """Copies the chunks of one response into the target buffers they overlap.
+
+    Chunks arrive in offset order and targets are sorted by start, so a cursor skips the
+    targets already filled: each chunk costs the targets it touches, not all of them.
+    """
 
     def __init__(self, request: RangeRequest, done: Callable[[ReadTarget], None]) -> None:
         self.targets = request.targets
         self.done = done
+        self.first = 0
 
     def __call__(self, offset: int, chunk: bytes) -> None:
         end = offset + len(chunk)
         view = memoryview(chunk)
-        for target in self.targets:
+        targets = self.targets
+        while self.first < len(targets) and targets[self.first].end <= offset:
+            self.first += 1
+        for index in range(self.first, len(targets)):
+            target = targets[index]
+            if target.start >= end:
+                break
             lo, hi = max(offset, target.start), min(end, target.end)
             if lo >= hi:
                 continue

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import io
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -63,6 +63,10 @@ class _PendingRead:
     buffer: torch.Tensor  # uint8, receives the span
     destination: torch.Tensor | None  # None for BYTE_IO
     direct: bool  # buffer aliases the destination: nothing to copy
+    view: memoryview = field(init=False)  # the buffer's bytes
+
+    def __post_init__(self) -> None:
+        self.view = tensor_view(self.buffer)
 
 
 class S3StorageReader(StorageReader):
@@ -151,7 +155,7 @@ class S3StorageReader(StorageReader):
                 location.key(p.stored.key),
                 p.stored.offset + p.span[0],
                 p.stored.offset + p.span[1],
-                _bytes_of(p.buffer),
+                p.view,
                 p,
             )
             for p in pending
@@ -217,14 +221,14 @@ class S3StorageReader(StorageReader):
     def _finish(self, pending: _PendingRead, planner: LoadPlanner) -> None:
         stored, request = pending.stored, pending.request
         verify_blocks(
-            _bytes_of(pending.buffer),
+            pending.view,
             stored.crc32c,
             block_size=stored.block_size,
             first_block=pending.span[0] // stored.block_size,
             what=f"{self.location}/{stored.key} item {request.storage_index.fqn!r}",
         )
         if pending.destination is None:
-            planner.load_bytes(request, io.BytesIO(_bytes_of(pending.buffer).tobytes()))
+            planner.load_bytes(request, io.BytesIO(pending.view.tobytes()))
             return
         if not pending.direct:
             pending.destination.copy_(self._source(pending))
@@ -278,7 +282,3 @@ def _can_receive(destination: torch.Tensor, dtype: torch.dtype, nbytes: int) -> 
 def _as_bytes_tensor(tensor: torch.Tensor) -> torch.Tensor:
     flat = tensor.reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
-
-
-def _bytes_of(buffer: torch.Tensor) -> memoryview:
-    return tensor_view(buffer)

@@ -26,6 +26,7 @@ from aiobotocore.session import AioSession
 from s3ckpt.config import S3Config
 from s3ckpt.error_mapping import translated
 from s3ckpt.errors import PreconditionFailedError, StorageError
+from s3ckpt.http_body import MemoryBody
 from s3ckpt.loop import io_loop
 
 Body = bytes | bytearray | memoryview
@@ -159,7 +160,7 @@ class ObjectStore:
         ``mode="create"`` sends ``If-None-Match: *`` and raises
         :class:`PreconditionFailedError` if the key already exists.
         """
-        params: dict[str, Any] = {"Key": key, "Body": body}
+        params: dict[str, Any] = {"Key": key, "Body": MemoryBody(body)}
         if mode == "create":
             params["IfNoneMatch"] = "*"
         if crc32c is not None and self.config.checksums:
@@ -293,7 +294,7 @@ class ObjectStore:
             "Key": key,
             "UploadId": upload_id,
             "PartNumber": part_number,
-            "Body": body,
+            "Body": MemoryBody(body),
         }
         checksum = crc32c_header(crc32c) if crc32c is not None and self.config.checksums else None
         if checksum:

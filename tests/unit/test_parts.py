@@ -81,7 +81,7 @@ def test_small_items_share_parts_and_small_tails_are_topped_up():
 
 
 def test_empty_items_are_kept_and_never_make_an_empty_last_part():
-    parts, sizes = _check_cut([0, 20 * MiB, 0, 0], 16 * MiB)
+    _parts, sizes = _check_cut([0, 20 * MiB, 0, 0], 16 * MiB)
     assert sizes[-1] > 0
     assert sum(sizes) == 20 * MiB
 
@@ -97,5 +97,5 @@ def test_random_layouts_stay_within_s3_limits(seed):
 
 def test_too_many_parts_fall_back_to_fixed_size_parts():
     lengths = [MIN_PART_SIZE] * (MAX_PARTS + 5)
-    parts, sizes = _check_cut(lengths, 2 * MIN_PART_SIZE)
+    parts, _sizes = _check_cut(lengths, 2 * MIN_PART_SIZE)
     assert len(parts) <= MAX_PARTS

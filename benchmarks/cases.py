@@ -85,7 +85,9 @@ def s3ckpt_save(env: Env, state: dict) -> Callable[[int], dict]:
     from s3ckpt import S3StorageWriter
 
     def rep(i: int) -> dict:
-        dcp.save(state, storage_writer=S3StorageWriter(env.uri("s3ckpt", i), **_s3ckpt_options(env)))
+        dcp.save(
+            state, storage_writer=S3StorageWriter(env.uri("s3ckpt", i), **_s3ckpt_options(env))
+        )
         return {}
 
     return rep
@@ -118,7 +120,9 @@ def s3ckpt_load(env: Env, state: dict) -> Callable[[int], dict]:
     target = empty_like_state(state)
 
     def rep(i: int) -> dict:
-        dcp.load(target, storage_reader=S3StorageReader(env.uri("s3ckpt", i), **_s3ckpt_options(env)))
+        dcp.load(
+            target, storage_reader=S3StorageReader(env.uri("s3ckpt", i), **_s3ckpt_options(env))
+        )
         return {}
 
     return rep
@@ -135,7 +139,10 @@ def s3torch_save(env: Env, state: dict) -> Callable[[int], dict]:
 
     def rep(i: int) -> dict:
         writer = S3StorageWriter(
-            "us-east-1", env.uri("s3torch", i), s3client_config=_s3torch_config(), thread_count=PEER_THREADS
+            "us-east-1",
+            env.uri("s3torch", i),
+            s3client_config=_s3torch_config(),
+            thread_count=PEER_THREADS,
         )
         dcp.save(state, storage_writer=writer)
         return {}
@@ -149,21 +156,32 @@ def s3torch_load(env: Env, state: dict) -> Callable[[int], dict]:
     target = empty_like_state(state)
 
     def rep(i: int) -> dict:
-        dcp.load(target, storage_reader=S3StorageReader("us-east-1", env.uri("s3torch", i), s3client_config=_s3torch_config()))
+        dcp.load(
+            target,
+            storage_reader=S3StorageReader(
+                "us-east-1", env.uri("s3torch", i), s3client_config=_s3torch_config()
+            ),
+        )
         return {}
 
     return rep
 
 
 def _fsspec_kwargs(env: Env) -> dict[str, Any]:
-    return {"endpoint_url": env.endpoint, "key": os.environ["AWS_ACCESS_KEY_ID"], "secret": os.environ["AWS_SECRET_ACCESS_KEY"]}
+    return {
+        "endpoint_url": env.endpoint,
+        "key": os.environ["AWS_ACCESS_KEY_ID"],
+        "secret": os.environ["AWS_SECRET_ACCESS_KEY"],
+    }
 
 
 def fsspec_save(env: Env, state: dict) -> Callable[[int], dict]:
-    from torch.distributed.checkpoint import FsspecWriter
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     def rep(i: int) -> dict:
-        writer = FsspecWriter(env.uri("fsspec", i), thread_count=PEER_THREADS, overwrite=True, **_fsspec_kwargs(env))
+        writer = FsspecWriter(
+            env.uri("fsspec", i), thread_count=PEER_THREADS, overwrite=True, **_fsspec_kwargs(env)
+        )
         dcp.save(state, storage_writer=writer)
         return {}
 
@@ -171,7 +189,7 @@ def fsspec_save(env: Env, state: dict) -> Callable[[int], dict]:
 
 
 def fsspec_load(env: Env, state: dict) -> Callable[[int], dict]:
-    from torch.distributed.checkpoint import FsspecReader
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     target = empty_like_state(state)
 
@@ -184,7 +202,9 @@ def fsspec_load(env: Env, state: dict) -> Callable[[int], dict]:
 
 def filesystem_save(env: Env, state: dict) -> Callable[[int], dict]:
     def rep(i: int) -> dict:
-        writer = dcp.FileSystemWriter(str(env.tmp / f"fs-rep{i}"), thread_count=PEER_THREADS, overwrite=True)
+        writer = dcp.FileSystemWriter(
+            str(env.tmp / f"fs-rep{i}"), thread_count=PEER_THREADS, overwrite=True
+        )
         dcp.save(state, storage_writer=writer)
         return {}
 
@@ -206,7 +226,7 @@ def raw_upload(env: Env, state: dict) -> Callable[[int], dict]:
     from benchmarks.raw import RawClient, concat_bytes
 
     payload = concat_bytes(state)
-    client = RawClient(env.endpoint, CONCURRENCY)
+    client = RawClient(env.endpoint, CONCURRENCY, uvloop=True)  # uvloop: the faster loop for writes
 
     def rep(i: int) -> dict:
         client.upload(env.bucket, f"{env.prefix}/raw/rep{i}", payload, PART)
@@ -220,7 +240,7 @@ def raw_download(env: Env, state: dict) -> Callable[[int], dict]:
     from benchmarks.raw import RawClient
 
     size = state_nbytes(state)
-    buffer = torch.empty(size, dtype=torch.uint8)
+    buffer = torch.zeros(size, dtype=torch.uint8)
     client = RawClient(env.endpoint, CONCURRENCY)
 
     def rep(i: int) -> dict:

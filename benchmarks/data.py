@@ -44,4 +44,5 @@ def state_nbytes(state: dict[str, torch.Tensor]) -> int:
 
 
 def empty_like_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: torch.empty_like(v) for k, v in state.items()}
+    """Destination tensors, already touched: a model being restored owns its memory."""
+    return {k: torch.zeros_like(v) for k, v in state.items()}

@@ -22,11 +22,19 @@ def concat_bytes(state: dict[str, torch.Tensor]) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
+def _uvloop_loop() -> asyncio.AbstractEventLoop:
+    import uvloop
+
+    return uvloop.new_event_loop()
+
+
 class RawClient:
-    def __init__(self, endpoint: str, concurrency: int) -> None:
+    """aiobotocore on its own loop thread; ``uvloop=True`` for the uvloop event loop."""
+
+    def __init__(self, endpoint: str, concurrency: int, *, uvloop: bool = False) -> None:
         self.endpoint = endpoint
         self.concurrency = concurrency
-        self.loop = asyncio.new_event_loop()
+        self.loop = _uvloop_loop() if uvloop else asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.client: Any = asyncio.run_coroutine_threadsafe(self._client(), self.loop).result()
 
@@ -38,14 +46,22 @@ class RawClient:
             response_checksum_validation="when_required",
             parameter_validation=False,
         )
-        return await AioSession().create_client("s3", endpoint_url=self.endpoint, config=config).__aenter__()
+        return (
+            await AioSession()
+            .create_client("s3", endpoint_url=self.endpoint, config=config)
+            .__aenter__()
+        )
 
     def upload(self, bucket: str, key: str, payload: memoryview, part: int) -> None:
-        asyncio.run_coroutine_threadsafe(self._upload(bucket, key, payload, part), self.loop).result()
+        asyncio.run_coroutine_threadsafe(
+            self._upload(bucket, key, payload, part), self.loop
+        ).result()
 
     def download(self, bucket: str, key: str, buffer: torch.Tensor, part: int) -> None:
         view = memoryview(buffer.numpy()).cast("B")
-        asyncio.run_coroutine_threadsafe(self._download(bucket, key, view, part), self.loop).result()
+        asyncio.run_coroutine_threadsafe(
+            self._download(bucket, key, view, part), self.loop
+        ).result()
 
     async def _upload(self, bucket: str, key: str, payload: memoryview, part: int) -> None:
         created = await self.client.create_multipart_upload(Bucket=bucket, Key=key)
@@ -55,11 +71,17 @@ class RawClient:
         async def send(number: int, start: int) -> dict[str, Any]:
             async with slots:
                 response = await self.client.upload_part(
-                    Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=payload[start : start + part]
+                    Bucket=bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    Body=payload[start : start + part],
                 )
             return {"PartNumber": number, "ETag": response["ETag"]}
 
-        parts = await asyncio.gather(*(send(n, s) for n, s in enumerate(range(0, len(payload), part), start=1)))
+        parts = await asyncio.gather(
+            *(send(n, s) for n, s in enumerate(range(0, len(payload), part), start=1))
+        )
         await self.client.complete_multipart_upload(
             Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": list(parts)}
         )
@@ -70,10 +92,12 @@ class RawClient:
         async def fetch(start: int) -> None:
             end = min(start + part, len(view))
             async with slots:
-                response = await self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")
+                response = await self.client.get_object(
+                    Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}"
+                )
                 position = start
                 async with response["Body"] as body:
-                    while chunk := await body.raw_stream.content.readany():
+                    while chunk := (await body.raw_stream.content.readchunk())[0]:
                         view[position : position + len(chunk)] = chunk
                         position += len(chunk)
 

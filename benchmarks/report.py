@@ -22,7 +22,9 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for case, result in results.items():
         if "error" in result:
-            summary[case] = {"error": result["error"].splitlines()[-1] if result["error"] else "failed"}
+            summary[case] = {
+                "error": result["error"].splitlines()[-1] if result["error"] else "failed"
+            }
             continue
         nbytes = result["bytes"]
         walls = [s["wall"] for s in result["samples"]]
@@ -32,7 +34,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
             "mbps_min": rates[0],
             "mbps_max": rates[-1],
             "seconds_median": statistics.median(walls),
-            "cpu_s_per_gib": statistics.median(s["cpu"] for s in result["samples"]) / (nbytes / GiB),
+            "cpu_s_per_gib": statistics.median(s["cpu"] for s in result["samples"])
+            / (nbytes / GiB),
             "rss_over_baseline_mib": result["rss_peak_mib"] - result["rss_baseline_mib"],
             "bytes": nbytes,
         }
@@ -54,21 +57,72 @@ def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
     """Each target as (name, measured ratio, goal, met)."""
     staged_mib = summary.get("s3ckpt_save", {}).get("bytes", 0) / 2**20
     checks = [
-        ("save throughput / raw upload", _ratio(summary, "s3ckpt_save", "raw_upload", "mbps_median"), ">=", 0.95),
-        ("save throughput / s3torchconnector", _ratio(summary, "s3ckpt_save", "s3torch_save", "mbps_median"), ">", 1.0),
-        ("load throughput / raw ranged GETs", _ratio(summary, "s3ckpt_load", "raw_download", "mbps_median"), ">=", 0.85),
-        ("load throughput / s3torchconnector", _ratio(summary, "s3ckpt_load", "s3torch_load", "mbps_median"), ">=", 1.7),
+        (
+            "save throughput / raw upload",
+            _ratio(summary, "s3ckpt_save", "raw_upload", "mbps_median"),
+            ">=",
+            0.95,
+        ),
+        (
+            "save throughput / s3torchconnector",
+            _ratio(summary, "s3ckpt_save", "s3torch_save", "mbps_median"),
+            ">",
+            1.0,
+        ),
+        (
+            "load throughput / raw ranged GETs",
+            _ratio(summary, "s3ckpt_load", "raw_download", "mbps_median"),
+            ">=",
+            0.85,
+        ),
+        (
+            "load throughput / s3torchconnector",
+            _ratio(summary, "s3ckpt_load", "s3torch_load", "mbps_median"),
+            ">=",
+            1.7,
+        ),
         ("async_save blocked (2nd save on) / memcpy", _blocked_ratio(summary), "<=", 2.0),
-        ("save CPU-s/GiB / raw upload", _ratio(summary, "s3ckpt_save", "raw_upload", "cpu_s_per_gib"), "<=", 1.2),
-        ("save CPU-s/GiB / s3torchconnector", _ratio(summary, "s3ckpt_save", "s3torch_save", "cpu_s_per_gib"), "<", 1.0),
-        ("load CPU-s/GiB / raw ranged GETs", _ratio(summary, "s3ckpt_load", "raw_download", "cpu_s_per_gib"), "<=", 1.2),
-        ("load CPU-s/GiB / s3torchconnector", _ratio(summary, "s3ckpt_load", "s3torch_load", "cpu_s_per_gib"), "<", 1.0),
+        (
+            "save CPU-s/GiB / raw upload",
+            _ratio(summary, "s3ckpt_save", "raw_upload", "cpu_s_per_gib"),
+            "<=",
+            1.2,
+        ),
+        (
+            "save CPU-s/GiB / s3torchconnector",
+            _ratio(summary, "s3ckpt_save", "s3torch_save", "cpu_s_per_gib"),
+            "<",
+            1.0,
+        ),
+        (
+            "load CPU-s/GiB / raw ranged GETs",
+            _ratio(summary, "s3ckpt_load", "raw_download", "cpu_s_per_gib"),
+            "<=",
+            1.2,
+        ),
+        (
+            "load CPU-s/GiB / s3torchconnector",
+            _ratio(summary, "s3ckpt_load", "s3torch_load", "cpu_s_per_gib"),
+            "<",
+            1.0,
+        ),
         ("save peak RSS over baseline / 512 MiB", _rss_ratio(summary, "s3ckpt_save", 0), "<=", 1.0),
-        ("async_save peak RSS over baseline / (staged + 512 MiB)", _rss_ratio(summary, "s3ckpt_async", staged_mib), "<=", 1.0),
+        (
+            "async_save peak RSS over baseline / (staged + 512 MiB)",
+            _rss_ratio(summary, "s3ckpt_async", staged_mib),
+            "<=",
+            1.0,
+        ),
     ]
     out = []
     for name, value, op, goal in checks:
-        met = None if value is None else {">=": value >= goal, ">": value > goal, "<=": value <= goal, "<": value < goal}[op]
+        met = (
+            None
+            if value is None
+            else {">=": value >= goal, ">": value > goal, "<=": value <= goal, "<": value < goal}[
+                op
+            ]
+        )
         out.append({"target": name, "ratio": value, "goal": f"{op} {goal}", "met": met})
     return out
 
@@ -86,7 +140,10 @@ def _rss_ratio(summary: dict[str, Any], case: str, staged_mib: float) -> float |
 
 def table(report: dict[str, Any]) -> str:
     summary = report["cases"]
-    lines = [f"s3ckpt benchmark: {report['size_mib']} MiB state dict, {report['reps']} runs per case, local SeaweedFS", ""]
+    lines = [
+        f"s3ckpt benchmark: {report['size_mib']} MiB state dict, {report['reps']} runs per case, local SeaweedFS",
+        "",
+    ]
     header = f"{'':38} {'MB/s med':>9} {'min':>7} {'max':>7} {'CPU s/GiB':>10} {'RSS+ MiB':>9}"
     for title, rows in (("save", SAVES), ("load", LOADS)):
         lines += [f"{title}:", header]
@@ -95,10 +152,14 @@ def table(report: dict[str, Any]) -> str:
         lines.append("")
     if "memcpy" in summary and "error" not in summary["memcpy"]:
         m = summary["memcpy"]
-        lines.append(f"staging limit (copy into preallocated CPU buffers): {m['mbps_median']:.0f} MB/s, {m['seconds_median']:.3f} s")
+        lines.append(
+            f"staging limit (copy into preallocated CPU buffers): {m['mbps_median']:.0f} MB/s, {m['seconds_median']:.3f} s"
+        )
     a = summary.get("s3ckpt_async", {})
     if "blocked_first_s" in a:
-        lines.append(f"async_save blocked: first {a['blocked_first_s']:.3f} s, then median {a['blocked_median_after_first_s']:.3f} s")
+        lines.append(
+            f"async_save blocked: first {a['blocked_first_s']:.3f} s, then median {a['blocked_median_after_first_s']:.3f} s"
+        )
     lines += ["", f"{'target':56} {'ratio':>7} {'goal':>8}  met"]
     for t in report["targets"]:
         ratio = "n/a" if t["ratio"] is None else f"{t['ratio']:.2f}"
@@ -128,14 +189,21 @@ def chart(report: dict[str, Any], path: Path) -> None:
     for col, (title, rows) in enumerate((("save", SAVES), ("load", LOADS))):
         present = [(c, label) for c, label in rows if "mbps_median" in summary.get(c, {})]
         labels = [label.replace(" (", "\n(") for _, label in present]
-        colors = ["#888888" if "ceiling" in label else "#d62728" if c.startswith("s3ckpt") else "#1f77b4" for c, label in present]
-        for row, (field, unit) in enumerate((("mbps_median", "MB/s (median)"), ("cpu_s_per_gib", "client CPU s/GiB"))):
+        colors = [
+            "#888888" if "ceiling" in label else "#d62728" if c.startswith("s3ckpt") else "#1f77b4"
+            for c, label in present
+        ]
+        for row, (field, unit) in enumerate(
+            (("mbps_median", "MB/s (median)"), ("cpu_s_per_gib", "client CPU s/GiB"))
+        ):
             ax = axes[row][col]
             ax.barh(labels, [summary[c][field] for c, _ in present], color=colors)
             ax.set_title(f"{title}: {unit}")
             ax.invert_yaxis()
             ax.tick_params(axis="y", labelsize=8)
-    fig.suptitle(f"s3ckpt vs peers, {report['size_mib']} MiB, local SeaweedFS (2 cores shared with the server)")
+    fig.suptitle(
+        f"s3ckpt vs peers, {report['size_mib']} MiB, local SeaweedFS (2 cores shared with the server)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

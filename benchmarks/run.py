@@ -46,11 +46,17 @@ CLEANUP_AFTER = {"raw_download": "raw", "s3ckpt_load": "s3ckpt", "s3ckpt_async":
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--size-mib", type=int, default=1024, help="state dict size (default 1024)")
     parser.add_argument("--reps", type=int, default=3, help="runs per case (default 3)")
-    parser.add_argument("--cases", default=",".join(ORDER), help="comma-separated subset of: " + ", ".join(ORDER))
-    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for bench.json and bench.png")
+    parser.add_argument(
+        "--cases", default=",".join(ORDER), help="comma-separated subset of: " + ", ".join(ORDER)
+    )
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS, help="directory for bench.json and bench.png"
+    )
     args = parser.parse_args(argv)
     cases = [c for c in ORDER if c in set(args.cases.split(","))]
     if not cases or args.reps < 1 or args.size_mib < 1:
@@ -61,12 +67,21 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, **server.env(), "BENCH_BUCKET": server.bucket, "BENCH_PREFIX": f"bench-{int(time.time())}",
                "BENCH_SIZE_MIB": str(args.size_mib), "BENCH_REPS": str(args.reps), "BENCH_TMP": tmp}  # fmt: skip
         for case in cases:
-            print(f"running {case} ({args.reps} x {args.size_mib} MiB) ...", file=sys.stderr, flush=True)
+            print(
+                f"running {case} ({args.reps} x {args.size_mib} MiB) ...",
+                file=sys.stderr,
+                flush=True,
+            )
             results[case] = _run_case(case, env)
             if case in CLEANUP_AFTER:
                 _delete_prefix(server, f"{env['BENCH_PREFIX']}/{CLEANUP_AFTER[case]}/")
     summary = summarize(results)
-    report = {"size_mib": args.size_mib, "reps": args.reps, "cases": summary, "targets": targets(summary)}
+    report = {
+        "size_mib": args.size_mib,
+        "reps": args.reps,
+        "cases": summary,
+        "targets": targets(summary),
+    }
     print(table(report))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(json.dumps({"report": report, "raw": results}, indent=2))
@@ -77,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_case(case: str, env: dict[str, str]) -> dict[str, Any]:
     completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.cases", case], env=env, capture_output=True, text=True, timeout=1800
+        [sys.executable, "-m", "benchmarks.cases", case],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
     if completed.returncode != 0:
         tail = "\n".join(completed.stderr.strip().splitlines()[-15:])
@@ -88,7 +107,9 @@ def _run_case(case: str, env: dict[str, str]) -> dict[str, Any]:
 
 def _delete_prefix(server: LocalS3Server, prefix: str) -> None:
     client = server.client()
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=server.bucket, Prefix=prefix):
+    for page in client.get_paginator("list_objects_v2").paginate(
+        Bucket=server.bucket, Prefix=prefix
+    ):
         keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
         if keys:
             client.delete_objects(Bucket=server.bucket, Delete={"Objects": keys, "Quiet": True})

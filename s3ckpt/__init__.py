@@ -14,7 +14,7 @@ and of a load::
 
     dcp.load -> reader.S3StorageReader -> manifest + dcp_metadata (restricted unpickler)
              -> download.RangeReader   coalesced parallel ranged GETs into the tensors
-             -> codec.verify_blocks    every byte checked against its CRC32C
+             -> checksums.verify_blocks every byte checked against its CRC32C
 """
 
 from typing import TYPE_CHECKING, Any

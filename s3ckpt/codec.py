@@ -4,7 +4,7 @@ Tensors are stored raw: their contiguous little-endian bytes, no ``torch.save`` 
 pickle per tensor. On save a CPU tensor is exposed as a ``memoryview`` over its own
 storage (a copy happens only for GPU or non-contiguous tensors, which must be gathered
 anyway); on load bytes land in a ``uint8`` buffer that is reinterpreted in place as the
-target dtype and shape. CRC32C runs in native code that releases the GIL.
+target dtype and shape. Checksums live in :mod:`s3ckpt.checksums`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,6 @@ from __future__ import annotations
 import sys
 
 import torch
-from crc32c import crc32c
-
-from s3ckpt.errors import CorruptCheckpointError
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("s3ckpt stores raw little-endian tensor bytes and needs a little-endian host")
@@ -56,31 +53,3 @@ def tensor_from_bytes(
 
 def byte_buffer(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
-
-
-def block_crcs(data: memoryview, block_size: int) -> tuple[int, ...]:
-    """One CRC32C per ``block_size`` block of ``data``; an empty item has one CRC of nothing."""
-    if len(data) == 0:
-        return (crc32c(b""),)
-    return tuple(crc32c(data[i : i + block_size]) for i in range(0, len(data), block_size))
-
-
-def verify_blocks(
-    data: memoryview,
-    expected: tuple[int, ...],
-    *,
-    block_size: int,
-    first_block: int,
-    what: str,
-) -> None:
-    """Check ``data`` (starting at block ``first_block`` of an item) against its block CRCs."""
-    if len(data) == 0:
-        if expected and first_block == 0 and expected[0] != crc32c(b""):
-            raise CorruptCheckpointError(f"checksum mismatch in {what}")
-        return
-    for n, start in enumerate(range(0, len(data), block_size)):
-        block = first_block + n
-        if block >= len(expected) or crc32c(data[start : start + block_size]) != expected[block]:
-            raise CorruptCheckpointError(
-                f"checksum mismatch in {what} (block {block}, bytes {start}-{min(start + block_size, len(data))} of the read)"
-            )

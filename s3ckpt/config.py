@@ -10,6 +10,7 @@ writer to a child process) and never prints its secrets.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlparse
@@ -18,6 +19,17 @@ from s3ckpt.errors import ConfigError, InvalidURIError
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
+_CLIENT_ENVIRONMENT = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_CA_BUNDLE",
+)
 
 
 @dataclass(frozen=True)
@@ -91,8 +103,13 @@ class S3Config:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
     def client_key(self) -> tuple[object, ...]:
-        """The fields that decide which client is used: equal keys share one client."""
+        """What decides which client is used: equal keys share one client.
+
+        Includes the AWS environment variables a client reads at creation, so a process
+        that changes them gets a new client rather than a stale one.
+        """
         return (
+            *(os.environ.get(name) for name in _CLIENT_ENVIRONMENT),
             self.endpoint_url,
             self.region,
             self.profile,

@@ -7,8 +7,11 @@ one range; ranges are then cut into requests of at most ``max_request_size`` so 
 large tensor is also fetched in parallel. Each response is copied chunk by chunk into the
 buffers it overlaps, so no range is ever held twice.
 
-As soon as a target's last byte arrives its token is handed to the calling thread, which
-verifies and commits it (checksums, copies into non-contiguous or GPU destinations,
+A target may carry a :class:`~s3ckpt.checksums.StreamingCheck`: ranges are then cut at
+the target's checksum-block boundaries, so that every block arrives within one response,
+in order, and its CRC32C is computed on the loop as the bytes are copied, while they are
+still in cache. As soon as a target's last byte arrives its token is handed to the
+calling thread, which finishes it (copies into non-contiguous or GPU destinations,
 ``planner.load_bytes``) while the loop keeps downloading.
 """
 
@@ -20,6 +23,7 @@ import queue
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from s3ckpt.checksums import StreamingCheck
 from s3ckpt.loop import io_loop
 from s3ckpt.store import ObjectStore
 
@@ -35,6 +39,7 @@ class ReadTarget:
     end: int
     buffer: memoryview
     token: object
+    check: StreamingCheck | None = None
     remaining: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -67,13 +72,55 @@ def plan_requests(
         group.sort(key=lambda t: t.start)
         for start, end, members in _coalesce(group, max_gap):
             starts = [t.start for t in members]
-            for piece_start in range(start, end, max_request_size):
-                piece_end = min(piece_start + max_request_size, end)
+            for piece_start, piece_end in _cuts(start, end, members, starts, max_request_size):
                 hi = bisect.bisect_left(starts, piece_end)
                 overlapping = [t for t in members[:hi] if t.end > piece_start]
                 if overlapping:
                     requests.append(RangeRequest(key, piece_start, piece_end, overlapping))
+    _disable_split_checks(requests)
     return requests
+
+
+def _cuts(
+    start: int, end: int, members: list[ReadTarget], starts: list[int], size: int
+) -> Iterator[tuple[int, int]]:
+    """Request boundaries about ``size`` apart, moved onto checksum-block boundaries."""
+    position = start
+    while position < end:
+        cut = min(position + size, end)
+        if cut < end:
+            cut = _block_boundary(cut, position, members, starts)
+        yield position, cut
+        position = cut
+
+
+def _block_boundary(cut: int, floor: int, members: list[ReadTarget], starts: list[int]) -> int:
+    """``cut`` moved back (or, if that reaches ``floor``, forward) to a block boundary."""
+    index = bisect.bisect_right(starts, cut) - 1
+    if index < 0 or members[index].end <= cut or members[index].check is None:
+        return cut
+    target = members[index]
+    block = target.check.block_size
+    back = target.start + (cut - target.start) // block * block
+    if back > floor:
+        return back
+    return min(target.start + -(-(cut - target.start) // block) * block, target.end)
+
+
+def _disable_split_checks(requests: list[RangeRequest]) -> None:
+    """Streaming checks need whole blocks per response; otherwise the caller verifies."""
+    for request in requests:
+        for target in request.targets:
+            check = target.check
+            if check is None or not check.active:
+                continue
+            for edge in (max(request.start, target.start), min(request.end, target.end)):
+                if (
+                    edge not in (target.start, target.end)
+                    and (edge - target.start) % check.block_size
+                ):
+                    check.disable()
+                    break
 
 
 def _coalesce(group: list[ReadTarget], max_gap: int) -> Iterator[tuple[int, int, list[ReadTarget]]]:
@@ -113,7 +160,10 @@ class _Scatter:
             lo, hi = max(offset, target.start), min(end, target.end)
             if lo >= hi:
                 continue
-            target.buffer[lo - target.start : hi - target.start] = view[lo - offset : hi - offset]
+            piece = view[lo - offset : hi - offset]
+            target.buffer[lo - target.start : hi - target.start] = piece
+            if target.check is not None:
+                target.check.feed(lo - target.start, piece)
             target.remaining -= hi - lo
             if target.remaining == 0:
                 self.done(target)

@@ -70,6 +70,10 @@ async def _close_resources(resources: dict[Any, Any]) -> None:
 
 
 def _new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop when installed (it sends request bodies without copying them), unless
+    ``S3CKPT_EVENT_LOOP=asyncio`` asks for the standard loop."""
+    if os.environ.get("S3CKPT_EVENT_LOOP", "").lower() == "asyncio":
+        return asyncio.new_event_loop()
     try:
         import uvloop  # type: ignore[import-not-found]
     except ImportError:

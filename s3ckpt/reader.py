@@ -30,7 +30,8 @@ import torch
 from torch.futures import Future
 
 from s3ckpt import dcp_metadata
-from s3ckpt.codec import byte_buffer, tensor_from_bytes, tensor_view, verify_blocks
+from s3ckpt.checksums import StreamingCheck, verify_blocks
+from s3ckpt.codec import byte_buffer, tensor_from_bytes, tensor_view
 from s3ckpt.compat import (
     LoadItemType,
     LoadPlan,
@@ -64,9 +65,15 @@ class _PendingRead:
     destination: torch.Tensor | None  # None for BYTE_IO
     direct: bool  # buffer aliases the destination: nothing to copy
     view: memoryview = field(init=False)  # the buffer's bytes
+    check: StreamingCheck = field(init=False)  # CRC32Cs computed as the bytes arrive
 
     def __post_init__(self) -> None:
         self.view = tensor_view(self.buffer)
+        first, last = self.span
+        block_size = self.stored.block_size
+        self.check = StreamingCheck(
+            self.stored.crc32c, block_size, first // block_size, last - first
+        )
 
 
 class S3StorageReader(StorageReader):
@@ -157,6 +164,7 @@ class S3StorageReader(StorageReader):
                 p.stored.offset + p.span[1],
                 p.view,
                 p,
+                p.check,
             )
             for p in pending
         ]
@@ -219,14 +227,18 @@ class S3StorageReader(StorageReader):
         return _PendingRead(request, stored, (first, last), wanted, buffer, destination, direct)
 
     def _finish(self, pending: _PendingRead, planner: LoadPlanner) -> None:
-        stored, request = pending.stored, pending.request
-        verify_blocks(
-            pending.view,
-            stored.crc32c,
-            block_size=stored.block_size,
-            first_block=pending.span[0] // stored.block_size,
-            what=f"{self.location}/{stored.key} item {request.storage_index.fqn!r}",
-        )
+        stored, request, check = pending.stored, pending.request, pending.check
+        what = f"{self.location}/{stored.key} item {request.storage_index.fqn!r}"
+        if not check.active:
+            verify_blocks(
+                pending.view,
+                stored.crc32c,
+                block_size=stored.block_size,
+                first_block=check.first_block,
+                what=what,
+            )
+        elif check.bad_block is not None:
+            raise CorruptCheckpointError(f"checksum mismatch in {what} (block {check.bad_block})")
         if pending.destination is None:
             planner.load_bytes(request, io.BytesIO(pending.view.tobytes()))
             return

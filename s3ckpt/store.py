@@ -197,10 +197,13 @@ class ObjectStore:
                 )
                 position = start
                 async with response["Body"] as stream:
-                    # aiohttp's readany() hands over each received buffer as is; read(n)
-                    # would join buffers into a new bytes object first.
+                    # readchunk() hands over one received buffer as is; readany() and
+                    # read(n) join everything buffered into a new bytes object first.
                     content = stream.raw_stream.content
-                    while position < end and (chunk := await content.readany()):
+                    while position < end:
+                        chunk, _ = await content.readchunk()
+                        if not chunk:
+                            break
                         sink(position, chunk)
                         position += len(chunk)
                 if position != end:

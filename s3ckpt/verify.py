@@ -13,9 +13,7 @@ all ahead of time and reports *every* damaged item rather than stopping at the f
 
 Memory stays bounded: pieces are fetched in batches that share one reusable buffer of at
 most ``max_buffer`` bytes (or one checksum block, if that is larger), however large the
-checkpoint. The CRC check is done here with
-``crc32c`` directly, not :mod:`s3ckpt.codec`, because that module imports torch and the
-CLI must start without it.
+checkpoint. Checks use :mod:`s3ckpt.checksums`, the same torch-free code the loader uses.
 """
 
 from __future__ import annotations
@@ -26,6 +24,7 @@ from typing import Any
 
 from crc32c import crc32c
 
+from s3ckpt.checksums import first_bad_block
 from s3ckpt.config import S3URI, S3Config
 from s3ckpt.download import RangeReader, ReadTarget
 from s3ckpt.errors import StorageError
@@ -77,19 +76,6 @@ class _Piece:
 def item_label(item: ItemEntry) -> str:
     """The FQN, plus the chunk's offsets when the tensor is sharded."""
     return f"{item.fqn}@{list(item.chunk_offsets)}" if any(item.chunk_offsets) else item.fqn
-
-
-def bad_block(
-    data: memoryview, expected: tuple[int, ...], block_size: int, first: int
-) -> int | None:
-    """The first block of ``data`` (block ``first`` of its item) whose CRC32C is wrong, if any."""
-    if len(data) == 0:
-        return None if expected and expected[0] == crc32c(b"") else 0
-    for n, start in enumerate(range(0, len(data), block_size)):
-        block = first + n
-        if block >= len(expected) or crc32c(data[start : start + block_size]) != expected[block]:
-            return block
-    return None
 
 
 class Verifier:
@@ -156,7 +142,9 @@ class Verifier:
                 self.problem(label, item.key, f"item runs past the end of its {size}-byte object")
             elif len(item.crc32c) != blocks:
                 self.problem(label, item.key, f"{len(item.crc32c)} checksums for {blocks} blocks")
-            elif item.length == 0 and bad_block(memoryview(b""), item.crc32c, 1, 0) is not None:
+            elif (
+                item.length == 0 and first_bad_block(memoryview(b""), item.crc32c, 1, 0) is not None
+            ):
                 self.problem(label, item.key, "checksum mismatch (empty item)")
             if size is None or item.length == 0 or (label, item.key) in self._reported:
                 continue
@@ -191,7 +179,7 @@ class Verifier:
     def _check(self, piece: _Piece, data: memoryview, progress: Reporter) -> None:
         item = piece.item
         first = piece.start // item.block_size
-        block = bad_block(data, item.crc32c, item.block_size, first)
+        block = first_bad_block(data, item.crc32c, item.block_size, first)
         if block is not None:
             start = item.offset + block * item.block_size
             end = item.offset + min((block + 1) * item.block_size, item.length)

@@ -34,7 +34,8 @@ from torch.futures import Future
 
 from s3ckpt import dcp_metadata
 from s3ckpt._version import __version__
-from s3ckpt.codec import as_cpu_contiguous, block_crcs, tensor_view
+from s3ckpt.checksums import block_crcs
+from s3ckpt.codec import as_cpu_contiguous, tensor_view
 from s3ckpt.compat import (
     TORCH_VERSION,
     Metadata,

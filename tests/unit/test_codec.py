@@ -1,13 +1,12 @@
 import pytest
 import torch
 
+from s3ckpt.checksums import block_crcs, verify_blocks
 from s3ckpt.codec import (
     as_cpu_contiguous,
-    block_crcs,
     byte_buffer,
     tensor_from_bytes,
     tensor_view,
-    verify_blocks,
 )
 from s3ckpt.errors import CorruptCheckpointError
 

@@ -1,0 +1,94 @@
+"""Block CRC32C checksums of item bytes: computing them and checking reads against them.
+
+An item's bytes are checksummed per ``block_size`` block (the last block may be shorter;
+an empty item has one CRC of no bytes), so a read of any block-aligned sub-range can be
+verified on its own. CRC32C runs in native code that releases the GIL. Torch-free, so the
+CLI can verify without importing torch.
+"""
+
+from __future__ import annotations
+
+from crc32c import crc32c
+
+from s3ckpt.errors import CorruptCheckpointError
+
+
+def block_crcs(data: memoryview, block_size: int) -> tuple[int, ...]:
+    """One CRC32C per ``block_size`` block of ``data``."""
+    if len(data) == 0:
+        return (crc32c(b""),)
+    return tuple(crc32c(data[i : i + block_size]) for i in range(0, len(data), block_size))
+
+
+def first_bad_block(
+    data: memoryview, expected: tuple[int, ...], block_size: int, first: int
+) -> int | None:
+    """The first block of ``data`` (block ``first`` of its item) whose CRC32C is wrong, if any."""
+    if len(data) == 0:
+        return None if expected and expected[0] == crc32c(b"") else 0
+    for n, start in enumerate(range(0, len(data), block_size)):
+        block = first + n
+        if block >= len(expected) or crc32c(data[start : start + block_size]) != expected[block]:
+            return block
+    return None
+
+
+def verify_blocks(
+    data: memoryview, expected: tuple[int, ...], *, block_size: int, first_block: int, what: str
+) -> None:
+    """Raise :class:`CorruptCheckpointError` naming ``what`` if any block of ``data`` is wrong."""
+    block = first_bad_block(data, expected, block_size, first_block)
+    if block is not None:
+        start = (block - first_block) * block_size
+        raise CorruptCheckpointError(
+            f"checksum mismatch in {what} (block {block}, bytes {start}-{min(start + block_size, len(data))} of the read)"
+        )
+
+
+class StreamingCheck:
+    """Verifies an item range's block CRC32Cs while its bytes stream in.
+
+    The range starts at a block boundary of its item (block ``first_block``). Bytes may
+    arrive from several responses in any order, but each block's bytes must arrive in
+    order, which holds when every block lies within one response: the download planner
+    guarantees it or calls :meth:`disable`, and the caller then checks the whole buffer
+    after the fact with :func:`verify_blocks`. Checking bytes just received, while they
+    are still in the CPU cache, saves a second pass over memory.
+    """
+
+    def __init__(
+        self, expected: tuple[int, ...], block_size: int, first_block: int, length: int
+    ) -> None:
+        self.expected = expected
+        self.block_size = block_size
+        self.first_block = first_block
+        self.length = length
+        self.active = True
+        self.bad_block: int | None = None
+        self._running: dict[int, tuple[int, int]] = {}  # block -> (crc so far, bytes so far)
+
+    def disable(self) -> None:
+        self.active = False
+
+    def feed(self, position: int, data: memoryview) -> None:
+        """Account for ``data`` found at ``position`` (relative to the start of the range)."""
+        while self.active and len(data):
+            block, within = divmod(position, self.block_size)
+            take = min(len(data), self.block_size - within)
+            crc, filled = self._running.pop(block, (0, 0))
+            if filled != within:  # out of order: leave it to verify_blocks
+                self.disable()
+                return
+            crc = crc32c(data[:take], crc)
+            filled += take
+            if filled == self.block_size or position + take == self.length:
+                self._check(block, crc)
+            else:
+                self._running[block] = (crc, filled)
+            position += take
+            data = data[take:]
+
+    def _check(self, block: int, crc: int) -> None:
+        index = self.first_block + block
+        if self.bad_block is None and (index >= len(self.expected) or self.expected[index] != crc):
+            self.bad_block = index

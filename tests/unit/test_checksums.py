@@ -1,0 +1,65 @@
+import os
+
+from s3ckpt.checksums import StreamingCheck, block_crcs
+from s3ckpt.download import ReadTarget, _Scatter, plan_requests
+
+MiB = 1024 * 1024
+
+
+def _feed_in_chunks(check: StreamingCheck, data: bytes, chunk: int, start: int = 0) -> None:
+    for lo in range(0, len(data), chunk):
+        check.feed(start + lo, memoryview(data)[lo : lo + chunk])
+
+
+def test_streaming_check_accepts_good_bytes_in_any_chunking():
+    data = os.urandom(10_000)
+    expected = block_crcs(memoryview(data), 1024)
+    for chunk in (1, 7, 1000, 1024, 4096, 10_000):
+        check = StreamingCheck(expected, 1024, 0, len(data))
+        _feed_in_chunks(check, data, chunk)
+        assert check.active and check.bad_block is None
+
+
+def test_streaming_check_names_the_corrupted_block():
+    data = bytearray(os.urandom(10_000))
+    expected = block_crcs(memoryview(bytes(data)), 1024)
+    data[5000] ^= 1
+    check = StreamingCheck(expected, 1024, 0, len(data))
+    _feed_in_chunks(check, bytes(data), 333)
+    assert check.bad_block == 4
+
+
+def test_blocks_may_arrive_in_any_order_but_bytes_within_a_block_may_not():
+    data = os.urandom(4096)
+    expected = block_crcs(memoryview(data), 1024)
+    check = StreamingCheck(expected, 1024, 0, len(data))
+    for block in (3, 1, 0, 2):
+        check.feed(block * 1024, memoryview(data)[block * 1024 : (block + 1) * 1024])
+    assert check.active and check.bad_block is None
+    check = StreamingCheck(expected, 1024, 0, len(data))
+    check.feed(512, memoryview(data)[512:1024])
+    assert not check.active  # the caller will verify the whole buffer instead
+
+
+def test_requests_are_cut_on_block_boundaries_and_verify_in_flight():
+    data = os.urandom(50 * MiB + 123)
+    block = 8 * MiB
+    targets = []
+    for start, end in ((0, 3 * MiB), (3 * MiB, 50 * MiB + 123)):
+        item = memoryview(data)[start:end]
+        check = StreamingCheck(block_crcs(item, block), block, 0, len(item))
+        targets.append(
+            ReadTarget("k", start, end, memoryview(bytearray(end - start)), (start, end), check)
+        )
+    requests = plan_requests(targets, max_request_size=16 * MiB)
+    for request in requests:
+        for target in request.targets:
+            for edge in (max(request.start, target.start), min(request.end, target.end)):
+                assert edge in (target.start, target.end) or (edge - target.start) % block == 0
+    for request in reversed(requests):  # responses finishing in any order
+        sink = _Scatter(request, lambda t: None)
+        for lo in range(request.start, request.end, 256 * 1024):
+            sink(lo, data[lo : min(lo + 256 * 1024, request.end)])
+    for target in targets:
+        assert target.check.active and target.check.bad_block is None
+        assert bytes(target.buffer) == data[target.start : target.end]

@@ -1,9 +1,11 @@
 """Planning where every item of a save lives: which object, at which offset.
 
-A rank packs its items, in plan order, into a few large data objects rather than one
-object per tensor: many small tensors cost many requests, while large objects upload as
-parallel multipart parts and load as parallel ranged GETs. Object keys carry the rank and
-the save id, so concurrent saves and overwrites never write to the same key.
+A rank packs its items, in plan order, back to back into a few large data objects rather
+than one object per tensor: many small tensors cost many requests, while large objects
+upload as parallel multipart parts and load as parallel ranged GETs. The packing happens
+as items stream into the uploader (:class:`s3ckpt.upload.RankUploader`), because a
+compressed item's size is known only once it is compressed. Object keys carry the rank
+and the save id, so concurrent saves and overwrites never write to the same key.
 
 :class:`StoredItem` is what DCP keeps per item in ``Metadata.storage_data``: enough to
 fetch and verify the item (and any byte sub-range of it) without reading anything else.
@@ -11,7 +13,7 @@ fetch and verify the item (and any byte sub-range of it) without reading anythin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 MiB = 1024 * 1024
 DEFAULT_BLOCK_SIZE = 8 * MiB
@@ -22,9 +24,11 @@ DEFAULT_MAX_OBJECT_SIZE = 64 * 1024 * MiB
 class StoredItem:
     """Where one DCP item's bytes live and how to check them.
 
-    ``key`` is relative to the checkpoint prefix. ``crc32c`` holds one CRC32C per
-    ``block_size`` block of the item's bytes (the last block may be shorter), so a
-    partial read can be verified by fetching only the blocks it touches.
+    ``key`` is relative to the checkpoint prefix; ``offset``/``length`` locate the stored
+    bytes there. ``crc32c`` holds one CRC32C per ``block_size`` block of the item's raw
+    bytes (the last block may be shorter), so a partial read can be verified by fetching
+    only the blocks it touches. For a compressed item (``codec`` other than ``raw``),
+    ``raw_length`` is the decoded size and ``frames`` the stored size of each block's frame.
     """
 
     key: str
@@ -34,55 +38,35 @@ class StoredItem:
     block_size: int = DEFAULT_BLOCK_SIZE
     codec: str = "raw"
     etag: str = ""  # of the data object, so reads can insist on the exact bytes written
-
-    def block_span(self, start: int, end: int) -> tuple[int, int]:
-        """The block-aligned ``[start, end)`` (relative to the item) covering ``[start, end)``."""
-        if self.length == 0:
-            return 0, 0
-        first = (start // self.block_size) * self.block_size
-        last = min(-(-end // self.block_size) * self.block_size, self.length)
-        return first, last
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One item's place in a planned object."""
-
-    index: object  # DCP MetadataIndex of the item
-    offset: int
-    length: int
-
-
-@dataclass
-class ObjectPlan:
-    key: str
-    slots: list[Slot] = field(default_factory=list)
+    raw_length: int | None = None
+    frames: tuple[int, ...] = ()
 
     @property
     def size(self) -> int:
-        return self.slots[-1].offset + self.slots[-1].length if self.slots else 0
+        """The item's raw (decoded) size."""
+        return self.length if self.raw_length is None else self.raw_length
+
+    def block_span(self, start: int, end: int) -> tuple[int, int]:
+        """The block-aligned raw ``[start, end)`` covering raw ``[start, end)``."""
+        if self.size == 0:
+            return 0, 0
+        first = (start // self.block_size) * self.block_size
+        last = min(-(-end // self.block_size) * self.block_size, self.size)
+        return first, last
+
+    def stored_span(self, first: int, last: int) -> tuple[int, int]:
+        """Stored bytes (relative to the item) holding the raw block-aligned ``[first, last)``."""
+        return stored_span(self.frames, self.block_size, first, last)
+
+
+def stored_span(frames: tuple[int, ...], block_size: int, first: int, last: int) -> tuple[int, int]:
+    """For an item stored as ``frames`` (one per raw block; none if raw), the stored bytes
+    holding its raw block-aligned range ``[first, last)``."""
+    if not frames:
+        return first, last
+    start_block, end_block = first // block_size, -(-last // block_size)
+    return sum(frames[:start_block]), sum(frames[:end_block])
 
 
 def data_key(rank: int, save_id: str, number: int) -> str:
     return f"data/r{rank:05d}-{save_id}-{number:04d}.bin"
-
-
-def plan_objects(
-    items: list[tuple[object, int]],
-    *,
-    rank: int,
-    save_id: str,
-    max_object_size: int = DEFAULT_MAX_OBJECT_SIZE,
-) -> list[ObjectPlan]:
-    """Pack ``(index, nbytes)`` items, in order, into objects of at most ``max_object_size``.
-
-    An item larger than ``max_object_size`` gets an object of its own.
-    """
-    objects: list[ObjectPlan] = []
-    current: ObjectPlan | None = None
-    for index, nbytes in items:
-        if current is None or (current.slots and current.size + nbytes > max_object_size):
-            current = ObjectPlan(data_key(rank, save_id, len(objects)))
-            objects.append(current)
-        current.slots.append(Slot(index, current.size, nbytes))
-    return objects

@@ -11,9 +11,11 @@ Commit modes:
 * ``create`` (the default): ``PutObject`` with ``If-None-Match: *``; of two writers racing
   for the same id exactly one wins and the other gets :class:`CommitConflictError`.
   Endpoints that do not honor the header (probed once per endpoint and bucket) use the
-  fallback: HEAD, PUT, then read the manifest back and check that it carries our save id.
-  The fallback detects a lost race but, unlike the conditional write, cannot prevent the
-  loser from briefly replacing the winner's manifest.
+  fallback: HEAD, PUT, wait ``FALLBACK_SETTLE_S`` (1 s), then read the manifest back and
+  check that it carries our save id. Of writers whose PUTs land within that second of
+  each other, only the last keeps its manifest and all others get the error; unlike the
+  conditional write, the fallback cannot stop a loser from briefly replacing the
+  winner's manifest, and it costs the pause on every commit.
 * ``overwrite``: the new manifest replaces the old in one PUT (S3 PUTs are atomic), so
   every reader sees either the complete old checkpoint or the complete new one; the old
   save's objects are deleted only after the switch.
@@ -23,11 +25,12 @@ The schema is versioned; see ``docs/format.md``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from s3ckpt.config import S3URI
@@ -44,6 +47,7 @@ log = logging.getLogger(__name__)
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "s3ckpt"
 FORMAT_VERSION = 1
+FALLBACK_SETTLE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,13 @@ class ItemEntry:
     codec: str
     block_size: int
     crc32c: tuple[int, ...]
+    raw_length: int | None = None  # decoded size of a compressed item
+    frames: tuple[int, ...] = ()  # stored size of each block's frame, compressed items only
+
+    @property
+    def size(self) -> int:
+        """The item's raw (decoded) size."""
+        return self.length if self.raw_length is None else self.raw_length
 
 
 @dataclass(frozen=True)
@@ -122,14 +133,18 @@ class Manifest:
             raise CorruptCheckpointError(f"unreadable manifest {where}: {exc}") from exc
 
 
+_ITEM_FIELDS = {f.name for f in fields(ItemEntry)}
+
+
 def _item(raw: dict[str, Any]) -> ItemEntry:
     shape = raw.get("shape")
     return ItemEntry(
         **{
-            **raw,
+            **{k: v for k, v in raw.items() if k in _ITEM_FIELDS},
             "chunk_offsets": tuple(raw["chunk_offsets"]),
             "shape": tuple(shape) if shape is not None else None,
             "crc32c": tuple(raw["crc32c"]),
+            "frames": tuple(raw.get("frames", ())),
         }
     )
 
@@ -209,6 +224,10 @@ async def _commit_fallback(
     if await store.exists(key):
         raise CommitConflictError(f"another writer committed s3://{store.bucket}/{key} first")
     await store.put(key, body, content_type="application/json")
+    # Two writers that both passed the HEAD put within moments of each other; the last PUT
+    # wins. Reading back only after a pause lets every writer of such a race see the
+    # winner, so the loser learns it lost even when its own PUT came and went first.
+    await asyncio.sleep(FALLBACK_SETTLE_S)
     committed = await read_manifest(store, location)
     if committed.save_id != manifest.save_id:
         raise CommitConflictError(

@@ -54,42 +54,80 @@ def part_ranges(object_size: int, part_size: int) -> list[tuple[int, int]]:
 Piece = tuple[int, int, int]  # (item number, start, end) within that item's bytes
 
 
-def cut_parts(lengths: list[int], part_size: int, min_part: int = MIN_PART_SIZE) -> list[list[Piece]]:
-    """Cut a sequence of items into multipart parts, preferring cuts at item boundaries.
+def part_limits(max_object_size: int, preferred: int | None = None) -> tuple[int, int]:
+    """``(part_size, min_part)`` for objects of at most ``max_object_size`` bytes.
+
+    ``min_part`` is the smallest part :class:`PartCutter` closes early (at an item
+    boundary); it is raised above 5 MiB only for objects so large that 10,000 parts of
+    5 MiB would not hold them, which keeps every object within S3's part limit.
+    """
+    min_part = max(MIN_PART_SIZE, -(-max_object_size // (MAX_PARTS - 1) // MiB) * MiB)
+    part_size = max(choose_part_size(min(max_object_size, MAX_OBJECT_SIZE), preferred), min_part)
+    return min(part_size, MAX_PART_SIZE), min(min_part, MAX_PART_SIZE)
+
+
+class PartCutter:
+    """Cuts a stream of items into multipart parts, preferring cuts at item boundaries.
 
     S3 parts need not be equal: any size from 5 MiB up is fine except for the last. So an
     item of at least ``min_part`` bytes gets parts of its own (split evenly when larger
-    than ``part_size``) and is sent straight from its memory; only runs of small items, and
-    the small tail of an item, share a part and need joining. If that would exceed 10,000
-    parts, fixed-size parts are used instead.
+    than ``part_size``) and can be sent straight from its memory; only runs of small
+    items, and the small tail of an item, share a part and need joining. Every part but
+    the last has at least ``min_part`` bytes. Items are fed one at a time, as their sizes
+    become known (compressed sizes are known only after compression).
     """
-    parts: list[list[Piece]] = []
-    current: list[Piece] = []
-    filled = 0
-    for item, length in enumerate(lengths):
-        if current and filled + length <= part_size:
-            current.append((item, 0, length))
-            filled += length
-            continue
+
+    def __init__(self, part_size: int, min_part: int = MIN_PART_SIZE) -> None:
+        self.part_size = part_size
+        self.min_part = min_part
+        self._current: list[Piece] = []
+        self._filled = 0
+        self._emitted = False
+
+    def add(self, item: int, length: int) -> list[list[Piece]]:
+        """Feed the next item; returns the parts it completed."""
+        done: list[list[Piece]] = []
+        if self._current and self._filled + length <= self.part_size:
+            self._current.append((item, 0, length))
+            self._filled += length
+            return done
         position = 0
-        if current and filled < min_part:  # too small to close: top it up from this item
-            position = min_part - filled
-            current.append((item, 0, position))
-        if current:
-            parts.append(current)
-            current, filled = [], 0
+        if self._current and self._filled < self.min_part:  # too small to close: top it up
+            position = self.min_part - self._filled
+            self._current.append((item, 0, position))
+        if self._current:
+            done.append(self._close())
         rest = length - position
-        if rest < min_part:  # a small item or tail opens the next shared part
-            current, filled = [(item, position, length)], rest
-            continue
-        parts += [[(item, a, b)] for a, b in _even_pieces(position, length, part_size, min_part)]
-    if current and filled == 0 and parts:
-        parts[-1] += current  # trailing empty items ride along; never send an empty last part
-    elif current:
-        parts.append(current)
-    if len(parts) > MAX_PARTS:
-        return _fixed_parts(lengths, part_size)
-    return parts or [[]]
+        if rest < self.min_part:  # a small item or tail opens the next shared part
+            self._current, self._filled = [(item, position, length)], rest
+            return done
+        done += [
+            [(item, a, b)] for a, b in _even_pieces(position, length, self.part_size, self.min_part)
+        ]
+        self._emitted = True
+        return done
+
+    def finish(self) -> list[list[Piece]]:
+        """The last part, if any. Trailing empty items hold no bytes: they never make an
+        empty last part (unless every item was empty and the object is one empty PUT)."""
+        if not self._current or (self._filled == 0 and self._emitted):
+            self._current = []
+            return []
+        return [self._close()]
+
+    def _close(self) -> list[Piece]:
+        part, self._current, self._filled = self._current, [], 0
+        self._emitted = True
+        return part
+
+
+def cut_parts(
+    lengths: list[int], part_size: int, min_part: int = MIN_PART_SIZE
+) -> list[list[Piece]]:
+    """All parts for ``lengths`` at once (see :class:`PartCutter`)."""
+    cutter = PartCutter(part_size, min_part)
+    parts = [part for item, length in enumerate(lengths) for part in cutter.add(item, length)]
+    return parts + cutter.finish()
 
 
 def _even_pieces(start: int, end: int, part_size: int, min_part: int) -> list[tuple[int, int]]:
@@ -105,22 +143,3 @@ def _even_pieces(start: int, end: int, part_size: int, min_part: int) -> list[tu
         pieces.append((position, position + step))
         position += step
     return pieces
-
-
-def _fixed_parts(lengths: list[int], part_size: int) -> list[list[Piece]]:
-    parts: list[list[Piece]] = []
-    current: list[Piece] = []
-    filled = 0
-    for item, length in enumerate(lengths):
-        position = 0
-        while position < length:
-            take = min(part_size - filled, length - position)
-            current.append((item, position, position + take))
-            filled += take
-            position += take
-            if filled == part_size:
-                parts.append(current)
-                current, filled = [], 0
-    if current:
-        parts.append(current)
-    return parts or [[]]

@@ -21,19 +21,18 @@ Lifecycle of a load (the order DCP calls in):
 
 from __future__ import annotations
 
-import io
 import os
-from dataclasses import dataclass, field
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, ThreadPoolExecutor
+from concurrent.futures import Future as ThreadFuture
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import torch
 from torch.futures import Future
 
 from s3ckpt import dcp_metadata
-from s3ckpt.checksums import StreamingCheck, verify_blocks
-from s3ckpt.codec import byte_buffer, tensor_from_bytes, tensor_view
+from s3ckpt.checksums import verify_blocks
 from s3ckpt.compat import (
-    LoadItemType,
     LoadPlan,
     LoadPlanner,
     Metadata,
@@ -42,7 +41,6 @@ from s3ckpt.compat import (
     StorageMeta,
     StorageReader,
     chunk_shapes,
-    narrow,
 )
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.download import RangeReader, ReadTarget
@@ -50,30 +48,8 @@ from s3ckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpoin
 from s3ckpt.layout import StoredItem
 from s3ckpt.loop import io_loop
 from s3ckpt.manifest import Manifest, read_manifest
+from s3ckpt.restore import PendingRead, commit, decode, prepare, verify_streamed
 from s3ckpt.store import ObjectStore
-
-
-@dataclass(eq=False)
-class _PendingRead:
-    """One read item on its way: where its bytes land and how to finish it."""
-
-    request: ReadItem
-    stored: StoredItem
-    span: tuple[int, int]  # block-aligned byte range of the item that is fetched
-    wanted: tuple[int, int] | None  # contiguous sub-range needed, None: the whole chunk
-    buffer: torch.Tensor  # uint8, receives the span
-    destination: torch.Tensor | None  # None for BYTE_IO
-    direct: bool  # buffer aliases the destination: nothing to copy
-    view: memoryview = field(init=False)  # the buffer's bytes
-    check: StreamingCheck = field(init=False)  # CRC32Cs computed as the bytes arrive
-
-    def __post_init__(self) -> None:
-        self.view = tensor_view(self.buffer)
-        first, last = self.span
-        block_size = self.stored.block_size
-        self.check = StreamingCheck(
-            self.stored.crc32c, block_size, first // block_size, last - first
-        )
 
 
 class S3StorageReader(StorageReader):
@@ -84,6 +60,7 @@ class S3StorageReader(StorageReader):
         endpoint_url: the S3 endpoint.
         config: an :class:`~s3ckpt.config.S3Config`; keyword ``options`` override its fields.
         request_size: the largest ranged GET; larger ranges are split and fetched in parallel.
+        decode_threads: worker threads decompressing compressed items.
     """
 
     def __init__(
@@ -93,6 +70,7 @@ class S3StorageReader(StorageReader):
         endpoint_url: str | None = None,
         config: S3Config | None = None,
         request_size: int = 16 * 1024 * 1024,
+        decode_threads: int = 2,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -101,6 +79,7 @@ class S3StorageReader(StorageReader):
             S3URI.parse(checkpoint_id) if checkpoint_id is not None else None
         )
         self.request_size = request_size
+        self.decode_threads = decode_threads
         self.manifest: Manifest | None = None
         self.storage_data: dict[MetadataIndex, StoredItem] = {}
         self._shapes: dict[MetadataIndex, tuple[torch.dtype, torch.Size]] = {}
@@ -160,17 +139,27 @@ class S3StorageReader(StorageReader):
         targets = [
             ReadTarget(
                 location.key(p.stored.key),
-                p.stored.offset + p.span[0],
-                p.stored.offset + p.span[1],
+                p.stored.offset + p.stored_span[0],
+                p.stored.offset + p.stored_span[1],
                 p.view,
                 p,
                 p.check,
             )
             for p in pending
         ]
-        store = ObjectStore(self.config, location.bucket)
-        for token in RangeReader(store, max_request_size=self.request_size).fetch(targets):
-            self._finish(token, planner)  # type: ignore[arg-type]
+        store = ObjectStore(self.config, location.bucket).with_deadline(self.config.deadline_s)
+        fetched = RangeReader(store, max_request_size=self.request_size).fetch(targets)
+        with ThreadPoolExecutor(self.decode_threads, thread_name_prefix="s3ckpt-decode") as pool:
+            decoding: set[ThreadFuture[PendingRead]] = set()
+            for token in fetched:
+                item: PendingRead = token  # type: ignore[assignment]
+                if item.compressed:
+                    decoding.add(pool.submit(decode, item))
+                else:
+                    verify_streamed(item)
+                    commit(item, planner)
+                decoding = _commit_decoded(decoding, planner, wait=False)
+            _commit_decoded(decoding, planner, wait=True)
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -193,7 +182,7 @@ class S3StorageReader(StorageReader):
         return self.location
 
     async def _fetch_metadata(self, location: S3URI) -> tuple[Manifest, bytes]:
-        store = ObjectStore(self.config, location.bucket)
+        store = ObjectStore(self.config, location.bucket).with_deadline(self.config.deadline_s)
         try:
             manifest = await read_manifest(store, location)
         except FileNotFoundError as exc:
@@ -209,88 +198,21 @@ class S3StorageReader(StorageReader):
             ) from exc
         return manifest, body
 
-    def _prepare(self, request: ReadItem, planner: LoadPlanner) -> _PendingRead:
+    def _prepare(self, request: ReadItem, planner: LoadPlanner) -> PendingRead:
         stored = self.storage_data[request.storage_index]
-        if request.type == LoadItemType.BYTE_IO:
-            return _PendingRead(
-                request, stored, (0, stored.length), None, byte_buffer(stored.length), None, False
-            )
-        dtype, shape = self._shapes[request.storage_index]
-        wanted = _contiguous_range(shape, request.storage_offsets, request.lengths, dtype.itemsize)
-        first, last = stored.block_span(*(wanted or (0, stored.length)))
-        destination = planner.resolve_tensor(request).detach()
-        direct = (
-            wanted == (0, stored.length)
-            or (wanted is None and tuple(request.lengths) == tuple(shape))
-        ) and _can_receive(destination, dtype, stored.length)
-        buffer = _as_bytes_tensor(destination) if direct else byte_buffer(last - first)
-        return _PendingRead(request, stored, (first, last), wanted, buffer, destination, direct)
-
-    def _finish(self, pending: _PendingRead, planner: LoadPlanner) -> None:
-        stored, request, check = pending.stored, pending.request, pending.check
         what = f"{self.location}/{stored.key} item {request.storage_index.fqn!r}"
-        if not check.active:
-            verify_blocks(
-                pending.view,
-                stored.crc32c,
-                block_size=stored.block_size,
-                first_block=check.first_block,
-                what=what,
-            )
-        elif check.bad_block is not None:
-            raise CorruptCheckpointError(f"checksum mismatch in {what} (block {check.bad_block})")
-        if pending.destination is None:
-            planner.load_bytes(request, io.BytesIO(pending.view.tobytes()))
-            return
-        if not pending.direct:
-            pending.destination.copy_(self._source(pending))
-        planner.commit_tensor(request, pending.destination)
-
-    def _source(self, pending: _PendingRead) -> torch.Tensor:
-        dtype, shape = self._shapes[pending.request.storage_index]
-        first = pending.span[0]
-        if pending.wanted is not None:
-            start, end = pending.wanted
-            return tensor_from_bytes(
-                pending.buffer[start - first : end - first], dtype, tuple(pending.request.lengths)
-            )
-        chunk = tensor_from_bytes(pending.buffer, dtype, shape)
-        return narrow(chunk, pending.request.storage_offsets, pending.request.lengths)
+        return prepare(request, stored, self._shapes.get(request.storage_index), planner, what)
 
 
-def _contiguous_range(
-    shape: torch.Size, offsets: torch.Size, lengths: torch.Size, itemsize: int
-) -> tuple[int, int] | None:
-    """Byte range of the region ``offsets``/``lengths`` in a C-contiguous chunk, if it is one range."""
-    ndim = len(shape)
-    if ndim == 0:
-        return (0, itemsize)
-    d = ndim - 1
-    while d >= 0 and offsets[d] == 0 and lengths[d] == shape[d]:
-        d -= 1
-    if any(lengths[i] != 1 for i in range(d)):
-        return None
-    strides = [1] * ndim
-    for i in range(ndim - 2, -1, -1):
-        strides[i] = strides[i + 1] * shape[i + 1]
-    numel = 1
-    for n in lengths:
-        numel *= n
-    start = sum(o * s for o, s in zip(offsets, strides, strict=True)) * itemsize
-    return (start, start + numel * itemsize)
-
-
-def _can_receive(destination: torch.Tensor, dtype: torch.dtype, nbytes: int) -> bool:
-    return (
-        destination.device.type == "cpu"
-        and destination.dtype == dtype
-        and destination.is_contiguous()
-        and destination.numel() * destination.element_size() == nbytes
-        and not destination.is_conj()
-        and not destination.is_neg()
+def _commit_decoded(
+    decoding: set[ThreadFuture[PendingRead]], planner: LoadPlanner, *, wait: bool
+) -> set[ThreadFuture[PendingRead]]:
+    """Commit the decoded items (all of them if ``wait``); returns those still decoding."""
+    done, still = futures_wait(
+        decoding,
+        return_when=ALL_COMPLETED if wait else FIRST_COMPLETED,
+        timeout=None if wait else 0,
     )
-
-
-def _as_bytes_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.reshape(-1)
-    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+    for finished in done:
+        commit(finished.result(), planner)
+    return still

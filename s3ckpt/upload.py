@@ -1,9 +1,12 @@
 """The upload engine: a rank's planned objects become PUTs and multipart uploads.
 
-The calling thread walks the items in layout order, resolving each lazily (a GPU tensor
-is copied to the CPU only when its turn comes), and cuts the byte stream into parts.
-A part that lies inside one tensor is sent as a ``memoryview`` of that tensor's memory;
-only parts straddling item boundaries are joined into a fresh buffer. Each part becomes a
+The calling thread feeds a stream of items, each resolved lazily (a GPU tensor is copied
+to the CPU only when its turn comes, a compressed item when its compression finishes),
+and the uploader packs them into data objects (a new one whenever ``max_object_size``
+would be exceeded) and cuts each object into parts on the fly (:class:`~s3ckpt.parts.
+PartCutter`). A part inside one item is sent as a ``memoryview`` of that item's memory;
+only parts straddling item boundaries are joined into a fresh buffer. An object that
+ends within one part is sent as a single PUT. Each part becomes a
 small task on the I/O loop, so parts of every object upload concurrently under the
 process-wide request bound, while a byte budget keeps the producer from running too far
 ahead of the network.
@@ -19,16 +22,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from crc32c import crc32c
 
-from s3ckpt.layout import ObjectPlan, Slot
 from s3ckpt.loop import io_loop
-from s3ckpt.parts import choose_part_size, cut_parts, is_multipart
+from s3ckpt.parts import PartCutter, part_limits
 from s3ckpt.store import Body, ObjectStore, PartResult
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,15 @@ class UploadedObject:
     key: str
     size: int
     etag: str
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an item went: the number of its data object, and its byte range there."""
+
+    object: int
+    offset: int
+    length: int
 
 
 class _ByteBudget:
@@ -71,10 +82,26 @@ def _shared_budget(limit: int) -> _ByteBudget:
 
 
 class RankUploader:
-    """Uploads the objects of one rank's save. Use once, from one thread."""
+    """Uploads the objects of one rank's save. Use once, from one thread.
 
-    def __init__(self, store: ObjectStore) -> None:
+    ``object_key(n)`` names data object ``n``; ``size_hint`` bounds the bytes the rank will
+    write (it sizes parts so that even the largest object stays within 10,000 parts).
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        object_key: Callable[[int], str],
+        *,
+        max_object_size: int,
+        size_hint: int,
+    ) -> None:
         self.store = store
+        self.object_key = object_key
+        self.max_object_size = max_object_size
+        self.part_size, self.min_part = part_limits(
+            max(1, min(max_object_size, size_hint)), store.config.part_size
+        )
         self._loop = io_loop()
         self._budget = _shared_budget(store.config.max_bytes_in_flight)
         self._futures: list[Future[Any]] = []
@@ -84,40 +111,35 @@ class RankUploader:
         self._planned_keys: list[str] = []
 
     def upload(
-        self,
-        objects: list[ObjectPlan],
-        key_of: Callable[[str], str],
-        read: Callable[[Slot], memoryview],
-    ) -> list[UploadedObject]:
-        """Upload every object; ``read(slot)`` returns the bytes of one item."""
-        completions: list[Future[UploadedObject]] = []
+        self, items: Iterable[tuple[object, memoryview]]
+    ) -> tuple[dict[object, Placement], list[UploadedObject]]:
+        """Upload ``(index, bytes)`` items in order; returns where each went, and the objects."""
+        placements: dict[object, Placement] = {}
+        streams: list[_ObjectStream] = []
         try:
-            for plan in objects:
-                key = key_of(plan.key)
-                self._planned_keys.append(key)
-                completions.append(self._upload_object(key, plan, read))
-            results = [f.result() for f in completions]
+            for index, data in items:
+                if not streams or (
+                    streams[-1].size and streams[-1].size + len(data) > self.max_object_size
+                ):
+                    if streams:
+                        streams[-1].finish()
+                    streams.append(self._open(len(streams)))
+                placements[index] = Placement(len(streams) - 1, streams[-1].add(data), len(data))
+            if streams:
+                streams[-1].finish()
+            results = [stream.completion.result() for stream in streams]  # type: ignore[union-attr]
         except BaseException as exc:
             self._fail(exc)
             self._clean_up()
             raise self._error from None  # type: ignore[misc]
-        return results
+        return placements, results
+
+    def _open(self, number: int) -> _ObjectStream:
+        key = self.object_key(number)
+        self._planned_keys.append(key)
+        return _ObjectStream(self, key)
 
     # -- producer side (calling thread) -----------------------------------------------
-
-    def _upload_object(
-        self, key: str, plan: ObjectPlan, read: Callable[[Slot], memoryview]
-    ) -> Future[UploadedObject]:
-        part_size = choose_part_size(plan.size, self.store.config.part_size)
-        if not is_multipart(plan.size, part_size):
-            body = _join([read(slot) for slot in plan.slots])
-            return self._spawn(self._put(key, body), len(body))
-        created = self._spawn(self._create(key), 0)
-        parts = [
-            self._spawn(self._part(key, created, number, body), len(body))
-            for number, body in enumerate(_part_bodies(plan.slots, read, part_size), start=1)
-        ]
-        return self._spawn(self._complete(key, plan.size, created, parts), 0)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], nbytes: int) -> Future[Any]:
         try:
@@ -208,25 +230,73 @@ class RankUploader:
             await self.store.delete_many(self._planned_keys)
 
 
-def _part_bodies(slots: list[Slot], read: Callable[[Slot], memoryview], part_size: int) -> Iterator[Body]:
-    """Yield part bodies following :func:`~s3ckpt.parts.cut_parts`, reading items lazily.
+class _ObjectStream:
+    """One data object being written, fed item by item from the producer thread.
 
-    An item is read when its first piece is needed and forgotten after its last one, so a
-    GPU tensor's CPU copy lives only as long as its parts are in flight.
+    Parts are held back while the object is no larger than one part: if it ends there it
+    is sent as a single PUT; the moment it outgrows a part, the multipart upload starts.
     """
-    plan = cut_parts([slot.length for slot in slots], part_size)
-    last_use = {item: n for n, part in enumerate(plan) for item, _, _ in part}
-    views: dict[int, memoryview] = {}
-    for n, part in enumerate(plan):
-        pieces = []
-        for item, start, end in part:
-            if item not in views:
-                views[item] = read(slots[item])
-            pieces.append(views[item][start:end])
-        yield _join(pieces)
-        for item, _, _ in part:
-            if last_use[item] == n:
-                views.pop(item, None)
+
+    def __init__(self, uploader: RankUploader, key: str) -> None:
+        self.uploader = uploader
+        self.key = key
+        self.cutter = PartCutter(uploader.part_size, uploader.min_part)
+        self.size = 0
+        self.data: dict[int, memoryview] = {}  # items with pieces still to send
+        self.count = 0
+        self.held: list[Body] = []
+        self.created: Future[str] | None = None
+        self.parts: list[Future[PartResult]] = []
+        self.completion: Future[UploadedObject] | None = None
+
+    def add(self, data: memoryview) -> int:
+        """Append an item; returns its offset in the object."""
+        number, offset = self.count, self.size
+        self.count += 1
+        self.size += len(data)
+        if len(data):
+            self.data[number] = data
+        for part in self.cutter.add(number, len(data)):
+            self._emit(part)
+        return offset
+
+    def finish(self) -> None:
+        for part in self.cutter.finish():
+            self._emit(part)
+        up = self.uploader
+        if self.created is None:
+            body = _join([memoryview(b) for b in self.held]) if self.held else b""
+            self.completion = up._spawn(up._put(self.key, body), len(body))
+        else:
+            self.completion = up._spawn(
+                up._complete(self.key, self.size, self.created, self.parts), 0
+            )
+
+    def _emit(self, part: list[tuple[int, int, int]]) -> None:
+        pieces = [self.data[item][start:end] for item, start, end in part if end > start]
+        for item, _, end in part:
+            if item in self.data and end == len(self.data[item]):
+                del self.data[item]
+        body = _join(pieces) if pieces else b""
+        if (
+            self.created is None
+            and sum(len(b) for b in self.held) + len(body) <= self.uploader.part_size
+        ):
+            self.held.append(body)
+            return
+        up = self.uploader
+        if self.created is None:
+            self.created = up._spawn(up._create(self.key), 0)
+            for held in self.held:
+                self._send(held)
+            self.held = []
+        self._send(body)
+
+    def _send(self, body: Body) -> None:
+        up = self.uploader
+        assert self.created is not None
+        number = len(self.parts) + 1
+        self.parts.append(up._spawn(up._part(self.key, self.created, number, body), len(body)))
 
 
 def _join(pieces: list[memoryview]) -> Body:

@@ -25,9 +25,11 @@ from typing import Any
 from crc32c import crc32c
 
 from s3ckpt.checksums import first_bad_block
+from s3ckpt.compression import CODECS, RAW, decode_block
 from s3ckpt.config import S3URI, S3Config
 from s3ckpt.download import RangeReader, ReadTarget
-from s3ckpt.errors import StorageError
+from s3ckpt.errors import CorruptCheckpointError, StorageError
+from s3ckpt.layout import stored_span
 from s3ckpt.loop import io_loop
 from s3ckpt.manifest import ItemEntry, Manifest
 from s3ckpt.progress import SILENT, Reporter
@@ -62,15 +64,21 @@ class VerifyReport:
 
 @dataclass(frozen=True)
 class _Piece:
-    """Whole blocks ``[start, end)`` of one item (offsets relative to the item)."""
+    """Whole blocks ``[start, end)`` of one item's raw bytes, and the stored bytes holding them."""
 
     item: ItemEntry
     start: int
     end: int
 
     @property
+    def stored(self) -> tuple[int, int]:
+        return stored_span(self.item.frames, self.item.block_size, self.start, self.end)
+
+    @property
     def size(self) -> int:
-        return self.end - self.start
+        """Stored bytes to fetch."""
+        first, last = self.stored
+        return last - first
 
 
 def item_label(item: ItemEntry) -> str:
@@ -129,7 +137,7 @@ class Verifier:
         recorded = {o.key: o.size for o in self.manifest.objects}
         for item in self.manifest.items:
             label, size = item_label(item), sizes.get(item.key)
-            blocks = -(-item.length // item.block_size) if item.length else 1
+            blocks = -(-item.size // item.block_size) if item.size else 1
             if item.key not in recorded:
                 self.problem(label, item.key, "its object is not in the manifest's object list")
             elif size is None:
@@ -146,12 +154,14 @@ class Verifier:
                 item.length == 0 and first_bad_block(memoryview(b""), item.crc32c, 1, 0) is not None
             ):
                 self.problem(label, item.key, "checksum mismatch (empty item)")
+            elif item.codec not in CODECS or (item.codec != RAW and len(item.frames) != blocks):
+                self.problem(label, item.key, f"unknown codec {item.codec!r} or frame table")
             if size is None or item.length == 0 or (label, item.key) in self._reported:
                 continue
             piece = min(_PIECE, self.max_buffer) // item.block_size * item.block_size
             step = max(item.block_size, piece)
-            for start in range(0, item.length, step):
-                yield _Piece(item, start, min(start + step, item.length))
+            for start in range(0, item.size, step):
+                yield _Piece(item, start, min(start + step, item.size))
 
     def _fetch(self, batch: list[_Piece], buffer: memoryview, progress: Reporter) -> None:
         """Read and check a batch, retrying without an object that fails to read."""
@@ -161,7 +171,7 @@ class Verifier:
             for index in sorted(pending):
                 piece = batch[index]
                 view, offset = buffer[offset : offset + piece.size], offset + piece.size
-                start = piece.item.offset + piece.start
+                start = piece.item.offset + piece.stored[0]
                 key = self.location.key(piece.item.key)
                 targets.append(ReadTarget(key, start, start + piece.size, view, index))
             views = {t.token: t.buffer for t in targets}
@@ -179,7 +189,12 @@ class Verifier:
     def _check(self, piece: _Piece, data: memoryview, progress: Reporter) -> None:
         item = piece.item
         first = piece.start // item.block_size
-        block = first_bad_block(data, item.crc32c, item.block_size, first)
+        try:
+            raw = _decoded(piece, data)
+        except CorruptCheckpointError as exc:
+            self.problem(item_label(item), item.key, str(exc))
+            return
+        block = first_bad_block(raw, item.crc32c, item.block_size, first)
         if block is not None:
             start = item.offset + block * item.block_size
             end = item.offset + min((block + 1) * item.block_size, item.length)
@@ -190,6 +205,22 @@ class Verifier:
             )
         self.report.bytes += piece.size
         progress.advance(piece.size)
+
+
+def _decoded(piece: _Piece, data: memoryview) -> memoryview:
+    """The raw bytes of a piece: the data itself, or its frames decoded."""
+    item = piece.item
+    if item.codec == RAW:
+        return data
+    raw = memoryview(bytearray(piece.end - piece.start))
+    first_block, position = piece.start // item.block_size, 0
+    for n, start in enumerate(range(0, len(raw), item.block_size)):
+        size = item.frames[first_block + n]
+        decode_block(
+            data[position : position + size], item.codec, raw[start : start + item.block_size]
+        )
+        position += size
+    return raw
 
 
 def _batches(pieces: list[_Piece], budget: int) -> Iterator[list[_Piece]]:

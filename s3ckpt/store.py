@@ -9,27 +9,40 @@ lazily on the loop of whichever process uses it.
 Requests are sent the way a fast client should talk to FlashBlade: path-style, no SHA-256
 payload signing (``UNSIGNED-PAYLOAD``), and no checksums computed by botocore; callers
 pass a CRC32C they computed with a native library instead.
+
+Failed requests are retried here, by :mod:`s3ckpt.retry` (botocore's own retries are off),
+because a retry must know what the request meant: a ranged GET resumes at the first byte
+not yet delivered, so its sink sees every byte exactly once; a retried create-only PUT or
+CompleteMultipartUpload whose first response was lost recognises its own landed write
+instead of reporting a conflict; a retried CreateMultipartUpload aborts the uploads its
+lost responses created. Bodies are memory, so resending one costs no copy.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import AsyncIterator, Callable
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
+from botocore.exceptions import ClientError
 
+from s3ckpt import retry
 from s3ckpt.config import S3Config
-from s3ckpt.error_mapping import translated
+from s3ckpt.error_mapping import PRECONDITION_CODES, translate_final, translated
 from s3ckpt.errors import PreconditionFailedError, StorageError
 from s3ckpt.http_body import MemoryBody
 from s3ckpt.loop import io_loop
 
 Body = bytes | bytearray | memoryview
+T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -97,7 +110,7 @@ def _create_client(config: S3Config) -> Any:
         max_pool_connections=config.max_concurrency,
         connect_timeout=config.connect_timeout,
         read_timeout=config.read_timeout,
-        retries={"total_max_attempts": config.max_attempts, "mode": "standard"},
+        retries={"total_max_attempts": 1},  # s3ckpt.retry is the one retry layer
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
         tcp_keepalive=True,
@@ -127,22 +140,62 @@ def _handle(config: S3Config) -> _ClientHandle:
 
 
 class ObjectStore:
-    """Async S3 operations on one bucket. Call the coroutines on :func:`s3ckpt.loop.io_loop`."""
+    """Async S3 operations on one bucket. Call the coroutines on :func:`s3ckpt.loop.io_loop`.
 
-    def __init__(self, config: S3Config, bucket: str) -> None:
+    ``deadline`` (a ``time.monotonic()`` instant, see :meth:`with_deadline`) ends retrying:
+    a request that fails after it is not tried again.
+    """
+
+    def __init__(self, config: S3Config, bucket: str, *, deadline: float | None = None) -> None:
         self.config = config
         self.bucket = bucket
+        self.deadline = deadline
 
     def __repr__(self) -> str:
         return f"ObjectStore(bucket={self.bucket!r}, endpoint_url={self.config.endpoint_url!r})"
 
-    async def _call(self, operation: str, key: str | None, **params: Any) -> dict[str, Any]:
-        handle = _handle(self.config)
+    def with_deadline(self, seconds: float | None) -> ObjectStore:
+        """This store with a retry budget of ``seconds`` from now (``None``: unlimited).
+
+        A save or load takes one such store for all its requests, so ``S3Config.deadline_s``
+        bounds how long faults can keep it retrying.
+        """
+        deadline = None if seconds is None else time.monotonic() + seconds
+        return ObjectStore(self.config, self.bucket, deadline=deadline)
+
+    # -- requests and their retries ---------------------------------------------------------
+
+    async def _retrying(
+        self, operation: str, key: str | None, attempt: Callable[[int], Awaitable[T]]
+    ) -> T:
+        """Run ``attempt(n)`` under the retry policy; every failure leaves as an s3ckpt error."""
+        policy = retry.RetryPolicy(max_attempts=self.config.max_attempts, deadline=self.deadline)
         with translated(operation, self.bucket, key):
-            client = await handle.get()
-            async with handle.slots:
-                method: Callable[..., Any] = getattr(client, _snake(operation))
-                return await method(Bucket=self.bucket, **params)
+            try:
+                return await retry.run(attempt, policy, what=f"{operation} {self._where(key)}")
+            except retry.RetryError as exc:
+                raise translate_final(
+                    exc.last,
+                    exc.attempts,
+                    out_of_time=exc.out_of_time,
+                    operation=operation,
+                    bucket=self.bucket,
+                    key=key,
+                ) from exc.last
+
+    async def _request(self, operation: str, params: dict[str, Any]) -> dict[str, Any]:
+        """One try of one request, holding one of the client's request slots."""
+        handle = _handle(self.config)
+        client = await handle.get()
+        async with handle.slots:
+            method: Callable[..., Any] = getattr(client, _snake(operation))
+            return await method(Bucket=self.bucket, **params)
+
+    async def _call(self, operation: str, key: str | None, **params: Any) -> dict[str, Any]:
+        return await self._retrying(operation, key, lambda _: self._request(operation, params))
+
+    def _where(self, key: str | None) -> str:
+        return f"s3://{self.bucket}/{key}" if key else f"s3://{self.bucket}"
 
     # -- whole objects ------------------------------------------------------------------
 
@@ -158,7 +211,10 @@ class ObjectStore:
         """Store ``body`` at ``key``; returns the ETag.
 
         ``mode="create"`` sends ``If-None-Match: *`` and raises
-        :class:`PreconditionFailedError` if the key already exists.
+        :class:`PreconditionFailedError` if the key already exists. When it finds the key
+        taken, the object is read back: holding exactly ``body``, it is this put's own
+        write from a try whose response was lost (by s3ckpt's retry or aiohttp's silent
+        resend of an idempotent request), so the put succeeded.
         """
         params: dict[str, Any] = {"Key": key, "Body": MemoryBody(body)}
         if mode == "create":
@@ -167,18 +223,43 @@ class ObjectStore:
             params["ChecksumCRC32C"] = crc32c_header(crc32c)
         if content_type:
             params["ContentType"] = content_type
-        response = await self._call("PutObject", key, **params)
+
+        async def attempt(_: int) -> dict[str, Any]:
+            try:
+                return await self._request("PutObject", params)
+            except ClientError as exc:
+                if mode == "create" and _code(exc) in PRECONDITION_CODES:
+                    etag = await self._etag_if_holds(key, body)
+                    if etag is not None:
+                        return {"ETag": etag}
+                raise
+
+        response = await self._retrying("PutObject", key, attempt)
         return str(response.get("ETag", ""))
 
     async def get(self, key: str) -> bytes:
         """The whole object's bytes (for small objects: manifests, metadata)."""
+        body, _ = await self._retrying("GetObject", key, lambda _: self._fetch(key))
+        return body
+
+    async def _fetch(self, key: str) -> tuple[bytes, str]:
+        """One GET of a whole object: its bytes and ETag."""
         handle = _handle(self.config)
-        with translated("GetObject", self.bucket, key):
-            client = await handle.get()
-            async with handle.slots:
-                response = await client.get_object(Bucket=self.bucket, Key=key)
-                async with response["Body"] as stream:
-                    return await stream.read()
+        client = await handle.get()
+        async with handle.slots:
+            response = await client.get_object(Bucket=self.bucket, Key=key)
+            async with response["Body"] as stream:
+                return await stream.read(), str(response.get("ETag", ""))
+
+    async def _etag_if_holds(self, key: str, body: Body) -> str | None:
+        """The ETag of ``key`` if it holds exactly ``body``, else None."""
+        try:
+            stored, etag = await self._fetch(key)
+        except ClientError as exc:
+            if _code(exc) in ("NoSuchKey", "404"):
+                return None
+            raise
+        return etag if memoryview(body).cast("B") == stored else None
 
     async def read_range(
         self, key: str, start: int, end: int, sink: Callable[[int, bytes], None]
@@ -186,34 +267,47 @@ class ObjectStore:
         """Stream bytes ``[start, end)`` of ``key``, calling ``sink(offset, chunk)`` as they arrive.
 
         The sink copies each chunk where it belongs (usually straight into a tensor), so
-        the whole range is never held twice.
+        the whole range is never held twice. Chunks arrive in offset order and each byte
+        exactly once: a retry asks only for the bytes not yet delivered.
         """
+        position = start
+
+        def deliver(offset: int, chunk: bytes) -> None:
+            nonlocal position
+            sink(offset, chunk)
+            position = offset + len(chunk)
+
+        async def attempt(_: int) -> None:
+            if position < end:
+                await self._stream(key, position, end, deliver)
+
+        await self._retrying("GetObject", key, attempt)
+
+    async def _stream(
+        self, key: str, start: int, end: int, sink: Callable[[int, bytes], None]
+    ) -> None:
+        """One ranged GET of ``[start, end)``; :class:`retry.ShortReadError` if it ends early."""
         handle = _handle(self.config)
-        with translated("GetObject", self.bucket, key):
-            client = await handle.get()
-            async with handle.slots:
-                response = await client.get_object(
-                    Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}"
-                )
-                position = start
-                async with response["Body"] as stream:
-                    # readchunk() hands over one received buffer as is; readany() and
-                    # read(n) join everything buffered into a new bytes object first.
-                    content = stream.raw_stream.content
-                    while position < end:
-                        chunk, _ = await content.readchunk()
-                        if not chunk:
-                            break
-                        sink(position, chunk)
-                        position += len(chunk)
-                if position != end:
-                    raise StorageError(
-                        f"GetObject s3://{self.bucket}/{key} returned {position - start} bytes "
-                        f"for a {end - start}-byte range",
-                        operation="GetObject",
-                        bucket=self.bucket,
-                        key=key,
-                    )
+        client = await handle.get()
+        async with handle.slots:
+            response = await client.get_object(
+                Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}"
+            )
+            position = start
+            async with response["Body"] as stream:
+                # readchunk() hands over one received buffer as is; readany() and
+                # read(n) join everything buffered into a new bytes object first.
+                content = stream.raw_stream.content
+                while position < end:
+                    chunk, _ = await content.readchunk()
+                    if not chunk:
+                        break
+                    sink(position, chunk)
+                    position += len(chunk)
+        if position != end:
+            raise retry.ShortReadError(
+                f"the response ended after {position - start} of {end - start} bytes"
+            )
 
     async def head(self, key: str) -> ObjectMeta:
         response = await self._call("HeadObject", key, Key=key)
@@ -277,9 +371,29 @@ class ObjectStore:
 
         Raises :class:`PreconditionFailedError` if the object changed (or, on some stores,
         is gone). Stores that do not implement conditional deletes ignore the header, which
-        makes this a plain delete; callers must be correct either way.
+        makes this a plain delete; callers must be correct either way. A failed
+        precondition with the key gone is an earlier try's success, its response lost.
         """
-        await self._call("DeleteObject", key, Key=key, IfMatch=etag)
+        params = {"Key": key, "IfMatch": etag}
+
+        async def attempt(_: int) -> dict[str, Any]:
+            try:
+                return await self._request("DeleteObject", params)
+            except ClientError as exc:
+                if _code(exc) in PRECONDITION_CODES and await self._head_or_none(key) is None:
+                    return {}
+                raise
+
+        await self._retrying("DeleteObject", key, attempt)
+
+    async def _head_or_none(self, key: str) -> dict[str, Any] | None:
+        """One HEAD inside an attempt: the response, or None if the key is absent."""
+        try:
+            return await self._request("HeadObject", {"Key": key})
+        except ClientError as exc:
+            if _code(exc) in ("NoSuchKey", "404", "NotFound"):
+                return None
+            raise
 
     # -- multipart ---------------------------------------------------------------------
 
@@ -287,8 +401,27 @@ class ObjectStore:
         params: dict[str, Any] = {"Key": key}
         if self.config.checksums:
             params["ChecksumAlgorithm"] = "CRC32C"
-        response = await self._call("CreateMultipartUpload", key, **params)
-        return str(response["UploadId"])
+
+        async def attempt(number: int) -> tuple[int, dict[str, Any]]:
+            return number, await self._request("CreateMultipartUpload", params)
+
+        number, response = await self._retrying("CreateMultipartUpload", key, attempt)
+        upload_id = str(response["UploadId"])
+        if number > 1:  # earlier tries may have created uploads whose ids never arrived
+            await self._abort_others(key, upload_id)
+        return upload_id
+
+    async def _abort_others(self, key: str, upload_id: str) -> None:
+        """Abort the uploads of ``key`` other than ``upload_id`` (keys are unique per save).
+
+        Best effort: what this misses, ``gc`` removes later.
+        """
+        try:
+            async for pending in self.list_multipart_uploads(key):
+                if pending.key == key and pending.upload_id != upload_id:
+                    await self.abort_multipart(key, pending.upload_id)
+        except StorageError as exc:
+            log.warning("could not abort stray uploads of %s: %s", self._where(key), exc)
 
     async def upload_part(
         self, key: str, upload_id: str, part_number: int, body: Body, crc32c: int | None
@@ -322,7 +455,20 @@ class ObjectStore:
         }
         if mode == "create":
             params["IfNoneMatch"] = "*"
-        response = await self._call("CompleteMultipartUpload", key, **params)
+
+        async def attempt(_: int) -> dict[str, Any]:
+            try:
+                return await self._request("CompleteMultipartUpload", params)
+            except ClientError as exc:
+                # The upload is gone but the object is there: an earlier try completed it
+                # and its response was lost. The key is unique to this save: it is ours.
+                if _code(exc) in ("NoSuchUpload", "404"):
+                    landed = await self._head_or_none(key)
+                    if landed is not None:
+                        return landed
+                raise
+
+        response = await self._retrying("CompleteMultipartUpload", key, attempt)
         return str(response.get("ETag", ""))
 
     async def abort_multipart(self, key: str, upload_id: str) -> None:
@@ -348,6 +494,12 @@ class ObjectStore:
                 return
             key_marker = response.get("NextKeyMarker")
             upload_marker = response.get("NextUploadIdMarker")
+
+
+def _code(exc: ClientError) -> str:
+    """The S3 error code of ``exc``, or its HTTP status when the body had none (HEAD)."""
+    error = exc.response.get("Error", {})
+    return str(error.get("Code") or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode"))
 
 
 def _snake(operation: str) -> str:

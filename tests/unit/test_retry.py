@@ -1,0 +1,151 @@
+"""The retry policy in isolation: what is retried, how long it waits, when it stops."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import ssl
+import time
+
+import aiohttp
+import pytest
+from botocore import exceptions as bce
+
+from s3ckpt import retry
+from s3ckpt.error_mapping import translate_final
+from s3ckpt.errors import (
+    AccessDeniedError,
+    DeadlineExceededError,
+    EndpointError,
+    TransientStorageError,
+)
+
+
+def _client_error(code: str, status: int) -> bce.ClientError:
+    return bce.ClientError(
+        {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+        "PutObject",
+    )
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        _client_error("SlowDown", 503),
+        _client_error("InternalError", 500),
+        _client_error("RequestTimeout", 400),
+        _client_error("BadDigest", 400),  # damaged in transit: sending again fixes it
+        _client_error("", 502),
+        bce.EndpointConnectionError(endpoint_url="http://x"),
+        bce.ReadTimeoutError(endpoint_url="http://x"),
+        bce.ConnectionClosedError(endpoint_url="http://x"),
+        aiohttp.ClientPayloadError("payload not completed"),
+        aiohttp.ServerDisconnectedError(),
+        ConnectionResetError(),
+        asyncio.TimeoutError(),
+        retry.ShortReadError("ended early"),
+        TransientStorageError("already translated"),
+    ],
+    ids=repr,
+)
+def test_transient_failures_are_retried(exc):
+    assert retry.is_retryable(exc)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        _client_error("AccessDenied", 403),
+        _client_error("NoSuchKey", 404),
+        _client_error("NoSuchBucket", 404),
+        _client_error("InvalidRequest", 400),
+        _client_error("PreconditionFailed", 412),
+        bce.SSLError(endpoint_url="https://x", error=ssl.SSLCertVerificationError()),
+        bce.NoCredentialsError(),
+        EndpointError("translated TLS failure"),
+        ValueError("a bug"),
+    ],
+    ids=repr,
+)
+def test_failures_a_retry_cannot_fix_are_not(exc):
+    assert not retry.is_retryable(exc)
+
+
+def test_full_jitter_stays_under_an_exponential_cap():
+    policy = retry.RetryPolicy(base_delay=0.5, max_delay=3.0)
+    rng = random.Random(1)
+    for n, ceiling in [(1, 0.5), (2, 1.0), (3, 2.0), (4, 3.0), (10, 3.0)]:
+        delays = [policy.delay(n, rng) for _ in range(200)]
+        assert all(0 <= d <= ceiling for d in delays)
+        assert max(delays) > ceiling * 0.8  # jitter spreads over the whole interval
+
+
+def _run(attempt, policy):
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    result = asyncio.run(retry.run(attempt, policy, sleep=sleep))
+    return result, slept
+
+
+def test_run_retries_until_success_and_passes_the_attempt_number():
+    seen: list[int] = []
+
+    async def attempt(number: int) -> str:
+        seen.append(number)
+        if number < 3:
+            raise _client_error("SlowDown", 503)
+        return "ok"
+
+    result, slept = _run(attempt, retry.RetryPolicy(max_attempts=4))
+    assert (result, seen, len(slept)) == ("ok", [1, 2, 3], 2)
+
+
+def test_run_gives_up_after_max_attempts_with_the_last_error():
+    async def attempt(number: int) -> None:
+        raise _client_error("SlowDown", 503)
+
+    with pytest.raises(retry.RetryError) as info:
+        _run(attempt, retry.RetryPolicy(max_attempts=3))
+    assert info.value.attempts == 3 and not info.value.out_of_time
+    error = translate_final(
+        info.value.last, 3, out_of_time=False, operation="PutObject", bucket="b", key="k"
+    )
+    assert type(error) is TransientStorageError and error.code == "SlowDown"
+    assert "gave up after 3 attempts" in str(error) and "s3://b/k" in str(error)
+
+
+def test_a_non_retryable_failure_is_raised_at_once():
+    calls: list[int] = []
+
+    async def attempt(number: int) -> None:
+        calls.append(number)
+        raise _client_error("AccessDenied", 403)
+
+    with pytest.raises(bce.ClientError):
+        _run(attempt, retry.RetryPolicy(max_attempts=5))
+    assert calls == [1]
+    error = translate_final(
+        _client_error("AccessDenied", 403), 1, out_of_time=False, operation="GetObject"
+    )
+    assert isinstance(error, AccessDeniedError)
+
+
+def test_the_deadline_ends_retrying_before_max_attempts():
+    calls: list[int] = []
+
+    async def attempt(number: int) -> None:
+        calls.append(number)
+        raise bce.ReadTimeoutError(endpoint_url="http://x")
+
+    policy = retry.RetryPolicy(max_attempts=100, base_delay=1.0, deadline=time.monotonic() + 0.5)
+    with pytest.raises(retry.RetryError) as info:
+        asyncio.run(retry.run(attempt, policy))
+    assert info.value.out_of_time and len(calls) < 100
+    error = translate_final(
+        info.value.last, len(calls), out_of_time=True, operation="UploadPart", bucket="b", key="k"
+    )
+    assert isinstance(error, DeadlineExceededError) and isinstance(error, TransientStorageError)
+    assert "deadline_s" in str(error) and "timed out" in str(error)

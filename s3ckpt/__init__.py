@@ -42,11 +42,19 @@ from s3ckpt.errors import (
 
 if TYPE_CHECKING:
     from s3ckpt.compat import unwrap
+    from s3ckpt.manager import CheckpointManager
+    from s3ckpt.manager_policy import SaveMetrics
     from s3ckpt.reader import S3StorageReader
     from s3ckpt.writer import S3StorageWriter
 
 # The DCP adapters import torch (seconds); the CLI and catalog do not need it.
-_LAZY = {"S3StorageReader": "s3ckpt.reader", "S3StorageWriter": "s3ckpt.writer", "unwrap": "s3ckpt.compat"}
+_LAZY = {
+    "CheckpointManager": "s3ckpt.manager",
+    "S3StorageReader": "s3ckpt.reader",
+    "S3StorageWriter": "s3ckpt.writer",
+    "SaveMetrics": "s3ckpt.manager_policy",
+    "unwrap": "s3ckpt.compat",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -65,6 +73,7 @@ __all__ = [
     "BucketNotFoundError",
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CommitConflictError",
     "ConfigError",
@@ -78,6 +87,7 @@ __all__ = [
     "S3Config",
     "S3StorageReader",
     "S3StorageWriter",
+    "SaveMetrics",
     "StorageError",
     "TransientStorageError",
     "__version__",

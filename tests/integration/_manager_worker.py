@@ -1,0 +1,133 @@
+"""Rank entry points for the multi-rank CheckpointManager test (spawned ranks over gloo).
+
+Same pattern as :mod:`_dist_worker` (whose launcher and process-group set-up are reused):
+everything a rank needs comes in as arguments, and each rank leaves a ``torch.save``
+report in ``out_dir`` for the parent test to check.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _dist_worker import _init, run_ranks
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+__all__ = ["manager_main", "run_ranks"]
+
+
+class AppState(Stateful):
+    """Model and optimizer through DCP's state_dict helpers, as in the DCP tutorial."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optim": optimizer}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optim"],
+        )
+
+
+def make_state(rank: int, seed: int) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """A replicated model + AdamW (same on every rank, as under DDP) and a per-rank tensor."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    own = torch.full((16 + rank,), float(seed), dtype=torch.float64)
+    return model, {"app": AppState(model, optimizer), f"rank{rank}": own}
+
+
+def train_step(model: torch.nn.Module, state: dict[str, Any], step: int) -> None:
+    optimizer = state["app"].optimizer
+    inputs = torch.Generator().manual_seed(step)
+    loss = model(torch.randn(8, 32, generator=inputs)).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def snapshot(model: torch.nn.Module, state: dict[str, Any], rank: int) -> dict[str, Any]:
+    optim = state["app"].optimizer.state_dict()["state"]
+    return {
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "exp_avg": [optim[i]["exp_avg"].clone() for i in sorted(optim)],
+        "own": state[f"rank{rank}"].clone(),
+    }
+
+
+def manager_main(
+    rank: int, world_size: int, port: int, s3: dict[str, Any], uri: str, out_dir: str
+) -> None:
+    """Save steps 1-3 with retention, agree on skips, restart and resume; report everything."""
+    from s3ckpt import CheckpointManager
+
+    _init(rank, world_size, port)
+    report: dict[str, Any] = {}
+    try:
+        model, state = make_state(rank, seed=1)
+        manager = CheckpointManager(uri, keep_last=2, **s3)
+        report["initial"] = manager.load_latest(state)
+        for step in (1, 2, 3):
+            train_step(model, state, step)
+            state[f"rank{rank}"].add_(step)
+            report[f"saved{step}"] = manager.save(step, state)
+        report["last_metrics"] = manager.wait()
+        report["expected"] = snapshot(model, state, rank)
+        report["steps"] = manager.steps()
+        report["latest"] = manager.latest_step()
+        report["resave"] = manager.save(3, state)  # already committed: skipped on every rank
+        manager.close()
+
+        report["skips"] = skip_decisions(rank, f"{uri}-skip", s3)
+        report["process_mode"] = process_mode(model, state, f"{uri}-process", s3)
+
+        fresh_model, fresh = make_state(rank, seed=2)
+        with CheckpointManager(uri, **s3) as restarted:
+            report["restored"] = restarted.load_latest(fresh)
+        report["loaded"] = snapshot(fresh_model, fresh, rank)
+        dist.barrier()
+    finally:
+        torch.save(report, Path(out_dir) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+
+
+def skip_decisions(rank: int, uri: str, s3: dict[str, Any]) -> list[bool]:
+    """Back-to-back saves under ``if_busy="skip"``: ranks must take the same decisions,
+    or one would start a save (and its collectives) alone and hang."""
+    from s3ckpt import CheckpointManager
+
+    big = {f"big{rank}": torch.randn(4 * 1024 * 1024)}  # 16 MiB: uploads take a while
+    with CheckpointManager(uri, if_busy="skip", **s3) as manager:
+        return [manager.save(step, big) for step in range(1, 6)]
+
+
+def process_mode(
+    model: torch.nn.Module, state: dict[str, Any], uri: str, s3: dict[str, Any]
+) -> Any:
+    """``async_mode="process"``: the upload runs in DCP's background process (one per rank),
+    which is shut down afterwards so that nothing outlives the test."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    from s3ckpt import CheckpointManager
+
+    try:
+        with CheckpointManager(uri, async_mode="process", **s3) as manager:
+            manager.save(7, state)
+            metrics = manager.wait()
+            return {"steps": manager.steps(), "bytes": metrics.bytes if metrics else None}
+    finally:
+        background = executor._CHECKPOINT_PROCESS
+        if background is not None:
+            background._send(executor._CheckpointSaveProcessControlOpts.TERMINATE)
+            background._save_process.join(timeout=30)
+            executor._CHECKPOINT_PROCESS = None

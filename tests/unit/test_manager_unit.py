@@ -1,0 +1,329 @@
+"""CheckpointManager without a store: names, options, metrics, retention choice, and the
+save policy (one in flight, wait or skip, failures raised once) against a fake DCP."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from torch.distributed.checkpoint.api import CheckpointException
+
+from s3ckpt import manager as manager_module
+from s3ckpt.catalog import CheckpointInfo
+from s3ckpt.errors import BucketNotFoundError, CheckpointError, CheckpointExistsError, ConfigError
+from s3ckpt.layout import StoredItem
+from s3ckpt.manager import CheckpointManager
+from s3ckpt.manager_policy import (
+    SaveMetrics,
+    checkpoint_name,
+    parse_step,
+    retention_victims,
+    stored_bytes,
+)
+
+NOW = 1_000_000.0
+
+# -- names ----------------------------------------------------------------------------------
+
+
+def test_names_are_zero_padded_so_lexicographic_order_is_step_order():
+    steps = [0, 7, 10, 99, 100, 12345, 9_999_999_999]
+    names = [checkpoint_name(s) for s in steps]
+    assert names[1] == "step-0000000007"
+    assert sorted(names) == names
+    assert [parse_step(n) for n in names] == steps
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "3", True, None])
+def test_step_must_be_a_non_negative_int(bad):
+    with pytest.raises(ConfigError):
+        checkpoint_name(bad)
+
+
+@pytest.mark.parametrize("name", ["best", "step-", "step-1/x", "run2/step-3", "step-1a", "xstep-1"])
+def test_only_manager_names_parse(name):
+    assert parse_step(name) is None
+
+
+def test_unpadded_manager_style_names_still_parse():
+    assert parse_step("step-42") == 42
+
+
+# -- metrics ----------------------------------------------------------------------------------
+
+
+def test_metrics_throughput_and_dict():
+    metrics = SaveMetrics.of(7, blocked=0.25, upload=2.0, nbytes=50_000_000, waited=0.2)
+    assert metrics.throughput_mb_s == pytest.approx(25.0)
+    assert metrics.as_dict() == {
+        "step": 7,
+        "blocked_s": 0.25,
+        "upload_s": 2.0,
+        "bytes": 50_000_000,
+        "throughput_mb_s": pytest.approx(25.0),
+        "waited_s": 0.2,
+    }
+    assert "step-0000000007 committed: 50.0 MB" in str(metrics)
+
+
+def test_stored_bytes_sums_every_item_of_every_rank():
+    metadata = SimpleNamespace(
+        storage_data={
+            i: StoredItem(key="k", offset=0, length=n, crc32c=(0,)) for i, n in enumerate((3, 5, 0))
+        }
+    )
+    assert stored_bytes(metadata) == 8
+    assert stored_bytes(None) == 0
+
+
+# -- retention choice ---------------------------------------------------------------------------
+
+
+def info(name: str, t: float, committed: bool = True) -> CheckpointInfo:
+    return CheckpointInfo(name, f"s3://b/run/{name}", committed, t, 1, 1, 1)
+
+
+def victims(infos, **policy) -> list[str]:
+    return retention_victims(infos, now=NOW, **policy)
+
+
+def test_retention_keeps_last_and_every():
+    infos = [info(checkpoint_name(s), s) for s in range(1, 8)]
+    deleted = victims(infos, keep_last=2, keep_every=3, protect=checkpoint_name(7))
+    assert deleted == [checkpoint_name(s) for s in (1, 2, 4, 5)]
+
+
+def test_retention_never_deletes_the_checkpoint_just_written_after_a_rollback():
+    """Rolled back to 10 and saved 15: the abandoned run's 20 and 30 are the newest."""
+    infos = [info(checkpoint_name(s), s) for s in (10, 15, 20, 30)]
+    deleted = victims(infos, keep_last=1, keep_every=None, protect=checkpoint_name(15))
+    assert deleted == [checkpoint_name(10), checkpoint_name(20)]
+
+
+def test_retention_ignores_what_the_manager_did_not_name_and_uncommitted_saves():
+    infos = [
+        info("best", 0),
+        info("run2/step-0000000001", 1),
+        info(checkpoint_name(1), 1),
+        info(checkpoint_name(2), 2, committed=False),
+        info(checkpoint_name(3), 3),
+    ]
+    assert victims(infos, keep_last=1, keep_every=None, protect=checkpoint_name(3)) == [
+        checkpoint_name(1)
+    ]
+
+
+def test_keep_every_alone_keeps_multiples_and_the_newest():
+    infos = [info(checkpoint_name(s), s) for s in (5, 10, 15, 20, 25)]
+    deleted = victims(infos, keep_last=None, keep_every=10, protect=checkpoint_name(25))
+    assert deleted == [checkpoint_name(5), checkpoint_name(15)]
+
+
+# -- options ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"if_busy": "queue"}, {"async_mode": "fork"}, {"keep_last": 0}, {"keep_every": 0}],
+)
+def test_bad_options_fail_at_construction(options):
+    with pytest.raises(ConfigError):
+        CheckpointManager("s3://bucket/run", **options)
+
+
+def test_process_mode_needs_a_process_group():
+    with pytest.raises(ConfigError, match="gloo"):
+        CheckpointManager("s3://bucket/run", async_mode="process")
+
+
+# -- the save policy against a fake DCP ---------------------------------------------------------
+
+
+class FakeDCP:
+    """Stands in for ``dcp.async_save``: futures the test completes by hand."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.futures: list[Future[Any]] = []
+
+    def async_save(self, state_dict: Any, *, storage_writer: Any, **kwargs: Any) -> Future[Any]:
+        self.calls.append(str(storage_writer.location))
+        future: Future[Any] = Future()
+        self.futures.append(future)
+        return future
+
+    def commit(self, index: int = -1, nbytes: int = 1000) -> None:
+        item = StoredItem(key="k", offset=0, length=nbytes, crc32c=(0,))
+        self.futures[index].set_result(SimpleNamespace(storage_data={0: item}))
+
+    def fail(self, error: BaseException, index: int = -1) -> None:
+        wrapped = CheckpointException("save failed", {0: (error, None)})
+        self.futures[index].set_exception(wrapped)
+
+
+@pytest.fixture
+def fake(monkeypatch) -> FakeDCP:
+    fake = FakeDCP()
+    monkeypatch.setattr(manager_module.dcp, "async_save", fake.async_save)
+    monkeypatch.setattr(
+        manager_module.catalog, "list_checkpoints", lambda *a, **k: [info(checkpoint_name(5), 5)]
+    )
+    return fake
+
+
+def make(**options: Any) -> CheckpointManager:
+    return CheckpointManager("s3://bucket/run", endpoint_url="http://127.0.0.1:9", **options)
+
+
+def test_save_returns_once_staged_and_names_the_checkpoint(fake):
+    manager = make()
+    assert manager.save(1, {}) is True
+    assert fake.calls == ["s3://bucket/run/step-0000000001"]
+    assert manager.busy
+    fake.commit(nbytes=2_000_000)
+    metrics = manager.wait()
+    assert metrics is not None and metrics.step == 1 and metrics.bytes == 2_000_000
+    assert list(manager.metrics) == [metrics]
+    assert not manager.busy
+    manager.close()
+
+
+def test_a_save_waits_for_the_previous_upload(fake):
+    manager = make()
+    manager.save(1, {})
+    threading.Timer(0.3, fake.commit).start()
+    manager.save(2, {})  # blocks until save 1 is committed
+    assert len(fake.calls) == 2
+    fake.commit()
+    metrics = manager.wait()
+    assert (
+        metrics is not None and metrics.waited_s >= 0.25 and metrics.blocked_s >= metrics.waited_s
+    )
+    manager.close()
+
+
+def test_skip_policy_skips_while_busy(fake, caplog):
+    manager = make(if_busy="skip")
+    manager.save(1, {})
+    with caplog.at_level(logging.INFO, logger="s3ckpt.manager"):
+        assert manager.save(2, {}) is False
+    assert "skipped step-0000000002" in caplog.text
+    fake.commit()
+    manager.wait()
+    assert manager.save(3, {}) is True
+    fake.commit()
+    manager.close()
+    assert fake.calls[-1].endswith("step-0000000003") and len(fake.calls) == 2
+
+
+def test_a_failed_background_save_is_logged_and_raised_once(fake, caplog):
+    manager = make()
+    manager.save(1, {})
+    with caplog.at_level(logging.ERROR, logger="s3ckpt.manager"):
+        fake.fail(BucketNotFoundError("no bucket", bucket="bucket"))
+    assert "background save of step-0000000001 failed" in caplog.text
+    with pytest.raises(BucketNotFoundError):
+        manager.save(2, {})
+    assert len(fake.calls) == 1  # the failing call did not start a save
+    assert manager.save(2, {}) is True  # raised once only
+    fake.commit()
+    manager.close()
+
+
+def test_close_raises_a_pending_failure_and_still_releases(fake):
+    manager = make()
+    manager.save(1, {})
+    fake.fail(RuntimeError("boom"))
+    with pytest.raises(RuntimeError, match="boom"):
+        manager.close()
+    manager.close()  # idempotent, nothing left to raise
+    with pytest.raises(CheckpointError, match="closed"):
+        manager.save(2, {})
+
+
+def test_existing_steps_are_skipped_unless_overwrite(fake, caplog):
+    manager = make()
+    assert manager.steps() == [5]
+    with caplog.at_level(logging.INFO, logger="s3ckpt.manager"):
+        assert manager.save(5, {}) is False
+    assert "already committed" in caplog.text and fake.calls == []
+    manager.close()
+    overwriting = make(overwrite=True)
+    overwriting.steps()
+    assert overwriting.save(5, {}) is True
+    fake.commit()
+    overwriting.close()
+
+
+def test_a_step_committed_by_someone_else_is_not_a_failure(fake, caplog):
+    manager = make()
+    manager.save(4, {})
+    with caplog.at_level(logging.WARNING, logger="s3ckpt.manager"):
+        fake.fail(CheckpointExistsError("exists"))
+    manager.wait()  # does not raise
+    assert "committed by someone else" in caplog.text
+    assert manager.save(4, {}) is False  # now known to exist
+    manager.close()
+
+
+def test_on_saved_gets_metrics_and_its_errors_do_not_escape(fake, caplog):
+    seen: list[SaveMetrics] = []
+
+    def on_saved(metrics: SaveMetrics) -> None:
+        seen.append(metrics)
+        raise ValueError("callback bug")
+
+    manager = make(on_saved=on_saved)
+    manager.save(1, {})
+    with caplog.at_level(logging.ERROR, logger="s3ckpt.manager"):
+        fake.commit()
+    manager.close()
+    assert [m.step for m in seen] == [1]
+    assert "on_saved callback failed" in caplog.text
+
+
+def test_retention_runs_after_each_commit_protecting_the_new_step(fake, monkeypatch):
+    removed: list[str] = []
+    listing = [info(checkpoint_name(s), s) for s in (1, 2, 3)]
+    monkeypatch.setattr(manager_module.catalog, "list_checkpoints", lambda *a, **k: listing)
+    monkeypatch.setattr(
+        "s3ckpt.manager_policy.catalog.remove_checkpoint", lambda uri, **k: removed.append(uri)
+    )
+    manager = make(keep_last=1)
+    manager.save(3, {})
+    fake.commit()
+    manager.wait()  # waits for retention too
+    assert removed == ["s3://bucket/run/step-0000000001", "s3://bucket/run/step-0000000002"]
+    manager.close()
+
+
+def test_retention_failures_are_logged_not_raised(fake, monkeypatch, caplog):
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise BucketNotFoundError("gone")
+
+    monkeypatch.setattr("s3ckpt.manager_policy.catalog.list_checkpoints", broken)
+    manager = make(keep_last=1)
+    manager.save(3, {})
+    with caplog.at_level(logging.WARNING, logger="s3ckpt.manager"):
+        fake.commit()
+        manager.wait()
+    manager.close()
+    assert "retention after step 3" in caplog.text
+
+
+def test_busy_flag_tracks_the_upload(fake):
+    manager = make()
+    assert not manager.busy
+    manager.save(1, {})
+    assert manager.busy
+    fake.commit()
+    deadline = time.monotonic() + 5
+    while manager.busy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not manager.busy
+    manager.close()

@@ -141,7 +141,7 @@ def cli(env: dict[str, str], *argv: str) -> None:
         [sys.executable, "-m", "s3ckpt", *argv], env=env, capture_output=True, text=True
     )
     for line in (done.stdout + done.stderr).rstrip().splitlines():
-        say(f"  {line}")
+        say(f"  {line}" if line else "")
 
 
 def kill_step(steps: int, every: int) -> int:
@@ -181,7 +181,7 @@ def demo(args: argparse.Namespace, server: LocalS3Server, workdir: Path) -> int:
     banner("summary")
     run1, run2 = (report.read_events(workdir / f"run{i}.jsonl") for i in (1, 2))
     for line in report.summary_lines(run1, run2, resume, int(killed[5:]), args.steps):
-        say(f"  {line}")
+        say(f"  {line}" if line else "")
 
     banner("the s3ckpt command: list, prune, collect the crash's garbage")
     cli(env, "ls", args.uri, "--all")

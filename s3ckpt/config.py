@@ -60,7 +60,8 @@ class S3Config:
             anything else fails at the first try.
         deadline_s: time budget of one save's (or load's) requests: once spent, failed
             requests are no longer retried (:class:`~s3ckpt.errors.DeadlineExceededError`),
-            so a save against a failing store ends. ``None``: bounded by max_attempts only.
+            so a save against a failing store ends. ``None`` (set in an ``S3Config``: a
+            keyword argument of ``None`` means "not given"): bounded by max_attempts only.
     """
 
     endpoint_url: str | None = None

@@ -1,0 +1,298 @@
+"""A fault-injecting HTTP proxy on 127.0.0.1, between an S3 client and a real S3 server.
+
+Mocks cannot show that retries work: the faults have to happen on a real socket, in the
+middle of real bodies, so that aiohttp, botocore and s3ckpt each see what they would see
+in production. The proxy relays every request untouched unless a :class:`Rule` picks it,
+and then injects one of:
+
+========================  ===================================================================
+``slowdown``              answer ``503 SlowDown`` (S3's throttling error) without forwarding
+``reset_request``         forward ``after`` bytes of the request body, then reset both sides
+``reset_response``        forward ``after`` bytes of the response body, then reset the client
+``stall``                 forward ``after`` bytes of the response body, then go silent
+``truncate``              forward ``after`` bytes of the response body, then close cleanly
+``corrupt``               flip one bit of response body byte ``after`` (2xx GETs only)
+========================  ===================================================================
+
+``after=-1`` acts before the response head (the server did the work, the client never
+learns). Each connection carries one request (``Connection: close`` is forced), which keeps
+the relay a plain byte pump. Decisions come from ``random.Random(seed)``, so the same
+sequence of requests meets the same faults, and ``per_request`` caps how often one request
+(method and target) is hit, which is what makes a fault transient. ``counts`` tallies
+every fault that fired; ``requests`` every request seen, by method.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import socket
+import ssl
+import struct
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Literal
+from urllib.parse import urlparse
+
+Fault = Literal["slowdown", "reset_request", "reset_response", "stall", "truncate", "corrupt"]
+_SLOWDOWN_BODY = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message><RequestId>faultproxy</RequestId></Error>"
+)
+_SLOWDOWN = (
+    b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
+    b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(_SLOWDOWN_BODY) + _SLOWDOWN_BODY
+)
+
+
+@dataclass(eq=False)
+class Rule:
+    """Which requests get which fault (``methods`` empty: any; ``match``: target substring)."""
+
+    fault: Fault
+    rate: float = 1.0
+    methods: tuple[str, ...] = ()
+    match: str = ""
+    after: int = 0
+    limit: int | None = None
+    per_request: int | None = 2
+    chosen: int = field(default=0, init=False)  # what ``limit`` counts: picks, not firings
+
+    def wants(self, method: str, target: str) -> bool:
+        return (
+            (not self.methods or method in self.methods)
+            and self.match in target
+            and (self.limit is None or self.chosen < self.limit)
+        )
+
+
+@dataclass
+class _Exchange:
+    """One request on its way through: what it is and the fault it was given."""
+
+    method: str
+    target: str
+    rule: Rule | None
+
+
+class FaultProxy:
+    """Relays to ``upstream`` (``http://host:port``); a context manager, one thread."""
+
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        seed: int = 0,
+        stall_s: float = 10.0,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        parsed = urlparse(upstream)
+        self.upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
+        self.rules: list[Rule] = []
+        self.counts: Counter[str] = Counter()
+        self.requests: Counter[str] = Counter()
+        self.stall_s = stall_s
+        self._tls = tls
+        self._rng = random.Random(seed)
+        self._hits: Counter[tuple[int, str, str]] = Counter()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.port = 0
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"{'https' if self._tls else 'http'}://127.0.0.1:{self.port}"
+
+    def add(self, *rules: Rule) -> FaultProxy:
+        self.rules.extend(rules)
+        return self
+
+    def clear(self) -> None:
+        """Back to a plain relay (counts are kept)."""
+        self.rules = []
+
+    def __enter__(self) -> FaultProxy:
+        self._thread.start()
+        start = asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self._tls)
+        self._server = asyncio.run_coroutine_threadsafe(start, self._loop).result(10)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    async def _shutdown(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- one connection, one request ---------------------------------------------------
+
+    async def _serve(self, client: asyncio.StreamReader, to_client: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            await self._exchange(client, to_client)
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            pass  # a side hung up or was reset: nothing left to relay
+        finally:
+            self._tasks.discard(task)
+            with contextlib.suppress(Exception):
+                to_client.close()
+
+    async def _exchange(
+        self, client: asyncio.StreamReader, to_client: asyncio.StreamWriter
+    ) -> None:
+        head = await client.readuntil(b"\r\n\r\n")
+        method, target, headers = _parse_head(head)
+        self.requests[method] += 1
+        exchange = _Exchange(method, target, self._choose(method, target))
+        if exchange.rule is not None and exchange.rule.fault == "slowdown":
+            if headers.get("expect", "").lower() != "100-continue":
+                await client.readexactly(int(headers.get("content-length", "0")))
+            self._fire(exchange)
+            to_client.write(_SLOWDOWN)
+            await to_client.drain()
+            return
+        server, to_server = await asyncio.open_connection(*self.upstream)
+        try:
+            to_server.write(_close_after(head))
+            sending = asyncio.ensure_future(self._send(client, to_server, to_client, exchange))
+            try:
+                await self._receive(server, to_client, exchange)
+            finally:
+                sending.cancel()
+                await asyncio.gather(sending, return_exceptions=True)
+        finally:
+            to_server.close()
+
+    async def _send(
+        self,
+        client: asyncio.StreamReader,
+        to_server: asyncio.StreamWriter,
+        to_client: asyncio.StreamWriter,
+        exchange: _Exchange,
+    ) -> None:
+        """Pump the request body; ``reset_request`` cuts it after ``after`` bytes."""
+        rule, sent = exchange.rule, 0
+        while chunk := await client.read(65536):
+            if (
+                rule is not None
+                and rule.fault == "reset_request"
+                and sent + len(chunk) > rule.after
+            ):
+                to_server.write(chunk[: max(rule.after - sent, 0)])
+                self._fire(exchange)
+                _reset(to_client)
+                to_server.transport.abort()
+                return
+            to_server.write(chunk)
+            await to_server.drain()
+            sent += len(chunk)
+
+    async def _receive(
+        self, server: asyncio.StreamReader, to_client: asyncio.StreamWriter, exchange: _Exchange
+    ) -> None:
+        """Pump the response, applying a response-side fault at its body offset."""
+        rule = exchange.rule if exchange.rule and exchange.rule.fault != "reset_request" else None
+        while True:  # interim 1xx responses (100 Continue) go through as they are
+            head = await server.readuntil(b"\r\n\r\n")
+            status = int(head.split(b" ", 2)[1])
+            if not 100 <= status < 200:
+                break
+            to_client.write(head)
+        if rule is not None and rule.after < 0:
+            return await self._inject(exchange, to_client)
+        to_client.write(head)
+        if (
+            rule is not None
+            and rule.fault == "corrupt"
+            and not (exchange.method == "GET" and status < 300)
+        ):
+            rule = None
+        received = 0
+        while chunk := await server.read(65536):
+            if rule is not None and received + len(chunk) > rule.after:
+                at = rule.after - received
+                if rule.fault == "corrupt":
+                    chunk = chunk[:at] + bytes([chunk[at] ^ 0x01]) + chunk[at + 1 :]
+                    self._fire(exchange)
+                    rule = None
+                else:
+                    to_client.write(chunk[:at])
+                    return await self._inject(exchange, to_client)
+            to_client.write(chunk)
+            await to_client.drain()
+            received += len(chunk)
+
+    async def _inject(self, exchange: _Exchange, to_client: asyncio.StreamWriter) -> None:
+        """The response-side faults that end the exchange."""
+        assert exchange.rule is not None
+        self._fire(exchange)
+        fault = exchange.rule.fault
+        if fault == "reset_response":
+            _reset(to_client)
+            return
+        await to_client.drain()
+        if fault == "stall":
+            await asyncio.sleep(self.stall_s)
+
+    # -- decisions ---------------------------------------------------------------------
+
+    def _choose(self, method: str, target: str) -> Rule | None:
+        for number, rule in enumerate(self.rules):
+            if not rule.wants(method, target):
+                continue
+            cap = rule.per_request
+            if cap is not None and self._hits[(number, method, target)] >= cap:
+                continue
+            if self._rng.random() < rule.rate:
+                rule.chosen += 1
+                return rule
+        return None
+
+    def _fire(self, exchange: _Exchange) -> None:
+        rule = exchange.rule
+        assert rule is not None
+        self.counts[rule.fault] += 1
+        self._hits[(self.rules.index(rule), exchange.method, exchange.target)] += 1
+
+
+def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:
+    lines = head.decode("latin-1").split("\r\n")
+    method, target, _ = lines[0].split(" ", 2)
+    headers = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if sep:
+            headers[name.strip().lower()] = value.strip()
+    return method, target, headers
+
+
+def _close_after(head: bytes) -> bytes:
+    """The request head with ``Connection: close``: one request per connection."""
+    lines = [
+        line
+        for line in head.rstrip(b"\r\n").split(b"\r\n")
+        if not line.lower().startswith((b"connection:", b"keep-alive:"))
+    ]
+    return b"\r\n".join([*lines, b"Connection: close"]) + b"\r\n\r\n"
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Close with a TCP RST (SO_LINGER 0), as a crashed peer or middlebox would."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()

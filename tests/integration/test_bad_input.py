@@ -1,0 +1,144 @@
+"""Bad input the other suites leave out: an empty state dict, unsavable objects, TLS.
+
+``test_errors.py`` covers bad URIs, wrong credentials, a missing bucket and an unreachable
+endpoint; ``test_failures.py`` an unpicklable object; ``test_roundtrip.py`` keys with
+unicode, spaces and slashes. Each case here must give one clear error and write nothing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import ssl
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from s3ckpt import EndpointError, S3StorageReader, S3StorageWriter, catalog, unwrap
+from s3ckpt.config import make_config
+
+if str(Path(__file__).resolve().parent.parent) not in sys.path:  # tests/: the fault proxy
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from faultproxy import FaultProxy
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
+
+
+def test_an_empty_state_dict_saves_and_loads_as_an_empty_checkpoint(
+    s3_prefix, make_writer, make_reader, s3_options
+):
+    """DCP saves ``{}`` with any storage (no items, metadata only): so does s3ckpt."""
+    dcp.save({}, storage_writer=make_writer(s3_prefix))
+    restored: dict[str, Any] = {}
+    dcp.load(restored, storage_reader=make_reader(s3_prefix))
+    assert restored == {}
+    manifest = catalog.show_checkpoint(s3_prefix, config=make_config(None, **s3_options))
+    assert manifest.items == () and manifest.objects == ()
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (torch.empty(4, device="meta"), "meta tensor"),
+        ((i for i in range(3)), "pickle"),
+    ],
+    ids=["meta-tensor", "generator"],
+)
+def test_an_object_that_cannot_be_saved_is_named_and_nothing_is_written(
+    value, message, s3_prefix, make_writer, list_keys, pending_uploads
+):
+    state = {"fine": torch.ones(1000), "bad": value}
+    with pytest.raises(BaseException, match=message):
+        dcp.save(state, storage_writer=make_writer(s3_prefix))
+    assert list_keys(s3_prefix) == [] and pending_uploads(s3_prefix) == []
+
+
+# -- TLS ------------------------------------------------------------------------------------
+
+
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 signed by itself, and its key."""
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+@pytest.fixture
+def tls_endpoint(local_s3, tmp_path) -> Iterator[tuple[str, Path]]:
+    """An HTTPS endpoint with a self-signed certificate in front of the local server."""
+    cert, key = _self_signed(tmp_path)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    with FaultProxy(local_s3.endpoint_url, tls=context) as proxy:
+        yield proxy.endpoint_url, cert
+
+
+def test_an_unverifiable_certificate_fails_at_once_naming_tls(
+    tls_endpoint, s3_prefix, s3_options, list_keys
+):
+    endpoint, _ = tls_endpoint
+    options = {**s3_options, "endpoint_url": endpoint}
+    started = time.monotonic()
+    with pytest.raises(BaseException) as info:
+        dcp.save({"a": torch.ones(3)}, storage_writer=S3StorageWriter(s3_prefix, **options))
+    error = unwrap(info.value)
+    assert isinstance(error, EndpointError) and "TLS" in str(error), error
+    with pytest.raises(EndpointError, match="TLS"):
+        S3StorageReader(s3_prefix, **options).read_metadata()
+    assert time.monotonic() - started < 10  # a certificate is not retried
+    assert list_keys(s3_prefix) == []
+
+
+@pytest.mark.parametrize("verify", ["ca-bundle", False], ids=["private-ca", "verify-off"])
+def test_tls_with_a_private_ca_or_verification_off_works(
+    tls_endpoint, s3_prefix, s3_options, verify
+):
+    endpoint, cert = tls_endpoint
+    options = {
+        **s3_options,
+        "endpoint_url": endpoint,
+        "verify": str(cert) if verify == "ca-bundle" else False,
+    }
+    state = {"a": torch.arange(1000.0)}
+    dcp.save(state, storage_writer=S3StorageWriter(s3_prefix, **options))
+    restored = {"a": torch.zeros(1000)}
+    dcp.load(restored, storage_reader=S3StorageReader(s3_prefix, **options))
+    assert torch.equal(restored["a"], state["a"])

@@ -61,6 +61,9 @@ class S3StorageReader(StorageReader):
         config: an :class:`~s3ckpt.config.S3Config`; keyword ``options`` override its fields.
         request_size: the largest ranged GET; larger ranges are split and fetched in parallel.
         decode_threads: worker threads decompressing compressed items.
+        trust_pickles: load non-tensor items even if they hold objects outside torch's
+            weights-only allowlist (custom classes). Only for buckets you trust: such items
+            are unpickled by DCP and can run code.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class S3StorageReader(StorageReader):
         config: S3Config | None = None,
         request_size: int = 16 * 1024 * 1024,
         decode_threads: int = 2,
+        trust_pickles: bool = False,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -80,6 +84,7 @@ class S3StorageReader(StorageReader):
         )
         self.request_size = request_size
         self.decode_threads = decode_threads
+        self.trust_pickles = trust_pickles
         self.manifest: Manifest | None = None
         self.storage_data: dict[MetadataIndex, StoredItem] = {}
         self._shapes: dict[MetadataIndex, tuple[torch.dtype, torch.Size]] = {}
@@ -157,12 +162,25 @@ class S3StorageReader(StorageReader):
                     decoding.add(pool.submit(decode, item))
                 else:
                     verify_streamed(item)
-                    commit(item, planner)
-                decoding = _commit_decoded(decoding, planner, wait=False)
-            _commit_decoded(decoding, planner, wait=True)
+                    commit(item, planner, trust_pickles=self.trust_pickles)
+                decoding = self._commit_decoded(decoding, planner, wait=False)
+            self._commit_decoded(decoding, planner, wait=True)
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _commit_decoded(
+        self, decoding: set[ThreadFuture[PendingRead]], planner: LoadPlanner, *, wait: bool
+    ) -> set[ThreadFuture[PendingRead]]:
+        """Commit the decoded items (all of them if ``wait``); returns those still decoding."""
+        done, still = futures_wait(
+            decoding,
+            return_when=ALL_COMPLETED if wait else FIRST_COMPLETED,
+            timeout=None if wait else 0,
+        )
+        for finished in done:
+            commit(finished.result(), planner, trust_pickles=self.trust_pickles)
+        return still
 
     @property
     def checkpoint_id(self) -> str | None:
@@ -202,17 +220,3 @@ class S3StorageReader(StorageReader):
         stored = self.storage_data[request.storage_index]
         what = f"{self.location}/{stored.key} item {request.storage_index.fqn!r}"
         return prepare(request, stored, self._shapes.get(request.storage_index), planner, what)
-
-
-def _commit_decoded(
-    decoding: set[ThreadFuture[PendingRead]], planner: LoadPlanner, *, wait: bool
-) -> set[ThreadFuture[PendingRead]]:
-    """Commit the decoded items (all of them if ``wait``); returns those still decoding."""
-    done, still = futures_wait(
-        decoding,
-        return_when=ALL_COMPLETED if wait else FIRST_COMPLETED,
-        timeout=None if wait else 0,
-    )
-    for finished in done:
-        commit(finished.result(), planner)
-    return still

@@ -131,14 +131,34 @@ def verify_streamed(pending: PendingRead) -> None:
         )
 
 
-def commit(pending: PendingRead, planner: LoadPlanner) -> None:
+def commit(pending: PendingRead, planner: LoadPlanner, *, trust_pickles: bool = False) -> None:
     """Hand a verified item to the planner (on the thread that runs DCP's load)."""
     if pending.destination is None:
-        planner.load_bytes(pending.request, io.BytesIO(tensor_view(pending.raw).tobytes()))
+        data = tensor_view(pending.raw).tobytes()
+        if not trust_pickles:
+            _check_pickle(data, pending.what)
+        planner.load_bytes(pending.request, io.BytesIO(data))
         return
     if not pending.direct:
         pending.destination.copy_(_source(pending))
     planner.commit_tensor(pending.request, pending.destination)
+
+
+def _check_pickle(data: bytes, what: str) -> None:
+    """Refuse a non-tensor item that torch's weights-only unpickler would not load.
+
+    DCP's planners unpickle non-tensor items with ``torch.load(weights_only=False)``,
+    which runs whatever the pickle says: a hostile bucket could run code. Loading the
+    bytes with the weights-only allowlist first (plain Python values, containers,
+    tensors) makes sure the second, unrestricted load has nothing dangerous to run.
+    """
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:
+        raise CorruptCheckpointError(
+            f"{what} holds objects outside torch's weights-only allowlist and was not loaded "
+            f"(pass trust_pickles=True to S3StorageReader to load it anyway): {exc}"
+        ) from exc
 
 
 def _source(pending: PendingRead) -> torch.Tensor:

@@ -120,6 +120,9 @@ class S3StorageWriter(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
+        # A writer reused for another save without a new checkpoint_id (so without reset)
+        # still needs fresh object keys: an overwrite must never touch the committed ones.
+        self.save_id = new_save_id()
         self.rank = int(kwargs.get("rank") or 0)
         if kwargs.get("use_collectives", True) is False:
             raise ConfigError(
@@ -274,6 +277,10 @@ def _item_bytes(item: WriteItem, planner: SavePlanner) -> memoryview:
     if not isinstance(data, torch.Tensor):
         raise TypeError(
             f"planner resolved {item.index.fqn} to {type(data).__name__}, expected a tensor"
+        )
+    if data.layout != torch.strided:
+        raise ConfigError(
+            f"{item.index.fqn}: {data.layout} tensors are not supported; save tensor.to_dense()"
         )
     view = tensor_view(as_cpu_contiguous(data))
     if len(view) != item_nbytes(item):

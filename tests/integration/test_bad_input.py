@@ -142,3 +142,12 @@ def test_tls_with_a_private_ca_or_verification_off_works(
     restored = {"a": torch.zeros(1000)}
     dcp.load(restored, storage_reader=S3StorageReader(s3_prefix, **options))
     assert torch.equal(restored["a"], state["a"])
+
+
+def test_a_sparse_tensor_is_refused_by_name(s3_prefix, make_writer, list_keys):
+    sparse = torch.eye(4).to_sparse()
+    with pytest.raises(BaseException) as info:
+        dcp.save({"w": torch.ones(2), "adjacency": sparse}, storage_writer=make_writer(s3_prefix))
+    error = unwrap(info.value)
+    assert "adjacency" in str(error) and "to_dense" in str(error)
+    assert list_keys(s3_prefix) == []

@@ -145,11 +145,6 @@ def test_hostile_metadata_is_refused_and_runs_nothing(
     assert not marker.exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DCP's DefaultLoadPlanner.load_bytes calls torch.load(weights_only=False) on "
-    "non-tensor items; s3ckpt's reader hands it their bytes unchecked (to fix in the reader)",
-)
 def test_a_hostile_non_tensor_item_runs_nothing(s3_prefix, make_writer, make_reader, tmp_path):
     marker = tmp_path / "pwned-by-item"
     dcp.save({"extra": _Payload(marker)}, storage_writer=make_writer(s3_prefix))

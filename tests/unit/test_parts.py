@@ -11,8 +11,8 @@ from s3ckpt.parts import (
     TiB,
     choose_part_size,
     cut_parts,
-    part_limits,
     is_multipart,
+    part_limits,
     part_ranges,
 )
 
@@ -60,7 +60,9 @@ def _check_cut(lengths, part_size, min_part=MIN_PART_SIZE):
         assert start == position[item]
         position[item] = end
         order.append(item)
-    assert {i: n for i, n in position.items() if lengths[i]} == {i: n for i, n in enumerate(lengths) if n}
+    assert {i: n for i, n in position.items() if lengths[i]} == {
+        i: n for i, n in enumerate(lengths) if n
+    }
     assert order == sorted(order)
     sizes = [sum(end - start for _, start, end in part) for part in parts]
     assert all(size >= min_part for size in sizes[:-1]), sizes
@@ -92,7 +94,10 @@ def test_random_layouts_stay_within_s3_limits(seed):
     import random
 
     rng = random.Random(seed)
-    lengths = [rng.choice([0, 1, 1000, MiB, 3 * MiB, 5 * MiB, 17 * MiB, 70 * MiB]) for _ in range(rng.randint(1, 60))]
+    lengths = [
+        rng.choice([0, 1, 1000, MiB, 3 * MiB, 5 * MiB, 17 * MiB, 70 * MiB])
+        for _ in range(rng.randint(1, 60))
+    ]
     _check_cut(lengths, rng.choice([5, 8, 16, 64]) * MiB)
 
 

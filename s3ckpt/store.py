@@ -6,9 +6,8 @@ errors (translated in :mod:`s3ckpt.error_mapping`); a missing object is
 its config and bucket name, so it pickles and survives ``fork``: the client is created
 lazily on the loop of whichever process uses it.
 
-Requests are sent the way a fast client should talk to FlashBlade: path-style, no SHA-256
-payload signing (``UNSIGNED-PAYLOAD``), and no checksums computed by botocore; callers
-pass a CRC32C they computed with a native library instead.
+Requests go through the shared client of :mod:`s3ckpt.client` (path-style, no SHA-256
+payload signing, no botocore checksums: callers pass a CRC32C computed natively).
 
 Failed requests are retried here, by :mod:`s3ckpt.retry` (botocore's own retries are off),
 because a retry must know what the request meant: a ranged GET resumes at the first byte
@@ -20,7 +19,6 @@ lost responses created. Bodies are memory, so resending one costs no copy.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import logging
 import time
@@ -29,16 +27,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, TypeVar
 
-from aiobotocore.config import AioConfig
-from aiobotocore.session import AioSession
 from botocore.exceptions import ClientError
 
 from s3ckpt import retry
+from s3ckpt.client import client_handle
 from s3ckpt.config import S3Config
 from s3ckpt.error_mapping import PRECONDITION_CODES, translate_final, translated
 from s3ckpt.errors import PreconditionFailedError, StorageError
 from s3ckpt.http_body import MemoryBody
-from s3ckpt.loop import io_loop
 
 Body = bytes | bytearray | memoryview
 T = TypeVar("T")
@@ -76,67 +72,6 @@ class PendingUpload:
 def crc32c_header(value: int) -> str:
     """S3's encoding of a CRC32C: base64 of the 4 big-endian bytes."""
     return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
-
-
-class _ClientHandle:
-    """An entered aiobotocore client plus the semaphore bounding its requests."""
-
-    def __init__(self, config: S3Config) -> None:
-        self.config = config
-        self.client: Any = None
-        self.slots = asyncio.Semaphore(config.max_concurrency)
-        self._ctx: Any = None
-        self._lock = asyncio.Lock()
-
-    async def get(self) -> Any:
-        if self.client is None:
-            async with self._lock:
-                if self.client is None:
-                    self._ctx = _create_client(self.config)
-                    self.client = await self._ctx.__aenter__()
-        return self.client
-
-    async def aclose(self) -> None:
-        if self._ctx is not None:
-            await self._ctx.__aexit__(None, None, None)
-            self._ctx = self.client = None
-
-
-def _create_client(config: S3Config) -> Any:
-    session = AioSession(profile=config.profile) if config.profile else AioSession()
-    aio_config = AioConfig(
-        signature_version="s3v4",
-        s3={"addressing_style": config.addressing_style, "payload_signing_enabled": False},
-        max_pool_connections=config.max_concurrency,
-        connect_timeout=config.connect_timeout,
-        read_timeout=config.read_timeout,
-        retries={"total_max_attempts": 1},  # s3ckpt.retry is the one retry layer
-        request_checksum_calculation="when_required",
-        response_checksum_validation="when_required",
-        tcp_keepalive=True,
-        # Validation rejects memoryview bodies, which is how tensor bytes are sent without a
-        # copy; every request's parameters are built by this module.
-        parameter_validation=False,
-    )
-    return session.create_client(
-        "s3",
-        endpoint_url=config.endpoint_url,
-        region_name=config.region,
-        aws_access_key_id=config.access_key_id,
-        aws_secret_access_key=config.secret_access_key,
-        aws_session_token=config.session_token,
-        verify=config.verify,
-        config=aio_config,
-    )
-
-
-def _handle(config: S3Config) -> _ClientHandle:
-    resources = io_loop().resources
-    key = ("s3-client", config.client_key())
-    handle = resources.get(key)
-    if handle is None:
-        handle = resources[key] = _ClientHandle(config)
-    return handle
 
 
 class ObjectStore:
@@ -185,7 +120,7 @@ class ObjectStore:
 
     async def _request(self, operation: str, params: dict[str, Any]) -> dict[str, Any]:
         """One try of one request, holding one of the client's request slots."""
-        handle = _handle(self.config)
+        handle = client_handle(self.config)
         client = await handle.get()
         async with handle.slots:
             method: Callable[..., Any] = getattr(client, _snake(operation))
@@ -244,7 +179,7 @@ class ObjectStore:
 
     async def _fetch(self, key: str) -> tuple[bytes, str]:
         """One GET of a whole object: its bytes and ETag."""
-        handle = _handle(self.config)
+        handle = client_handle(self.config)
         client = await handle.get()
         async with handle.slots:
             response = await client.get_object(Bucket=self.bucket, Key=key)
@@ -287,7 +222,7 @@ class ObjectStore:
         self, key: str, start: int, end: int, sink: Callable[[int, bytes], None]
     ) -> None:
         """One ranged GET of ``[start, end)``; :class:`retry.ShortReadError` if it ends early."""
-        handle = _handle(self.config)
+        handle = client_handle(self.config)
         client = await handle.get()
         async with handle.slots:
             response = await client.get_object(

@@ -23,9 +23,10 @@ from s3ckpt import (
     S3StorageWriter,
     unwrap,
 )
+from s3ckpt.client import create_client
 from s3ckpt.config import S3URI
 from s3ckpt.manifest import MANIFEST_NAME
-from s3ckpt.store import ObjectStore, _create_client
+from s3ckpt.store import ObjectStore
 
 if str(Path(__file__).resolve().parent.parent) not in sys.path:  # tests/: the fault proxy
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -102,9 +103,9 @@ def test_tls_is_verified_unless_switched_off(monkeypatch):
         return None
 
     monkeypatch.setattr("aiobotocore.session.AioSession.create_client", capture)
-    _create_client(S3Config(endpoint_url="https://flashblade.example.com"))
+    create_client(S3Config(endpoint_url="https://flashblade.example.com"))
     assert seen["verify"] is True
-    _create_client(S3Config(endpoint_url="https://fb.example.com", verify="/etc/ca.pem"))
+    create_client(S3Config(endpoint_url="https://fb.example.com", verify="/etc/ca.pem"))
     assert seen["verify"] == "/etc/ca.pem"
 
 

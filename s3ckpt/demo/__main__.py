@@ -22,6 +22,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from s3ckpt import catalog
 from s3ckpt.config import S3URI
@@ -48,16 +49,16 @@ def banner(text: str) -> None:
     say(f"== {text} " + "=" * max(0, 74 - len(text)))
 
 
-def upload_seen(server: LocalS3Server, uri: str, name: str, timeout: float = 10.0) -> str:
+def upload_seen(client: Any, uri: str, name: str, timeout: float = 10.0) -> str:
     """Wait until the save into ``name`` has bytes on the server; describe what is there.
 
     The trainer says "started" once the state is staged, but DCP still plans (a few
     requests) before the first byte goes out; killing only once an upload is open
-    makes certain the crash lands in the middle of the transfer, not before it.
+    makes certain the crash lands in the middle of the transfer, not before it. The
+    client is created (and connected) beforehand: that takes longer than an upload.
     """
     location = S3URI.parse(uri)
     prefix = location.key(name) + "/"
-    client = server.client()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         uploads = client.list_multipart_uploads(Bucket=location.bucket, Prefix=prefix)
@@ -74,7 +75,7 @@ def train(
     env: dict[str, str],
     log: Path,
     kill: str | None = None,
-    server: LocalS3Server | None = None,
+    client: Any = None,
 ) -> Run:
     """Run the trainer, echoing its lines; SIGKILL it once ``kill`` is uploading."""
     command = [
@@ -95,7 +96,7 @@ def train(
         say(f"  | {line.rstrip()}")
         match = _STARTED.match(line)
         if kill is not None and killed_at is None and match and match.group(1) == kill:
-            seen = upload_seen(server, args.uri, kill) if server else "not checked"
+            seen = upload_seen(client, args.uri, kill) if client else "not checked"
             child.send_signal(signal.SIGKILL)
             killed_at = kill
             say(
@@ -161,7 +162,9 @@ def demo(args: argparse.Namespace, server: LocalS3Server, workdir: Path) -> int:
     killed = checkpoint_name(kill_step(args.steps, args.every))
 
     banner(f"run 1: train {args.steps} steps, checkpoint every {args.every}; crash during {killed}")
-    first = train(args, env, workdir / "run1.jsonl", kill=killed, server=server)
+    client = server.client()
+    client.list_multipart_uploads(Bucket=server.bucket)  # connected before it matters
+    first = train(args, env, workdir / "run1.jsonl", kill=killed, client=client)
     if first.killed_at is None:
         say(f"  the trainer exited ({first.returncode}) before {killed} started: nothing to resume")
         return 1

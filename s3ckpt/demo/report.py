@@ -132,6 +132,17 @@ def timing(runs: list[list[dict[str, Any]]]) -> Timing:
     )
 
 
+def continuity_line(result: Continuity, killed: int) -> str:
+    if not result.overlap:
+        return f"step {killed} committed before the kill landed: nothing was trained twice"
+    verdict = "identical" if result.identical else "DIFFERENT"
+    return (
+        f"steps {result.overlap[0]}-{result.overlap[-1]} were trained twice (before the crash, "
+        f"and again after resuming from step-{result.resumed_from:010d}): losses {verdict} "
+        f"(largest difference {result.max_difference:.2e})"
+    )
+
+
 def summary_lines(
     run1: list[dict[str, Any]], run2: list[dict[str, Any]], resumed: int, killed: int, total: int
 ) -> list[str]:
@@ -139,13 +150,10 @@ def summary_lines(
     t = timing([run1, run2])
     curve = merged_curve(run1, run2, resumed)
     steps_run = len(of_kind(run1, "step")) + len(of_kind(run2, "step"))
-    verdict = "identical" if result.identical else "DIFFERENT"
     return [
         f"loss curve, steps 1-{total}: {curve[0]:.3f} {sparkline(curve)} {curve[-1]:.3f}",
         *loss_table(run1, run2, resumed, killed),
-        f"steps {result.overlap[0] if result.overlap else '-'}-{killed} were trained twice "
-        f"(before the crash, and again after resuming from step-{resumed:010d}): losses "
-        f"{verdict} (largest difference {result.max_difference:.2e})",
+        continuity_line(result, killed),
         "",
         f"steps              {total} to train, {steps_run} run ({steps_run - total} redone after the crash)",
         f"checkpoints        {t.saves} committed ({t.megabytes:.1f} MB each), 1 interrupted by SIGKILL",

@@ -32,6 +32,7 @@ from s3ckpt.progress import SILENT, Reporter
 from s3ckpt.retention import Candidate, Decision, natural_key, plan_retention
 from s3ckpt.scan import (
     Group,
+    add_uploads,
     bounded,
     child,
     delete_keys,
@@ -56,6 +57,7 @@ class CheckpointInfo:
     ranks: int | None  # ranks that wrote data (listing: counted from object names)
     items: int | None = None  # only with details (needs the manifest)
     save_id: str | None = None
+    uploads: int = 0  # open multipart uploads (listed with include_uncommitted only)
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,7 @@ def _info(location: S3URI, group: Group, manifest: Manifest | None = None) -> Ch
         ranks=manifest.world_size if manifest else group.ranks(save_id),
         items=len(manifest.items) if manifest else None,
         save_id=save_id,
+        uploads=len(group.uploads),
     )
 
 
@@ -102,11 +105,10 @@ async def alist_checkpoints(
     The listing alone costs one request per 1000 objects; ``details`` adds one bounded,
     concurrent GET per committed checkpoint for exact ranks, items and save id.
     """
-    groups = [
-        g
-        for g in (await scan(store, location)).groups.values()
-        if g.committed or include_uncommitted
-    ]
+    scanned = await scan(store, location)
+    if include_uncommitted:
+        await add_uploads(store, location, scanned)
+    groups = [g for g in scanned.groups.values() if g.committed or include_uncommitted]
     manifests: list[Manifest | None] = [None] * len(groups)
     if details:
         manifests = await bounded(

@@ -21,7 +21,13 @@ if TYPE_CHECKING:
 
 
 def _status(info: CheckpointInfo) -> str:
-    return "committed" if info.committed else "uncommitted"
+    if info.committed:
+        return "committed"
+    return (
+        f"uncommitted ({info.uploads} open upload{'s' if info.uploads != 1 else ''})"
+        if info.uploads
+        else "uncommitted"
+    )
 
 
 # -- ls -------------------------------------------------------------------------------------
@@ -40,6 +46,7 @@ def info_json(info: CheckpointInfo, now: float) -> dict[str, Any]:
         "ranks": info.ranks,
         "items": info.items,
         "save_id": info.save_id,
+        "open_uploads": info.uploads,
     }
 
 

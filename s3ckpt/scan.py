@@ -27,7 +27,7 @@ from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.errors import CheckpointNotFoundError
 from s3ckpt.manifest import Manifest, read_manifest
 from s3ckpt.progress import Reporter
-from s3ckpt.store import ObjectMeta, ObjectStore
+from s3ckpt.store import ObjectMeta, ObjectStore, PendingUpload
 
 T = TypeVar("T")
 DELETE_BATCH = 1000  # keys per DeleteObjects request, S3's maximum
@@ -62,6 +62,7 @@ class Group:
     name: str
     manifest: ObjectMeta | None = None
     objects: list[SaveKey] = field(default_factory=list)
+    uploads: list[PendingUpload] = field(default_factory=list)  # open multipart uploads
 
     @property
     def committed(self) -> bool:
@@ -77,7 +78,8 @@ class Group:
         newest object (how long an uncommitted save has been silent)."""
         if self.manifest is not None:
             return timestamp(self.manifest)
-        return max((timestamp(o.meta) for o in self.objects), default=0.0)
+        started = (u.initiated.timestamp() for u in self.uploads if u.initiated is not None)
+        return max([*(timestamp(o.meta) for o in self.objects), *started], default=0.0)
 
     def save_ids(self) -> set[str]:
         return {o.save_id for o in self.objects}
@@ -197,6 +199,19 @@ async def scan(store: ObjectStore, location: S3URI) -> Scan:
     """One paged recursive LIST of the prefix, grouped into checkpoints."""
     prefix = location.prefix
     return group_keys(prefix, [m async for m in store.list(f"{prefix}/" if prefix else "")])
+
+
+async def add_uploads(store: ObjectStore, location: S3URI, scanned: Scan) -> None:
+    """Attach the open multipart uploads of s3ckpt data objects to their groups.
+
+    A save killed in the middle of its first object leaves no object at all, only an open
+    upload: without this, ``ls --all`` would not show it although ``gc`` will clean it.
+    """
+    prefix = location.prefix
+    async for upload in store.list_multipart_uploads(f"{prefix}/" if prefix else ""):
+        directory = data_directory(relative(prefix, upload.key))
+        if directory is not None:
+            scanned.group(directory).uploads.append(upload)
 
 
 async def read_committed(store: ObjectStore, location: S3URI) -> Manifest:

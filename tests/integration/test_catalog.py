@@ -308,3 +308,17 @@ def test_gc_removes_stale_uploads_uncommitted_saves_orphans_and_probes(
     assert list_keys(s3_prefix) == ["notes.txt", *[f"step-1/{k}" for k in committed]]
     assert _loads(make_reader, f"{s3_prefix}/step-1", 1.0)
     assert MANIFEST_NAME in list_keys(f"{s3_prefix}/step-1")
+
+
+def test_a_save_that_died_inside_its_first_upload_is_listed_with_all(s3_prefix, store, opts):
+    """Only an open multipart upload is left: no object, but ls --all must still show it."""
+    location = S3URI.parse(f"{s3_prefix}/step-7")
+    key = location.key("data/r00000-0123456789abcdef-0000.bin")
+    upload_id = io_loop().run(store.create_multipart(key))
+    try:
+        assert catalog.list_checkpoints(s3_prefix, **opts) == []
+        (dead,) = catalog.list_checkpoints(s3_prefix, include_uncommitted=True, **opts)
+        assert (dead.name, dead.committed, dead.uploads, dead.bytes) == ("step-7", False, 1, 0)
+        assert time.time() - dead.time < 300
+    finally:
+        io_loop().run(store.abort_multipart(key, upload_id))

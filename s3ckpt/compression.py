@@ -119,7 +119,7 @@ def decode_block(frame: memoryview, codec: str, out: memoryview) -> None:
     """Decode one frame into ``out`` (exactly the block's raw size)."""
     try:
         if codec == ZSTD:
-            out[:] = zstandard.ZstdDecompressor().decompress(frame, max_output_size=len(out))
+            out[:] = _decompressor().decompress(frame, max_output_size=len(out))
         elif codec == ZSTD_GROUPED:
             _ungroup(frame, out)
         else:
@@ -183,6 +183,15 @@ def _compressor(level: int, *, grouped: bool) -> zstandard.ZstdCompressor:
     return cache[key]
 
 
+def _decompressor() -> zstandard.ZstdDecompressor:
+    """A per-thread decompressor: creating a zstd context per frame costs more than small
+    frames take to decode."""
+    decompressor = getattr(_local, "decompressor", None)
+    if decompressor is None:
+        decompressor = _local.decompressor = zstandard.ZstdDecompressor()
+    return decompressor
+
+
 def _group_and_compress(
     block: memoryview, itemsize: int, compressor: zstandard.ZstdCompressor
 ) -> bytes:
@@ -217,11 +226,7 @@ def _ungroup(frame: memoryview, out: memoryview) -> None:
         mode, length = struct.unpack_from("<BI", frame, 1 + 5 * plane_index)
         payload = frame[position : position + length]
         position += length
-        plane = (
-            zstandard.ZstdDecompressor().decompress(payload, max_output_size=count)
-            if mode == 1
-            else payload
-        )
+        plane = _decompressor().decompress(payload, max_output_size=count) if mode == 1 else payload
         if len(plane) != count:
             raise ValueError(f"plane {plane_index} has {len(plane)} bytes, expected {count}")
         matrix[:, plane_index] = np.frombuffer(plane, dtype=np.uint8)

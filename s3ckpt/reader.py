@@ -44,15 +44,16 @@ from s3ckpt.compat import (
 )
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.download import RangeReader, ReadTarget
-from s3ckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from s3ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from s3ckpt.layout import StoredItem
+from s3ckpt.location import S3Location
 from s3ckpt.loop import io_loop
 from s3ckpt.manifest import Manifest, read_manifest
 from s3ckpt.restore import PendingRead, commit, decode, prepare, verify_streamed
 from s3ckpt.store import ObjectStore
 
 
-class S3StorageReader(StorageReader):
+class S3StorageReader(S3Location, StorageReader):
     """Load DCP checkpoints from ``s3://bucket/prefix``.
 
     Args:
@@ -65,6 +66,8 @@ class S3StorageReader(StorageReader):
             weights-only allowlist (custom classes). Only for buckets you trust: such items
             are unpickled by DCP and can run code.
     """
+
+    _dcp_call = "dcp.load"
 
     def __init__(
         self,
@@ -79,9 +82,8 @@ class S3StorageReader(StorageReader):
     ) -> None:
         super().__init__()
         self.config = make_config(config, endpoint_url=endpoint_url, **options)
-        self.location: S3URI | None = (
-            S3URI.parse(checkpoint_id) if checkpoint_id is not None else None
-        )
+        self.location: S3URI | None = None
+        self._set_location(checkpoint_id)
         self.request_size = request_size
         self.decode_threads = decode_threads
         self.trust_pickles = trust_pickles
@@ -89,14 +91,10 @@ class S3StorageReader(StorageReader):
         self.storage_data: dict[MetadataIndex, StoredItem] = {}
         self._shapes: dict[MetadataIndex, tuple[torch.dtype, torch.Size]] = {}
 
-    def __repr__(self) -> str:
-        return f"S3StorageReader({str(self.location)!r}, endpoint_url={self.config.endpoint_url!r})"
-
     # -- DCP lifecycle --------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None:
-            self.location = S3URI.parse(checkpoint_id)
+        self._set_location(checkpoint_id)
         self.manifest = None
         self.storage_data = {}
 
@@ -182,22 +180,7 @@ class S3StorageReader(StorageReader):
             commit(finished.result(), planner, trust_pickles=self.trust_pickles)
         return still
 
-    @property
-    def checkpoint_id(self) -> str | None:
-        return str(self.location) if self.location else None
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return str(checkpoint_id).startswith("s3://")
-
     # -- helpers ---------------------------------------------------------------------------
-
-    def _require_location(self) -> S3URI:
-        if self.location is None:
-            raise ConfigError(
-                "no checkpoint location: pass s3://bucket/prefix to S3StorageReader or dcp.load"
-            )
-        return self.location
 
     async def _fetch_metadata(self, location: S3URI) -> tuple[Manifest, bytes]:
         store = ObjectStore(self.config, location.bucket).with_deadline(self.config.deadline_s)

@@ -52,6 +52,7 @@ from s3ckpt.compression import RAW, Compression, Encoded, encode_raw, encode_str
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.errors import CheckpointExistsError, ConfigError
 from s3ckpt.layout import DEFAULT_MAX_OBJECT_SIZE, StoredItem, data_key
+from s3ckpt.location import S3Location
 from s3ckpt.loop import io_loop
 from s3ckpt.manifest import MANIFEST_NAME, ItemEntry, Manifest, ObjectEntry, commit, new_save_id
 from s3ckpt.store import ObjectStore
@@ -66,7 +67,7 @@ class _RankAssignment:
     save_id: str
 
 
-class S3StorageWriter(StorageWriter):
+class S3StorageWriter(S3Location, StorageWriter):
     """Save DCP checkpoints to ``s3://bucket/prefix``.
 
     Args:
@@ -81,6 +82,8 @@ class S3StorageWriter(StorageWriter):
             items zstd-compressed per checksum block, floating-point ones byte-grouped;
             off by default. ``compression_level`` sets the zstd level (default 1).
     """
+
+    _dcp_call = "dcp.save"
 
     def __init__(
         self,
@@ -101,21 +104,16 @@ class S3StorageWriter(StorageWriter):
             raise ConfigError("max_object_size must be at least 5 MiB")
         self.overwrite = overwrite
         self.max_object_size = max_object_size
-        self.location: S3URI | None = (
-            S3URI.parse(checkpoint_id) if checkpoint_id is not None else None
-        )
+        self.location: S3URI | None = None
+        self._set_location(checkpoint_id)
         self.save_id = new_save_id()
         self.is_coordinator = False
         self.rank = 0
 
-    def __repr__(self) -> str:
-        return f"S3StorageWriter({str(self.location)!r}, endpoint_url={self.config.endpoint_url!r})"
-
     # -- DCP lifecycle --------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None:
-            self.location = S3URI.parse(checkpoint_id)
+        self._set_location(checkpoint_id)
         self.save_id = new_save_id()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -161,22 +159,7 @@ class S3StorageWriter(StorageWriter):
             checkpoint_id=str(self.location) if self.location else None, save_id=self.save_id
         )
 
-    @property
-    def checkpoint_id(self) -> str | None:
-        return str(self.location) if self.location else None
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return str(checkpoint_id).startswith("s3://")
-
     # -- helpers ---------------------------------------------------------------------------
-
-    def _require_location(self) -> S3URI:
-        if self.location is None:
-            raise ConfigError(
-                "no checkpoint location: pass s3://bucket/prefix to S3StorageWriter or dcp.save"
-            )
-        return self.location
 
     def _store(self) -> ObjectStore:
         return ObjectStore(self.config, self._require_location().bucket).with_deadline(

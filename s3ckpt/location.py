@@ -1,0 +1,43 @@
+"""What the DCP writer and reader share: a connection config and an ``s3://`` location."""
+
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+from s3ckpt.config import S3URI, S3Config
+from s3ckpt.errors import ConfigError
+
+
+class S3Location:
+    """Mixin for :class:`~s3ckpt.S3StorageWriter` and :class:`~s3ckpt.S3StorageReader`.
+
+    DCP passes ``checkpoint_id`` either to the constructor's caller or to ``reset``; both
+    end up here, parsed and validated, so a bad URI fails before any I/O.
+    """
+
+    config: S3Config
+    location: S3URI | None
+    _dcp_call: ClassVar[str] = "dcp"  # named in the error when no location was given
+
+    def _set_location(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
+        if checkpoint_id is not None:
+            self.location = S3URI.parse(checkpoint_id)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.checkpoint_id!r}, endpoint_url={self.config.endpoint_url!r})"
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return str(self.location) if self.location else None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return str(checkpoint_id).startswith("s3://")
+
+    def _require_location(self) -> S3URI:
+        if self.location is None:
+            raise ConfigError(
+                f"no checkpoint location: pass s3://bucket/prefix to {type(self).__name__} or {self._dcp_call}"
+            )
+        return self.location

@@ -1,9 +1,10 @@
 """Everything s3ckpt needs from torch beyond DCP's public storage API, in one place.
 
-Only public names are imported at module level. The one private detail s3ckpt relies on
-is how DCP's ``Metadata`` pickles (the classes its pickle refers to); that list lives in
-:data:`METADATA_PICKLE_GLOBALS` and ``tests/unit/test_compat.py`` fails loudly when a
-torch release changes it.
+Only public names are imported at module level. The private details s3ckpt relies on:
+how DCP's ``Metadata`` pickles (the classes its pickle refers to, listed in
+:data:`METADATA_PICKLE_GLOBALS`), and how to stop DCP's process-mode ``async_save``
+background process (:func:`stop_async_save_process`). ``tests/unit/test_compat.py``
+fails loudly when a torch release changes either.
 """
 
 from __future__ import annotations
@@ -102,6 +103,29 @@ def unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
+def stop_async_save_process(timeout: float = 30.0) -> bool:
+    """Stop DCP's process-mode ``async_save`` background process, if one is running.
+
+    DCP starts that process on the first process-mode save and offers no public way to
+    stop it; it would otherwise live until the interpreter exits. Uses DCP's private
+    module; returns whether a process was stopped. ``tests/unit/test_compat.py`` pins the
+    names used.
+    """
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    process = executor._CHECKPOINT_PROCESS
+    if process is None:
+        return False
+    try:
+        process._send(executor._CheckpointSaveProcessControlOpts.TERMINATE)
+        process._save_process.join(timeout=timeout)
+    finally:
+        if process._save_process.is_alive():
+            process._save_process.terminate()
+        executor._CHECKPOINT_PROCESS = None
+    return True
+
+
 def item_nbytes(item: WriteItem) -> int:
     """Bytes a tensor write item (a whole tensor or one shard) will occupy."""
     assert item.tensor_data is not None
@@ -154,5 +178,6 @@ __all__ = [
     "chunk_shapes",
     "item_nbytes",
     "narrow",
+    "stop_async_save_process",
     "unwrap",
 ]

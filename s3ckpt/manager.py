@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from s3ckpt import catalog
-from s3ckpt.compat import unwrap
+from s3ckpt.compat import stop_async_save_process, unwrap
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError
 from s3ckpt.manager_policy import (
@@ -302,6 +302,8 @@ class CheckpointManager:
         finally:
             self._retention.close()
             self._stager.close()
+            if self.async_mode == "process":
+                stop_async_save_process()
             if self._save_group is not None:
                 try:
                     dist.destroy_process_group(self._save_group)

@@ -120,14 +120,9 @@ def process_mode(
 
     from s3ckpt import CheckpointManager
 
-    try:
-        with CheckpointManager(uri, async_mode="process", **s3) as manager:
-            manager.save(7, state)
-            metrics = manager.wait()
-            return {"steps": manager.steps(), "bytes": metrics.bytes if metrics else None}
-    finally:
-        background = executor._CHECKPOINT_PROCESS
-        if background is not None:
-            background._send(executor._CheckpointSaveProcessControlOpts.TERMINATE)
-            background._save_process.join(timeout=30)
-            executor._CHECKPOINT_PROCESS = None
+    with CheckpointManager(uri, async_mode="process", **s3) as manager:
+        manager.save(7, state)
+        metrics = manager.wait()
+        result = {"steps": manager.steps(), "bytes": metrics.bytes if metrics else None}
+    result["background_stopped"] = executor._CHECKPOINT_PROCESS is None  # close() stopped it
+    return result

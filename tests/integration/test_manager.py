@@ -186,5 +186,6 @@ def test_two_ranks(local_s3, s3_prefix, s3_options: dict[str, Any], tmp_path):
         assert_restored(report["loaded"], report["expected"])
         assert report["process_mode"]["steps"] == [7]
         assert report["process_mode"]["bytes"] > 0
+        assert report["process_mode"]["background_stopped"]
     assert reports[0]["skips"] == reports[1]["skips"]  # one decision for all ranks
     assert reports[0]["skips"][0] is True

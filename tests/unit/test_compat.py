@@ -37,3 +37,16 @@ def test_narrow_selects_the_region_as_a_view():
     region = narrow(base, (1, 2), (2, 3))
     assert torch.equal(region, base[1:3, 2:5])
     assert region.data_ptr() != base.data_ptr() or region.storage_offset() > 0
+
+
+def test_dcp_process_executor_names_used_to_stop_it_exist():
+    """stop_async_save_process relies on these private names; fail loudly if torch renames them."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    from s3ckpt.compat import stop_async_save_process
+
+    assert hasattr(executor, "_CHECKPOINT_PROCESS")
+    assert hasattr(executor._CheckpointSaveProcessControlOpts, "TERMINATE")
+    for name in ("_send", "__init__"):
+        assert hasattr(executor._AsyncCheckpointProcess, name)
+    assert stop_async_save_process() is False  # nothing running

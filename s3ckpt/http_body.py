@@ -39,7 +39,9 @@ class MemoryBody(BytesPayload):
     async def write(self, writer: AbstractStreamWriter) -> None:
         await self.write_with_length(writer, None)
 
-    async def write_with_length(self, writer: AbstractStreamWriter, content_length: int | None) -> None:
+    async def write_with_length(
+        self, writer: AbstractStreamWriter, content_length: int | None
+    ) -> None:
         view = self._value if content_length is None else self._value[:content_length]
         await writer.write(b"")  # flushes the buffered headers on their own
         await writer.write(view)

@@ -92,6 +92,8 @@ class CheckpointManager:
         max_metrics: how many recent :class:`SaveMetrics` ``metrics`` keeps.
         writer_options: more keywords for every :class:`~s3ckpt.S3StorageWriter`
             (``{"compression": "zstd"}``...).
+        reader_options: more keywords for every :class:`~s3ckpt.S3StorageReader`
+            (``{"trust_pickles": True}`` for state holding custom classes...).
     """
 
     def __init__(
@@ -109,6 +111,7 @@ class CheckpointManager:
         on_saved: Callable[[SaveMetrics], None] | None = None,
         max_metrics: int = 1000,
         writer_options: dict[str, Any] | None = None,
+        reader_options: dict[str, Any] | None = None,
         **options: Any,
     ) -> None:
         validate_options(keep_last, keep_every, if_busy, async_mode)
@@ -117,6 +120,7 @@ class CheckpointManager:
         self.if_busy, self.async_mode, self.overwrite = if_busy, async_mode, overwrite
         self.on_saved = on_saved
         self.writer_options = dict(writer_options or {})
+        self.reader_options = dict(reader_options or {})
         self.metrics: deque[SaveMetrics] = deque(maxlen=max_metrics)
         distributed = dist.is_available() and dist.is_initialized()
         self._group = process_group
@@ -209,7 +213,7 @@ class CheckpointManager:
         """Load committed ``step`` into ``state_dict`` (to roll back, for instance)."""
         self._settle()
         started = time.perf_counter()
-        reader = S3StorageReader(self.uri_of(step), config=self.config)
+        reader = S3StorageReader(self.uri_of(step), config=self.config, **self.reader_options)
         try:
             dcp.load(
                 state_dict, storage_reader=reader, process_group=self._group, no_dist=self._no_dist

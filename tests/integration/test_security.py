@@ -154,3 +154,26 @@ def test_a_hostile_non_tensor_item_runs_nothing(s3_prefix, make_writer, make_rea
     except BaseException as exc:  # refusing the item is the right outcome
         assert isinstance(unwrap(exc), CorruptCheckpointError)
     assert not marker.exists()
+
+
+class _Schedule:
+    """A harmless custom class, as a user's training state might hold."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Schedule) and other.warmup == self.warmup
+
+
+def test_custom_classes_load_only_when_the_bucket_is_trusted(s3_prefix, make_writer, make_reader):
+    dcp.save(
+        {"w": torch.ones(2), "schedule": _Schedule(100)}, storage_writer=make_writer(s3_prefix)
+    )
+    with pytest.raises(BaseException) as info:
+        dcp.load({"w": torch.zeros(2), "schedule": None}, storage_reader=make_reader(s3_prefix))
+    assert isinstance(unwrap(info.value), CorruptCheckpointError)
+    assert "trust_pickles" in str(unwrap(info.value))
+    restored: dict[str, Any] = {"w": torch.zeros(2), "schedule": None}
+    dcp.load(restored, storage_reader=make_reader(s3_prefix, trust_pickles=True))
+    assert restored["schedule"] == _Schedule(100)

@@ -65,6 +65,14 @@ _ENDPOINT_ERRORS = (
 )
 
 
+def error_code(exc: bce.ClientError) -> str:
+    """The S3 error code of ``exc``, or its HTTP status when the body had none (HEAD)."""
+    error = exc.response.get("Error", {})
+    return str(
+        error.get("Code") or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", "")
+    )
+
+
 def translate(
     exc: BaseException, *, operation: str, bucket: str | None = None, key: str | None = None
 ) -> S3CkptError:
@@ -74,11 +82,8 @@ def translate(
     where = f"s3://{bucket}/{key}" if key else (f"s3://{bucket}" if bucket else "")
     ctx = {"operation": operation, "bucket": bucket, "key": key}
     if isinstance(exc, bce.ClientError):
-        error = exc.response.get("Error", {})
-        code = str(
-            error.get("Code") or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", "")
-        )
-        message = error.get("Message") or ""
+        code = error_code(exc)
+        message = exc.response.get("Error", {}).get("Message") or ""
         text = f"{operation} {where} failed: {code}{': ' + message if message else ''}"
         cls = _class_for_code(code, key)
         return cls(text, code=code, **ctx)

@@ -27,12 +27,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, TypeVar
 
+from botocore import xform_name
 from botocore.exceptions import ClientError
 
 from s3ckpt import retry
 from s3ckpt.client import client_handle
 from s3ckpt.config import S3Config
-from s3ckpt.error_mapping import PRECONDITION_CODES, translate_final, translated
+from s3ckpt.error_mapping import PRECONDITION_CODES, error_code, translate_final, translated
 from s3ckpt.errors import PreconditionFailedError, StorageError
 from s3ckpt.http_body import MemoryBody
 
@@ -123,7 +124,7 @@ class ObjectStore:
         handle = client_handle(self.config)
         client = await handle.get()
         async with handle.slots:
-            method: Callable[..., Any] = getattr(client, _snake(operation))
+            method: Callable[..., Any] = getattr(client, xform_name(operation))
             return await method(Bucket=self.bucket, **params)
 
     async def _call(self, operation: str, key: str | None, **params: Any) -> dict[str, Any]:
@@ -163,7 +164,7 @@ class ObjectStore:
             try:
                 return await self._request("PutObject", params)
             except ClientError as exc:
-                if mode == "create" and _code(exc) in PRECONDITION_CODES:
+                if mode == "create" and error_code(exc) in PRECONDITION_CODES:
                     etag = await self._etag_if_holds(key, body)
                     if etag is not None:
                         return {"ETag": etag}
@@ -191,7 +192,7 @@ class ObjectStore:
         try:
             stored, etag = await self._fetch(key)
         except ClientError as exc:
-            if _code(exc) in ("NoSuchKey", "404"):
+            if error_code(exc) in ("NoSuchKey", "404"):
                 return None
             raise
         return etag if memoryview(body).cast("B") == stored else None
@@ -315,7 +316,7 @@ class ObjectStore:
             try:
                 return await self._request("DeleteObject", params)
             except ClientError as exc:
-                if _code(exc) in PRECONDITION_CODES and await self._head_or_none(key) is None:
+                if error_code(exc) in PRECONDITION_CODES and await self._head_or_none(key) is None:
                     return {}
                 raise
 
@@ -326,7 +327,7 @@ class ObjectStore:
         try:
             return await self._request("HeadObject", {"Key": key})
         except ClientError as exc:
-            if _code(exc) in ("NoSuchKey", "404", "NotFound"):
+            if error_code(exc) in ("NoSuchKey", "404", "NotFound"):
                 return None
             raise
 
@@ -397,7 +398,7 @@ class ObjectStore:
             except ClientError as exc:
                 # The upload is gone but the object is there: an earlier try completed it
                 # and its response was lost. The key is unique to this save: it is ours.
-                if _code(exc) in ("NoSuchUpload", "404"):
+                if error_code(exc) in ("NoSuchUpload", "404"):
                     landed = await self._head_or_none(key)
                     if landed is not None:
                         return landed
@@ -429,21 +430,6 @@ class ObjectStore:
                 return
             key_marker = response.get("NextKeyMarker")
             upload_marker = response.get("NextUploadIdMarker")
-
-
-def _code(exc: ClientError) -> str:
-    """The S3 error code of ``exc``, or its HTTP status when the body had none (HEAD)."""
-    error = exc.response.get("Error", {})
-    return str(error.get("Code") or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode"))
-
-
-def _snake(operation: str) -> str:
-    out = []
-    for i, ch in enumerate(operation):
-        if ch.isupper() and i:
-            out.append("_")
-        out.append(ch.lower())
-    return "".join(out)
 
 
 __all__ = [

@@ -9,6 +9,7 @@ fails loudly when a torch release changes either.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -94,13 +95,30 @@ def unwrap(exc: BaseException) -> BaseException:
 
     ``dcp.save``/``dcp.load`` collect each rank's exception into a ``CheckpointException``
     (a ``BaseException``); this returns the first failing rank's original s3ckpt error so
-    callers can match on the documented hierarchy.
+    callers can match on the documented hierarchy. ``dcp.load`` replaces a failure to read
+    the metadata (no checkpoint, no access...) with its own ``AssertionError("metadata is
+    None; ...")``, which quotes the message only; the reader records the original on its
+    thread (:func:`remember_metadata_failure`), and it is returned here.
     """
     failures = getattr(exc, "failures", None)
     if isinstance(exc, CheckpointException) and failures:
         first = failures[min(failures)]
-        return first[0] if isinstance(first, tuple) else first
+        exc = first[0] if isinstance(first, tuple) else first
+    recorded = _metadata_failures.get(threading.get_ident())
+    if isinstance(exc, AssertionError) and recorded is not None and str(recorded) in str(exc):
+        return recorded
     return exc
+
+
+_metadata_failures: dict[int, BaseException] = {}
+
+
+def remember_metadata_failure(error: BaseException | None) -> None:
+    """Record (or, with ``None``, clear) this thread's last metadata-read failure."""
+    if error is None:
+        _metadata_failures.pop(threading.get_ident(), None)
+    else:
+        _metadata_failures[threading.get_ident()] = error
 
 
 def stop_async_save_process(timeout: float = 30.0) -> bool:
@@ -178,6 +196,7 @@ __all__ = [
     "chunk_shapes",
     "item_nbytes",
     "narrow",
+    "remember_metadata_failure",
     "stop_async_save_process",
     "unwrap",
 ]

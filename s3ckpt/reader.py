@@ -41,10 +41,11 @@ from s3ckpt.compat import (
     StorageMeta,
     StorageReader,
     chunk_shapes,
+    remember_metadata_failure,
 )
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.download import RangeReader, ReadTarget
-from s3ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from s3ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, S3CkptError
 from s3ckpt.layout import StoredItem
 from s3ckpt.location import S3Location
 from s3ckpt.loop import io_loop
@@ -99,6 +100,15 @@ class S3StorageReader(S3Location, StorageReader):
         self.storage_data = {}
 
     def read_metadata(self) -> Metadata:
+        try:
+            metadata = self._read_metadata()
+        except S3CkptError as exc:
+            remember_metadata_failure(exc)  # for unwrap(): dcp.load replaces the exception
+            raise
+        remember_metadata_failure(None)
+        return metadata
+
+    def _read_metadata(self) -> Metadata:
         location = self._require_location()
         manifest, body = io_loop().run(self._fetch_metadata(location))
         where = f"{location}/{manifest.metadata_key}"

@@ -76,8 +76,9 @@ def test_a_checkpoint_that_does_not_exist(s3_prefix, s3_options):
     reader = S3StorageReader(s3_prefix, **s3_options)
     with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint"):
         reader.read_metadata()
-    with pytest.raises(BaseException, match="no committed checkpoint"):
+    with pytest.raises(BaseException, match="no committed checkpoint") as info:
         dcp.load({"a": torch.zeros(3)}, storage_reader=reader)
+    assert isinstance(unwrap(info.value), CheckpointNotFoundError)  # not DCP's AssertionError
 
 
 @pytest.mark.parametrize("uri", ["/tmp/ckpt", "file:///tmp/x", "s3://bucket-only", "s3:/typo/x"])

@@ -50,3 +50,19 @@ def test_dcp_process_executor_names_used_to_stop_it_exist():
     for name in ("_send", "__init__"):
         assert hasattr(executor._AsyncCheckpointProcess, name)
     assert stop_async_save_process() is False  # nothing running
+
+
+def test_unwrap_recovers_a_metadata_failure_that_dcp_replaced():
+    from s3ckpt import CheckpointNotFoundError
+    from s3ckpt.compat import remember_metadata_failure
+
+    error = CheckpointNotFoundError("no committed checkpoint at s3://b/x (no manifest)")
+    replaced = AssertionError(f"metadata is None; global metadata read failed: {error}")
+    remember_metadata_failure(error)
+    try:
+        assert unwrap(CheckpointException("load", {0: (replaced, None)})) is error
+        assert unwrap(replaced) is error
+        assert unwrap(AssertionError("something else")).args == ("something else",)
+    finally:
+        remember_metadata_failure(None)
+    assert unwrap(replaced) is replaced

@@ -7,12 +7,12 @@ writer to DCP's background checkpoint process, so it runs in a spawned 1-rank jo
 
 from __future__ import annotations
 
-import sys
 import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import _dist_worker as worker
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -25,10 +25,6 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from s3ckpt import BucketNotFoundError, S3StorageReader, S3StorageWriter
 from s3ckpt.local_s3 import LocalS3Server
 from s3ckpt.manifest import MANIFEST_NAME
-
-if str(Path(__file__).resolve().parent) not in sys.path:  # the helper module for spawned ranks
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _dist_worker as worker
 
 pytestmark = [
     pytest.mark.integration,

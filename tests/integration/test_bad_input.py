@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import ssl
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,13 +18,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from faultproxy import FaultProxy
 
 from s3ckpt import EndpointError, S3StorageReader, S3StorageWriter, catalog, unwrap
 from s3ckpt.config import make_config
-
-if str(Path(__file__).resolve().parent.parent) not in sys.path:  # tests/: the fault proxy
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from faultproxy import FaultProxy
 
 pytestmark = [
     pytest.mark.integration,

@@ -24,19 +24,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import _crash_worker as worker
 import pytest
+import reliability_report as report
 import torch
 import torch.distributed.checkpoint as dcp
 
 from s3ckpt import CheckpointNotFoundError, S3StorageReader, S3StorageWriter, catalog
 from s3ckpt.config import make_config
-
-if str(Path(__file__).resolve().parent) not in sys.path:  # the worker module
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-if str(Path(__file__).resolve().parent.parent) not in sys.path:  # tests/: the report
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import _crash_worker as worker
-import reliability_report as report
 
 HERE = Path(__file__).resolve().parent
 pytestmark = [

@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import re
 import secrets
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import _dist_worker as worker
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,10 +25,6 @@ import torch.distributed.checkpoint as dcp
 from s3ckpt import S3StorageReader
 from s3ckpt.local_s3 import LocalS3Server
 from s3ckpt.manifest import MANIFEST_NAME
-
-if str(Path(__file__).resolve().parent) not in sys.path:  # the helper module for spawned ranks
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _dist_worker as worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 

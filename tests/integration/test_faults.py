@@ -10,16 +10,16 @@ caught and named. Each test adds its counts to the fault matrix of ``docs/reliab
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
+import reliability_report as report
 import torch
 import torch.distributed.checkpoint as dcp
+from faultproxy import FaultProxy, Rule
 
 from s3ckpt import (
     AccessDeniedError,
@@ -30,11 +30,6 @@ from s3ckpt import (
     unwrap,
 )
 from s3ckpt.errors import DeadlineExceededError
-
-if str(Path(__file__).resolve().parent.parent) not in sys.path:  # tests/: the fault proxy
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import reliability_report as report
-from faultproxy import FaultProxy, Rule
 
 pytestmark = [
     pytest.mark.integration,

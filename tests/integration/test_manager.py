@@ -4,10 +4,9 @@ one save in flight with reused staging buffers, failures, metrics, and two gloo 
 from __future__ import annotations
 
 import logging
-import sys
-from pathlib import Path
 from typing import Any
 
+import _manager_worker as worker
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -15,10 +14,6 @@ import torch.distributed.checkpoint as dcp
 from s3ckpt import BucketNotFoundError, CheckpointManager, S3StorageWriter, SaveMetrics
 from s3ckpt.config import S3URI
 from s3ckpt.local_s3 import LocalS3Server
-
-if str(Path(__file__).resolve().parent) not in sys.path:  # the helper modules for spawned ranks
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _manager_worker as worker
 
 pytestmark = [
     pytest.mark.integration,

@@ -10,23 +10,18 @@ race goes through the fault proxy.
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from faultproxy import FaultProxy, Rule
 
 from s3ckpt import CommitConflictError, S3StorageReader, S3StorageWriter, catalog, unwrap
 from s3ckpt.config import make_config
 from s3ckpt.manifest import MANIFEST_NAME
 from s3ckpt.store import ObjectStore
-
-if str(Path(__file__).resolve().parent.parent) not in sys.path:  # tests/: the fault proxy
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from faultproxy import FaultProxy, Rule
 
 pytestmark = [
     pytest.mark.integration,

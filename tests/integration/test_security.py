@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import pickle
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from crc32c import crc32c
+from faultproxy import FaultProxy, Rule
 
 from s3ckpt import (
     AccessDeniedError,
@@ -27,10 +27,6 @@ from s3ckpt.client import create_client
 from s3ckpt.config import S3URI
 from s3ckpt.manifest import MANIFEST_NAME
 from s3ckpt.store import ObjectStore
-
-if str(Path(__file__).resolve().parent.parent) not in sys.path:  # tests/: the fault proxy
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from faultproxy import FaultProxy, Rule
 
 pytestmark = [
     pytest.mark.integration,

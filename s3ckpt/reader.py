@@ -28,10 +28,10 @@ from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import torch
+from crc32c import crc32c
 from torch.futures import Future
 
 from s3ckpt import dcp_metadata
-from s3ckpt.checksums import verify_blocks
 from s3ckpt.compat import (
     LoadPlan,
     LoadPlanner,
@@ -116,13 +116,8 @@ class S3StorageReader(S3Location, StorageReader):
             raise CorruptCheckpointError(
                 f"{where} has {len(body)} bytes, the manifest says {manifest.metadata_size}"
             )
-        verify_blocks(
-            memoryview(body),
-            (manifest.metadata_crc32c,),
-            block_size=max(len(body), 1),
-            first_block=0,
-            what=where,
-        )
+        if crc32c(body) != manifest.metadata_crc32c:
+            raise CorruptCheckpointError(f"checksum mismatch in {where}")
         metadata = dcp_metadata.loads(body, where)
         self.manifest = manifest
         if getattr(metadata, "storage_meta", None) is None:

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from crc32c import crc32c
 
@@ -34,6 +34,7 @@ from s3ckpt.parts import PartCutter, part_limits
 from s3ckpt.store import Body, ObjectStore, PartResult
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class RankUploader:
         self._futures: list[Future[Any]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._upload_ids: dict[str, str] = {}
+        self._unstoppables: list[asyncio.Future[Any]] = []
         self._error: BaseException | None = None
         self._planned_keys: list[str] = []
 
@@ -194,9 +196,10 @@ class RankUploader:
         return UploadedObject(key, len(body), etag)
 
     async def _create(self, key: str) -> str:
-        upload_id = await self.store.create_multipart(key)
-        self._upload_ids[key] = upload_id
-        return upload_id
+        def record(upload_id: str) -> None:  # also when this task is cancelled meanwhile
+            self._upload_ids[key] = upload_id
+
+        return await self._unstoppable(self.store.create_multipart(key), record)
 
     async def _part(self, key: str, created: Future[str], number: int, body: Body) -> PartResult:
         upload_id = await asyncio.wrap_future(created)
@@ -208,9 +211,26 @@ class RankUploader:
     ) -> UploadedObject:
         upload_id = await asyncio.wrap_future(created)
         results = [await asyncio.wrap_future(p) for p in parts]
-        etag = await self.store.complete_multipart(key, upload_id, results)
+        etag = await self._unstoppable(self.store.complete_multipart(key, upload_id, results))
         self._upload_ids.pop(key, None)
         return UploadedObject(key, size, etag)
+
+    async def _unstoppable(
+        self, request: Coroutine[Any, Any, T], on_result: Callable[[T], None] | None = None
+    ) -> T:
+        """Run a request that creates state on the server (an upload, an object) so that
+        cancelling the caller does not cut it off: a request cut off mid-flight may still
+        take effect on the server after the clean-up looked, leaving an orphan behind.
+        :meth:`_abandon` waits for these to finish before it cleans up."""
+        future = asyncio.ensure_future(request)
+        self._unstoppables.append(future)
+
+        def settled(done: asyncio.Future[T]) -> None:
+            if not done.cancelled() and done.exception() is None and on_result is not None:
+                on_result(done.result())
+
+        future.add_done_callback(settled)
+        return await asyncio.shield(future)
 
     async def _abandon(self) -> None:
         """Cancel everything in flight, abort this save's uploads, delete its objects."""
@@ -219,6 +239,7 @@ class RankUploader:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self._unstoppables, return_exceptions=True)
         for key in self._planned_keys:
             upload_ids = {self._upload_ids[key]} if key in self._upload_ids else set()
             async for pending in self.store.list_multipart_uploads(key):

@@ -14,17 +14,22 @@ request bound, and a forked child, which gets a new loop, creates its own.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
 
 from s3ckpt.config import S3Config
+from s3ckpt.http_range import DirectRangeReader, proxied
 from s3ckpt.loop import io_loop
+
+log = logging.getLogger(__name__)
 
 
 class ClientHandle:
-    """An entered aiobotocore client plus the semaphore bounding its requests."""
+    """An entered aiobotocore client, the semaphore bounding its requests, and the
+    direct ranged-GET reader (:mod:`s3ckpt.http_range`) that shares both."""
 
     def __init__(self, config: S3Config) -> None:
         self.config = config
@@ -32,6 +37,8 @@ class ClientHandle:
         self.slots = asyncio.Semaphore(config.max_concurrency)
         self._ctx: Any = None
         self._lock = asyncio.Lock()
+        self._direct: DirectRangeReader | None = None
+        self._direct_allowed = config.direct_reads
 
     async def get(self) -> Any:
         if self.client is None:
@@ -41,7 +48,35 @@ class ClientHandle:
                     self.client = await self._ctx.__aenter__()
         return self.client
 
+    async def range_reader(self) -> DirectRangeReader | None:
+        """The direct ranged-GET reader, or None where aiobotocore must read."""
+        if self._direct is None and self._direct_allowed:
+            client = await self.get()
+            if proxied(client.meta.endpoint_url):
+                self._direct_allowed = False
+                return None
+            self._direct = DirectRangeReader(
+                client,
+                verify=self.config.verify,
+                connect_timeout=self.config.connect_timeout,
+                read_timeout=self.config.read_timeout,
+                max_idle=self.config.max_concurrency,
+            )
+        return self._direct
+
+    def disable_range_reader(self, reason: str) -> None:
+        """Send every later ranged GET through aiobotocore (the endpoint answered oddly)."""
+        if self._direct_allowed:
+            log.warning("ranged GETs fall back to aiobotocore: %s", reason)
+        self._direct_allowed = False
+        if self._direct is not None:
+            self._direct.close_idle()
+            self._direct = None
+
     async def aclose(self) -> None:
+        if self._direct is not None:
+            await self._direct.aclose()
+            self._direct = None
         if self._ctx is not None:
             await self._ctx.__aexit__(None, None, None)
             self._ctx = self.client = None

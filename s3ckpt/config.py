@@ -54,6 +54,10 @@ class S3Config:
             then read back).
         connect_timeout, read_timeout: seconds; a connection that stalls for longer than
             ``read_timeout`` counts as failed and is retried.
+        direct_reads: receive ranged GETs of checkpoint data with s3ckpt's own HTTP/1.1
+            reader, straight into the destination memory (:mod:`s3ckpt.http_range`);
+            ``False`` sends them through aiobotocore like every other request. Endpoints
+            behind an HTTP proxy always use aiobotocore.
     Retries (:mod:`s3ckpt.retry`):
         max_attempts: tries per request for failures a retry can fix (throttling, 5xx,
             dropped connections, timeouts), with exponential backoff and full jitter;
@@ -79,6 +83,7 @@ class S3Config:
     conditional_commit: bool | None = None
     connect_timeout: float = 10.0
     read_timeout: float = 120.0
+    direct_reads: bool = True
     max_attempts: int = 4
     deadline_s: float | None = 900.0
 
@@ -131,6 +136,7 @@ class S3Config:
             self.max_concurrency,
             self.connect_timeout,
             self.read_timeout,
+            self.direct_reads,
         )
 
 

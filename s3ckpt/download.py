@@ -4,13 +4,14 @@ Callers describe what they need as :class:`ReadTarget` s: bytes ``[start, end)``
 object and the buffer they must land in (often the destination tensor itself). Targets
 of the same object that are adjacent, or separated by a small gap, are coalesced into
 one range; ranges are then cut into requests of at most ``max_request_size`` so that one
-large tensor is also fetched in parallel. Each response is copied chunk by chunk into the
-buffers it overlaps, so no range is ever held twice.
+large tensor is also fetched in parallel. Each response is received straight into the
+buffers it covers (:mod:`s3ckpt.http_range`: the socket writes into the tensor), so no
+range is ever held twice.
 
 A target may carry a :class:`~s3ckpt.checksums.StreamingCheck`: ranges are then cut at
 the target's checksum-block boundaries, so that every block arrives within one response,
-in order, and its CRC32C is computed on the loop as the bytes are copied, while they are
-still in cache. As soon as a target's last byte arrives its token is handed to the
+in order, and its CRC32C is computed on the loop right after each receive, while the
+bytes are still in cache. As soon as a target's last byte arrives its token is handed to the
 calling thread, which finishes it (copies into non-contiguous or GPU destinations,
 ``planner.load_bytes``) while the loop keeps downloading.
 """
@@ -136,37 +137,79 @@ def _coalesce(group: list[ReadTarget], max_gap: int) -> Iterator[tuple[int, int,
 
 
 class _Scatter:
-    """Copies the chunks of one response into the target buffers they overlap.
+    """The :class:`~s3ckpt.http_range.RangeSink` of one request: bytes land in their targets.
 
-    Chunks arrive in offset order and targets are sorted by start, so a cursor skips the
-    targets already filled: each chunk costs the targets it touches, not all of them.
+    Bytes arrive in offset order and targets are sorted by start, so a cursor skips the
+    targets already filled. :meth:`buffer` hands out the target's own memory, so a
+    response is received straight into it; bytes in a gap between coalesced targets go
+    to a discard buffer. Where targets overlap (ranges padded to checksum blocks can share
+    a block), bytes are received into a bounce buffer and copied into every target.
     """
 
     def __init__(self, request: RangeRequest, done: Callable[[ReadTarget], None]) -> None:
         self.targets = request.targets
+        self.end = request.end
         self.done = done
         self.first = 0
+        self.bounce = memoryview(bytearray(_BOUNCE)) if _overlapping(request.targets) else None
 
-    def __call__(self, offset: int, chunk: bytes) -> None:
-        end = offset + len(chunk)
-        view = memoryview(chunk)
+    def buffer(self, offset: int) -> memoryview:
+        if self.bounce is not None:
+            return self.bounce[: min(len(self.bounce), self.end - offset)]
+        target = self._at(offset)
+        if target is not None and target.start <= offset:
+            return target.buffer[offset - target.start :]
+        gap_end = target.start if target is not None else self.end
+        return _DISCARD[: min(len(_DISCARD), gap_end - offset)]
+
+    def filled(self, offset: int, nbytes: int) -> None:
+        if self.bounce is not None:
+            self._copy(offset, self.bounce[:nbytes])
+            return
+        target = self._at(offset)
+        if target is not None and target.start <= offset:
+            self._landed(target, offset - target.start, nbytes)
+
+    def _at(self, offset: int) -> ReadTarget | None:
+        """The first target not yet passed at ``offset`` (None past the last)."""
         targets = self.targets
         while self.first < len(targets) and targets[self.first].end <= offset:
             self.first += 1
-        for index in range(self.first, len(targets)):
-            target = targets[index]
+        return targets[self.first] if self.first < len(targets) else None
+
+    def _landed(self, target: ReadTarget, within: int, nbytes: int) -> None:
+        if target.check is not None:
+            target.check.feed(within, target.buffer[within : within + nbytes])
+        target.remaining -= nbytes
+        if target.remaining == 0:
+            self.done(target)
+
+    def _copy(self, offset: int, chunk: memoryview) -> None:
+        """Copy ``chunk`` into every target it overlaps (the bounce path)."""
+        end = offset + len(chunk)
+        for target in self.targets:
             if target.start >= end:
                 break
             lo, hi = max(offset, target.start), min(end, target.end)
-            if lo >= hi:
-                continue
-            piece = view[lo - offset : hi - offset]
-            target.buffer[lo - target.start : hi - target.start] = piece
-            if target.check is not None:
-                target.check.feed(lo - target.start, piece)
-            target.remaining -= hi - lo
-            if target.remaining == 0:
-                self.done(target)
+            if lo < hi:
+                target.buffer[lo - target.start : hi - target.start] = chunk[
+                    lo - offset : hi - offset
+                ]
+                self._landed(target, lo - target.start, hi - lo)
+
+
+_BOUNCE = 1024 * 1024
+_DISCARD = memoryview(bytearray(DEFAULT_MAX_GAP))  # gap bytes between coalesced targets
+
+
+def _overlapping(targets: list[ReadTarget]) -> bool:
+    """Whether any two targets (sorted by start) share bytes."""
+    reach = -1
+    for target in targets:
+        if target.start < reach:
+            return True
+        reach = max(reach, target.end)
+    return False
 
 
 _FINISHED = object()

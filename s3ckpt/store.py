@@ -36,6 +36,7 @@ from s3ckpt.config import S3Config
 from s3ckpt.error_mapping import PRECONDITION_CODES, error_code, translate_final, translated
 from s3ckpt.errors import PreconditionFailedError, StorageError
 from s3ckpt.http_body import MemoryBody
+from s3ckpt.http_range import RangeSink, UnsupportedResponse, copy_into
 
 Body = bytes | bytearray | memoryview
 T = TypeVar("T")
@@ -73,6 +74,21 @@ class PendingUpload:
 def crc32c_header(value: int) -> str:
     """S3's encoding of a CRC32C: base64 of the 4 big-endian bytes."""
     return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
+
+
+class _Progress:
+    """A sink that remembers how far its range has been delivered (where a retry resumes)."""
+
+    def __init__(self, sink: RangeSink, start: int) -> None:
+        self.sink = sink
+        self.position = start
+
+    def buffer(self, offset: int) -> memoryview:
+        return self.sink.buffer(offset)
+
+    def filled(self, offset: int, nbytes: int) -> None:
+        self.sink.filled(offset, nbytes)
+        self.position = offset + nbytes
 
 
 class ObjectStore:
@@ -197,32 +213,37 @@ class ObjectStore:
             raise
         return etag if memoryview(body).cast("B") == stored else None
 
-    async def read_range(
-        self, key: str, start: int, end: int, sink: Callable[[int, bytes], None]
-    ) -> None:
-        """Stream bytes ``[start, end)`` of ``key``, calling ``sink(offset, chunk)`` as they arrive.
+    async def read_range(self, key: str, start: int, end: int, sink: RangeSink) -> None:
+        """Receive bytes ``[start, end)`` of ``key`` into ``sink`` as they arrive.
 
-        The sink copies each chunk where it belongs (usually straight into a tensor), so
-        the whole range is never held twice. Chunks arrive in offset order and each byte
-        exactly once: a retry asks only for the bytes not yet delivered.
+        The sink names the memory each byte goes to (usually a tensor), so the range is
+        never held twice; with :mod:`s3ckpt.http_range` the socket writes into it directly.
+        Bytes arrive in offset order and each exactly once: a retry asks only for the
+        bytes not yet delivered.
         """
-        position = start
-
-        def deliver(offset: int, chunk: bytes) -> None:
-            nonlocal position
-            sink(offset, chunk)
-            position = offset + len(chunk)
+        progress = _Progress(sink, start)
 
         async def attempt(_: int) -> None:
-            if position < end:
-                await self._stream(key, position, end, deliver)
+            if progress.position < end:
+                await self._receive(key, progress.position, end, progress)
 
         await self._retrying("GetObject", key, attempt)
 
-    async def _stream(
-        self, key: str, start: int, end: int, sink: Callable[[int, bytes], None]
-    ) -> None:
-        """One ranged GET of ``[start, end)``; :class:`retry.ShortReadError` if it ends early."""
+    async def _receive(self, key: str, start: int, end: int, sink: RangeSink) -> None:
+        """One ranged GET: s3ckpt's direct reader where it can, else aiobotocore."""
+        handle = client_handle(self.config)
+        reader = await handle.range_reader()
+        if reader is not None:
+            try:
+                async with handle.slots:
+                    await reader.read(self.bucket, key, start, end, sink)
+                return
+            except UnsupportedResponse as exc:
+                handle.disable_range_reader(str(exc))
+        await self._stream(key, start, end, sink)
+
+    async def _stream(self, key: str, start: int, end: int, sink: RangeSink) -> None:
+        """One ranged GET through aiobotocore; :class:`retry.ShortReadError` if it ends early."""
         handle = client_handle(self.config)
         client = await handle.get()
         async with handle.slots:
@@ -238,9 +259,9 @@ class ObjectStore:
                     chunk, _ = await content.readchunk()
                     if not chunk:
                         break
-                    sink(position, chunk)
+                    copy_into(sink, position, chunk[: end - position])
                     position += len(chunk)
-        if position != end:
+        if position < end:
             raise retry.ShortReadError(
                 f"the response ended after {position - start} of {end - start} bytes"
             )

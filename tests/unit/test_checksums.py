@@ -2,6 +2,7 @@ import os
 
 from s3ckpt.checksums import StreamingCheck, block_crcs
 from s3ckpt.download import ReadTarget, _Scatter, plan_requests
+from s3ckpt.http_range import copy_into
 
 MiB = 1024 * 1024
 
@@ -59,7 +60,7 @@ def test_requests_are_cut_on_block_boundaries_and_verify_in_flight():
     for request in reversed(requests):  # responses finishing in any order
         sink = _Scatter(request, lambda t: None)
         for lo in range(request.start, request.end, 256 * 1024):
-            sink(lo, data[lo : min(lo + 256 * 1024, request.end)])
+            copy_into(sink, lo, data[lo : min(lo + 256 * 1024, request.end)])
     for target in targets:
         assert target.check.active and target.check.bad_block is None
         assert bytes(target.buffer) == data[target.start : target.end]

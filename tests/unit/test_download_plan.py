@@ -1,6 +1,7 @@
 import pytest
 
 from s3ckpt.download import ReadTarget, _Scatter, plan_requests
+from s3ckpt.http_range import copy_into
 
 
 def _target(key, start, end, token=None):
@@ -39,7 +40,7 @@ def test_scatter_fills_every_target_and_reports_completion_once():
         # deliver in uneven chunks, as a socket would
         for lo in range(request.start, request.end, 7):
             hi = min(lo + 7, request.end)
-            sink(lo, payload[lo:hi])
+            copy_into(sink, lo, payload[lo:hi])
     assert done == ["x", "y"]
     assert bytes(targets[0].buffer) == payload[:100]
     assert bytes(targets[1].buffer) == payload[100:]

@@ -142,6 +142,9 @@ class DirectRangeReader:
                 await connection.get(request, start, end, sink)
             except _StaleConnection:
                 continue  # the server closed it while idle: not a failure of this request
+            except ClientError:
+                self._release(origin, connection)  # its error body was read whole
+                raise
             except BaseException:
                 connection.close()
                 raise
@@ -236,8 +239,8 @@ class _Connection(asyncio.BufferedProtocol):
         finally:
             response.stop_timer()
             self.response = None
-        if not response.keep_alive:
-            self.close()
+            if not response.keep_alive:
+                self.close()
 
     def close(self) -> None:
         self.closed = True

@@ -49,3 +49,30 @@ def test_scatter_fills_every_target_and_reports_completion_once():
 def test_buffer_must_match_the_range():
     with pytest.raises(ValueError):
         ReadTarget("a", 0, 10, memoryview(bytearray(5)), None)
+
+
+def test_overlapping_targets_each_receive_their_bytes_through_a_bounce_buffer():
+    payload = bytes(range(256)) * 64
+    a = ReadTarget("k", 0, 10_000, memoryview(bytearray(10_000)), "a")
+    b = ReadTarget("k", 8_000, 16_000, memoryview(bytearray(8_000)), "b")
+    (request,) = plan_requests([a, b])
+    done = []
+    sink = _Scatter(request, lambda t: done.append(t.token))
+    assert sink.bounce is not None
+    copy_into(sink, 0, payload[:16_000])
+    assert bytes(a.buffer) == payload[:10_000] and bytes(b.buffer) == payload[8_000:16_000]
+    assert done == ["a", "b"]
+
+
+def test_disjoint_targets_are_received_in_place_and_gaps_discarded():
+    payload = bytes(range(256)) * 64
+    a = ReadTarget("k", 0, 1_000, memoryview(bytearray(1_000)), "a")
+    b = ReadTarget("k", 3_000, 4_000, memoryview(bytearray(1_000)), "b")
+    (request,) = plan_requests([a, b])
+    sink = _Scatter(request, lambda t: None)
+    first = sink.buffer(0)
+    assert first.obj is a.buffer.obj  # the target's own memory: the socket writes into it
+    gap = sink.buffer(1_000)
+    assert len(gap) == 2_000 and gap.obj is not a.buffer.obj and gap.obj is not b.buffer.obj
+    copy_into(_Scatter(request, lambda t: None), 0, payload[:4_000])  # offsets only go up
+    assert bytes(a.buffer) == payload[:1_000] and bytes(b.buffer) == payload[3_000:4_000]

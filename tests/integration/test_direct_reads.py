@@ -1,0 +1,65 @@
+"""Loads through s3ckpt's direct ranged-GET reader and through the aiobotocore fallback."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from s3ckpt.http_range import DirectRangeReader, UnsupportedResponse
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
+
+MiB = 1024 * 1024
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "big": torch.randn(3 * MiB, generator=g),  # 12 MiB: several ranged GETs
+        "bf16": torch.randn(1000, 77, generator=g).to(torch.bfloat16),
+        **{f"small.{i}": torch.randn(i + 1, generator=g) for i in range(40)},
+    }
+
+
+def _load(reader) -> dict[str, torch.Tensor]:
+    restored = {k: torch.zeros_like(v) for k, v in _state().items()}
+    dcp.load(restored, storage_reader=reader)
+    return restored
+
+
+def _assert_same(restored: dict[str, torch.Tensor]) -> None:
+    for key, value in _state().items():
+        assert torch.equal(restored[key], value), key
+
+
+def test_direct_and_aiobotocore_reads_return_the_same_bytes(s3_prefix, make_writer, make_reader):
+    dcp.save(_state(), storage_writer=make_writer(s3_prefix))
+    _assert_same(_load(make_reader(s3_prefix, request_size=5 * MiB)))
+    _assert_same(_load(make_reader(s3_prefix, request_size=5 * MiB, direct_reads=False)))
+
+
+def test_an_endpoint_answering_oddly_falls_back_to_aiobotocore(
+    s3_prefix, make_writer, make_reader, monkeypatch, caplog
+):
+    dcp.save(_state(), storage_writer=make_writer(s3_prefix))
+    calls = []
+
+    async def unsupported(self, bucket, key, start, end, sink):
+        calls.append(key)
+        raise UnsupportedResponse("chunked response")
+
+    monkeypatch.setattr(DirectRangeReader, "read", unsupported)
+    # a config of its own, so that the fallback does not outlive this test
+    with caplog.at_level(logging.WARNING, logger="s3ckpt.client"):
+        _assert_same(_load(make_reader(s3_prefix, read_timeout=119.0)))
+        tried = len(calls)
+        _assert_same(_load(make_reader(s3_prefix, read_timeout=119.0)))
+    assert tried >= 1
+    assert len(calls) == tried  # after the first odd answer, every read went to aiobotocore
+    assert "fall back to aiobotocore: chunked response" in caplog.text

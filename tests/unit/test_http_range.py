@@ -1,0 +1,292 @@
+"""s3ckpt.http_range against a scripted HTTP server on loopback: every odd answer a server
+can give to a ranged GET, and what the reader makes of it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+from botocore import exceptions as bce
+from botocore.exceptions import ClientError
+
+from s3ckpt.http_range import DirectRangeReader, UnsupportedResponse, copy_into, proxied
+from s3ckpt.retry import ShortReadError
+
+OBJECT = bytes(range(256)) * 4096  # 1 MiB
+Reply = Callable[[asyncio.StreamWriter, str], Awaitable[bool]]  # returns: keep the connection
+
+
+def _range(request: str) -> tuple[int, int]:
+    line = next(h for h in request.split("\r\n") if h.lower().startswith("range:"))
+    first, last = line.split("=", 1)[1].split("-")
+    return int(first), int(last) + 1
+
+
+def partial(*, extra_headers: str = "", close: bool = False) -> Reply:
+    async def reply(writer: asyncio.StreamWriter, request: str) -> bool:
+        start, end = _range(request)
+        head = (
+            f"HTTP/1.1 206 Partial Content\r\nContent-Length: {end - start}\r\n"
+            f"Content-Range: bytes {start}-{end - 1}/{len(OBJECT)}\r\n{extra_headers}\r\n"
+        )
+        writer.write(head.encode() + OBJECT[start:end])
+        await writer.drain()
+        return not close
+
+    return reply
+
+
+def raw(text: bytes, *, keep: bool = False) -> Reply:
+    async def reply(writer: asyncio.StreamWriter, request: str) -> bool:
+        writer.write(text)
+        await writer.drain()
+        return keep
+
+    return reply
+
+
+def stall(seconds: float) -> Reply:
+    async def reply(writer: asyncio.StreamWriter, request: str) -> bool:
+        start, end = _range(request)
+        writer.write(
+            f"HTTP/1.1 206 Partial Content\r\nContent-Length: {end - start}\r\n"
+            f"Content-Range: bytes {start}-{end - 1}/{len(OBJECT)}\r\n\r\n".encode()
+            + OBJECT[start : start + 10]
+        )
+        await writer.drain()
+        await asyncio.sleep(seconds)
+        return False
+
+    return reply
+
+
+class ScriptedServer:
+    """Answers each request with the next scripted reply; records requests and connections."""
+
+    def __init__(self, replies: list[Reply]) -> None:
+        self.replies = list(replies)
+        self.requests: list[str] = []
+        self.connections = 0
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> ScriptedServer:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}/bucket/key?X-Amz-Signature=abc"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while self.replies:
+                head = await reader.readuntil(b"\r\n\r\n")
+                request = head.decode()
+                self.requests.append(request)
+                if not await self.replies.pop(0)(writer, request):
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+class FakeClient:
+    """Stands in for the aiobotocore client: presigning is all the reader asks of it."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    async def generate_presigned_url(self, operation: str, **kwargs: object) -> str:
+        assert operation == "get_object"
+        return self.url
+
+
+class Buffer:
+    """A RangeSink over one bytearray standing for ``[start, end)``, recording receives."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start = start
+        self.data = bytearray(end - start)
+        self.filled_at: list[tuple[int, int]] = []
+
+    def buffer(self, offset: int) -> memoryview:
+        return memoryview(self.data)[offset - self.start :]
+
+    def filled(self, offset: int, nbytes: int) -> None:
+        self.filled_at.append((offset, nbytes))
+
+
+def reader(url: str, *, read_timeout: float = 5.0) -> DirectRangeReader:
+    return DirectRangeReader(
+        FakeClient(url), verify=True, connect_timeout=5.0, read_timeout=read_timeout, max_idle=4
+    )
+
+
+def run(coro: Awaitable[object]) -> object:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def test_receives_ranges_into_the_sink_and_reuses_the_connection() -> None:
+    async def main() -> None:
+        async with ScriptedServer([partial(), partial()]) as server:
+            direct = reader(server.url)
+            for start, end in ((100, 300_000), (5, 6)):
+                sink = Buffer(start, end)
+                await direct.read("bucket", "key", start, end, sink)
+                assert bytes(sink.data) == OBJECT[start:end]
+                assert sum(n for _, n in sink.filled_at) == end - start
+            assert server.connections == 1
+            assert "Range: bytes=100-299999" in server.requests[0]
+            await direct.aclose()
+
+    run(main())
+
+
+def test_a_kept_alive_connection_closed_by_the_server_is_replaced_silently() -> None:
+    async def main() -> None:
+        # The first reply says nothing about closing, then the server closes while idle.
+        async with ScriptedServer([partial(close=True), partial()]) as server:
+            direct = reader(server.url)
+            await direct.read("bucket", "key", 0, 10, Buffer(0, 10))
+            await asyncio.sleep(0.05)
+            sink = Buffer(10, 20)
+            await direct.read("bucket", "key", 10, 20, sink)
+            assert bytes(sink.data) == OBJECT[10:20]
+            assert server.connections == 2
+
+    run(main())
+
+
+def test_connection_close_header_is_honoured() -> None:
+    async def main() -> None:
+        async with ScriptedServer(
+            [partial(extra_headers="Connection: close\r\n"), partial()]
+        ) as server:
+            direct = reader(server.url)
+            await direct.read("bucket", "key", 0, 10, Buffer(0, 10))
+            await direct.read("bucket", "key", 0, 10, Buffer(0, 10))
+            assert server.connections == 2
+
+    run(main())
+
+
+def test_error_responses_become_client_errors_with_the_s3_code() -> None:
+    body = b"<?xml version='1.0'?><Error><Code>NoSuchKey</Code><Message>gone</Message></Error>"
+    head = f"HTTP/1.1 404 Not Found\r\nContent-Length: {len(body)}\r\nx-amz-request-id: R1\r\n\r\n"
+
+    async def main() -> None:
+        async with ScriptedServer([raw(head.encode() + body, keep=True), partial()]) as server:
+            direct = reader(server.url)
+            with pytest.raises(ClientError) as caught:
+                await direct.read("bucket", "key", 0, 10, Buffer(0, 10))
+            error = caught.value.response
+            assert error["Error"] == {"Code": "NoSuchKey", "Message": "gone"}
+            assert error["ResponseMetadata"]["HTTPStatusCode"] == 404
+            # the error body was read whole, so the connection stays usable
+            await direct.read("bucket", "key", 0, 10, Buffer(0, 10))
+            assert server.connections == 1
+
+    run(main())
+
+
+def test_error_without_a_body_uses_the_status_as_code() -> None:
+    async def main() -> None:
+        async with ScriptedServer(
+            [raw(b"HTTP/1.1 503 Slow Down\r\nContent-Length: 0\r\n\r\n")]
+        ) as s:
+            with pytest.raises(ClientError) as caught:
+                await reader(s.url).read("bucket", "key", 0, 10, Buffer(0, 10))
+            assert caught.value.response["Error"]["Code"] == "503"
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1048576\r\n\r\n",  # range ignored
+        b"HTTP/1.1 206 Partial Content\r\nContent-Length: 10\r\nContent-Range: bytes 0-9/99\r\n\r\n",
+    ],
+    ids=["chunked", "range-ignored", "wrong-content-range"],
+)
+def test_responses_it_cannot_receive_in_place_are_reported_unsupported(head: bytes) -> None:
+    async def main() -> None:
+        async with ScriptedServer([raw(head)]) as server:
+            with pytest.raises(UnsupportedResponse):
+                await reader(server.url).read("bucket", "key", 5, 15, Buffer(5, 15))
+
+    run(main())
+
+
+def test_a_response_cut_short_raises_short_read_after_delivering_what_came() -> None:
+    head = b"HTTP/1.1 206 Partial Content\r\nContent-Length: 100\r\nContent-Range: bytes 0-99/999\r\n\r\n"
+
+    async def main() -> None:
+        async with ScriptedServer([raw(head + OBJECT[:40])]) as server:
+            sink = Buffer(0, 100)
+            with pytest.raises(ShortReadError):
+                await reader(server.url).read("bucket", "key", 0, 100, sink)
+            assert sum(n for _, n in sink.filled_at) == 40
+            assert bytes(sink.data[:40]) == OBJECT[:40]
+
+    run(main())
+
+
+def test_a_stalled_response_times_out() -> None:
+    async def main() -> None:
+        async with ScriptedServer([stall(2.0)]) as server:
+            with pytest.raises(bce.ReadTimeoutError):
+                await reader(server.url, read_timeout=0.3).read(
+                    "bucket", "key", 0, 100, Buffer(0, 100)
+                )
+
+    run(main())
+
+
+def test_an_unreachable_endpoint_is_an_endpoint_connection_error() -> None:
+    async def main() -> None:
+        async with ScriptedServer([]) as server:
+            url = server.url
+        with pytest.raises(bce.EndpointConnectionError):
+            await reader(url).read("bucket", "key", 0, 10, Buffer(0, 10))
+
+    run(main())
+
+
+def test_copy_into_splits_a_chunk_across_the_buffers_the_sink_names() -> None:
+    class Two:
+        def __init__(self) -> None:
+            self.a, self.b = bytearray(3), bytearray(5)
+            self.calls: list[tuple[int, int]] = []
+
+        def buffer(self, offset: int) -> memoryview:
+            return memoryview(self.a)[offset:] if offset < 3 else memoryview(self.b)[offset - 3 :]
+
+        def filled(self, offset: int, nbytes: int) -> None:
+            self.calls.append((offset, nbytes))
+
+    sink = Two()
+    copy_into(sink, 0, b"abcdefgh")
+    assert (bytes(sink.a), bytes(sink.b), sink.calls) == (b"abc", b"defgh", [(0, 3), (3, 5)])
+
+
+def test_proxies_from_the_environment_are_detected(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    assert not proxied("http://127.0.0.1:9000")
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
+    assert proxied("http://flashblade.example:80")
+    assert not proxied("https://flashblade.example")
+    monkeypatch.setenv("NO_PROXY", "flashblade.example")
+    assert not proxied("http://flashblade.example:80")

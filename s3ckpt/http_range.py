@@ -18,6 +18,9 @@ like any other. Responses this reader does not take in place (chunked encoding, 
 that ignores ``Range``) raise :class:`UnsupportedResponse`, and the caller falls back to
 aiobotocore for good. Endpoints reached through an HTTP proxy always use aiobotocore.
 
+A presigned URL is reused for every range of its object for a few minutes (``Range``
+is not signed), and signed anew when a reused one is refused.
+
 Connections are kept alive and reused, one request at a time each; a reused connection
 that the server had already closed is replaced at once instead of counting as a failure.
 A response that stalls for ``read_timeout`` seconds is aborted.
@@ -28,10 +31,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
+import time
 import urllib.request
 import xml.etree.ElementTree as ElementTree
 from typing import Any, Protocol
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from botocore import exceptions as bce
 from botocore.exceptions import ClientError
@@ -46,6 +50,8 @@ MAX_ERROR_BODY = 1024 * 1024
 # bytes are still in cache when the sink checksums them right after.
 MAX_RECEIVE = 1024 * 1024
 PRESIGN_EXPIRES_S = 3600
+REUSE_SIGNATURE_S = 300.0
+MAX_CACHED_URLS = 4096
 
 
 class RangeSink(Protocol):
@@ -122,17 +128,38 @@ class DirectRangeReader:
         self.read_timeout = read_timeout
         self.max_idle = max_idle
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
+        self._urls: dict[tuple[str, str], tuple[float, SplitResult]] = {}
         self._tls: ssl.SSLContext | None = None
 
     async def read(self, bucket: str, key: str, start: int, end: int, sink: RangeSink) -> None:
         """Receive bytes ``[start, end)`` of ``bucket/key`` into ``sink``, in offset order."""
+        try:
+            await self._get(await self._signed(bucket, key), start, end, sink)
+        except ClientError as exc:
+            if exc.response["ResponseMetadata"]["HTTPStatusCode"] != 403:
+                raise
+            # A reused signature may have outlived the credentials that made it: sign anew.
+            await self._get(await self._signed(bucket, key, fresh=True), start, end, sink)
+
+    async def _signed(self, bucket: str, key: str, *, fresh: bool = False) -> SplitResult:
+        """A presigned GET URL for the object, reused for a few minutes (``Range`` is not
+        part of the signature, so one URL serves every range of the object)."""
+        now = time.monotonic()
+        cached = self._urls.get((bucket, key))
+        if cached is not None and not fresh and now - cached[0] < REUSE_SIGNATURE_S:
+            return cached[1]
         url = await self.client.generate_presigned_url(
             "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=PRESIGN_EXPIRES_S
         )
-        parts = urlsplit(url)
-        origin = (parts.scheme, parts.hostname or "", parts.port or _default_port(parts.scheme))
+        if len(self._urls) >= MAX_CACHED_URLS:
+            self._urls.clear()
+        parts = self._urls[(bucket, key)] = (now, urlsplit(url))
+        return parts[1]
+
+    async def _get(self, url: SplitResult, start: int, end: int, sink: RangeSink) -> None:
+        origin = (url.scheme, url.hostname or "", url.port or _default_port(url.scheme))
         request = (
-            f"GET {parts.path}?{parts.query} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+            f"GET {url.path}?{url.query} HTTP/1.1\r\nHost: {url.netloc}\r\n"
             f"Range: bytes={start}-{end - 1}\r\nAccept-Encoding: identity\r\n"
             f"User-Agent: s3ckpt/{__version__}\r\n\r\n"
         ).encode("ascii")

@@ -105,9 +105,11 @@ class FakeClient:
 
     def __init__(self, url: str) -> None:
         self.url = url
+        self.signed = 0
 
     async def generate_presigned_url(self, operation: str, **kwargs: object) -> str:
         assert operation == "get_object"
+        self.signed += 1
         return self.url
 
 
@@ -290,3 +292,21 @@ def test_proxies_from_the_environment_are_detected(monkeypatch: pytest.MonkeyPat
     assert not proxied("https://flashblade.example")
     monkeypatch.setenv("NO_PROXY", "flashblade.example")
     assert not proxied("http://flashblade.example:80")
+
+
+def test_one_signature_serves_every_range_and_a_refused_one_is_renewed() -> None:
+    denied = b"<Error><Code>AccessDenied</Code><Message>Request has expired</Message></Error>"
+    head = f"HTTP/1.1 403 Forbidden\r\nContent-Length: {len(denied)}\r\n\r\n".encode()
+
+    async def main() -> None:
+        async with ScriptedServer(
+            [partial(), partial(), raw(head + denied, keep=True), partial()]
+        ) as s:
+            direct = reader(s.url)
+            for start in (0, 10, 20):
+                sink = Buffer(start, start + 10)
+                await direct.read("bucket", "key", start, start + 10, sink)
+                assert bytes(sink.data) == OBJECT[start : start + 10]
+            assert direct.client.signed == 2  # once, then again after the 403
+
+    run(main())

@@ -22,6 +22,7 @@ at once in worker threads, ahead of the upload, within a bound on buffered bytes
 from __future__ import annotations
 
 import struct
+import sys
 import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -220,7 +221,7 @@ def _compress_plane(
 def _ungroup(frame: memoryview, out: memoryview) -> None:
     itemsize = frame[0]
     count = len(out) // itemsize
-    matrix = np.frombuffer(out, dtype=np.uint8).reshape(-1, itemsize)
+    planes = []
     position = 1 + 5 * itemsize
     for plane_index in range(itemsize):
         mode, length = struct.unpack_from("<BI", frame, 1 + 5 * plane_index)
@@ -229,4 +230,19 @@ def _ungroup(frame: memoryview, out: memoryview) -> None:
         plane = _decompressor().decompress(payload, max_output_size=count) if mode == 1 else payload
         if len(plane) != count:
             raise ValueError(f"plane {plane_index} has {len(plane)} bytes, expected {count}")
-        matrix[:, plane_index] = np.frombuffer(plane, dtype=np.uint8)
+        planes.append(np.frombuffer(plane, dtype=np.uint8))
+    _interleave(planes, out)
+
+
+def _interleave(planes: list[np.ndarray], out: memoryview) -> None:
+    """Put byte ``i`` of every element back from plane ``i`` (the inverse of grouping)."""
+    if len(planes) == 2 and sys.byteorder == "little":
+        # As 16-bit arithmetic, (high << 8) | low: two contiguous passes, about twice as
+        # fast as writing each plane into every other byte.
+        words = np.frombuffer(out, dtype=np.uint16)
+        np.left_shift(planes[1], 8, out=words, dtype=np.uint16)
+        np.bitwise_or(words, planes[0], out=words)
+        return
+    matrix = np.frombuffer(out, dtype=np.uint8).reshape(-1, len(planes))
+    for index, plane in enumerate(planes):
+        matrix[:, index] = plane

@@ -22,9 +22,9 @@ Lifecycle of a load (the order DCP calls in):
 from __future__ import annotations
 
 import os
-from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, ThreadPoolExecutor
+import queue
 from concurrent.futures import Future as ThreadFuture
-from concurrent.futures import wait as futures_wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -157,33 +157,29 @@ class S3StorageReader(S3Location, StorageReader):
         ]
         store = ObjectStore(self.config, location.bucket).with_deadline(self.config.deadline_s)
         fetched = RangeReader(store, max_request_size=self.request_size).fetch(targets)
+        decoded: queue.SimpleQueue[ThreadFuture[PendingRead]] = queue.SimpleQueue()
+        decoding = 0
         with ThreadPoolExecutor(self.decode_threads, thread_name_prefix="s3ckpt-decode") as pool:
-            decoding: set[ThreadFuture[PendingRead]] = set()
             for token in fetched:
                 item: PendingRead = token  # type: ignore[assignment]
                 if item.compressed:
-                    decoding.add(pool.submit(decode, item))
+                    pool.submit(decode, item).add_done_callback(decoded.put)
+                    decoding += 1
                 else:
                     verify_streamed(item)
                     commit(item, planner, trust_pickles=self.trust_pickles)
-                decoding = self._commit_decoded(decoding, planner, wait=False)
-            self._commit_decoded(decoding, planner, wait=True)
+                while decoding and not decoded.empty():
+                    self._commit(decoded.get(), planner)
+                    decoding -= 1
+            for _ in range(decoding):
+                self._commit(decoded.get(), planner)
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _commit_decoded(
-        self, decoding: set[ThreadFuture[PendingRead]], planner: LoadPlanner, *, wait: bool
-    ) -> set[ThreadFuture[PendingRead]]:
-        """Commit the decoded items (all of them if ``wait``); returns those still decoding."""
-        done, still = futures_wait(
-            decoding,
-            return_when=ALL_COMPLETED if wait else FIRST_COMPLETED,
-            timeout=None if wait else 0,
-        )
-        for finished in done:
-            commit(finished.result(), planner, trust_pickles=self.trust_pickles)
-        return still
+    def _commit(self, decoded: ThreadFuture[PendingRead], planner: LoadPlanner) -> None:
+        """Commit an item a worker has decoded (raises what the worker raised)."""
+        commit(decoded.result(), planner, trust_pickles=self.trust_pickles)
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ T = TypeVar("T")
 RAW, ZSTD, ZSTD_GROUPED = "raw", "zstd", "zstd-bg"
 CODECS = (RAW, ZSTD, ZSTD_GROUPED)
 _PROBE = 64 * 1024
+_INTERLEAVE_PIECE = 128 * 1024  # elements
 
 
 @dataclass(frozen=True)
@@ -239,9 +240,13 @@ def _interleave(planes: list[np.ndarray], out: memoryview) -> None:
     if len(planes) == 2 and sys.byteorder == "little":
         # As 16-bit arithmetic, (high << 8) | low: two contiguous passes, about twice as
         # fast as writing each plane into every other byte.
+        # Done in pieces that stay in cache between the two passes.
         words = np.frombuffer(out, dtype=np.uint16)
-        np.left_shift(planes[1], 8, out=words, dtype=np.uint16)
-        np.bitwise_or(words, planes[0], out=words)
+        low, high = planes
+        for start in range(0, len(words), _INTERLEAVE_PIECE):
+            piece = slice(start, start + _INTERLEAVE_PIECE)
+            np.left_shift(high[piece], 8, out=words[piece], dtype=np.uint16)
+            np.bitwise_or(words[piece], low[piece], out=words[piece])
         return
     matrix = np.frombuffer(out, dtype=np.uint8).reshape(-1, len(planes))
     for index, plane in enumerate(planes):

@@ -53,6 +53,8 @@ from s3ckpt.manifest import Manifest, read_manifest
 from s3ckpt.restore import PendingRead, commit, decode, prepare, verify_streamed
 from s3ckpt.store import ObjectStore
 
+INLINE_DECODE_BYTES = 64 * 1024
+
 
 class S3StorageReader(S3Location, StorageReader):
     """Load DCP checkpoints from ``s3://bucket/prefix``.
@@ -162,9 +164,11 @@ class S3StorageReader(S3Location, StorageReader):
         with ThreadPoolExecutor(self.decode_threads, thread_name_prefix="s3ckpt-decode") as pool:
             for token in fetched:
                 item: PendingRead = token  # type: ignore[assignment]
-                if item.compressed:
+                if item.compressed and len(item.view) > INLINE_DECODE_BYTES:
                     pool.submit(decode, item).add_done_callback(decoded.put)
                     decoding += 1
+                elif item.compressed:  # small: handing it to a worker costs more than decoding
+                    commit(decode(item), planner, trust_pickles=self.trust_pickles)
                 else:
                     verify_streamed(item)
                     commit(item, planner, trust_pickles=self.trust_pickles)

@@ -182,6 +182,7 @@ class _Scatter:
             target.check.feed(within, target.buffer[within : within + nbytes])
         target.remaining -= nbytes
         if target.remaining == 0:
+            target.buffer = _RELEASED  # the caller holds its own reference until it is done
             self.done(target)
 
     def _copy(self, offset: int, chunk: memoryview) -> None:
@@ -199,7 +200,8 @@ class _Scatter:
 
 
 _BOUNCE = 1024 * 1024
-_DISCARD = memoryview(bytearray(DEFAULT_MAX_GAP))  # gap bytes between coalesced targets
+_DISCARD = memoryview(bytearray(DEFAULT_MAX_GAP))
+_RELEASED = memoryview(b"")  # gap bytes between coalesced targets
 
 
 def _overlapping(targets: list[ReadTarget]) -> bool:

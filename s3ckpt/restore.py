@@ -70,6 +70,14 @@ class PendingRead:
     def compressed(self) -> bool:
         return self.stored.codec != RAW
 
+    def release(self) -> None:
+        """Drop the buffers once committed, so a load holds only the items in flight."""
+        self.raw = self.fetched = _EMPTY
+        self.view = memoryview(b"")
+
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+
 
 def prepare(request: ReadItem, stored: StoredItem, chunk: tuple[torch.dtype, torch.Size] | None,
             planner: LoadPlanner, what: str) -> PendingRead:  # fmt: skip
@@ -138,10 +146,11 @@ def commit(pending: PendingRead, planner: LoadPlanner, *, trust_pickles: bool = 
         if not trust_pickles:
             _check_pickle(data, pending.what)
         planner.load_bytes(pending.request, io.BytesIO(data))
-        return
-    if not pending.direct:
-        pending.destination.copy_(_source(pending))
-    planner.commit_tensor(pending.request, pending.destination)
+    else:
+        if not pending.direct:
+            pending.destination.copy_(_source(pending))
+        planner.commit_tensor(pending.request, pending.destination)
+    pending.release()
 
 
 def _check_pickle(data: bytes, what: str) -> None:

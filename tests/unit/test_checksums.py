@@ -45,13 +45,12 @@ def test_blocks_may_arrive_in_any_order_but_bytes_within_a_block_may_not():
 def test_requests_are_cut_on_block_boundaries_and_verify_in_flight():
     data = os.urandom(50 * MiB + 123)
     block = 8 * MiB
-    targets = []
+    targets, buffers = [], []
     for start, end in ((0, 3 * MiB), (3 * MiB, 50 * MiB + 123)):
         item = memoryview(data)[start:end]
         check = StreamingCheck(block_crcs(item, block), block, 0, len(item))
-        targets.append(
-            ReadTarget("k", start, end, memoryview(bytearray(end - start)), (start, end), check)
-        )
+        buffers.append(bytearray(end - start))
+        targets.append(ReadTarget("k", start, end, memoryview(buffers[-1]), (start, end), check))
     requests = plan_requests(targets, max_request_size=16 * MiB)
     for request in requests:
         for target in request.targets:
@@ -61,6 +60,6 @@ def test_requests_are_cut_on_block_boundaries_and_verify_in_flight():
         sink = _Scatter(request, lambda t: None)
         for lo in range(request.start, request.end, 256 * 1024):
             copy_into(sink, lo, data[lo : min(lo + 256 * 1024, request.end)])
-    for target in targets:
+    for target, buffer in zip(targets, buffers, strict=True):
         assert target.check.active and target.check.bad_block is None
-        assert bytes(target.buffer) == data[target.start : target.end]
+        assert bytes(buffer) == data[target.start : target.end]

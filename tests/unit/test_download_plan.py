@@ -34,6 +34,7 @@ def test_large_ranges_are_cut_into_parallel_requests():
 def test_scatter_fills_every_target_and_reports_completion_once():
     payload = bytes(range(250))
     targets = [_target("a", 0, 100, "x"), _target("a", 100, 250, "y")]
+    buffers = {t.token: t.buffer for t in targets}
     done = []
     for request in plan_requests(targets, max_request_size=64, max_gap=0):
         sink = _Scatter(request, lambda t: done.append(t.token))
@@ -42,8 +43,9 @@ def test_scatter_fills_every_target_and_reports_completion_once():
             hi = min(lo + 7, request.end)
             copy_into(sink, lo, payload[lo:hi])
     assert done == ["x", "y"]
-    assert bytes(targets[0].buffer) == payload[:100]
-    assert bytes(targets[1].buffer) == payload[100:]
+    assert bytes(buffers["x"]) == payload[:100]
+    assert bytes(buffers["y"]) == payload[100:]
+    assert all(len(t.buffer) == 0 for t in targets)  # released once complete
 
 
 def test_buffer_must_match_the_range():
@@ -53,21 +55,23 @@ def test_buffer_must_match_the_range():
 
 def test_overlapping_targets_each_receive_their_bytes_through_a_bounce_buffer():
     payload = bytes(range(256)) * 64
-    a = ReadTarget("k", 0, 10_000, memoryview(bytearray(10_000)), "a")
-    b = ReadTarget("k", 8_000, 16_000, memoryview(bytearray(8_000)), "b")
+    buffer_a, buffer_b = bytearray(10_000), bytearray(8_000)
+    a = ReadTarget("k", 0, 10_000, memoryview(buffer_a), "a")
+    b = ReadTarget("k", 8_000, 16_000, memoryview(buffer_b), "b")
     (request,) = plan_requests([a, b])
     done = []
     sink = _Scatter(request, lambda t: done.append(t.token))
     assert sink.bounce is not None
     copy_into(sink, 0, payload[:16_000])
-    assert bytes(a.buffer) == payload[:10_000] and bytes(b.buffer) == payload[8_000:16_000]
+    assert bytes(buffer_a) == payload[:10_000] and bytes(buffer_b) == payload[8_000:16_000]
     assert done == ["a", "b"]
 
 
 def test_disjoint_targets_are_received_in_place_and_gaps_discarded():
     payload = bytes(range(256)) * 64
-    a = ReadTarget("k", 0, 1_000, memoryview(bytearray(1_000)), "a")
-    b = ReadTarget("k", 3_000, 4_000, memoryview(bytearray(1_000)), "b")
+    buffer_a, buffer_b = bytearray(1_000), bytearray(1_000)
+    a = ReadTarget("k", 0, 1_000, memoryview(buffer_a), "a")
+    b = ReadTarget("k", 3_000, 4_000, memoryview(buffer_b), "b")
     (request,) = plan_requests([a, b])
     sink = _Scatter(request, lambda t: None)
     first = sink.buffer(0)
@@ -75,4 +79,4 @@ def test_disjoint_targets_are_received_in_place_and_gaps_discarded():
     gap = sink.buffer(1_000)
     assert len(gap) == 2_000 and gap.obj is not a.buffer.obj and gap.obj is not b.buffer.obj
     copy_into(_Scatter(request, lambda t: None), 0, payload[:4_000])  # offsets only go up
-    assert bytes(a.buffer) == payload[:1_000] and bytes(b.buffer) == payload[3_000:4_000]
+    assert bytes(buffer_a) == payload[:1_000] and bytes(buffer_b) == payload[3_000:4_000]

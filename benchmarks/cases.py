@@ -67,6 +67,17 @@ def _s3ckpt_options(env: Env) -> dict[str, Any]:
     return {"endpoint_url": env.endpoint}
 
 
+def _open_s3ckpt_client(env: Env) -> None:
+    """Create s3ckpt's client before timing, as the raw ceilings create theirs: a process
+    pays for it once (botocore loads its S3 model), not once per checkpoint."""
+    from s3ckpt.config import make_config
+    from s3ckpt.loop import io_loop
+    from s3ckpt.store import ObjectStore
+
+    store = ObjectStore(make_config(None, **_s3ckpt_options(env)), env.bucket)
+    io_loop().run(store.head_bucket())
+
+
 # -- the cases: each returns a per-rep callable (and may keep state between reps) --------
 
 
@@ -304,6 +315,8 @@ def run(case: str) -> dict[str, Any]:
     else:
         state = make_state(env.size_mib)
     rep = CASES[case](env, state)
+    if case.startswith("s3ckpt"):
+        _open_s3ckpt_client(env)
     _reset_peak_rss()
     baseline = _rss_kib("VmRSS")
     samples = []

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import queue
 from concurrent.futures import Future as ThreadFuture
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import torch
@@ -50,7 +50,7 @@ from s3ckpt.layout import StoredItem
 from s3ckpt.location import S3Location
 from s3ckpt.loop import io_loop
 from s3ckpt.manifest import Manifest, read_manifest
-from s3ckpt.restore import PendingRead, commit, decode, prepare, verify_streamed
+from s3ckpt.restore import PendingRead, commit, decode, decode_pool, prepare, verify_streamed
 from s3ckpt.store import ObjectStore
 
 INLINE_DECODE_BYTES = 64 * 1024
@@ -160,23 +160,29 @@ class S3StorageReader(S3Location, StorageReader):
         store = ObjectStore(self.config, location.bucket).with_deadline(self.config.deadline_s)
         fetched = RangeReader(store, max_request_size=self.request_size).fetch(targets)
         decoded: queue.SimpleQueue[ThreadFuture[PendingRead]] = queue.SimpleQueue()
-        decoding = 0
-        with ThreadPoolExecutor(self.decode_threads, thread_name_prefix="s3ckpt-decode") as pool:
+        submitted: list[ThreadFuture[PendingRead]] = []
+        pool = decode_pool(self.decode_threads)
+        committed = 0
+        try:
             for token in fetched:
                 item: PendingRead = token  # type: ignore[assignment]
                 if item.compressed and len(item.view) > INLINE_DECODE_BYTES:
-                    pool.submit(decode, item).add_done_callback(decoded.put)
-                    decoding += 1
+                    submitted.append(pool.submit(decode, item))
+                    submitted[-1].add_done_callback(decoded.put)
                 elif item.compressed:  # small: handing it to a worker costs more than decoding
                     commit(decode(item), planner, trust_pickles=self.trust_pickles)
                 else:
                     verify_streamed(item)
                     commit(item, planner, trust_pickles=self.trust_pickles)
-                while decoding and not decoded.empty():
+                while not decoded.empty():
                     self._commit(decoded.get(), planner)
-                    decoding -= 1
-            for _ in range(decoding):
+                    committed += 1
+            for _ in range(len(submitted) - committed):
                 self._commit(decoded.get(), planner)
+        finally:
+            for waiting in submitted:
+                waiting.cancel()
+            futures_wait(submitted)  # no worker may write into a destination after this returns
         future: Future[None] = Future()
         future.set_result(None)
         return future

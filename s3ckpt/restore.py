@@ -19,6 +19,8 @@ to the planner, on the calling thread.
 from __future__ import annotations
 
 import io
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -124,6 +126,21 @@ def decode(pending: PendingRead) -> PendingRead:
         raw, stored.crc32c, block_size=stored.block_size, first_block=first_block, what=pending.what
     )
     return pending
+
+
+_pools: dict[tuple[int, int], ThreadPoolExecutor] = {}
+
+
+def decode_pool(threads: int) -> ThreadPoolExecutor:
+    """The process's decode workers, kept between loads so that their zstd contexts and
+    memory stay warm (keyed by pid: a forked child starts its own)."""
+    key = (os.getpid(), threads)
+    pool = _pools.get(key)
+    if pool is None:
+        pool = _pools.setdefault(
+            key, ThreadPoolExecutor(threads, thread_name_prefix="s3ckpt-decode")
+        )
+    return pool
 
 
 def verify_streamed(pending: PendingRead) -> None:

@@ -22,6 +22,8 @@ from faultproxy import FaultProxy
 
 from s3ckpt import EndpointError, S3StorageReader, S3StorageWriter, catalog, unwrap
 from s3ckpt.config import make_config
+from s3ckpt.loop import io_loop
+from s3ckpt.store import ObjectStore
 
 pytestmark = [
     pytest.mark.integration,
@@ -121,6 +123,42 @@ def test_an_unverifiable_certificate_fails_at_once_naming_tls(
         S3StorageReader(s3_prefix, **options).read_metadata()
     assert time.monotonic() - started < 10  # a certificate is not retried
     assert list_keys(s3_prefix) == []
+
+
+def test_direct_ranged_gets_refuse_an_unverifiable_certificate_at_once(
+    tls_endpoint, local_s3, s3_prefix, s3_options
+):
+    """The direct reader (s3ckpt.http_range) checks certificates like aiobotocore does."""
+    endpoint, cert = tls_endpoint
+    key = f"{s3_prefix.split('/', 3)[3]}/blob"
+    local_s3.client().put_object(Bucket=local_s3.bucket, Key=key, Body=b"x" * 100)
+
+    def read(verify: bool | str) -> bytes:
+        config = make_config(None, **{**s3_options, "endpoint_url": endpoint, "verify": verify})
+        store = ObjectStore(config, local_s3.bucket)
+        received = bytearray(100)
+        sink = _Whole(received)
+        io_loop().run(store.read_range(key, 0, 100, sink))
+        return bytes(received)
+
+    started = time.monotonic()
+    with pytest.raises(EndpointError, match="TLS"):
+        read(True)
+    assert time.monotonic() - started < 10  # a certificate is not retried
+    assert read(str(cert)) == b"x" * 100
+
+
+class _Whole:
+    """A sink receiving a whole range into one buffer."""
+
+    def __init__(self, buffer: bytearray) -> None:
+        self.view = memoryview(buffer)
+
+    def buffer(self, offset: int) -> memoryview:
+        return self.view[offset:]
+
+    def filled(self, offset: int, nbytes: int) -> None:
+        pass
 
 
 @pytest.mark.parametrize("verify", ["ca-bundle", False], ids=["private-ca", "verify-off"])

@@ -7,7 +7,9 @@ its config and bucket name, so it pickles and survives ``fork``: the client is c
 lazily on the loop of whichever process uses it.
 
 Requests go through the shared client of :mod:`s3ckpt.client` (path-style, no SHA-256
-payload signing, no botocore checksums: callers pass a CRC32C computed natively).
+payload signing, no botocore checksums: callers pass a CRC32C computed natively), except
+the body of ranged GETs, which :mod:`s3ckpt.http_range` receives straight into the
+caller's memory (signed by that client; aiobotocore remains the fallback).
 
 Failed requests are retried here, by :mod:`s3ckpt.retry` (botocore's own retries are off),
 because a retry must know what the request meant: a ranged GET resumes at the first byte

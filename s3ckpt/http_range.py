@@ -306,7 +306,7 @@ class _Connection(asyncio.BufferedProtocol):
             elif response.headers_done:
                 response.fail(
                     ShortReadError(
-                        f"the connection closed after {response.received} "
+                        f"the connection closed after {response.position - response.start} "
                         f"bytes of a {response.end - response.start}-byte range"
                     )
                 )
@@ -327,7 +327,6 @@ class _Response:
         self.headers_done = False
         self.keep_alive = True
         self.position = start  # next body byte expected
-        self.received = 0  # body bytes received
         self.body_left = 0
         self.error: tuple[int, dict[str, str]] | None = None
         self.error_body = bytearray()
@@ -362,7 +361,6 @@ class _Response:
     def _body(self, nbytes: int) -> None:
         self.sink.filled(self.position, nbytes)
         self.position += nbytes
-        self.received += nbytes
         self.body_left -= nbytes
         if self.body_left == 0:
             self.finish()
@@ -457,7 +455,6 @@ class _Counting:
         response = self.response
         response.sink.filled(offset, nbytes)
         response.position += nbytes
-        response.received += nbytes
         response.body_left -= nbytes
 
 

@@ -35,18 +35,39 @@ DEFAULT_MAX_GAP = 256 * 1024
 
 @dataclass(eq=False)
 class ReadTarget:
+    """Bytes ``[start, end)`` of ``key``, to land in ``buffer``.
+
+    ``buffer`` may be ``None`` with ``allocate`` given instead: the memory is then taken
+    when the first byte arrives, so a load holds buffers only for what is in flight.
+    """
+
     key: str
     start: int
     end: int
-    buffer: memoryview
+    buffer: memoryview | None
     token: object
     check: StreamingCheck | None = None
+    allocate: Callable[[], memoryview] | None = None
     remaining: int = field(init=False)
 
     def __post_init__(self) -> None:
-        if len(self.buffer) != self.end - self.start:
-            raise ValueError("buffer length must equal end - start")
+        if self.buffer is None and self.allocate is None:
+            raise ValueError("a read target needs a buffer or a way to allocate one")
+        if self.buffer is not None:
+            self._check_length(self.buffer)
         self.remaining = self.end - self.start
+
+    def memory(self) -> memoryview:
+        """The buffer, allocated now if it was given lazily."""
+        if self.buffer is None:
+            assert self.allocate is not None
+            self.buffer = self._check_length(self.allocate())
+        return self.buffer
+
+    def _check_length(self, buffer: memoryview) -> memoryview:
+        if len(buffer) != self.end - self.start:
+            raise ValueError("buffer length must equal end - start")
+        return buffer
 
 
 @dataclass
@@ -158,7 +179,7 @@ class _Scatter:
             return self.bounce[: min(len(self.bounce), self.end - offset)]
         target = self._at(offset)
         if target is not None and target.start <= offset:
-            return target.buffer[offset - target.start :]
+            return target.memory()[offset - target.start :]
         gap_end = target.start if target is not None else self.end
         return _DISCARD[: min(len(_DISCARD), gap_end - offset)]
 
@@ -179,7 +200,7 @@ class _Scatter:
 
     def _landed(self, target: ReadTarget, within: int, nbytes: int) -> None:
         if target.check is not None:
-            target.check.feed(within, target.buffer[within : within + nbytes])
+            target.check.feed(within, target.memory()[within : within + nbytes])
         target.remaining -= nbytes
         if target.remaining == 0:
             target.buffer = _RELEASED  # the caller holds its own reference until it is done
@@ -193,7 +214,7 @@ class _Scatter:
                 break
             lo, hi = max(offset, target.start), min(end, target.end)
             if lo < hi:
-                target.buffer[lo - target.start : hi - target.start] = chunk[
+                target.memory()[lo - target.start : hi - target.start] = chunk[
                     lo - offset : hi - offset
                 ]
                 self._landed(target, lo - target.start, hi - lo)

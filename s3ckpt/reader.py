@@ -21,6 +21,7 @@ Lifecycle of a load (the order DCP calls in):
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 from concurrent.futures import Future as ThreadFuture
@@ -50,7 +51,15 @@ from s3ckpt.layout import StoredItem
 from s3ckpt.location import S3Location
 from s3ckpt.loop import io_loop
 from s3ckpt.manifest import Manifest, read_manifest
-from s3ckpt.restore import PendingRead, commit, decode, decode_pool, prepare, verify_streamed
+from s3ckpt.restore import (
+    FramePool,
+    PendingRead,
+    commit,
+    decode,
+    decode_pool,
+    prepare,
+    verify_streamed,
+)
 from s3ckpt.store import ObjectStore
 
 INLINE_DECODE_BYTES = 64 * 1024
@@ -146,14 +155,16 @@ class S3StorageReader(S3Location, StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         location = self._require_location()
         pending = [self._prepare(request, planner) for request in plan.items]
+        frames = FramePool()
         targets = [
             ReadTarget(
                 location.key(p.stored.key),
                 p.stored.offset + p.stored_span[0],
                 p.stored.offset + p.stored_span[1],
-                p.view,
+                None if p.compressed else p.view,
                 p,
                 p.check,
+                functools.partial(p.frames_buffer, frames) if p.compressed else None,
             )
             for p in pending
         ]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -50,6 +51,7 @@ class PendingRead:
     fetched: torch.Tensor = field(init=False)  # receives the stored bytes
     view: memoryview = field(init=False)
     check: StreamingCheck | None = field(init=False)
+    pool: FramePool | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if self.stored.codec not in CODECS:
@@ -57,10 +59,9 @@ class PendingRead:
         first, last = self.span
         self.stored_span = self.stored.stored_span(first, last)
         compressed = self.stored.codec != RAW
-        self.fetched = (
-            byte_buffer(self.stored_span[1] - self.stored_span[0]) if compressed else self.raw
-        )
-        self.view = tensor_view(self.fetched)
+        # Compressed frames get their memory when the first byte arrives (frames_buffer).
+        self.fetched = _EMPTY if compressed else self.raw
+        self.view = memoryview(b"") if compressed else tensor_view(self.raw)
         block = self.stored.block_size
         self.check = (
             None
@@ -72,13 +73,74 @@ class PendingRead:
     def compressed(self) -> bool:
         return self.stored.codec != RAW
 
+    def frames_buffer(self, pool: FramePool) -> memoryview:
+        """Memory for a compressed item's frames, from ``pool`` (called as bytes arrive)."""
+        size = self.stored_span[1] - self.stored_span[0]
+        self.fetched = pool.take(size)
+        self.pool = pool
+        self.view = tensor_view(self.fetched)[:size]
+        return self.view
+
     def release(self) -> None:
         """Drop the buffers once committed, so a load holds only the items in flight."""
+        if self.pool is not None:
+            self.pool.give(self.fetched)
         self.raw = self.fetched = _EMPTY
         self.view = memoryview(b"")
+        self.pool = None
 
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
+MiB = 1024 * 1024
+
+
+class FramePool:
+    """Receive buffers for compressed frames, reused within one load.
+
+    A socket read into memory the process has not touched yet takes a page fault per
+    page, which on a VM costs more than the copy itself; reusing the buffers of frames
+    already decoded avoids that and bounds the memory a compressed load holds. Buffers are
+    kept by size class (steps of an eighth of a power of two), so frames of similar size
+    share them; frames under 1 MiB come from the allocator's heap as they are.
+    """
+
+    def __init__(self, max_bytes: int = 256 * MiB) -> None:
+        self.max_bytes = max_bytes
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._held = 0
+        self._lock = threading.Lock()
+
+    @property
+    def held(self) -> int:
+        """Bytes kept for reuse."""
+        return self._held
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` bytes."""
+        size = _size_class(nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                self._held -= size
+                return free.pop()
+        return byte_buffer(size)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """Return a buffer from :meth:`take` (kept while the pool is under its bound)."""
+        size = buffer.numel()
+        if size < MiB:
+            return
+        with self._lock:
+            if self._held + size <= self.max_bytes:
+                self._free.setdefault(size, []).append(buffer)
+                self._held += size
+
+
+def _size_class(nbytes: int) -> int:
+    if nbytes < MiB:
+        return nbytes
+    step = 1 << (nbytes.bit_length() - 4)
+    return -(-nbytes // step) * step
 
 
 def prepare(request: ReadItem, stored: StoredItem, chunk: tuple[torch.dtype, torch.Size] | None,

@@ -80,3 +80,23 @@ def test_disjoint_targets_are_received_in_place_and_gaps_discarded():
     assert len(gap) == 2_000 and gap.obj is not a.buffer.obj and gap.obj is not b.buffer.obj
     copy_into(_Scatter(request, lambda t: None), 0, payload[:4_000])  # offsets only go up
     assert bytes(buffer_a) == payload[:1_000] and bytes(buffer_b) == payload[3_000:4_000]
+
+
+def test_a_lazily_allocated_target_takes_its_memory_when_bytes_arrive():
+    allocated = []
+
+    def allocate():
+        allocated.append(bytearray(100))
+        return memoryview(allocated[-1])
+
+    target = ReadTarget("k", 0, 100, None, "t", allocate=allocate)
+    (request,) = plan_requests([target])
+    sink = _Scatter(request, lambda t: None)
+    assert allocated == []
+    copy_into(sink, 0, bytes(range(100)))
+    assert len(allocated) == 1 and bytes(allocated[0]) == bytes(range(100))
+
+
+def test_a_target_needs_a_buffer_or_an_allocator():
+    with pytest.raises(ValueError):
+        ReadTarget("k", 0, 10, None, "t")

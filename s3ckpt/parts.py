@@ -7,6 +7,7 @@ request bodies cost page faults and copies in the HTTP stack) against request co
 
 from __future__ import annotations
 
+import itertools
 import math
 
 MiB = 1024 * 1024
@@ -77,9 +78,10 @@ class PartCutter:
     become known (compressed sizes are known only after compression).
     """
 
-    def __init__(self, part_size: int, min_part: int = MIN_PART_SIZE) -> None:
+    def __init__(self, part_size: int, min_part: int = MIN_PART_SIZE, align: int = 1) -> None:
         self.part_size = part_size
         self.min_part = min_part
+        self.align = align
         self._current: list[Piece] = []
         self._filled = 0
         self._emitted = False
@@ -102,7 +104,8 @@ class PartCutter:
             self._current, self._filled = [(item, position, length)], rest
             return done
         done += [
-            [(item, a, b)] for a, b in _even_pieces(position, length, self.part_size, self.min_part)
+            [(item, a, b)]
+            for a, b in _even_pieces(position, length, self.part_size, self.min_part, self.align)
         ]
         self._emitted = True
         return done
@@ -122,24 +125,42 @@ class PartCutter:
 
 
 def cut_parts(
-    lengths: list[int], part_size: int, min_part: int = MIN_PART_SIZE
+    lengths: list[int], part_size: int, min_part: int = MIN_PART_SIZE, align: int = 1
 ) -> list[list[Piece]]:
     """All parts for ``lengths`` at once (see :class:`PartCutter`)."""
-    cutter = PartCutter(part_size, min_part)
+    cutter = PartCutter(part_size, min_part, align)
     parts = [part for item, length in enumerate(lengths) for part in cutter.add(item, length)]
     return parts + cutter.finish()
 
 
-def _even_pieces(start: int, end: int, part_size: int, min_part: int) -> list[tuple[int, int]]:
-    """Split ``[start, end)`` into near-equal pieces of at most ~part_size, none below min_part."""
+def _even_pieces(
+    start: int, end: int, part_size: int, min_part: int, align: int = 1
+) -> list[tuple[int, int]]:
+    """Split ``[start, end)`` into near-equal pieces of about ``part_size``, none below
+    ``min_part``; with ``align``, cuts sit on multiples of ``align`` (checksum blocks, so
+    that a part's CRC32C can be combined from its blocks' instead of computed again)."""
     size = end - start
     count = max(1, -(-size // part_size))
     while count > 1 and size // count < min_part:
         count -= 1
     base, extra = divmod(size, count)
-    pieces, position = [], start
-    for n in range(count):
-        step = base + (1 if n < extra else 0)
-        pieces.append((position, position + step))
-        position += step
-    return pieces
+    cuts, position = [], start
+    for n in range(count - 1):
+        position += base + (1 if n < extra else 0)
+        cuts.append(position)
+    if align > 1:
+        cuts = _aligned(cuts, start, end, min_part, align)
+    bounds = [start, *cuts, end]
+    return list(itertools.pairwise(bounds))
+
+
+def _aligned(cuts: list[int], start: int, end: int, min_part: int, align: int) -> list[int]:
+    """``cuts`` moved to the nearest multiple of ``align``, dropping any that would leave a
+    piece under ``min_part``."""
+    kept, previous = [], start
+    for cut in cuts:
+        moved = (cut + align // 2) // align * align
+        if moved - previous >= min_part and end - moved >= min_part:
+            kept.append(moved)
+            previous = moved
+    return kept

@@ -6,8 +6,10 @@ and the uploader packs them into data objects (a new one whenever ``max_object_s
 would be exceeded) and cuts each object into parts on the fly (:class:`~s3ckpt.parts.
 PartCutter`). A part inside one item is sent as a ``memoryview`` of that item's memory;
 only parts straddling item boundaries are joined into a fresh buffer. An object that
-ends within one part is sent as a single PUT. Each part becomes a
-small task on the I/O loop, so parts of every object upload concurrently under the
+ends within one part is sent as a single PUT. Each part carries its CRC32C; parts of an
+item are cut on its checksum blocks, so that CRC is combined from the item's block CRC32Cs
+(computed once, for the manifest) instead of read from memory a second time. Each part
+becomes a small task on the I/O loop, so parts of every object upload concurrently under the
 process-wide request bound, while a byte budget keeps the producer from running too far
 ahead of the network.
 
@@ -29,12 +31,16 @@ from typing import Any, TypeVar
 
 from crc32c import crc32c
 
+from s3ckpt.checksums import combine, range_crc
+from s3ckpt.layout import DEFAULT_BLOCK_SIZE
 from s3ckpt.loop import io_loop
 from s3ckpt.parts import PartCutter, part_limits
 from s3ckpt.store import Body, ObjectStore, PartResult
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# (index, stored bytes, their block CRC32Cs when known): what the uploader is fed.
+Item = tuple[object, memoryview, tuple[int, ...] | None]
 
 
 @dataclass(frozen=True)
@@ -96,8 +102,10 @@ class RankUploader:
         *,
         max_object_size: int,
         size_hint: int,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         self.store = store
+        self.block_size = block_size
         self.object_key = object_key
         self.max_object_size = max_object_size
         self.part_size, self.min_part = part_limits(
@@ -112,21 +120,21 @@ class RankUploader:
         self._error: BaseException | None = None
         self._planned_keys: list[str] = []
 
-    def upload(
-        self, items: Iterable[tuple[object, memoryview]]
-    ) -> tuple[dict[object, Placement], list[UploadedObject]]:
-        """Upload ``(index, bytes)`` items in order; returns where each went, and the objects."""
+    def upload(self, items: Iterable[Item]) -> tuple[dict[object, Placement], list[UploadedObject]]:
+        """Upload ``(index, bytes, block CRC32Cs or None)`` items in order; returns where
+        each went, and the objects."""
         placements: dict[object, Placement] = {}
         streams: list[_ObjectStream] = []
         try:
-            for index, data in items:
+            for index, data, crcs in items:
                 if not streams or (
                     streams[-1].size and streams[-1].size + len(data) > self.max_object_size
                 ):
                     if streams:
                         streams[-1].finish()
                     streams.append(self._open(len(streams)))
-                placements[index] = Placement(len(streams) - 1, streams[-1].add(data), len(data))
+                offset = streams[-1].add(data, crcs)
+                placements[index] = Placement(len(streams) - 1, offset, len(data))
             if streams:
                 streams[-1].finish()
             results = [stream.completion.result() for stream in streams]  # type: ignore[union-attr]
@@ -189,10 +197,8 @@ class RankUploader:
         finally:
             self._tasks.discard(task)
 
-    async def _put(self, key: str, body: Body) -> UploadedObject:
-        etag = await self.store.put(
-            key, body, crc32c=crc32c(body) if self.store.config.checksums else None
-        )
+    async def _put(self, key: str, body: Body, checksum: int | None) -> UploadedObject:
+        etag = await self.store.put(key, body, crc32c=checksum)
         return UploadedObject(key, len(body), etag)
 
     async def _create(self, key: str) -> str:
@@ -201,9 +207,10 @@ class RankUploader:
 
         return await self._unstoppable(self.store.create_multipart(key), record)
 
-    async def _part(self, key: str, created: Future[str], number: int, body: Body) -> PartResult:
+    async def _part(
+        self, key: str, created: Future[str], number: int, body: Body, checksum: int | None
+    ) -> PartResult:
         upload_id = await asyncio.wrap_future(created)
-        checksum = crc32c(body) if self.store.config.checksums else None
         return await self.store.upload_part(key, upload_id, number, body, checksum)
 
     async def _complete(
@@ -261,22 +268,26 @@ class _ObjectStream:
     def __init__(self, uploader: RankUploader, key: str) -> None:
         self.uploader = uploader
         self.key = key
-        self.cutter = PartCutter(uploader.part_size, uploader.min_part)
+        self.cutter = PartCutter(uploader.part_size, uploader.min_part, uploader.block_size)
+        self.checksums = uploader.store.config.checksums
         self.size = 0
         self.data: dict[int, memoryview] = {}  # items with pieces still to send
+        self.crcs: dict[int, tuple[int, ...]] = {}  # their block CRC32Cs, where known
         self.count = 0
-        self.held: list[Body] = []
+        self.held: list[tuple[Body, int | None]] = []
         self.created: Future[str] | None = None
         self.parts: list[Future[PartResult]] = []
         self.completion: Future[UploadedObject] | None = None
 
-    def add(self, data: memoryview) -> int:
-        """Append an item; returns its offset in the object."""
+    def add(self, data: memoryview, crcs: tuple[int, ...] | None = None) -> int:
+        """Append an item (with its block CRC32Cs, if known); returns its offset in the object."""
         number, offset = self.count, self.size
         self.count += 1
         self.size += len(data)
         if len(data):
             self.data[number] = data
+            if crcs is not None:
+                self.crcs[number] = crcs
         for part in self.cutter.add(number, len(data)):
             self._emit(part)
         return offset
@@ -286,38 +297,65 @@ class _ObjectStream:
             self._emit(part)
         up = self.uploader
         if self.created is None:
-            body = _join([memoryview(b) for b in self.held]) if self.held else b""
-            self.completion = up._spawn(up._put(self.key, body), len(body))
+            body = _join([memoryview(b) for b, _ in self.held]) if self.held else b""
+            checksum = _combined([(c, len(b)) for b, c in self.held]) if self.checksums else None
+            self.completion = up._spawn(up._put(self.key, body, checksum), len(body))
         else:
             self.completion = up._spawn(
                 up._complete(self.key, self.size, self.created, self.parts), 0
             )
 
     def _emit(self, part: list[tuple[int, int, int]]) -> None:
-        pieces = [self.data[item][start:end] for item, start, end in part if end > start]
+        part = [(item, start, end) for item, start, end in part if end > start]
+        pieces = [self.data[item][start:end] for item, start, end in part]
+        checksum = (
+            _combined([(self._crc(*p), p[2] - p[1]) for p in part]) if self.checksums else None
+        )
         for item, _, end in part:
-            if item in self.data and end == len(self.data[item]):
+            if end == len(self.data[item]):
                 del self.data[item]
+                self.crcs.pop(item, None)
         body = _join(pieces) if pieces else b""
         if (
             self.created is None
-            and sum(len(b) for b in self.held) + len(body) <= self.uploader.part_size
+            and sum(len(b) for b, _ in self.held) + len(body) <= self.uploader.part_size
         ):
-            self.held.append(body)
+            self.held.append((body, checksum))
             return
         up = self.uploader
         if self.created is None:
             self.created = up._spawn(up._create(self.key), 0)
-            for held in self.held:
-                self._send(held)
+            for held, held_checksum in self.held:
+                self._send(held, held_checksum)
             self.held = []
-        self._send(body)
+        self._send(body, checksum)
 
-    def _send(self, body: Body) -> None:
+    def _crc(self, item: int, start: int, end: int) -> int:
+        """CRC32C of a piece of an item: combined from its block CRCs where the piece is
+        whole blocks, else computed."""
+        data, blocks = self.data[item], self.crcs.get(item)
+        if blocks is not None:
+            crc = range_crc(blocks, self.uploader.block_size, len(data), start, end)
+            if crc is not None:
+                return crc
+        return crc32c(data[start:end])
+
+    def _send(self, body: Body, checksum: int | None) -> None:
         up = self.uploader
         assert self.created is not None
         number = len(self.parts) + 1
-        self.parts.append(up._spawn(up._part(self.key, self.created, number, body), len(body)))
+        self.parts.append(
+            up._spawn(up._part(self.key, self.created, number, body, checksum), len(body))
+        )
+
+
+def _combined(pieces: list[tuple[int | None, int]]) -> int:
+    """The CRC32C of consecutive pieces from theirs: ``(crc, length)`` each."""
+    total = 0  # the CRC32C of no bytes
+    for crc, length in pieces:
+        assert crc is not None
+        total = combine(total, crc, length)
+    return total
 
 
 def _join(pieces: list[memoryview]) -> Body:

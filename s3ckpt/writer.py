@@ -56,7 +56,7 @@ from s3ckpt.location import S3Location
 from s3ckpt.loop import io_loop
 from s3ckpt.manifest import MANIFEST_NAME, ItemEntry, Manifest, ObjectEntry, commit, new_save_id
 from s3ckpt.store import ObjectStore
-from s3ckpt.upload import RankUploader
+from s3ckpt.upload import Item, RankUploader
 
 
 @dataclass(frozen=True)
@@ -237,10 +237,9 @@ class _RankSave:
             )
         return results
 
-    def _stream(
-        self, items: list[WriteItem], planner: SavePlanner
-    ) -> Iterator[tuple[Any, memoryview]]:
-        """``(index, stored bytes)`` in plan order, each item resolved only when needed."""
+    def _stream(self, items: list[WriteItem], planner: SavePlanner) -> Iterator[Item]:
+        """``(index, stored bytes, their block CRC32Cs)`` in plan order, each item resolved
+        only when needed (the CRCs are of raw bytes, so compressed items go without)."""
         raw = ((item, _item_bytes(item, planner), _grouping(item)) for item in items)
         options = self.writer.compression
         encoded: Iterator[tuple[WriteItem, Encoded]] = (
@@ -250,7 +249,7 @@ class _RankSave:
         )
         for item, result in encoded:
             self.encoded[item.index] = result
-            yield item.index, result.payload
+            yield item.index, result.payload, result.crc32c if result.codec == RAW else None
 
 
 def _item_bytes(item: WriteItem, planner: SavePlanner) -> memoryview:

@@ -1,6 +1,9 @@
 import os
 
-from s3ckpt.checksums import StreamingCheck, block_crcs
+import pytest
+from crc32c import crc32c
+
+from s3ckpt.checksums import StreamingCheck, block_crcs, combine, range_crc
 from s3ckpt.download import ReadTarget, _Scatter, plan_requests
 from s3ckpt.http_range import copy_into
 
@@ -63,3 +66,21 @@ def test_requests_are_cut_on_block_boundaries_and_verify_in_flight():
     for target, buffer in zip(targets, buffers, strict=True):
         assert target.check.active and target.check.bad_block is None
         assert bytes(buffer) == data[target.start : target.end]
+
+
+@pytest.mark.parametrize(
+    "left,right", [(0, 0), (1, 0), (0, 5), (3, 7), (4096, 12345), (9 * MiB, 3)]
+)
+def test_combined_crcs_equal_the_crc_of_the_joined_bytes(left, right):
+    a, b = os.urandom(left), os.urandom(right)
+    assert combine(crc32c(a), crc32c(b), right) == crc32c(a + b)
+
+
+def test_range_crc_comes_from_whole_blocks_only():
+    data = memoryview(os.urandom(3 * MiB + 77))
+    block = MiB
+    blocks = block_crcs(data, block)
+    for start, end in ((0, len(data)), (MiB, 3 * MiB), (2 * MiB, len(data)), (3 * MiB, len(data))):
+        assert range_crc(blocks, block, len(data), start, end) == crc32c(data[start:end])
+    for start, end in ((5, MiB), (0, MiB + 1), (MiB, MiB), (0, len(data) + 1)):
+        assert range_crc(blocks, block, len(data), start, end) is None

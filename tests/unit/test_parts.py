@@ -50,8 +50,8 @@ def test_small_objects_are_single_puts():
     assert is_multipart(16 * MiB + 1, 16 * MiB)
 
 
-def _check_cut(lengths, part_size, min_part=MIN_PART_SIZE):
-    parts = cut_parts(lengths, part_size, min_part)
+def _check_cut(lengths, part_size, min_part=MIN_PART_SIZE, align=1):
+    parts = cut_parts(lengths, part_size, min_part, align)
     flat = [piece for part in parts for piece in part]
     # every byte of every item exactly once, in order
     position = {i: 0 for i in range(len(lengths))}
@@ -108,3 +108,22 @@ def test_part_limits_keep_huge_objects_within_ten_thousand_parts():
     parts, _sizes = _check_cut(lengths, part_size, min_part)
     assert len(parts) <= MAX_PARTS
     assert part_limits(1024 * MiB) == (DEFAULT_PART_SIZE, MIN_PART_SIZE)
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [[int(153.6 * MiB)], [3 * MiB, 100 * MiB + 17], [20 * MiB], [1000, 64 * MiB, 5 * MiB + 1]],
+)
+def test_cuts_inside_an_item_sit_on_checksum_blocks_when_asked(lengths):
+    block = 8 * MiB
+    parts, _ = _check_cut(lengths, 16 * MiB, align=block)
+    for part in parts:
+        for item, start, end in part:
+            if len(part) == 1:  # a part of its own: its inner cuts are block-aligned
+                assert start % block == 0 or start == parts_start(parts, item)
+                assert end % block == 0 or end == lengths[item]
+
+
+def parts_start(parts, item):
+    """Where the item's first part of its own starts (after topping up a shared part)."""
+    return min(start for part in parts for i, start, _ in part if i == item and len(part) == 1)

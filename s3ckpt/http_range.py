@@ -133,28 +133,32 @@ class DirectRangeReader:
 
     async def read(self, bucket: str, key: str, start: int, end: int, sink: RangeSink) -> None:
         """Receive bytes ``[start, end)`` of ``bucket/key`` into ``sink``, in offset order."""
+        url, reused = await self._signed(bucket, key)
         try:
-            await self._get(await self._signed(bucket, key), start, end, sink)
+            await self._get(url, start, end, sink)
         except ClientError as exc:
-            if exc.response["ResponseMetadata"]["HTTPStatusCode"] != 403:
+            if not reused or exc.response["ResponseMetadata"]["HTTPStatusCode"] != 403:
                 raise
             # A reused signature may have outlived the credentials that made it: sign anew.
-            await self._get(await self._signed(bucket, key, fresh=True), start, end, sink)
+            url, _ = await self._signed(bucket, key, fresh=True)
+            await self._get(url, start, end, sink)
 
-    async def _signed(self, bucket: str, key: str, *, fresh: bool = False) -> SplitResult:
-        """A presigned GET URL for the object, reused for a few minutes (``Range`` is not
-        part of the signature, so one URL serves every range of the object)."""
+    async def _signed(
+        self, bucket: str, key: str, *, fresh: bool = False
+    ) -> tuple[SplitResult, bool]:
+        """A presigned GET URL for the object and whether it was reused: one URL serves
+        every range of the object for a few minutes (``Range`` is not signed)."""
         now = time.monotonic()
         cached = self._urls.get((bucket, key))
         if cached is not None and not fresh and now - cached[0] < REUSE_SIGNATURE_S:
-            return cached[1]
+            return cached[1], True
         url = await self.client.generate_presigned_url(
             "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=PRESIGN_EXPIRES_S
         )
         if len(self._urls) >= MAX_CACHED_URLS:
             self._urls.clear()
-        parts = self._urls[(bucket, key)] = (now, urlsplit(url))
-        return parts[1]
+        self._urls[(bucket, key)] = (now, urlsplit(url))
+        return self._urls[(bucket, key)][1], False
 
     async def _get(self, url: SplitResult, start: int, end: int, sink: RangeSink) -> None:
         origin = (url.scheme, url.hostname or "", url.port or _default_port(url.scheme))

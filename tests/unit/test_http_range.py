@@ -182,6 +182,20 @@ def test_connection_close_header_is_honoured() -> None:
     run(main())
 
 
+def test_a_refusal_of_a_fresh_signature_is_not_tried_again() -> None:
+    denied = b"<Error><Code>AccessDenied</Code><Message>no</Message></Error>"
+    head = f"HTTP/1.1 403 Forbidden\r\nContent-Length: {len(denied)}\r\n\r\n".encode()
+
+    async def main() -> None:
+        async with ScriptedServer([raw(head + denied, keep=True), partial()]) as server:
+            direct = reader(server.url)
+            with pytest.raises(ClientError):
+                await direct.read("bucket", "key", 0, 10, Buffer(0, 10))
+            assert direct.client.signed == 1 and len(server.requests) == 1
+
+    run(main())
+
+
 def test_error_responses_become_client_errors_with_the_s3_code() -> None:
     body = b"<?xml version='1.0'?><Error><Code>NoSuchKey</Code><Message>gone</Message></Error>"
     head = f"HTTP/1.1 404 Not Found\r\nContent-Length: {len(body)}\r\nx-amz-request-id: R1\r\n\r\n"

@@ -5,7 +5,7 @@ object and the buffer they must land in (often the destination tensor itself). T
 of the same object that are adjacent, or separated by a small gap, are coalesced into
 one range; ranges are then cut into requests of at most ``max_request_size`` so that one
 large tensor is also fetched in parallel. Each response is received straight into the
-buffers it covers (:mod:`s3ckpt.http_range`: the socket writes into the tensor), so no
+buffers it covers (:mod:`s3ckpt.http_response`: the socket writes into the tensor), so no
 range is ever held twice.
 
 A target may carry a :class:`~s3ckpt.checksums.StreamingCheck`: ranges are then cut at
@@ -158,7 +158,7 @@ def _coalesce(group: list[ReadTarget], max_gap: int) -> Iterator[tuple[int, int,
 
 
 class _Scatter:
-    """The :class:`~s3ckpt.http_range.RangeSink` of one request: bytes land in their targets.
+    """The :class:`~s3ckpt.http_response.RangeSink` of one request: bytes land in their targets.
 
     Bytes arrive in offset order and targets are sorted by start, so a cursor skips the
     targets already filled. :meth:`buffer` hands out the target's own memory, so a

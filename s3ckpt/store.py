@@ -38,7 +38,7 @@ from s3ckpt.config import S3Config
 from s3ckpt.error_mapping import PRECONDITION_CODES, error_code, translate_final, translated
 from s3ckpt.errors import PreconditionFailedError, StorageError
 from s3ckpt.http_body import MemoryBody
-from s3ckpt.http_range import RangeSink, UnsupportedResponse, copy_into
+from s3ckpt.http_response import RangeSink, UnsupportedResponse, copy_into
 
 Body = bytes | bytearray | memoryview
 T = TypeVar("T")

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt.http_range import DirectRangeReader, UnsupportedResponse
+from s3ckpt.http_range import DirectRangeReader
+from s3ckpt.http_response import UnsupportedResponse
 
 pytestmark = [
     pytest.mark.integration,

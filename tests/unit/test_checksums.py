@@ -5,7 +5,7 @@ from crc32c import crc32c
 
 from s3ckpt.checksums import StreamingCheck, block_crcs, combine, range_crc
 from s3ckpt.download import ReadTarget, _Scatter, plan_requests
-from s3ckpt.http_range import copy_into
+from s3ckpt.http_response import copy_into
 
 MiB = 1024 * 1024
 

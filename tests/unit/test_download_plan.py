@@ -1,7 +1,7 @@
 import pytest
 
 from s3ckpt.download import ReadTarget, _Scatter, plan_requests
-from s3ckpt.http_range import copy_into
+from s3ckpt.http_response import copy_into
 
 
 def _target(key, start, end, token=None):

@@ -10,7 +10,8 @@ import pytest
 from botocore import exceptions as bce
 from botocore.exceptions import ClientError
 
-from s3ckpt.http_range import DirectRangeReader, UnsupportedResponse, copy_into, proxied
+from s3ckpt.http_range import DirectRangeReader, proxied
+from s3ckpt.http_response import UnsupportedResponse, copy_into
 from s3ckpt.retry import ShortReadError
 
 OBJECT = bytes(range(256)) * 4096  # 1 MiB

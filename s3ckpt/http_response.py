@@ -197,7 +197,7 @@ class _Response:
             if len(self.head) > MAX_HEADER_BYTES:
                 self.fail(ConnectionResetError("response headers too large"))
             return
-        rest = memoryview(self.head)[end + 4 :]
+        leftover = memoryview(bytes(self.head[end + 4 :]))  # body bytes read with the head
         try:
             status, headers, self.keep_alive = _parse_head(bytes(self.head[:end]))
             if 200 <= status < 300:
@@ -206,25 +206,15 @@ class _Response:
                 self.error = (status, headers)
                 self.body_left = _error_length(headers)
         except Exception as exc:  # any malformed head fails this response
-            rest.release()
             self.fail(exc)
             return
         self.headers_done = True
         if self.error is not None:
-            leftover = bytes(rest)
-            rest.release()
-            self._error_bytes(memoryview(leftover))
-            return
-        if len(rest) > self.body_left:
-            rest.release()
+            self._error_bytes(leftover)
+        elif len(leftover) > self.body_left:
             self.fail(ConnectionResetError("the server sent more than the response"))
-            return
-        leftover = bytes(rest)
-        rest.release()
-        if leftover:
+        elif leftover:
             copy_into(_Counting(self), self.position, leftover)
-        if self.body_left == 0:
-            self.finish()
 
     def _error_bytes(self, chunk: memoryview) -> None:
         self.error_body += chunk
@@ -268,7 +258,8 @@ class _Response:
 
 
 class _Counting:
-    """The response's sink, also advancing the response (for body bytes read with the head)."""
+    """The response's sink as seen by :func:`copy_into`, for body bytes read with the head:
+    each piece advances the response as a direct receive would."""
 
     def __init__(self, response: _Response) -> None:
         self.response = response
@@ -277,10 +268,7 @@ class _Counting:
         return self.response.sink.buffer(offset)
 
     def filled(self, offset: int, nbytes: int) -> None:
-        response = self.response
-        response.sink.filled(offset, nbytes)
-        response.position += nbytes
-        response.body_left -= nbytes
+        self.response._body(nbytes)
 
 
 def _parse_head(head: bytes) -> tuple[int, dict[str, str], bool]:

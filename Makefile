@@ -11,7 +11,7 @@ BENCH_STAMP := $(VENV)/.s3ckpt-bench-installed
 install: $(STAMP)
 
 # torch is installed first and pinned: an unpinned torch would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py s3ckpt/_byteplanes.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[test]" "$(TORCH_SPEC)"
@@ -38,4 +38,4 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check s3ckpt tests benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache s3ckpt/*.so

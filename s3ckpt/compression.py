@@ -22,7 +22,6 @@ at once in worker threads, ahead of the upload, within a bound on buffered bytes
 from __future__ import annotations
 
 import struct
-import sys
 import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -30,9 +29,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
-import numpy as np
 import zstandard
 
+from s3ckpt import byteplanes
 from s3ckpt.checksums import block_crcs
 from s3ckpt.errors import ConfigError, CorruptCheckpointError
 from s3ckpt.layout import DEFAULT_BLOCK_SIZE
@@ -41,7 +40,6 @@ T = TypeVar("T")
 RAW, ZSTD, ZSTD_GROUPED = "raw", "zstd", "zstd-bg"
 CODECS = (RAW, ZSTD, ZSTD_GROUPED)
 _PROBE = 64 * 1024
-_INTERLEAVE_PIECE = 128 * 1024  # elements
 
 
 @dataclass(frozen=True)
@@ -197,11 +195,12 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 def _group_and_compress(
     block: memoryview, itemsize: int, compressor: zstandard.ZstdCompressor
 ) -> bytes:
-    matrix = np.frombuffer(block, dtype=np.uint8).reshape(-1, itemsize)
+    grouped = byteplanes.split(block, itemsize)
+    count = len(block) // itemsize
     header = [struct.pack("<B", itemsize)]
     payloads = []
     for plane_index in range(itemsize):
-        plane = np.ascontiguousarray(matrix[:, plane_index])
+        plane = grouped[plane_index * count : (plane_index + 1) * count]
         mode, payload = _compress_plane(plane, compressor)
         header.append(struct.pack("<BI", mode, len(payload)))
         payloads.append(payload)
@@ -209,10 +208,9 @@ def _group_and_compress(
 
 
 def _compress_plane(
-    plane: np.ndarray, compressor: zstandard.ZstdCompressor
+    view: memoryview, compressor: zstandard.ZstdCompressor
 ) -> tuple[int, bytes | memoryview]:
     """zstd unless a probe of the plane's start shows it will not shrink."""
-    view = memoryview(plane)
     if len(view) > _PROBE and len(compressor.compress(view[:_PROBE])) > 0.97 * _PROBE:
         return 0, view
     packed = compressor.compress(view)
@@ -222,7 +220,7 @@ def _compress_plane(
 def _ungroup(frame: memoryview, out: memoryview) -> None:
     itemsize = frame[0]
     count = len(out) // itemsize
-    planes = []
+    planes: list[bytes | memoryview] = []
     position = 1 + 5 * itemsize
     for plane_index in range(itemsize):
         mode, length = struct.unpack_from("<BI", frame, 1 + 5 * plane_index)
@@ -231,23 +229,5 @@ def _ungroup(frame: memoryview, out: memoryview) -> None:
         plane = _decompressor().decompress(payload, max_output_size=count) if mode == 1 else payload
         if len(plane) != count:
             raise ValueError(f"plane {plane_index} has {len(plane)} bytes, expected {count}")
-        planes.append(np.frombuffer(plane, dtype=np.uint8))
-    _interleave(planes, out)
-
-
-def _interleave(planes: list[np.ndarray], out: memoryview) -> None:
-    """Put byte ``i`` of every element back from plane ``i`` (the inverse of grouping)."""
-    if len(planes) == 2 and sys.byteorder == "little":
-        # As 16-bit arithmetic, (high << 8) | low: two contiguous passes, about twice as
-        # fast as writing each plane into every other byte.
-        # Done in pieces that stay in cache between the two passes.
-        words = np.frombuffer(out, dtype=np.uint16)
-        low, high = planes
-        for start in range(0, len(words), _INTERLEAVE_PIECE):
-            piece = slice(start, start + _INTERLEAVE_PIECE)
-            np.left_shift(high[piece], 8, out=words[piece], dtype=np.uint16)
-            np.bitwise_or(words[piece], low[piece], out=words[piece])
-        return
-    matrix = np.frombuffer(out, dtype=np.uint8).reshape(-1, len(planes))
-    for index, plane in enumerate(planes):
-        matrix[:, index] = plane
+        planes.append(plane)
+    byteplanes.merge(planes, out)

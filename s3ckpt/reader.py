@@ -47,6 +47,7 @@ from s3ckpt.compat import (
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.download import RangeReader, ReadTarget
 from s3ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, S3CkptError
+from s3ckpt.heap import frozen_heap
 from s3ckpt.layout import StoredItem
 from s3ckpt.location import S3Location
 from s3ckpt.loop import io_loop
@@ -112,7 +113,8 @@ class S3StorageReader(S3Location, StorageReader):
 
     def read_metadata(self) -> Metadata:
         try:
-            metadata = self._read_metadata()
+            with frozen_heap():  # unpickling the metadata allocates objects per item
+                metadata = self._read_metadata()
         except S3CkptError as exc:
             remember_metadata_failure(exc)  # for unwrap(): dcp.load replaces the exception
             raise
@@ -153,6 +155,13 @@ class S3StorageReader(S3Location, StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        with frozen_heap():
+            self._read_all(plan, planner)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         location = self._require_location()
         pending = [self._prepare(request, planner) for request in plan.items]
         frames = FramePool()
@@ -194,9 +203,6 @@ class S3StorageReader(S3Location, StorageReader):
             for waiting in submitted:
                 waiting.cancel()
             futures_wait(submitted)  # no worker may write into a destination after this returns
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
 
     def _commit(self, decoded: ThreadFuture[PendingRead], planner: LoadPlanner) -> None:
         """Commit an item a worker has decoded (raises what the worker raised)."""

@@ -47,7 +47,6 @@ from s3ckpt.compat import (
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.download import RangeReader, ReadTarget
 from s3ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, S3CkptError
-from s3ckpt.heap import frozen_heap
 from s3ckpt.layout import StoredItem
 from s3ckpt.location import S3Location
 from s3ckpt.loop import io_loop
@@ -113,8 +112,7 @@ class S3StorageReader(S3Location, StorageReader):
 
     def read_metadata(self) -> Metadata:
         try:
-            with frozen_heap():  # unpickling the metadata allocates objects per item
-                metadata = self._read_metadata()
+            metadata = self._read_metadata()
         except S3CkptError as exc:
             remember_metadata_failure(exc)  # for unwrap(): dcp.load replaces the exception
             raise
@@ -155,8 +153,7 @@ class S3StorageReader(S3Location, StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        with frozen_heap():
-            self._read_all(plan, planner)
+        self._read_all(plan, planner)
         future: Future[None] = Future()
         future.set_result(None)
         return future

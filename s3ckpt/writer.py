@@ -51,7 +51,6 @@ from s3ckpt.compat import (
 from s3ckpt.compression import RAW, Compression, Encoded, encode_raw, encode_stream
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.errors import CheckpointExistsError, ConfigError
-from s3ckpt.heap import frozen_heap
 from s3ckpt.layout import DEFAULT_MAX_OBJECT_SIZE, StoredItem, data_key
 from s3ckpt.location import S3Location
 from s3ckpt.loop import io_loop
@@ -142,8 +141,7 @@ class S3StorageWriter(S3Location, StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assignment: _RankAssignment = plan.storage_data
-        with frozen_heap():
-            results = _RankSave(self, assignment).run(plan.items, planner)
+        results = _RankSave(self, assignment).run(plan.items, planner)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future

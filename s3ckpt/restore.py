@@ -24,6 +24,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from s3ckpt.checksums import StreamingCheck, verify_blocks
@@ -36,7 +37,13 @@ from s3ckpt.layout import StoredItem
 
 @dataclass(eq=False)
 class PendingRead:
-    """One read item on its way."""
+    """One read item on its way.
+
+    Every view is made here, on the thread that plans the load, before any byte moves:
+    a torch call releases and retakes the GIL, which under the load's contention costs
+    more than the call, so the event loop and the decode workers touch only memoryviews
+    and numpy arrays.
+    """
 
     request: ReadItem
     stored: StoredItem
@@ -48,10 +55,11 @@ class PendingRead:
     direct: bool
     what: str  # names the object and the item in errors
     stored_span: tuple[int, int] = field(init=False)  # stored bytes fetched, relative to the item
-    fetched: torch.Tensor = field(init=False)  # receives the stored bytes
-    view: memoryview = field(init=False)
+    raw_view: memoryview = field(init=False)  # over ``raw``
+    view: memoryview = field(init=False)  # receives the stored bytes
     check: StreamingCheck | None = field(init=False)
     pool: FramePool | None = field(init=False, default=None)
+    frames: np.ndarray | None = field(init=False, default=None)  # compressed: from the pool
 
     def __post_init__(self) -> None:
         if self.stored.codec not in CODECS:
@@ -59,9 +67,9 @@ class PendingRead:
         first, last = self.span
         self.stored_span = self.stored.stored_span(first, last)
         compressed = self.stored.codec != RAW
+        self.raw_view = tensor_view(self.raw)
         # Compressed frames get their memory when the first byte arrives (frames_buffer).
-        self.fetched = _EMPTY if compressed else self.raw
-        self.view = memoryview(b"") if compressed else tensor_view(self.raw)
+        self.view = memoryview(b"") if compressed else self.raw_view
         block = self.stored.block_size
         self.check = (
             None
@@ -76,18 +84,18 @@ class PendingRead:
     def frames_buffer(self, pool: FramePool) -> memoryview:
         """Memory for a compressed item's frames, from ``pool`` (called as bytes arrive)."""
         size = self.stored_span[1] - self.stored_span[0]
-        self.fetched = pool.take(size)
+        self.frames = pool.take(size)
         self.pool = pool
-        self.view = tensor_view(self.fetched)[:size]
+        self.view = memoryview(self.frames)[:size]
         return self.view
 
     def release(self) -> None:
         """Drop the buffers once committed, so a load holds only the items in flight."""
-        if self.pool is not None:
-            self.pool.give(self.fetched)
-        self.raw = self.fetched = _EMPTY
-        self.view = memoryview(b"")
-        self.pool = None
+        if self.pool is not None and self.frames is not None:
+            self.pool.give(self.frames)
+        self.raw = _EMPTY
+        self.raw_view = self.view = memoryview(b"")
+        self.pool = self.frames = None
 
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
@@ -106,7 +114,7 @@ class FramePool:
 
     def __init__(self, max_bytes: int = 256 * MiB) -> None:
         self.max_bytes = max_bytes
-        self._free: dict[int, list[torch.Tensor]] = {}
+        self._free: dict[int, list[np.ndarray]] = {}
         self._held = 0
         self._lock = threading.Lock()
 
@@ -115,19 +123,19 @@ class FramePool:
         """Bytes kept for reuse."""
         return self._held
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A buffer of at least ``nbytes`` bytes."""
+    def take(self, nbytes: int) -> np.ndarray:
+        """A ``uint8`` buffer of at least ``nbytes`` bytes."""
         size = _size_class(nbytes)
         with self._lock:
             free = self._free.get(size)
             if free:
                 self._held -= size
                 return free.pop()
-        return byte_buffer(size)
+        return np.empty(size, dtype=np.uint8)
 
-    def give(self, buffer: torch.Tensor) -> None:
+    def give(self, buffer: np.ndarray) -> None:
         """Return a buffer from :meth:`take` (kept while the pool is under its bound)."""
-        size = buffer.numel()
+        size = buffer.nbytes
         if size < MiB:
             return
         with self._lock:
@@ -173,7 +181,7 @@ def prepare(request: ReadItem, stored: StoredItem, chunk: tuple[torch.dtype, tor
 
 def decode(pending: PendingRead) -> PendingRead:
     """Decode a compressed item's frames into its raw buffer and verify them (thread-safe)."""
-    stored, raw = pending.stored, tensor_view(pending.raw)
+    stored, raw = pending.stored, pending.raw_view
     first_block = pending.span[0] // stored.block_size
     position = 0
     for n, start in enumerate(range(0, len(raw), stored.block_size)):
@@ -221,7 +229,7 @@ def verify_streamed(pending: PendingRead) -> None:
 def commit(pending: PendingRead, planner: LoadPlanner, *, trust_pickles: bool = False) -> None:
     """Hand a verified item to the planner (on the thread that runs DCP's load)."""
     if pending.destination is None:
-        data = tensor_view(pending.raw).tobytes()
+        data = pending.raw_view.tobytes()
         if not trust_pickles:
             _check_pickle(data, pending.what)
         planner.load_bytes(pending.request, io.BytesIO(data))

@@ -4,7 +4,8 @@ Starts the embedded SeaweedFS server, runs every case in its own process (see
 ``benchmarks/cases.py``), and reports medians, min/max, client CPU-seconds per GiB and
 peak RSS, then the ratios the performance targets are stated in. Absolute numbers on a
 shared 2-core machine drift from run to run; the ratios, measured side by side, are the
-result. Output: a table on the terminal, ``benchmarks/results/bench.json`` and
+result; the compressed and uncompressed loads alternate (``ALTERNATING``). Output: a
+table on the terminal, ``benchmarks/results/bench.json`` and
 ``benchmarks/results/bench.png``.
 
     python -m benchmarks.run [--size-mib 1024] [--reps 3] [--cases s3ckpt_save,...]
@@ -44,10 +45,15 @@ ORDER = [
     "filesystem_save",
     "filesystem_load",
     "s3ckpt_save_real",
-    "s3ckpt_load_real",
     "s3ckpt_save_zstd",
+    "s3ckpt_load_real",
     "s3ckpt_load_zstd",
 ]
+# Compressed against uncompressed loads is a ratio target with close numbers, and this
+# machine drifts by 10-20 % over minutes: their processes alternate, ROUNDS times each,
+# so that drift falls on both alike.
+ALTERNATING = ("s3ckpt_load_real", "s3ckpt_load_zstd")
+ROUNDS = 2
 # After these cases their objects are no longer needed: delete them to keep the disk small.
 CLEANUP_AFTER = {
     "raw_download": "raw",
@@ -85,14 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     with LocalS3Server() as server, tempfile.TemporaryDirectory(prefix="s3ckpt-bench-") as tmp:
         env = {**os.environ, **server.env(), "BENCH_BUCKET": server.bucket, "BENCH_PREFIX": f"bench-{int(time.time())}",
                "BENCH_SIZE_MIB": str(args.size_mib), "BENCH_REPS": str(args.reps), "BENCH_TMP": tmp}  # fmt: skip
-        for case in cases:
+        schedule = schedule_runs(cases)
+        for index, case in enumerate(schedule):
             print(
                 f"running {case} ({args.reps} x {args.size_mib} MiB) ...",
                 file=sys.stderr,
                 flush=True,
             )
-            results[case] = _run_case(case, env)
-            if case in CLEANUP_AFTER:
+            results[case] = merge_runs(results.get(case), _run_case(case, env))
+            if case in CLEANUP_AFTER and case not in schedule[index + 1 :]:
                 _delete_prefix(server, f"{env['BENCH_PREFIX']}/{CLEANUP_AFTER[case]}/")
     summary = summarize(results)
     report = {
@@ -111,6 +118,30 @@ def main(argv: list[str] | None = None) -> int:
     chart(report, args.out / "bench.png")
     print(f"\nwrote {args.out / 'bench.json'} and {args.out / 'bench.png'}", file=sys.stderr)
     return 0
+
+
+def schedule_runs(cases: list[str]) -> list[str]:
+    """The case processes to run, in order: one per case, the ALTERNATING ones ROUNDS
+    times each, taking turns."""
+    alternating = [c for c in cases if c in ALTERNATING]
+    schedule = [c for c in cases if c not in ALTERNATING]
+    return schedule + alternating * ROUNDS
+
+
+def merge_runs(earlier: dict[str, Any] | None, later: dict[str, Any]) -> dict[str, Any]:
+    """One result for a case run in several processes: all samples, and the peak RSS of
+    the process that rose most over its baseline; an error in any run is the result."""
+    if earlier is None or "error" in earlier:
+        return earlier or later
+    if "error" in later:
+        return later
+    rise = max((earlier, later), key=lambda r: r["rss_peak_mib"] - r["rss_baseline_mib"])
+    return {
+        **earlier,
+        "samples": earlier["samples"] + later["samples"],
+        "rss_baseline_mib": rise["rss_baseline_mib"],
+        "rss_peak_mib": rise["rss_peak_mib"],
+    }
 
 
 def _run_case(case: str, env: dict[str, str]) -> dict[str, Any]:

@@ -15,8 +15,9 @@ are instead of being pushed through zstd for nothing. Frames of grouped blocks a
     then the plane payloads in order
 
 An item whose encoding saves less than ``min_saving`` is stored raw (codec ``raw``).
-zstd and numpy copies release the GIL, so :func:`encode_stream` compresses several items
-at once in worker threads, ahead of the upload, within a bound on buffered bytes.
+zstd and the byte-plane split (:mod:`s3ckpt.byteplanes`) release the GIL, so
+:func:`encode_stream` compresses several items at once in worker threads, ahead of the
+upload, within a bound on buffered bytes.
 """
 
 from __future__ import annotations

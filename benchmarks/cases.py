@@ -3,7 +3,9 @@
 A fresh process per case gives each its own CPU-time and peak-RSS accounting (client CPU
 only: the S3 server is another process). The environment carries the endpoint and the
 credentials (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``...), plus ``BENCH_BUCKET``,
-``BENCH_PREFIX``, ``BENCH_SIZE_MIB``, ``BENCH_REPS`` and ``BENCH_TMP``.
+``BENCH_PREFIX``, ``BENCH_SIZE_MIB``, ``BENCH_REPS``, ``BENCH_TMP`` and ``BENCH_ROUND``
+(cases run more than once take turns with their pair; round r's loads read round r's
+saves).
 """
 
 from __future__ import annotations
@@ -58,9 +60,10 @@ class Env:
         self.reps = int(os.environ["BENCH_REPS"])
         self.tmp = Path(os.environ["BENCH_TMP"])
         self.endpoint = os.environ["AWS_ENDPOINT_URL"]
+        self.round = int(os.environ.get("BENCH_ROUND", "0"))
 
     def uri(self, system: str, rep: int) -> str:
-        return f"s3://{self.bucket}/{self.prefix}/{system}/rep{rep}"
+        return f"s3://{self.bucket}/{self.prefix}/{system}/round{self.round}/rep{rep}"
 
 
 def _s3ckpt_options(env: Env) -> dict[str, Any]:

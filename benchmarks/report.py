@@ -163,7 +163,7 @@ def table(report: dict[str, Any]) -> str:
     for title, rows in (
         ("save", SAVES),
         ("load", LOADS),
-        ("compression, real weights (the loads alternate, in two processes each)", COMPRESSION),
+        ("compression, real weights (taking turns, two processes per case)", COMPRESSION),
     ):
         lines += [f"{title}:", header]
         for case, label in rows:

@@ -4,8 +4,8 @@ Starts the embedded SeaweedFS server, runs every case in its own process (see
 ``benchmarks/cases.py``), and reports medians, min/max, client CPU-seconds per GiB and
 peak RSS, then the ratios the performance targets are stated in. Absolute numbers on a
 shared 2-core machine drift from run to run; the ratios, measured side by side, are the
-result; the compressed and uncompressed loads alternate (``ALTERNATING``). Output: a
-table on the terminal, ``benchmarks/results/bench.json`` and
+result; compressed and uncompressed saves and loads take turns (``ALTERNATING``).
+Output: a table on the terminal, ``benchmarks/results/bench.json`` and
 ``benchmarks/results/bench.png``.
 
     python -m benchmarks.run [--size-mib 1024] [--reps 3] [--cases s3ckpt_save,...]
@@ -49,10 +49,10 @@ ORDER = [
     "s3ckpt_load_real",
     "s3ckpt_load_zstd",
 ]
-# Compressed against uncompressed loads is a ratio target with close numbers, and this
-# machine drifts by 10-20 % over minutes: their processes alternate, ROUNDS times each,
-# so that drift falls on both alike.
-ALTERNATING = ("s3ckpt_load_real", "s3ckpt_load_zstd")
+# Compressed against uncompressed saves and loads are ratio targets with close numbers,
+# and this machine drifts by 10-20 % over minutes: each pair's processes take turns,
+# ROUNDS times (round r's loads read round r's saves), so that drift falls on both alike.
+ALTERNATING = (("s3ckpt_save_real", "s3ckpt_save_zstd"), ("s3ckpt_load_real", "s3ckpt_load_zstd"))
 ROUNDS = 2
 # After these cases their objects are no longer needed: delete them to keep the disk small.
 CLEANUP_AFTER = {
@@ -92,14 +92,15 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, **server.env(), "BENCH_BUCKET": server.bucket, "BENCH_PREFIX": f"bench-{int(time.time())}",
                "BENCH_SIZE_MIB": str(args.size_mib), "BENCH_REPS": str(args.reps), "BENCH_TMP": tmp}  # fmt: skip
         schedule = schedule_runs(cases)
-        for index, case in enumerate(schedule):
+        for index, (case, round_) in enumerate(schedule):
             print(
                 f"running {case} ({args.reps} x {args.size_mib} MiB) ...",
                 file=sys.stderr,
                 flush=True,
             )
-            results[case] = merge_runs(results.get(case), _run_case(case, env))
-            if case in CLEANUP_AFTER and case not in schedule[index + 1 :]:
+            run_env = {**env, "BENCH_ROUND": str(round_)}
+            results[case] = merge_runs(results.get(case), _run_case(case, run_env))
+            if case in CLEANUP_AFTER and all(c != case for c, _ in schedule[index + 1 :]):
                 _delete_prefix(server, f"{env['BENCH_PREFIX']}/{CLEANUP_AFTER[case]}/")
     summary = summarize(results)
     report = {
@@ -120,12 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def schedule_runs(cases: list[str]) -> list[str]:
-    """The case processes to run, in order: one per case, the ALTERNATING ones ROUNDS
-    times each, taking turns."""
-    alternating = [c for c in cases if c in ALTERNATING]
-    schedule = [c for c in cases if c not in ALTERNATING]
-    return schedule + alternating * ROUNDS
+def schedule_runs(cases: list[str]) -> list[tuple[str, int]]:
+    """The case processes to run, in order, with their round: one per case, then each
+    ALTERNATING pair's cases ROUNDS times, taking turns."""
+    paired = {c for pair in ALTERNATING for c in pair}
+    schedule = [(c, 0) for c in cases if c not in paired]
+    for pair in ALTERNATING:
+        chosen = [c for c in pair if c in cases]
+        schedule += [(c, r) for r in range(ROUNDS) for c in chosen]
+    return schedule
 
 
 def merge_runs(earlier: dict[str, Any] | None, later: dict[str, Any]) -> dict[str, Any]:

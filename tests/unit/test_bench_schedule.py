@@ -3,15 +3,17 @@
 from benchmarks.run import ALTERNATING, ROUNDS, merge_runs, schedule_runs
 
 
-def test_alternating_cases_take_turns_after_the_others():
-    cases = ["raw_upload", "s3ckpt_save_real", "s3ckpt_save_zstd", *ALTERNATING]
-    schedule = schedule_runs(cases)
-    assert schedule[:3] == cases[:3]
-    assert schedule[3:] == list(ALTERNATING) * ROUNDS
+def test_paired_cases_take_turns_round_by_round_after_the_others():
+    saves, loads = ALTERNATING
+    schedule = schedule_runs(["raw_upload", "s3ckpt_load", *saves, *loads])
+    assert schedule[:2] == [("raw_upload", 0), ("s3ckpt_load", 0)]
+    expected_saves = [(case, r) for r in range(ROUNDS) for case in saves]
+    expected_loads = [(case, r) for r in range(ROUNDS) for case in loads]
+    assert schedule[2:] == expected_saves + expected_loads  # round r's loads read its saves
 
 
-def test_a_lone_alternating_case_still_runs_every_round():
-    assert schedule_runs(["s3ckpt_load_zstd"]) == ["s3ckpt_load_zstd"] * ROUNDS
+def test_a_lone_paired_case_still_runs_every_round():
+    assert schedule_runs(["s3ckpt_load_zstd"]) == [("s3ckpt_load_zstd", r) for r in range(ROUNDS)]
 
 
 def _result(samples, baseline, peak):

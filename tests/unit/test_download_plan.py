@@ -53,12 +53,23 @@ def test_buffer_must_match_the_range():
         ReadTarget("a", 0, 10, memoryview(bytearray(5)), None)
 
 
+PAYLOAD = bytes(range(256)) * 64
+
+
+def _two_targets(a_range, b_range):
+    """Two targets of one object, the ranges given, and the one request that fetches both."""
+    buffers = [bytearray(end - start) for start, end in (a_range, b_range)]
+    targets = [
+        ReadTarget("k", start, end, memoryview(buffer), name)
+        for (start, end), buffer, name in zip((a_range, b_range), buffers, "ab", strict=True)
+    ]
+    (request,) = plan_requests(targets)
+    return buffers, targets, request
+
+
 def test_overlapping_targets_each_receive_their_bytes_through_a_bounce_buffer():
-    payload = bytes(range(256)) * 64
-    buffer_a, buffer_b = bytearray(10_000), bytearray(8_000)
-    a = ReadTarget("k", 0, 10_000, memoryview(buffer_a), "a")
-    b = ReadTarget("k", 8_000, 16_000, memoryview(buffer_b), "b")
-    (request,) = plan_requests([a, b])
+    payload = PAYLOAD
+    (buffer_a, buffer_b), _, request = _two_targets((0, 10_000), (8_000, 16_000))
     done = []
     sink = _Scatter(request, lambda t: done.append(t.token))
     assert sink.bounce is not None
@@ -68,11 +79,8 @@ def test_overlapping_targets_each_receive_their_bytes_through_a_bounce_buffer():
 
 
 def test_disjoint_targets_are_received_in_place_and_gaps_discarded():
-    payload = bytes(range(256)) * 64
-    buffer_a, buffer_b = bytearray(1_000), bytearray(1_000)
-    a = ReadTarget("k", 0, 1_000, memoryview(buffer_a), "a")
-    b = ReadTarget("k", 3_000, 4_000, memoryview(buffer_b), "b")
-    (request,) = plan_requests([a, b])
+    payload = PAYLOAD
+    (buffer_a, buffer_b), (a, b), request = _two_targets((0, 1_000), (3_000, 4_000))
     sink = _Scatter(request, lambda t: None)
     first = sink.buffer(0)
     assert first.obj is a.buffer.obj  # the target's own memory: the socket writes into it

@@ -107,10 +107,27 @@ def verify_blocks(
     """Raise :class:`CorruptCheckpointError` naming ``what`` if any block of ``data`` is wrong."""
     block = first_bad_block(data, expected, block_size, first_block)
     if block is not None:
-        start = (block - first_block) * block_size
-        raise CorruptCheckpointError(
-            f"checksum mismatch in {what} (block {block}, bytes {start}-{min(start + block_size, len(data))} of the read)"
-        )
+        raise mismatch(what, block, first_block, block_size, len(data))
+
+
+def check_block(
+    crc: int, expected: tuple[int, ...], block: int, *, first_block: int, block_size: int,
+    length: int, what: str,
+) -> None:  # fmt: skip
+    """Raise unless ``crc``, computed over block ``block`` of a read of ``length`` bytes
+    starting at block ``first_block``, is the expected one."""
+    if block >= len(expected) or expected[block] != crc:
+        raise mismatch(what, block, first_block, block_size, length)
+
+
+def mismatch(
+    what: str, block: int, first_block: int, block_size: int, length: int
+) -> CorruptCheckpointError:
+    start = (block - first_block) * block_size
+    end = min(start + block_size, length)
+    return CorruptCheckpointError(
+        f"checksum mismatch in {what} (block {block}, bytes {start}-{end} of the read)"
+    )
 
 
 class StreamingCheck:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import zstandard
+from crc32c import crc32c
 
 from s3ckpt import byteplanes
 from s3ckpt.checksums import block_crcs
@@ -99,32 +100,41 @@ def encode(
     data: memoryview, grouping: int, options: Compression, block_size: int = DEFAULT_BLOCK_SIZE
 ) -> Encoded:
     """Compress ``data`` block by block; ``grouping`` is the element size to group by (0: none)."""
-    crcs = block_crcs(data, block_size)
+    if not data:
+        return encode_raw(data, block_size)
     codec = ZSTD_GROUPED if grouping > 1 and options.byte_grouping else ZSTD
     compressor = _compressor(options.level, grouped=codec == ZSTD_GROUPED)
-    frames = [
-        _group_and_compress(data[i : i + block_size], grouping, compressor)
-        if codec == ZSTD_GROUPED
-        else compressor.compress(data[i : i + block_size])
-        for i in range(0, len(data), block_size)
-    ]
+    blocks = [data[i : i + block_size] for i in range(0, len(data), block_size)]
+    if codec == ZSTD_GROUPED:
+        # The split reads each block anyway: it checksums it in the same pass.
+        encoded = [_group_and_compress(block, grouping, compressor) for block in blocks]
+        frames = [frame for frame, _ in encoded]
+        crcs = tuple(crc for _, crc in encoded)
+    else:
+        crcs = block_crcs(data, block_size)
+        frames = [compressor.compress(block) for block in blocks]
     stored = sum(len(f) for f in frames)
-    if not frames or stored > len(data) * (1 - options.min_saving):
+    if stored > len(data) * (1 - options.min_saving):
         return Encoded(data, RAW, len(data), crcs)
     return Encoded(
         memoryview(b"".join(frames)), codec, len(data), crcs, tuple(len(f) for f in frames)
     )
 
 
-def decode_block(frame: memoryview, codec: str, out: memoryview) -> None:
-    """Decode one frame into ``out`` (exactly the block's raw size)."""
+def decode_block(frame: memoryview, codec: str, out: memoryview) -> int:
+    """Decode one frame into ``out`` (exactly the block's raw size); the CRC32C of ``out``.
+
+    The checksum is computed while decoding, so that checking a block against the
+    manifest's CRC32C costs no second pass over its bytes.
+    """
     try:
         if codec == ZSTD:
-            out[:] = _decompressor().decompress(frame, max_output_size=len(out))
-        elif codec == ZSTD_GROUPED:
-            _ungroup(frame, out)
-        else:
-            raise CorruptCheckpointError(f"unknown codec {codec!r}")
+            block = _decompressor().decompress(frame, max_output_size=len(out))
+            out[:] = block
+            return crc32c(block)
+        if codec == ZSTD_GROUPED:
+            return _ungroup(frame, out)
+        raise CorruptCheckpointError(f"unknown codec {codec!r}")
     except (zstandard.ZstdError, ValueError, struct.error) as exc:
         raise CorruptCheckpointError(f"undecodable {codec} frame: {exc}") from exc
 
@@ -195,8 +205,9 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 def _group_and_compress(
     block: memoryview, itemsize: int, compressor: zstandard.ZstdCompressor
-) -> bytes:
-    grouped = byteplanes.split(block, itemsize)
+) -> tuple[bytes, int]:
+    """The frame of a block, and the block's CRC32C."""
+    grouped, crc = byteplanes.split_crc(block, itemsize)
     count = len(block) // itemsize
     header = [struct.pack("<B", itemsize)]
     payloads = []
@@ -205,7 +216,7 @@ def _group_and_compress(
         mode, payload = _compress_plane(plane, compressor)
         header.append(struct.pack("<BI", mode, len(payload)))
         payloads.append(payload)
-    return b"".join(header + payloads)
+    return b"".join(header + payloads), crc
 
 
 def _compress_plane(
@@ -218,7 +229,7 @@ def _compress_plane(
     return (1, packed) if len(packed) < len(view) else (0, view)
 
 
-def _ungroup(frame: memoryview, out: memoryview) -> None:
+def _ungroup(frame: memoryview, out: memoryview) -> int:
     itemsize = frame[0]
     count = len(out) // itemsize
     planes: list[bytes | memoryview] = []
@@ -231,4 +242,4 @@ def _ungroup(frame: memoryview, out: memoryview) -> None:
         if len(plane) != count:
             raise ValueError(f"plane {plane_index} has {len(plane)} bytes, expected {count}")
         planes.append(plane)
-    byteplanes.merge(planes, out)
+    return byteplanes.merge_crc(planes, out)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from s3ckpt.checksums import StreamingCheck, verify_blocks
+from s3ckpt.checksums import StreamingCheck, check_block, verify_blocks
 from s3ckpt.codec import byte_buffer, tensor_from_bytes, tensor_view
 from s3ckpt.compat import LoadItemType, LoadPlanner, ReadItem, narrow
 from s3ckpt.compression import CODECS, RAW, decode_block
@@ -180,21 +180,22 @@ def prepare(request: ReadItem, stored: StoredItem, chunk: tuple[torch.dtype, tor
 
 
 def decode(pending: PendingRead) -> PendingRead:
-    """Decode a compressed item's frames into its raw buffer and verify them (thread-safe)."""
-    stored, raw = pending.stored, pending.raw_view
-    first_block = pending.span[0] // stored.block_size
+    """Decode a compressed item's frames into its raw buffer and verify them (thread-safe).
+
+    Each block is checked against its CRC32C as it is decoded: the decoder computes the
+    checksum in the same pass.
+    """
+    stored, raw, size = pending.stored, pending.raw_view, pending.stored.block_size
+    first_block = pending.span[0] // size
     position = 0
-    for n, start in enumerate(range(0, len(raw), stored.block_size)):
-        size = stored.frames[first_block + n]
-        decode_block(
-            pending.view[position : position + size],
-            stored.codec,
-            raw[start : start + stored.block_size],
-        )
-        position += size
-    verify_blocks(
-        raw, stored.crc32c, block_size=stored.block_size, first_block=first_block, what=pending.what
-    )
+    for n, start in enumerate(range(0, len(raw), size)):
+        block = first_block + n
+        frame = stored.frames[block]
+        crc = decode_block(pending.view[position : position + frame], stored.codec,
+                           raw[start : start + size])  # fmt: skip
+        check_block(crc, stored.crc32c, block, first_block=first_block, block_size=size,
+                    length=len(raw), what=pending.what)  # fmt: skip
+        position += frame
     return pending
 
 

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from s3ckpt.checksums import block_crcs
 from s3ckpt.codec import tensor_view
 from s3ckpt.compression import (
     RAW,
@@ -93,3 +94,20 @@ def test_options_are_validated():
         Compression.parse("lz4")
     with pytest.raises(ConfigError):
         Compression(level=99)
+
+
+@pytest.mark.parametrize("grouping", [0, 2, 4])
+def test_decoding_a_block_returns_its_crc32c(grouping):
+    # A load checks each decoded block against the manifest with this value.
+    dtype = {0: torch.float32, 2: torch.bfloat16, 4: torch.float32}[grouping]
+    data = tensor_view(_weights(3 * BLOCK // dtype.itemsize + 11, dtype))
+    encoded = encode(data, grouping, Compression(), BLOCK)
+    assert encoded.codec == (ZSTD_GROUPED if grouping else ZSTD)
+    assert encoded.crc32c == block_crcs(data, BLOCK)
+    out, position = memoryview(bytearray(len(data))), 0
+    for n, size in enumerate(encoded.frames):
+        block = out[n * BLOCK : (n + 1) * BLOCK]
+        crc = decode_block(encoded.payload[position : position + size], encoded.codec, block)
+        assert crc == encoded.crc32c[n]
+        position += size
+    assert bytes(out) == bytes(data)

@@ -293,87 +293,84 @@ fail:
     return 0;
 }
 
-static PyObject *split(PyObject *self, PyObject *args) {
-    (void)self;
+/* split and split_crc: the planes of data's elements into out; with_crc also returns the
+ * CRC32C of data continuing the given value. */
+static PyObject *split_call(PyObject *args, int with_crc) {
     Py_buffer data, out;
     Py_ssize_t itemsize;
-    if (!PyArg_ParseTuple(args, "y*nw*", &data, &itemsize, &out)) return NULL;
+    unsigned int crc = 0;
+    int parsed = with_crc ? PyArg_ParseTuple(args, "y*nw*I", &data, &itemsize, &out, &crc)
+                          : PyArg_ParseTuple(args, "y*nw*", &data, &itemsize, &out);
+    if (!parsed) return NULL;
     PyObject *result = NULL;
     if (split_args_ok(&data, itemsize, &out)) {
         const uint8_t *src = data.buf;
         uint8_t *dst = out.buf;
         Py_ssize_t n = data.len / itemsize;
+        uint32_t value = crc;
         Py_BEGIN_ALLOW_THREADS
-        split_any(src, dst, 0, n, n, itemsize);
+#ifdef HAVE_CRC32C
+        if (with_crc)
+            value = split_with_crc(src, dst, n, itemsize, crc);
+        else
+#endif
+            split_any(src, dst, 0, n, n, itemsize);
         Py_END_ALLOW_THREADS
-        result = Py_NewRef(Py_None);
+        result = with_crc ? PyLong_FromUnsignedLong(value) : Py_NewRef(Py_None);
     }
     PyBuffer_Release(&data);
     PyBuffer_Release(&out);
     return result;
 }
 
-static PyObject *merge(PyObject *self, PyObject *args) {
-    (void)self;
+/* merge and merge_crc: the elements whose byte p comes from planes[p] into out; with_crc
+ * also returns the CRC32C of the merged bytes continuing the given value. */
+static PyObject *merge_call(PyObject *args, int with_crc) {
     PyObject *sequence;
     Py_buffer out;
+    unsigned int crc = 0;
     Planes planes;
-    if (!PyArg_ParseTuple(args, "Ow*", &sequence, &out)) return NULL;
+    int parsed = with_crc ? PyArg_ParseTuple(args, "Ow*I", &sequence, &out, &crc)
+                          : PyArg_ParseTuple(args, "Ow*", &sequence, &out);
+    if (!parsed) return NULL;
     PyObject *result = NULL;
     if (planes_acquire(&planes, sequence, &out)) {
         uint8_t *dst = out.buf;
+        uint32_t value = crc;
         Py_BEGIN_ALLOW_THREADS
-        merge_any(planes.planes, dst, 0, planes.n, planes.itemsize);
+#ifdef HAVE_CRC32C
+        if (with_crc)
+            value = merge_with_crc(planes.planes, dst, planes.n, planes.itemsize, crc);
+        else
+#endif
+            merge_any(planes.planes, dst, 0, planes.n, planes.itemsize);
         Py_END_ALLOW_THREADS
         planes_release(&planes);
-        result = Py_NewRef(Py_None);
+        result = with_crc ? PyLong_FromUnsignedLong(value) : Py_NewRef(Py_None);
     }
     PyBuffer_Release(&out);
     return result;
+}
+
+static PyObject *split(PyObject *self, PyObject *args) {
+    (void)self;
+    return split_call(args, 0);
+}
+
+static PyObject *merge(PyObject *self, PyObject *args) {
+    (void)self;
+    return merge_call(args, 0);
 }
 
 #ifdef HAVE_CRC32C
 static PyObject *split_crc(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer data, out;
-    Py_ssize_t itemsize;
-    unsigned int crc;
-    if (!PyArg_ParseTuple(args, "y*nw*I", &data, &itemsize, &out, &crc)) return NULL;
-    PyObject *result = NULL;
-    if (split_args_ok(&data, itemsize, &out)) {
-        const uint8_t *src = data.buf;
-        uint8_t *dst = out.buf;
-        Py_ssize_t n = data.len / itemsize;
-        uint32_t value;
-        Py_BEGIN_ALLOW_THREADS
-        value = split_with_crc(src, dst, n, itemsize, crc);
-        Py_END_ALLOW_THREADS
-        result = PyLong_FromUnsignedLong(value);
-    }
-    PyBuffer_Release(&data);
-    PyBuffer_Release(&out);
-    return result;
+    return split_call(args, 1);
 }
 
 static PyObject *merge_crc(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *sequence;
-    Py_buffer out;
-    unsigned int crc;
-    Planes planes;
-    if (!PyArg_ParseTuple(args, "Ow*I", &sequence, &out, &crc)) return NULL;
-    PyObject *result = NULL;
-    if (planes_acquire(&planes, sequence, &out)) {
-        uint8_t *dst = out.buf;
-        uint32_t value;
-        Py_BEGIN_ALLOW_THREADS
-        value = merge_with_crc(planes.planes, dst, planes.n, planes.itemsize, crc);
-        Py_END_ALLOW_THREADS
-        planes_release(&planes);
-        result = PyLong_FromUnsignedLong(value);
-    }
-    PyBuffer_Release(&out);
-    return result;
+    return merge_call(args, 1);
 }
 #endif
 

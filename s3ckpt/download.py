@@ -14,6 +14,12 @@ in order, and its CRC32C is computed on the loop right after each receive, while
 bytes are still in cache. As soon as a target's last byte arrives its token is handed to the
 calling thread, which finishes it (copies into non-contiguous or GPU destinations,
 ``planner.load_bytes``) while the loop keeps downloading.
+
+Targets whose memory is allocated lazily (compressed frames, received into buffers of
+their own and then decoded) can be held to a byte budget: a request that starts such
+targets waits until the caller has released enough of the earlier ones
+(:meth:`RangeReader.release`). Fresh memory is expensive to touch for the first time,
+and without the bound the download would run ahead of the decoders, filling new buffers.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import queue
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -117,11 +124,20 @@ def _cuts(
 
 
 def _block_boundary(cut: int, floor: int, members: list[ReadTarget], starts: list[int]) -> int:
-    """``cut`` moved back (or, if that reaches ``floor``, forward) to a block boundary."""
+    """``cut`` moved back (or, if that reaches ``floor``, forward) to a block boundary.
+
+    A lazily allocated target is not split at all unless it is larger than a request: the
+    cut moves back to its start, so that a request starting it never also carries the
+    rest of one started earlier (which the download's budget could not hold back).
+    """
     index = bisect.bisect_right(starts, cut) - 1
-    if index < 0 or members[index].end <= cut or members[index].check is None:
+    if index < 0 or members[index].end <= cut:
         return cut
     target = members[index]
+    if target.allocate is not None and target.start > floor:
+        return target.start
+    if target.check is None:
+        return cut
     block = target.check.block_size
     back = target.start + (cut - target.start) // block * block
     if back > floor:
@@ -235,15 +251,67 @@ def _overlapping(targets: list[ReadTarget]) -> bool:
     return False
 
 
+class _Admission:
+    """A byte budget on the loop, first come first served.
+
+    :meth:`enter` waits while admitting ``nbytes`` would exceed the limit (anything is
+    admitted into an empty budget, so one large target cannot wait forever).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    async def enter(self, nbytes: int, *, wait: bool = True) -> None:
+        if not wait or (not self._waiting and self._fits(nbytes)):
+            self.used += nbytes
+            return
+        admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append((nbytes, admitted))
+        await admitted
+
+    def leave(self, nbytes: int) -> None:
+        self.used -= nbytes
+        while self._waiting:
+            nbytes, admitted = self._waiting[0]
+            if not admitted.cancelled():
+                if not self._fits(nbytes):
+                    return
+                self.used += nbytes
+                admitted.set_result(None)
+            self._waiting.popleft()
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.used == 0 or self.used + nbytes <= self.limit
+
+
 _FINISHED = object()
 
 
 class RangeReader:
-    """Fetches targets with parallel ranged GETs; yields their tokens as each completes."""
+    """Fetches targets with parallel ranged GETs; yields their tokens as each completes.
 
-    def __init__(self, store: ObjectStore, *, max_request_size: int = DEFAULT_REQUEST_SIZE) -> None:
+    ``lazy_budget``: bytes of lazily allocated targets (``allocate`` given, no buffer)
+    admitted at once; the caller gives each one back with :meth:`release` once it is done
+    with its memory. ``None``: no bound.
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        *,
+        max_request_size: int = DEFAULT_REQUEST_SIZE,
+        lazy_budget: int | None = None,
+    ) -> None:
         self.store = store
         self.max_request_size = max_request_size
+        self._admission = _Admission(lazy_budget) if lazy_budget else None
+
+    def release(self, nbytes: int) -> None:
+        """Give back a lazily allocated target of ``nbytes`` (from any thread)."""
+        if self._admission is not None:
+            io_loop().loop.call_soon_threadsafe(self._admission.leave, nbytes)
 
     def fetch(self, targets: list[ReadTarget]) -> Iterator[object]:
         """Yield each target's token once all its bytes have arrived (in arrival order).
@@ -266,13 +334,23 @@ class RangeReader:
             future.cancel()
 
     async def _run(self, requests: list[RangeRequest], done: Callable[[ReadTarget], None]) -> None:
-        tasks = [
-            asyncio.ensure_future(self.store.read_range(r.key, r.start, r.end, _Scatter(r, done)))
-            for r in requests
-        ]
+        tasks = [asyncio.ensure_future(self._request(r, done)) for r in requests]
         try:
             await asyncio.gather(*tasks)
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _request(self, request: RangeRequest, done: Callable[[ReadTarget], None]) -> None:
+        if self._admission is not None:
+            lazy = [t for t in request.targets if t.allocate is not None]
+            starting = sum(t.end - t.start for t in lazy if t.start >= request.start)
+            # A request that carries the rest of a target admitted earlier never waits:
+            # that target's release depends on it.
+            continuing = any(t.start < request.start for t in lazy)
+            if starting:
+                await self._admission.enter(starting, wait=not continuing)
+        await self.store.read_range(
+            request.key, request.start, request.end, _Scatter(request, done)
+        )

@@ -63,6 +63,8 @@ from s3ckpt.restore import (
 from s3ckpt.store import ObjectStore
 
 INLINE_DECODE_BYTES = 64 * 1024
+# Compressed frames received but not yet decoded, at most (see download.RangeReader).
+FRAMES_BUDGET = 64 * 1024 * 1024
 
 
 class S3StorageReader(S3Location, StorageReader):
@@ -161,6 +163,12 @@ class S3StorageReader(S3Location, StorageReader):
     def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         location = self._require_location()
         pending = [self._prepare(request, planner) for request in plan.items]
+        store = ObjectStore(self.config, location.bucket).with_deadline(self.config.deadline_s)
+        ranges = RangeReader(
+            store,
+            max_request_size=self.request_size,
+            lazy_budget=max(FRAMES_BUDGET, 4 * self.request_size),
+        )
         frames = FramePool()
         targets = [
             ReadTarget(
@@ -170,40 +178,39 @@ class S3StorageReader(S3Location, StorageReader):
                 None if p.compressed else p.view,
                 p,
                 p.check,
-                functools.partial(p.frames_buffer, frames) if p.compressed else None,
+                functools.partial(p.frames_buffer, frames, ranges.release)
+                if p.compressed
+                else None,
             )
             for p in pending
         ]
-        store = ObjectStore(self.config, location.bucket).with_deadline(self.config.deadline_s)
-        fetched = RangeReader(store, max_request_size=self.request_size).fetch(targets)
         decoded: queue.SimpleQueue[ThreadFuture[PendingRead]] = queue.SimpleQueue()
         submitted: list[ThreadFuture[PendingRead]] = []
         pool = decode_pool(self.decode_threads)
         committed = 0
         try:
-            for token in fetched:
+            for token in ranges.fetch(targets):
                 item: PendingRead = token  # type: ignore[assignment]
                 if item.compressed and len(item.view) > INLINE_DECODE_BYTES:
                     submitted.append(pool.submit(decode, item))
                     submitted[-1].add_done_callback(decoded.put)
                 elif item.compressed:  # small: handing it to a worker costs more than decoding
-                    commit(decode(item), planner, trust_pickles=self.trust_pickles)
+                    self._commit(decode(item), planner)
                 else:
                     verify_streamed(item)
-                    commit(item, planner, trust_pickles=self.trust_pickles)
+                    self._commit(item, planner)
                 while not decoded.empty():
-                    self._commit(decoded.get(), planner)
+                    self._commit(decoded.get().result(), planner)
                     committed += 1
             for _ in range(len(submitted) - committed):
-                self._commit(decoded.get(), planner)
+                self._commit(decoded.get().result(), planner)
         finally:
             for waiting in submitted:
                 waiting.cancel()
             futures_wait(submitted)  # no worker may write into a destination after this returns
 
-    def _commit(self, decoded: ThreadFuture[PendingRead], planner: LoadPlanner) -> None:
-        """Commit an item a worker has decoded (raises what the worker raised)."""
-        commit(decoded.result(), planner, trust_pickles=self.trust_pickles)
+    def _commit(self, item: PendingRead, planner: LoadPlanner) -> None:
+        commit(item, planner, trust_pickles=self.trust_pickles)
 
     # -- helpers ---------------------------------------------------------------------------
 

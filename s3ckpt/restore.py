@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -60,6 +61,7 @@ class PendingRead:
     check: StreamingCheck | None = field(init=False)
     pool: FramePool | None = field(init=False, default=None)
     frames: np.ndarray | None = field(init=False, default=None)  # compressed: from the pool
+    returned: Callable[[int], None] = field(init=False, repr=False)  # see frames_buffer
 
     def __post_init__(self) -> None:
         if self.stored.codec not in CODECS:
@@ -81,25 +83,37 @@ class PendingRead:
     def compressed(self) -> bool:
         return self.stored.codec != RAW
 
-    def frames_buffer(self, pool: FramePool) -> memoryview:
-        """Memory for a compressed item's frames, from ``pool`` (called as bytes arrive)."""
+    def frames_buffer(self, pool: FramePool, returned: Callable[[int], None]) -> memoryview:
+        """Memory for a compressed item's frames, from ``pool`` (called as bytes arrive).
+
+        ``returned(size)`` is called once the frames are decoded and their memory is back
+        in the pool (the download's budget for frames awaiting decoding).
+        """
         size = self.stored_span[1] - self.stored_span[0]
         self.frames = pool.take(size)
         self.pool = pool
+        self.returned = returned
         self.view = memoryview(self.frames)[:size]
         return self.view
 
-    def release(self) -> None:
-        """Drop the buffers once committed, so a load holds only the items in flight."""
+    def release_frames(self) -> None:
+        """Give a compressed item's frame memory back, as soon as it is decoded."""
         if self.pool is not None and self.frames is not None:
             self.pool.give(self.frames)
-        self.raw = _EMPTY
-        self.raw_view = self.view = memoryview(b"")
+            self.returned(len(self.view))
+        self.view = memoryview(b"")
         self.pool = self.frames = None
+
+    def release(self) -> None:
+        """Drop the buffers once committed, so a load holds only the items in flight."""
+        self.release_frames()
+        self.raw = _EMPTY
+        self.raw_view = memoryview(b"")
 
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 MiB = 1024 * 1024
+_POOLED = 64 * 1024  # smaller frames are neither rounded up nor kept
 
 
 class FramePool:
@@ -109,7 +123,9 @@ class FramePool:
     page, which on a VM costs more than the copy itself; reusing the buffers of frames
     already decoded avoids that and bounds the memory a compressed load holds. Buffers are
     kept by size class (steps of an eighth of a power of two), so frames of similar size
-    share them; frames under 1 MiB come from the allocator's heap as they are.
+    share them; frames under 64 KiB come from the allocator's heap as they are. With the
+    download's budget for frames awaiting decoding, a load touches about that budget's
+    worth of receive memory, however large the checkpoint.
     """
 
     def __init__(self, max_bytes: int = 256 * MiB) -> None:
@@ -136,7 +152,7 @@ class FramePool:
     def give(self, buffer: np.ndarray) -> None:
         """Return a buffer from :meth:`take` (kept while the pool is under its bound)."""
         size = buffer.nbytes
-        if size < MiB:
+        if size < _POOLED:
             return
         with self._lock:
             if self._held + size <= self.max_bytes:
@@ -145,7 +161,7 @@ class FramePool:
 
 
 def _size_class(nbytes: int) -> int:
-    if nbytes < MiB:
+    if nbytes < _POOLED:
         return nbytes
     step = 1 << (nbytes.bit_length() - 4)
     return -(-nbytes // step) * step
@@ -183,19 +199,23 @@ def decode(pending: PendingRead) -> PendingRead:
     """Decode a compressed item's frames into its raw buffer and verify them (thread-safe).
 
     Each block is checked against its CRC32C as it is decoded: the decoder computes the
-    checksum in the same pass.
+    checksum in the same pass. The frame memory goes back as soon as decoding ends, even
+    when it fails: downloads waiting for the frames budget depend on it.
     """
     stored, raw, size = pending.stored, pending.raw_view, pending.stored.block_size
     first_block = pending.span[0] // size
     position = 0
-    for n, start in enumerate(range(0, len(raw), size)):
-        block = first_block + n
-        frame = stored.frames[block]
-        crc = decode_block(pending.view[position : position + frame], stored.codec,
-                           raw[start : start + size])  # fmt: skip
-        check_block(crc, stored.crc32c, block, first_block=first_block, block_size=size,
-                    length=len(raw), what=pending.what)  # fmt: skip
-        position += frame
+    try:
+        for n, start in enumerate(range(0, len(raw), size)):
+            block = first_block + n
+            frame = stored.frames[block]
+            crc = decode_block(pending.view[position : position + frame], stored.codec,
+                               raw[start : start + size])  # fmt: skip
+            check_block(crc, stored.crc32c, block, first_block=first_block, block_size=size,
+                        length=len(raw), what=pending.what)  # fmt: skip
+            position += frame
+    finally:
+        pending.release_frames()
     return pending
 
 

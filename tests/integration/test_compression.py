@@ -153,3 +153,63 @@ def test_a_row_range_is_fetched_and_decoded_alone(s3_prefix, make_writer, make_r
         planner=_RowsPlanner(2500, 3500, target),
     )
     assert torch.equal(target, full[2500:3500])
+
+
+def _many_items() -> dict:
+    """Many compressed items, one larger than the tight budget below, raw ones between."""
+    state = {f"w{i:02d}": _weights(128, 1024, dtype=torch.bfloat16, seed=i) for i in range(40)}
+    state["big"] = _weights(2048, 1024, dtype=torch.bfloat16, seed=99)  # 4 MiB
+    state["noise"] = torch.randint(0, 256, (200_000,), dtype=torch.uint8)  # stored raw
+    return state
+
+
+@pytest.fixture
+def tight_frames_budget(monkeypatch):
+    """A 1 MiB budget for frames awaiting decoding (4 requests of 256 KiB), and its peak."""
+    from s3ckpt import download, reader
+
+    monkeypatch.setattr(reader, "FRAMES_BUDGET", 0)
+    peak = [0]
+    enter = download._Admission.enter
+
+    async def tracked(self, nbytes, *, wait=True):
+        await enter(self, nbytes, wait=wait)
+        peak[0] = max(peak[0], self.used)
+
+    monkeypatch.setattr(download._Admission, "enter", tracked)
+    return peak
+
+
+@pytest.mark.timeout(120)
+def test_a_load_under_a_tight_frames_budget_round_trips(
+    s3_prefix, make_writer, make_reader, tight_frames_budget
+):
+    state = _many_items()
+    dcp.save(state, storage_writer=make_writer(s3_prefix, compression="zstd"))
+    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(loaded, storage_reader=make_reader(s3_prefix, request_size=256 * 1024))
+    for key, tensor in state.items():
+        assert torch.equal(loaded[key], tensor), key
+    # Bounded: the budget, plus the one item larger than it, admitted alone.
+    assert 0 < tight_frames_budget[0] <= 1 * MiB + 4 * MiB
+
+
+@pytest.mark.timeout(120)
+def test_a_damaged_item_fails_a_load_under_a_tight_frames_budget(
+    local_s3, s3_prefix, make_writer, make_reader, tight_frames_budget
+):
+    # The frames of a failed decode still go back, so the downloads waiting for the
+    # budget finish and the load reports the damage instead of waiting forever.
+    state = _many_items()
+    dcp.save(state, storage_writer=make_writer(s3_prefix, compression="zstd"))
+    item = next(i for i in _manifest(local_s3, s3_prefix).items if i.codec != "raw")
+    location = S3URI.parse(s3_prefix)
+    client = local_s3.client()
+    key = location.key(item.key)
+    body = bytearray(client.get_object(Bucket=location.bucket, Key=key)["Body"].read())
+    body[item.offset + item.length // 2] ^= 0x01
+    client.put_object(Bucket=location.bucket, Key=key, Body=bytes(body))
+    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+    with pytest.raises(BaseException) as info:
+        dcp.load(loaded, storage_reader=make_reader(s3_prefix, request_size=256 * 1024))
+    assert isinstance(unwrap(info.value), CorruptCheckpointError)

@@ -1,6 +1,8 @@
+import asyncio
+
 import pytest
 
-from s3ckpt.download import ReadTarget, _Scatter, plan_requests
+from s3ckpt.download import ReadTarget, _Admission, _Scatter, plan_requests
 from s3ckpt.http_response import copy_into
 
 
@@ -108,3 +110,72 @@ def test_a_lazily_allocated_target_takes_its_memory_when_bytes_arrive():
 def test_a_target_needs_a_buffer_or_an_allocator():
     with pytest.raises(ValueError):
         ReadTarget("k", 0, 10, None, "t")
+
+
+def _lazy(key, start, end):
+    return ReadTarget(key, start, end, None, (key, start), allocate=lambda: None)
+
+
+def test_lazily_allocated_targets_are_not_split_unless_larger_than_a_request():
+    targets = [_lazy("a", 0, 40), _lazy("a", 40, 90), _lazy("a", 90, 300), _lazy("a", 300, 310)]
+    requests = plan_requests(targets, max_request_size=64, max_gap=0)
+    assert [(r.start, r.end) for r in requests] == [
+        (0, 40),  # 64 falls inside [40, 90): the cut moves back to its start
+        (40, 90),  # 104 falls inside [90, 300), which starts after 40: back to 90
+        (90, 154),  # [90, 300) is larger than a request: cut inside it
+        (154, 218),
+        (218, 282),
+        (282, 310),
+    ]
+
+
+class TestAdmission:
+    """download._Admission: the byte budget for lazily allocated targets."""
+
+    @staticmethod
+    def _run(coro):
+        return asyncio.run(coro)
+
+    def test_waits_for_room_and_admits_in_order(self):
+        async def scenario():
+            budget = _Admission(100)
+            await budget.enter(60)
+            order = []
+
+            async def enter(name, nbytes):
+                await budget.enter(nbytes)
+                order.append(name)
+
+            first = asyncio.ensure_future(enter("first", 50))
+            second = asyncio.ensure_future(enter("second", 10))  # fits, but waits its turn
+            await asyncio.sleep(0)
+            assert order == [] and budget.used == 60
+            budget.leave(60)
+            await asyncio.gather(first, second)
+            assert order == ["first", "second"] and budget.used == 60
+
+        self._run(scenario())
+
+    def test_anything_enters_an_empty_budget_and_forced_entries_never_wait(self):
+        async def scenario():
+            budget = _Admission(100)
+            await budget.enter(500)  # larger than the budget, admitted alone
+            await budget.enter(30, wait=False)  # a request continuing an admitted target
+            assert budget.used == 530
+
+        self._run(scenario())
+
+    def test_a_cancelled_waiter_is_skipped(self):
+        async def scenario():
+            budget = _Admission(100)
+            await budget.enter(100)
+            gone = asyncio.ensure_future(budget.enter(80))
+            kept = asyncio.ensure_future(budget.enter(20))
+            await asyncio.sleep(0)
+            gone.cancel()
+            await asyncio.sleep(0)
+            budget.leave(100)
+            await kept
+            assert budget.used == 20
+
+        self._run(scenario())

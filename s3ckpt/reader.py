@@ -65,6 +65,7 @@ from s3ckpt.store import ObjectStore
 INLINE_DECODE_BYTES = 64 * 1024
 # Compressed frames received but not yet decoded, at most (see download.RangeReader).
 FRAMES_BUDGET = 64 * 1024 * 1024
+_OVERWRITES_FOLLOWED = 3  # newer commits a metadata read follows before giving up
 
 
 class S3StorageReader(S3Location, StorageReader):
@@ -215,21 +216,38 @@ class S3StorageReader(S3Location, StorageReader):
     # -- helpers ---------------------------------------------------------------------------
 
     async def _fetch_metadata(self, location: S3URI) -> tuple[Manifest, bytes]:
+        """The committed manifest and the metadata object it names.
+
+        An overwrite commits a new manifest and then deletes the old save's objects, so a
+        metadata object that vanished after its manifest was read means a newer commit:
+        the newer checkpoint is read instead. Only a manifest that still names a missing
+        object is a damaged checkpoint.
+        """
         store = ObjectStore(self.config, location.bucket).with_deadline(self.config.deadline_s)
+        manifest = await self._read_manifest(store, location)
+        for _ in range(_OVERWRITES_FOLLOWED):
+            try:
+                return manifest, await store.get(location.key(manifest.metadata_key))
+            except FileNotFoundError as exc:
+                latest = await self._read_manifest(store, location)
+                if latest.save_id == manifest.save_id:
+                    raise CorruptCheckpointError(
+                        f"{location} is committed but its metadata object is missing"
+                    ) from exc
+                manifest = latest
+        raise CorruptCheckpointError(
+            f"{location} was overwritten {_OVERWRITES_FOLLOWED} times while its metadata was read"
+        )
+
+    @staticmethod
+    async def _read_manifest(store: ObjectStore, location: S3URI) -> Manifest:
         try:
-            manifest = await read_manifest(store, location)
+            return await read_manifest(store, location)
         except FileNotFoundError as exc:
             await store.head_bucket()  # a missing bucket deserves its own error
             raise CheckpointNotFoundError(
                 f"no committed checkpoint at {location} (no manifest)"
             ) from exc
-        try:
-            body = await store.get(location.key(manifest.metadata_key))
-        except FileNotFoundError as exc:
-            raise CorruptCheckpointError(
-                f"{location} is committed but its metadata object is missing"
-            ) from exc
-        return manifest, body
 
     def _prepare(self, request: ReadItem, planner: LoadPlanner) -> PendingRead:
         stored = self.storage_data[request.storage_index]

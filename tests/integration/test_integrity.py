@@ -90,6 +90,41 @@ def test_tampered_metadata_is_refused(local_s3, s3_prefix, make_writer, make_rea
         make_reader(s3_prefix).read_metadata()
 
 
+def test_a_missing_metadata_object_is_a_damaged_checkpoint(
+    local_s3, s3_prefix, make_writer, make_reader
+):
+    dcp.save({"a": torch.ones(3)}, storage_writer=make_writer(s3_prefix))
+    manifest = _manifest(local_s3, s3_prefix)
+    location = S3URI.parse(s3_prefix)
+    local_s3.client().delete_object(Bucket=location.bucket, Key=location.key(manifest.metadata_key))
+    with pytest.raises(CorruptCheckpointError, match="metadata object is missing"):
+        make_reader(s3_prefix).read_metadata()
+
+
+def test_a_load_racing_an_overwrite_reads_the_newer_checkpoint(
+    local_s3, s3_prefix, make_writer, make_reader, monkeypatch
+):
+    # The reader reads the old manifest; the overwrite then commits and deletes the old
+    # save's metadata before the reader fetches it: the reader follows the new commit.
+    from s3ckpt import reader as reader_module
+
+    dcp.save({"a": torch.full((10,), 1.0)}, storage_writer=make_writer(s3_prefix))
+    old = _manifest(local_s3, s3_prefix)
+    dcp.save({"a": torch.full((10,), 2.0)}, storage_writer=make_writer(s3_prefix, overwrite=True))
+    real = reader_module.read_manifest
+    calls = []
+
+    async def stale_first(store, location):
+        calls.append(location)
+        return old if len(calls) == 1 else await real(store, location)
+
+    monkeypatch.setattr(reader_module, "read_manifest", stale_first)
+    restored = {"a": torch.zeros(10)}
+    dcp.load(restored, storage_reader=make_reader(s3_prefix))
+    assert torch.equal(restored["a"], torch.full((10,), 2.0))
+    assert len(calls) == 2
+
+
 def test_a_truncated_object_fails_the_load(local_s3, s3_prefix, make_writer, make_reader):
     dcp.save({"a": torch.arange(4096.0)}, storage_writer=make_writer(s3_prefix))
     manifest = _manifest(local_s3, s3_prefix)

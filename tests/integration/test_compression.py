@@ -54,6 +54,16 @@ def _manifest(local_s3, uri: str) -> Manifest:
     return Manifest.from_json(body, uri)
 
 
+def _flip_a_bit_in(local_s3, uri: str, item) -> None:
+    """Damage the stored bytes of ``item`` (a manifest item) in the middle."""
+    location = S3URI.parse(uri)
+    client = local_s3.client()
+    key = location.key(item.key)
+    body = bytearray(client.get_object(Bucket=location.bucket, Key=key)["Body"].read())
+    body[item.offset + item.length // 2] ^= 0x01
+    client.put_object(Bucket=location.bucket, Key=key, Body=bytes(body))
+
+
 def _zeros(state: dict) -> dict:
     return {
         k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else dict.fromkeys(v)
@@ -108,12 +118,7 @@ def test_a_damaged_compressed_item_fails_the_load(local_s3, s3_prefix, make_writ
     state = {"w": _weights(2 * MiB)}
     dcp.save(state, storage_writer=make_writer(s3_prefix, compression="zstd"))
     item = _manifest(local_s3, s3_prefix).items[0]
-    location = S3URI.parse(s3_prefix)
-    client = local_s3.client()
-    key = location.key(item.key)
-    body = bytearray(client.get_object(Bucket=location.bucket, Key=key)["Body"].read())
-    body[item.offset + item.length // 2] ^= 0x01
-    client.put_object(Bucket=location.bucket, Key=key, Body=bytes(body))
+    _flip_a_bit_in(local_s3, s3_prefix, item)
     with pytest.raises(BaseException) as info:
         dcp.load({"w": torch.zeros(2 * MiB)}, storage_reader=make_reader(s3_prefix))
     assert isinstance(unwrap(info.value), CorruptCheckpointError)
@@ -203,12 +208,7 @@ def test_a_damaged_item_fails_a_load_under_a_tight_frames_budget(
     state = _many_items()
     dcp.save(state, storage_writer=make_writer(s3_prefix, compression="zstd"))
     item = next(i for i in _manifest(local_s3, s3_prefix).items if i.codec != "raw")
-    location = S3URI.parse(s3_prefix)
-    client = local_s3.client()
-    key = location.key(item.key)
-    body = bytearray(client.get_object(Bucket=location.bucket, Key=key)["Body"].read())
-    body[item.offset + item.length // 2] ^= 0x01
-    client.put_object(Bucket=location.bucket, Key=key, Body=bytes(body))
+    _flip_a_bit_in(local_s3, s3_prefix, item)
     loaded = {k: torch.zeros_like(v) for k, v in state.items()}
     with pytest.raises(BaseException) as info:
         dcp.load(loaded, storage_reader=make_reader(s3_prefix, request_size=256 * 1024))

@@ -6,6 +6,7 @@ Data flow of a save, module by module::
       -> writer.S3StorageWriter        DCP adapter (lifecycle documented there)
          -> layout.plan_objects        which object and offset each item gets
          -> codec                      zero-copy tensor bytes, block CRC32Cs
+         -> compression.encode_stream  optional zstd, byte-grouped, in worker threads
          -> upload.RankUploader        parts as tasks on the I/O loop (loop.io_loop)
             -> store.ObjectStore       typed S3 calls; errors mapped in error_mapping
          -> manifest.commit            DCP metadata, then the manifest: the commit
@@ -13,8 +14,11 @@ Data flow of a save, module by module::
 and of a load::
 
     dcp.load -> reader.S3StorageReader -> manifest + dcp_metadata (restricted unpickler)
-             -> download.RangeReader   coalesced parallel ranged GETs into the tensors
-             -> checksums.verify_blocks every byte checked against its CRC32C
+             -> download.RangeReader   coalesced parallel ranged GETs into the tensors,
+                                       each block's CRC32C checked as it streams in
+             -> restore.decode         compressed items: zstd + byteplanes.merge_crc,
+                                       each block checked as it is decoded
+             -> restore.commit         verified items handed to the planner
 """
 
 from typing import TYPE_CHECKING, Any

@@ -6,12 +6,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.s3ckpt-installed
 BENCH_STAMP := $(VENV)/.s3ckpt-bench-installed
 
-.PHONY: install test demo bench lint clean
+.PHONY: install test demo bench lint reliability-report clean
 
 install: $(STAMP)
 
 # torch is installed first and pinned: an unpinned torch would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml setup.py s3ckpt/_byteplanes.c
+$(STAMP): pyproject.toml setup.py s3ckpt/format/_byteplanes.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[test]" "$(TORCH_SPEC)"
@@ -33,9 +33,16 @@ demo: $(STAMP)
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks.run
 
+# ruff, then the import contracts between the subpackages (pyproject.toml, docs/architecture.md).
 lint: $(STAMP)
 	$(BIN)/ruff check s3ckpt tests benchmarks
 	$(BIN)/ruff format --check s3ckpt tests benchmarks
+	$(BIN)/lint-imports
+
+# Runs the fault and crash suites, then renders what they recorded into docs/reliability.md.
+reliability-report: $(STAMP)
+	$(BIN)/python -m pytest -q tests/integration/test_faults.py tests/integration/test_crash.py
+	$(BIN)/python tests/reliability_report.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache s3ckpt/*.so
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache s3ckpt/format/*.so

@@ -1,4 +1,4 @@
-"""Builds the optional C helper ``s3ckpt._byteplanes``; everything else is in pyproject.toml.
+"""Builds the optional C helper ``s3ckpt.format._byteplanes``; everything else is in pyproject.toml.
 
 The extension is optional: without a C compiler the package installs and uses its numpy
 fallback (slower byte grouping for compressed checkpoints, same format).
@@ -13,8 +13,8 @@ _FLAGS = [] if sys.platform == "win32" else ["-O3"]
 setup(
     ext_modules=[
         Extension(
-            "s3ckpt._byteplanes",
-            sources=["s3ckpt/_byteplanes.c"],
+            "s3ckpt.format._byteplanes",
+            sources=["s3ckpt/format/_byteplanes.c"],
             extra_compile_args=_FLAGS,
             optional=True,
         )

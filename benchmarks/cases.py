@@ -74,8 +74,8 @@ def _open_s3ckpt_client(env: Env) -> None:
     """Create s3ckpt's client before timing, as the raw ceilings create theirs: a process
     pays for it once (botocore loads its S3 model), not once per checkpoint."""
     from s3ckpt.config import make_config
-    from s3ckpt.loop import io_loop
-    from s3ckpt.store import ObjectStore
+    from s3ckpt.s3.loop import io_loop
+    from s3ckpt.s3.store import ObjectStore
 
     store = ObjectStore(make_config(None, **_s3ckpt_options(env)), env.bucket)
     io_loop().run(store.head_bucket())

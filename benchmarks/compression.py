@@ -18,9 +18,9 @@ import torch
 import zstandard
 
 from benchmarks.weights import load_minilm
-from s3ckpt.codec import tensor_view
-from s3ckpt.compression import Compression, decode_block, encode
-from s3ckpt.layout import DEFAULT_BLOCK_SIZE
+from s3ckpt.dcp.tensor_bytes import tensor_view
+from s3ckpt.format.compression import Compression, decode_block, encode
+from s3ckpt.format.layout import DEFAULT_BLOCK_SIZE
 
 
 def measure(tensors: list[torch.Tensor], level: int, grouped: bool) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from benchmarks.compression import report as codec_report
 from benchmarks.compression import table as codec_table
 from benchmarks.report import chart, summarize, table, targets
 from benchmarks.weights import minilm_path
-from s3ckpt.local_s3 import LocalS3Server
+from s3ckpt.testing.local_s3 import LocalS3Server
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ORDER = [

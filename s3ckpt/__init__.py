@@ -1,24 +1,37 @@
 """s3ckpt: object-storage checkpoint engine for PyTorch Distributed Checkpoint.
 
+One subpackage per part of the architecture (``docs/architecture.md``)::
+
+    dcp/       the DCP adapters: S3StorageWriter, S3StorageReader (only part knowing DCP)
+    format/    the on-store format: keys, StoredItem, manifest schema, checksums, compression
+    transfer/  bytes to objects and back: parts, upload, download, the commit
+    s3/        the S3 transport on one asyncio loop: store, client, retries, HTTP pieces
+    catalog/   list, show, verify, prune, gc, rm (no torch)
+    cli/       the s3ckpt command over the catalog (no torch)
+    manager/   CheckpointManager for training loops
+    testing/   the embedded S3 server (the engine never imports it)
+
 Data flow of a save, module by module::
 
     dcp.save / dcp.async_save
-      -> writer.S3StorageWriter        DCP adapter (lifecycle documented there)
-         -> layout.plan_objects        which object and offset each item gets
-         -> codec                      zero-copy tensor bytes, block CRC32Cs
-         -> compression.encode_stream  optional zstd, byte-grouped, in worker threads
-         -> upload.RankUploader        parts as tasks on the I/O loop (loop.io_loop)
-            -> store.ObjectStore       typed S3 calls; errors mapped in error_mapping
-         -> manifest.commit            DCP metadata, then the manifest: the commit
+      -> dcp.writer.S3StorageWriter          lifecycle documented there
+         -> dcp.tensor_bytes                 zero-copy tensor bytes
+         -> format.checksums.block_crcs,     block CRC32Cs, or optional zstd (byte-grouped)
+            or format.compression.encode_stream   in worker threads
+         -> transfer.upload.RankUploader     packs items into objects (format.layout keys);
+                                             parts (transfer.parts) as tasks on s3.loop
+            -> s3.store.ObjectStore          typed S3 calls; errors mapped in s3.error_mapping
+         -> transfer.commit.commit_manifest  DCP metadata, then the manifest: the commit
 
 and of a load::
 
-    dcp.load -> reader.S3StorageReader -> manifest + dcp_metadata (restricted unpickler)
-             -> download.RangeReader   coalesced parallel ranged GETs into the tensors,
-                                       each block's CRC32C checked as it streams in
-             -> restore.decode         compressed items: zstd + byteplanes.merge_crc,
-                                       each block checked as it is decoded
-             -> restore.commit         verified items handed to the planner
+    dcp.load -> dcp.reader.S3StorageReader   manifest (transfer.commit.read_manifest) and
+                                             DCP metadata (dcp.metadata_pickle, restricted)
+             -> transfer.download.RangeReader  coalesced parallel ranged GETs into the
+                                             tensors, each block's CRC32C checked in flight
+             -> dcp.restore.decode           compressed items: zstd + byteplanes.merge_crc,
+                                             each block checked as it is decoded
+             -> dcp.restore.hand_to_planner  verified items handed to DCP's planner
 """
 
 from typing import TYPE_CHECKING, Any
@@ -46,19 +59,18 @@ from s3ckpt.errors import (
 )
 
 if TYPE_CHECKING:
-    from s3ckpt.compat import unwrap
-    from s3ckpt.manager import CheckpointManager
-    from s3ckpt.manager_policy import SaveMetrics
-    from s3ckpt.reader import S3StorageReader
-    from s3ckpt.writer import S3StorageWriter
+    from s3ckpt.dcp.compat import unwrap
+    from s3ckpt.dcp.reader import S3StorageReader
+    from s3ckpt.dcp.writer import S3StorageWriter
+    from s3ckpt.manager import CheckpointManager, SaveMetrics
 
 # The DCP adapters import torch (seconds); the CLI and catalog do not need it.
 _LAZY = {
     "CheckpointManager": "s3ckpt.manager",
-    "S3StorageReader": "s3ckpt.reader",
-    "S3StorageWriter": "s3ckpt.writer",
-    "SaveMetrics": "s3ckpt.manager_policy",
-    "unwrap": "s3ckpt.compat",
+    "S3StorageReader": "s3ckpt.dcp.reader",
+    "S3StorageWriter": "s3ckpt.dcp.writer",
+    "SaveMetrics": "s3ckpt.manager",
+    "unwrap": "s3ckpt.dcp.compat",
 }
 
 

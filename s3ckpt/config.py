@@ -55,10 +55,10 @@ class S3Config:
         connect_timeout, read_timeout: seconds; a connection that stalls for longer than
             ``read_timeout`` counts as failed and is retried.
         direct_reads: receive ranged GETs of checkpoint data with s3ckpt's own HTTP/1.1
-            reader, straight into the destination memory (:mod:`s3ckpt.http_range`);
+            reader, straight into the destination memory (:mod:`s3ckpt.s3.http_range`);
             ``False`` sends them through aiobotocore like every other request. Endpoints
             behind an HTTP proxy always use aiobotocore.
-    Retries (:mod:`s3ckpt.retry`):
+    Retries (:mod:`s3ckpt.s3.retry`):
         max_attempts: tries per request for failures a retry can fix (throttling, 5xx,
             dropped connections, timeouts), with exponential backoff and full jitter;
             anything else fails at the first try.

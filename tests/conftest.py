@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from s3ckpt.local_s3 import LocalS3Server
+from s3ckpt.testing.local_s3 import LocalS3Server
 
 
 @pytest.fixture(scope="session")

@@ -2,10 +2,10 @@
 
 ``tests/integration/test_faults.py`` and ``test_crash.py`` count what they injected and
 what came back, and :func:`record` stores each suite's rows in ``tests/.reliability/
-results.json`` (not committed). :func:`update_doc` renders them as a markdown table between
-the ``fault-matrix`` markers of the document, so the numbers there are always ones a run
-produced, never typed by hand. The suites call it when they finish; to re-render from the
-last recorded run: ``python -m tests.reliability_report``.
+results.json`` (ignored by git: a test run never rewrites a tracked file). :func:`update_doc`
+renders them as a markdown table between the ``fault-matrix`` markers of the document, so
+the numbers there are always ones a run produced, never typed by hand.
+``make reliability-report`` runs both suites and then this module.
 """
 
 from __future__ import annotations
@@ -117,4 +117,4 @@ def update_doc(doc: Path = DOC, results: Path = RESULTS) -> bool:
 
 
 if __name__ == "__main__":
-    print(f"{DOC}: {'updated' if update_doc() else 'unchanged'}")
+    print(f"{DOC.relative_to(ROOT)}: {'updated' if update_doc() else 'unchanged'}")

@@ -27,8 +27,8 @@ from typing import Any
 from s3ckpt import catalog
 from s3ckpt.config import S3URI
 from s3ckpt.demo import report
-from s3ckpt.local_s3 import LocalS3Server
-from s3ckpt.manager_policy import checkpoint_name, parse_step
+from s3ckpt.manager.policy import checkpoint_name, parse_step
+from s3ckpt.testing.local_s3 import LocalS3Server
 
 _STARTED = re.compile(r"^save (step-\d+) started")
 

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt.store import ObjectStore
-from s3ckpt.writer import S3StorageWriter
+from s3ckpt.dcp.writer import S3StorageWriter
+from s3ckpt.s3.store import ObjectStore
 
 MiB = 1024 * 1024
 PART_SIZE = 5 * MiB

@@ -8,7 +8,7 @@ import pytest
 
 from s3ckpt import S3StorageReader, S3StorageWriter
 from s3ckpt.config import S3URI
-from s3ckpt.local_s3 import LocalS3Server
+from s3ckpt.testing.local_s3 import LocalS3Server
 
 
 @pytest.fixture

@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from s3ckpt import BucketNotFoundError, S3StorageReader, S3StorageWriter
-from s3ckpt.local_s3 import LocalS3Server
-from s3ckpt.manifest import MANIFEST_NAME
+from s3ckpt.format.manifest import MANIFEST_NAME
+from s3ckpt.testing.local_s3 import LocalS3Server
 
 pytestmark = [
     pytest.mark.integration,

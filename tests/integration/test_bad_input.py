@@ -22,8 +22,8 @@ from faultproxy import FaultProxy
 
 from s3ckpt import EndpointError, S3StorageReader, S3StorageWriter, catalog, unwrap
 from s3ckpt.config import make_config
-from s3ckpt.loop import io_loop
-from s3ckpt.store import ObjectStore
+from s3ckpt.s3.loop import io_loop
+from s3ckpt.s3.store import ObjectStore
 
 pytestmark = [
     pytest.mark.integration,
@@ -128,7 +128,7 @@ def test_an_unverifiable_certificate_fails_at_once_naming_tls(
 def test_direct_ranged_gets_refuse_an_unverifiable_certificate_at_once(
     tls_endpoint, local_s3, s3_prefix, s3_options
 ):
-    """The direct reader (s3ckpt.http_range) checks certificates like aiobotocore does."""
+    """The direct reader (s3ckpt.s3.http_range) checks certificates like aiobotocore does."""
     endpoint, cert = tls_endpoint
     key = f"{s3_prefix.split('/', 3)[3]}/blob"
     local_s3.client().put_object(Bucket=local_s3.bucket, Key=key, Body=b"x" * 100)

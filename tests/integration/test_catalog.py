@@ -11,13 +11,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from s3ckpt import catalog
+from s3ckpt.catalog import api as catalog_api
+from s3ckpt.catalog.api import remove_groups
+from s3ckpt.catalog.gc import acollect_garbage
+from s3ckpt.catalog.reporting import SILENT
+from s3ckpt.catalog.scan import scan
 from s3ckpt.config import S3URI, make_config
 from s3ckpt.errors import CheckpointNotFoundError
-from s3ckpt.gc import acollect_garbage
-from s3ckpt.loop import io_loop
-from s3ckpt.manifest import MANIFEST_NAME
-from s3ckpt.scan import scan
-from s3ckpt.store import ObjectStore
+from s3ckpt.format.manifest import MANIFEST_NAME
+from s3ckpt.s3.loop import io_loop
+from s3ckpt.s3.store import ObjectStore
 
 pytestmark = [
     pytest.mark.integration,
@@ -145,7 +148,7 @@ def test_verify_reports_every_damaged_item(local_s3, s3_prefix, make_writer, opt
     dcp.save(state, storage_writer=make_writer(uri))
     assert catalog.verify_checkpoint(uri, **opts).ok
     manifest = catalog.show_checkpoint(uri, **opts)
-    items = {i.fqn: i for i in manifest.items}
+    items = {i.fqn: i.stored for i in manifest.items}
     location, client = S3URI.parse(uri), local_s3.client()
     key = location.key(items["second"].key)
     body = bytearray(client.get_object(Bucket=location.bucket, Key=key)["Body"].read())
@@ -177,7 +180,7 @@ def test_verify_reads_a_large_item_in_pieces_within_its_buffer(
 ):
     uri = f"{s3_prefix}/step-1"
     dcp.save({"big": torch.randn(5 * 1024 * 1024)}, storage_writer=make_writer(uri))  # 20 MiB
-    item = catalog.show_checkpoint(uri, **opts).items[0]
+    item = catalog.show_checkpoint(uri, **opts).items[0].stored
     location, client = S3URI.parse(uri), local_s3.client()
     key = location.key(item.key)
     body = bytearray(client.get_object(Bucket=location.bucket, Key=key)["Body"].read())
@@ -197,14 +200,14 @@ def test_prune_never_touches_a_save_in_flight_or_one_committing_meanwhile(
     in_flight = InFlight(make_writer, f"{s3_prefix}/step-4", 4.0)  # commits after it
     in_flight_keys = list_keys(in_flight.uri)
 
-    real_scan = catalog.scan
+    real_scan = catalog_api.scan
 
     async def scan_then_commit(store, location):
         listing = await real_scan(store, location)
         await asyncio.to_thread(committing.release)  # commits after the listing, mid-prune
         return listing
 
-    monkeypatch.setattr(catalog, "scan", scan_then_commit)
+    monkeypatch.setattr(catalog_api, "scan", scan_then_commit)
     report = catalog.prune(s3_prefix, keep_last=1, **opts)
     assert [r.name for r in report.removed] == ["step-1"]
     assert [(d.name, d.reason) for d in report.decisions if not d.delete] == [("step-2", "newest")]
@@ -225,9 +228,7 @@ def test_prune_leaves_a_checkpoint_recommitted_after_the_listing(
     location = S3URI.parse(s3_prefix)
     stale = io_loop().run(scan(store, location)).groups["step-1"]
     dcp.save(_state(2.0), storage_writer=make_writer(uri, overwrite=True))
-    removed, changed = io_loop().run(
-        catalog.remove_groups(store, location, [stale], catalog.SILENT)
-    )
+    removed, changed = io_loop().run(remove_groups(store, location, [stale], SILENT))
     assert removed == [] and changed == ["step-1"]
     assert _loads(make_reader, uri, 2.0)
 

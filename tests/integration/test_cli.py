@@ -1,6 +1,6 @@
 """The catalog subcommands end to end: output, --json parsed back, exit codes.
 
-Most runs call :func:`s3ckpt.cli.main` in-process (fast); two go through the real
+Most runs call :func:`s3ckpt.cli.main.main` in-process (fast); two go through the real
 ``python -m s3ckpt`` entry point. Credentials and the endpoint come from the standard
 ``AWS_*`` environment variables, as they would for an operator.
 """
@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt.cli import main
+from s3ckpt.cli.main import main
 from s3ckpt.config import S3URI
-from s3ckpt.manifest import MANIFEST_NAME, Manifest
+from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
 
 pytestmark = [
     pytest.mark.integration,
@@ -128,7 +128,7 @@ def test_verify_ok_and_a_flipped_byte(cli, run_dir, local_s3):
     assert ok.code == 0 and ok.out.startswith("ok")
     location, client = S3URI.parse(uri), local_s3.client()
     raw = client.get_object(Bucket=location.bucket, Key=location.key(MANIFEST_NAME))["Body"].read()
-    item = next(i for i in Manifest.from_json(raw, uri).items if i.fqn == "w")
+    item = next(i.stored for i in Manifest.from_json(raw, uri).items if i.fqn == "w")
     key = location.key(item.key)
     body = bytearray(client.get_object(Bucket=location.bucket, Key=key)["Body"].read())
     body[item.offset + 1234] ^= 0x40

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 
 from s3ckpt import CheckpointExistsError, CheckpointNotFoundError, CommitConflictError, unwrap
 from s3ckpt.config import S3URI
-from s3ckpt.manifest import MANIFEST_NAME, Manifest
+from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
 
 pytestmark = [
     pytest.mark.integration,
@@ -39,7 +39,11 @@ def test_manifest_lists_every_object_and_item(local_s3, s3_prefix, make_writer, 
     keys = list_keys(s3_prefix)
     assert sorted([*manifest.all_keys(), MANIFEST_NAME]) == keys
     items = {item.fqn: item for item in manifest.items}
-    assert items["a"].dtype == "float32" and items["a"].shape == (100,) and items["a"].length == 400
+    assert (
+        items["a"].dtype == "float32"
+        and items["a"].shape == (100,)
+        and items["a"].stored.length == 400
+    )
     assert items["b"].dtype == "bfloat16"
     assert (
         items["meta.step"].kind == "bytes"

@@ -14,9 +14,9 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from s3ckpt import CorruptCheckpointError, unwrap
-from s3ckpt.cli import main as cli
+from s3ckpt.cli.main import main as cli
 from s3ckpt.config import S3URI
-from s3ckpt.manifest import MANIFEST_NAME, Manifest
+from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
 
 pytestmark = [
     pytest.mark.integration,
@@ -55,7 +55,7 @@ def _manifest(local_s3, uri: str) -> Manifest:
 
 
 def _flip_a_bit_in(local_s3, uri: str, item) -> None:
-    """Damage the stored bytes of ``item`` (a manifest item) in the middle."""
+    """Damage the stored bytes of ``item`` (a :class:`StoredItem`) in the middle."""
     location = S3URI.parse(uri)
     client = local_s3.client()
     key = location.key(item.key)
@@ -82,11 +82,11 @@ def test_compressed_checkpoint_round_trips_and_records_codecs(
         if isinstance(value, torch.Tensor):
             assert torch.equal(restored[key], value), key
     assert restored["extra"] == state["extra"]
-    codecs = {item.fqn: item.codec for item in _manifest(local_s3, s3_prefix).items}
+    codecs = {item.fqn: item.stored.codec for item in _manifest(local_s3, s3_prefix).items}
     assert codecs["bf16"] == codecs["fp32"] == codecs["fp16"] == "zstd-bg"
     assert codecs["ints"] == codecs["bools"] == "zstd"
     assert codecs["noise"] == "raw"
-    items = {item.fqn: item for item in _manifest(local_s3, s3_prefix).items}
+    items = {item.fqn: item.stored for item in _manifest(local_s3, s3_prefix).items}
     assert items["bf16"].length < 0.8 * items["bf16"].size
 
 
@@ -103,7 +103,7 @@ def test_show_and_verify_understand_compressed_items(
     capsys.readouterr()
 
     manifest = _manifest(local_s3, s3_prefix)
-    item = next(i for i in manifest.items if i.fqn == "fp32")
+    item = next(i.stored for i in manifest.items if i.fqn == "fp32")
     location = S3URI.parse(s3_prefix)
     client = local_s3.client()
     key = location.key(item.key)
@@ -117,7 +117,7 @@ def test_show_and_verify_understand_compressed_items(
 def test_a_damaged_compressed_item_fails_the_load(local_s3, s3_prefix, make_writer, make_reader):
     state = {"w": _weights(2 * MiB)}
     dcp.save(state, storage_writer=make_writer(s3_prefix, compression="zstd"))
-    item = _manifest(local_s3, s3_prefix).items[0]
+    item = _manifest(local_s3, s3_prefix).items[0].stored
     _flip_a_bit_in(local_s3, s3_prefix, item)
     with pytest.raises(BaseException) as info:
         dcp.load({"w": torch.zeros(2 * MiB)}, storage_reader=make_reader(s3_prefix))
@@ -171,7 +171,8 @@ def _many_items() -> dict:
 @pytest.fixture
 def tight_frames_budget(monkeypatch):
     """A 1 MiB budget for frames awaiting decoding (4 requests of 256 KiB), and its peak."""
-    from s3ckpt import download, reader
+    from s3ckpt.dcp import reader
+    from s3ckpt.transfer import download
 
     monkeypatch.setattr(reader, "FRAMES_BUDGET", 0)
     peak = [0]
@@ -207,7 +208,7 @@ def test_a_damaged_item_fails_a_load_under_a_tight_frames_budget(
     # budget finish and the load reports the damage instead of waiting forever.
     state = _many_items()
     dcp.save(state, storage_writer=make_writer(s3_prefix, compression="zstd"))
-    item = next(i for i in _manifest(local_s3, s3_prefix).items if i.codec != "raw")
+    item = next(i.stored for i in _manifest(local_s3, s3_prefix).items if i.stored.codec != "raw")
     _flip_a_bit_in(local_s3, s3_prefix, item)
     loaded = {k: torch.zeros_like(v) for k, v in state.items()}
     with pytest.raises(BaseException) as info:

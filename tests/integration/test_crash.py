@@ -232,4 +232,3 @@ def test_sigkill_at_random_moments_never_leaves_a_partial_checkpoint(
         "`prune --keep-last 2`.",
     ]
     report.record("crash", suite)
-    report.update_doc()

@@ -29,7 +29,9 @@ def test_quick_demo_crashes_resumes_and_summarizes():
     ), out
     assert "step-0000000020: the killed save left" in out, out  # not committed
     assert "resumed from step-0000000010" in out, out
-    assert re.search(r"steps 11-20 were trained twice .*: losses identical", out), out
+    # Training goes on while step 20 uploads, so the kill may land a step or two later.
+    redone = re.search(r"steps 11-(\d+) were trained twice .*: losses identical", out)
+    assert redone and int(redone.group(1)) >= 20, out
     for label in ("steps ", "checkpoints ", "mean step time ", "blocked per save ", "upload "):
         assert re.search(rf"^  {label}", out, re.MULTILINE), label
     assert "overhead" in out and "MB/s" in out

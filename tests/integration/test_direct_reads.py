@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt.http_range import DirectRangeReader
-from s3ckpt.http_response import UnsupportedResponse
+from s3ckpt.s3.http_range import DirectRangeReader
+from s3ckpt.s3.http_response import UnsupportedResponse
 
 pytestmark = [
     pytest.mark.integration,
@@ -57,7 +57,7 @@ def test_an_endpoint_answering_oddly_falls_back_to_aiobotocore(
 
     monkeypatch.setattr(DirectRangeReader, "read", unsupported)
     # a config of its own, so that the fallback does not outlive this test
-    with caplog.at_level(logging.WARNING, logger="s3ckpt.client"):
+    with caplog.at_level(logging.WARNING, logger="s3ckpt.s3.client"):
         _assert_same(_load(make_reader(s3_prefix, read_timeout=119.0)))
         tried = len(calls)
         _assert_same(_load(make_reader(s3_prefix, read_timeout=119.0)))

@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from s3ckpt import S3StorageReader
-from s3ckpt.local_s3 import LocalS3Server
-from s3ckpt.manifest import MANIFEST_NAME
+from s3ckpt.format.manifest import MANIFEST_NAME
+from s3ckpt.testing.local_s3 import LocalS3Server
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 

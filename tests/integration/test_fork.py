@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt.loop import io_loop
+from s3ckpt.s3.loop import io_loop
 
 pytestmark = [
     pytest.mark.integration,

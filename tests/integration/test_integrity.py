@@ -8,9 +8,9 @@ import torch.distributed.checkpoint as dcp
 
 from s3ckpt import CorruptCheckpointError, StorageError, unwrap
 from s3ckpt.config import S3URI
-from s3ckpt.loop import io_loop
-from s3ckpt.manifest import MANIFEST_NAME, Manifest
-from s3ckpt.store import ObjectStore
+from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
+from s3ckpt.s3.loop import io_loop
+from s3ckpt.s3.store import ObjectStore
 
 pytestmark = [
     pytest.mark.integration,
@@ -44,7 +44,7 @@ def test_a_flipped_byte_in_a_data_object_is_caught_and_named(
     state = {"first": torch.arange(1000.0), "second": torch.arange(2000.0)}
     dcp.save(state, storage_writer=make_writer(s3_prefix))
     manifest = _manifest(local_s3, s3_prefix)
-    second = next(item for item in manifest.items if item.fqn == "second")
+    second = next(item.stored for item in manifest.items if item.fqn == "second")
 
     def flip(body: bytearray) -> None:
         body[second.offset + 1234] ^= 0x40
@@ -66,7 +66,7 @@ def test_corruption_inside_a_large_tensor_is_caught_in_a_partial_read(
     big = torch.randn(5 * MiB)  # 20 MiB: three checksum blocks
     dcp.save({"big": big}, storage_writer=make_writer(s3_prefix))
     manifest = _manifest(local_s3, s3_prefix)
-    item = manifest.items[0]
+    item = manifest.items[0].stored
     _rewrite(
         local_s3,
         s3_prefix,
@@ -106,7 +106,7 @@ def test_a_load_racing_an_overwrite_reads_the_newer_checkpoint(
 ):
     # The reader reads the old manifest; the overwrite then commits and deletes the old
     # save's metadata before the reader fetches it: the reader follows the new commit.
-    from s3ckpt import reader as reader_module
+    from s3ckpt.dcp import reader as reader_module
 
     dcp.save({"a": torch.full((10,), 1.0)}, storage_writer=make_writer(s3_prefix))
     old = _manifest(local_s3, s3_prefix)
@@ -128,7 +128,12 @@ def test_a_load_racing_an_overwrite_reads_the_newer_checkpoint(
 def test_a_truncated_object_fails_the_load(local_s3, s3_prefix, make_writer, make_reader):
     dcp.save({"a": torch.arange(4096.0)}, storage_writer=make_writer(s3_prefix))
     manifest = _manifest(local_s3, s3_prefix)
-    _rewrite(local_s3, s3_prefix, manifest.items[0].key, lambda b: b.__delitem__(slice(8000, None)))
+    _rewrite(
+        local_s3,
+        s3_prefix,
+        manifest.items[0].stored.key,
+        lambda b: b.__delitem__(slice(8000, None)),
+    )
     with pytest.raises(BaseException) as info:
         dcp.load({"a": torch.zeros(4096)}, storage_reader=make_reader(s3_prefix))
     assert isinstance(unwrap(info.value), (StorageError, CorruptCheckpointError))

@@ -21,7 +21,7 @@ import pytest
 from botocore.exceptions import ClientError
 
 from s3ckpt.errors import LocalServerError
-from s3ckpt.local_s3 import WEED_ENV, LocalS3Server
+from s3ckpt.testing.local_s3 import WEED_ENV, LocalS3Server
 
 pytestmark = pytest.mark.integration
 

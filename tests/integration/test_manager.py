@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 from s3ckpt import BucketNotFoundError, CheckpointManager, S3StorageWriter, SaveMetrics
 from s3ckpt.config import S3URI
-from s3ckpt.local_s3 import LocalS3Server
+from s3ckpt.testing.local_s3 import LocalS3Server
 
 pytestmark = [
     pytest.mark.integration,

@@ -20,8 +20,8 @@ from faultproxy import FaultProxy, Rule
 
 from s3ckpt import CommitConflictError, S3StorageReader, S3StorageWriter, catalog, unwrap
 from s3ckpt.config import make_config
-from s3ckpt.manifest import MANIFEST_NAME
-from s3ckpt.store import ObjectStore
+from s3ckpt.format.manifest import MANIFEST_NAME
+from s3ckpt.s3.store import ObjectStore
 
 pytestmark = [
     pytest.mark.integration,

@@ -101,7 +101,7 @@ def test_every_kind_of_part_carries_a_checksum_the_server_accepts(
         "large": torch.randn(5 * MiB + 3, generator=g),  # 20 MiB + 12 bytes
         "tail": torch.randn(77, generator=g),
     }
-    with caplog.at_level(logging.INFO, logger="s3ckpt.retry"):
+    with caplog.at_level(logging.INFO, logger="s3ckpt.s3.retry"):
         dcp.save(state, storage_writer=make_writer(s3_prefix, checksums=checksums))
         dcp.save(
             {"one": torch.ones(5)},

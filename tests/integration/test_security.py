@@ -23,10 +23,10 @@ from s3ckpt import (
     S3StorageWriter,
     unwrap,
 )
-from s3ckpt.client import create_client
 from s3ckpt.config import S3URI
-from s3ckpt.manifest import MANIFEST_NAME
-from s3ckpt.store import ObjectStore
+from s3ckpt.format.manifest import MANIFEST_NAME
+from s3ckpt.s3.client import create_client
+from s3ckpt.s3.store import ObjectStore
 
 pytestmark = [
     pytest.mark.integration,
@@ -79,7 +79,7 @@ def test_credentials_appear_in_no_log_error_repr_or_stored_byte(
     texts += [repr(o) for o in (writer, reader, writer.config, ObjectStore(writer.config, "b"))]
     records = [r.getMessage() + (caplog.text if r.exc_info else "") for r in caplog.records]
     assert any(r.name.startswith("botocore") for r in caplog.records)  # DEBUG really on
-    assert any(r.name == "s3ckpt.retry" for r in caplog.records)
+    assert any(r.name == "s3ckpt.s3.retry" for r in caplog.records)
     for text in [*texts, *records, caplog.text]:
         assert secret not in text and WRONG_SECRET not in text
     ours = [r.getMessage() for r in caplog.records if r.name.startswith("s3ckpt")]

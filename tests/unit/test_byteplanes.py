@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from crc32c import crc32c
 
-from s3ckpt import byteplanes
+from s3ckpt.format import byteplanes
 
 IMPLEMENTATIONS = ["native", "native-separate-crc", "numpy"]
 

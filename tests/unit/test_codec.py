@@ -1,14 +1,14 @@
 import pytest
 import torch
 
-from s3ckpt.checksums import block_crcs, verify_blocks
-from s3ckpt.codec import (
+from s3ckpt.dcp.tensor_bytes import (
     as_cpu_contiguous,
     byte_buffer,
     tensor_from_bytes,
     tensor_view,
 )
 from s3ckpt.errors import CorruptCheckpointError
+from s3ckpt.format.checksums import block_crcs, verify_blocks
 
 DTYPES = [
     torch.bfloat16, torch.float16, torch.float32, torch.float64,

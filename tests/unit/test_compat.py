@@ -8,7 +8,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from s3ckpt import CheckpointExistsError, unwrap
-from s3ckpt.compat import item_nbytes, narrow
+from s3ckpt.dcp.compat import item_nbytes, narrow
 
 
 def test_a_shard_is_sized_by_its_chunk_not_the_whole_tensor():
@@ -43,7 +43,7 @@ def test_dcp_process_executor_names_used_to_stop_it_exist():
     """stop_async_save_process relies on these private names; fail loudly if torch renames them."""
     from torch.distributed.checkpoint import _async_process_executor as executor
 
-    from s3ckpt.compat import stop_async_save_process
+    from s3ckpt.dcp.compat import stop_async_save_process
 
     assert hasattr(executor, "_CHECKPOINT_PROCESS")
     assert hasattr(executor._CheckpointSaveProcessControlOpts, "TERMINATE")
@@ -54,7 +54,7 @@ def test_dcp_process_executor_names_used_to_stop_it_exist():
 
 def test_unwrap_recovers_a_metadata_failure_that_dcp_replaced():
     from s3ckpt import CheckpointNotFoundError
-    from s3ckpt.compat import remember_metadata_failure
+    from s3ckpt.dcp.compat import remember_metadata_failure
 
     error = CheckpointNotFoundError("no committed checkpoint at s3://b/x (no manifest)")
     replaced = AssertionError(f"metadata is None; global metadata read failed: {error}")

@@ -1,9 +1,10 @@
 import pytest
 import torch
 
-from s3ckpt.checksums import block_crcs
-from s3ckpt.codec import tensor_view
-from s3ckpt.compression import (
+from s3ckpt.dcp.tensor_bytes import tensor_view
+from s3ckpt.errors import ConfigError, CorruptCheckpointError
+from s3ckpt.format.checksums import block_crcs
+from s3ckpt.format.compression import (
     RAW,
     ZSTD,
     ZSTD_GROUPED,
@@ -12,7 +13,6 @@ from s3ckpt.compression import (
     encode,
     encode_stream,
 )
-from s3ckpt.errors import ConfigError, CorruptCheckpointError
 
 BLOCK = 1 << 16
 

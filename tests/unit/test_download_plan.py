@@ -2,8 +2,8 @@ import asyncio
 
 import pytest
 
-from s3ckpt.download import ReadTarget, _Admission, _Scatter, plan_requests
-from s3ckpt.http_response import copy_into
+from s3ckpt.s3.http_response import copy_into
+from s3ckpt.transfer.download import ReadTarget, _Admission, _Scatter, plan_requests
 
 
 def _target(key, start, end, token=None):

@@ -1,7 +1,6 @@
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
 
-from s3ckpt.error_mapping import translate
 from s3ckpt.errors import (
     AccessDeniedError,
     BucketNotFoundError,
@@ -11,6 +10,7 @@ from s3ckpt.errors import (
     StorageError,
     TransientStorageError,
 )
+from s3ckpt.s3.error_mapping import translate
 
 
 def _client_error(code, status=400):

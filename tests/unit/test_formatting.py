@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from s3ckpt.errors import ConfigError
-from s3ckpt.formatting import (
+from s3ckpt.catalog.reporting import SILENT
+from s3ckpt.cli.humanize import (
     format_time,
     human_bytes,
     human_duration,
@@ -16,7 +16,8 @@ from s3ckpt.formatting import (
     parse_duration,
     table,
 )
-from s3ckpt.progress import SILENT, Progress
+from s3ckpt.cli.progress import Progress
+from s3ckpt.errors import ConfigError
 
 
 @pytest.mark.parametrize(

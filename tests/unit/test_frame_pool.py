@@ -1,6 +1,6 @@
 """restore.FramePool: receive buffers for compressed frames, reused by size class."""
 
-from s3ckpt.restore import FramePool
+from s3ckpt.dcp.restore import FramePool
 
 MiB = 1024 * 1024
 

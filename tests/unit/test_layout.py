@@ -1,4 +1,4 @@
-from s3ckpt.layout import StoredItem, data_key
+from s3ckpt.format.layout import StoredItem, data_key
 
 
 def test_data_keys_carry_rank_and_save_id():

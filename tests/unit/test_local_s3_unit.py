@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from s3ckpt import cli
+from s3ckpt.cli import main as cli
 from s3ckpt.errors import ConfigError, LocalServerError
-from s3ckpt.local_s3 import WEED_ENV, LocalS3Server, _free_ports, find_weed
+from s3ckpt.testing.local_s3 import WEED_ENV, LocalS3Server, _free_ports, find_weed
 
 
 def fake_weed(directory: Path) -> Path:

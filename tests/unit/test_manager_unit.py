@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
-from s3ckpt import manager as manager_module
 from s3ckpt.catalog import CheckpointInfo
 from s3ckpt.errors import BucketNotFoundError, CheckpointError, CheckpointExistsError, ConfigError
-from s3ckpt.layout import StoredItem
-from s3ckpt.manager import CheckpointManager
-from s3ckpt.manager_policy import (
+from s3ckpt.format.layout import StoredItem
+from s3ckpt.manager import checkpoint_manager as manager_module
+from s3ckpt.manager.checkpoint_manager import CheckpointManager
+from s3ckpt.manager.policy import (
     SaveMetrics,
     checkpoint_name,
     parse_step,
@@ -129,7 +129,7 @@ def test_keep_every_alone_keeps_multiples_and_the_newest():
 
 @pytest.mark.parametrize(
     "options",
-    [{"if_busy": "queue"}, {"async_mode": "fork"}, {"keep_last": 0}, {"keep_every": 0}],
+    [{"if_busy": "queue"}, {"async_mode": "fork"}, {"keep_last": -1}, {"keep_every": 0}],
 )
 def test_bad_options_fail_at_construction(options):
     with pytest.raises(ConfigError):
@@ -292,7 +292,7 @@ def test_retention_runs_after_each_commit_protecting_the_new_step(fake, monkeypa
     listing = [info(checkpoint_name(s), s) for s in (1, 2, 3)]
     monkeypatch.setattr(manager_module.catalog, "list_checkpoints", lambda *a, **k: listing)
     monkeypatch.setattr(
-        "s3ckpt.manager_policy.catalog.remove_checkpoint", lambda uri, **k: removed.append(uri)
+        "s3ckpt.manager.policy.catalog.remove_checkpoint", lambda uri, **k: removed.append(uri)
     )
     manager = make(keep_last=1)
     manager.save(3, {})
@@ -306,7 +306,7 @@ def test_retention_failures_are_logged_not_raised(fake, monkeypatch, caplog):
     def broken(*args: Any, **kwargs: Any) -> None:
         raise BucketNotFoundError("gone")
 
-    monkeypatch.setattr("s3ckpt.manager_policy.catalog.list_checkpoints", broken)
+    monkeypatch.setattr("s3ckpt.manager.policy.catalog.list_checkpoints", broken)
     manager = make(keep_last=1)
     manager.save(3, {})
     with caplog.at_level(logging.WARNING, logger="s3ckpt.manager"):

@@ -3,7 +3,8 @@ import json
 import pytest
 
 from s3ckpt.errors import CorruptCheckpointError
-from s3ckpt.manifest import FORMAT_VERSION, ItemEntry, Manifest, ObjectEntry
+from s3ckpt.format.layout import StoredItem
+from s3ckpt.format.manifest import FORMAT_VERSION, ItemEntry, Manifest, ObjectEntry
 
 
 def _manifest() -> Manifest:
@@ -21,12 +22,7 @@ def _manifest() -> Manifest:
                 "tensor",
                 "float32",
                 (5, 5),
-                "data/r00000-abc-0000.bin",
-                0,
-                100,
-                "raw",
-                8 << 20,
-                (42,),
+                StoredItem("data/r00000-abc-0000.bin", 0, 100, (42,), 8 << 20, "raw", '"etag"'),
             ),
         ),
     )
@@ -59,3 +55,17 @@ def test_unreadable_manifests_raise_corrupt_checkpoint_error(mutate):
 def test_garbage_is_corrupt():
     with pytest.raises(CorruptCheckpointError):
         Manifest.from_json(b"\x00not json", "s3://b/m")
+
+
+def test_items_are_flat_json_objects_and_unknown_fields_are_ignored_everywhere():
+    manifest = _manifest()
+    raw = json.loads(manifest.to_json())
+    item = raw["items"][0]
+    assert item["key"] == "data/r00000-abc-0000.bin" and item["crc32c"] == [42]
+    assert "stored" not in item and "etag" not in item
+    item["added_by_a_newer_release"] = 1
+    raw["objects"][0]["added_by_a_newer_release"] = 2
+    raw["added_by_a_newer_release"] = 3
+    parsed = Manifest.from_json(json.dumps(raw).encode(), "m")
+    assert parsed.items[0].stored.etag == '"etag"'  # the object's, from the object list
+    assert parsed == manifest

@@ -9,9 +9,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from s3ckpt import dcp_metadata
+from s3ckpt.dcp import metadata_pickle as dcp_metadata
 from s3ckpt.errors import CorruptCheckpointError
-from s3ckpt.layout import StoredItem
+from s3ckpt.format.layout import StoredItem
 
 
 def _real_metadata(tmp_path) -> Metadata:

@@ -1,20 +1,26 @@
-import itertools
-
 import pytest
 
-from s3ckpt.parts import (
+from s3ckpt.transfer.parts import (
     DEFAULT_PART_SIZE,
     MAX_PART_SIZE,
     MAX_PARTS,
     MIN_PART_SIZE,
     MiB,
+    PartCutter,
+    Piece,
     TiB,
     choose_part_size,
-    cut_parts,
-    is_multipart,
     part_limits,
-    part_ranges,
 )
+
+
+def cut_parts(
+    lengths: list[int], part_size: int, min_part: int = MIN_PART_SIZE, align: int = 1
+) -> list[list[Piece]]:
+    """All parts for ``lengths`` at once, fed to a :class:`PartCutter` item by item."""
+    cutter = PartCutter(part_size, min_part, align)
+    parts = [part for item, length in enumerate(lengths) for part in cutter.add(item, length)]
+    return parts + cutter.finish()
 
 
 def test_default_part_size_for_ordinary_objects():
@@ -30,24 +36,12 @@ def test_preferred_size_is_clamped_to_s3_limits():
 def test_huge_objects_stay_within_ten_thousand_parts(size):
     part = choose_part_size(size)
     assert MIN_PART_SIZE <= part <= MAX_PART_SIZE
-    assert len(part_ranges(size, part)) <= MAX_PARTS
+    assert -(-size // part) <= MAX_PARTS
 
 
 def test_objects_beyond_five_tib_are_refused():
     with pytest.raises(ValueError):
         choose_part_size(5 * TiB + 1)
-
-
-def test_part_ranges_cover_the_object_exactly():
-    ranges = part_ranges(50 * MiB + 3, 16 * MiB)
-    assert ranges[0] == (0, 16 * MiB)
-    assert ranges[-1] == (48 * MiB, 50 * MiB + 3)
-    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
-
-
-def test_small_objects_are_single_puts():
-    assert not is_multipart(16 * MiB, 16 * MiB)
-    assert is_multipart(16 * MiB + 1, 16 * MiB)
 
 
 def _check_cut(lengths, part_size, min_part=MIN_PART_SIZE, align=1):

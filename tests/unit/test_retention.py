@@ -7,8 +7,9 @@ import random
 
 import pytest
 
+from s3ckpt.catalog.retention import Candidate, natural_key, order, plan_retention, step_of
 from s3ckpt.errors import ConfigError
-from s3ckpt.retention import Candidate, natural_key, order, plan_retention, step_of
+from s3ckpt.manager.policy import validate_options
 
 NOW = 1_000_000.0
 DAY = 86400.0
@@ -135,3 +136,16 @@ def test_every_combination_matches_the_rules_restated():
         assert len(decisions) == count
         assert all(d.reason == "expired" for d in decisions if d.delete)
         assert all(d.reason != "expired" for d in decisions if not d.delete)
+
+
+@pytest.mark.parametrize("keep_last", [-1, 1.5, "3", True])
+def test_prune_and_the_manager_refuse_the_same_keep_last(keep_last):
+    with pytest.raises(ConfigError):
+        plan_retention(steps(1), keep_last=keep_last, now=NOW)
+    with pytest.raises(ConfigError):
+        validate_options(keep_last, None, "wait", "thread")
+
+
+def test_prune_and_the_manager_accept_keep_last_zero():
+    assert deleted(plan_retention(steps(1, 2), keep_last=0, now=NOW)) == ["step-1"]
+    validate_options(0, None, "wait", "thread")

@@ -11,14 +11,14 @@ import aiohttp
 import pytest
 from botocore import exceptions as bce
 
-from s3ckpt import retry
-from s3ckpt.error_mapping import translate_final
 from s3ckpt.errors import (
     AccessDeniedError,
     DeadlineExceededError,
     EndpointError,
     TransientStorageError,
 )
+from s3ckpt.s3 import retry
+from s3ckpt.s3.error_mapping import translate_final
 
 
 def _client_error(code: str, status: int) -> bce.ClientError:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from s3ckpt.scan import data_directory, group_keys
-from s3ckpt.store import ObjectMeta
+from s3ckpt.catalog.scan import data_directory, group_keys
+from s3ckpt.s3.store import ObjectMeta
 
 
 def meta(key: str, size: int = 10, at: float = 1000.0) -> ObjectMeta:

@@ -1,0 +1,302 @@
+"""Managing the checkpoints under a prefix: list, show, remove, prune.
+
+The CLI is a thin layer over these functions, which scripts can call directly. Each has
+an ``async`` form taking an :class:`ObjectStore` (run it on :func:`s3ckpt.s3.loop.io_loop`)
+and a synchronous wrapper taking an ``s3://`` URI plus the usual connection options.
+:mod:`s3ckpt.catalog` re-exports them with garbage collection and verification.
+
+Deleting a committed checkpoint always removes its manifest first, so readers stop
+seeing it at once, and then exactly the objects that manifest lists. Anything else in the
+directory (objects of failed or in-flight saves) is left to ``gc``, which alone applies a
+grace period; that is what keeps a save running next to a ``prune`` or ``rm`` unharmed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from s3ckpt.catalog.reporting import SILENT, Reporter
+from s3ckpt.catalog.retention import Candidate, Decision, natural_key, plan_retention
+from s3ckpt.catalog.scan import (
+    Group,
+    add_uploads,
+    bounded,
+    child,
+    delete_keys,
+    open_store,
+    read_committed,
+    scan,
+)
+from s3ckpt.config import S3URI, S3Config
+from s3ckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    PreconditionFailedError,
+    StorageError,
+)
+from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
+from s3ckpt.s3.loop import io_loop
+from s3ckpt.s3.store import ObjectMeta, ObjectStore
+from s3ckpt.transfer.commit import read_manifest
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One row of ``ls``: everything here comes from the listing unless ``details``."""
+
+    name: str  # relative to the listed prefix; "" is the prefix itself
+    uri: str
+    committed: bool
+    time: float  # commit time (manifest LastModified), else the newest object's
+    bytes: int  # all s3ckpt objects in the directory, manifest included
+    objects: int
+    ranks: int | None  # ranks that wrote data (listing: counted from object names)
+    items: int | None = None  # only with details (needs the manifest)
+    save_id: str | None = None
+    uploads: int = 0  # open multipart uploads (listed with include_uncommitted only)
+
+
+@dataclass(frozen=True)
+class Removed:
+    """A deleted (or, in a dry run, deletable) checkpoint."""
+
+    name: str
+    uri: str
+    objects: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class PruneReport:
+    decisions: list[Decision]  # every committed checkpoint, oldest first
+    removed: list[Removed]
+    changed: list[str]  # recommitted since the listing: left alone
+    dry_run: bool
+
+
+# -- ls -----------------------------------------------------------------------------------
+
+
+def _info(location: S3URI, group: Group, manifest: Manifest | None = None) -> CheckpointInfo:
+    save_id = manifest.save_id if manifest else group.committed_save_hint()
+    return CheckpointInfo(
+        name=group.name,
+        uri=str(child(location, group.name)),
+        committed=group.committed,
+        time=group.newest,
+        bytes=group.bytes,
+        objects=len(group.objects) + (1 if group.committed else 0),
+        ranks=manifest.world_size if manifest else group.ranks(save_id),
+        items=len(manifest.items) if manifest else None,
+        save_id=save_id,
+        uploads=len(group.uploads),
+    )
+
+
+async def alist_checkpoints(
+    store: ObjectStore, location: S3URI, *, include_uncommitted: bool = False, details: bool = False
+) -> list[CheckpointInfo]:
+    """Checkpoints under ``location``, oldest first (see :mod:`s3ckpt.catalog.retention` for the order).
+
+    The listing alone costs one request per 1000 objects; ``details`` adds one bounded,
+    concurrent GET per committed checkpoint for exact ranks, items and save id.
+    """
+    scanned = await scan(store, location)
+    if include_uncommitted:
+        await add_uploads(store, location, scanned)
+    groups = [g for g in scanned.groups.values() if g.committed or include_uncommitted]
+    manifests: list[Manifest | None] = [None] * len(groups)
+    if details:
+        manifests = await bounded(
+            [lambda g=g: _maybe_manifest(store, child(location, g.name)) for g in groups]
+        )
+    infos = [_info(location, g, m) for g, m in zip(groups, manifests, strict=True)]
+    return sorted(infos, key=lambda i: (natural_key(i.name), i.time, i.name))
+
+
+async def _maybe_manifest(store: ObjectStore, location: S3URI) -> Manifest | None:
+    try:
+        return await read_manifest(store, location)
+    except FileNotFoundError:
+        return None
+
+
+def list_checkpoints(
+    uri: str | S3URI,
+    *,
+    include_uncommitted: bool = False,
+    details: bool = False,
+    config: S3Config | None = None,
+    **options: Any,
+) -> list[CheckpointInfo]:
+    store, location = open_store(uri, config, options, require_prefix=False)
+    return io_loop().run(
+        alist_checkpoints(store, location, include_uncommitted=include_uncommitted, details=details)
+    )
+
+
+# -- show ---------------------------------------------------------------------------------
+
+
+def show_checkpoint(
+    uri: str | S3URI, *, config: S3Config | None = None, **options: Any
+) -> Manifest:
+    store, location = open_store(uri, config, options, require_prefix=True)
+    return io_loop().run(read_committed(store, location))
+
+
+# -- rm and prune -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Unpublished:
+    keys: list[str]  # the manifest's objects, relative to the checkpoint
+    bytes: int
+
+
+async def _unpublish(
+    store: ObjectStore, location: S3URI, manifest_meta: ObjectMeta
+) -> _Unpublished | None:
+    """Read the manifest, then delete it if it is still the one listed (same ETag).
+
+    Returns what is left to delete, or None when the manifest was replaced or removed since
+    the listing (a save recommitted it, another prune got there first): that checkpoint is
+    left alone. An unreadable manifest is deleted alone; its objects are then gc's.
+    """
+    try:
+        manifest: Manifest | None = await read_manifest(store, location)
+    except FileNotFoundError:
+        return None
+    except CorruptCheckpointError:
+        manifest = None
+    key = location.key(MANIFEST_NAME)
+    try:
+        await store.delete_if_match(key, manifest_meta.etag)
+    except PreconditionFailedError:
+        return None
+    except FileNotFoundError:
+        pass  # removed concurrently; the objects it listed are still to be deleted
+    except StorageError as exc:
+        if exc.code not in ("NotImplemented", "501", "InvalidArgument", "InvalidRequest"):
+            raise
+        await store.delete_many([key])  # no conditional deletes on this store
+    if manifest is None:
+        return _Unpublished([], manifest_meta.size)
+    return _Unpublished(manifest.all_keys(), manifest.total_bytes + manifest_meta.size)
+
+
+async def remove_groups(
+    store: ObjectStore, location: S3URI, groups: list[Group], progress: Reporter
+) -> tuple[list[Removed], list[str]]:
+    """Unpublish every group's manifest (concurrently), then delete their objects in batches."""
+    results = await bounded(
+        [
+            lambda g=g: _unpublish(store, child(location, g.name), g.manifest)  # type: ignore[arg-type]
+            for g in groups
+        ]
+    )
+    removed, changed, keys = [], [], []
+    for group, result in zip(groups, results, strict=True):
+        where = child(location, group.name)
+        if result is None:
+            changed.append(group.name)
+            continue
+        keys += [where.key(k) for k in result.keys]
+        removed.append(Removed(group.name, str(where), len(result.keys) + 1, result.bytes))
+    progress.start("deleting objects", len(keys), "objects")
+    await delete_keys(store, keys, progress)
+    progress.finish()
+    return removed, changed
+
+
+async def aremove_checkpoint(
+    store: ObjectStore, location: S3URI, *, progress: Reporter = SILENT
+) -> Removed:
+    """Delete the committed checkpoint at ``location`` (manifest first)."""
+    manifest_key = location.key(MANIFEST_NAME)
+    try:
+        meta = await store.head(manifest_key)
+    except FileNotFoundError as exc:
+        await store.head_bucket()
+        raise CheckpointNotFoundError(f"no committed checkpoint at {location}") from exc
+    group = Group("", manifest=meta)
+    removed, changed = await remove_groups(store, location, [group], progress)
+    if changed:
+        raise CheckpointError(f"{location} was recommitted while being removed; kept it")
+    return removed[0]
+
+
+def remove_checkpoint(
+    uri: str | S3URI,
+    *,
+    progress: Reporter = SILENT,
+    config: S3Config | None = None,
+    **options: Any,
+) -> Removed:
+    store, location = open_store(uri, config, options, require_prefix=True)
+    return io_loop().run(aremove_checkpoint(store, location, progress=progress))
+
+
+async def aprune(
+    store: ObjectStore,
+    location: S3URI,
+    *,
+    keep_last: int,
+    keep_every: int | None = None,
+    older_than: float | None = None,
+    force: bool = False,
+    dry_run: bool = False,
+    now: float | None = None,
+    progress: Reporter = SILENT,
+) -> PruneReport:
+    """Apply a retention policy (:func:`s3ckpt.catalog.retention.plan_retention`) to the committed
+    checkpoints under ``location``. Saves that are in flight have no manifest and are not
+    candidates; a checkpoint committed after the listing is not seen, so it survives."""
+    groups = {g.name: g for g in (await scan(store, location)).groups.values() if g.committed}
+    decisions = plan_retention(
+        [Candidate(g.name, g.newest) for g in groups.values()],
+        keep_last=keep_last,
+        keep_every=keep_every,
+        older_than=older_than,
+        force=force,
+        now=time.time() if now is None else now,
+    )
+    victims = [groups[d.name] for d in decisions if d.delete]
+    if dry_run:
+        removed = [
+            Removed(g.name, str(child(location, g.name)), len(g.objects) + 1, g.bytes)
+            for g in victims
+        ]
+        return PruneReport(decisions, removed, [], dry_run=True)
+    removed, changed = await remove_groups(store, location, victims, progress)
+    return PruneReport(decisions, removed, changed, dry_run=False)
+
+
+def prune(
+    uri: str | S3URI,
+    *,
+    keep_last: int,
+    keep_every: int | None = None,
+    older_than: float | None = None,
+    force: bool = False,
+    dry_run: bool = False,
+    progress: Reporter = SILENT,
+    config: S3Config | None = None,
+    **options: Any,
+) -> PruneReport:
+    store, location = open_store(uri, config, options, require_prefix=False)
+    return io_loop().run(
+        aprune(
+            store,
+            location,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            older_than=older_than,
+            force=force,
+            dry_run=dry_run,
+            progress=progress,
+        )
+    )

@@ -1,0 +1,224 @@
+"""Garbage collection: what failed or abandoned saves left behind, after a grace period.
+
+A save that dies before its commit leaves data objects, maybe a metadata object, and open
+multipart uploads; nothing references them, so readers never see them, but they cost
+storage. ``gc`` removes, under a prefix:
+
+* multipart uploads of s3ckpt data objects initiated more than ``grace`` ago (aborted);
+* uncommitted checkpoints (objects without a manifest) whose newest object, and newest
+  open upload, are older than ``grace``;
+* objects in a committed checkpoint's directory that its manifest does not list (a rank
+  that failed during an overwrite, a crashed retry) and are older than ``grace``;
+* conditional-write probe objects older than ``grace``.
+
+It never deletes a manifest. The grace period is what protects a save in flight: its
+objects and uploads are younger than that, so ``grace`` must exceed the longest a save
+takes (``LastModified`` and ``Initiated`` come from the server's clock). Reading manifests
+costs one GET per committed checkpoint whose directory holds objects of more than one
+save; all other decisions come from the listing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from s3ckpt.catalog.reporting import SILENT, Reporter
+from s3ckpt.catalog.scan import (
+    Group,
+    Scan,
+    bounded,
+    child,
+    data_directory,
+    delete_keys,
+    open_store,
+    relative,
+    scan,
+    timestamp,
+)
+from s3ckpt.config import S3URI, S3Config
+from s3ckpt.errors import CorruptCheckpointError
+from s3ckpt.s3.loop import io_loop
+from s3ckpt.s3.store import ObjectMeta, ObjectStore, PendingUpload
+from s3ckpt.transfer.commit import read_manifest
+
+DEFAULT_GRACE = 3600.0
+
+
+@dataclass(frozen=True)
+class Garbage:
+    """Objects deleted (or deletable, in a dry run) for one reason in one directory."""
+
+    name: str  # checkpoint directory, relative to the prefix
+    reason: str  # "uncommitted", "unreferenced" or "probe"
+    keys: tuple[str, ...]
+    bytes: int
+    age: float  # seconds since the newest of them was written
+
+
+@dataclass(frozen=True)
+class AbortedUpload:
+    key: str
+    upload_id: str
+    age: float
+
+
+@dataclass
+class GcReport:
+    grace: float
+    dry_run: bool
+    uploads: list[AbortedUpload] = field(default_factory=list)
+    garbage: list[Garbage] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # directories skipped, and why
+
+    @property
+    def objects(self) -> int:
+        return sum(len(g.keys) for g in self.garbage)
+
+    @property
+    def bytes(self) -> int:
+        return sum(g.bytes for g in self.garbage)
+
+
+async def acollect_garbage(
+    store: ObjectStore,
+    location: S3URI,
+    *,
+    grace: float = DEFAULT_GRACE,
+    dry_run: bool = False,
+    now: float | None = None,
+    progress: Reporter = SILENT,
+) -> GcReport:
+    """Find and (unless ``dry_run``) remove garbage under ``location``; see the module docstring."""
+    now = time.time() if now is None else now
+    cutoff = now - grace
+    report = GcReport(grace, dry_run)
+    uploads = [u async for u in store.list_multipart_uploads(_list_prefix(location))]
+    listing = await scan(store, location)
+    busy = _busy_directories(location, uploads, cutoff)
+    report.uploads = [
+        _aborted(u, now)
+        for u in uploads
+        if _initiated(u) <= cutoff and data_directory(relative(location.prefix, u.key)) not in busy
+    ]
+    report.garbage = [
+        *_uncommitted(listing, busy, cutoff, now),
+        *await _unreferenced(store, location, listing, busy, cutoff, now, report.problems),
+        *_probes(location, listing, cutoff, now),
+    ]
+    if not dry_run:
+        await _remove(store, report, progress)
+    return report
+
+
+def _list_prefix(location: S3URI) -> str:
+    return f"{location.prefix}/" if location.prefix else ""
+
+
+def _initiated(upload: PendingUpload) -> float:
+    """Start time of an upload; one the server gave no time for counts as just started."""
+    return upload.initiated.timestamp() if upload.initiated is not None else math.inf
+
+
+def _aborted(upload: PendingUpload, now: float) -> AbortedUpload:
+    return AbortedUpload(upload.key, upload.upload_id, now - _initiated(upload))
+
+
+def _busy_directories(
+    location: S3URI, uploads: list[PendingUpload], cutoff: float
+) -> set[str | None]:
+    """Checkpoint directories with an upload started inside the grace period: a save is
+    running there, so nothing in them is touched."""
+    busy: set[str | None] = {None}  # None: not an s3ckpt data object, never touched
+    for upload in uploads:
+        if _initiated(upload) > cutoff:
+            busy.add(data_directory(relative(location.prefix, upload.key)))
+    return busy
+
+
+def _garbage(name: str, reason: str, metas: list[ObjectMeta], now: float) -> Garbage:
+    newest = max((timestamp(m) for m in metas), default=now)
+    return Garbage(
+        name, reason, tuple(m.key for m in metas), sum(m.size for m in metas), now - newest
+    )
+
+
+def _uncommitted(listing: Scan, busy: set[str | None], cutoff: float, now: float) -> list[Garbage]:
+    return [
+        _garbage(g.name, "uncommitted", [o.meta for o in g.objects], now)
+        for g in listing.groups.values()
+        if not g.committed and g.name not in busy and g.newest <= cutoff
+    ]
+
+
+async def _unreferenced(
+    store: ObjectStore,
+    location: S3URI,
+    listing: Scan,
+    busy: set[str | None],
+    cutoff: float,
+    now: float,
+    problems: list[str],
+) -> list[Garbage]:
+    """Old objects in committed directories that the manifest does not list."""
+    mixed = [
+        g
+        for g in listing.groups.values()
+        if g.committed and g.name not in busy and len(g.save_ids()) > 1
+    ]
+
+    async def check(group: Group) -> Garbage | None:
+        where = child(location, group.name)
+        try:
+            manifest = await read_manifest(store, where)
+        except (FileNotFoundError, CorruptCheckpointError) as exc:
+            problems.append(f"{where}: manifest unreadable, left alone ({exc})")
+            return None
+        listed = {where.key(k) for k in manifest.all_keys()}
+        stale = [
+            o.meta
+            for o in group.objects
+            if o.meta.key not in listed and timestamp(o.meta) <= cutoff
+        ]
+        return _garbage(group.name, "unreferenced", stale, now) if stale else None
+
+    found = await bounded([lambda g=g: check(g) for g in mixed])
+    return [g for g in found if g is not None]
+
+
+def _probes(location: S3URI, listing: Scan, cutoff: float, now: float) -> list[Garbage]:
+    old = [p for p in listing.probes if timestamp(p) <= cutoff]
+    by_dir: dict[str, list[ObjectMeta]] = {}
+    for probe in old:
+        by_dir.setdefault(relative(location.prefix, probe.key).rpartition("/")[0], []).append(probe)
+    return [_garbage(name, "probe", metas, now) for name, metas in by_dir.items()]
+
+
+async def _remove(store: ObjectStore, report: GcReport, progress: Reporter) -> None:
+    keys = [k for g in report.garbage for k in g.keys]
+    progress.start("collecting garbage", len(keys) + len(report.uploads), "objects")
+
+    async def abort(upload: AbortedUpload) -> None:
+        await store.abort_multipart(upload.key, upload.upload_id)
+        progress.advance(1)
+
+    await bounded([lambda u=u: abort(u) for u in report.uploads])
+    await delete_keys(store, keys, progress)
+    progress.finish()
+
+
+def collect_garbage(
+    uri: str | S3URI,
+    *,
+    grace: float = DEFAULT_GRACE,
+    dry_run: bool = False,
+    progress: Reporter = SILENT,
+    config: S3Config | None = None,
+    **options: Any,
+) -> GcReport:
+    store, location = open_store(uri, config, options, require_prefix=False)
+    return io_loop().run(
+        acollect_garbage(store, location, grace=grace, dry_run=dry_run, progress=progress)
+    )

@@ -1,0 +1,224 @@
+"""Grouping a recursive listing into checkpoints, and the I/O the catalog operations share.
+
+One ``ListObjectsV2`` over a prefix (1000 keys a page) sees every checkpoint below it, so
+listing N checkpoints costs pages, not N requests. Keys are recognised by the on-store
+format (``docs/format.md``); the directory holding them names the checkpoint:
+
+* ``<name>/manifest.json``: the commit, so ``<name>`` is a committed checkpoint;
+* ``<name>/metadata-<save_id>.pkl`` and ``<name>/data/r<rank>-<save_id>-<n>.bin``: objects
+  of a save into ``<name>``; without a manifest they form an uncommitted checkpoint (a save
+  in flight, or one that died);
+* ``<name>/.s3ckpt-probe-<hex>``: left by an interrupted conditional-write probe.
+
+Anything else is not s3ckpt's and is never counted or deleted. ``name`` is relative to the
+listed prefix and may contain slashes; ``""`` is the prefix itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, TypeVar
+
+from s3ckpt.catalog.reporting import Reporter
+from s3ckpt.config import S3URI, S3Config, make_config
+from s3ckpt.errors import CheckpointNotFoundError
+from s3ckpt.format.manifest import Manifest
+from s3ckpt.s3.store import ObjectMeta, ObjectStore, PendingUpload
+from s3ckpt.transfer.commit import read_manifest
+
+T = TypeVar("T")
+DELETE_BATCH = 1000  # keys per DeleteObjects request, S3's maximum
+_PARALLEL = 8  # manifest GETs or DeleteObjects batches in flight
+
+_DIR = r"^(?:(?P<dir>.*)/)?"
+_MANIFEST = re.compile(_DIR + r"manifest\.json$")
+_METADATA = re.compile(_DIR + r"metadata-(?P<save>[0-9a-f]+)\.pkl$")
+_PROBE = re.compile(_DIR + r"\.s3ckpt-probe-[0-9a-f]+$")
+_DATA = re.compile(_DIR + r"data/r(?P<rank>\d+)-(?P<save>[0-9a-f]+)-\d+\.bin$")
+
+
+def timestamp(meta: ObjectMeta) -> float:
+    """LastModified as seconds since the epoch (0 when the server sent none)."""
+    value: datetime | None = meta.last_modified
+    return value.timestamp() if value is not None else 0.0
+
+
+@dataclass(frozen=True)
+class SaveKey:
+    """A metadata or data object, with what its name says about the save that wrote it."""
+
+    meta: ObjectMeta
+    save_id: str
+    rank: int | None  # None for the metadata object
+
+
+@dataclass
+class Group:
+    """The s3ckpt objects found in one checkpoint directory."""
+
+    name: str
+    manifest: ObjectMeta | None = None
+    objects: list[SaveKey] = field(default_factory=list)
+    uploads: list[PendingUpload] = field(default_factory=list)  # open multipart uploads
+
+    @property
+    def committed(self) -> bool:
+        return self.manifest is not None
+
+    @property
+    def bytes(self) -> int:
+        return sum(o.meta.size for o in self.objects) + (self.manifest.size if self.manifest else 0)
+
+    @property
+    def newest(self) -> float:
+        """Time of the latest write: the commit time for a committed checkpoint, else the
+        newest object (how long an uncommitted save has been silent)."""
+        if self.manifest is not None:
+            return timestamp(self.manifest)
+        started = (u.initiated.timestamp() for u in self.uploads if u.initiated is not None)
+        return max([*(timestamp(o.meta) for o in self.objects), *started], default=0.0)
+
+    def save_ids(self) -> set[str]:
+        return {o.save_id for o in self.objects}
+
+    def committed_save_hint(self) -> str | None:
+        """The save id the manifest most likely names, guessed from the listing alone.
+
+        The coordinator writes the metadata object just before the manifest, so it is the
+        save whose metadata is the newest one not written after the manifest. Exact only
+        when read from the manifest; good enough to count ranks in ``ls``.
+        """
+        if self.manifest is None:
+            return None
+        commit = timestamp(self.manifest)
+        metadata = [o for o in self.objects if o.rank is None]
+        before = [o for o in metadata if timestamp(o.meta) <= commit] or metadata
+        if not before:
+            return None
+        return max(before, key=lambda o: timestamp(o.meta)).save_id
+
+    def ranks(self, save_id: str | None) -> int | None:
+        """How many ranks wrote data objects for ``save_id``."""
+        if save_id is None:
+            return None
+        ranks = {o.rank for o in self.objects if o.save_id == save_id and o.rank is not None}
+        return len(ranks) or None
+
+
+@dataclass
+class Scan:
+    """Every checkpoint directory under a prefix, plus leftover probe objects."""
+
+    groups: dict[str, Group] = field(default_factory=dict)
+    probes: list[ObjectMeta] = field(default_factory=list)
+
+    def group(self, name: str) -> Group:
+        if name not in self.groups:
+            self.groups[name] = Group(name)
+        return self.groups[name]
+
+
+def data_directory(rel: str) -> str | None:
+    """The checkpoint directory of a data object key (relative), None if it is not one."""
+    match = _DATA.match(rel)
+    return (match["dir"] or "") if match else None
+
+
+def relative(prefix: str, key: str) -> str:
+    """``key`` relative to the listed ``prefix`` ("" for the whole bucket)."""
+    return key[len(prefix) + 1 :] if prefix else key
+
+
+def group_keys(prefix: str, metas: Iterable[ObjectMeta]) -> Scan:
+    """Sort the listing of ``prefix`` into checkpoint groups (pure; see the module docstring)."""
+    scan = Scan()
+    for meta in metas:
+        rel = relative(prefix, meta.key)
+        if match := _MANIFEST.match(rel):
+            scan.group(match["dir"] or "").manifest = meta
+        elif match := _METADATA.match(rel):
+            scan.group(match["dir"] or "").objects.append(SaveKey(meta, match["save"], None))
+        elif match := _DATA.match(rel):
+            save = SaveKey(meta, match["save"], int(match["rank"]))
+            scan.group(match["dir"] or "").objects.append(save)
+        elif _PROBE.match(rel):
+            scan.probes.append(meta)
+    return scan
+
+
+# -- I/O shared by the catalog operations ------------------------------------------------
+
+
+def open_store(
+    uri: str | S3URI, config: S3Config | None, options: dict[str, Any], *, require_prefix: bool
+) -> tuple[ObjectStore, S3URI]:
+    location = uri if isinstance(uri, S3URI) else S3URI.parse(uri, require_prefix=require_prefix)
+    return ObjectStore(make_config(config, **options), location.bucket), location
+
+
+def child(location: S3URI, name: str) -> S3URI:
+    return location.child(name) if name else location
+
+
+async def bounded(calls: Iterable[Callable[[], Awaitable[T]]], limit: int = _PARALLEL) -> list[T]:
+    """Run the calls concurrently, at most ``limit`` at a time, results in order.
+
+    The first failure cancels the calls still pending, so nothing keeps deleting after an
+    error has been reported.
+    """
+    slots = asyncio.Semaphore(limit)
+
+    async def run(call: Callable[[], Awaitable[T]]) -> T:
+        async with slots:
+            return await call()
+
+    tasks = [asyncio.ensure_future(run(c)) for c in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def delete_keys(store: ObjectStore, keys: list[str], progress: Reporter) -> None:
+    """Batched DeleteObjects, several batches in flight, advancing ``progress`` per batch."""
+    batches = [keys[i : i + DELETE_BATCH] for i in range(0, len(keys), DELETE_BATCH)]
+
+    async def delete(batch: list[str]) -> None:
+        await store.delete_many(batch)
+        progress.advance(len(batch))
+
+    await bounded([lambda b=b: delete(b) for b in batches])
+
+
+async def scan(store: ObjectStore, location: S3URI) -> Scan:
+    """One paged recursive LIST of the prefix, grouped into checkpoints."""
+    prefix = location.prefix
+    return group_keys(prefix, [m async for m in store.list(f"{prefix}/" if prefix else "")])
+
+
+async def add_uploads(store: ObjectStore, location: S3URI, scanned: Scan) -> None:
+    """Attach the open multipart uploads of s3ckpt data objects to their groups.
+
+    A save killed in the middle of its first object leaves no object at all, only an open
+    upload: without this, ``ls --all`` would not show it although ``gc`` will clean it.
+    """
+    prefix = location.prefix
+    async for upload in store.list_multipart_uploads(f"{prefix}/" if prefix else ""):
+        directory = data_directory(relative(prefix, upload.key))
+        if directory is not None:
+            scanned.group(directory).uploads.append(upload)
+
+
+async def read_committed(store: ObjectStore, location: S3URI) -> Manifest:
+    """The committed manifest; :class:`CheckpointNotFoundError` if there is none."""
+    try:
+        return await read_manifest(store, location)
+    except FileNotFoundError as exc:
+        await store.head_bucket()  # a missing bucket deserves its own error
+        raise CheckpointNotFoundError(f"no committed checkpoint at {location}") from exc

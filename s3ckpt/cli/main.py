@@ -1,0 +1,174 @@
+"""The ``s3ckpt`` command line.
+
+Each subcommand is one :class:`Command` row in :data:`COMMANDS`: a function that adds its
+arguments and a function that runs it and returns the exit status. The catalog commands
+(ls, show, verify, prune, gc, rm) live in :mod:`s3ckpt.cli.commands`; :func:`main` never changes.
+
+Exit statuses: 0 success; 1 a problem found (damage reported by verify, no committed
+checkpoint where one was named, an unreadable manifest); 2 a usage, configuration or
+connection error (bad options, unreachable endpoint, denied access, missing bucket, any
+store failure). Errors are one line on stderr: ``s3ckpt: error: ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import FrameType
+from typing import NoReturn
+
+from s3ckpt.cli import commands
+from s3ckpt.errors import ConfigError, S3CkptError, StorageError
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its name, one-line help, argument setup and body."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# -- local-s3 ----------------------------------------------------------------------------
+
+
+def _local_s3_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--bucket",
+        action="append",
+        metavar="NAME",
+        help="bucket to create (repeatable; default: s3ckpt)",
+    )
+    parser.add_argument(
+        "--dir",
+        metavar="PATH",
+        help="keep data in PATH across runs (default: a temporary directory, deleted on exit)",
+    )
+
+
+def _local_s3(args: argparse.Namespace) -> int:
+    """Run a private S3 server in the foreground until SIGINT/SIGTERM.
+
+    The export lines go to stdout (paste them into another shell, or parse them);
+    progress goes to stderr. Printing the secret is deliberate: it is the user's own
+    throwaway server on 127.0.0.1.
+    """
+    from s3ckpt.testing.local_s3 import DEFAULT_BUCKET, LocalS3Server
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with LocalS3Server(args.bucket or DEFAULT_BUCKET, data_dir=args.dir) as server:
+            env = server.env()
+            for name in (
+                "AWS_ACCESS_KEY_ID",
+                "AWS_SECRET_ACCESS_KEY",
+                "AWS_DEFAULT_REGION",
+                "AWS_ENDPOINT_URL",
+            ):
+                print(f"export {name}={shlex.quote(env[name])}")
+            for bucket in server.buckets:
+                print(f"# bucket: s3://{bucket}")
+            sys.stdout.flush()
+            print(
+                f"s3ckpt: local S3 on {server.endpoint_url} (data: {server.data_dir}); "
+                "Ctrl-C to stop",
+                file=sys.stderr,
+                flush=True,
+            )
+            while not stop.wait(0.5):
+                if not server.running:
+                    print(
+                        f"s3ckpt: the S3 server exited unexpectedly:\n{server.log_tail()}",
+                        file=sys.stderr,
+                    )
+                    return 1
+        print("s3ckpt: local S3 stopped", file=sys.stderr)
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command(
+        "local-s3",
+        "run a private S3 server (SeaweedFS) on 127.0.0.1",
+        _local_s3_arguments,
+        _local_s3,
+    ),
+    Command(
+        "ls",
+        "list the checkpoints under a prefix, oldest first",
+        commands.ls_arguments,
+        commands.run_ls,
+    ),
+    Command(
+        "show",
+        "show a checkpoint's manifest and every item",
+        commands.show_arguments,
+        commands.run_show,
+    ),
+    Command(
+        "verify",
+        "re-read a checkpoint and check every size and checksum",
+        commands.verify_arguments,
+        commands.run_verify,
+    ),
+    Command(
+        "prune",
+        "delete old checkpoints by a retention policy",
+        commands.prune_arguments,
+        commands.run_prune,
+    ),
+    Command(
+        "gc",
+        "remove what failed saves left behind (after a grace period)",
+        commands.gc_arguments,
+        commands.run_gc,
+    ),
+    Command("rm", "delete one checkpoint", commands.rm_arguments, commands.run_rm),
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr (exit 2), like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="s3ckpt", description="S3 checkpoint engine for PyTorch: tools.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in COMMANDS:
+        sub_parser = sub.add_parser(command.name, help=command.help, description=command.help)
+        command.add_arguments(sub_parser)
+        sub_parser.set_defaults(_run=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``s3ckpt`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)  # --help and usage errors raise SystemExit (0, 2)
+    try:
+        return int(args._run(args))
+    except (ConfigError, StorageError) as exc:
+        print(f"s3ckpt: error: {exc}", file=sys.stderr)
+        return 2
+    except S3CkptError as exc:
+        print(f"s3ckpt: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

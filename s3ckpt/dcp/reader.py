@@ -1,0 +1,256 @@
+"""``S3StorageReader``: DCP's StorageReader for checkpoints written by S3StorageWriter.
+
+Lifecycle of a load (the order DCP calls in):
+
+0. ``reset(checkpoint_id)`` (all ranks, when ``checkpoint_id`` is passed to ``dcp.load``).
+1. ``read_metadata()`` (all ranks): reads the manifest (no manifest, no checkpoint:
+   :class:`~s3ckpt.errors.CheckpointNotFoundError`), then DCP's metadata object it names,
+   checked against the manifest's size and CRC32C and unpickled with a restricted
+   unpickler (:mod:`s3ckpt.dcp.metadata_pickle`).
+2. ``set_up_storage_reader(metadata, is_coordinator)`` (all ranks).
+3. ``prepare_local_plan`` / ``prepare_global_plan``: unchanged; DCP's planner decides which
+   stored chunks (or parts of chunks, when resharding) each rank needs.
+4. ``read_data(plan, planner)`` (all ranks): turns every read item into a byte range,
+   widened to whole checksum blocks, and fetches all of them with coalesced parallel
+   ranged GETs (:mod:`s3ckpt.transfer.download`). Bytes go straight into the destination tensor
+   when it is a contiguous CPU tensor of the stored shape; otherwise into a scratch buffer
+   that is then copied (narrowed, moved to the device). Every block is verified against
+   its CRC32C before the item is committed; a mismatch raises
+   :class:`~s3ckpt.errors.CorruptCheckpointError` naming the object and the item.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import queue
+from concurrent.futures import Future as ThreadFuture
+from concurrent.futures import wait as futures_wait
+from typing import Any
+
+import torch
+from crc32c import crc32c
+from torch.futures import Future
+
+from s3ckpt.config import S3URI, S3Config, make_config
+from s3ckpt.dcp import metadata_pickle as dcp_metadata
+from s3ckpt.dcp.compat import (
+    LoadPlan,
+    LoadPlanner,
+    Metadata,
+    MetadataIndex,
+    ReadItem,
+    StorageMeta,
+    StorageReader,
+    chunk_shapes,
+    remember_metadata_failure,
+)
+from s3ckpt.dcp.location import S3Location
+from s3ckpt.dcp.restore import (
+    FramePool,
+    PendingRead,
+    decode,
+    decode_pool,
+    hand_to_planner,
+    prepare,
+    verify_streamed,
+)
+from s3ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, S3CkptError
+from s3ckpt.format.layout import StoredItem
+from s3ckpt.format.manifest import Manifest
+from s3ckpt.s3.loop import io_loop
+from s3ckpt.s3.store import ObjectStore
+from s3ckpt.transfer.commit import read_manifest
+from s3ckpt.transfer.download import RangeReader, ReadTarget
+
+INLINE_DECODE_BYTES = 64 * 1024
+# Compressed frames received but not yet decoded, at most (see download.RangeReader).
+FRAMES_BUDGET = 64 * 1024 * 1024
+_OVERWRITES_FOLLOWED = 3  # newer commits a metadata read follows before giving up
+
+
+class S3StorageReader(S3Location, StorageReader):
+    """Load DCP checkpoints from ``s3://bucket/prefix``.
+
+    Args:
+        checkpoint_id: the location; may instead be passed to ``dcp.load(..., checkpoint_id=...)``.
+        endpoint_url: the S3 endpoint.
+        config: an :class:`~s3ckpt.config.S3Config`; keyword ``options`` override its fields.
+        request_size: the largest ranged GET; larger ranges are split and fetched in parallel.
+        decode_threads: worker threads decompressing compressed items.
+        trust_pickles: load non-tensor items even if they hold objects outside torch's
+            weights-only allowlist (custom classes). Only for buckets you trust: such items
+            are unpickled by DCP and can run code.
+    """
+
+    _dcp_call = "dcp.load"
+
+    def __init__(
+        self,
+        checkpoint_id: str | os.PathLike[str] | None = None,
+        *,
+        endpoint_url: str | None = None,
+        config: S3Config | None = None,
+        request_size: int = 16 * 1024 * 1024,
+        decode_threads: int = 2,
+        trust_pickles: bool = False,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        self.config = make_config(config, endpoint_url=endpoint_url, **options)
+        self.location: S3URI | None = None
+        self._set_location(checkpoint_id)
+        self.request_size = request_size
+        self.decode_threads = decode_threads
+        self.trust_pickles = trust_pickles
+        self.manifest: Manifest | None = None
+        self.storage_data: dict[MetadataIndex, StoredItem] = {}
+        self._shapes: dict[MetadataIndex, tuple[torch.dtype, torch.Size]] = {}
+
+    # -- DCP lifecycle --------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._set_location(checkpoint_id)
+        self.manifest = None
+        self.storage_data = {}
+
+    def read_metadata(self) -> Metadata:
+        try:
+            metadata = self._read_metadata()
+        except S3CkptError as exc:
+            remember_metadata_failure(exc)  # for unwrap(): dcp.load replaces the exception
+            raise
+        remember_metadata_failure(None)
+        return metadata
+
+    def _read_metadata(self) -> Metadata:
+        location = self._require_location()
+        manifest, body = io_loop().run(self._fetch_metadata(location))
+        where = f"{location}/{manifest.metadata_key}"
+        if len(body) != manifest.metadata_size:
+            raise CorruptCheckpointError(
+                f"{where} has {len(body)} bytes, the manifest says {manifest.metadata_size}"
+            )
+        if crc32c(body) != manifest.metadata_crc32c:
+            raise CorruptCheckpointError(f"checksum mismatch in {where}")
+        metadata = dcp_metadata.loads(body, where)
+        self.manifest = manifest
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = manifest.save_id
+        return metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if metadata.storage_data is None:
+            raise CorruptCheckpointError(
+                f"checkpoint metadata at {self.location} has no storage data"
+            )
+        self.storage_data = metadata.storage_data
+        self._shapes = chunk_shapes(metadata)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self._read_all(plan, planner)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        location = self._require_location()
+        pending = [self._prepare(request, planner) for request in plan.items]
+        store = ObjectStore(self.config, location.bucket).with_deadline(self.config.deadline_s)
+        ranges = RangeReader(
+            store,
+            max_request_size=self.request_size,
+            lazy_budget=max(FRAMES_BUDGET, 4 * self.request_size),
+        )
+        frames = FramePool()
+        targets = [
+            ReadTarget(
+                location.key(p.stored.key),
+                p.stored.offset + p.stored_span[0],
+                p.stored.offset + p.stored_span[1],
+                None if p.compressed else p.view,
+                p,
+                p.check,
+                functools.partial(p.frames_buffer, frames, ranges.release)
+                if p.compressed
+                else None,
+            )
+            for p in pending
+        ]
+        decoded: queue.SimpleQueue[ThreadFuture[PendingRead]] = queue.SimpleQueue()
+        submitted: list[ThreadFuture[PendingRead]] = []
+        pool = decode_pool(self.decode_threads)
+        handed_over = 0
+        try:
+            for token in ranges.fetch(targets):
+                item: PendingRead = token  # type: ignore[assignment]
+                if item.compressed and len(item.view) > INLINE_DECODE_BYTES:
+                    submitted.append(pool.submit(decode, item))
+                    submitted[-1].add_done_callback(decoded.put)
+                elif item.compressed:  # small: handing it to a worker costs more than decoding
+                    self._hand_over(decode(item), planner)
+                else:
+                    verify_streamed(item)
+                    self._hand_over(item, planner)
+                while not decoded.empty():
+                    self._hand_over(decoded.get().result(), planner)
+                    handed_over += 1
+            for _ in range(len(submitted) - handed_over):
+                self._hand_over(decoded.get().result(), planner)
+        finally:
+            for waiting in submitted:
+                waiting.cancel()
+            futures_wait(submitted)  # no worker may write into a destination after this returns
+
+    def _hand_over(self, item: PendingRead, planner: LoadPlanner) -> None:
+        hand_to_planner(item, planner, trust_pickles=self.trust_pickles)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    async def _fetch_metadata(self, location: S3URI) -> tuple[Manifest, bytes]:
+        """The committed manifest and the metadata object it names.
+
+        An overwrite commits a new manifest and then deletes the old save's objects, so a
+        metadata object that vanished after its manifest was read means a newer commit:
+        the newer checkpoint is read instead. Only a manifest that still names a missing
+        object is a damaged checkpoint.
+        """
+        store = ObjectStore(self.config, location.bucket).with_deadline(self.config.deadline_s)
+        manifest = await self._read_manifest(store, location)
+        for _ in range(_OVERWRITES_FOLLOWED):
+            try:
+                return manifest, await store.get(location.key(manifest.metadata_key))
+            except FileNotFoundError as exc:
+                latest = await self._read_manifest(store, location)
+                if latest.save_id == manifest.save_id:
+                    raise CorruptCheckpointError(
+                        f"{location} is committed but its metadata object is missing"
+                    ) from exc
+                manifest = latest
+        raise CorruptCheckpointError(
+            f"{location} was overwritten {_OVERWRITES_FOLLOWED} times while its metadata was read"
+        )
+
+    @staticmethod
+    async def _read_manifest(store: ObjectStore, location: S3URI) -> Manifest:
+        try:
+            return await read_manifest(store, location)
+        except FileNotFoundError as exc:
+            await store.head_bucket()  # a missing bucket deserves its own error
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint at {location} (no manifest)"
+            ) from exc
+
+    def _prepare(self, request: ReadItem, planner: LoadPlanner) -> PendingRead:
+        stored = self.storage_data[request.storage_index]
+        what = f"{self.location}/{stored.key} item {request.storage_index.fqn!r}"
+        return prepare(request, stored, self._shapes.get(request.storage_index), planner, what)

@@ -1,0 +1,331 @@
+"""From a DCP read item to a loaded tensor: where its bytes land, and how they get there.
+
+For every read item of a load, :func:`prepare` decides
+
+* which raw bytes of the stored chunk are needed: all of them, or, when resharding asks
+  for a region that is one contiguous byte range (whole rows), just that range;
+* which checksum blocks cover them (only whole blocks can be verified), and which stored
+  bytes hold those blocks (the same range for raw items; the blocks' frames for
+  compressed ones);
+* where the bytes land: straight into the destination tensor when it is a contiguous CPU
+  tensor of the stored dtype and the whole chunk is read, else a scratch buffer.
+
+Raw items are verified while they stream in (:class:`~s3ckpt.format.checksums.StreamingCheck`);
+compressed items are decoded and verified by :func:`decode`, in a worker thread.
+:func:`hand_to_planner` then copies or narrows into the destination if needed and hands the result
+to the planner, on the calling thread.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from s3ckpt.dcp.compat import LoadItemType, LoadPlanner, ReadItem, narrow
+from s3ckpt.dcp.tensor_bytes import byte_buffer, tensor_from_bytes, tensor_view
+from s3ckpt.errors import CorruptCheckpointError
+from s3ckpt.format.checksums import StreamingCheck, check_block, verify_blocks
+from s3ckpt.format.compression import CODECS, RAW, decode_block
+from s3ckpt.format.layout import StoredItem
+
+
+@dataclass(eq=False)
+class PendingRead:
+    """One read item on its way.
+
+    Every view is made here, on the thread that plans the load, before any byte moves:
+    a torch call releases and retakes the GIL, which under the load's contention costs
+    more than the call, so the event loop and the decode workers touch only memoryviews
+    and numpy arrays.
+    """
+
+    request: ReadItem
+    stored: StoredItem
+    chunk: tuple[torch.dtype, torch.Size] | None  # stored dtype and shape; None for BYTE_IO
+    span: tuple[int, int]  # block-aligned raw byte range of the item that is needed
+    wanted: tuple[int, int] | None  # the contiguous raw sub-range needed; None: whole chunk
+    raw: torch.Tensor  # uint8 raw bytes of the span: the destination's own memory if direct
+    destination: torch.Tensor | None  # None for BYTE_IO
+    direct: bool
+    what: str  # names the object and the item in errors
+    stored_span: tuple[int, int] = field(init=False)  # stored bytes fetched, relative to the item
+    raw_view: memoryview = field(init=False)  # over ``raw``
+    view: memoryview = field(init=False)  # receives the stored bytes
+    check: StreamingCheck | None = field(init=False)
+    pool: FramePool | None = field(init=False, default=None)
+    frames: np.ndarray | None = field(init=False, default=None)  # compressed: from the pool
+    returned: Callable[[int], None] = field(init=False, repr=False)  # see frames_buffer
+
+    def __post_init__(self) -> None:
+        if self.stored.codec not in CODECS:
+            raise CorruptCheckpointError(f"{self.what} uses unknown codec {self.stored.codec!r}")
+        first, last = self.span
+        self.stored_span = self.stored.stored_span(first, last)
+        compressed = self.stored.codec != RAW
+        self.raw_view = tensor_view(self.raw)
+        # Compressed frames get their memory when the first byte arrives (frames_buffer).
+        self.view = memoryview(b"") if compressed else self.raw_view
+        block = self.stored.block_size
+        self.check = (
+            None
+            if compressed
+            else StreamingCheck(self.stored.crc32c, block, first // block, last - first)
+        )
+
+    @property
+    def compressed(self) -> bool:
+        return self.stored.codec != RAW
+
+    def frames_buffer(self, pool: FramePool, returned: Callable[[int], None]) -> memoryview:
+        """Memory for a compressed item's frames, from ``pool`` (called as bytes arrive).
+
+        ``returned(size)`` is called once the frames are decoded and their memory is back
+        in the pool (the download's budget for frames awaiting decoding).
+        """
+        size = self.stored_span[1] - self.stored_span[0]
+        self.frames = pool.take(size)
+        self.pool = pool
+        self.returned = returned
+        self.view = memoryview(self.frames)[:size]
+        return self.view
+
+    def release_frames(self) -> None:
+        """Give a compressed item's frame memory back, as soon as it is decoded."""
+        if self.pool is not None and self.frames is not None:
+            self.pool.give(self.frames)
+            self.returned(len(self.view))
+        self.view = memoryview(b"")
+        self.pool = self.frames = None
+
+    def release(self) -> None:
+        """Drop the buffers once handed over, so a load holds only the items in flight."""
+        self.release_frames()
+        self.raw = _EMPTY
+        self.raw_view = memoryview(b"")
+
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+MiB = 1024 * 1024
+_POOLED = 64 * 1024  # smaller frames are neither rounded up nor kept
+
+
+class FramePool:
+    """Receive buffers for compressed frames, reused within one load.
+
+    A socket read into memory the process has not touched yet takes a page fault per
+    page, which on a VM costs more than the copy itself; reusing the buffers of frames
+    already decoded avoids that and bounds the memory a compressed load holds. Buffers are
+    kept by size class (steps of an eighth of a power of two), so frames of similar size
+    share them; frames under 64 KiB come from the allocator's heap as they are. With the
+    download's budget for frames awaiting decoding, a load touches about that budget's
+    worth of receive memory, however large the checkpoint.
+    """
+
+    def __init__(self, max_bytes: int = 256 * MiB) -> None:
+        self.max_bytes = max_bytes
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._held = 0
+        self._lock = threading.Lock()
+
+    @property
+    def held(self) -> int:
+        """Bytes kept for reuse."""
+        return self._held
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A ``uint8`` buffer of at least ``nbytes`` bytes."""
+        size = _size_class(nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                self._held -= size
+                return free.pop()
+        return np.empty(size, dtype=np.uint8)
+
+    def give(self, buffer: np.ndarray) -> None:
+        """Return a buffer from :meth:`take` (kept while the pool is under its bound)."""
+        size = buffer.nbytes
+        if size < _POOLED:
+            return
+        with self._lock:
+            if self._held + size <= self.max_bytes:
+                self._free.setdefault(size, []).append(buffer)
+                self._held += size
+
+
+def _size_class(nbytes: int) -> int:
+    if nbytes < _POOLED:
+        return nbytes
+    step = 1 << (nbytes.bit_length() - 4)
+    return -(-nbytes // step) * step
+
+
+def prepare(request: ReadItem, stored: StoredItem, chunk: tuple[torch.dtype, torch.Size] | None,
+            planner: LoadPlanner, what: str) -> PendingRead:  # fmt: skip
+    if request.type == LoadItemType.BYTE_IO or chunk is None:
+        return PendingRead(
+            request,
+            stored,
+            None,
+            (0, stored.size),
+            None,
+            byte_buffer(stored.size),
+            None,
+            False,
+            what,
+        )
+    dtype, shape = chunk
+    wanted = contiguous_range(shape, request.storage_offsets, request.lengths, dtype.itemsize)
+    first, last = stored.block_span(*(wanted or (0, stored.size)))
+    destination = planner.resolve_tensor(request).detach()
+    whole = wanted == (0, stored.size) or (
+        wanted is None and tuple(request.lengths) == tuple(shape)
+    )
+    direct = whole and _can_receive(destination, dtype, stored.size)
+    raw = _as_bytes_tensor(destination) if direct else byte_buffer(last - first)
+    return PendingRead(
+        request, stored, chunk, (first, last), wanted, raw, destination, direct, what
+    )
+
+
+def decode(pending: PendingRead) -> PendingRead:
+    """Decode a compressed item's frames into its raw buffer and verify them (thread-safe).
+
+    Each block is checked against its CRC32C as it is decoded: the decoder computes the
+    checksum in the same pass. The frame memory goes back as soon as decoding ends, even
+    when it fails: downloads waiting for the frames budget depend on it.
+    """
+    stored, raw, size = pending.stored, pending.raw_view, pending.stored.block_size
+    first_block = pending.span[0] // size
+    position = 0
+    try:
+        for n, start in enumerate(range(0, len(raw), size)):
+            block = first_block + n
+            frame = stored.frames[block]
+            crc = decode_block(pending.view[position : position + frame], stored.codec,
+                               raw[start : start + size])  # fmt: skip
+            check_block(crc, stored.crc32c, block, first_block=first_block, block_size=size,
+                        length=len(raw), what=pending.what)  # fmt: skip
+            position += frame
+    finally:
+        pending.release_frames()
+    return pending
+
+
+_pools: dict[tuple[int, int], ThreadPoolExecutor] = {}
+
+
+def decode_pool(threads: int) -> ThreadPoolExecutor:
+    """The process's decode workers, kept between loads so that their zstd contexts and
+    memory stay warm (keyed by pid: a forked child starts its own)."""
+    key = (os.getpid(), threads)
+    pool = _pools.get(key)
+    if pool is None:
+        pool = _pools.setdefault(
+            key, ThreadPoolExecutor(threads, thread_name_prefix="s3ckpt-decode")
+        )
+    return pool
+
+
+def verify_streamed(pending: PendingRead) -> None:
+    """Raise if a raw item's in-flight check failed; check it now if it could not stream."""
+    stored, check = pending.stored, pending.check
+    assert check is not None
+    if not check.active:
+        verify_blocks(pending.view, stored.crc32c, block_size=stored.block_size,
+                      first_block=check.first_block, what=pending.what)  # fmt: skip
+    elif check.bad_block is not None:
+        raise CorruptCheckpointError(
+            f"checksum mismatch in {pending.what} (block {check.bad_block})"
+        )
+
+
+def hand_to_planner(
+    pending: PendingRead, planner: LoadPlanner, *, trust_pickles: bool = False
+) -> None:
+    """Hand a verified item to the planner (on the thread that runs DCP's load)."""
+    if pending.destination is None:
+        data = pending.raw_view.tobytes()
+        if not trust_pickles:
+            _check_pickle(data, pending.what)
+        planner.load_bytes(pending.request, io.BytesIO(data))
+    else:
+        if not pending.direct:
+            pending.destination.copy_(_source(pending))
+        planner.commit_tensor(pending.request, pending.destination)
+    pending.release()
+
+
+def _check_pickle(data: bytes, what: str) -> None:
+    """Refuse a non-tensor item that torch's weights-only unpickler would not load.
+
+    DCP's planners unpickle non-tensor items with ``torch.load(weights_only=False)``,
+    which runs whatever the pickle says: a hostile bucket could run code. Loading the
+    bytes with the weights-only allowlist first (plain Python values, containers,
+    tensors) makes sure the second, unrestricted load has nothing dangerous to run.
+    """
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:
+        raise CorruptCheckpointError(
+            f"{what} holds objects outside torch's weights-only allowlist and was not loaded "
+            f"(pass trust_pickles=True to S3StorageReader to load it anyway): {exc}"
+        ) from exc
+
+
+def _source(pending: PendingRead) -> torch.Tensor:
+    assert pending.chunk is not None
+    dtype, shape = pending.chunk
+    first = pending.span[0]
+    if pending.wanted is not None:
+        start, end = pending.wanted
+        return tensor_from_bytes(
+            pending.raw[start - first : end - first], dtype, tuple(pending.request.lengths)
+        )
+    chunk = tensor_from_bytes(pending.raw, dtype, shape)
+    return narrow(chunk, pending.request.storage_offsets, pending.request.lengths)
+
+
+def contiguous_range(
+    shape: torch.Size, offsets: torch.Size, lengths: torch.Size, itemsize: int
+) -> tuple[int, int] | None:
+    """Byte range of the region ``offsets``/``lengths`` in a C-contiguous chunk, if it is one range."""
+    ndim = len(shape)
+    if ndim == 0:
+        return (0, itemsize)
+    d = ndim - 1
+    while d >= 0 and offsets[d] == 0 and lengths[d] == shape[d]:
+        d -= 1
+    if any(lengths[i] != 1 for i in range(d)):
+        return None
+    strides = [1] * ndim
+    for i in range(ndim - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    numel = 1
+    for n in lengths:
+        numel *= n
+    start = sum(o * s for o, s in zip(offsets, strides, strict=True)) * itemsize
+    return (start, start + numel * itemsize)
+
+
+def _can_receive(destination: torch.Tensor, dtype: torch.dtype, nbytes: int) -> bool:
+    return (
+        destination.device.type == "cpu"
+        and destination.dtype == dtype
+        and destination.is_contiguous()
+        and destination.numel() * destination.element_size() == nbytes
+        and not destination.is_conj()
+        and not destination.is_neg()
+    )
+
+
+def _as_bytes_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)

@@ -1,0 +1,319 @@
+"""``S3StorageWriter``: DCP's StorageWriter for S3, committed atomically by a manifest.
+
+Lifecycle of a save (the order DCP calls in, see ``torch.distributed.checkpoint.storage``):
+
+0. ``reset(checkpoint_id)`` (all ranks, when ``checkpoint_id`` is passed to ``dcp.save``):
+   point the writer at a location and start a new save id.
+1. ``set_up_storage_writer(is_coordinator, rank=...)`` (all ranks).
+2. ``prepare_local_plan(plan)`` (all ranks): the coordinator checks that the bucket exists
+   and, unless ``overwrite=True``, that no checkpoint is committed at the location yet,
+   so a doomed save fails before any byte is uploaded.
+3. ``prepare_global_plan(plans)`` (coordinator): gives every rank its rank number and the
+   coordinator's save id, which names all objects of this save.
+4. ``write_data(plan, planner)`` (all ranks): streams the rank's items zero-copy (or
+   compressed, :mod:`s3ckpt.format.compression`) into :class:`~s3ckpt.transfer.upload.RankUploader`,
+   which packs them into a few data objects sent as PUTs and multipart uploads, and records
+   per item a :class:`~s3ckpt.format.layout.StoredItem`: its object, offset, length and
+   block CRC32Cs. A failure aborts and deletes everything the rank uploaded.
+5. ``finish(metadata, results)`` (coordinator): writes DCP's metadata, then the manifest
+   (:mod:`s3ckpt.transfer.commit`): the commit. Before it, the checkpoint does not exist.
+
+The writer holds only its configuration and location, so it pickles (process-mode
+``async_save``) and works after ``fork``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from crc32c import crc32c
+from torch.futures import Future
+
+from s3ckpt._version import __version__
+from s3ckpt.config import S3URI, S3Config, make_config
+from s3ckpt.dcp import metadata_pickle as dcp_metadata
+from s3ckpt.dcp.compat import (
+    TORCH_VERSION,
+    Metadata,
+    SavePlan,
+    SavePlanner,
+    StorageMeta,
+    StorageWriter,
+    WriteItem,
+    WriteItemType,
+    WriteResult,
+    item_nbytes,
+)
+from s3ckpt.dcp.location import S3Location
+from s3ckpt.dcp.tensor_bytes import as_cpu_contiguous, tensor_view
+from s3ckpt.errors import CheckpointExistsError, ConfigError
+from s3ckpt.format.compression import RAW, Compression, Encoded, encode_raw, encode_stream
+from s3ckpt.format.layout import DEFAULT_MAX_OBJECT_SIZE, StoredItem, data_key
+from s3ckpt.format.manifest import MANIFEST_NAME, ItemEntry, Manifest, ObjectEntry, new_save_id
+from s3ckpt.s3.loop import io_loop
+from s3ckpt.s3.store import ObjectStore
+from s3ckpt.transfer.commit import commit_manifest
+from s3ckpt.transfer.upload import Item, RankUploader
+
+
+@dataclass(frozen=True)
+class _RankAssignment:
+    """What the coordinator tells each rank in ``SavePlan.storage_data``."""
+
+    rank: int
+    save_id: str
+
+
+class S3StorageWriter(S3Location, StorageWriter):
+    """Save DCP checkpoints to ``s3://bucket/prefix``.
+
+    Args:
+        checkpoint_id: the location, ``s3://bucket/prefix``; may instead be passed to
+            ``dcp.save(..., checkpoint_id=...)``.
+        endpoint_url: the S3 endpoint, e.g. ``https://flashblade.example.com``.
+        config: an :class:`~s3ckpt.config.S3Config`; keyword ``options`` override its fields.
+        overwrite: replace a committed checkpoint at the location (atomically); by default
+            saving over one raises :class:`~s3ckpt.errors.CheckpointExistsError`.
+        max_object_size: the largest data object a rank writes before starting another.
+        compression: ``"zstd"`` (or a :class:`~s3ckpt.format.compression.Compression`) to store
+            items zstd-compressed per checksum block, floating-point ones byte-grouped;
+            off by default. ``compression_level`` sets the zstd level (default 1).
+    """
+
+    _dcp_call = "dcp.save"
+
+    def __init__(
+        self,
+        checkpoint_id: str | os.PathLike[str] | None = None,
+        *,
+        endpoint_url: str | None = None,
+        config: S3Config | None = None,
+        overwrite: bool = False,
+        max_object_size: int = DEFAULT_MAX_OBJECT_SIZE,
+        compression: str | Compression | None = None,
+        compression_level: int | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        self.config = make_config(config, endpoint_url=endpoint_url, **options)
+        self.compression = Compression.parse(compression, compression_level)
+        if max_object_size < 5 * 1024 * 1024:
+            raise ConfigError("max_object_size must be at least 5 MiB")
+        self.overwrite = overwrite
+        self.max_object_size = max_object_size
+        self.location: S3URI | None = None
+        self._set_location(checkpoint_id)
+        self.save_id = new_save_id()
+        self.is_coordinator = False
+        self.rank = 0
+
+    # -- DCP lifecycle --------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._set_location(checkpoint_id)
+        self.save_id = new_save_id()
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        # A writer reused for another save without a new checkpoint_id (so without reset)
+        # still needs fresh object keys: an overwrite must never touch the committed ones.
+        self.save_id = new_save_id()
+        self.rank = int(kwargs.get("rank") or 0)
+        if kwargs.get("use_collectives", True) is False:
+            raise ConfigError(
+                "S3StorageWriter needs use_collectives=True: the coordinator commits for all ranks"
+            )
+        self._require_location()
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if self.is_coordinator:
+            io_loop().run(self._check_target())
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return [
+            dataclasses.replace(plan, storage_data=_RankAssignment(rank, self.save_id))
+            for rank, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        assignment: _RankAssignment = plan.storage_data
+        results = _RankSave(self, assignment).run(plan.items, planner)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        location = self._require_location()
+        flat = [wr for rank_results in results for wr in rank_results]
+        metadata.storage_data = {wr.index: wr.storage_data for wr in flat}
+        metadata.storage_meta = self.storage_meta()
+        manifest_items = _manifest_items(metadata, flat)
+        io_loop().run(self._commit(location, metadata, manifest_items, results))
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(
+            checkpoint_id=str(self.location) if self.location else None, save_id=self.save_id
+        )
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _store(self) -> ObjectStore:
+        return ObjectStore(self.config, self._require_location().bucket).with_deadline(
+            self.config.deadline_s
+        )
+
+    async def _check_target(self) -> None:
+        store, location = self._store(), self._require_location()
+        await store.head_bucket()
+        if not self.overwrite and await store.exists(location.key(MANIFEST_NAME)):
+            raise CheckpointExistsError(
+                f"a checkpoint is already committed at {location}; pass overwrite=True to replace it"
+            )
+
+    async def _commit(
+        self,
+        location: S3URI,
+        metadata: Metadata,
+        items: tuple[ItemEntry, ...],
+        results: list[list[WriteResult]],
+    ) -> None:
+        store = self._store()
+        body = dcp_metadata.dumps(metadata)
+        metadata_key = f"metadata-{self.save_id}.pkl"
+        checksum = crc32c(body)
+        await store.put(location.key(metadata_key), body, crc32c=checksum)
+        manifest = Manifest(
+            save_id=self.save_id,
+            world_size=len(results),
+            metadata_key=metadata_key,
+            metadata_size=len(body),
+            metadata_crc32c=checksum,
+            objects=_object_entries(results),
+            items=items,
+            torch_version=TORCH_VERSION,
+            s3ckpt_version=__version__,
+        )
+        await commit_manifest(store, location, manifest, overwrite=self.overwrite)
+
+
+class _RankSave:
+    """One rank's ``write_data``: stream items (compressed if asked) into the uploader,
+    then describe where each went."""
+
+    def __init__(self, writer: S3StorageWriter, assignment: _RankAssignment) -> None:
+        self.writer = writer
+        self.assignment = assignment
+        self.encoded: dict[Any, Encoded] = {}
+
+    def run(self, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        writer, rank, save_id = self.writer, self.assignment.rank, self.assignment.save_id
+        uploader = RankUploader(
+            writer._store(),
+            lambda n: writer._require_location().key(data_key(rank, save_id, n)),
+            max_object_size=writer.max_object_size,
+            size_hint=sum(item_nbytes(i) for i in items if i.type != WriteItemType.BYTE_IO)
+            + (64 << 20),
+        )
+        placements, uploaded = uploader.upload(self._stream(items, planner))
+        results = []
+        for item in items:
+            placed, encoded = placements[item.index], self.encoded[item.index]
+            stored = StoredItem(
+                key=data_key(rank, save_id, placed.object),
+                offset=placed.offset,
+                length=placed.length,
+                crc32c=encoded.crc32c,
+                codec=encoded.codec,
+                etag=uploaded[placed.object].etag,
+                raw_length=None if encoded.codec == RAW else encoded.raw_length,
+                frames=encoded.frames,
+            )
+            results.append(
+                WriteResult(index=item.index, size_in_bytes=encoded.raw_length, storage_data=stored)
+            )
+        return results
+
+    def _stream(self, items: list[WriteItem], planner: SavePlanner) -> Iterator[Item]:
+        """``(index, stored bytes, their block CRC32Cs)`` in plan order, each item resolved
+        only when needed (the CRCs are of raw bytes, so compressed items go without)."""
+        raw = ((item, _item_bytes(item, planner), _grouping(item)) for item in items)
+        options = self.writer.compression
+        encoded: Iterator[tuple[WriteItem, Encoded]] = (
+            encode_stream(raw, options)
+            if options
+            else ((item, encode_raw(data)) for item, data, _ in raw)
+        )
+        for item, result in encoded:
+            self.encoded[item.index] = result
+            yield item.index, result.payload, result.crc32c if result.codec == RAW else None
+
+
+def _item_bytes(item: WriteItem, planner: SavePlanner) -> memoryview:
+    data = planner.resolve_data(item)
+    if item.type == WriteItemType.BYTE_IO:
+        return data.getbuffer()
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(
+            f"planner resolved {item.index.fqn} to {type(data).__name__}, expected a tensor"
+        )
+    if data.layout != torch.strided:
+        raise ConfigError(
+            f"{item.index.fqn}: {data.layout} tensors are not supported; save tensor.to_dense()"
+        )
+    view = tensor_view(as_cpu_contiguous(data))
+    if len(view) != item_nbytes(item):
+        raise ValueError(
+            f"item {item.index.fqn} resolved to {len(view)} bytes, planned {item_nbytes(item)}"
+        )
+    return view
+
+
+def _grouping(item: WriteItem) -> int:
+    """Element size to byte-group by: floating-point tensors only."""
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return 0
+    dtype = item.tensor_data.properties.dtype
+    return dtype.itemsize if dtype.is_floating_point and dtype.itemsize in (2, 4, 8) else 0
+
+
+def _object_entries(results: list[list[WriteResult]]) -> tuple[ObjectEntry, ...]:
+    sizes: dict[tuple[int, str], int] = {}
+    etags: dict[str, str] = {}
+    for rank, rank_results in enumerate(results):
+        for wr in rank_results:
+            stored: StoredItem = wr.storage_data
+            key = (rank, stored.key)
+            sizes[key] = max(sizes.get(key, 0), stored.offset + stored.length)
+            etags[stored.key] = stored.etag
+    return tuple(
+        ObjectEntry(key=k, size=s, etag=etags[k], rank=r) for (r, k), s in sorted(sizes.items())
+    )
+
+
+def _manifest_items(metadata: Metadata, results: list[WriteResult]) -> tuple[ItemEntry, ...]:
+    entries = []
+    for wr in results:
+        stored: StoredItem = wr.storage_data
+        md = metadata.state_dict_metadata.get(wr.index.fqn)
+        chunk = None
+        if md is not None and hasattr(md, "chunks"):
+            chunk = next((c for c in md.chunks if c.offsets == wr.index.offset), None)
+        entries.append(
+            ItemEntry(
+                fqn=wr.index.fqn,
+                chunk_offsets=tuple(wr.index.offset or ()),
+                kind="tensor" if chunk is not None else "bytes",
+                dtype=str(md.properties.dtype).removeprefix("torch.")
+                if chunk is not None
+                else None,
+                shape=tuple(chunk.sizes) if chunk is not None else None,
+                stored=stored,
+            )
+        )
+    return tuple(entries)

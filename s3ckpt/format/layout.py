@@ -1,0 +1,73 @@
+"""Where an item's bytes live in the store: data object keys and the per-item record.
+
+A rank's items go back to back into a few large data objects (the packing is done by
+:class:`s3ckpt.transfer.upload.RankUploader` as items stream in, since a compressed item's
+size is known only once it is compressed). :func:`data_key` names those objects: the
+rank and the save id are in every key, so concurrent saves and overwrites never write to
+the same key.
+
+:class:`StoredItem` is what DCP keeps per item in ``Metadata.storage_data`` (pickled, so
+its import path is part of the format: see :mod:`s3ckpt.dcp.metadata_pickle`) and what
+the manifest lists per item: enough to fetch and verify the item, and any byte sub-range
+of it, without reading anything else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MiB = 1024 * 1024
+DEFAULT_BLOCK_SIZE = 8 * MiB
+DEFAULT_MAX_OBJECT_SIZE = 64 * 1024 * MiB
+
+
+@dataclass(frozen=True)
+class StoredItem:
+    """Where one DCP item's bytes live and how to check them.
+
+    ``key`` is relative to the checkpoint prefix; ``offset``/``length`` locate the stored
+    bytes there. ``crc32c`` holds one CRC32C per ``block_size`` block of the item's raw
+    bytes (the last block may be shorter), so a partial read can be verified by fetching
+    only the blocks it touches. For a compressed item (``codec`` other than ``raw``),
+    ``raw_length`` is the decoded size and ``frames`` the stored size of each block's frame.
+    """
+
+    key: str
+    offset: int
+    length: int
+    crc32c: tuple[int, ...]
+    block_size: int = DEFAULT_BLOCK_SIZE
+    codec: str = "raw"
+    etag: str = ""  # of the data object as its upload returned it (for the manifest's object list)
+    raw_length: int | None = None
+    frames: tuple[int, ...] = ()
+
+    @property
+    def size(self) -> int:
+        """The item's raw (decoded) size."""
+        return self.length if self.raw_length is None else self.raw_length
+
+    def block_span(self, start: int, end: int) -> tuple[int, int]:
+        """The block-aligned raw ``[start, end)`` covering raw ``[start, end)``."""
+        if self.size == 0:
+            return 0, 0
+        first = (start // self.block_size) * self.block_size
+        last = min(-(-end // self.block_size) * self.block_size, self.size)
+        return first, last
+
+    def stored_span(self, first: int, last: int) -> tuple[int, int]:
+        """Stored bytes (relative to the item) holding the raw block-aligned ``[first, last)``."""
+        return stored_span(self.frames, self.block_size, first, last)
+
+
+def stored_span(frames: tuple[int, ...], block_size: int, first: int, last: int) -> tuple[int, int]:
+    """For an item stored as ``frames`` (one per raw block; none if raw), the stored bytes
+    holding its raw block-aligned range ``[first, last)``."""
+    if not frames:
+        return first, last
+    start_block, end_block = first // block_size, -(-last // block_size)
+    return sum(frames[:start_block]), sum(frames[:end_block])
+
+
+def data_key(rank: int, save_id: str, number: int) -> str:
+    return f"data/r{rank:05d}-{save_id}-{number:04d}.bin"

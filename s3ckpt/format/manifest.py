@@ -1,0 +1,167 @@
+"""The manifest's schema: the JSON object written last, whose existence *is* the commit.
+
+A checkpoint at ``s3://bucket/prefix`` exists if and only if ``prefix/manifest.json``
+exists. It lists every object of the save with its size and ETag, DCP's metadata object
+with its size and CRC32C, and every item with where it is stored and how to check it, so
+tools without torch (the catalog, the CLI) can list, verify and clean up checkpoints.
+Writing it, and the commit protocol around that, is :mod:`s3ckpt.transfer.commit`.
+
+The schema is versioned; see ``docs/format.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from s3ckpt.errors import CorruptCheckpointError
+from s3ckpt.format.layout import StoredItem
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_NAME = "s3ckpt"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ObjectEntry:
+    key: str  # relative to the checkpoint prefix
+    size: int
+    etag: str
+    rank: int
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ObjectEntry:
+        """Parse one JSON object entry; unknown fields are ignored (``docs/format.md``)."""
+        return cls(str(raw["key"]), int(raw["size"]), str(raw["etag"]), int(raw["rank"]))
+
+
+@dataclass(frozen=True)
+class ItemEntry:
+    """One item in the manifest: which DCP item it is, and its :class:`StoredItem`.
+
+    Where the bytes live and how to check them is one record, :class:`StoredItem`, the same
+    one DCP's metadata pickles per item; the manifest adds what tools without torch need to
+    show an item (its FQN, chunk, dtype and shape). In JSON the two are one flat object
+    (``docs/format.md``); the stored item's ETag is its object's, listed once in ``objects``.
+    """
+
+    fqn: str
+    chunk_offsets: tuple[int, ...]
+    kind: str  # "tensor" or "bytes"
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    stored: StoredItem
+
+    @property
+    def label(self) -> str:
+        """The FQN, plus the chunk's offsets when the tensor is sharded."""
+        return f"{self.fqn}@{list(self.chunk_offsets)}" if any(self.chunk_offsets) else self.fqn
+
+    def to_dict(self) -> dict[str, Any]:
+        stored = self.stored
+        return {
+            "fqn": self.fqn,
+            "chunk_offsets": list(self.chunk_offsets),
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "shape": list(self.shape) if self.shape is not None else None,
+            "key": stored.key,
+            "offset": stored.offset,
+            "length": stored.length,
+            "codec": stored.codec,
+            "block_size": stored.block_size,
+            "crc32c": list(stored.crc32c),
+            "raw_length": stored.raw_length,
+            "frames": list(stored.frames),
+        }
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], etags: dict[str, str]) -> ItemEntry:
+        """Parse one JSON item; unknown fields are ignored (``docs/format.md``)."""
+        shape = raw.get("shape")
+        stored = StoredItem(
+            key=str(raw["key"]),
+            offset=int(raw["offset"]),
+            length=int(raw["length"]),
+            crc32c=tuple(int(c) for c in raw["crc32c"]),
+            block_size=int(raw["block_size"]),
+            codec=str(raw["codec"]),
+            etag=etags.get(str(raw["key"]), ""),
+            raw_length=None if raw.get("raw_length") is None else int(raw["raw_length"]),
+            frames=tuple(int(f) for f in raw.get("frames", ())),
+        )
+        return cls(
+            fqn=str(raw["fqn"]),
+            chunk_offsets=tuple(raw["chunk_offsets"]),
+            kind=str(raw["kind"]),
+            dtype=raw.get("dtype"),
+            shape=tuple(shape) if shape is not None else None,
+            stored=stored,
+        )
+
+
+@dataclass(frozen=True)
+class Manifest:
+    save_id: str
+    world_size: int
+    metadata_key: str
+    metadata_size: int
+    metadata_crc32c: int
+    objects: tuple[ObjectEntry, ...]
+    items: tuple[ItemEntry, ...]
+    created: float = field(default_factory=time.time)
+    torch_version: str = ""
+    s3ckpt_version: str = ""
+    version: int = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(o.size for o in self.objects) + self.metadata_size
+
+    def all_keys(self) -> list[str]:
+        """Every object key of this checkpoint, relative to its prefix, manifest excluded."""
+        return [o.key for o in self.objects] + [self.metadata_key]
+
+    def to_json(self) -> bytes:
+        body = {
+            "format": FORMAT_NAME,
+            **asdict(replace(self, items=())),
+            "items": [item.to_dict() for item in self.items],
+            "total_bytes": self.total_bytes,
+        }
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> Manifest:
+        try:
+            raw: dict[str, Any] = json.loads(data)
+            if raw.get("format") != FORMAT_NAME:
+                raise ValueError("not an s3ckpt manifest")
+            if int(raw["version"]) > FORMAT_VERSION:
+                raise ValueError(
+                    f"format version {raw['version']} is newer than this s3ckpt supports ({FORMAT_VERSION})"
+                )
+            objects = tuple(ObjectEntry.from_dict(o) for o in raw["objects"])
+            etags = {o.key: o.etag for o in objects}
+            return cls(
+                save_id=str(raw["save_id"]),
+                world_size=int(raw["world_size"]),
+                metadata_key=str(raw["metadata_key"]),
+                metadata_size=int(raw["metadata_size"]),
+                metadata_crc32c=int(raw["metadata_crc32c"]),
+                objects=objects,
+                items=tuple(ItemEntry.from_dict(i, etags) for i in raw["items"]),
+                created=float(raw["created"]),
+                torch_version=str(raw.get("torch_version", "")),
+                s3ckpt_version=str(raw.get("s3ckpt_version", "")),
+                version=int(raw["version"]),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptCheckpointError(f"unreadable manifest {where}: {exc}") from exc
+
+
+def new_save_id() -> str:
+    return uuid.uuid4().hex[:16]

@@ -1,0 +1,11 @@
+"""``CheckpointManager``: the training-loop front end over DCP and the catalog.
+
+* :mod:`~s3ckpt.manager.checkpoint_manager`: saves in the background, one in flight,
+  failures raised on the next call, loading the latest;
+* :mod:`~s3ckpt.manager.policy`: checkpoint names, retention after each commit, metrics.
+"""
+
+from s3ckpt.manager.checkpoint_manager import CheckpointManager
+from s3ckpt.manager.policy import SaveMetrics
+
+__all__ = ["CheckpointManager", "SaveMetrics"]

@@ -1,0 +1,417 @@
+"""``CheckpointManager``: what a training loop calls to checkpoint by step, in the background.
+
+The loop blocks only while the state is copied to host memory; the upload and the commit
+run on DCP's ``async_save`` thread (or process) while training goes on. The rules:
+
+* **Names.** Step ``N`` lives at ``<uri>/step-<N:010d>``, zero-padded so that plain LIST
+  order is step order. ``steps()`` lists the committed ones (one LIST, on rank 0).
+* **At most one save in flight.** One persistent ``DefaultStager`` reuses its host buffers
+  from save to save, so a save cannot stage before the previous upload is done:
+  ``if_busy="wait"`` (default) waits for it, ``"skip"`` skips the new save. With several
+  ranks the skip decision is agreed (one all-gather), so no rank starts a save alone.
+* **Failures are never lost.** A failed background save is logged when it fails and raised,
+  as the s3ckpt error (:func:`s3ckpt.unwrap`), by the next ``save``/``wait``/``close``/``load``.
+* **Existing steps are kept**: re-saving a step seen committed (a resumed loop re-running
+  it) is skipped with a log line unless ``overwrite=True`` (then replaced atomically).
+* **Retention** (``keep_last``, ``keep_every``) runs on rank 0 after each commit on its own
+  thread (:class:`s3ckpt.manager.policy.Retention`); it never deletes the checkpoint just
+  written, and its failures are logged, not raised.
+* **Metrics**: each commit gives a :class:`SaveMetrics`, logged at INFO on
+  ``s3ckpt.manager``, kept in ``metrics`` and passed to ``on_saved``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from s3ckpt import catalog
+from s3ckpt.config import S3URI, S3Config, make_config
+from s3ckpt.dcp.compat import stop_async_save_process, unwrap
+from s3ckpt.dcp.reader import S3StorageReader
+from s3ckpt.dcp.writer import S3StorageWriter
+from s3ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError
+from s3ckpt.manager.policy import (
+    AsyncMode,
+    IfBusy,
+    Retention,
+    SaveMetrics,
+    checkpoint_name,
+    parse_step,
+    stored_bytes,
+    validate_options,
+)
+
+log = logging.getLogger("s3ckpt.manager")
+_CHECKPOINTER = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A background save, from ``async_save`` returning until its bookkeeping is done."""
+
+    step: int
+    future: Future[Any]
+    started: float  # perf_counter() when the background part began
+    blocked_s: float
+    waited_s: float
+    done: threading.Event = field(default_factory=threading.Event)
+    metrics: SaveMetrics | None = None
+
+
+class CheckpointManager:
+    """Save, list, retain and restore the checkpoints of one training run under ``uri``.
+
+    Args:
+        uri: ``s3://bucket/run``; step ``N`` is saved to ``<uri>/step-<N:010d>``.
+        endpoint_url, config, **options: connection and tuning, as for :class:`~s3ckpt.S3Config`.
+        keep_last, keep_every: retention after each commit (rules in :mod:`s3ckpt.catalog.retention`,
+            the same as ``s3ckpt prune``'s; ``keep_last=0`` keeps only the newest and the
+            ``keep_every`` steps); ``None`` for both keeps everything.
+        if_busy: ``"wait"`` for the previous upload (default), or ``"skip"`` this save.
+        async_mode: ``"thread"`` (default), ``"process"`` (DCP's background process; needs an
+            initialized process group with a gloo backend) or ``"sync"`` (plain ``dcp.save``).
+        overwrite: replace an already committed step instead of skipping the save.
+        process_group: the ranks that checkpoint together (default: the default group). With
+            several ranks, every rank of the default group constructs the manager at the same
+            point: thread mode creates a dedicated gloo group there, so background saves never
+            interleave their collectives with the training loop's.
+        on_saved: called with each commit's :class:`SaveMetrics` (on a background thread).
+        max_metrics: how many recent :class:`SaveMetrics` ``metrics`` keeps.
+        writer_options: more keywords for every :class:`~s3ckpt.S3StorageWriter`
+            (``{"compression": "zstd"}``...).
+        reader_options: more keywords for every :class:`~s3ckpt.S3StorageReader`
+            (``{"trust_pickles": True}`` for state holding custom classes...).
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        endpoint_url: str | None = None,
+        config: S3Config | None = None,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        if_busy: IfBusy = "wait",
+        async_mode: AsyncMode = "thread",
+        overwrite: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+        on_saved: Callable[[SaveMetrics], None] | None = None,
+        max_metrics: int = 1000,
+        writer_options: dict[str, Any] | None = None,
+        reader_options: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
+        validate_options(keep_last, keep_every, if_busy, async_mode)
+        self.location = S3URI.parse(uri, require_prefix=False)
+        self.config = make_config(config, endpoint_url=endpoint_url, **options)
+        self.if_busy, self.async_mode, self.overwrite = if_busy, async_mode, overwrite
+        self.on_saved = on_saved
+        self.writer_options = dict(writer_options or {})
+        self.reader_options = dict(reader_options or {})
+        self.metrics: deque[SaveMetrics] = deque(maxlen=max_metrics)
+        distributed = dist.is_available() and dist.is_initialized()
+        self._group = process_group
+        self._no_dist = not distributed
+        if self._no_dist:  # DCP warns on every single-process call; here that is the intent
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        self._world = dist.get_world_size(process_group) if distributed else 1
+        self._rank = dist.get_rank(process_group) if distributed else 0
+        self._save_group = self._make_save_group(distributed)
+        self._stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=torch.cuda.is_available(),
+                use_shared_memory=async_mode == "process",
+                use_async_staging=False,
+                use_non_blocking_copy=False,
+            )
+        )
+        self._retention = Retention(self.location, self.config, keep_last, keep_every)
+        self._lock = threading.Lock()
+        self._inflight: _InFlight | None = None
+        self._failure: BaseException | None = None
+        self._committed: set[int] = set()  # seen committed; the same on every rank
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({str(self.location)!r}, async_mode={self.async_mode!r})"
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        try:
+            self.close()
+        except BaseException:
+            if exc is None:
+                raise
+            # an exception is already on its way out: report this one, do not replace it
+            log.exception("closing %r while handling another error failed", self)
+
+    # -- names and listing ---------------------------------------------------------------
+
+    def uri_of(self, step: int) -> str:
+        """Where step ``step`` is (or would be) saved."""
+        return str(self.location.child(checkpoint_name(step)))
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending: one LIST on rank 0, broadcast to the other ranks."""
+        outcome: Any = None
+        if self._rank == 0:
+            try:
+                infos = catalog.list_checkpoints(str(self.location), config=self.config)
+                outcome = sorted(s for i in infos if (s := parse_step(i.name)) is not None)
+            except Exception as exc:  # every rank raises it, rather than the others hanging
+                outcome = exc
+        outcome = self._broadcast(outcome)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        with self._lock:
+            self._committed.update(outcome)
+        return list(outcome)
+
+    def latest_step(self) -> int | None:
+        """The highest committed step, or None."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    @property
+    def busy(self) -> bool:
+        """Whether this rank's last save is still uploading."""
+        inflight = self._inflight
+        return inflight is not None and not inflight.done.is_set()
+
+    # -- load ----------------------------------------------------------------------------
+
+    def load_latest(self, state_dict: dict[str, Any]) -> int | None:
+        """Load the highest committed step into ``state_dict`` and return it (None, and
+        ``state_dict`` untouched, when nothing is committed yet).
+
+        Loads in place, Stateful objects included (DCP calls their ``load_state_dict``).
+        The step returned is the one passed to the ``save`` restored: if the loop saves
+        after training step ``N``, resume at ``N + 1``.
+        """
+        self._settle()
+        step = self.latest_step()
+        if step is not None:
+            self.load(step, state_dict)
+        return step
+
+    def load(self, step: int, state_dict: dict[str, Any]) -> None:
+        """Load committed ``step`` into ``state_dict`` (to roll back, for instance)."""
+        self._settle()
+        started = time.perf_counter()
+        reader = S3StorageReader(self.uri_of(step), config=self.config, **self.reader_options)
+        try:
+            dcp.load(
+                state_dict, storage_reader=reader, process_group=self._group, no_dist=self._no_dist
+            )
+        except BaseException as exc:
+            _reraise(exc)
+        log.info("loaded %s in %.2f s", checkpoint_name(step), time.perf_counter() - started)
+
+    # -- save ----------------------------------------------------------------------------
+
+    def save(self, step: int, state_dict: dict[str, Any]) -> bool:
+        """Stage ``state_dict`` and upload it as ``step`` in the background.
+
+        Returns True once staged, False when skipped (busy under ``if_busy="skip"``, or
+        ``step`` already committed). A previous save's failure is raised here first, and
+        this step is then not saved: call ``save`` again to save it.
+        """
+        if self._closed:
+            raise CheckpointError(f"{self!r} is closed")
+        name = checkpoint_name(step)
+        started = time.perf_counter()
+        if self.if_busy == "skip" and self._busy_anywhere():
+            log.info("skipped %s: the previous save is still uploading", name)
+            return False
+        self._settle()  # from here on, every rank has the same view of what is committed
+        waited = time.perf_counter() - started
+        with self._lock:
+            exists = step in self._committed
+        if exists and not self.overwrite:
+            log.info("%s is already committed; not saved again", name)
+            return False
+        writer = S3StorageWriter(
+            self.uri_of(step), config=self.config, overwrite=self.overwrite, **self.writer_options
+        )
+        if self.async_mode == "sync":
+            return self._save_sync(step, state_dict, writer, started, waited)
+        try:
+            future = dcp.async_save(
+                state_dict,
+                storage_writer=writer,
+                process_group=self._save_group if self.async_mode == "thread" else self._group,
+                async_checkpointer_type=_CHECKPOINTER[self.async_mode],
+                async_stager=self._stager,
+                no_dist=self._no_dist,
+            )
+        except BaseException as exc:
+            _reraise(exc)
+        now = time.perf_counter()
+        inflight = _InFlight(step, future, now, now - started, waited)
+        self._inflight = inflight
+        future.add_done_callback(lambda _: self._finished(inflight))
+        return True
+
+    def _save_sync(
+        self, step: int, state: dict[str, Any], writer: S3StorageWriter, t0: float, waited: float
+    ) -> bool:
+        started = time.perf_counter()
+        try:
+            metadata = dcp.save(
+                state, storage_writer=writer, process_group=self._group, no_dist=self._no_dist
+            )
+        except BaseException as exc:
+            if not isinstance(unwrap(exc), CheckpointExistsError):
+                _reraise(exc)
+            log.warning("%s was committed by someone else; not saved", checkpoint_name(step))
+            return False
+        elapsed = time.perf_counter() - started
+        self._committed_ok(step, metadata, time.perf_counter() - t0, elapsed, waited)
+        return True
+
+    # -- waiting and closing ---------------------------------------------------------------
+
+    def wait(self) -> SaveMetrics | None:
+        """Wait for the save in flight and the retention after it; raise a failed save's error.
+
+        Returns the metrics of the save waited for (None if there was none or it failed).
+        """
+        inflight = self._inflight
+        self._settle()
+        self._retention.wait()
+        return inflight.metrics if inflight is not None else None
+
+    def close(self) -> None:
+        """Wait for everything in flight, then release the staging buffers; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            self._retention.close()
+            self._stager.close()
+            if self.async_mode == "process":
+                stop_async_save_process()
+            if self._save_group is not None:
+                try:
+                    dist.destroy_process_group(self._save_group)
+                except Exception:  # the default group may be gone already
+                    log.debug("could not destroy the checkpoint process group", exc_info=True)
+
+    # -- background bookkeeping (DCP's thread) -----------------------------------------------
+
+    def _finished(self, inflight: _InFlight) -> None:
+        try:
+            error = inflight.future.exception()
+            if error is None:
+                upload = time.perf_counter() - inflight.started
+                inflight.metrics = self._committed_ok(
+                    inflight.step,
+                    inflight.future.result(),
+                    inflight.blocked_s,
+                    upload,
+                    inflight.waited_s,
+                )
+            else:
+                self._failed(inflight.step, error)
+        except BaseException:  # never let bookkeeping leave waiters hanging
+            log.exception("bookkeeping after the save of step %d failed", inflight.step)
+        finally:
+            inflight.done.set()
+
+    def _committed_ok(
+        self, step: int, metadata: Any, blocked: float, upload: float, waited: float
+    ) -> SaveMetrics:
+        metrics = SaveMetrics.of(step, blocked, upload, stored_bytes(metadata), waited)
+        with self._lock:
+            self._committed.add(step)
+            self.metrics.append(metrics)
+        log.info("%s", metrics)
+        if self.on_saved is not None:
+            try:
+                self.on_saved(metrics)
+            except Exception:
+                log.exception("on_saved callback failed for step %d", step)
+        if self._rank == 0:
+            self._retention.after_commit(step)
+        return metrics
+
+    def _failed(self, step: int, exc: BaseException) -> None:
+        error = unwrap(exc)
+        name = checkpoint_name(step)
+        if isinstance(error, CheckpointExistsError):
+            log.warning("%s was committed by someone else; not saved", name)
+            with self._lock:
+                self._committed.add(step)
+            return
+        log.error("background save of %s failed: %s", name, error, exc_info=error)
+        if hasattr(error, "add_note"):
+            error.add_note(f"CheckpointManager: the background save of {name} failed")
+        with self._lock:
+            if self._failure is None:  # the first failure is the one worth raising
+                self._failure = error
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _settle(self) -> None:
+        """Wait for the save in flight, then raise its failure (once) if it failed."""
+        inflight = self._inflight
+        if inflight is not None:
+            inflight.done.wait()
+        with self._lock:
+            error, self._failure = self._failure, None
+        if error is not None:
+            raise error
+
+    def _busy_anywhere(self) -> bool:
+        if self._world == 1:
+            return self.busy
+        flags: list[Any] = [None] * self._world
+        dist.all_gather_object(flags, self.busy, group=self._group)
+        return any(flags)
+
+    def _broadcast(self, value: Any) -> Any:
+        if self._world == 1:
+            return value
+        box = [value]
+        source = 0 if self._group is None else dist.get_global_rank(self._group, 0)
+        dist.broadcast_object_list(box, src=source, group=self._group)
+        return box[0]
+
+    def _make_save_group(self, distributed: bool) -> dist.ProcessGroup | None:
+        if self.async_mode == "process" and not distributed:
+            raise ConfigError(
+                "async_mode='process' needs torch.distributed initialized with a gloo backend"
+            )
+        if self.async_mode != "thread" or self._world == 1:
+            return None
+        ranks = dist.get_process_group_ranks(self._group or dist.group.WORLD)
+        return dist.new_group(ranks=ranks, backend="gloo")
+
+
+def _reraise(exc: BaseException) -> NoReturn:
+    """Raise the s3ckpt error inside DCP's ``CheckpointException`` (chained), else ``exc``."""
+    error = unwrap(exc)
+    if error is exc:
+        raise exc
+    raise error from exc
+
+
+__all__ = ["AsyncMode", "CheckpointManager", "IfBusy", "SaveMetrics", "checkpoint_name"]

@@ -1,0 +1,174 @@
+"""The torch-free half of :class:`~s3ckpt.manager.CheckpointManager`: names, options, metrics,
+and retention in the background.
+
+Kept apart so that the rules a training run depends on (how steps are named and sorted,
+which checkpoints retention may delete, what a save's metrics mean) are pure functions
+tested without torch, S3 or threads, and so that the manager module stays about the one
+thing that needs torch: driving DCP's saves and loads.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from s3ckpt import catalog
+from s3ckpt.catalog.retention import Candidate, plan_retention, validate_rules
+from s3ckpt.config import S3URI, S3Config
+from s3ckpt.errors import ConfigError
+
+log = logging.getLogger("s3ckpt.manager")
+
+IfBusy = Literal["wait", "skip"]
+"""What ``save`` does while the previous upload runs: wait for it, or skip this save."""
+AsyncMode = Literal["thread", "process", "sync"]
+"""Where the upload runs: DCP's background thread or process, or the caller (``dcp.save``)."""
+
+_NAME = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_name(step: int) -> str:
+    """``step-0000000100``: ten digits, so plain lexicographic (LIST) order is step order."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"step must be a non-negative int, got {step!r}")
+    return f"step-{step:010d}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a checkpoint name the manager writes (``step-<digits>``), else None."""
+    match = _NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+def validate_options(
+    keep_last: int | None, keep_every: int | None, if_busy: str, async_mode: str
+) -> None:
+    """Fail at construction, not at the first save hours into a run."""
+    if if_busy not in ("wait", "skip"):
+        raise ConfigError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
+    if async_mode not in ("thread", "process", "sync"):
+        raise ConfigError(f"async_mode must be 'thread', 'process' or 'sync', got {async_mode!r}")
+    validate_rules(0 if keep_last is None else keep_last, keep_every, None)
+
+
+@dataclass(frozen=True)
+class SaveMetrics:
+    """One committed save.
+
+    ``blocked_s``: seconds ``save()`` held the training loop (``waited_s`` of them waiting
+    for the previous upload, the rest staging); ``upload_s``: from ``save()`` returning to
+    the commit; ``bytes``: stored by all ranks (after compression, if any);
+    ``throughput_mb_s``: bytes / upload_s in MB/s (10**6 bytes).
+    """
+
+    step: int
+    blocked_s: float
+    upload_s: float
+    bytes: int
+    throughput_mb_s: float
+    waited_s: float = 0.0
+
+    @classmethod
+    def of(
+        cls, step: int, blocked: float, upload: float, nbytes: int, waited: float
+    ) -> SaveMetrics:
+        return cls(step, blocked, upload, nbytes, nbytes / 1e6 / max(upload, 1e-9), waited)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return (
+            f"{checkpoint_name(self.step)} committed: {self.bytes / 1e6:.1f} MB, "
+            f"blocked {self.blocked_s:.3f} s, upload {self.upload_s:.2f} s "
+            f"({self.throughput_mb_s:.1f} MB/s)"
+        )
+
+
+def stored_bytes(metadata: Any) -> int:
+    """Data bytes of every rank, from the per-item records DCP's save returns."""
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        return 0
+    return sum(int(getattr(item, "length", 0) or 0) for item in storage.values())
+
+
+def retention_victims(
+    infos: Iterable[catalog.CheckpointInfo],
+    *,
+    keep_last: int | None,
+    keep_every: int | None,
+    protect: str,
+    now: float,
+) -> list[str]:
+    """Names retention deletes: committed ``step-N`` checkpoints the policy expires.
+
+    Never ``protect`` (the checkpoint just written, which is not the highest step after a
+    rollback) and never anything the manager did not name (other runs or checkpoints kept
+    by hand under the same prefix).
+    """
+    mine = [
+        Candidate(i.name, i.time) for i in infos if i.committed and parse_step(i.name) is not None
+    ]
+    decisions = plan_retention(mine, keep_last=keep_last or 0, keep_every=keep_every, now=now)
+    return [d.name for d in decisions if d.delete and d.name != protect]
+
+
+class Retention:
+    """Applies the policy after each commit on one background thread, in commit order.
+
+    Deleting is a LIST and a few DELETEs: cheap, but never worth blocking training for,
+    and never worth failing a run for, so errors are logged, not raised.
+    """
+
+    def __init__(
+        self, location: S3URI, config: S3Config, keep_last: int | None, keep_every: int | None
+    ) -> None:
+        self.location, self.config = location, config
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="s3ckpt-retention")
+        self._last: Future[None] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.keep_last is not None or self.keep_every is not None
+
+    def after_commit(self, step: int) -> None:
+        if self.enabled:
+            self._last = self._executor.submit(self._apply, step)
+
+    def wait(self) -> None:
+        """Until the retention runs submitted so far are done (they run in order)."""
+        last = self._last
+        if last is not None:
+            last.result()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    def _apply(self, step: int) -> None:
+        try:
+            infos = catalog.list_checkpoints(str(self.location), config=self.config)
+            victims = retention_victims(
+                infos,
+                keep_last=self.keep_last,
+                keep_every=self.keep_every,
+                protect=checkpoint_name(step),
+                now=time.time(),
+            )
+        except Exception:
+            log.warning(
+                "retention after step %d: could not list %s", step, self.location, exc_info=True
+            )
+            return
+        for name in victims:
+            try:
+                catalog.remove_checkpoint(str(self.location.child(name)), config=self.config)
+                log.info("retention: removed %s", name)
+            except Exception as exc:  # the next run retries; a missing one is already gone
+                log.warning("retention: could not remove %s: %s", name, exc)

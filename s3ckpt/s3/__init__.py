@@ -1,0 +1,11 @@
+"""The S3 transport: typed S3 operations on one asyncio event loop per process. No torch.
+
+* :mod:`~s3ckpt.s3.loop`: the event loop thread, fork-safe;
+* :mod:`~s3ckpt.s3.client`: the aiobotocore client, created lazily once per loop;
+* :mod:`~s3ckpt.s3.store`: :class:`ObjectStore`, one short method per S3 operation;
+* :mod:`~s3ckpt.s3.retry`: what is retried, backoff, deadlines;
+* :mod:`~s3ckpt.s3.error_mapping`: the one place S3 and HTTP errors become ``s3ckpt.errors``;
+* :mod:`~s3ckpt.s3.http_body`, :mod:`~s3ckpt.s3.http_range`, :mod:`~s3ckpt.s3.http_response`:
+  request bodies sent from memory, and the direct ranged-GET reader that receives
+  response bodies straight into destination memory.
+"""

@@ -1,0 +1,120 @@
+"""The aiobotocore S3 client: configured for speed, created lazily, one per loop and config.
+
+The client is configured the way a fast client should talk to FlashBlade: path-style by
+default, no SHA-256 payload signing (``UNSIGNED-PAYLOAD``), no checksums computed by
+botocore (callers send a CRC32C computed natively), no botocore retries (:mod:`s3ckpt.s3.retry`
+is the one retry layer), and no parameter validation (it rejects the ``memoryview``
+bodies that carry tensor bytes without a copy).
+
+Clients live in the resources of the process's I/O loop (:mod:`s3ckpt.s3.loop`), keyed by the
+configuration: every store with the same settings shares one connection pool and one
+request bound, and a forked child, which gets a new loop, creates its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from aiobotocore.config import AioConfig
+from aiobotocore.session import AioSession
+
+from s3ckpt.config import S3Config
+from s3ckpt.s3.http_range import DirectRangeReader, proxied
+from s3ckpt.s3.loop import io_loop
+
+log = logging.getLogger(__name__)
+
+
+class ClientHandle:
+    """An entered aiobotocore client, the semaphore bounding its requests, and the
+    direct ranged-GET reader (:mod:`s3ckpt.s3.http_range`) that shares both."""
+
+    def __init__(self, config: S3Config) -> None:
+        self.config = config
+        self.client: Any = None
+        self.slots = asyncio.Semaphore(config.max_concurrency)
+        self._ctx: Any = None
+        self._lock = asyncio.Lock()
+        self._direct: DirectRangeReader | None = None
+        self._direct_allowed = config.direct_reads
+
+    async def get(self) -> Any:
+        if self.client is None:
+            async with self._lock:
+                if self.client is None:
+                    self._ctx = create_client(self.config)
+                    self.client = await self._ctx.__aenter__()
+        return self.client
+
+    async def range_reader(self) -> DirectRangeReader | None:
+        """The direct ranged-GET reader, or None where aiobotocore must read."""
+        if self._direct is None and self._direct_allowed:
+            client = await self.get()
+            if proxied(client.meta.endpoint_url):
+                self._direct_allowed = False
+                return None
+            self._direct = DirectRangeReader(
+                client,
+                verify=self.config.verify,
+                connect_timeout=self.config.connect_timeout,
+                read_timeout=self.config.read_timeout,
+                max_idle=self.config.max_concurrency,
+            )
+        return self._direct
+
+    def disable_range_reader(self, reason: str) -> None:
+        """Send every later ranged GET through aiobotocore (the endpoint answered oddly)."""
+        if self._direct_allowed:
+            log.warning("ranged GETs fall back to aiobotocore: %s", reason)
+        self._direct_allowed = False
+        if self._direct is not None:
+            self._direct.close_idle()
+            self._direct = None
+
+    async def aclose(self) -> None:
+        if self._direct is not None:
+            await self._direct.aclose()
+            self._direct = None
+        if self._ctx is not None:
+            await self._ctx.__aexit__(None, None, None)
+            self._ctx = self.client = None
+
+
+def create_client(config: S3Config) -> Any:
+    session = AioSession(profile=config.profile) if config.profile else AioSession()
+    aio_config = AioConfig(
+        signature_version="s3v4",
+        s3={"addressing_style": config.addressing_style, "payload_signing_enabled": False},
+        max_pool_connections=config.max_concurrency,
+        connect_timeout=config.connect_timeout,
+        read_timeout=config.read_timeout,
+        retries={"total_max_attempts": 1},  # s3ckpt.s3.retry is the one retry layer
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        tcp_keepalive=True,
+        # Validation rejects memoryview bodies, which is how tensor bytes are sent without a
+        # copy; every request's parameters are built by this module.
+        parameter_validation=False,
+    )
+    return session.create_client(
+        "s3",
+        endpoint_url=config.endpoint_url,
+        region_name=config.region,
+        aws_access_key_id=config.access_key_id,
+        aws_secret_access_key=config.secret_access_key,
+        aws_session_token=config.session_token,
+        verify=config.verify,
+        config=aio_config,
+    )
+
+
+def client_handle(config: S3Config) -> ClientHandle:
+    """The calling process's client for ``config`` (call on the I/O loop)."""
+    resources = io_loop().resources
+    key = ("s3-client", config.client_key())
+    handle = resources.get(key)
+    if handle is None:
+        handle = resources[key] = ClientHandle(config)
+    return handle

@@ -1,0 +1,176 @@
+"""The one place where botocore and aiohttp exceptions become s3ckpt errors.
+
+Callers match on exception classes, never on message strings. Messages name the
+operation, bucket and key, and carry the server's error code; they never contain
+credentials (botocore's own messages do not, and nothing here adds them). Whether a
+failure is retried is decided earlier, on the raw exception, by :mod:`s3ckpt.s3.retry`;
+:func:`translate_final` words the error that ends the retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
+import aiohttp
+from botocore import exceptions as bce
+
+from s3ckpt.errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    DeadlineExceededError,
+    EndpointError,
+    ObjectNotFoundError,
+    PreconditionFailedError,
+    S3CkptError,
+    StorageError,
+    TransientStorageError,
+)
+from s3ckpt.s3.retry import ShortReadError
+
+_NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
+_NO_BUCKET = {"NoSuchBucket"}
+_DENIED = {
+    "AccessDenied",
+    "403",
+    "Forbidden",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "InvalidToken",
+    "ExpiredToken",
+    "AllAccessDisabled",
+}
+PRECONDITION_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict"})
+_TRANSIENT = {
+    "SlowDown",
+    "503",
+    "500",
+    "InternalError",
+    "ServiceUnavailable",
+    "RequestTimeout",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeTooSkewed",
+}
+_ENDPOINT_ERRORS = (
+    bce.EndpointConnectionError,
+    bce.ConnectTimeoutError,
+    bce.ReadTimeoutError,
+    bce.ConnectionClosedError,
+    bce.SSLError,
+    bce.ProxyConnectionError,
+    bce.HTTPClientError,
+    bce.IncompleteReadError,
+)
+
+
+def error_code(exc: bce.ClientError) -> str:
+    """The S3 error code of ``exc``, or its HTTP status when the body had none (HEAD)."""
+    error = exc.response.get("Error", {})
+    return str(
+        error.get("Code") or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", "")
+    )
+
+
+def translate(
+    exc: BaseException, *, operation: str, bucket: str | None = None, key: str | None = None
+) -> S3CkptError:
+    """The s3ckpt error for ``exc`` raised by ``operation`` on ``bucket``/``key``."""
+    if isinstance(exc, S3CkptError):
+        return exc
+    where = f"s3://{bucket}/{key}" if key else (f"s3://{bucket}" if bucket else "")
+    ctx = {"operation": operation, "bucket": bucket, "key": key}
+    if isinstance(exc, bce.ClientError):
+        code = error_code(exc)
+        message = exc.response.get("Error", {}).get("Message") or ""
+        text = f"{operation} {where} failed: {code}{': ' + message if message else ''}"
+        cls = _class_for_code(code, key)
+        return cls(text, code=code, **ctx)
+    if isinstance(exc, (bce.NoCredentialsError, bce.PartialCredentialsError)):
+        return AccessDeniedError(
+            f"{operation} {where} failed: no usable AWS credentials found "
+            "(set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, or pass credentials)",
+            **ctx,
+        )
+    if isinstance(exc, _ENDPOINT_ERRORS):
+        return EndpointError(f"{operation} {where} failed: {_endpoint_reason(exc)}", **ctx)
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return EndpointError(f"{operation} {where} timed out", **ctx)
+    if isinstance(exc, (aiohttp.ClientError, ShortReadError, ConnectionError)):
+        return EndpointError(f"{operation} {where} failed: {_stream_reason(exc)}", **ctx)
+    if isinstance(exc, bce.BotoCoreError):
+        return StorageError(f"{operation} {where} failed: {exc}", **ctx)
+    return StorageError(f"{operation} {where} failed: {type(exc).__name__}: {exc}", **ctx)
+
+
+def _class_for_code(code: str, key: str | None) -> type[StorageError]:
+    if code in _NO_BUCKET:
+        return BucketNotFoundError
+    if code in _NOT_FOUND:
+        return ObjectNotFoundError if key else BucketNotFoundError
+    if code in _DENIED:
+        return AccessDeniedError
+    if code in PRECONDITION_CODES:
+        return PreconditionFailedError
+    if code in _TRANSIENT:
+        return TransientStorageError
+    return StorageError
+
+
+def _endpoint_reason(exc: BaseException) -> str:
+    if isinstance(exc, bce.SSLError):
+        inner = getattr(exc.kwargs.get("error"), "certificate_error", None)
+        detail = getattr(inner, "verify_message", None)
+        what = f"TLS certificate verification failed ({detail})" if detail else "TLS error"
+        return f"{what} talking to {exc.kwargs.get('endpoint_url', 'the endpoint')}; check verify/CA bundle"
+    if isinstance(exc, (bce.ConnectTimeoutError, bce.ReadTimeoutError)):
+        return f"timed out talking to {exc.kwargs.get('endpoint_url', 'the endpoint')}"
+    if isinstance(exc, bce.EndpointConnectionError):
+        return f"could not connect to {exc.kwargs.get('endpoint_url', 'the endpoint')}"
+    return f"connection to the endpoint failed ({type(exc).__name__})"
+
+
+def _stream_reason(exc: BaseException) -> str:
+    """Failures of a response body read straight from aiohttp (ranged GETs)."""
+    if isinstance(exc, aiohttp.ClientSSLError):
+        return "TLS error talking to the endpoint; check verify/CA bundle"
+    if isinstance(exc, ShortReadError):
+        return str(exc)
+    return f"the connection dropped ({type(exc).__name__})"
+
+
+def translate_final(
+    last: BaseException,
+    attempts: int,
+    *,
+    out_of_time: bool,
+    operation: str,
+    bucket: str | None = None,
+    key: str | None = None,
+) -> S3CkptError:
+    """The error for a request that was retried and still failed (``last`` failure)."""
+    error = translate(last, operation=operation, bucket=bucket, key=key)
+    if not isinstance(error, StorageError):
+        return error
+    ctx = {"operation": operation, "code": error.code, "bucket": bucket, "key": key}
+    if out_of_time:
+        return DeadlineExceededError(
+            f"{error}; not retried after {attempts} attempt(s): the time budget of this save "
+            "or load (S3Config.deadline_s) is spent",
+            **ctx,
+        )
+    return type(error)(f"{error} (gave up after {attempts} attempts)", **ctx)
+
+
+@contextlib.contextmanager
+def translated(operation: str, bucket: str | None = None, key: str | None = None) -> Iterator[None]:
+    """Re-raise anything but cancellation as the matching s3ckpt error."""
+    try:
+        yield
+    except asyncio.CancelledError:
+        raise
+    except S3CkptError:
+        raise
+    except Exception as exc:
+        raise translate(exc, operation=operation, bucket=bucket, key=key) from exc

@@ -1,0 +1,466 @@
+"""A small, typed, async object-store API over aiobotocore, bound to one bucket.
+
+Every method runs on the process's I/O loop (:mod:`s3ckpt.s3.loop`) and raises only s3ckpt
+errors (translated in :mod:`s3ckpt.s3.error_mapping`); a missing object is
+:class:`~s3ckpt.errors.ObjectNotFoundError`, a ``FileNotFoundError``. The store holds only
+its config and bucket name, so it pickles and survives ``fork``: the client is created
+lazily on the loop of whichever process uses it.
+
+Requests go through the shared client of :mod:`s3ckpt.s3.client` (path-style, no SHA-256
+payload signing, no botocore checksums: callers pass a CRC32C computed natively), except
+the body of ranged GETs, which :mod:`s3ckpt.s3.http_range` receives straight into the
+caller's memory (signed by that client; aiobotocore remains the fallback).
+
+Failed requests are retried here, by :mod:`s3ckpt.s3.retry` (botocore's own retries are off),
+because a retry must know what the request meant: a ranged GET resumes at the first byte
+not yet delivered, so its sink sees every byte exactly once; a retried create-only PUT or
+CompleteMultipartUpload whose first response was lost recognises its own landed write
+instead of reporting a conflict; a retried CreateMultipartUpload aborts the uploads its
+lost responses created. Bodies are memory, so resending one costs no copy.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal, TypeVar
+
+from botocore import xform_name
+from botocore.exceptions import ClientError
+
+from s3ckpt.config import S3Config
+from s3ckpt.errors import PreconditionFailedError, StorageError
+from s3ckpt.s3 import retry
+from s3ckpt.s3.client import client_handle
+from s3ckpt.s3.error_mapping import PRECONDITION_CODES, error_code, translate_final, translated
+from s3ckpt.s3.http_body import MemoryBody
+from s3ckpt.s3.http_response import RangeSink, UnsupportedResponse, copy_into
+
+Body = bytes | bytearray | memoryview
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    key: str
+    size: int
+    etag: str
+    last_modified: datetime | None = None
+
+
+@dataclass(frozen=True)
+class PartResult:
+    part_number: int
+    etag: str
+    crc32c: str | None
+
+    def as_complete_entry(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {"PartNumber": self.part_number, "ETag": self.etag}
+        if self.crc32c:
+            entry["ChecksumCRC32C"] = self.crc32c
+        return entry
+
+
+@dataclass(frozen=True)
+class PendingUpload:
+    key: str
+    upload_id: str
+    initiated: datetime | None
+
+
+def crc32c_header(value: int) -> str:
+    """S3's encoding of a CRC32C: base64 of the 4 big-endian bytes."""
+    return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
+
+
+class _Progress:
+    """A sink that remembers how far its range has been delivered (where a retry resumes)."""
+
+    def __init__(self, sink: RangeSink, start: int) -> None:
+        self.sink = sink
+        self.position = start
+
+    def buffer(self, offset: int) -> memoryview:
+        return self.sink.buffer(offset)
+
+    def filled(self, offset: int, nbytes: int) -> None:
+        self.sink.filled(offset, nbytes)
+        self.position = offset + nbytes
+
+
+class ObjectStore:
+    """Async S3 operations on one bucket. Call the coroutines on :func:`s3ckpt.s3.loop.io_loop`.
+
+    ``deadline`` (a ``time.monotonic()`` instant, see :meth:`with_deadline`) ends retrying:
+    a request that fails after it is not tried again.
+    """
+
+    def __init__(self, config: S3Config, bucket: str, *, deadline: float | None = None) -> None:
+        self.config = config
+        self.bucket = bucket
+        self.deadline = deadline
+
+    def __repr__(self) -> str:
+        return f"ObjectStore(bucket={self.bucket!r}, endpoint_url={self.config.endpoint_url!r})"
+
+    def with_deadline(self, seconds: float | None) -> ObjectStore:
+        """This store with a retry budget of ``seconds`` from now (``None``: unlimited).
+
+        A save or load takes one such store for all its requests, so ``S3Config.deadline_s``
+        bounds how long faults can keep it retrying.
+        """
+        deadline = None if seconds is None else time.monotonic() + seconds
+        return ObjectStore(self.config, self.bucket, deadline=deadline)
+
+    # -- requests and their retries ---------------------------------------------------------
+
+    async def _retrying(
+        self, operation: str, key: str | None, attempt: Callable[[int], Awaitable[T]]
+    ) -> T:
+        """Run ``attempt(n)`` under the retry policy; every failure leaves as an s3ckpt error."""
+        policy = retry.RetryPolicy(max_attempts=self.config.max_attempts, deadline=self.deadline)
+        with translated(operation, self.bucket, key):
+            try:
+                return await retry.run(attempt, policy, what=f"{operation} {self._where(key)}")
+            except retry.RetryError as exc:
+                raise translate_final(
+                    exc.last,
+                    exc.attempts,
+                    out_of_time=exc.out_of_time,
+                    operation=operation,
+                    bucket=self.bucket,
+                    key=key,
+                ) from exc.last
+
+    async def _request(self, operation: str, params: dict[str, Any]) -> dict[str, Any]:
+        """One try of one request, holding one of the client's request slots."""
+        handle = client_handle(self.config)
+        client = await handle.get()
+        async with handle.slots:
+            method: Callable[..., Any] = getattr(client, xform_name(operation))
+            return await method(Bucket=self.bucket, **params)
+
+    async def _call(self, operation: str, key: str | None, **params: Any) -> dict[str, Any]:
+        return await self._retrying(operation, key, lambda _: self._request(operation, params))
+
+    def _where(self, key: str | None) -> str:
+        return f"s3://{self.bucket}/{key}" if key else f"s3://{self.bucket}"
+
+    # -- whole objects ------------------------------------------------------------------
+
+    async def put(
+        self,
+        key: str,
+        body: Body,
+        *,
+        mode: Literal["overwrite", "create"] = "overwrite",
+        crc32c: int | None = None,
+        content_type: str | None = None,
+    ) -> str:
+        """Store ``body`` at ``key``; returns the ETag.
+
+        ``mode="create"`` sends ``If-None-Match: *`` and raises
+        :class:`PreconditionFailedError` if the key already exists. When it finds the key
+        taken, the object is read back: holding exactly ``body``, it is this put's own
+        write from a try whose response was lost (by s3ckpt's retry or aiohttp's silent
+        resend of an idempotent request), so the put succeeded.
+        """
+        params: dict[str, Any] = {"Key": key, "Body": MemoryBody(body)}
+        if mode == "create":
+            params["IfNoneMatch"] = "*"
+        if crc32c is not None and self.config.checksums:
+            params["ChecksumCRC32C"] = crc32c_header(crc32c)
+        if content_type:
+            params["ContentType"] = content_type
+
+        async def attempt(_: int) -> dict[str, Any]:
+            try:
+                return await self._request("PutObject", params)
+            except ClientError as exc:
+                if mode == "create" and error_code(exc) in PRECONDITION_CODES:
+                    etag = await self._etag_if_holds(key, body)
+                    if etag is not None:
+                        return {"ETag": etag}
+                raise
+
+        response = await self._retrying("PutObject", key, attempt)
+        return str(response.get("ETag", ""))
+
+    async def get(self, key: str) -> bytes:
+        """The whole object's bytes (for small objects: manifests, metadata)."""
+        body, _ = await self._retrying("GetObject", key, lambda _: self._fetch(key))
+        return body
+
+    async def _fetch(self, key: str) -> tuple[bytes, str]:
+        """One GET of a whole object: its bytes and ETag."""
+        handle = client_handle(self.config)
+        client = await handle.get()
+        async with handle.slots:
+            response = await client.get_object(Bucket=self.bucket, Key=key)
+            async with response["Body"] as stream:
+                return await stream.read(), str(response.get("ETag", ""))
+
+    async def _etag_if_holds(self, key: str, body: Body) -> str | None:
+        """The ETag of ``key`` if it holds exactly ``body``, else None."""
+        try:
+            stored, etag = await self._fetch(key)
+        except ClientError as exc:
+            if error_code(exc) in ("NoSuchKey", "404"):
+                return None
+            raise
+        return etag if memoryview(body).cast("B") == stored else None
+
+    async def read_range(self, key: str, start: int, end: int, sink: RangeSink) -> None:
+        """Receive bytes ``[start, end)`` of ``key`` into ``sink`` as they arrive.
+
+        The sink names the memory each byte goes to (usually a tensor), so the range is
+        never held twice; with :mod:`s3ckpt.s3.http_range` the socket writes into it directly.
+        Bytes arrive in offset order and each exactly once: a retry asks only for the
+        bytes not yet delivered.
+        """
+        progress = _Progress(sink, start)
+
+        async def attempt(_: int) -> None:
+            if progress.position < end:
+                await self._receive(key, progress.position, end, progress)
+
+        await self._retrying("GetObject", key, attempt)
+
+    async def _receive(self, key: str, start: int, end: int, sink: RangeSink) -> None:
+        """One ranged GET: s3ckpt's direct reader where it can, else aiobotocore."""
+        handle = client_handle(self.config)
+        reader = await handle.range_reader()
+        if reader is not None:
+            try:
+                async with handle.slots:
+                    await reader.read(self.bucket, key, start, end, sink)
+                return
+            except UnsupportedResponse as exc:
+                handle.disable_range_reader(str(exc))
+        await self._stream(key, start, end, sink)
+
+    async def _stream(self, key: str, start: int, end: int, sink: RangeSink) -> None:
+        """One ranged GET through aiobotocore; :class:`retry.ShortReadError` if it ends early."""
+        handle = client_handle(self.config)
+        client = await handle.get()
+        async with handle.slots:
+            response = await client.get_object(
+                Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}"
+            )
+            position = start
+            async with response["Body"] as stream:
+                # readchunk() hands over one received buffer as is; readany() and
+                # read(n) join everything buffered into a new bytes object first.
+                content = stream.raw_stream.content
+                while position < end:
+                    chunk, _ = await content.readchunk()
+                    if not chunk:
+                        break
+                    copy_into(sink, position, chunk[: end - position])
+                    position += len(chunk)
+        if position < end:
+            raise retry.ShortReadError(
+                f"the response ended after {position - start} of {end - start} bytes"
+            )
+
+    async def head(self, key: str) -> ObjectMeta:
+        response = await self._call("HeadObject", key, Key=key)
+        return ObjectMeta(
+            key,
+            int(response["ContentLength"]),
+            str(response.get("ETag", "")),
+            response.get("LastModified"),
+        )
+
+    async def exists(self, key: str) -> bool:
+        try:
+            await self.head(key)
+        except FileNotFoundError:
+            return False
+        return True
+
+    async def head_bucket(self) -> None:
+        await self._call("HeadBucket", None)
+
+    async def list(self, prefix: str) -> AsyncIterator[ObjectMeta]:
+        """Every object under ``prefix``, one LIST page (1000 keys) per request."""
+        token: str | None = None
+        while True:
+            params: dict[str, Any] = {"Prefix": prefix}
+            if token:
+                params["ContinuationToken"] = token
+            response = await self._call("ListObjectsV2", None, **params)
+            for item in response.get("Contents", []):
+                yield ObjectMeta(
+                    item["Key"],
+                    int(item["Size"]),
+                    str(item.get("ETag", "")),
+                    item.get("LastModified"),
+                )
+            if not response.get("IsTruncated"):
+                return
+            token = response.get("NextContinuationToken")
+
+    async def delete_many(self, keys: list[str]) -> None:
+        """Delete ``keys`` with batched DeleteObjects (1000 per request); missing keys are fine."""
+        for i in range(0, len(keys), 1000):
+            batch = [{"Key": k} for k in keys[i : i + 1000]]
+            response = await self._call(
+                "DeleteObjects", batch[0]["Key"], Delete={"Objects": batch, "Quiet": True}
+            )
+            errors = response.get("Errors") or []
+            if errors:
+                first = errors[0]
+                raise StorageError(
+                    f"DeleteObjects failed for {len(errors)} key(s), first s3://{self.bucket}/{first.get('Key')}: "
+                    f"{first.get('Code')}",
+                    operation="DeleteObjects",
+                    code=first.get("Code"),
+                    bucket=self.bucket,
+                    key=first.get("Key"),
+                )
+
+    async def delete_if_match(self, key: str, etag: str) -> None:
+        """Delete ``key`` only while its ETag is still ``etag`` (``If-Match``).
+
+        Raises :class:`PreconditionFailedError` if the object changed (or, on some stores,
+        is gone). Stores that do not implement conditional deletes ignore the header, which
+        makes this a plain delete; callers must be correct either way. A failed
+        precondition with the key gone is an earlier try's success, its response lost.
+        """
+        params = {"Key": key, "IfMatch": etag}
+
+        async def attempt(_: int) -> dict[str, Any]:
+            try:
+                return await self._request("DeleteObject", params)
+            except ClientError as exc:
+                if error_code(exc) in PRECONDITION_CODES and await self._head_or_none(key) is None:
+                    return {}
+                raise
+
+        await self._retrying("DeleteObject", key, attempt)
+
+    async def _head_or_none(self, key: str) -> dict[str, Any] | None:
+        """One HEAD inside an attempt: the response, or None if the key is absent."""
+        try:
+            return await self._request("HeadObject", {"Key": key})
+        except ClientError as exc:
+            if error_code(exc) in ("NoSuchKey", "404", "NotFound"):
+                return None
+            raise
+
+    # -- multipart ---------------------------------------------------------------------
+
+    async def create_multipart(self, key: str) -> str:
+        params: dict[str, Any] = {"Key": key}
+        if self.config.checksums:
+            params["ChecksumAlgorithm"] = "CRC32C"
+
+        async def attempt(number: int) -> tuple[int, dict[str, Any]]:
+            return number, await self._request("CreateMultipartUpload", params)
+
+        number, response = await self._retrying("CreateMultipartUpload", key, attempt)
+        upload_id = str(response["UploadId"])
+        if number > 1:  # earlier tries may have created uploads whose ids never arrived
+            await self._abort_others(key, upload_id)
+        return upload_id
+
+    async def _abort_others(self, key: str, upload_id: str) -> None:
+        """Abort the uploads of ``key`` other than ``upload_id`` (keys are unique per save).
+
+        Best effort: what this misses, ``gc`` removes later.
+        """
+        try:
+            async for pending in self.list_multipart_uploads(key):
+                if pending.key == key and pending.upload_id != upload_id:
+                    await self.abort_multipart(key, pending.upload_id)
+        except StorageError as exc:
+            log.warning("could not abort stray uploads of %s: %s", self._where(key), exc)
+
+    async def upload_part(
+        self, key: str, upload_id: str, part_number: int, body: Body, crc32c: int | None
+    ) -> PartResult:
+        params: dict[str, Any] = {
+            "Key": key,
+            "UploadId": upload_id,
+            "PartNumber": part_number,
+            "Body": MemoryBody(body),
+        }
+        checksum = crc32c_header(crc32c) if crc32c is not None and self.config.checksums else None
+        if checksum:
+            params["ChecksumCRC32C"] = checksum
+        response = await self._call("UploadPart", key, **params)
+        return PartResult(part_number, str(response["ETag"]), checksum)
+
+    async def complete_multipart(
+        self,
+        key: str,
+        upload_id: str,
+        parts: list[PartResult],
+        *,
+        mode: Literal["overwrite", "create"] = "overwrite",
+    ) -> str:
+        params: dict[str, Any] = {
+            "Key": key,
+            "UploadId": upload_id,
+            "MultipartUpload": {
+                "Parts": [p.as_complete_entry() for p in sorted(parts, key=lambda p: p.part_number)]
+            },
+        }
+        if mode == "create":
+            params["IfNoneMatch"] = "*"
+
+        async def attempt(_: int) -> dict[str, Any]:
+            try:
+                return await self._request("CompleteMultipartUpload", params)
+            except ClientError as exc:
+                # The upload is gone but the object is there: an earlier try completed it
+                # and its response was lost. The key is unique to this save: it is ours.
+                if error_code(exc) in ("NoSuchUpload", "404"):
+                    landed = await self._head_or_none(key)
+                    if landed is not None:
+                        return landed
+                raise
+
+        response = await self._retrying("CompleteMultipartUpload", key, attempt)
+        return str(response.get("ETag", ""))
+
+    async def abort_multipart(self, key: str, upload_id: str) -> None:
+        """Abort an upload; an upload that is already gone counts as aborted."""
+        try:
+            await self._call("AbortMultipartUpload", key, Key=key, UploadId=upload_id)
+        except StorageError as exc:
+            if exc.code not in ("NoSuchUpload", "404"):
+                raise
+
+    async def list_multipart_uploads(self, prefix: str) -> AsyncIterator[PendingUpload]:
+        key_marker: str | None = None
+        upload_marker: str | None = None
+        while True:
+            params: dict[str, Any] = {"Prefix": prefix}
+            if key_marker:
+                params["KeyMarker"] = key_marker
+                params["UploadIdMarker"] = upload_marker or ""
+            response = await self._call("ListMultipartUploads", None, **params)
+            for item in response.get("Uploads", []):
+                yield PendingUpload(item["Key"], item["UploadId"], item.get("Initiated"))
+            if not response.get("IsTruncated"):
+                return
+            key_marker = response.get("NextKeyMarker")
+            upload_marker = response.get("NextUploadIdMarker")
+
+
+__all__ = [
+    "Body",
+    "ObjectMeta",
+    "ObjectStore",
+    "PartResult",
+    "PendingUpload",
+    "PreconditionFailedError",
+    "crc32c_header",
+]

@@ -1,0 +1,5 @@
+"""Tools for trying s3ckpt out and testing it: the embedded S3 server.
+
+Nothing in the engine imports this package; the CLI's ``local-s3`` command, the demo, the
+tests and the benchmarks do.
+"""

@@ -297,6 +297,42 @@ def raw_download(env: Env, state: dict) -> Callable[[int], dict]:
     return rep
 
 
+def _commit_case(conditional: bool) -> Callable[[Env, dict], Callable[[int], dict]]:
+    """Small saves, timing the commit (``finish``: metadata object, the check that every
+    object is there, the manifest) with ``If-None-Match`` or with the claim protocol."""
+
+    def case(env: Env, state: dict) -> Callable[[int], dict]:
+        from s3ckpt import S3StorageWriter
+
+        system = "commit-conditional" if conditional else "commit-claims"
+
+        def rep(i: int) -> dict:
+            writer = S3StorageWriter(
+                env.uri(system, i), conditional_commit=conditional, **_s3ckpt_options(env)
+            )
+            finish, timed = writer.finish, {}
+
+            def timed_finish(metadata: Any, results: Any) -> None:
+                started = time.perf_counter()
+                finish(metadata, results)
+                timed["commit"] = time.perf_counter() - started
+
+            writer.finish = timed_finish  # type: ignore[method-assign]
+            dcp.save(state, storage_writer=writer)
+            return timed
+
+        return rep
+
+    return case
+
+
+commit_conditional = _commit_case(conditional=True)
+commit_claims = _commit_case(conditional=False)
+COMMIT_CASES = {"commit_conditional", "commit_claims"}
+COMMIT_STATE_MIB = 1  # commit latency does not depend on the bytes saved before it
+COMMIT_REPS = 15
+
+
 CASES: dict[str, Callable[[Env, dict], Callable[[int], dict]]] = {
     f.__name__: f
     for f in (
@@ -306,6 +342,7 @@ CASES: dict[str, Callable[[Env, dict], Callable[[int], dict]]] = {
 } | {
     "s3ckpt_save_real": s3ckpt_save_real, "s3ckpt_load_real": s3ckpt_load_real,
     "s3ckpt_save_zstd": s3ckpt_save_zstd, "s3ckpt_load_zstd": s3ckpt_load_zstd,
+    "commit_conditional": commit_conditional, "commit_claims": commit_claims,
 }  # fmt: skip
 
 
@@ -315,15 +352,17 @@ def run(case: str) -> dict[str, Any]:
         from benchmarks.weights import real_state
 
         state = real_state(env.size_mib)
+    elif case in COMMIT_CASES:
+        state = make_state(COMMIT_STATE_MIB)
     else:
         state = make_state(env.size_mib)
     rep = CASES[case](env, state)
-    if case.startswith("s3ckpt"):
+    if case.startswith(("s3ckpt", "commit")):
         _open_s3ckpt_client(env)
     _reset_peak_rss()
     baseline = _rss_kib("VmRSS")
     samples = []
-    for i in range(env.reps):
+    for i in range(COMMIT_REPS if case in COMMIT_CASES else env.reps):
         cpu, started = _cpu(), time.perf_counter()
         extra = rep(i)
         samples.append({"wall": time.perf_counter() - started, "cpu": _cpu() - cpu, **extra})

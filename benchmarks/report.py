@@ -46,6 +46,10 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         if blocked:
             entry["blocked_first_s"] = blocked[0]
             entry["blocked_median_after_first_s"] = statistics.median(blocked[1:] or blocked)
+        commits = sorted(s["commit"] for s in result["samples"] if "commit" in s)
+        if commits:
+            entry["commit_median_s"] = statistics.median(commits)
+            entry["commit_max_s"] = commits[-1]
         summary[case] = entry
     return summary
 
@@ -179,12 +183,30 @@ def table(report: dict[str, Any]) -> str:
         lines.append(
             f"async_save blocked: first {a['blocked_first_s']:.3f} s, then median {a['blocked_median_after_first_s']:.3f} s"
         )
+    lines += _commit_lines(summary)
     lines += ["", f"{'target':56} {'ratio':>7} {'goal':>8}  met"]
     for t in report["targets"]:
         ratio = "n/a" if t["ratio"] is None else f"{t['ratio']:.2f}"
         met = "n/a" if t["met"] is None else ("yes" if t["met"] else "NO")
         lines.append(f"{t['target']:56} {ratio:>7} {t['goal']:>8}  {met}")
     return "\n".join(lines)
+
+
+def _commit_lines(summary: dict[str, Any]) -> list[str]:
+    """Commit latency (``finish`` of a 1 MiB save) by commit mode, and their ratio."""
+    modes = [
+        ("commit_conditional", "If-None-Match"),
+        ("commit_claims", "claims (no conditional writes)"),
+    ]
+    found = [(label, summary[c]) for c, label in modes if "commit_median_s" in summary.get(c, {})]
+    lines = [
+        f"commit latency, {label}: median {e['commit_median_s'] * 1000:.1f} ms, max {e['commit_max_s'] * 1000:.1f} ms"
+        for label, e in found
+    ]
+    if len(found) == 2:
+        ratio = found[1][1]["commit_median_s"] / found[0][1]["commit_median_s"]
+        lines.append(f"commit latency, claims / If-None-Match: {ratio:.2f}x")
+    return lines
 
 
 def _row(label: str, entry: dict[str, Any] | None) -> str:

@@ -48,6 +48,8 @@ ORDER = [
     "s3ckpt_save_zstd",
     "s3ckpt_load_real",
     "s3ckpt_load_zstd",
+    "commit_conditional",
+    "commit_claims",
 ]
 # Compressed against uncompressed saves and loads are ratio targets with close numbers,
 # and this machine drifts by 10-20 % over minutes: each pair's processes take turns,

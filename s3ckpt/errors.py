@@ -17,6 +17,7 @@
     │   ├── CheckpointNotFoundError (FileNotFoundError)  no committed manifest
     │   ├── CheckpointExistsError (FileExistsError)      saving over a commit without overwrite
     │   ├── CommitConflictError                another writer committed the same id first
+    │   ├── IncompleteSaveError                an object of the save vanished before its commit
     │   └── CorruptCheckpointError             checksum or size mismatch, unreadable manifest
     └── LocalServerError                       the embedded S3 server could not start
 
@@ -106,6 +107,11 @@ class CheckpointExistsError(CheckpointError, FileExistsError):
 
 class CommitConflictError(CheckpointError):
     """Another writer committed the same checkpoint id first."""
+
+
+class IncompleteSaveError(CheckpointError):
+    """An object of the save was gone when the commit checked (deleted by ``gc`` with too
+    short a grace, a lifecycle rule or a person); nothing was committed."""
 
 
 class CorruptCheckpointError(CheckpointError):

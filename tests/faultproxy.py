@@ -12,13 +12,20 @@ and then injects one of:
 ``stall``                 forward ``after`` bytes of the response body, then go silent
 ``truncate``              forward ``after`` bytes of the response body, then close cleanly
 ``corrupt``               flip one bit of response body byte ``after`` (2xx GETs only)
+``delay``                 hold the request for a random 0 to ``delay_s`` seconds, then relay it
+``not_implemented``       answer ``501 NotImplemented`` without forwarding (a missing feature)
 ========================  ===================================================================
+
+``conditional="reject"`` answers every request carrying ``If-None-Match`` or ``If-Match``
+with 501 (a store without conditional writes that says so), ``"ignore"`` strips those
+headers before relaying (a store that silently ignores them, as some do).
 
 ``after=-1`` acts before the response head (the server did the work, the client never
 learns). Each connection carries one request (``Connection: close`` is forced), which keeps
 the relay a plain byte pump. Decisions come from ``random.Random(seed)``, so the same
 sequence of requests meets the same faults, and ``per_request`` caps how often one request
-(method and target) is hit, which is what makes a fault transient. ``counts`` tallies
+(method and target) is hit, by all rules together, which is what makes a fault transient:
+a request retried more often than that gets through. ``counts`` tallies
 every fault that fired; ``requests`` every request seen, by method.
 """
 
@@ -36,7 +43,17 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlparse
 
-Fault = Literal["slowdown", "reset_request", "reset_response", "stall", "truncate", "corrupt"]
+Fault = Literal[
+    "slowdown",
+    "reset_request",
+    "reset_response",
+    "stall",
+    "truncate",
+    "corrupt",
+    "delay",
+    "not_implemented",
+]
+Conditional = Literal["pass", "reject", "ignore"]
 _SLOWDOWN_BODY = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
     b"<Message>Please reduce your request rate.</Message><RequestId>faultproxy</RequestId></Error>"
@@ -45,6 +62,18 @@ _SLOWDOWN = (
     b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
     b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(_SLOWDOWN_BODY) + _SLOWDOWN_BODY
 )
+_NOT_IMPLEMENTED_BODY = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NotImplemented</Code>'
+    b"<Message>A header you provided implies functionality that is not implemented."
+    b"</Message><RequestId>faultproxy</RequestId></Error>"
+)
+_NOT_IMPLEMENTED = (
+    b"HTTP/1.1 501 Not Implemented\r\nContent-Type: application/xml\r\n"
+    b"Content-Length: %d\r\nConnection: close\r\n\r\n"
+    % len(_NOT_IMPLEMENTED_BODY)
+    + _NOT_IMPLEMENTED_BODY
+)
+_CONDITIONAL = (b"if-none-match:", b"if-match:")
 
 
 @dataclass(eq=False)
@@ -86,6 +115,8 @@ class FaultProxy:
         *,
         seed: int = 0,
         stall_s: float = 10.0,
+        delay_s: float = 1.0,
+        conditional: Conditional = "pass",
         tls: ssl.SSLContext | None = None,
     ) -> None:
         parsed = urlparse(upstream)
@@ -94,9 +125,11 @@ class FaultProxy:
         self.counts: Counter[str] = Counter()
         self.requests: Counter[str] = Counter()
         self.stall_s = stall_s
+        self.delay_s = delay_s
+        self.conditional = conditional
         self._tls = tls
         self._rng = random.Random(seed)
-        self._hits: Counter[tuple[int, str, str]] = Counter()
+        self._hits: Counter[tuple[str, str]] = Counter()  # faults per (method, target)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.Server | None = None
@@ -157,13 +190,24 @@ class FaultProxy:
         method, target, headers = _parse_head(head)
         self.requests[method] += 1
         exchange = _Exchange(method, target, self._choose(method, target))
-        if exchange.rule is not None and exchange.rule.fault == "slowdown":
+        refused = self.conditional == "reject" and any(
+            h in headers for h in ("if-none-match", "if-match")
+        )
+        fault = exchange.rule.fault if exchange.rule is not None else None
+        if refused or fault in ("slowdown", "not_implemented"):
             if headers.get("expect", "").lower() != "100-continue":
                 await client.readexactly(int(headers.get("content-length", "0")))
-            self._fire(exchange)
-            to_client.write(_SLOWDOWN)
+            if fault in ("slowdown", "not_implemented"):
+                self._fire(exchange)
+            self.counts["conditional_refused"] += refused
+            to_client.write(_SLOWDOWN if fault == "slowdown" else _NOT_IMPLEMENTED)
             await to_client.drain()
             return
+        if fault == "delay":
+            self._fire(exchange)
+            await asyncio.sleep(self._rng.uniform(0, self.delay_s))
+        if self.conditional == "ignore":
+            head = _without(head, _CONDITIONAL)
         server, to_server = await asyncio.open_connection(*self.upstream)
         try:
             to_server.write(_close_after(head))
@@ -204,7 +248,8 @@ class FaultProxy:
         self, server: asyncio.StreamReader, to_client: asyncio.StreamWriter, exchange: _Exchange
     ) -> None:
         """Pump the response, applying a response-side fault at its body offset."""
-        rule = exchange.rule if exchange.rule and exchange.rule.fault != "reset_request" else None
+        request_side = ("reset_request", "delay")
+        rule = exchange.rule if exchange.rule and exchange.rule.fault not in request_side else None
         while True:  # interim 1xx responses (100 Continue) go through as they are
             head = await server.readuntil(b"\r\n\r\n")
             status = int(head.split(b" ", 2)[1])
@@ -250,11 +295,11 @@ class FaultProxy:
     # -- decisions ---------------------------------------------------------------------
 
     def _choose(self, method: str, target: str) -> Rule | None:
-        for number, rule in enumerate(self.rules):
+        for rule in self.rules:
             if not rule.wants(method, target):
                 continue
             cap = rule.per_request
-            if cap is not None and self._hits[(number, method, target)] >= cap:
+            if cap is not None and self._hits[(method, target)] >= cap:
                 continue
             if self._rng.random() < rule.rate:
                 rule.chosen += 1
@@ -265,7 +310,7 @@ class FaultProxy:
         rule = exchange.rule
         assert rule is not None
         self.counts[rule.fault] += 1
-        self._hits[(self.rules.index(rule), exchange.method, exchange.target)] += 1
+        self._hits[(exchange.method, exchange.target)] += 1
 
 
 def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:
@@ -277,6 +322,13 @@ def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:
         if sep:
             headers[name.strip().lower()] = value.strip()
     return method, target, headers
+
+
+def _without(head: bytes, names: tuple[bytes, ...]) -> bytes:
+    """The request head without the headers ``names`` (lower case, with the colon)."""
+    lines = head.rstrip(b"\r\n").split(b"\r\n")
+    kept = [line for line in lines if not line.lower().startswith(names)]
+    return b"\r\n".join(kept) + b"\r\n\r\n"
 
 
 def _close_after(head: bytes) -> bytes:

@@ -11,21 +11,64 @@ scripts manage checkpoints without importing torch. One module per operation:
 * :mod:`~s3ckpt.catalog.reporting`: the progress protocol long operations report to.
 """
 
-from s3ckpt.catalog.api import (
-    CheckpointInfo,
-    PruneReport,
-    Removed,
-    alist_checkpoints,
-    aprune,
-    aremove_checkpoint,
-    list_checkpoints,
-    prune,
-    remove_checkpoint,
-    show_checkpoint,
-)
-from s3ckpt.catalog.gc import AbortedUpload, Garbage, GcReport, collect_garbage
-from s3ckpt.catalog.retention import Decision
-from s3ckpt.catalog.verify import Problem, VerifyReport, verify_checkpoint
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from s3ckpt.catalog.api import (
+        CheckpointInfo,
+        PruneReport,
+        Removed,
+        ais_committed,
+        alist_checkpoints,
+        aprune,
+        aremove_checkpoint,
+        is_committed,
+        list_checkpoints,
+        prune,
+        remove_checkpoint,
+        show_checkpoint,
+    )
+    from s3ckpt.catalog.gc import AbortedUpload, Garbage, GcReport, collect_garbage
+    from s3ckpt.catalog.retention import Decision
+    from s3ckpt.catalog.verify import Problem, VerifyReport, verify_checkpoint
+
+# Resolved on first use: the S3 stack behind them takes a while to import, and the CLI
+# parses its arguments (and answers --help) without it.
+_LAZY = {
+    **dict.fromkeys(
+        (
+            "CheckpointInfo",
+            "PruneReport",
+            "Removed",
+            "ais_committed",
+            "alist_checkpoints",
+            "aprune",
+            "aremove_checkpoint",
+            "is_committed",
+            "list_checkpoints",
+            "prune",
+            "remove_checkpoint",
+            "show_checkpoint",
+        ),
+        "s3ckpt.catalog.api",
+    ),
+    **dict.fromkeys(
+        ("AbortedUpload", "Garbage", "GcReport", "collect_garbage"), "s3ckpt.catalog.gc"
+    ),
+    "Decision": "s3ckpt.catalog.retention",
+    **dict.fromkeys(("Problem", "VerifyReport", "verify_checkpoint"), "s3ckpt.catalog.verify"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 's3ckpt.catalog' has no attribute {name!r}")
+
 
 __all__ = [
     "AbortedUpload",
@@ -37,10 +80,12 @@ __all__ = [
     "PruneReport",
     "Removed",
     "VerifyReport",
+    "ais_committed",
     "alist_checkpoints",
     "aprune",
     "aremove_checkpoint",
     "collect_garbage",
+    "is_committed",
     "list_checkpoints",
     "prune",
     "remove_checkpoint",

@@ -13,12 +13,19 @@ grace period; that is what keeps a save running next to a ``prune`` or ``rm`` un
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from s3ckpt.catalog.reporting import SILENT, Reporter
-from s3ckpt.catalog.retention import Candidate, Decision, natural_key, plan_retention
+from s3ckpt.catalog.retention import (
+    Candidate,
+    Decision,
+    natural_key,
+    plan_retention,
+    superseded,
+)
 from s3ckpt.catalog.scan import (
     Group,
     add_uploads,
@@ -42,6 +49,8 @@ from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectMeta, ObjectStore
 from s3ckpt.transfer.commit import read_manifest
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class CheckpointInfo:
@@ -57,6 +66,9 @@ class CheckpointInfo:
     items: int | None = None  # only with details (needs the manifest)
     save_id: str | None = None
     uploads: int = 0  # open multipart uploads (listed with include_uncommitted only)
+    in_flight: bool = False  # a save is writing here now (a live in-flight record)
+    superseded_by: str | None = None  # a lower step committed after it (a rollback)
+    damaged: str | None = None  # only with details: why the manifest could not be read
 
 
 @dataclass(frozen=True)
@@ -80,7 +92,15 @@ class PruneReport:
 # -- ls -----------------------------------------------------------------------------------
 
 
-def _info(location: S3URI, group: Group, manifest: Manifest | None = None) -> CheckpointInfo:
+def _info(
+    location: S3URI,
+    group: Group,
+    read: Manifest | str | None,
+    now: float,
+    superseded_by: str | None,
+) -> CheckpointInfo:
+    """One row of ``ls``; ``read`` is the manifest, or why it could not be read."""
+    manifest = read if isinstance(read, Manifest) else None
     save_id = manifest.save_id if manifest else group.committed_save_hint()
     return CheckpointInfo(
         name=group.name,
@@ -93,35 +113,70 @@ def _info(location: S3URI, group: Group, manifest: Manifest | None = None) -> Ch
         items=len(manifest.items) if manifest else None,
         save_id=save_id,
         uploads=len(group.uploads),
+        in_flight=group.in_flight(now),
+        superseded_by=superseded_by,
+        damaged=read if isinstance(read, str) else None,
     )
 
 
 async def alist_checkpoints(
-    store: ObjectStore, location: S3URI, *, include_uncommitted: bool = False, details: bool = False
+    store: ObjectStore,
+    location: S3URI,
+    *,
+    include_uncommitted: bool = False,
+    details: bool = False,
+    problems: list[str] | None = None,
 ) -> list[CheckpointInfo]:
     """Checkpoints under ``location``, oldest first (see :mod:`s3ckpt.catalog.retention` for the order).
 
     The listing alone costs one request per 1000 objects; ``details`` adds one bounded,
-    concurrent GET per committed checkpoint for exact ranks, items and save id.
+    concurrent GET per committed checkpoint for exact ranks, items and save id (an
+    unreadable manifest marks its checkpoint ``damaged`` instead of failing the listing).
+    What could not be listed is appended to ``problems`` (logged when it is None).
     """
+    now = time.time()
     scanned = await scan(store, location)
-    if include_uncommitted:
-        await add_uploads(store, location, scanned)
+    if include_uncommitted and (problem := await add_uploads(store, location, scanned)):
+        _report(problem, problems)
     groups = [g for g in scanned.groups.values() if g.committed or include_uncommitted]
-    manifests: list[Manifest | None] = [None] * len(groups)
+    manifests: list[Manifest | str | None] = [None] * len(groups)
     if details:
         manifests = await bounded(
             [lambda g=g: _maybe_manifest(store, child(location, g.name)) for g in groups]
         )
-    infos = [_info(location, g, m) for g, m in zip(groups, manifests, strict=True)]
+    replaced = superseded(Candidate(g.name, g.newest) for g in groups if g.committed)
+    infos = [
+        _info(location, g, m, now, replaced.get(g.name))
+        for g, m in zip(groups, manifests, strict=True)
+    ]
     return sorted(infos, key=lambda i: (natural_key(i.name), i.time, i.name))
 
 
-async def _maybe_manifest(store: ObjectStore, location: S3URI) -> Manifest | None:
+def _report(problem: str, problems: list[str] | None) -> None:
+    if problems is None:
+        log.warning("%s", problem)
+    else:
+        problems.append(problem)
+
+
+async def _maybe_manifest(store: ObjectStore, location: S3URI) -> Manifest | str | None:
+    """The manifest, None if there is none, or why it is unreadable."""
     try:
         return await read_manifest(store, location)
     except FileNotFoundError:
         return None
+    except CorruptCheckpointError as exc:
+        return str(exc)
+
+
+async def ais_committed(store: ObjectStore, location: S3URI) -> bool:
+    """Whether a checkpoint is committed at ``location`` (one HEAD)."""
+    return await store.exists(location.key(MANIFEST_NAME))
+
+
+def is_committed(uri: str | S3URI, *, config: S3Config | None = None, **options: Any) -> bool:
+    store, location = open_store(uri, config, options, require_prefix=True)
+    return io_loop().run(ais_committed(store, location))
 
 
 def list_checkpoints(
@@ -129,12 +184,19 @@ def list_checkpoints(
     *,
     include_uncommitted: bool = False,
     details: bool = False,
+    problems: list[str] | None = None,
     config: S3Config | None = None,
     **options: Any,
 ) -> list[CheckpointInfo]:
     store, location = open_store(uri, config, options, require_prefix=False)
     return io_loop().run(
-        alist_checkpoints(store, location, include_uncommitted=include_uncommitted, details=details)
+        alist_checkpoints(
+            store,
+            location,
+            include_uncommitted=include_uncommitted,
+            details=details,
+            problems=problems,
+        )
     )
 
 
@@ -254,15 +316,17 @@ async def aprune(
 ) -> PruneReport:
     """Apply a retention policy (:func:`s3ckpt.catalog.retention.plan_retention`) to the committed
     checkpoints under ``location``. Saves that are in flight have no manifest and are not
-    candidates; a checkpoint committed after the listing is not seen, so it survives."""
+    candidates, and a committed checkpoint being overwritten is kept; a checkpoint
+    committed after the listing is not seen, so it survives."""
+    now = time.time() if now is None else now
     groups = {g.name: g for g in (await scan(store, location)).groups.values() if g.committed}
     decisions = plan_retention(
-        [Candidate(g.name, g.newest) for g in groups.values()],
+        [Candidate(g.name, g.newest, g.in_flight(now)) for g in groups.values()],
         keep_last=keep_last,
         keep_every=keep_every,
         older_than=older_than,
         force=force,
-        now=time.time() if now is None else now,
+        now=now,
     )
     victims = [groups[d.name] for d in decisions if d.delete]
     if dry_run:

@@ -5,17 +5,25 @@ multipart uploads; nothing references them, so readers never see them, but they 
 storage. ``gc`` removes, under a prefix:
 
 * multipart uploads of s3ckpt data objects initiated more than ``grace`` ago (aborted);
-* uncommitted checkpoints (objects without a manifest) whose newest object, and newest
-  open upload, are older than ``grace``;
-* objects in a committed checkpoint's directory that its manifest does not list (a rank
-  that failed during an overwrite, a crashed retry) and are older than ``grace``;
-* conditional-write probe objects older than ``grace``.
+* uncommitted checkpoints (objects without a manifest) whose newest object, newest open
+  upload and newest in-flight record are older than ``grace``;
+* objects in a committed checkpoint's directory that its manifest does not list (the
+  previous save of an overwrite, a rank that failed during one) once they and the
+  manifest that replaced them are older than ``grace``, so that loads that started before
+  an overwrite finish undisturbed;
+* in-flight records and conditional-write probes older than ``grace``, and commit claims
+  older than :data:`CLAIM_GRACE`, whatever ``grace``.
 
-It never deletes a manifest. The grace period is what protects a save in flight: its
-objects and uploads are younger than that, so ``grace`` must exceed the longest a save
-takes (``LastModified`` and ``Initiated`` come from the server's clock). Reading manifests
+It never deletes a manifest, and never touches a directory where a save is in flight: one
+whose in-flight record was refreshed within its lease (:mod:`s3ckpt.transfer.inflight`),
+or with a multipart upload started inside the grace period. ``LastModified`` and
+``Initiated`` come from the server's clock, ``now`` from this machine's. Reading manifests
 costs one GET per committed checkpoint whose directory holds objects of more than one
 save; all other decisions come from the listing.
+
+The CLI refuses a grace below :data:`MIN_SAFE_GRACE` unless forced: the grace is also what
+protects loads reading a checkpoint that an overwrite just replaced, and saves written by
+s3ckpt releases that kept no in-flight record.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from s3ckpt.catalog.grace import DEFAULT_GRACE, MIN_SAFE_GRACE
 from s3ckpt.catalog.reporting import SILENT, Reporter
 from s3ckpt.catalog.scan import (
     Group,
@@ -33,6 +42,7 @@ from s3ckpt.catalog.scan import (
     child,
     data_directory,
     delete_keys,
+    list_uploads,
     open_store,
     relative,
     scan,
@@ -40,11 +50,14 @@ from s3ckpt.catalog.scan import (
 )
 from s3ckpt.config import S3URI, S3Config
 from s3ckpt.errors import CorruptCheckpointError
+from s3ckpt.format.layout import LEASE_S
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectMeta, ObjectStore, PendingUpload
-from s3ckpt.transfer.commit import read_manifest
+from s3ckpt.transfer.commit import CLAIM_MAX_AGE_S, read_manifest
 
-DEFAULT_GRACE = 3600.0
+# A writer gives up a claim it has held for CLAIM_MAX_AGE_S (its own clock) before writing
+# the manifest; removing claims only well after that keeps the claim protocol safe.
+CLAIM_GRACE = CLAIM_MAX_AGE_S + MIN_SAFE_GRACE
 
 
 @dataclass(frozen=True)
@@ -52,7 +65,7 @@ class Garbage:
     """Objects deleted (or deletable, in a dry run) for one reason in one directory."""
 
     name: str  # checkpoint directory, relative to the prefix
-    reason: str  # "uncommitted", "unreferenced" or "probe"
+    reason: str  # "uncommitted", "unreferenced", "record", "claim" or "probe"
     keys: tuple[str, ...]
     bytes: int
     age: float  # seconds since the newest of them was written
@@ -72,6 +85,7 @@ class GcReport:
     uploads: list[AbortedUpload] = field(default_factory=list)
     garbage: list[Garbage] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # directories skipped, and why
+    in_flight: list[str] = field(default_factory=list)  # directories left alone: saves running
 
     @property
     def objects(self) -> int:
@@ -89,15 +103,24 @@ async def acollect_garbage(
     grace: float = DEFAULT_GRACE,
     dry_run: bool = False,
     now: float | None = None,
+    lease: float = LEASE_S,
     progress: Reporter = SILENT,
 ) -> GcReport:
-    """Find and (unless ``dry_run``) remove garbage under ``location``; see the module docstring."""
+    """Find and (unless ``dry_run``) remove garbage under ``location``; see the module docstring.
+
+    ``lease``: how long after its last refresh an in-flight record still means a save is
+    running. Shorten it only when the saves are known to be dead (their processes gone).
+    """
     now = time.time() if now is None else now
     cutoff = now - grace
     report = GcReport(grace, dry_run)
-    uploads = [u async for u in store.list_multipart_uploads(_list_prefix(location))]
+    uploads = await list_uploads(store, _list_prefix(location))
+    if isinstance(uploads, str):
+        report.problems.append(uploads)
+        uploads = []
     listing = await scan(store, location)
-    busy = _busy_directories(location, uploads, cutoff)
+    busy = _busy_directories(location, listing, uploads, cutoff, now, lease)
+    report.in_flight = sorted(n for n in busy if n is not None and listing.groups.get(n))
     report.uploads = [
         _aborted(u, now)
         for u in uploads
@@ -106,6 +129,7 @@ async def acollect_garbage(
     report.garbage = [
         *_uncommitted(listing, busy, cutoff, now),
         *await _unreferenced(store, location, listing, busy, cutoff, now, report.problems),
+        *_records(listing, busy, cutoff, now),
         *_probes(location, listing, cutoff, now),
     ]
     if not dry_run:
@@ -127,11 +151,17 @@ def _aborted(upload: PendingUpload, now: float) -> AbortedUpload:
 
 
 def _busy_directories(
-    location: S3URI, uploads: list[PendingUpload], cutoff: float
+    location: S3URI,
+    listing: Scan,
+    uploads: list[PendingUpload],
+    cutoff: float,
+    now: float,
+    lease: float,
 ) -> set[str | None]:
-    """Checkpoint directories with an upload started inside the grace period: a save is
-    running there, so nothing in them is touched."""
+    """Checkpoint directories where a save is running (a live in-flight record, or an
+    upload started inside the grace period): nothing in them is touched."""
     busy: set[str | None] = {None}  # None: not an s3ckpt data object, never touched
+    busy.update(g.name for g in listing.groups.values() if g.in_flight(now, lease))
     for upload in uploads:
         if _initiated(upload) > cutoff:
             busy.add(data_directory(relative(location.prefix, upload.key)))
@@ -147,9 +177,9 @@ def _garbage(name: str, reason: str, metas: list[ObjectMeta], now: float) -> Gar
 
 def _uncommitted(listing: Scan, busy: set[str | None], cutoff: float, now: float) -> list[Garbage]:
     return [
-        _garbage(g.name, "uncommitted", [o.meta for o in g.objects], now)
+        _garbage(g.name, "uncommitted", [*(o.meta for o in g.objects), *g.saving], now)
         for g in listing.groups.values()
-        if not g.committed and g.name not in busy and g.newest <= cutoff
+        if not g.committed and (g.objects or g.saving) and g.name not in busy and g.newest <= cutoff
     ]
 
 
@@ -177,15 +207,30 @@ async def _unreferenced(
             problems.append(f"{where}: manifest unreadable, left alone ({exc})")
             return None
         listed = {where.key(k) for k in manifest.all_keys()}
+        replaced_at = timestamp(group.manifest) if group.manifest else now
         stale = [
             o.meta
             for o in group.objects
-            if o.meta.key not in listed and timestamp(o.meta) <= cutoff
+            if o.meta.key not in listed and max(timestamp(o.meta), replaced_at) <= cutoff
         ]
         return _garbage(group.name, "unreferenced", stale, now) if stale else None
 
     found = await bounded([lambda g=g: check(g) for g in mixed])
     return [g for g in found if g is not None]
+
+
+def _records(listing: Scan, busy: set[str | None], cutoff: float, now: float) -> list[Garbage]:
+    """In-flight records left in committed directories by saves that stopped (those of
+    uncommitted ones go with their objects), and claims of commits that died."""
+    found = []
+    for group in listing.groups.values():
+        if group.name in busy:
+            continue
+        records = [m for m in group.saving if group.committed and timestamp(m) <= cutoff]
+        claims = [m for m in group.claims if timestamp(m) <= now - max(CLAIM_GRACE, now - cutoff)]
+        found += [_garbage(group.name, "record", records, now)] if records else []
+        found += [_garbage(group.name, "claim", claims, now)] if claims else []
+    return found
 
 
 def _probes(location: S3URI, listing: Scan, cutoff: float, now: float) -> list[Garbage]:
@@ -214,11 +259,14 @@ def collect_garbage(
     *,
     grace: float = DEFAULT_GRACE,
     dry_run: bool = False,
+    lease: float = LEASE_S,
     progress: Reporter = SILENT,
     config: S3Config | None = None,
     **options: Any,
 ) -> GcReport:
     store, location = open_store(uri, config, options, require_prefix=False)
     return io_loop().run(
-        acollect_garbage(store, location, grace=grace, dry_run=dry_run, progress=progress)
+        acollect_garbage(
+            store, location, grace=grace, dry_run=dry_run, lease=lease, progress=progress
+        )
     )

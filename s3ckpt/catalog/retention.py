@@ -6,13 +6,22 @@ apart from the deleting and tested exhaustively. Every checkpoint gets a
 
 Order ("oldest first"): checkpoints are ordered by name with numbers compared as numbers
 (``step-9`` < ``step-10`` < ``step-100``), then by commit time. Names carry the training
-step, and the step is what "newest" means to someone resuming training: after rolling back
-to ``step-500`` and re-saving ``step-600``, ``step-900`` of the abandoned run is still the
-highest step. Names without numbers sort alphabetically.
+step, and the step is what "newest" means to someone resuming training. Names without
+numbers sort alphabetically.
+
+Superseded checkpoints: a run that rolls back (resumes from ``step-300`` while a run that
+died left ``step-400``) and then commits ``step-310`` has abandoned ``step-400``: training
+goes on from 310, and a restart must resume from there. So a checkpoint is *superseded*
+when a lower step of the same series (the same name but for its last number, such as
+``run/step-N``) was committed after it (commit times from the server's clock). Superseded
+checkpoints are not "newest" and do not count towards ``keep_last``: after the rollback's
+first commit they are deleted, unless ``keep_every`` or ``older_than`` keeps them.
+``s3ckpt ls`` marks them, and ``CheckpointManager`` never resumes from one.
 
 A checkpoint is deleted only if every rule allows it:
 
-* it is not one of the last ``keep_last`` in that order;
+* a save is not writing into it right now (``busy``: a live in-flight record);
+* it is not one of the last ``keep_last`` in that order, superseded ones left out;
 * with ``keep_every=K``, its step (the last number in its name) is not a multiple of ``K``
   (names without a number are not protected by this rule);
 * with ``older_than=T``, it was committed more than ``T`` seconds before ``now``;
@@ -36,6 +45,7 @@ class Candidate:
 
     name: str
     time: float
+    busy: bool = False  # a save is writing into it (a live in-flight record)
 
 
 @dataclass(frozen=True)
@@ -43,7 +53,7 @@ class Decision:
     name: str
     time: float
     delete: bool
-    reason: str  # why it is kept, or "expired"
+    reason: str  # why it is kept, or why deleted: "expired", "superseded by <name>"
 
 
 def natural_key(name: str) -> tuple[object, ...]:
@@ -64,6 +74,33 @@ def step_of(name: str) -> int | None:
     return int(numbers[-1]) if numbers else None
 
 
+def series_of(name: str) -> str | None:
+    """The name with its last number blanked (``run/step-300`` -> ``run/step-#``), or None."""
+    parts = _NUMBER.split(name)
+    if len(parts) < 3:
+        return None
+    return "".join(parts[:-2]) + "#" + parts[-1]
+
+
+def superseded(candidates: Iterable[Candidate]) -> dict[str, str]:
+    """Checkpoints superseded by a rollback (module docstring): name -> the lower step
+    committed after it (the latest-committed one, when several were)."""
+    series: dict[str, list[Candidate]] = {}
+    for candidate in candidates:
+        key = series_of(candidate.name)
+        if key is not None:
+            series.setdefault(key, []).append(candidate)
+    found: dict[str, str] = {}
+    for members in series.values():
+        latest: Candidate | None = None  # committed last among the lower steps seen so far
+        for candidate in sorted(members, key=lambda c: (step_of(c.name), c.time)):
+            if latest is not None and latest.time > candidate.time:
+                found[candidate.name] = latest.name
+            if latest is None or candidate.time > latest.time:
+                latest = candidate
+    return found
+
+
 def plan_retention(
     candidates: Iterable[Candidate],
     *,
@@ -75,20 +112,29 @@ def plan_retention(
 ) -> list[Decision]:
     """A decision for every candidate, oldest first (see the module docstring for the rules)."""
     validate_rules(keep_last, keep_every, older_than)
-    ordered = order(candidates)
-    decisions = []
-    for position, candidate in enumerate(ordered):
-        from_newest = len(ordered) - 1 - position
+    everything = order(candidates)
+    replaced_by = superseded(everything)
+    current = [c for c in everything if c.name not in replaced_by]
+    reasons: dict[str, tuple[str | None, str]] = {}
+    for position, candidate in enumerate(current):
+        from_newest = len(current) - 1 - position
         reason = _keep_reason(candidate, from_newest, keep_last, now, keep_every, older_than, force)
-        decisions.append(
-            Decision(candidate.name, candidate.time, reason is None, reason or "expired")
+        reasons[candidate.name] = (reason, "expired")
+    for name, by in replaced_by.items():
+        candidate = next(c for c in everything if c.name == name)
+        reason = _keep_reason(candidate, None, 0, now, keep_every, older_than, force=True)
+        reasons[name] = (reason, f"superseded by {by}")
+    return [
+        Decision(
+            c.name, c.time, reasons[c.name][0] is None, reasons[c.name][0] or reasons[c.name][1]
         )
-    return decisions
+        for c in everything
+    ]
 
 
 def _keep_reason(
     candidate: Candidate,
-    from_newest: int,
+    from_newest: int | None,  # None: superseded, outside the count
     keep_last: int,
     now: float,
     keep_every: int | None,
@@ -96,9 +142,11 @@ def _keep_reason(
     force: bool,
 ) -> str | None:
     """Why ``candidate`` is kept, or None if it is to be deleted."""
+    if candidate.busy:
+        return "save in flight"
     if from_newest == 0 and not force:
         return "newest"
-    if from_newest < keep_last:
+    if from_newest is not None and from_newest < keep_last:
         return f"last {keep_last}"
     step = step_of(candidate.name)
     if keep_every is not None and step is not None and step % keep_every == 0:

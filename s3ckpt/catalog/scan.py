@@ -8,6 +8,10 @@ format (``docs/format.md``); the directory holding them names the checkpoint:
 * ``<name>/metadata-<save_id>.pkl`` and ``<name>/data/r<rank>-<save_id>-<n>.bin``: objects
   of a save into ``<name>``; without a manifest they form an uncommitted checkpoint (a save
   in flight, or one that died);
+* ``<name>/.s3ckpt-saving-<save_id>``: the in-flight record of a save into ``<name>``
+  (:mod:`s3ckpt.transfer.inflight`): refreshed recently, a save is running there;
+* ``<name>/.s3ckpt-claim-<save_id>``: a claim on the commit, on stores without
+  conditional writes (:mod:`s3ckpt.transfer.commit`);
 * ``<name>/.s3ckpt-probe-<hex>``: left by an interrupted conditional-write probe.
 
 Anything else is not s3ckpt's and is never counted or deleted. ``name`` is relative to the
@@ -25,7 +29,8 @@ from typing import Any, TypeVar
 
 from s3ckpt.catalog.reporting import Reporter
 from s3ckpt.config import S3URI, S3Config, make_config
-from s3ckpt.errors import CheckpointNotFoundError
+from s3ckpt.errors import CheckpointNotFoundError, StorageError
+from s3ckpt.format.layout import CLAIM_PREFIX, LEASE_S, SAVING_PREFIX
 from s3ckpt.format.manifest import Manifest
 from s3ckpt.s3.store import ObjectMeta, ObjectStore, PendingUpload
 from s3ckpt.transfer.commit import read_manifest
@@ -38,6 +43,8 @@ _DIR = r"^(?:(?P<dir>.*)/)?"
 _MANIFEST = re.compile(_DIR + r"manifest\.json$")
 _METADATA = re.compile(_DIR + r"metadata-(?P<save>[0-9a-f]+)\.pkl$")
 _PROBE = re.compile(_DIR + r"\.s3ckpt-probe-[0-9a-f]+$")
+_SAVING = re.compile(_DIR + re.escape(SAVING_PREFIX) + r"[0-9a-f]+$")
+_CLAIM = re.compile(_DIR + re.escape(CLAIM_PREFIX) + r"[0-9a-f]+$")
 _DATA = re.compile(_DIR + r"data/r(?P<rank>\d+)-(?P<save>[0-9a-f]+)-\d+\.bin$")
 
 
@@ -64,10 +71,23 @@ class Group:
     manifest: ObjectMeta | None = None
     objects: list[SaveKey] = field(default_factory=list)
     uploads: list[PendingUpload] = field(default_factory=list)  # open multipart uploads
+    saving: list[ObjectMeta] = field(default_factory=list)  # in-flight records
+    claims: list[ObjectMeta] = field(default_factory=list)  # commit claims
 
     @property
     def committed(self) -> bool:
         return self.manifest is not None
+
+    def in_flight(self, now: float, lease: float = LEASE_S) -> bool:
+        """Whether a save is running here: an in-flight record refreshed within ``lease``
+        (``LastModified`` from the server's clock, ``now`` from ours). The record of the
+        save the manifest names does not count: that save has committed (and died before
+        deleting its record)."""
+        done = self.committed_save_hint()
+        return any(
+            now - timestamp(m) < lease and not m.key.endswith(SAVING_PREFIX + str(done))
+            for m in self.saving
+        )
 
     @property
     def bytes(self) -> int:
@@ -80,7 +100,8 @@ class Group:
         if self.manifest is not None:
             return timestamp(self.manifest)
         started = (u.initiated.timestamp() for u in self.uploads if u.initiated is not None)
-        return max([*(timestamp(o.meta) for o in self.objects), *started], default=0.0)
+        written = (timestamp(m) for m in [*(o.meta for o in self.objects), *self.saving])
+        return max([*written, *started], default=0.0)
 
     def save_ids(self) -> set[str]:
         return {o.save_id for o in self.objects}
@@ -145,6 +166,10 @@ def group_keys(prefix: str, metas: Iterable[ObjectMeta]) -> Scan:
         elif match := _DATA.match(rel):
             save = SaveKey(meta, match["save"], int(match["rank"]))
             scan.group(match["dir"] or "").objects.append(save)
+        elif match := _SAVING.match(rel):
+            scan.group(match["dir"] or "").saving.append(meta)
+        elif match := _CLAIM.match(rel):
+            scan.group(match["dir"] or "").claims.append(meta)
         elif _PROBE.match(rel):
             scan.probes.append(meta)
     return scan
@@ -202,17 +227,40 @@ async def scan(store: ObjectStore, location: S3URI) -> Scan:
     return group_keys(prefix, [m async for m in store.list(f"{prefix}/" if prefix else "")])
 
 
-async def add_uploads(store: ObjectStore, location: S3URI, scanned: Scan) -> None:
+async def add_uploads(store: ObjectStore, location: S3URI, scanned: Scan) -> str | None:
     """Attach the open multipart uploads of s3ckpt data objects to their groups.
 
     A save killed in the middle of its first object leaves no object at all, only an open
     upload: without this, ``ls --all`` would not show it although ``gc`` will clean it.
+    Returns a warning instead when the store cannot list uploads.
     """
     prefix = location.prefix
-    async for upload in store.list_multipart_uploads(f"{prefix}/" if prefix else ""):
+    uploads = await list_uploads(store, f"{prefix}/" if prefix else "")
+    if isinstance(uploads, str):
+        return uploads
+    for upload in uploads:
         directory = data_directory(relative(prefix, upload.key))
         if directory is not None:
             scanned.group(directory).uploads.append(upload)
+    return None
+
+
+_UNSUPPORTED = ("NotImplemented", "501", "MethodNotAllowed", "405")
+
+
+async def list_uploads(store: ObjectStore, prefix: str) -> list[PendingUpload] | str:
+    """The open multipart uploads under ``prefix``, or, on a store that cannot list them
+    (``ListMultipartUploads`` answered 501 or 405), a warning saying what that means."""
+    try:
+        return [u async for u in store.list_multipart_uploads(prefix)]
+    except StorageError as exc:
+        if exc.code not in _UNSUPPORTED:
+            raise
+        return (
+            f"this store cannot list multipart uploads ({exc.code}), so uploads left open by "
+            "failed saves are not shown or aborted; an AbortIncompleteMultipartUpload "
+            "lifecycle rule on the bucket removes them"
+        )
 
 
 async def read_committed(store: ObjectStore, location: S3URI) -> Manifest:

@@ -19,11 +19,13 @@ import sys
 import time
 from typing import Any
 
+from s3ckpt.catalog.grace import DEFAULT_GRACE, MIN_SAFE_GRACE
 from s3ckpt.cli import output
-from s3ckpt.cli.humanize import human_bytes, parse_duration
+from s3ckpt.cli.humanize import human_bytes, human_duration, parse_duration
 from s3ckpt.cli.progress import Progress
 from s3ckpt.config import S3Config
 from s3ckpt.errors import ConfigError
+from s3ckpt.format.layout import LEASE_S
 
 
 def _common_arguments(parser: argparse.ArgumentParser, uri_help: str) -> None:
@@ -84,10 +86,16 @@ def ls_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_ls(args: argparse.Namespace) -> int:
+    """Exit 1 when a manifest could not be read (``--details``); the rest is listed."""
     from s3ckpt.catalog import list_checkpoints
 
+    problems: list[str] = []
     infos = list_checkpoints(
-        args.uri, include_uncommitted=args.all, details=args.details, config=config_from(args)
+        args.uri,
+        include_uncommitted=args.all,
+        details=args.details,
+        problems=problems,
+        config=config_from(args),
     )
     now = time.time()
     _emit(
@@ -95,7 +103,12 @@ def run_ls(args: argparse.Namespace) -> int:
         [output.info_json(i, now) for i in infos],
         output.info_table(infos, now, status=args.all, items=args.details),
     )
-    return 0
+    for problem in problems:
+        print(f"s3ckpt: ls: warning: {problem}", file=sys.stderr)
+    for info in infos:
+        if info.damaged:
+            print(f"s3ckpt: ls: {info.uri}: {info.damaged}", file=sys.stderr)
+    return 1 if any(i.damaged for i in infos) else 0
 
 
 # -- show -----------------------------------------------------------------------------------
@@ -191,21 +204,42 @@ def gc_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--older-than",
         type=_duration,
-        default=3600.0,
+        default=DEFAULT_GRACE,
         metavar="AGE",
-        help="grace period: touch nothing written less than AGE ago (default 1h); "
-        "must exceed the longest save",
+        help="grace period: touch nothing written less than AGE ago (default 1h, at least "
+        f"{human_duration(MIN_SAFE_GRACE)} unless --force); saves in flight are always left alone",
     )
     parser.add_argument("--dry-run", action="store_true", help="show what would be removed")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help=f"allow a grace under {human_duration(MIN_SAFE_GRACE)}: loads reading a "
+        "checkpoint an overwrite just replaced may then fail",
+    )
+    parser.add_argument(
+        "--in-flight-lease",
+        type=_duration,
+        default=LEASE_S,
+        metavar="AGE",
+        help="a save whose in-flight record was refreshed less than AGE ago is running and "
+        f"left alone (default {human_duration(LEASE_S)}); shorten it only for saves known dead",
+    )
 
 
 def run_gc(args: argparse.Namespace) -> int:
     from s3ckpt.catalog import collect_garbage
 
+    if args.older_than < MIN_SAFE_GRACE and not args.force:
+        raise ConfigError(
+            f"--older-than {human_duration(args.older_than)} is under the safe minimum of "
+            f"{human_duration(MIN_SAFE_GRACE)}: objects of an overwritten checkpoint that a "
+            "load is still reading could go; pass --force to do it anyway"
+        )
     report = collect_garbage(
         args.uri,
         grace=args.older_than,
         dry_run=args.dry_run,
+        lease=args.in_flight_lease,
         progress=Progress(),
         config=config_from(args),
     )

@@ -22,8 +22,15 @@ if TYPE_CHECKING:
 
 
 def _status(info: CheckpointInfo) -> str:
+    if info.damaged:
+        return "damaged"
     if info.committed:
-        return "committed"
+        status = "committed"
+        if info.superseded_by:
+            status += f", superseded by {info.superseded_by}"
+        return status + (", overwrite in flight" if info.in_flight else "")
+    if info.in_flight:
+        return "saving"
     return (
         f"uncommitted ({info.uploads} open upload{'s' if info.uploads != 1 else ''})"
         if info.uploads
@@ -48,6 +55,9 @@ def info_json(info: CheckpointInfo, now: float) -> dict[str, Any]:
         "items": info.items,
         "save_id": info.save_id,
         "open_uploads": info.uploads,
+        "in_flight": info.in_flight,
+        "superseded_by": info.superseded_by,
+        "damaged": info.damaged,
     }
 
 
@@ -67,6 +77,8 @@ def info_table(infos: list[CheckpointInfo], now: float, *, status: bool, items: 
         ]
         for info in infos
     ]
+    # Damaged and superseded checkpoints are worth a status column even without --all.
+    status = status or any(i.damaged or i.superseded_by for i in infos)
     keep = [
         i for i, h in enumerate(headers) if (h != "STATUS" or status) and (h != "ITEMS" or items)
     ]
@@ -212,6 +224,7 @@ def gc_json(report: GcReport) -> dict[str, Any]:
         ],
         "objects": report.objects,
         "bytes": report.bytes,
+        "in_flight": report.in_flight,
         "problems": report.problems,
     }
 
@@ -228,6 +241,7 @@ def gc_text(report: GcReport) -> str:
         ]
         for g in report.garbage
     ]
+    rows += [["leave (save in flight)", name or ".", "", "", ""] for name in report.in_flight]
     verb = "would remove" if report.dry_run else "removed"
     summary = (
         f"{verb} {report.objects} object(s), {human_bytes(report.bytes)}, and "

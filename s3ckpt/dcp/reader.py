@@ -22,6 +22,7 @@ Lifecycle of a load (the order DCP calls in):
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import queue
 from concurrent.futures import Future as ThreadFuture
@@ -55,7 +56,13 @@ from s3ckpt.dcp.restore import (
     prepare,
     verify_streamed,
 )
-from s3ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, S3CkptError
+from s3ckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ObjectNotFoundError,
+    S3CkptError,
+)
 from s3ckpt.format.layout import StoredItem
 from s3ckpt.format.manifest import Manifest
 from s3ckpt.s3.loop import io_loop
@@ -66,6 +73,7 @@ from s3ckpt.transfer.download import RangeReader, ReadTarget
 INLINE_DECODE_BYTES = 64 * 1024
 # Compressed frames received but not yet decoded, at most (see download.RangeReader).
 FRAMES_BUDGET = 64 * 1024 * 1024
+log = logging.getLogger(__name__)
 _OVERWRITES_FOLLOWED = 3  # newer commits a metadata read follows before giving up
 
 
@@ -126,6 +134,10 @@ class S3StorageReader(S3Location, StorageReader):
     def _read_metadata(self) -> Metadata:
         location = self._require_location()
         manifest, body = io_loop().run(self._fetch_metadata(location))
+        return self._adopt(location, manifest, body)
+
+    def _adopt(self, location: S3URI, manifest: Manifest, body: bytes) -> Metadata:
+        """Check and unpickle the metadata object of ``manifest``; it is the save read."""
         where = f"{location}/{manifest.metadata_key}"
         if len(body) != manifest.metadata_size:
             raise CorruptCheckpointError(
@@ -157,7 +169,16 @@ class S3StorageReader(S3Location, StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        self._read_all(plan, planner)
+        for _ in range(_OVERWRITES_FOLLOWED):
+            try:
+                self._read_all(plan, planner)
+                break
+            except ObjectNotFoundError as exc:
+                self._follow_overwrite(plan, exc)
+        else:
+            raise CorruptCheckpointError(
+                f"{self.location} was overwritten {_OVERWRITES_FOLLOWED} times during one load"
+            )
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -211,6 +232,33 @@ class S3StorageReader(S3Location, StorageReader):
                 waiting.cancel()
             futures_wait(submitted)  # no worker may write into a destination after this returns
 
+    def _follow_overwrite(self, plan: LoadPlan, missing: ObjectNotFoundError) -> None:
+        """After a data object went missing mid-load: switch to the save that replaced the
+        one being read, so the load starts over on it; a missing object of the save still
+        committed is a damaged checkpoint.
+
+        An overwrite keeps the replaced save's objects for ``gc``'s grace period, so this
+        happens only to loads that outlast it. Every item is read again from the newer
+        save, so the state never mixes the two.
+        """
+        location = self._require_location()
+        before = self.manifest.save_id if self.manifest else None
+        manifest, body = io_loop().run(self._fetch_metadata(location))
+        if manifest.save_id == before:
+            raise CorruptCheckpointError(
+                f"{location} is committed but its object {missing.key} is missing"
+            ) from missing
+        metadata = self._adopt(location, manifest, body)
+        if metadata.storage_data is None or any(
+            r.storage_index not in metadata.storage_data for r in plan.items
+        ):
+            raise CheckpointError(
+                f"{location} was overwritten during the load by a checkpoint with other "
+                "contents; load it again"
+            ) from missing
+        self.set_up_storage_reader(metadata, is_coordinator=False)
+        log.info("%s was overwritten during the load; reading save %s", location, manifest.save_id)
+
     def _hand_over(self, item: PendingRead, planner: LoadPlanner) -> None:
         hand_to_planner(item, planner, trust_pickles=self.trust_pickles)
 
@@ -219,10 +267,9 @@ class S3StorageReader(S3Location, StorageReader):
     async def _fetch_metadata(self, location: S3URI) -> tuple[Manifest, bytes]:
         """The committed manifest and the metadata object it names.
 
-        An overwrite commits a new manifest and then deletes the old save's objects, so a
-        metadata object that vanished after its manifest was read means a newer commit:
-        the newer checkpoint is read instead. Only a manifest that still names a missing
-        object is a damaged checkpoint.
+        A metadata object that vanished after its manifest was read means a newer commit
+        (an overwrite, then ``gc`` of the replaced save): the newer checkpoint is read
+        instead. Only a manifest that still names a missing object is a damaged checkpoint.
         """
         store = ObjectStore(self.config, location.bucket).with_deadline(self.config.deadline_s)
         manifest = await self._read_manifest(store, location)

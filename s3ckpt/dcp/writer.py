@@ -25,6 +25,7 @@ The writer holds only its configuration and location, so it pickles (process-mod
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -51,14 +52,17 @@ from s3ckpt.dcp.compat import (
 )
 from s3ckpt.dcp.location import S3Location
 from s3ckpt.dcp.tensor_bytes import as_cpu_contiguous, tensor_view
-from s3ckpt.errors import CheckpointExistsError, ConfigError
+from s3ckpt.errors import CheckpointExistsError, ConfigError, S3CkptError
 from s3ckpt.format.compression import RAW, Compression, Encoded, encode_raw, encode_stream
-from s3ckpt.format.layout import DEFAULT_MAX_OBJECT_SIZE, StoredItem, data_key
+from s3ckpt.format.layout import DEFAULT_MAX_OBJECT_SIZE, StoredItem, data_key, metadata_key
 from s3ckpt.format.manifest import MANIFEST_NAME, ItemEntry, Manifest, ObjectEntry, new_save_id
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
-from s3ckpt.transfer.commit import commit_manifest
+from s3ckpt.transfer.commit import commit_manifest, committed_save_id, confirm_objects
+from s3ckpt.transfer.inflight import Heartbeat, clear_in_flight, mark_in_flight
 from s3ckpt.transfer.upload import Item, RankUploader
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,8 @@ class S3StorageWriter(S3Location, StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Before any rank writes an object: gc and prune must see this save from the start.
+        io_loop().run(mark_in_flight(self._store(), self._require_location(), self.save_id))
         return [
             dataclasses.replace(plan, storage_data=_RankAssignment(rank, self.save_id))
             for rank, plan in enumerate(plans)
@@ -143,7 +149,14 @@ class S3StorageWriter(S3Location, StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assignment: _RankAssignment = plan.storage_data
-        results = _RankSave(self, assignment).run(plan.items, planner)
+        store, location = self._store(), self._require_location()
+        try:
+            with Heartbeat(store, location, assignment.save_id):
+                results = _RankSave(self, assignment).run(plan.items, planner)
+        except BaseException:
+            # The save cannot commit now: nothing of it is in flight any more.
+            io_loop().run(clear_in_flight(store, location, assignment.save_id))
+            raise
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -183,23 +196,56 @@ class S3StorageWriter(S3Location, StorageWriter):
         items: tuple[ItemEntry, ...],
         results: list[list[WriteResult]],
     ) -> None:
+        """Metadata object, a check that every object is still there, then the manifest.
+
+        A save that does not commit (it lost a race, an object vanished, the store failed)
+        deletes everything it wrote, unless the manifest turns out to name it after all
+        (a commit whose response was lost).
+        """
         store = self._store()
+        objects = _object_entries(results)
         body = dcp_metadata.dumps(metadata)
-        metadata_key = f"metadata-{self.save_id}.pkl"
-        checksum = crc32c(body)
-        await store.put(location.key(metadata_key), body, crc32c=checksum)
         manifest = Manifest(
             save_id=self.save_id,
             world_size=len(results),
-            metadata_key=metadata_key,
+            metadata_key=metadata_key(self.save_id),
             metadata_size=len(body),
-            metadata_crc32c=checksum,
-            objects=_object_entries(results),
+            metadata_crc32c=crc32c(body),
+            objects=objects,
             items=items,
             torch_version=TORCH_VERSION,
             s3ckpt_version=__version__,
         )
-        await commit_manifest(store, location, manifest, overwrite=self.overwrite)
+        try:
+            await mark_in_flight(store, location, self.save_id)
+            await confirm_objects(store, location, {o.key: o.size for o in objects})
+            await store.put(
+                location.key(manifest.metadata_key), body, crc32c=manifest.metadata_crc32c
+            )
+            await commit_manifest(store, location, manifest, overwrite=self.overwrite)
+        except Exception:
+            if not await self._committed_anyway(store, location):
+                await self._discard(store, location, manifest)
+                raise
+        await clear_in_flight(store, location, self.save_id)
+
+    async def _committed_anyway(self, store: ObjectStore, location: S3URI) -> bool:
+        """Whether the manifest names this save although committing raised; True too when
+        that cannot be told (nothing is deleted then: gc decides later)."""
+        try:
+            return await committed_save_id(store, location) == self.save_id
+        except S3CkptError as exc:
+            log.warning("save %s failed and %s is unreadable: %s", self.save_id, location, exc)
+            return True
+
+    async def _discard(self, store: ObjectStore, location: S3URI, manifest: Manifest) -> None:
+        """Delete every object of a save that did not commit, its in-flight record last."""
+        try:
+            await store.delete_many([location.key(k) for k in manifest.all_keys()])
+        except S3CkptError as exc:
+            log.warning("could not delete the objects of failed save %s: %s", self.save_id, exc)
+            return
+        await clear_in_flight(store, location, self.save_id)
 
 
 class _RankSave:

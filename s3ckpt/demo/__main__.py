@@ -62,7 +62,7 @@ def upload_seen(client: Any, uri: str, name: str, timeout: float = 10.0) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         uploads = client.list_multipart_uploads(Bucket=location.bucket, Prefix=prefix)
-        objects = client.list_objects_v2(Bucket=location.bucket, Prefix=prefix)
+        objects = client.list_objects_v2(Bucket=location.bucket, Prefix=prefix + "data/")
         n_uploads, n_objects = len(uploads.get("Uploads", [])), objects.get("KeyCount", 0)
         if n_uploads or n_objects:
             return f"{n_uploads} multipart upload(s) open, {n_objects} object(s) written"
@@ -186,10 +186,13 @@ def demo(args: argparse.Namespace, server: LocalS3Server, workdir: Path) -> int:
     for line in report.summary_lines(run1, run2, resume, int(killed[5:]), args.steps):
         say(f"  {line}" if line else "")
 
-    banner("the s3ckpt command: list, prune, collect the crash's garbage")
+    banner("the s3ckpt command: list, collect the crash's garbage, prune")
     cli(env, "ls", args.uri, "--all")
+    # gc and prune leave a save alone while its in-flight record is fresh (5 min by
+    # default); the killed trainer is known dead here, so the demo need not wait for that.
+    say("  (the killed trainer is known dead: gc need not wait for its save's lease to expire)")
+    cli(env, "gc", args.uri, "--older-than", "0s", "--force", "--in-flight-lease", "0s")
     cli(env, "prune", args.uri, "--keep-last", "2")
-    cli(env, "gc", args.uri, "--older-than", "0s")
     cli(env, "ls", args.uri, "--all")
     return 0
 

@@ -71,3 +71,29 @@ def stored_span(frames: tuple[int, ...], block_size: int, first: int, last: int)
 
 def data_key(rank: int, save_id: str, number: int) -> str:
     return f"data/r{rank:05d}-{save_id}-{number:04d}.bin"
+
+
+def metadata_key(save_id: str) -> str:
+    """DCP's pickled metadata of one save."""
+    return f"metadata-{save_id}.pkl"
+
+
+SAVING_PREFIX = ".s3ckpt-saving-"
+# Writers refresh an in-flight record every HEARTBEAT_S; readers of the listing (gc, prune,
+# ls) take one refreshed within LEASE_S for a save still running. Both sides of the
+# contract live here because writers and gc may be different releases.
+HEARTBEAT_S = 60.0
+LEASE_S = 5 * HEARTBEAT_S
+CLAIM_PREFIX = ".s3ckpt-claim-"
+
+
+def saving_key(save_id: str) -> str:
+    """The in-flight record of a save: written before its first object, refreshed while it
+    runs, deleted after its commit (:mod:`s3ckpt.transfer.inflight`)."""
+    return f"{SAVING_PREFIX}{save_id}"
+
+
+def claim_key(save_id: str) -> str:
+    """A save's claim on the commit, on stores without conditional writes
+    (:mod:`s3ckpt.transfer.commit`)."""
+    return f"{CLAIM_PREFIX}{save_id}"

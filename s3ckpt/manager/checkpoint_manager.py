@@ -11,8 +11,13 @@ run on DCP's ``async_save`` thread (or process) while training goes on. The rule
   ranks the skip decision is agreed (one all-gather), so no rank starts a save alone.
 * **Failures are never lost.** A failed background save is logged when it fails and raised,
   as the s3ckpt error (:func:`s3ckpt.unwrap`), by the next ``save``/``wait``/``close``/``load``.
-* **Existing steps are kept**: re-saving a step seen committed (a resumed loop re-running
-  it) is skipped with a log line unless ``overwrite=True`` (then replaced atomically).
+* **Existing steps are kept**: re-saving a committed step (a resumed loop re-running it,
+  seen committed by this manager or, with one HEAD on rank 0, by an earlier run) is
+  skipped with an INFO line and returns False, unless ``overwrite=True`` (then replaced
+  atomically).
+* **Rollbacks**: after ``load(step)`` of an older step, the first commit supersedes the
+  higher steps an earlier run left: ``steps()``/``load_latest`` skip them and retention
+  deletes them (:mod:`s3ckpt.catalog.retention`).
 * **Retention** (``keep_last``, ``keep_every``) runs on rank 0 after each commit on its own
   thread (:class:`s3ckpt.manager.policy.Retention`); it never deletes the checkpoint just
   written, and its failures are logged, not raised.
@@ -30,7 +35,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -56,6 +61,7 @@ from s3ckpt.manager.policy import (
 )
 
 log = logging.getLogger("s3ckpt.manager")
+T = TypeVar("T")
 _CHECKPOINTER = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
 
 
@@ -168,17 +174,18 @@ class CheckpointManager:
         return str(self.location.child(checkpoint_name(step)))
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending: one LIST on rank 0, broadcast to the other ranks."""
-        outcome: Any = None
-        if self._rank == 0:
-            try:
-                infos = catalog.list_checkpoints(str(self.location), config=self.config)
-                outcome = sorted(s for i in infos if (s := parse_step(i.name)) is not None)
-            except Exception as exc:  # every rank raises it, rather than the others hanging
-                outcome = exc
-        outcome = self._broadcast(outcome)
-        if isinstance(outcome, BaseException):
-            raise outcome
+        """Committed steps, ascending: one LIST on rank 0, broadcast to the other ranks.
+
+        Steps superseded by a rollback (a lower step committed after them, see
+        :mod:`s3ckpt.catalog.retention`) are left out: training does not go on from them.
+        """
+
+        def listed() -> list[int]:
+            infos = catalog.list_checkpoints(str(self.location), config=self.config)
+            steps = (parse_step(i.name) for i in infos if not i.superseded_by)
+            return sorted(s for s in steps if s is not None)
+
+        outcome: list[int] = self._on_rank0(listed)
         with self._lock:
             self._committed.update(outcome)
         return list(outcome)
@@ -243,6 +250,10 @@ class CheckpointManager:
         waited = time.perf_counter() - started
         with self._lock:
             exists = step in self._committed
+        if not exists and not self.overwrite:  # committed by an earlier run, maybe
+            exists = self._on_rank0(
+                lambda: catalog.is_committed(self.uri_of(step), config=self.config)
+            )
         if exists and not self.overwrite:
             log.info("%s is already committed; not saved again", name)
             return False
@@ -386,6 +397,19 @@ class CheckpointManager:
         flags: list[Any] = [None] * self._world
         dist.all_gather_object(flags, self.busy, group=self._group)
         return any(flags)
+
+    def _on_rank0(self, call: Callable[[], T]) -> T:
+        """``call()`` on rank 0, its result (or its error) on every rank."""
+        outcome: Any = None
+        if self._rank == 0:
+            try:
+                outcome = call()
+            except Exception as exc:  # every rank raises it, rather than the others hanging
+                outcome = exc
+        outcome = self._broadcast(outcome)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
     def _broadcast(self, value: Any) -> Any:
         if self._world == 1:

@@ -113,7 +113,9 @@ def retention_victims(
     by hand under the same prefix).
     """
     mine = [
-        Candidate(i.name, i.time) for i in infos if i.committed and parse_step(i.name) is not None
+        Candidate(i.name, i.time, i.in_flight)
+        for i in infos
+        if i.committed and parse_step(i.name) is not None
     ]
     decisions = plan_retention(mine, keep_last=keep_last or 0, keep_every=keep_every, now=now)
     return [d.name for d in decisions if d.delete and d.name != protect]

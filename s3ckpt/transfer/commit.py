@@ -4,46 +4,84 @@ Data objects and DCP's metadata are written first, under keys unique to the save
 coordinator then writes the manifest (:mod:`s3ckpt.format.manifest`). Readers, listings
 and the CLI look at manifests only, so a save that died half-way is invisible.
 
-Commit modes:
+Commit modes (``docs/format.md`` states the protocol and its assumptions):
 
-* ``create`` (the default): ``PutObject`` with ``If-None-Match: *``; of two writers racing
-  for the same id exactly one wins and the other gets :class:`CommitConflictError`.
-  Endpoints that do not honor the header (probed once per endpoint and bucket) use the
-  fallback: HEAD, PUT, wait ``FALLBACK_SETTLE_S`` (1 s), then read the manifest back and
-  check that it carries our save id. Of writers whose PUTs land within that second of
-  each other, only the last keeps its manifest and all others get the error; unlike the
-  conditional write, the fallback cannot stop a loser from briefly replacing the
-  winner's manifest, and it costs the pause on every commit.
+* ``create`` on a store that honours ``If-None-Match: *`` (probed once per endpoint and
+  bucket): one conditional ``PutObject``; of writers racing for the same id exactly one
+  wins, the others get :class:`CommitConflictError`.
+* ``create`` on a store without conditional writes (it ignores the header, or rejects it):
+  the *claim* protocol. A writer PUTs its own claim object (a key unique to its save),
+  then LISTs the claims, then HEADs the manifest. Alone and no manifest: it PUTs the
+  manifest and only then deletes its claim. Otherwise it deletes its claim and, if no
+  manifest exists yet, backs off and tries again. Two writers can never both be alone:
+  each one's claim is in place before it lists, so of any two, the one that listed later
+  sees the other's claim, and a claim stays in place until its writer's manifest is
+  written. This needs strong read-after-write and list-after-write consistency and no
+  timing at all; delays anywhere only cost retries.
 * ``overwrite``: the new manifest replaces the old in one PUT (S3 PUTs are atomic), so
-  every reader sees either the complete old checkpoint or the complete new one; the old
-  save's objects are deleted only after the switch.
+  every reader sees either the complete old checkpoint or the complete new one. The old
+  save's objects stay: ``gc`` removes them once they have been unreferenced for its grace
+  period, so loads that started before the switch finish undisturbed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
+import time
 import uuid
 
 from s3ckpt.config import S3URI
 from s3ckpt.errors import (
     CommitConflictError,
-    CorruptCheckpointError,
+    IncompleteSaveError,
     PreconditionFailedError,
     StorageError,
 )
+from s3ckpt.format.layout import CLAIM_PREFIX, claim_key
 from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
 from s3ckpt.s3.store import ObjectStore
 
 log = logging.getLogger(__name__)
 
-FALLBACK_SETTLE_S = 1.0
+CLAIM_ROUNDS = 8  # attempts of the claim protocol before a contended commit gives up
+CLAIM_BACKOFF_S = 0.2  # first backoff; doubles per round, with full jitter
+CLAIM_MAX_AGE_S = 600.0  # a claim held longer than this (own clock) is given up, not used
 
 
 async def read_manifest(store: ObjectStore, location: S3URI) -> Manifest:
     """The committed manifest at ``location``; ``ObjectNotFoundError`` if none."""
     key = location.key(MANIFEST_NAME)
     return Manifest.from_json(await store.get(key), f"s3://{store.bucket}/{key}")
+
+
+async def confirm_objects(store: ObjectStore, location: S3URI, sizes: dict[str, int]) -> None:
+    """Check, with one listing, that every object of a save exists with its size.
+
+    ``sizes`` maps keys relative to ``location`` to their sizes. Anything missing means
+    something deleted part of the save (``gc`` with too short a grace, a lifecycle rule):
+    committing would publish a checkpoint that cannot load.
+    """
+    found = {m.key: m.size async for m in store.list(location.key(""))}
+    wrong = [
+        f"{key} ({'missing' if location.key(key) not in found else 'wrong size'})"
+        for key, size in sorted(sizes.items())
+        if found.get(location.key(key)) != size
+    ]
+    if wrong:
+        raise IncompleteSaveError(
+            f"not committing {location}: {len(wrong)} object(s) of the save are gone or "
+            f"changed: {', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}"
+        )
+
+
+async def committed_save_id(store: ObjectStore, location: S3URI) -> str | None:
+    """The save id the committed manifest names; None if nothing is committed."""
+    try:
+        return (await read_manifest(store, location)).save_id
+    except FileNotFoundError:
+        return None
 
 
 # -- conditional-write support ----------------------------------------------------------
@@ -70,9 +108,9 @@ async def _probe(store: ObjectStore, location: S3URI) -> bool:
         except PreconditionFailedError:
             return True
         except StorageError as exc:  # e.g. 501 NotImplemented: the header is not understood
-            log.info("endpoint rejected If-None-Match (%s); using the fallback commit", exc.code)
+            log.info("endpoint rejected If-None-Match (%s); commits use claims instead", exc.code)
             return False
-        log.warning("endpoint ignores If-None-Match: *; using the check-put-verify fallback commit")
+        log.warning("endpoint ignores If-None-Match: *; commits use claims instead")
         return False
     except StorageError as exc:
         if exc.code in ("NotImplemented", "501", "InvalidRequest", "InvalidArgument"):
@@ -89,54 +127,75 @@ async def commit_manifest(
     store: ObjectStore, location: S3URI, manifest: Manifest, *, overwrite: bool
 ) -> None:
     """Make the checkpoint visible by writing its manifest (see the module docstring)."""
-    key = location.key(MANIFEST_NAME)
     body = manifest.to_json()
     if overwrite:
-        await _commit_overwrite(store, location, manifest, body)
+        await _put_manifest(store, location, body)
     elif await supports_conditional_create(store, location):
-        try:
-            await store.put(key, body, mode="create", content_type="application/json")
-        except PreconditionFailedError as exc:
-            raise CommitConflictError(
-                f"another writer committed s3://{store.bucket}/{key} first"
-            ) from exc
+        await _commit_conditional(store, location, body)
     else:
-        await _commit_fallback(store, location, manifest, body)
+        await _commit_with_claim(store, location, manifest.save_id, body)
 
 
-async def _commit_fallback(
-    store: ObjectStore, location: S3URI, manifest: Manifest, body: bytes
-) -> None:
-    key = location.key(MANIFEST_NAME)
-    if await store.exists(key):
-        raise CommitConflictError(f"another writer committed s3://{store.bucket}/{key} first")
-    await store.put(key, body, content_type="application/json")
-    # Two writers that both passed the HEAD put within moments of each other; the last PUT
-    # wins. Reading back only after a pause lets every writer of such a race see the
-    # winner, so the loser learns it lost even when its own PUT came and went first.
-    await asyncio.sleep(FALLBACK_SETTLE_S)
-    committed = await read_manifest(store, location)
-    if committed.save_id != manifest.save_id:
-        raise CommitConflictError(
-            f"another writer committed s3://{store.bucket}/{key} at the same time"
-        )
+async def _put_manifest(store: ObjectStore, location: S3URI, body: bytes, **mode: str) -> None:
+    await store.put(location.key(MANIFEST_NAME), body, content_type="application/json", **mode)
 
 
-async def _commit_overwrite(
-    store: ObjectStore, location: S3URI, manifest: Manifest, body: bytes
-) -> None:
+async def _commit_conditional(store: ObjectStore, location: S3URI, body: bytes) -> None:
     try:
-        previous: Manifest | None = await read_manifest(store, location)
-    except FileNotFoundError:
-        previous = None
-    except CorruptCheckpointError:
-        previous = None
-    await store.put(location.key(MANIFEST_NAME), body, content_type="application/json")
-    if previous is not None and previous.save_id != manifest.save_id:
-        stale = set(previous.all_keys()) - set(manifest.all_keys())
-        try:
-            await store.delete_many(sorted(location.key(k) for k in stale))
-        except StorageError as exc:
-            log.warning(
-                "overwrote %s but could not delete the previous save's objects: %s", location, exc
-            )
+        await _put_manifest(store, location, body, mode="create")
+    except PreconditionFailedError as exc:
+        raise _lost(store, location) from exc
+
+
+def _lost(store: ObjectStore, location: S3URI) -> CommitConflictError:
+    key = location.key(MANIFEST_NAME)
+    return CommitConflictError(f"another writer committed s3://{store.bucket}/{key} first")
+
+
+async def _commit_with_claim(
+    store: ObjectStore, location: S3URI, save_id: str, body: bytes
+) -> None:
+    """The claim protocol (module docstring): commit once alone, else back off and retry."""
+    rivals: list[str] = []
+    for attempt in range(CLAIM_ROUNDS):
+        rivals = await _claim_and_commit(store, location, save_id, body)
+        if not rivals:
+            return
+        delay = random.uniform(0, CLAIM_BACKOFF_S * 2**attempt)
+        log.info("commit of %s contended by %s; retrying in %.2f s", location, rivals, delay)
+        await asyncio.sleep(delay)
+    raise CommitConflictError(
+        f"could not commit {location}: other saves kept claiming it ({', '.join(rivals)}); "
+        "a claim left by a save that died is removed by `s3ckpt gc`"
+    )
+
+
+async def _claim_and_commit(
+    store: ObjectStore, location: S3URI, save_id: str, body: bytes
+) -> list[str]:
+    """One round: the rival claims seen (empty: committed). Raises if a manifest exists."""
+    claim = location.key(claim_key(save_id))
+    claimed_at = time.monotonic()
+    await store.put(claim, save_id.encode())
+    try:
+        listing = store.list(location.key(CLAIM_PREFIX))
+        rivals = [m.key.rpartition(CLAIM_PREFIX)[2] async for m in listing if m.key != claim]
+        if await store.exists(location.key(MANIFEST_NAME)):
+            raise _lost(store, location)
+        if rivals:
+            return rivals
+        # gc removes claims older than its grace (at least an hour): one held for longer
+        # could have been removed, so it no longer excludes anyone.
+        if time.monotonic() - claimed_at > CLAIM_MAX_AGE_S:
+            raise CommitConflictError(f"commit of {location} stalled while holding its claim")
+        await _put_manifest(store, location, body)
+        return []
+    finally:
+        await _release(store, claim)
+
+
+async def _release(store: ObjectStore, claim: str) -> None:
+    try:
+        await store.delete_many([claim])
+    except StorageError as exc:  # it blocks other commits until gc removes it
+        log.warning("could not delete commit claim %s: %s", claim, exc)

@@ -67,7 +67,8 @@ def cli(aws_env, monkeypatch, capsys):
 
 @pytest.fixture
 def run_dir(s3_prefix, make_writer) -> str:
-    """A prefix holding step-1, step-2 and step-10 (committed) and step-20 (never committed)."""
+    """A prefix holding step-1, step-2 and step-10 (committed) and step-20 (never committed:
+    its coordinator died before the commit, moments ago, so its in-flight record is fresh)."""
     for step in (1, 2, 10):
         state = {"w": torch.full((1000,), float(step)), "step": step}
         dcp.save(state, storage_writer=make_writer(f"{s3_prefix}/step-{step}"))
@@ -97,12 +98,12 @@ def test_ls_table_and_json(cli, run_dir):
         ("step-1", "committed"),
         ("step-2", "committed"),
         ("step-10", "committed"),
-        ("step-20", "uncommitted"),
+        ("step-20", "saving"),  # for all ls can tell: its record was refreshed just now
     ]
     assert rows[0]["items"] == 2 and rows[0]["ranks"] == 1 and rows[0]["bytes"] > 4000
     assert rows[0]["uri"] == f"{run_dir}/step-1" and rows[0]["time"].endswith("Z")
     assert rows[3]["items"] is None and rows[3]["age_seconds"] >= 0
-    assert "uncommitted" in cli("ls", run_dir, "--all").out
+    assert "saving" in cli("ls", run_dir, "--all").out
 
 
 def test_ls_of_an_empty_prefix(cli, s3_prefix):
@@ -164,10 +165,17 @@ def test_prune_dry_run_then_for_real(cli, run_dir):
 def test_gc_and_rm(cli, run_dir):
     spared = cli("gc", run_dir, "--json").json()
     assert spared["deleted"] == [] and spared["grace_seconds"] == 3600
-    collected = cli("gc", run_dir, "--older-than", "0s", "--json").json()
+    refused = cli("gc", run_dir, "--older-than", "0s")
+    assert refused.code == 2 and "--force" in refused.err and "safe minimum" in refused.err
+    in_flight = cli("gc", run_dir, "--older-than", "0s", "--force", "--json").json()
+    assert in_flight["deleted"] == [] and in_flight["in_flight"] == ["step-20"]
+    assert "leave (save in flight)" in cli("gc", run_dir, "--older-than", "0s", "--force").out
+    dead = ["--older-than", "0s", "--force", "--in-flight-lease", "0s"]  # known dead
+    collected = cli("gc", run_dir, *dead, "--json").json()
     assert [(d["name"], d["reason"]) for d in collected["deleted"]] == [("step-20", "uncommitted")]
     assert collected["objects"] == len(collected["deleted"][0]["keys"]) > 0
-    assert "removed 0 object(s)" in cli("gc", run_dir, "--older-than", "0s").out
+    assert any(".s3ckpt-saving-" in k for k in collected["deleted"][0]["keys"])
+    assert "removed 0 object(s)" in cli("gc", run_dir, *dead).out
 
     removed = cli("rm", f"{run_dir}/step-1")
     assert removed.code == 0 and removed.out.startswith(f"removed {run_dir}/step-1 (")

@@ -8,8 +8,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt import CheckpointExistsError, CheckpointNotFoundError, CommitConflictError, unwrap
-from s3ckpt.config import S3URI
+from s3ckpt import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CommitConflictError,
+    catalog,
+    unwrap,
+)
+from s3ckpt.config import S3URI, make_config
 from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
 
 pytestmark = [
@@ -95,15 +101,21 @@ def test_check_happens_before_any_upload(s3_prefix, make_writer):
         writer.prepare_local_plan(None)  # type: ignore[arg-type]
 
 
-def test_overwrite_replaces_atomically_and_removes_the_old_objects(
-    local_s3, s3_prefix, make_writer, make_reader, list_keys
+def test_overwrite_replaces_atomically_and_leaves_the_old_objects_to_gc(
+    local_s3, s3_prefix, make_writer, make_reader, list_keys, s3_options
 ):
     dcp.save({"a": torch.ones(1000)}, storage_writer=make_writer(s3_prefix))
     old = _manifest(local_s3, s3_prefix)
     dcp.save({"a": torch.full((1000,), 2.0)}, storage_writer=make_writer(s3_prefix, overwrite=True))
     new = _manifest(local_s3, s3_prefix)
     assert new.save_id != old.save_id
-    assert sorted([*new.all_keys(), MANIFEST_NAME]) == list_keys(s3_prefix)
+    # The replaced save's objects stay for loads that started before the switch ...
+    assert list_keys(s3_prefix) == sorted([*old.all_keys(), *new.all_keys(), MANIFEST_NAME])
+    config = make_config(None, **s3_options)
+    kept = catalog.collect_garbage(s3_prefix, config=config)
+    assert kept.garbage == []  # ... for gc's grace period, counted from the overwrite
+    catalog.collect_garbage(s3_prefix, grace=0, config=config)
+    assert list_keys(s3_prefix) == sorted([*new.all_keys(), MANIFEST_NAME])
     restored = {"a": torch.zeros(1000)}
     dcp.load(restored, storage_reader=make_reader(s3_prefix))
     assert torch.equal(restored["a"], torch.full((1000,), 2.0))

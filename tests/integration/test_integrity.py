@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt import CorruptCheckpointError, StorageError, unwrap
+from s3ckpt import CorruptCheckpointError, StorageError, catalog, unwrap
 from s3ckpt.config import S3URI
 from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
 from s3ckpt.s3.loop import io_loop
@@ -102,15 +102,16 @@ def test_a_missing_metadata_object_is_a_damaged_checkpoint(
 
 
 def test_a_load_racing_an_overwrite_reads_the_newer_checkpoint(
-    local_s3, s3_prefix, make_writer, make_reader, monkeypatch
+    local_s3, s3_prefix, s3_options, make_writer, make_reader, monkeypatch
 ):
-    # The reader reads the old manifest; the overwrite then commits and deletes the old
+    # The reader reads the old manifest; the overwrite then commits and gc removes the old
     # save's metadata before the reader fetches it: the reader follows the new commit.
     from s3ckpt.dcp import reader as reader_module
 
     dcp.save({"a": torch.full((10,), 1.0)}, storage_writer=make_writer(s3_prefix))
     old = _manifest(local_s3, s3_prefix)
     dcp.save({"a": torch.full((10,), 2.0)}, storage_writer=make_writer(s3_prefix, overwrite=True))
+    _collect_the_replaced_save(s3_options, s3_prefix)
     real = reader_module.read_manifest
     calls = []
 
@@ -123,6 +124,39 @@ def test_a_load_racing_an_overwrite_reads_the_newer_checkpoint(
     dcp.load(restored, storage_reader=make_reader(s3_prefix))
     assert torch.equal(restored["a"], torch.full((10,), 2.0))
     assert len(calls) == 2
+
+
+def _collect_the_replaced_save(s3_options, uri: str) -> None:
+    report = catalog.collect_garbage(uri, grace=0, config=make_config_for(s3_options))
+    assert [g.reason for g in report.garbage] == ["unreferenced"]
+
+
+def test_a_load_whose_data_objects_vanish_starts_over_on_the_newer_save(
+    local_s3, s3_prefix, s3_options, make_writer, make_reader, monkeypatch
+):
+    """Between planning and reading, an overwrite commits and gc removes the old save's
+    objects: the load reads every item again from the newer save, never a mix."""
+    state = {"a": torch.full((1000,), 1.0), "b": torch.full((10,), 1.0)}
+    dcp.save(state, storage_writer=make_writer(s3_prefix))
+    reader = make_reader(s3_prefix)
+    real_read_data = type(reader).read_data
+
+    def overwritten_first(self, plan, planner):
+        newer = {"a": torch.full((1000,), 2.0), "b": torch.full((10,), 2.0)}
+        dcp.save(newer, storage_writer=make_writer(s3_prefix, overwrite=True))
+        _collect_the_replaced_save(s3_options, s3_prefix)
+        monkeypatch.setattr(type(reader), "read_data", real_read_data)
+        return real_read_data(self, plan, planner)
+
+    monkeypatch.setattr(type(reader), "read_data", overwritten_first)
+    restored = {"a": torch.zeros(1000), "b": torch.zeros(10)}
+    dcp.load(restored, storage_reader=reader)
+    assert torch.equal(restored["a"], torch.full((1000,), 2.0))
+    assert torch.equal(restored["b"], torch.full((10,), 2.0))
+    assert (
+        reader.manifest is not None
+        and reader.manifest.save_id == _manifest(local_s3, s3_prefix).save_id
+    )
 
 
 def test_a_truncated_object_fails_the_load(local_s3, s3_prefix, make_writer, make_reader):

@@ -173,6 +173,9 @@ def fake(monkeypatch) -> FakeDCP:
     monkeypatch.setattr(
         manager_module.catalog, "list_checkpoints", lambda *a, **k: [info(checkpoint_name(5), 5)]
     )
+    monkeypatch.setattr(
+        manager_module.catalog, "is_committed", lambda uri, **k: uri.endswith(checkpoint_name(5))
+    )
     return fake
 
 
@@ -258,6 +261,18 @@ def test_existing_steps_are_skipped_unless_overwrite(fake, caplog):
     assert overwriting.save(5, {}) is True
     fake.commit()
     overwriting.close()
+
+
+def test_a_step_committed_by_an_earlier_run_is_skipped_without_listing_first(fake, caplog):
+    """A job resumed with load(step) has not listed the run: the store is asked."""
+    manager = make()
+    with caplog.at_level(logging.INFO, logger="s3ckpt.manager"):
+        assert manager.save(5, {}) is False
+    assert "step-0000000005 is already committed" in caplog.text and fake.calls == []
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert manager.save(6, {}) is True
+    fake.commit()
+    manager.close()
 
 
 def test_a_step_committed_by_someone_else_is_not_a_failure(fake, caplog):

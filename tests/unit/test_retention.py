@@ -7,7 +7,15 @@ import random
 
 import pytest
 
-from s3ckpt.catalog.retention import Candidate, natural_key, order, plan_retention, step_of
+from s3ckpt.catalog.retention import (
+    Candidate,
+    natural_key,
+    order,
+    plan_retention,
+    series_of,
+    step_of,
+    superseded,
+)
 from s3ckpt.errors import ConfigError
 from s3ckpt.manager.policy import validate_options
 
@@ -44,7 +52,7 @@ def test_step_is_the_last_number_in_the_name():
 
 
 def test_keep_last_deletes_all_older_ones():
-    decisions = plan_retention(steps(1, 2, 10, 3), keep_last=2, now=NOW)
+    decisions = plan_retention(list(reversed(steps(1, 2, 3, 10))), keep_last=2, now=NOW)
     assert [d.name for d in decisions] == ["step-1", "step-2", "step-3", "step-10"]
     assert deleted(decisions) == ["step-1", "step-2"]
     assert [d.reason for d in decisions] == ["expired", "expired", "last 2", "newest"]
@@ -78,10 +86,44 @@ def test_the_newest_is_kept_unless_forced():
     assert deleted(plan_retention(steps(1, 2), keep_last=1, force=True, now=NOW)) == ["step-1"]
 
 
-def test_newest_means_highest_step_not_latest_commit():
-    """After rolling back to step-5 and saving step-6, step-9 of the old run is the newest."""
-    candidates = [Candidate("step-9", NOW - 3 * DAY), Candidate("step-6", NOW - 60)]
-    assert deleted(plan_retention(candidates, keep_last=1, now=NOW)) == ["step-6"]
+def test_a_rollback_supersedes_the_abandoned_higher_steps():
+    """After rolling back to step-5 and saving step-6, step-9 of the old run is abandoned:
+    it is not the newest, does not count towards keep_last, and retention removes it."""
+    candidates = [
+        Candidate("step-5", NOW - 4 * DAY),
+        Candidate("step-9", NOW - 3 * DAY),
+        Candidate("step-6", NOW - 60),
+    ]
+    assert superseded(candidates) == {"step-9": "step-6"}
+    decisions = {d.name: d for d in plan_retention(candidates, keep_last=2, now=NOW)}
+    assert decisions["step-9"].delete and decisions["step-9"].reason == "superseded by step-6"
+    assert [n for n, d in decisions.items() if not d.delete] == ["step-5", "step-6"]
+    assert decisions["step-6"].reason == "newest"
+
+
+def test_superseded_ones_are_still_protected_by_keep_every_and_older_than():
+    candidates = [Candidate("step-100", NOW - 3 * DAY), Candidate("step-50", NOW - 60)]
+    assert deleted(plan_retention(candidates, keep_last=5, keep_every=100, now=NOW)) == []
+    assert deleted(plan_retention(candidates, keep_last=5, older_than=4 * DAY, now=NOW)) == []
+
+
+def test_only_the_same_series_supersedes():
+    """Another run under the same prefix, or another name pattern, is left out of it."""
+    candidates = [
+        Candidate("run1/step-100", NOW - 3 * DAY),
+        Candidate("run2/step-50", NOW - 60),
+        Candidate("best-90", NOW - 2 * DAY),
+        Candidate("latest", NOW - 10),
+    ]
+    assert superseded(candidates) == {}
+    assert series_of("run1/step-100") == "run1/step-#" and series_of("latest") is None
+
+
+def test_busy_checkpoints_are_never_deleted():
+    candidates = [Candidate("step-1", NOW - 2 * DAY, busy=True), *steps(2, 3)]
+    decisions = {d.name: d for d in plan_retention(candidates, keep_last=1, now=NOW)}
+    assert not decisions["step-1"].delete and decisions["step-1"].reason == "save in flight"
+    assert decisions["step-2"].delete
 
 
 def test_nothing_to_prune():
@@ -99,18 +141,27 @@ def test_invalid_policies_are_refused(options):
 
 
 def _reference(candidates, keep_last, keep_every, older_than, force):
-    """The rules restated as sets: deleted = all minus the union of everything protected."""
-    ordered = sorted(candidates, key=lambda c: int(c.name.split("-")[1]))
+    """The rules restated as sets: deleted = all minus the union of everything protected
+    (superseded ones: those with a lower step committed after them)."""
+
+    def step(c):
+        return int(c.name.split("-")[1])
+
+    everything = sorted(candidates, key=step)
+    replaced = {
+        c.name for c in everything if any(step(d) < step(c) and d.time > c.time for d in everything)
+    }
+    ordered = [c for c in everything if c.name not in replaced]
     protected = (
         {c.name for c in ordered[max(0, len(ordered) - keep_last) :]} if keep_last else set()
     )
     if ordered and not force:
         protected.add(ordered[-1].name)
     if keep_every:
-        protected |= {c.name for c in ordered if int(c.name.split("-")[1]) % keep_every == 0}
+        protected |= {c.name for c in everything if step(c) % keep_every == 0}
     if older_than is not None:
-        protected |= {c.name for c in ordered if NOW - c.time <= older_than}
-    return [c.name for c in ordered if c.name not in protected]
+        protected |= {c.name for c in everything if NOW - c.time <= older_than}
+    return [c.name for c in everything if c.name not in protected]
 
 
 def test_every_combination_matches_the_rules_restated():
@@ -134,8 +185,9 @@ def test_every_combination_matches_the_rules_restated():
         expected = _reference(candidates, keep_last, keep_every, older_than, force)
         assert deleted(decisions) == expected, (numbers, keep_last, keep_every, older_than, force)
         assert len(decisions) == count
-        assert all(d.reason == "expired" for d in decisions if d.delete)
-        assert all(d.reason != "expired" for d in decisions if not d.delete)
+        deletion_reasons = ("expired", "superseded by step-")
+        assert all(d.reason.startswith(deletion_reasons) for d in decisions if d.delete)
+        assert not any(d.reason.startswith(deletion_reasons) for d in decisions if not d.delete)
 
 
 @pytest.mark.parametrize("keep_last", [-1, 1.5, "3", True])

@@ -50,8 +50,8 @@ class S3Config:
         max_bytes_in_flight: bytes handed to the transfer engine but not yet acknowledged.
         checksums: send a CRC32C with every upload so the server rejects corrupted parts.
         conditional_commit: commit manifests with ``If-None-Match: *``; ``None`` probes once
-            per endpoint and bucket, ``False`` uses the documented fallback (check, then put,
-            then read back).
+            per endpoint and bucket, ``False`` uses the claim protocol, correct on stores
+            without conditional writes (``docs/format.md``).
         connect_timeout, read_timeout: seconds; a connection that stalls for longer than
             ``read_timeout`` counts as failed and is retried.
         direct_reads: receive ranged GETs of checkpoint data with s3ckpt's own HTTP/1.1

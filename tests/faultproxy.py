@@ -16,7 +16,9 @@ and then injects one of:
 ``not_implemented``       answer ``501 NotImplemented`` without forwarding (a missing feature)
 ========================  ===================================================================
 
-``conditional="reject"`` answers every request carrying ``If-None-Match`` or ``If-Match``
+``ignore_range=True`` strips ``Range`` from requests: a server that answers ranged GETs
+with the whole object. ``conditional="reject"`` answers every request carrying
+``If-None-Match`` or ``If-Match``
 with 501 (a store without conditional writes that says so), ``"ignore"`` strips those
 headers before relaying (a store that silently ignores them, as some do).
 
@@ -117,6 +119,7 @@ class FaultProxy:
         stall_s: float = 10.0,
         delay_s: float = 1.0,
         conditional: Conditional = "pass",
+        ignore_range: bool = False,
         tls: ssl.SSLContext | None = None,
     ) -> None:
         parsed = urlparse(upstream)
@@ -127,6 +130,7 @@ class FaultProxy:
         self.stall_s = stall_s
         self.delay_s = delay_s
         self.conditional = conditional
+        self.ignore_range = ignore_range
         self._tls = tls
         self._rng = random.Random(seed)
         self._hits: Counter[tuple[str, str]] = Counter()  # faults per (method, target)
@@ -208,6 +212,8 @@ class FaultProxy:
             await asyncio.sleep(self._rng.uniform(0, self.delay_s))
         if self.conditional == "ignore":
             head = _without(head, _CONDITIONAL)
+        if self.ignore_range:
+            head = _without(head, (b"range:",))
         server, to_server = await asyncio.open_connection(*self.upstream)
         try:
             to_server.write(_close_after(head))

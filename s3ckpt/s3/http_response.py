@@ -1,26 +1,34 @@
 """One ranged GET on one kept-alive HTTP/1.1 connection, received into a sink.
 
-:class:`Connection` is an :class:`asyncio.BufferedProtocol`: the response headers are read
-into a small scratch buffer and parsed, then the event loop's ``recv_into`` writes the
-body directly into the memory the caller's :class:`RangeSink` names (usually the
-destination tensor), so each byte is copied once, by the kernel. Error responses are read
-whole and become the botocore ``ClientError`` aiobotocore would raise; a successful
-response this module cannot receive in place (chunked encoding, ``Range`` ignored) raises
-:class:`UnsupportedResponse`. A response that stalls for ``read_timeout`` seconds is
-aborted. Signing, connection reuse and TLS settings are :mod:`s3ckpt.s3.http_range`'s.
+:class:`Connection` is an :class:`asyncio.BufferedProtocol`. Response heads, interim
+``1xx`` responses and every body but the expected one are parsed by h11 (a well-kept
+HTTP/1.1 state machine), so chunked and close-delimited error bodies, ``100 Continue``
+and ``Connection: close`` are handled as HTTP says. The expected one, a ``206`` whose
+``Content-Range`` and ``Content-Length`` match the range asked for, is received in place:
+the event loop's ``recv_into`` writes it directly into the memory the caller's
+:class:`RangeSink` names (usually the destination tensor), so each byte is copied once,
+by the kernel. Error responses become the botocore ``ClientError`` aiobotocore would
+raise; a successful response this module cannot receive in place (chunked, ``Range``
+ignored) and redirects raise :class:`UnsupportedResponse`, so the caller hands the
+request to aiobotocore. A response that stalls for ``read_timeout`` seconds is aborted.
+Signing, connection reuse and TLS settings are :mod:`s3ckpt.s3.http_range`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import xml.etree.ElementTree as ElementTree
 from typing import Protocol
 
+import h11
 from botocore import exceptions as bce
 from botocore.exceptions import ClientError
 
 from s3ckpt.s3.retry import ShortReadError
+
+log = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_ERROR_BODY = 1024 * 1024
@@ -125,22 +133,12 @@ class Connection(asyncio.BufferedProtocol):
         self.closed = True
         response = self.response
         if response is not None and not response.future.done():
-            if response.error is not None:  # an error body read until the server closed
-                response.keep_alive = False
-                response.finish()
-            elif response.headers_done:
-                response.fail(
-                    ShortReadError(
-                        f"the connection closed after {response.position - response.start} "
-                        f"bytes of a {response.end - response.start}-byte range"
-                    )
-                )
-            else:
-                response.fail(ConnectionResetError("the connection closed before a response"))
+            response.closed()
 
 
 class _Response:
-    """The state of one response: headers into scratch, then the body into the sink."""
+    """The state of one response: the head (and any other body) through h11, then the
+    expected body straight into the sink."""
 
     def __init__(self, connection: Connection, start: int, end: int, sink: RangeSink) -> None:
         self.connection = connection
@@ -148,11 +146,13 @@ class _Response:
         self.end = end
         self.sink = sink
         self.future: asyncio.Future[None] = connection.loop.create_future()
-        self.head = bytearray()
-        self.headers_done = False
+        self.parser = _parser()
+        self.head = False  # any byte of a response arrived
+        self.headers_done = False  # the final head was parsed
         self.keep_alive = True
         self.position = start  # next body byte expected
         self.body_left = 0
+        self.skip = 0  # body bytes before the range, from a server that ignored Range
         self.error: tuple[int, dict[str, str]] | None = None
         self.error_body = bytearray()
         self.into_sink = False
@@ -162,6 +162,9 @@ class _Response:
         )
 
     def buffer(self) -> memoryview:
+        if self.skip:
+            self.into_sink = False
+            return self.connection.scratch[: min(self.skip, len(self.connection.scratch))]
         if self.headers_done and self.error is None and self.body_left:
             view = self.sink.buffer(self.position)
             limit = min(self.body_left, MAX_RECEIVE)
@@ -172,16 +175,29 @@ class _Response:
 
     def data(self, nbytes: int) -> None:
         self.last_progress = self.connection.loop.time()
+        self.head = True
         if self.into_sink:
             self._body(nbytes)
-            return
-        chunk = self.connection.scratch[:nbytes]
-        if not self.headers_done:
-            self._head(chunk)
-        elif self.error is not None:
-            self._error_bytes(chunk)
-        else:  # bytes after the end of the response
+        elif self.skip:
+            self.skip -= nbytes  # buffer() asked for no more than the bytes to skip
+        elif self.headers_done and self.error is None:  # bytes after the end of the response
             self.fail(ConnectionResetError("the server sent more than the response"))
+        else:
+            self._parse(bytes(self.connection.scratch[:nbytes]))
+
+    def closed(self) -> None:
+        """The server closed the connection: ends a close-delimited body, or the response."""
+        if self.headers_done and self.error is None:
+            self.fail(
+                ShortReadError(
+                    f"the connection closed after {self.position - self.start} "
+                    f"bytes of a {self.end - self.start}-byte range"
+                )
+            )
+        else:
+            self.keep_alive = False
+            self._parse(b"")  # h11 ends a close-delimited body, or reports what is missing
+            self.fail(ConnectionResetError("the connection closed before a whole response"))
 
     def _body(self, nbytes: int) -> None:
         self.sink.filled(self.position, nbytes)
@@ -190,37 +206,64 @@ class _Response:
         if self.body_left == 0:
             self.finish()
 
-    def _head(self, chunk: memoryview) -> None:
-        self.head += chunk
-        end = self.head.find(b"\r\n\r\n")
-        if end < 0:
-            if len(self.head) > MAX_HEADER_BYTES:
-                self.fail(ConnectionResetError("response headers too large"))
-            return
-        leftover = memoryview(bytes(self.head[end + 4 :]))  # body bytes read with the head
+    def _parse(self, chunk: bytes) -> None:
+        """Feed h11 and act on what it recognises, until it needs more bytes."""
         try:
-            status, headers, self.keep_alive = _parse_head(bytes(self.head[:end]))
-            if 200 <= status < 300:
-                self.body_left = _expected_length(status, headers, self.start, self.end)
-            else:
-                self.error = (status, headers)
-                self.body_left = _error_length(headers)
-        except Exception as exc:  # any malformed head fails this response
-            self.fail(exc)
-            return
+            self.parser.receive_data(chunk)
+            while not self.future.done():
+                event = self.parser.next_event()
+                if event is h11.NEED_DATA or isinstance(event, h11.InformationalResponse):
+                    if event is h11.NEED_DATA:
+                        return
+                elif isinstance(event, h11.Response):
+                    self._response(event)
+                    if self.error is None:
+                        return
+                elif isinstance(event, h11.Data):
+                    self._error_bytes(event.data)
+                elif isinstance(event, h11.EndOfMessage):
+                    self.keep_alive = self.parser.their_state is h11.DONE
+                    self.finish()
+                else:  # ConnectionClosed: the end of a close-delimited error body, or early
+                    self.keep_alive = False
+                    if self.error is None:
+                        self.fail(ConnectionResetError("the connection closed before a response"))
+                    self.finish()
+        except h11.RemoteProtocolError as exc:
+            self.fail(ConnectionResetError(f"malformed HTTP response: {exc}"))
+        except (UnsupportedResponse, ValueError) as exc:  # not receivable in place
+            self.fail(exc if isinstance(exc, UnsupportedResponse) else UnsupportedResponse(exc))
+
+    def _response(self, event: h11.Response) -> None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
         self.headers_done = True
-        if self.error is not None:
-            self._error_bytes(leftover)
-        elif len(leftover) > self.body_left:
+        if not 200 <= event.status_code < 300:
+            self.error = (event.status_code, headers)
+            return
+        length = _in_place_length(event.status_code, headers, self.start, self.end)
+        self.keep_alive = event.http_version == b"1.1" and (
+            headers.get("connection", "").lower() != "close"
+        )
+        leftover, _ = self.parser.trailing_data  # body bytes that came with the head
+        self.body_left = self.end - self.start
+        if (event.status_code == 200 and self.start != 0) or length > self.body_left:
+            # The whole object for a ranged GET: skip to the range, and close the
+            # connection once it is in rather than read the rest.
+            _warn_range_ignored(self.connection.endpoint)
+            self.skip, self.keep_alive = self.start, False
+            dropped = min(self.skip, len(leftover))
+            self.skip -= dropped
+            leftover = leftover[dropped:]
+        if len(leftover) > self.body_left and self.keep_alive:
             self.fail(ConnectionResetError("the server sent more than the response"))
         elif leftover:
-            copy_into(_Counting(self), self.position, leftover)
-
-    def _error_bytes(self, chunk: memoryview) -> None:
-        self.error_body += chunk
-        if self.body_left >= 0 and len(self.error_body) >= self.body_left:
+            copy_into(_Counting(self), self.position, leftover[: self.body_left])
+        elif self.body_left == 0:
             self.finish()
-        elif len(self.error_body) > MAX_ERROR_BODY:
+
+    def _error_bytes(self, chunk: bytes) -> None:
+        self.error_body += chunk
+        if len(self.error_body) > MAX_ERROR_BODY:  # not an S3 error document: stop here
             self.keep_alive = False
             self.finish()
 
@@ -231,7 +274,11 @@ class _Response:
             self.future.set_result(None)
             return
         status, headers = self.error
-        self.keep_alive = self.keep_alive and len(self.error_body) == self.body_left
+        if 300 <= status < 400:
+            self.future.set_exception(
+                UnsupportedResponse(f"redirect {status} to {headers.get('location', '?')}")
+            )
+            return
         self.future.set_exception(_client_error(status, headers, bytes(self.error_body)))
 
     def fail(self, exc: BaseException) -> None:
@@ -271,24 +318,19 @@ class _Counting:
         self.response._body(nbytes)
 
 
-def _parse_head(head: bytes) -> tuple[int, dict[str, str], bool]:
-    """Status, lower-cased headers and whether the connection stays open."""
-    status_line, *lines = head.decode("latin-1").split("\r\n")
-    version, _, rest = status_line.partition(" ")
-    if not version.startswith("HTTP/1."):
-        raise ConnectionResetError("not an HTTP/1.x response")
-    status = int(rest.split(" ", 1)[0])
-    headers: dict[str, str] = {}
-    for line in lines:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
-    connection = headers.get("connection", "").lower()
-    keep_alive = connection != "close" if version == "HTTP/1.1" else connection == "keep-alive"
-    return status, headers, keep_alive
+def _parser() -> h11.Connection:
+    """An h11 client connection in the state of one GET sent (the request itself was
+    written as bytes; h11 only reads the response)."""
+    parser = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEADER_BYTES)
+    parser.send(h11.Request(method="GET", target="/", headers=[("Host", "s3")]))
+    parser.send(h11.EndOfMessage())
+    return parser
 
 
-def _expected_length(status: int, headers: dict[str, str], start: int, end: int) -> int:
-    """The body length of a successful response, checked against the range asked for."""
+def _in_place_length(status: int, headers: dict[str, str], start: int, end: int) -> int:
+    """The body length of a response received in place: a ``206`` for exactly the range
+    asked for, with a ``Content-Length``, or a ``200`` with the whole object (a server
+    that ignores ``Range``), at least as long as the range's end."""
     if "chunked" in headers.get("transfer-encoding", "").lower():
         raise UnsupportedResponse("chunked response")
     if "content-length" not in headers:
@@ -299,17 +341,28 @@ def _expected_length(status: int, headers: dict[str, str], start: int, end: int)
         first, _, last = spec.partition("/")[0].partition("-")
         if unit != "bytes" or (first, last) != (str(start), str(end - 1)):
             raise UnsupportedResponse(f"unexpected Content-Range {headers.get('content-range')!r}")
-    elif status != 200 or start != 0:
+    elif status == 200:
+        if length < end:
+            raise UnsupportedResponse(f"a {length}-byte object for bytes up to {end}")
+        return length
+    else:
         raise UnsupportedResponse(f"status {status} for a ranged GET")
     if length != end - start:
         raise UnsupportedResponse(f"{length} bytes for a {end - start}-byte range")
     return length
 
 
-def _error_length(headers: dict[str, str]) -> int:
-    if "content-length" in headers and "chunked" not in headers.get("transfer-encoding", ""):
-        return int(headers["content-length"])
-    return -1  # read until the server closes (bounded by MAX_ERROR_BODY)
+_warned_range_ignored: set[str] = set()
+
+
+def _warn_range_ignored(endpoint: str) -> None:
+    if endpoint not in _warned_range_ignored:
+        _warned_range_ignored.add(endpoint)
+        log.warning(
+            "%s ignores Range (it sent a whole object for a ranged GET): loads work, but "
+            "every ranged read transfers the object up to the range's end",
+            endpoint,
+        )
 
 
 def _client_error(status: int, headers: dict[str, str], body: bytes) -> ClientError:

@@ -252,7 +252,7 @@ class ObjectStore:
             response = await client.get_object(
                 Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}"
             )
-            position = start
+            position = _body_offset(response, start, self._where(key))
             async with response["Body"] as stream:
                 # readchunk() hands over one received buffer as is; readany() and
                 # read(n) join everything buffered into a new bytes object first.
@@ -261,7 +261,9 @@ class ObjectStore:
                     chunk, _ = await content.readchunk()
                     if not chunk:
                         break
-                    copy_into(sink, position, chunk[: end - position])
+                    useful = memoryview(chunk)[max(start - position, 0) : end - position]
+                    if useful:
+                        copy_into(sink, max(position, start), useful)
                     position += len(chunk)
         if position < end:
             raise retry.ShortReadError(
@@ -464,3 +466,35 @@ __all__ = [
     "PreconditionFailedError",
     "crc32c_header",
 ]
+
+
+def _body_offset(response: dict[str, Any], start: int, where: str) -> int:
+    """Where in the object a ranged GET's body starts: ``start`` for a ``206`` that honours
+    the range, 0 for a server that ignored ``Range`` and sent the whole object (``200``),
+    whose leading bytes the caller then skips."""
+    status = response["ResponseMetadata"]["HTTPStatusCode"]
+    if status == 200:
+        _warn_once(where)
+        return 0
+    first = str(response.get("ContentRange", "")).removeprefix("bytes ").partition("-")[0]
+    if not first.isdigit() or int(first) > start:
+        raise StorageError(
+            f"GetObject {where}: the server answered bytes {response.get('ContentRange')!r} "
+            f"to a request for bytes from {start}",
+            operation="GetObject",
+        )
+    return int(first)
+
+
+_warned_full_bodies: set[str] = set()
+
+
+def _warn_once(where: str) -> None:
+    bucket = where.split("/")[2] if where.startswith("s3://") else where
+    if bucket not in _warned_full_bodies:
+        _warned_full_bodies.add(bucket)
+        log.warning(
+            "the server ignores Range (it sent a whole object for a ranged GET of %s): "
+            "loads work, but every ranged read transfers the whole object",
+            where,
+        )

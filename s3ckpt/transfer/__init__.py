@@ -5,5 +5,6 @@
   abort and clean-up on failure;
 * :mod:`~s3ckpt.transfer.download`: coalesced, block-aligned, parallel ranged GETs into
   destination buffers;
-* :mod:`~s3ckpt.transfer.commit`: reading a committed manifest; committing one last.
+* :mod:`~s3ckpt.transfer.commit`: reading a committed manifest; committing one last;
+* :mod:`~s3ckpt.transfer.inflight`: a save's in-flight record, for ``gc`` and ``prune``.
 """

@@ -64,3 +64,20 @@ def test_an_endpoint_answering_oddly_falls_back_to_aiobotocore(
     assert tried >= 1
     assert len(calls) == tried  # after the first odd answer, every read went to aiobotocore
     assert "fall back to aiobotocore: chunked response" in caplog.text
+
+
+def test_a_server_that_ignores_range_still_loads_bit_exact(
+    local_s3, s3_prefix, make_writer, make_reader, caplog
+):
+    """Every ranged GET answered 200 with the whole object: bytes must land where they
+    belong, not be reported as corruption. (Stripping Range in a proxy breaks header
+    signatures, so this runs the direct reader, whose presigned URLs do not sign Range;
+    the aiobotocore path is covered in tests/unit/test_store_stream.py.)"""
+    from faultproxy import FaultProxy
+
+    dcp.save(_state(), storage_writer=make_writer(s3_prefix))
+    with FaultProxy(local_s3.endpoint_url, ignore_range=True) as proxy:
+        reader = make_reader(s3_prefix, endpoint_url=proxy.endpoint_url, request_size=MiB)
+        with caplog.at_level(logging.WARNING):
+            _assert_same(_load(reader))
+    assert "ignores Range" in caplog.text

@@ -232,10 +232,10 @@ def test_error_without_a_body_uses_the_status_as_code() -> None:
     "head",
     [
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
-        b"HTTP/1.1 200 OK\r\nContent-Length: 1048576\r\n\r\n",  # range ignored
+        b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n",  # shorter than the range's end
         b"HTTP/1.1 206 Partial Content\r\nContent-Length: 10\r\nContent-Range: bytes 0-9/99\r\n\r\n",
     ],
-    ids=["chunked", "range-ignored", "wrong-content-range"],
+    ids=["chunked", "short-object", "wrong-content-range"],
 )
 def test_responses_it_cannot_receive_in_place_are_reported_unsupported(head: bytes) -> None:
     async def main() -> None:
@@ -325,3 +325,130 @@ def test_one_signature_serves_every_range_and_a_refused_one_is_renewed() -> None
             assert direct.client.signed == 2  # once, then again after the 403
 
     run(main())
+
+
+def _chunked(body: bytes, pieces: int = 3) -> bytes:
+    size = -(-len(body) // pieces)
+    chunks = [body[i : i + size] for i in range(0, len(body), size)]
+    return b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
+
+
+SLOWDOWN = (
+    b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+)
+
+
+def test_a_chunked_error_on_a_kept_alive_connection_is_read_at_once_and_reused() -> None:
+    """AWS-style errors come chunked on kept-alive connections: waiting for the server to
+    close would stall the load for minutes."""
+    head = b"HTTP/1.1 503 Slow Down\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+    async def main() -> None:
+        async with ScriptedServer([raw(head + _chunked(SLOWDOWN), keep=True), partial()]) as s:
+            direct = reader(s.url, read_timeout=30.0)
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(ClientError) as caught:
+                await direct.read("bucket", "key", 0, 10, Buffer(0, 10))
+            assert asyncio.get_running_loop().time() - started < 2.0
+            assert caught.value.response["Error"]["Code"] == "SlowDown"
+            sink = Buffer(0, 10)
+            await direct.read("bucket", "key", 0, 10, sink)
+            assert bytes(sink.data) == OBJECT[:10] and s.connections == 1
+
+    run(main())
+
+
+def test_a_close_delimited_error_body_ends_with_the_connection() -> None:
+    head = b"HTTP/1.1 500 Internal Server Error\r\nConnection: close\r\n\r\n"
+    body = b"<Error><Code>InternalError</Code><Message>x</Message></Error>"
+
+    async def main() -> None:
+        async with ScriptedServer([raw(head + body), partial()]) as s:
+            direct = reader(s.url)
+            with pytest.raises(ClientError) as caught:
+                await direct.read("bucket", "key", 0, 10, Buffer(0, 10))
+            assert caught.value.response["Error"]["Code"] == "InternalError"
+            await direct.read("bucket", "key", 0, 10, Buffer(0, 10))
+            assert s.connections == 2  # the first was closed with the response
+
+    run(main())
+
+
+def test_interim_100_continue_responses_are_skipped() -> None:
+    async def main() -> None:
+        interim = raw(b"HTTP/1.1 100 Continue\r\n\r\n", keep=True)
+
+        async def both(writer: asyncio.StreamWriter, request: str) -> bool:
+            await interim(writer, request)
+            return await partial()(writer, request)
+
+        async with ScriptedServer([both]) as s:
+            sink = Buffer(3, 40)
+            await reader(s.url).read("bucket", "key", 3, 40, sink)
+            assert bytes(sink.data) == OBJECT[3:40]
+
+    run(main())
+
+
+def test_a_redirect_is_handed_to_aiobotocore() -> None:
+    body = b"<Error><Code>TemporaryRedirect</Code><Message>elsewhere</Message></Error>"
+    head = (
+        f"HTTP/1.1 307 Temporary Redirect\r\nLocation: http://other.invalid/bucket/key\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+
+    async def main() -> None:
+        async with ScriptedServer([raw(head + body, keep=True)]) as s:
+            with pytest.raises(UnsupportedResponse, match="redirect 307"):
+                await reader(s.url).read("bucket", "key", 0, 10, Buffer(0, 10))
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"HTTP/1.1 503 Slow Down\r\nContent-Length: 500\r\n\r\n<Error>",  # cut short
+        b"HTTP/1.1 503 Slow Down\r\nTransfer-Encoding: chunked\r\n\r\n10\r\n<Error>",
+    ],
+    ids=["content-length", "chunked"],
+)
+def test_an_error_body_cut_short_is_a_connection_error(reply: bytes) -> None:
+    async def main() -> None:
+        async with ScriptedServer([raw(reply)]) as s:
+            with pytest.raises(ConnectionError):
+                await reader(s.url).read("bucket", "key", 0, 10, Buffer(0, 10))
+
+    run(main())
+
+
+def test_a_content_length_that_does_not_match_the_range_is_not_received_in_place() -> None:
+    head = (
+        b"HTTP/1.1 206 Partial Content\r\nContent-Length: 9\r\nContent-Range: bytes 0-9/99\r\n\r\n"
+    )
+
+    async def main() -> None:
+        async with ScriptedServer([raw(head + OBJECT[:9])]) as s:
+            with pytest.raises(UnsupportedResponse):
+                await reader(s.url).read("bucket", "key", 0, 10, Buffer(0, 10))
+
+    run(main())
+
+
+def test_a_server_ignoring_range_has_the_range_cut_from_the_whole_object(caplog) -> None:
+    """200 with the whole object: the bytes before the range are dropped, the range lands
+    in the sink, and the connection is closed instead of reading the rest."""
+    head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(OBJECT)}\r\n\r\n".encode()
+
+    async def main() -> None:
+        async with ScriptedServer([raw(head + OBJECT, keep=True), partial()]) as s:
+            direct = reader(s.url)
+            sink = Buffer(300_000, 300_100)
+            await direct.read("bucket", "key", 300_000, 300_100, sink)
+            assert bytes(sink.data) == OBJECT[300_000:300_100]
+            await direct.read("bucket", "key", 0, 10, Buffer(0, 10))
+            assert s.connections == 2
+
+    with caplog.at_level("WARNING"):
+        run(main())
+    assert "ignores Range" in caplog.text

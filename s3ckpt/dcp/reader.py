@@ -75,6 +75,7 @@ INLINE_DECODE_BYTES = 64 * 1024
 FRAMES_BUDGET = 64 * 1024 * 1024
 log = logging.getLogger(__name__)
 _OVERWRITES_FOLLOWED = 3  # newer commits a metadata read follows before giving up
+REREADS = 3  # further reads of an item whose bytes failed their checksum
 
 
 class S3StorageReader(S3Location, StorageReader):
@@ -184,44 +185,22 @@ class S3StorageReader(S3Location, StorageReader):
         return future
 
     def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        location = self._require_location()
         pending = [self._prepare(request, planner) for request in plan.items]
-        store = ObjectStore(self.config, location.bucket).with_deadline(self.config.deadline_s)
-        ranges = RangeReader(
-            store,
-            max_request_size=self.request_size,
-            lazy_budget=max(FRAMES_BUDGET, 4 * self.request_size),
-        )
+        ranges = self._range_reader()
         frames = FramePool()
-        targets = [
-            ReadTarget(
-                location.key(p.stored.key),
-                p.stored.offset + p.stored_span[0],
-                p.stored.offset + p.stored_span[1],
-                None if p.compressed else p.view,
-                p,
-                p.check,
-                functools.partial(p.frames_buffer, frames, ranges.release)
-                if p.compressed
-                else None,
-            )
-            for p in pending
-        ]
-        decoded: queue.SimpleQueue[ThreadFuture[PendingRead]] = queue.SimpleQueue()
-        submitted: list[ThreadFuture[PendingRead]] = []
+        targets = [self._target(p, frames, ranges) for p in pending]
+        decoded: queue.SimpleQueue[ThreadFuture[Checked]] = queue.SimpleQueue()
+        submitted: list[ThreadFuture[Checked]] = []
         pool = decode_pool(self.decode_threads)
         handed_over = 0
         try:
             for token in ranges.fetch(targets):
                 item: PendingRead = token  # type: ignore[assignment]
                 if item.compressed and len(item.view) > INLINE_DECODE_BYTES:
-                    submitted.append(pool.submit(decode, item))
+                    submitted.append(pool.submit(_checked, item))
                     submitted[-1].add_done_callback(decoded.put)
-                elif item.compressed:  # small: handing it to a worker costs more than decoding
-                    self._hand_over(decode(item), planner)
-                else:
-                    verify_streamed(item)
-                    self._hand_over(item, planner)
+                else:  # small compressed items: a worker costs more than decoding here
+                    self._hand_over(_checked(item), planner)
                 while not decoded.empty():
                     self._hand_over(decoded.get().result(), planner)
                     handed_over += 1
@@ -231,6 +210,29 @@ class S3StorageReader(S3Location, StorageReader):
             for waiting in submitted:
                 waiting.cancel()
             futures_wait(submitted)  # no worker may write into a destination after this returns
+
+    def _range_reader(self) -> RangeReader:
+        location = self._require_location()
+        store = ObjectStore(self.config, location.bucket).with_deadline(self.config.deadline_s)
+        return RangeReader(
+            store,
+            max_request_size=self.request_size,
+            lazy_budget=max(FRAMES_BUDGET, 4 * self.request_size),
+        )
+
+    def _target(self, item: PendingRead, frames: FramePool, ranges: RangeReader) -> ReadTarget:
+        location = self._require_location()
+        return ReadTarget(
+            location.key(item.stored.key),
+            item.stored.offset + item.stored_span[0],
+            item.stored.offset + item.stored_span[1],
+            None if item.compressed else item.view,
+            item,
+            item.check,
+            functools.partial(item.frames_buffer, frames, ranges.release)
+            if item.compressed
+            else None,
+        )
 
     def _follow_overwrite(self, plan: LoadPlan, missing: ObjectNotFoundError) -> None:
         """After a data object went missing mid-load: switch to the save that replaced the
@@ -259,8 +261,29 @@ class S3StorageReader(S3Location, StorageReader):
         self.set_up_storage_reader(metadata, is_coordinator=False)
         log.info("%s was overwritten during the load; reading save %s", location, manifest.save_id)
 
-    def _hand_over(self, item: PendingRead, planner: LoadPlanner) -> None:
+    def _hand_over(self, checked: Checked, planner: LoadPlanner) -> None:
+        item, damage = checked
+        if damage is not None:
+            item = self._read_again(item, damage, planner)
         hand_to_planner(item, planner, trust_pickles=self.trust_pickles)
+
+    def _read_again(
+        self, item: PendingRead, damage: CorruptCheckpointError, planner: LoadPlanner
+    ) -> PendingRead:
+        """Read an item whose bytes failed their checksum again, up to :data:`REREADS`
+        times, each on fresh connections: a mismatch in a GET body is most often damage in
+        transit. An item that stays damaged is a damaged object: ``damage`` is raised."""
+        for attempt in range(1, REREADS + 1):
+            log.warning("%s; reading it again (%d of %d)", damage, attempt, REREADS)
+            fresh = self._prepare(item.request, planner)
+            ranges = self._range_reader()
+            io_loop().run(ranges.store.close_idle_connections())
+            for _ in ranges.fetch([self._target(fresh, FramePool(), ranges)]):
+                pass
+            fresh, again = _checked(fresh)
+            if again is None:
+                return fresh
+        raise damage
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -301,3 +324,19 @@ class S3StorageReader(S3Location, StorageReader):
         stored = self.storage_data[request.storage_index]
         what = f"{self.location}/{stored.key} item {request.storage_index.fqn!r}"
         return prepare(request, stored, self._shapes.get(request.storage_index), planner, what)
+
+
+Checked = tuple[PendingRead, CorruptCheckpointError | None]
+
+
+def _checked(item: PendingRead) -> Checked:
+    """A fetched item verified (compressed ones decoded and verified); the damage found,
+    if any, instead of raising it, so that the caller can read the item again."""
+    try:
+        if item.compressed:
+            decode(item)
+        else:
+            verify_streamed(item)
+    except CorruptCheckpointError as exc:
+        return item, exc
+    return item, None

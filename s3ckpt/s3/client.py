@@ -73,6 +73,11 @@ class ClientHandle:
             self._direct.close_idle()
             self._direct = None
 
+    def close_idle(self) -> None:
+        """Close the direct reader's kept-alive connections, so the next reads open new ones."""
+        if self._direct is not None:
+            self._direct.close_idle()
+
     async def aclose(self) -> None:
         if self._direct is not None:
             await self._direct.aclose()

@@ -270,6 +270,10 @@ class ObjectStore:
                 f"the response ended after {position - start} of {end - start} bytes"
             )
 
+    async def close_idle_connections(self) -> None:
+        """Make the next ranged GETs open fresh connections (after bytes came in damaged)."""
+        client_handle(self.config).close_idle()
+
     async def head(self, key: str) -> ObjectMeta:
         response = await self._call("HeadObject", key, Key=key)
         return ObjectMeta(

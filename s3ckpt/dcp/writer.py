@@ -60,6 +60,7 @@ from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer.commit import commit_manifest, committed_save_id, confirm_objects
 from s3ckpt.transfer.inflight import Heartbeat, clear_in_flight, mark_in_flight
+from s3ckpt.transfer.parts import MAX_OBJECT_SIZE, MIN_PART_SIZE
 from s3ckpt.transfer.upload import Item, RankUploader
 
 log = logging.getLogger(__name__)
@@ -106,8 +107,10 @@ class S3StorageWriter(S3Location, StorageWriter):
         super().__init__()
         self.config = make_config(config, endpoint_url=endpoint_url, **options)
         self.compression = Compression.parse(compression, compression_level)
-        if max_object_size < 5 * 1024 * 1024:
-            raise ConfigError("max_object_size must be at least 5 MiB")
+        if not MIN_PART_SIZE <= max_object_size <= MAX_OBJECT_SIZE:
+            raise ConfigError(
+                f"max_object_size must be between 5 MiB and 5 TiB (S3's limits), got {max_object_size}"
+            )
         self.overwrite = overwrite
         self.max_object_size = max_object_size
         self.location: S3URI | None = None
@@ -258,6 +261,7 @@ class _RankSave:
         self.encoded: dict[Any, Encoded] = {}
 
     def run(self, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        _refuse_oversized(items)
         writer, rank, save_id = self.writer, self.assignment.rank, self.assignment.save_id
         uploader = RankUploader(
             writer._store(),
@@ -298,6 +302,16 @@ class _RankSave:
         for item, result in encoded:
             self.encoded[item.index] = result
             yield item.index, result.payload, result.crc32c if result.codec == RAW else None
+
+
+def _refuse_oversized(items: list[WriteItem]) -> None:
+    """Before any byte is sent: an item gets at most one object, and S3 objects stop at 5 TiB."""
+    for item in items:
+        if item.type != WriteItemType.BYTE_IO and item_nbytes(item) > MAX_OBJECT_SIZE:
+            raise ConfigError(
+                f"{item.index.fqn} is {item_nbytes(item)} bytes: S3 objects are limited to "
+                "5 TiB; shard the tensor (DTensor) so that no shard is larger"
+            )
 
 
 def _item_bytes(item: WriteItem, planner: SavePlanner) -> memoryview:

@@ -108,9 +108,7 @@ class RankUploader:
         self.block_size = block_size
         self.object_key = object_key
         self.max_object_size = max_object_size
-        self.part_size, self.min_part = part_limits(
-            max(1, min(max_object_size, size_hint)), store.config.part_size
-        )
+        self.object_size_hint = max(1, min(max_object_size, size_hint))
         self._loop = io_loop()
         self._budget = _shared_budget(store.config.max_bytes_in_flight)
         self._futures: list[Future[Any]] = []
@@ -132,7 +130,7 @@ class RankUploader:
                 ):
                     if streams:
                         streams[-1].finish()
-                    streams.append(self._open(len(streams)))
+                    streams.append(self._open(len(streams), len(data)))
                 offset = streams[-1].add(data, crcs)
                 placements[index] = Placement(len(streams) - 1, offset, len(data))
             if streams:
@@ -144,10 +142,13 @@ class RankUploader:
             raise self._error from None  # type: ignore[misc]
         return placements, results
 
-    def _open(self, number: int) -> _ObjectStream:
+    def _open(self, number: int, first_item: int) -> _ObjectStream:
+        """A new object, its parts sized for the largest it can grow to: the usual bound,
+        or its first item where that alone is larger (an item gets an object of its own)."""
         key = self.object_key(number)
         self._planned_keys.append(key)
-        return _ObjectStream(self, key)
+        largest = max(self.object_size_hint, first_item)
+        return _ObjectStream(self, key, *part_limits(largest, self.store.config.part_size))
 
     # -- producer side (calling thread) -----------------------------------------------
 
@@ -265,10 +266,11 @@ class _ObjectStream:
     is sent as a single PUT; the moment it outgrows a part, the multipart upload starts.
     """
 
-    def __init__(self, uploader: RankUploader, key: str) -> None:
+    def __init__(self, uploader: RankUploader, key: str, part_size: int, min_part: int) -> None:
         self.uploader = uploader
         self.key = key
-        self.cutter = PartCutter(uploader.part_size, uploader.min_part, uploader.block_size)
+        self.part_size = part_size
+        self.cutter = PartCutter(part_size, min_part, uploader.block_size)
         self.checksums = uploader.store.config.checksums
         self.size = 0
         self.data: dict[int, memoryview] = {}  # items with pieces still to send
@@ -316,10 +318,7 @@ class _ObjectStream:
                 del self.data[item]
                 self.crcs.pop(item, None)
         body = _join(pieces) if pieces else b""
-        if (
-            self.created is None
-            and sum(len(b) for b, _ in self.held) + len(body) <= self.uploader.part_size
-        ):
+        if self.created is None and sum(len(b) for b, _ in self.held) + len(body) <= self.part_size:
             self.held.append((body, checksum))
             return
         up = self.uploader

@@ -118,13 +118,8 @@ class S3Config:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
     def client_key(self) -> tuple[object, ...]:
-        """What decides which client is used: equal keys share one client.
-
-        Includes the AWS environment variables a client reads at creation, so a process
-        that changes them gets a new client rather than a stale one.
-        """
+        """What decides which client is used: equal keys share one client."""
         return (
-            *(os.environ.get(name) for name in _CLIENT_ENVIRONMENT),
             self.endpoint_url,
             self.region,
             self.profile,
@@ -138,6 +133,12 @@ class S3Config:
             self.read_timeout,
             self.direct_reads,
         )
+
+
+def client_environment() -> tuple[str | None, ...]:
+    """The AWS environment variables a client reads when it is created: a process that
+    changes them (a rotated ``AWS_SESSION_TOKEN``) needs a new client, not a stale one."""
+    return tuple(os.environ.get(name) for name in _CLIENT_ENVIRONMENT)
 
 
 def make_config(config: S3Config | None, **overrides: object) -> S3Config:

@@ -14,13 +14,15 @@ request bound, and a forked child, which gets a new loop, creates its own.
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import logging
 from typing import Any
 
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
 
-from s3ckpt.config import S3Config
+from s3ckpt.config import S3Config, client_environment
 from s3ckpt.s3.http_range import DirectRangeReader, proxied
 from s3ckpt.s3.loop import io_loop
 
@@ -31,8 +33,9 @@ class ClientHandle:
     """An entered aiobotocore client, the semaphore bounding its requests, and the
     direct ranged-GET reader (:mod:`s3ckpt.s3.http_range`) that shares both."""
 
-    def __init__(self, config: S3Config) -> None:
+    def __init__(self, config: S3Config, environment: tuple[str | None, ...] = ()) -> None:
         self.config = config
+        self.environment = environment  # the AWS variables the client was created under
         self.client: Any = None
         self.slots = asyncio.Semaphore(config.max_concurrency)
         self._ctx: Any = None
@@ -45,7 +48,9 @@ class ClientHandle:
             async with self._lock:
                 if self.client is None:
                     self._ctx = create_client(self.config)
-                    self.client = await self._ctx.__aenter__()
+                    client = await self._ctx.__aenter__()
+                    client.meta.events.register("before-sign.s3.DeleteObjects", add_content_md5)
+                    self.client = client
         return self.client
 
     async def range_reader(self) -> DirectRangeReader | None:
@@ -87,6 +92,18 @@ class ClientHandle:
             self._ctx = self.client = None
 
 
+def add_content_md5(request: Any, **_: Any) -> None:
+    """``Content-MD5`` on DeleteObjects: S3 has always required an integrity header there,
+    and stores that predate its CRC checksums (some gateways, older MinIO) accept only
+    MD5, which recent botocore no longer sends."""
+    body = request.body or b""
+    if isinstance(body, str):
+        body = body.encode()
+    if isinstance(body, (bytes, bytearray)) and "Content-MD5" not in request.headers:
+        digest = hashlib.md5(body, usedforsecurity=False).digest()
+        request.headers["Content-MD5"] = base64.b64encode(digest).decode()
+
+
 def create_client(config: S3Config) -> Any:
     session = AioSession(profile=config.profile) if config.profile else AioSession()
     aio_config = AioConfig(
@@ -116,10 +133,30 @@ def create_client(config: S3Config) -> Any:
 
 
 def client_handle(config: S3Config) -> ClientHandle:
-    """The calling process's client for ``config`` (call on the I/O loop)."""
+    """The calling process's client for ``config`` (call on the I/O loop).
+
+    When the AWS environment changed since the client was made (rotated credentials), a
+    new client takes its place and the old one is closed once the requests it may still
+    be serving are over, so rotations do not pile up connection pools.
+    """
     resources = io_loop().resources
     key = ("s3-client", config.client_key())
+    environment = client_environment()
     handle = resources.get(key)
+    if handle is not None and handle.environment != environment:
+        _retire(handle)
+        handle = None
     if handle is None:
-        handle = resources[key] = ClientHandle(config)
+        handle = resources[key] = ClientHandle(config, environment)
     return handle
+
+
+def _retire(handle: ClientHandle) -> None:
+    """Close a replaced client later: its requests in flight get ``read_timeout`` twice
+    over (a request silent for longer fails anyway) to finish."""
+    delay = RETIRE_AFTER_READ_TIMEOUTS * handle.config.read_timeout + handle.config.connect_timeout
+    loop = asyncio.get_running_loop()
+    loop.call_later(delay, lambda: loop.create_task(handle.aclose()))
+
+
+RETIRE_AFTER_READ_TIMEOUTS = 2

@@ -27,6 +27,7 @@ from s3ckpt.errors import (
     StorageError,
     TransientStorageError,
 )
+from s3ckpt.s3 import retry
 from s3ckpt.s3.retry import ShortReadError
 
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
@@ -42,17 +43,6 @@ _DENIED = {
     "AllAccessDisabled",
 }
 PRECONDITION_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict"})
-_TRANSIENT = {
-    "SlowDown",
-    "503",
-    "500",
-    "InternalError",
-    "ServiceUnavailable",
-    "RequestTimeout",
-    "Throttling",
-    "ThrottlingException",
-    "RequestTimeTooSkewed",
-}
 _ENDPOINT_ERRORS = (
     bce.EndpointConnectionError,
     bce.ConnectTimeoutError,
@@ -85,7 +75,7 @@ def translate(
         code = error_code(exc)
         message = exc.response.get("Error", {}).get("Message") or ""
         text = f"{operation} {where} failed: {code}{': ' + message if message else ''}"
-        cls = _class_for_code(code, key)
+        cls = _class_for_code(code, key, retry.is_retryable(exc))
         return cls(text, code=code, **ctx)
     if isinstance(exc, (bce.NoCredentialsError, bce.PartialCredentialsError)):
         return AccessDeniedError(
@@ -104,7 +94,9 @@ def translate(
     return StorageError(f"{operation} {where} failed: {type(exc).__name__}: {exc}", **ctx)
 
 
-def _class_for_code(code: str, key: str | None) -> type[StorageError]:
+def _class_for_code(code: str, key: str | None, retryable: bool) -> type[StorageError]:
+    """The error class of an S3 error response; what :mod:`s3ckpt.s3.retry` retries (and
+    so only gives up on after every attempt) is a :class:`TransientStorageError`."""
     if code in _NO_BUCKET:
         return BucketNotFoundError
     if code in _NOT_FOUND:
@@ -113,7 +105,7 @@ def _class_for_code(code: str, key: str | None) -> type[StorageError]:
         return AccessDeniedError
     if code in PRECONDITION_CODES:
         return PreconditionFailedError
-    if code in _TRANSIENT:
+    if retryable:
         return TransientStorageError
     return StorageError
 

@@ -294,14 +294,17 @@ class ObjectStore:
         await self._call("HeadBucket", None)
 
     async def list(self, prefix: str) -> AsyncIterator[ObjectMeta]:
-        """Every object under ``prefix``, one LIST page (1000 keys) per request."""
-        token: str | None = None
+        """Every object under ``prefix``, one LIST page (1000 keys) per request.
+
+        A page marked truncated without a continuation token (some servers send none) is
+        followed with ``StartAfter`` its last key; one that gives neither ends the listing
+        with an error rather than asking for the same page forever.
+        """
+        params: dict[str, Any] = {"Prefix": prefix}
         while True:
-            params: dict[str, Any] = {"Prefix": prefix}
-            if token:
-                params["ContinuationToken"] = token
             response = await self._call("ListObjectsV2", None, **params)
-            for item in response.get("Contents", []):
+            contents = response.get("Contents", [])
+            for item in contents:
                 yield ObjectMeta(
                     item["Key"],
                     int(item["Size"]),
@@ -310,7 +313,13 @@ class ObjectStore:
                 )
             if not response.get("IsTruncated"):
                 return
-            token = response.get("NextContinuationToken")
+            params = {"Prefix": prefix}
+            if response.get("NextContinuationToken"):
+                params["ContinuationToken"] = response["NextContinuationToken"]
+            elif contents:
+                params["StartAfter"] = contents[-1]["Key"]
+            else:
+                raise _stuck_listing("ListObjectsV2", self.bucket, prefix)
 
     async def delete_many(self, keys: list[str]) -> None:
         """Delete ``keys`` with batched DeleteObjects (1000 per request); missing keys are fine."""
@@ -457,8 +466,23 @@ class ObjectStore:
                 yield PendingUpload(item["Key"], item["UploadId"], item.get("Initiated"))
             if not response.get("IsTruncated"):
                 return
+            if not response.get("NextKeyMarker") or (
+                (response.get("NextKeyMarker"), response.get("NextUploadIdMarker"))
+                == (key_marker, upload_marker)
+            ):
+                raise _stuck_listing("ListMultipartUploads", self.bucket, prefix)
             key_marker = response.get("NextKeyMarker")
             upload_marker = response.get("NextUploadIdMarker")
+
+
+def _stuck_listing(operation: str, bucket: str, prefix: str) -> StorageError:
+    return StorageError(
+        f"{operation} s3://{bucket}/{prefix} failed: a page was marked truncated but gave no "
+        "way to the next one",
+        operation=operation,
+        bucket=bucket,
+        key=prefix,
+    )
 
 
 __all__ = [

@@ -317,21 +317,30 @@ class RangeReader:
         """Yield each target's token once all its bytes have arrived (in arrival order).
 
         Empty targets are yielded first. Raises the first I/O error; abandoning the
-        iterator cancels the requests still running.
+        iterator cancels the requests still running and waits until they have stopped, so
+        no byte lands in a target after the caller has moved on (to raise an error, say).
         """
         completed: queue.SimpleQueue[object] = queue.SimpleQueue()
         for target in targets:
             if target.end == target.start:
                 yield target.token
         requests = plan_requests(targets, max_request_size=self.max_request_size)
-        future = io_loop().submit(self._run(requests, lambda t: completed.put(t.token)))
+        loop = io_loop()
+        task = loop.run(self._start(requests, lambda t: completed.put(t.token)))
+        future = loop.submit(_outcome(task))
         future.add_done_callback(lambda _: completed.put(_FINISHED))
         try:
             while (token := completed.get()) is not _FINISHED:
                 yield token
             future.result()
         finally:
-            future.cancel()
+            if not future.done():
+                loop.run(_stopped(task))
+
+    async def _start(
+        self, requests: list[RangeRequest], done: Callable[[ReadTarget], None]
+    ) -> asyncio.Task[None]:
+        return asyncio.ensure_future(self._run(requests, done))
 
     async def _run(self, requests: list[RangeRequest], done: Callable[[ReadTarget], None]) -> None:
         tasks = [asyncio.ensure_future(self._request(r, done)) for r in requests]
@@ -354,3 +363,13 @@ class RangeReader:
         await self.store.read_range(
             request.key, request.start, request.end, _Scatter(request, done)
         )
+
+
+async def _outcome(task: asyncio.Task[None]) -> None:
+    await task
+
+
+async def _stopped(task: asyncio.Task[None]) -> None:
+    """Cancel a fetch and return once it has stopped (its requests cancelled and awaited)."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

@@ -179,3 +179,39 @@ class TestAdmission:
             assert budget.used == 20
 
         self._run(scenario())
+
+
+def test_an_abandoned_fetch_stops_its_requests_before_the_caller_moves_on():
+    """The caller raises on the first completed target. A request already writing when it
+    is cancelled (bytes under way) finishes its write: that must happen before the
+    caller's error leaves the loop, never after."""
+    import time
+
+    from s3ckpt.transfer.download import RangeReader
+
+    writes: list[float] = []
+
+    class SlowStore:
+        async def read_range(self, key, start, end, sink):
+            if key == "slow":
+                try:
+                    await asyncio.sleep(5)
+                except asyncio.CancelledError:
+                    await asyncio.sleep(0.2)  # the bytes under way still land
+                    copy_into(sink, start, b"\x02" * (end - start))
+                    writes.append(time.monotonic())
+                    raise
+            copy_into(sink, start, b"\x01" * (end - start))
+
+    fast, slow = bytearray(10), bytearray(10)
+    targets = [
+        ReadTarget("fast", 0, 10, memoryview(fast), "fast"),
+        ReadTarget("slow", 0, 10, memoryview(slow), "slow"),
+    ]
+    with pytest.raises(RuntimeError, match="caller failed"):
+        for token in RangeReader(SlowStore()).fetch(targets):  # type: ignore[arg-type]
+            assert token == "fast"
+            raise RuntimeError("caller failed")
+    moved_on = time.monotonic()
+    time.sleep(0.4)
+    assert writes and writes[0] < moved_on

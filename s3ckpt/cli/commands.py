@@ -27,6 +27,13 @@ from s3ckpt.config import S3Config
 from s3ckpt.errors import ConfigError
 from s3ckpt.format.layout import LEASE_S
 
+# The CLI's requests are small (listings, manifests, bounded ranged reads): timeouts suited
+# to them, not to multi-GiB parts, so that a silent endpoint fails a command in under a
+# minute (3 attempts of 15 s, plus backoff) instead of the engine's 4 x 120 s.
+CONNECT_TIMEOUT_S = 5.0
+READ_TIMEOUT_S = 15.0
+ATTEMPTS = 3
+
 
 def _common_arguments(parser: argparse.ArgumentParser, uri_help: str) -> None:
     parser.add_argument("uri", metavar="S3_URI", help=uri_help)
@@ -40,6 +47,21 @@ def _common_arguments(parser: argparse.ArgumentParser, uri_help: str) -> None:
     group.add_argument(
         "--no-verify-ssl", action="store_true", help="do not verify TLS certificates"
     )
+    group.add_argument(
+        "--read-timeout",
+        type=_duration,
+        default=READ_TIMEOUT_S,
+        metavar="AGE",
+        help=f"a request silent for longer fails and is retried (default {READ_TIMEOUT_S:g}s; "
+        f"{ATTEMPTS} attempts, so a silent endpoint fails the command within a minute)",
+    )
+    group.add_argument(
+        "--timeout",
+        type=_duration,
+        default=None,
+        metavar="AGE",
+        help="give up on the whole command after AGE (default: no bound beyond the requests')",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
 
@@ -51,7 +73,13 @@ def config_from(args: argparse.Namespace) -> S3Config:
         raise ConfigError(f"--ca-bundle {args.ca_bundle!r}: no such file")
     verify: bool | str = False if args.no_verify_ssl else (args.ca_bundle or True)
     return S3Config(
-        endpoint_url=args.endpoint_url, profile=args.profile, region=args.region, verify=verify
+        endpoint_url=args.endpoint_url,
+        profile=args.profile,
+        region=args.region,
+        verify=verify,
+        connect_timeout=CONNECT_TIMEOUT_S,
+        read_timeout=args.read_timeout,
+        max_attempts=ATTEMPTS,
     )
 
 

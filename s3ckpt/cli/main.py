@@ -13,17 +13,18 @@ store failure). Errors are one line on stderr: ``s3ckpt: error: ...``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import NoReturn
 
 from s3ckpt.cli import commands
-from s3ckpt.errors import ConfigError, S3CkptError, StorageError
+from s3ckpt.errors import ConfigError, EndpointError, S3CkptError, StorageError
 
 
 @dataclass(frozen=True)
@@ -159,11 +160,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class CommandTimeout(EndpointError):
+    """The command ran past ``--timeout``."""
+
+
+@contextlib.contextmanager
+def _bounded(seconds: float | None) -> Iterator[None]:
+    """Raise :class:`CommandTimeout` in the main thread once ``seconds`` have passed (the
+    wait on the I/O loop is interrupted, and its request cancelled)."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum: int, frame: FrameType | None) -> None:
+        raise CommandTimeout(
+            f"gave up after {seconds:g} s (--timeout): the endpoint did not finish the command"
+        )
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``s3ckpt`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)  # --help and usage errors raise SystemExit (0, 2)
     try:
-        return int(args._run(args))
+        with _bounded(getattr(args, "timeout", None)):
+            return int(args._run(args))
     except (ConfigError, StorageError) as exc:
         print(f"s3ckpt: error: {exc}", file=sys.stderr)
         return 2

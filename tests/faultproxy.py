@@ -14,6 +14,8 @@ and then injects one of:
 ``corrupt``               flip one bit of response body byte ``after`` (2xx GETs only)
 ``delay``                 hold the request for a random 0 to ``delay_s`` seconds, then relay it
 ``not_implemented``       answer ``501 NotImplemented`` without forwarding (a missing feature)
+``chunked_error``         answer ``503 SlowDown`` with a chunked body, as AWS sends its errors
+``redirect``              answer ``307 Temporary Redirect`` to the same URL, without forwarding
 ========================  ===================================================================
 
 ``ignore_range=True`` strips ``Range`` from requests: a server that answers ranged GETs
@@ -54,6 +56,8 @@ Fault = Literal[
     "corrupt",
     "delay",
     "not_implemented",
+    "chunked_error",
+    "redirect",
 ]
 Conditional = Literal["pass", "reject", "ignore"]
 _SLOWDOWN_BODY = (
@@ -74,6 +78,15 @@ _NOT_IMPLEMENTED = (
     b"Content-Length: %d\r\nConnection: close\r\n\r\n"
     % len(_NOT_IMPLEMENTED_BODY)
     + _NOT_IMPLEMENTED_BODY
+)
+_CHUNKED_SLOWDOWN = (
+    b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nTransfer-Encoding: chunked\r\n"
+    b"Connection: close\r\n\r\n"
+    + b"".join(
+        b"%x\r\n%s\r\n" % (len(piece), piece)
+        for piece in (_SLOWDOWN_BODY[:40], _SLOWDOWN_BODY[40:])
+    )
+    + b"0\r\n\r\n"
 )
 _CONDITIONAL = (b"if-none-match:", b"if-match:")
 
@@ -198,13 +211,19 @@ class FaultProxy:
             h in headers for h in ("if-none-match", "if-match")
         )
         fault = exchange.rule.fault if exchange.rule is not None else None
-        if refused or fault in ("slowdown", "not_implemented"):
+        answers = {
+            "slowdown": _SLOWDOWN,
+            "not_implemented": _NOT_IMPLEMENTED,
+            "chunked_error": _CHUNKED_SLOWDOWN,
+            "redirect": _redirect(headers.get("host", ""), target),
+        }
+        if refused or fault in answers:
             if headers.get("expect", "").lower() != "100-continue":
                 await client.readexactly(int(headers.get("content-length", "0")))
-            if fault in ("slowdown", "not_implemented"):
+            if fault in answers:
                 self._fire(exchange)
             self.counts["conditional_refused"] += refused
-            to_client.write(_SLOWDOWN if fault == "slowdown" else _NOT_IMPLEMENTED)
+            to_client.write(answers.get(fault, _NOT_IMPLEMENTED))
             await to_client.drain()
             return
         if fault == "delay":
@@ -328,6 +347,20 @@ def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:
         if sep:
             headers[name.strip().lower()] = value.strip()
     return method, target, headers
+
+
+def _redirect(host: str, target: str) -> bytes:
+    body = (
+        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>TemporaryRedirect</Code>'
+        b"<Message>Please re-send this request to the specified temporary endpoint.</Message>"
+        b"</Error>"
+    )
+    return (
+        b"HTTP/1.1 307 Temporary Redirect\r\nLocation: http://%s%s\r\n"
+        b"Content-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+        % (host.encode(), target.encode(), len(body))
+        + body
+    )
 
 
 def _without(head: bytes, names: tuple[bytes, ...]) -> bytes:

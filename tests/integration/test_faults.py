@@ -78,6 +78,21 @@ SCENARIOS = {
             Rule("reset_response", methods=("PUT",), match="partNumber=", after=-1, rate=0.3),
         ),
     ),
+    "chunked-errors": Scenario(
+        "503 SlowDown with chunked bodies on 15% of requests",
+        (Rule("chunked_error", rate=0.15),),
+    ),
+    "redirect": Scenario(
+        "307 redirect answered to a ranged GET (handed to aiobotocore)",
+        (Rule("redirect", methods=("GET",), match="/data/", limit=1),),
+    ),
+    "silent": Scenario(
+        f"silent endpoint: requests accepted, never answered (> read_timeout {READ_TIMEOUT:g} s)",
+        (
+            Rule("stall", methods=("GET",), match="/data/", after=-1, limit=2),
+            Rule("stall", methods=("PUT",), after=-1, limit=1),
+        ),
+    ),
     "corrupt-in-transit": Scenario(
         "flipped bits in 30% of GET response bodies (transient: re-read)",
         (Rule("corrupt", methods=("GET",), match="/data/", after=77_777, rate=0.3),),

@@ -29,6 +29,14 @@ _CLIENT_ENVIRONMENT = (
     "AWS_REGION",
     "AWS_DEFAULT_REGION",
     "AWS_CA_BUNDLE",
+    "AWS_CONFIG_FILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "NO_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "no_proxy",
 )
 
 
@@ -42,8 +50,14 @@ class S3Config:
         region, profile: as in the AWS CLI.
         access_key_id, secret_access_key, session_token: explicit credentials (hidden from repr).
         addressing_style: ``"path"`` (FlashBlade's default), ``"virtual"`` or ``"auto"``.
-        verify: ``True`` to verify TLS against the system CAs, a CA bundle path for a private CA,
-            or ``False`` to skip verification (not recommended).
+        verify: ``None`` (default) verifies TLS against the standard AWS chain's CA bundle:
+            ``AWS_CA_BUNDLE``, else ``ca_bundle`` in the AWS config file, else botocore's
+            default bundle (certifi's Mozilla CAs, not the operating system's store); a
+            path verifies against that bundle (a private CA); ``True`` uses botocore's
+            default bundle whatever the environment; ``False`` skips verification (not
+            recommended).
+        proxies: ``{"http": url, "https": url}``, as botocore takes them; by default the
+            ``HTTP_PROXY``/``HTTPS_PROXY``/``NO_PROXY`` environment applies.
     Transfers:
         part_size: multipart part size in bytes; ``None`` picks one per object within S3's limits.
         max_concurrency: concurrent requests per process, across all transfers.
@@ -57,7 +71,7 @@ class S3Config:
         direct_reads: receive ranged GETs of checkpoint data with s3ckpt's own HTTP/1.1
             reader, straight into the destination memory (:mod:`s3ckpt.s3.http_range`);
             ``False`` sends them through aiobotocore like every other request. Endpoints
-            behind an HTTP proxy always use aiobotocore.
+            reached through a proxy (``proxies`` or the environment) always use aiobotocore.
     Retries (:mod:`s3ckpt.s3.retry`):
         max_attempts: tries per request for failures a retry can fix (throttling, 5xx,
             dropped connections, timeouts), with exponential backoff and full jitter;
@@ -75,7 +89,8 @@ class S3Config:
     secret_access_key: str | None = field(default=None, repr=False)
     session_token: str | None = field(default=None, repr=False)
     addressing_style: Literal["path", "virtual", "auto"] = "path"
-    verify: bool | str = True
+    verify: bool | str | None = None
+    proxies: dict[str, str] | None = None
     part_size: int | None = None
     max_concurrency: int = 16
     max_bytes_in_flight: int = 1 * GiB
@@ -128,6 +143,7 @@ class S3Config:
             self.session_token,
             self.addressing_style,
             self.verify,
+            tuple(sorted((self.proxies or {}).items())),
             self.max_concurrency,
             self.connect_timeout,
             self.read_timeout,

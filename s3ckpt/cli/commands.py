@@ -71,7 +71,7 @@ def config_from(args: argparse.Namespace) -> S3Config:
         raise ConfigError("--ca-bundle and --no-verify-ssl contradict each other")
     if args.ca_bundle and not os.path.isfile(args.ca_bundle):
         raise ConfigError(f"--ca-bundle {args.ca_bundle!r}: no such file")
-    verify: bool | str = False if args.no_verify_ssl else (args.ca_bundle or True)
+    verify: bool | str | None = False if args.no_verify_ssl else args.ca_bundle  # None: AWS chain
     return S3Config(
         endpoint_url=args.endpoint_url,
         profile=args.profile,

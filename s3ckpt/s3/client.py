@@ -57,12 +57,12 @@ class ClientHandle:
         """The direct ranged-GET reader, or None where aiobotocore must read."""
         if self._direct is None and self._direct_allowed:
             client = await self.get()
-            if proxied(client.meta.endpoint_url):
+            if proxied(client.meta.endpoint_url, self.config.proxies):
                 self._direct_allowed = False
                 return None
             self._direct = DirectRangeReader(
                 client,
-                verify=self.config.verify,
+                verify=tls_verify(self.config),
                 connect_timeout=self.config.connect_timeout,
                 read_timeout=self.config.read_timeout,
                 max_idle=self.config.max_concurrency,
@@ -116,6 +116,7 @@ def create_client(config: S3Config) -> Any:
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
         tcp_keepalive=True,
+        proxies=config.proxies,
         # Validation rejects memoryview bodies, which is how tensor bytes are sent without a
         # copy; every request's parameters are built by this module.
         parameter_validation=False,
@@ -130,6 +131,15 @@ def create_client(config: S3Config) -> Any:
         verify=config.verify,
         config=aio_config,
     )
+
+
+def tls_verify(config: S3Config) -> bool | str:
+    """What the direct reader verifies TLS with: what aiobotocore uses for the same config
+    (botocore resolves ``verify=None`` through the AWS chain the same way)."""
+    if config.verify is not None:
+        return config.verify
+    session = AioSession(profile=config.profile) if config.profile else AioSession()
+    return session.get_config_variable("ca_bundle") or True
 
 
 def client_handle(config: S3Config) -> ClientHandle:

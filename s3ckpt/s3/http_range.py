@@ -46,11 +46,14 @@ REUSE_SIGNATURE_S = 300.0
 MAX_CACHED_URLS = 4096
 
 
-def proxied(endpoint_url: str) -> bool:
-    """Whether the environment routes ``endpoint_url`` through a proxy."""
+def proxied(endpoint_url: str, proxies: dict[str, str] | None = None) -> bool:
+    """Whether requests to ``endpoint_url`` go through a proxy: one configured for its
+    scheme, or one the environment names (``HTTPS_PROXY``...) that ``NO_PROXY`` does not
+    bypass."""
     parts = urlsplit(endpoint_url)
-    proxies = urllib.request.getproxies()
-    if parts.scheme not in proxies:
+    if proxies and parts.scheme in proxies:
+        return True
+    if parts.scheme not in urllib.request.getproxies():
         return False
     return not urllib.request.proxy_bypass(parts.hostname or "")
 

@@ -185,3 +185,76 @@ def test_a_sparse_tensor_is_refused_by_name(s3_prefix, make_writer, list_keys):
     error = unwrap(info.value)
     assert "adjacency" in str(error) and "to_dense" in str(error)
     assert list_keys(s3_prefix) == []
+
+
+# -- where the CA bundle and the proxy come from ------------------------------------------------
+
+
+def _round_trip(s3_prefix: str, options: dict, direct_reads: bool) -> None:
+    state = {"a": torch.arange(300_000, dtype=torch.float32)}
+    dcp.save(state, storage_writer=S3StorageWriter(s3_prefix, **options))
+    restored = {"a": torch.zeros(300_000)}
+    reader = S3StorageReader(s3_prefix, direct_reads=direct_reads, **options)
+    dcp.load(restored, storage_reader=reader)
+    assert torch.equal(restored["a"], state["a"])
+
+
+@pytest.mark.parametrize("direct_reads", [True, False], ids=["direct", "aiobotocore"])
+def test_aws_ca_bundle_is_honoured_on_every_path(
+    tls_endpoint, s3_prefix, s3_options, monkeypatch, direct_reads
+):
+    endpoint, cert = tls_endpoint
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(cert))
+    _round_trip(s3_prefix, {**s3_options, "endpoint_url": endpoint}, direct_reads)
+
+
+def test_the_config_files_ca_bundle_is_honoured(
+    tls_endpoint, s3_prefix, s3_options, monkeypatch, tmp_path
+):
+    endpoint, cert = tls_endpoint
+    config_file = tmp_path / "aws-config"
+    config_file.write_text(f"[default]\nca_bundle = {cert}\n")
+    monkeypatch.delenv("AWS_CA_BUNDLE", raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config_file))
+    _round_trip(s3_prefix, {**s3_options, "endpoint_url": endpoint}, direct_reads=True)
+
+
+def test_the_cli_takes_a_ca_bundle(tls_endpoint, s3_prefix, s3_options, monkeypatch, capsys):
+    from s3ckpt.cli.main import main
+
+    endpoint, cert = tls_endpoint
+    monkeypatch.delenv("AWS_CA_BUNDLE", raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_options["access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_options["secret_access_key"])
+    monkeypatch.setenv("AWS_DEFAULT_REGION", s3_options["region"])
+    assert main(["ls", s3_prefix, "--endpoint-url", endpoint]) == 2
+    assert "TLS" in capsys.readouterr().err
+    assert main(["ls", s3_prefix, "--endpoint-url", endpoint, "--ca-bundle", str(cert)]) == 0
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_configured_proxy_is_used_by_every_request(s3_prefix, s3_options):
+    from s3ckpt.s3.http_range import proxied
+
+    proxies = {"http": f"http://127.0.0.1:{_closed_port()}"}
+    options = {**s3_options, "proxies": proxies, "max_attempts": 1}
+    assert proxied(s3_options["endpoint_url"], proxies)  # so no direct reads either
+    with pytest.raises(EndpointError):
+        S3StorageReader(s3_prefix, **options).read_metadata()
+
+
+def test_no_proxy_bypasses_the_environments_proxy(s3_prefix, s3_options, monkeypatch):
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{_closed_port()}")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    _round_trip(s3_prefix, dict(s3_options), direct_reads=True)
+    monkeypatch.delenv("NO_PROXY")
+    with pytest.raises(BaseException) as info:
+        _round_trip(f"{s3_prefix}-2", {**s3_options, "max_attempts": 1}, direct_reads=True)
+    assert isinstance(unwrap(info.value), EndpointError)

@@ -90,8 +90,16 @@ def test_credentials_appear_in_no_log_error_repr_or_stored_byte(
             assert value.encode() not in body
 
 
-def test_tls_is_verified_unless_switched_off(monkeypatch):
-    assert S3Config().verify is True
+def test_tls_is_verified_unless_switched_off(monkeypatch, tmp_path):
+    from s3ckpt.s3.client import tls_verify
+
+    monkeypatch.delenv("AWS_CA_BUNDLE", raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    # None: botocore verifies, with the AWS chain's CA bundle; so does the direct reader.
+    assert S3Config().verify is None and tls_verify(S3Config()) is True
+    monkeypatch.setenv("AWS_CA_BUNDLE", "/etc/private-ca.pem")
+    assert tls_verify(S3Config()) == "/etc/private-ca.pem"
+    assert tls_verify(S3Config(verify=False)) is False
     seen: dict[str, Any] = {}
 
     def capture(self, service, **kwargs):
@@ -100,7 +108,7 @@ def test_tls_is_verified_unless_switched_off(monkeypatch):
 
     monkeypatch.setattr("aiobotocore.session.AioSession.create_client", capture)
     create_client(S3Config(endpoint_url="https://flashblade.example.com"))
-    assert seen["verify"] is True
+    assert seen["verify"] is None  # botocore: verify, with the AWS chain's bundle
     create_client(S3Config(endpoint_url="https://fb.example.com", verify="/etc/ca.pem"))
     assert seen["verify"] == "/etc/ca.pem"
 

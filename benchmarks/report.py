@@ -127,6 +127,12 @@ def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
             1.0,
         ),
         (
+            "zstd save peak RSS over uncompressed save's / 256 MiB",
+            _rss_excess(summary, "s3ckpt_save_zstd", "s3ckpt_save_real", 256),
+            "<=",
+            1.0,
+        ),
+        (
             "zstd load throughput / uncompressed (real weights)",
             _ratio(summary, "s3ckpt_load_zstd", "s3ckpt_load_real", "mbps_median"),
             ">=",
@@ -150,6 +156,16 @@ def _blocked_ratio(summary: dict[str, Any]) -> float | None:
     blocked = summary.get("s3ckpt_async", {}).get("blocked_median_after_first_s")
     memcpy = summary.get("memcpy", {}).get("seconds_median")
     return blocked / memcpy if blocked is not None and memcpy else None
+
+
+def _rss_excess(
+    summary: dict[str, Any], case: str, base: str, allowance_mib: float
+) -> float | None:
+    """How far ``case``'s peak RSS exceeds ``base``'s, in units of ``allowance_mib``."""
+    field = "rss_over_baseline_mib"
+    if field not in summary.get(case, {}) or field not in summary.get(base, {}):
+        return None
+    return max(summary[case][field] - summary[base][field], 0.0) / allowance_mib
 
 
 def _rss_ratio(summary: dict[str, Any], case: str, staged_mib: float) -> float | None:

@@ -269,6 +269,7 @@ class _RankSave:
             max_object_size=writer.max_object_size,
             size_hint=sum(item_nbytes(i) for i in items if i.type != WriteItemType.BYTE_IO)
             + (64 << 20),
+            in_flight=writer.compression.max_ahead if writer.compression else None,
         )
         placements, uploaded = uploader.upload(self._stream(items, planner))
         results = []
@@ -300,8 +301,15 @@ class _RankSave:
             else ((item, encode_raw(data)) for item, data, _ in raw)
         )
         for item, result in encoded:
-            self.encoded[item.index] = result
+            # Keep what the storage record needs, not the bytes: the uploader holds the
+            # payload only until its parts are sent (bounded by max_bytes_in_flight), so
+            # a compressed save never holds the rank's whole compressed state.
+            self.encoded[item.index] = dataclasses.replace(result, payload=_NO_BYTES)
             yield item.index, result.payload, result.crc32c if result.codec == RAW else None
+            del result
+
+
+_NO_BYTES = memoryview(b"")
 
 
 def _refuse_oversized(items: list[WriteItem]) -> None:

@@ -52,7 +52,9 @@ class Compression:
     byte_grouping: group bytes of floating-point items by significance before zstd.
     min_saving: store an item raw unless its encoding is at least this fraction smaller.
     threads: worker threads compressing ahead of the upload.
-    max_ahead: raw bytes being compressed or waiting for the upload, at most.
+    max_ahead: raw bytes being compressed or waiting for the upload, at most; also the
+        bound on compressed bytes handed to the upload and not yet sent (they are memory
+        an uncompressed save does not hold), instead of ``max_bytes_in_flight``.
     """
 
     level: int = 1

@@ -92,7 +92,10 @@ class RankUploader:
     """Uploads the objects of one rank's save. Use once, from one thread.
 
     ``object_key(n)`` names data object ``n``; ``size_hint`` bounds the bytes the rank will
-    write (it sizes parts so that even the largest object stays within 10,000 parts).
+    write (it sizes parts so that even the largest object stays within 10,000 parts);
+    ``in_flight`` bounds the bytes handed over but not yet acknowledged (default: the
+    store's ``max_bytes_in_flight``; smaller where every such byte is extra memory, as the
+    compressed payloads of a compressed save are).
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class RankUploader:
         max_object_size: int,
         size_hint: int,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        in_flight: int | None = None,
     ) -> None:
         self.store = store
         self.block_size = block_size
@@ -110,7 +114,8 @@ class RankUploader:
         self.max_object_size = max_object_size
         self.object_size_hint = max(1, min(max_object_size, size_hint))
         self._loop = io_loop()
-        self._budget = _shared_budget(store.config.max_bytes_in_flight)
+        limit = store.config.max_bytes_in_flight
+        self._budget = _shared_budget(min(limit, in_flight) if in_flight else limit)
         self._futures: list[Future[Any]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._upload_ids: dict[str, str] = {}

@@ -34,8 +34,9 @@ and of a load::
              -> dcp.restore.hand_to_planner  verified items handed to DCP's planner
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from s3ckpt._lazy import lazy_attributes
 from s3ckpt._version import __version__
 from s3ckpt.config import S3URI, S3Config
 from s3ckpt.errors import (
@@ -75,14 +76,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 's3ckpt' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY, globals())
 
 
 __all__ = [

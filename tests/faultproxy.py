@@ -222,7 +222,8 @@ class FaultProxy:
                 await client.readexactly(int(headers.get("content-length", "0")))
             if fault in answers:
                 self._fire(exchange)
-            self.counts["conditional_refused"] += refused
+            if refused:
+                self.counts["conditional_refused"] += 1
             to_client.write(answers.get(fault, _NOT_IMPLEMENTED))
             await to_client.drain()
             return

@@ -12,7 +12,9 @@ scripts manage checkpoints without importing torch. One module per operation:
 * :mod:`~s3ckpt.catalog.reporting`: the progress protocol long operations report to.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from s3ckpt._lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from s3ckpt.catalog.api import (
@@ -61,14 +63,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 's3ckpt.catalog' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY, globals())
 
 
 __all__ = [

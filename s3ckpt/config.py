@@ -104,11 +104,9 @@ class S3Config:
 
     def __post_init__(self) -> None:
         if self.endpoint_url is not None:
-            parsed = urlparse(self.endpoint_url)
-            if parsed.scheme not in ("http", "https") or not parsed.netloc:
-                raise ConfigError(
-                    f"endpoint_url must look like https://host[:port], got {self.endpoint_url!r}"
-                )
+            _check_endpoint(self.endpoint_url)
+        if isinstance(self.verify, str) and not os.path.isfile(self.verify):
+            raise ConfigError(f"verify: no CA bundle file at {self.verify!r}")
         if self.addressing_style not in ("path", "virtual", "auto"):
             raise ConfigError(
                 f"addressing_style must be path, virtual or auto, got {self.addressing_style!r}"
@@ -149,6 +147,22 @@ class S3Config:
             self.read_timeout,
             self.direct_reads,
         )
+
+
+def _check_endpoint(url: str) -> None:
+    """``https://host[:port]``, and no credentials in it (they would end up in logs)."""
+    try:
+        parsed = urlparse(url)
+        parsed.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError as exc:
+        raise ConfigError(f"endpoint_url is not a valid URL ({exc})") from None
+    if parsed.username is not None or parsed.password is not None:
+        raise ConfigError(
+            "endpoint_url must not carry credentials (user:password@); pass them as "
+            "access_key_id/secret_access_key or through the AWS environment"
+        )
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ConfigError(f"endpoint_url must look like https://host[:port], got {url!r}")
 
 
 def client_environment() -> tuple[str | None, ...]:

@@ -131,6 +131,9 @@ def run_ls(args: argparse.Namespace) -> int:
         [output.info_json(i, now) for i in infos],
         output.info_table(infos, now, status=args.all, items=args.details),
     )
+    if not infos and not args.json:
+        what = "checkpoints or uncommitted saves" if args.all else "committed checkpoints"
+        print(f"no {what} under {args.uri}", file=sys.stderr)
     for problem in problems:
         print(f"s3ckpt: ls: warning: {problem}", file=sys.stderr)
     for info in infos:

@@ -7,13 +7,15 @@ arguments and a function that runs it and returns the exit status. The catalog c
 Exit statuses: 0 success; 1 a problem found (damage reported by verify, no committed
 checkpoint where one was named, an unreadable manifest); 2 a usage, configuration or
 connection error (bad options, unreachable endpoint, denied access, missing bucket, any
-store failure). Errors are one line on stderr: ``s3ckpt: error: ...``.
+store failure). Errors are one line on stderr: ``s3ckpt <command>: error: ...``; a reader
+that goes away (``| head``) ends the command quietly.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shlex
 import signal
 import sys
@@ -189,14 +191,21 @@ def _bounded(seconds: float | None) -> Iterator[None]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``s3ckpt`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)  # --help and usage errors raise SystemExit (0, 2)
+    prefix = f"s3ckpt {args.command}: error:"
     try:
         with _bounded(getattr(args, "timeout", None)):
-            return int(args._run(args))
+            status = int(args._run(args))
+            sys.stdout.flush()
+            return status
     except (ConfigError, StorageError) as exc:
-        print(f"s3ckpt: error: {exc}", file=sys.stderr)
+        print(f"{prefix} {exc}", file=sys.stderr)
         return 2
     except S3CkptError as exc:
-        print(f"s3ckpt: error: {exc}", file=sys.stderr)
+        print(f"{prefix} {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `s3ckpt ls ... | head`: the reader left; so do we, quietly
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except KeyboardInterrupt:
         return 130

@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -263,6 +264,12 @@ def hand_to_planner(
     pending.release()
 
 
+# Classes DCP writes as values that torch's default allowlist lacks. io.BytesIO: DCP saves a
+# BytesIO in a state dict (a loss history, a serialized object) by pickling it; unpickling
+# one only makes a BytesIO of the stored bytes.
+SAFE_VALUE_CLASSES: list[Any] = [io.BytesIO]
+
+
 def _check_pickle(data: bytes, what: str) -> None:
     """Refuse a non-tensor item that torch's weights-only unpickler would not load.
 
@@ -270,9 +277,11 @@ def _check_pickle(data: bytes, what: str) -> None:
     which runs whatever the pickle says: a hostile bucket could run code. Loading the
     bytes with the weights-only allowlist first (plain Python values, containers,
     tensors) makes sure the second, unrestricted load has nothing dangerous to run.
+    :data:`SAFE_VALUE_CLASSES` adds what DCP's own planners write beyond those.
     """
     try:
-        torch.load(io.BytesIO(data), weights_only=True)
+        with torch.serialization.safe_globals(SAFE_VALUE_CLASSES):
+            torch.load(io.BytesIO(data), weights_only=True)
     except Exception as exc:
         raise CorruptCheckpointError(
             f"{what} holds objects outside torch's weights-only allowlist and was not loaded "

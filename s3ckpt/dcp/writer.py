@@ -189,7 +189,8 @@ class S3StorageWriter(S3Location, StorageWriter):
         await store.head_bucket()
         if not self.overwrite and await store.exists(location.key(MANIFEST_NAME)):
             raise CheckpointExistsError(
-                f"a checkpoint is already committed at {location}; pass overwrite=True to replace it"
+                f"Checkpoint already exists at {location} (committed); pass overwrite=True to "
+                "replace it"
             )
 
     async def _commit(

@@ -74,8 +74,14 @@ def translate(
     if isinstance(exc, bce.ClientError):
         code = error_code(exc)
         message = exc.response.get("Error", {}).get("Message") or ""
-        text = f"{operation} {where} failed: {code}{': ' + message if message else ''}"
+        detail = f"{operation} {code}{': ' + message if message else ''}"
         cls = _class_for_code(code, key, retry.is_retryable(exc))
+        if cls is BucketNotFoundError:
+            text = f"no such bucket: s3://{bucket} ({detail})"
+        elif cls is AccessDeniedError:
+            text = f"access denied to {where or 'the store'}: check the credentials ({detail})"
+        else:
+            text = f"{operation} {where} failed: {code}{': ' + message if message else ''}"
         return cls(text, code=code, **ctx)
     if isinstance(exc, (bce.NoCredentialsError, bce.PartialCredentialsError)):
         return AccessDeniedError(

@@ -278,7 +278,12 @@ class LocalS3Server:
     def _make_dir(self) -> Path:
         if self._user_dir is None:
             return Path(tempfile.mkdtemp(prefix="s3ckpt-local-s3-"))
-        self._user_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._user_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise LocalServerError(
+                f"cannot use {self._user_dir} as the data directory: {exc.strerror}"
+            ) from exc
         return self._user_dir.resolve()
 
     def _spawn(self, weed: str) -> None:

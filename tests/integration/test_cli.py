@@ -106,11 +106,6 @@ def test_ls_table_and_json(cli, run_dir):
     assert "saving" in cli("ls", run_dir, "--all").out
 
 
-def test_ls_of_an_empty_prefix(cli, s3_prefix):
-    assert cli("ls", s3_prefix, "--json").json() == []
-    assert cli("ls", s3_prefix) == Result(0, "", "")
-
-
 def test_show(cli, run_dir):
     result = cli("show", f"{run_dir}/step-2")
     assert result.code == 0
@@ -185,7 +180,7 @@ def test_gc_and_rm(cli, run_dir):
     ]
     again = cli("rm", f"{run_dir}/step-1")
     assert again.code == 1 and again.out == ""
-    assert again.err == f"s3ckpt: error: no committed checkpoint at {run_dir}/step-1\n"
+    assert again.err == f"s3ckpt rm: error: no committed checkpoint at {run_dir}/step-1\n"
     assert cli("rm", f"{run_dir}/step-2", "--json").json()["objects"] == 3
 
 
@@ -214,7 +209,8 @@ def test_connection_errors_exit_2(cli, s3_prefix):
     unreachable = cli("ls", s3_prefix, "--endpoint-url", f"http://127.0.0.1:{_closed_port()}")
     assert unreachable.code == 2 and "could not connect" in unreachable.err
     missing = cli("show", "s3://no-such-bucket-s3ckpt/x/step-1")
-    assert missing.code == 2 and missing.err.startswith("s3ckpt: error: ")
+    assert missing.code == 2 and missing.err.startswith("s3ckpt show: error: no such bucket: ")
+    assert "s3://no-such-bucket-s3ckpt" in missing.err
 
 
 def test_show_and_verify_of_a_missing_checkpoint_exit_1(cli, s3_prefix):
@@ -239,5 +235,40 @@ def test_the_real_entry_point(run_dir, aws_env):
         timeout=60,
     )
     assert denied.returncode == 2 and denied.stdout == ""
-    assert denied.stderr.startswith("s3ckpt: error: ") and denied.stderr.count("\n") == 1
+    assert denied.stderr.startswith("s3ckpt verify: error: access denied") and (
+        "check the credentials" in denied.stderr and denied.stderr.count("\n") == 1
+    )
     assert "wrong-secret-123456" not in denied.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["ls", "s3://s3ckpt/x", "--endpoint-url", "http://[::1"], "not a valid URL"),
+        (["ls", "s3://s3ckpt/x", "--endpoint-url", "http://me:hunter2@127.0.0.1:9"], "credentials"),
+        (["ls", "s3://s3ckpt/x", "--ca-bundle", "/no/such/ca.pem"], "no such file"),
+        (["local-s3", "--dir", "/proc/no-such-dir/data"], "data directory"),
+    ],
+    ids=["bad-ipv6", "credentials-in-url", "missing-ca-bundle", "bad-data-dir"],
+)
+def test_bad_input_is_one_line_naming_the_command(cli, argv, message):
+    result = cli(*argv)
+    assert result.code in (1, 2) and result.err.count("\n") == 1, result.err
+    assert result.err.startswith(f"s3ckpt {argv[0]}: error:") and message in result.err
+    assert "hunter2" not in result.err and "Traceback" not in result.err
+
+
+def test_ls_of_an_empty_prefix_says_so(cli, s3_prefix):
+    result = cli("ls", f"{s3_prefix}/nothing-here")
+    assert result.code == 0 and result.out == ""
+    assert result.err == f"no committed checkpoints under {s3_prefix}/nothing-here\n"
+    assert cli("ls", f"{s3_prefix}/nothing-here", "--json").json() == []
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(run_dir, aws_env):
+    env = {**os.environ, **aws_env}
+    shell = f"{sys.executable} -m s3ckpt ls {run_dir} --json | head -c 1 > /dev/null"
+    done = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", shell], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr

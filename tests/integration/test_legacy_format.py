@@ -51,8 +51,7 @@ def test_checkpoint_of_an_earlier_release_loads(
     expected = torch.load(folder / "expected.pt", weights_only=True)
     state = _empty_like(expected)
 
-    # The fixtures hold an io.BytesIO value, outside torch's weights-only allowlist.
-    dcp.load(state, storage_reader=make_reader(s3_prefix, trust_pickles=True))
+    dcp.load(state, storage_reader=make_reader(s3_prefix))
 
     for name, tensor in expected["model"].items():
         assert state["model"][name].dtype == tensor.dtype

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -109,8 +110,10 @@ def test_tls_is_verified_unless_switched_off(monkeypatch, tmp_path):
     monkeypatch.setattr("aiobotocore.session.AioSession.create_client", capture)
     create_client(S3Config(endpoint_url="https://flashblade.example.com"))
     assert seen["verify"] is None  # botocore: verify, with the AWS chain's bundle
-    create_client(S3Config(endpoint_url="https://fb.example.com", verify="/etc/ca.pem"))
-    assert seen["verify"] == "/etc/ca.pem"
+    bundle = tmp_path / "ca.pem"
+    bundle.write_text("")
+    create_client(S3Config(endpoint_url="https://fb.example.com", verify=str(bundle)))
+    assert seen["verify"] == str(bundle)
 
 
 class _Payload:
@@ -181,3 +184,31 @@ def test_custom_classes_load_only_when_the_bucket_is_trusted(s3_prefix, make_wri
     restored: dict[str, Any] = {"w": torch.zeros(2), "schedule": None}
     dcp.load(restored, storage_reader=make_reader(s3_prefix, trust_pickles=True))
     assert restored["schedule"] == _Schedule(100)
+
+
+def test_values_dcp_itself_writes_load_by_default(s3_prefix, make_writer, make_reader):
+    """An io.BytesIO in a training state (as PyTorch's own end-to-end DCP tests save) and
+    the plain values DCP pickles load without trust_pickles."""
+    state = {
+        "w": torch.ones(2),
+        "history": io.BytesIO(b"loss 1.0\nloss 0.9\n"),
+        "meta": {"step": 7, "name": "run", "lr": 0.1, "betas": (0.9, 0.99), "done": None},
+        "sizes": torch.Size([3, 4]),
+    }
+    dcp.save(state, storage_writer=make_writer(s3_prefix))
+    restored: dict[str, Any] = {
+        "w": torch.zeros(2),
+        "history": io.BytesIO(),
+        "meta": {"step": 0, "name": "", "lr": 0.0, "betas": (0.0, 0.0), "done": 1},
+        "sizes": torch.Size([0]),
+    }
+    dcp.load(restored, storage_reader=make_reader(s3_prefix))
+    assert restored["history"].getvalue() == b"loss 1.0\nloss 0.9\n"
+    assert restored["meta"] == state["meta"] and restored["sizes"] == torch.Size([3, 4])
+
+
+def test_saving_over_a_checkpoint_uses_dcps_wording(s3_prefix, make_writer):
+    dcp.save({"w": torch.ones(2)}, storage_writer=make_writer(s3_prefix))
+    with pytest.raises(BaseException) as info:
+        dcp.save({"w": torch.ones(2)}, storage_writer=make_writer(s3_prefix))
+    assert "Checkpoint already exists" in str(unwrap(info.value))

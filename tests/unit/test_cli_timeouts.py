@@ -58,7 +58,7 @@ def test_a_silent_endpoint_fails_ls_after_the_read_timeouts(silent_endpoint, cap
     elapsed = time.monotonic() - started
     err = capsys.readouterr().err
     assert code == 2 and elapsed < 10
-    assert err.count("\n") == 1 and err.startswith("s3ckpt: error:") and "timed out" in err
+    assert err.count("\n") == 1 and err.startswith("s3ckpt ls: error:") and "timed out" in err
 
 
 def test_timeout_bounds_the_whole_command(silent_endpoint, capsys) -> None:

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from botocore.exceptions import ClientError
+from s3_servers import ON_BOTH
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -29,6 +30,7 @@ from s3ckpt.testing.local_s3 import LocalS3Server
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    ON_BOTH,  # SeaweedFS and moto
 ]
 
 MIB = 1 << 20

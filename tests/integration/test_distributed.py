@@ -52,30 +52,30 @@ def load_reports(out_dir: Path, world_size: int) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def base_uri(local_s3: LocalS3Server) -> str:
-    return f"s3://{local_s3.bucket}/test_distributed-{secrets.token_hex(4)}"
+def base_uri(seaweedfs_s3: LocalS3Server) -> str:
+    return f"s3://{seaweedfs_s3.bucket}/test_distributed-{secrets.token_hex(4)}"
 
 
 @pytest.fixture(scope="module")
 def two_rank_job(
-    local_s3: LocalS3Server, base_uri: str, tmp_path_factory: pytest.TempPathFactory
+    seaweedfs_s3: LocalS3Server, base_uri: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Job:
     out = tmp_path_factory.mktemp("ranks2")
     uris = {"per_rank": f"{base_uri}/per-rank-ws2", "dtensor": f"{base_uri}/dtensor-ws2"}
-    worker.run_ranks(worker.two_rank_main, 2, s3_options(local_s3), uris, str(out))
+    worker.run_ranks(worker.two_rank_main, 2, s3_options(seaweedfs_s3), uris, str(out))
     return Job(uris, load_reports(out, 2))
 
 
 @pytest.fixture(scope="module")
 def four_rank_job(
-    local_s3: LocalS3Server,
+    seaweedfs_s3: LocalS3Server,
     base_uri: str,
     two_rank_job: Job,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Job:
     out = tmp_path_factory.mktemp("ranks4")
     uris = {"per_rank": f"{base_uri}/per-rank-ws4", "dtensor": two_rank_job.uris["dtensor"]}
-    worker.run_ranks(worker.four_rank_main, 4, s3_options(local_s3), uris, str(out))
+    worker.run_ranks(worker.four_rank_main, 4, s3_options(seaweedfs_s3), uris, str(out))
     return Job(uris, load_reports(out, 4))
 
 

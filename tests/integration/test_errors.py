@@ -96,3 +96,30 @@ def test_non_s3_uris_are_refused_before_any_io(uri, s3_options):
 def test_every_error_derives_from_one_base(s3_options):
     with pytest.raises(S3CkptError):
         S3StorageReader("s3://s3ckpt/does/not/exist", **s3_options).read_metadata()
+
+
+def test_the_cli_reports_refused_credentials_in_one_line_without_the_secret(
+    local_s3, s3_prefix, tmp_path
+):
+    import os
+    import subprocess
+    import sys
+
+    env = {
+        **os.environ,
+        **local_s3.env(),
+        "AWS_SECRET_ACCESS_KEY": "wrong-secret-123456",
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+    }
+    denied = subprocess.run(
+        [sys.executable, "-m", "s3ckpt", "ls", s3_prefix],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert denied.returncode == 2 and denied.stdout == ""
+    assert denied.stderr.startswith("s3ckpt ls: error: access denied"), denied.stderr
+    assert "check the credentials" in denied.stderr and denied.stderr.count("\n") == 1
+    assert "wrong-secret-123456" not in denied.stderr

@@ -10,6 +10,7 @@ caught and named. Each test adds its counts to the fault matrix of ``docs/reliab
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,9 +21,10 @@ import reliability_report as report
 import torch
 import torch.distributed.checkpoint as dcp
 from faultproxy import FaultProxy, Rule
+from s3_servers import ON_BOTH
 
 from s3ckpt import (
-    AccessDeniedError,
+    BucketNotFoundError,
     CorruptCheckpointError,
     S3StorageReader,
     S3StorageWriter,
@@ -35,6 +37,7 @@ from s3ckpt.errors import DeadlineExceededError
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    ON_BOTH,  # SeaweedFS and moto
 ]
 MiB = 1024 * 1024
 KiB = 1024
@@ -107,7 +110,8 @@ SCENARIOS = {
         ),
     ),
 }
-EXPECTED_ROWS = len(SCENARIOS) + 3  # + corruption, persistent failure, deadline
+# + corruption, persistent failure, deadline; on each server
+EXPECTED_ROWS = 2 * (len(SCENARIOS) + 3)
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +130,16 @@ def matrix() -> Iterator[report.Suite]:
     yield suite
     if len(suite.rows) == EXPECTED_ROWS:
         report.record("faults", suite)
+
+
+@pytest.fixture
+def server(request: pytest.FixtureRequest) -> str:
+    """The S3 server behind the proxy, as the fault matrix names it."""
+    return "moto" if request.node.callspec.params.get("local_s3") == "moto_s3" else "SeaweedFS"
+
+
+def _titled(title: str, server: str) -> str:
+    return f"{title} [{server}]"
 
 
 @pytest.fixture
@@ -186,10 +200,10 @@ def _load(uri: str, options: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_saves_and_loads_come_through_transient_faults_bit_exact(
-    name, proxy, through, s3_prefix, matrix, list_keys, pending_uploads
+    name, proxy, through, s3_prefix, matrix, list_keys, pending_uploads, server
 ):
     scenario = SCENARIOS[name]
-    proxy.add(*scenario.rules)
+    proxy.add(*(dataclasses.replace(rule) for rule in scenario.rules))  # fresh limits per run
     verified = lost = 0
     for round_ in range(ROUNDS):
         uri, state = f"{s3_prefix}/step-{round_}", _state(round_)
@@ -205,7 +219,7 @@ def test_saves_and_loads_come_through_transient_faults_bit_exact(
         assert {rule.fault for rule in scenario.rules} <= set(proxy.counts), proxy.counts
     matrix.add(
         report.Row(
-            scenario.title,
+            _titled(scenario.title, server),
             dict(proxy.counts),
             operations=2 * ROUNDS,
             survived=2 * ROUNDS,
@@ -215,7 +229,7 @@ def test_saves_and_loads_come_through_transient_faults_bit_exact(
 
 
 def test_a_read_corrupted_every_time_is_caught_and_names_object_and_item(
-    proxy, through, s3_prefix, matrix, local_s3
+    proxy, through, s3_prefix, matrix, local_s3, server
 ):
     """Damage that every read meets (as a damaged object would give) fails the load, after
     the re-reads that would have cured damage in transit."""
@@ -236,7 +250,7 @@ def test_a_read_corrupted_every_time_is_caught_and_names_object_and_item(
     assert lost == 0
     matrix.add(
         report.Row(
-            "flipped bit in every GET response body of an object",
+            _titled("flipped bit in every GET response body of an object", server),
             dict(proxy.counts),
             operations=1,
             failed_cleanly=1,
@@ -258,7 +272,7 @@ def _assert_previous_intact(uri, state, through, list_keys, pending_uploads, bef
 
 
 def test_a_save_that_keeps_failing_gives_up_cleanly_through_its_future(
-    proxy, through, s3_prefix, matrix, list_keys, pending_uploads
+    proxy, through, s3_prefix, matrix, list_keys, pending_uploads, server
 ):
     previous = _state(1)
     dcp.save(previous, storage_writer=S3StorageWriter(s3_prefix, **through))
@@ -280,7 +294,7 @@ def test_a_save_that_keeps_failing_gives_up_cleanly_through_its_future(
     )
     matrix.add(
         report.Row(
-            "503 on every part upload (persistent)",
+            _titled("503 on every part upload (persistent)", server),
             faults,
             operations=1,
             failed_cleanly=1,
@@ -290,7 +304,7 @@ def test_a_save_that_keeps_failing_gives_up_cleanly_through_its_future(
 
 
 def test_the_deadline_ends_a_save_that_would_retry_for_long(
-    proxy, through, s3_prefix, matrix, list_keys, pending_uploads
+    proxy, through, s3_prefix, matrix, list_keys, pending_uploads, server
 ):
     previous = _state(3)
     dcp.save(previous, storage_writer=S3StorageWriter(s3_prefix, **through))
@@ -313,7 +327,7 @@ def test_the_deadline_ends_a_save_that_would_retry_for_long(
     )
     matrix.add(
         report.Row(
-            "503 on every part upload, 1000 attempts allowed, deadline_s=2",
+            _titled("503 on every part upload, 1000 attempts allowed, deadline_s=2", server),
             faults,
             operations=1,
             failed_cleanly=1,
@@ -323,8 +337,9 @@ def test_the_deadline_ends_a_save_that_would_retry_for_long(
 
 
 def test_errors_a_retry_cannot_fix_are_not_retried(proxy, through, s3_prefix):
-    options = {**through, "secret_access_key": "not-the-secret"}
+    """A missing bucket (refused credentials, on a store that checks them: test_errors.py)."""
+    missing = "s3://no-such-bucket-s3ckpt/" + s3_prefix.split("/", 3)[3]
     with pytest.raises(BaseException) as info:
-        dcp.save(_state(5), storage_writer=S3StorageWriter(s3_prefix, **options))
-    assert isinstance(unwrap(info.value), AccessDeniedError)
+        dcp.save(_state(5), storage_writer=S3StorageWriter(missing, **through))
+    assert isinstance(unwrap(info.value), BucketNotFoundError)
     assert sum(proxy.requests.values()) == 1  # the bucket check, once

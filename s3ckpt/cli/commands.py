@@ -294,3 +294,28 @@ def run_rm(args: argparse.Namespace) -> int:
     human = f"removed {removed.uri} ({removed.objects} objects, {human_bytes(removed.bytes)})"
     _emit(args, output.removed_json(removed), human)
     return 0
+
+
+# -- doctor ---------------------------------------------------------------------------------
+
+
+def doctor_arguments(parser: argparse.ArgumentParser) -> None:
+    _common_arguments(parser, "where checkpoints will go, s3://bucket[/prefix]")
+    parser.add_argument(
+        "--sample-mib",
+        type=int,
+        default=8,
+        metavar="MIB",
+        help="size of the PUT and GET throughput sample (default 8)",
+    )
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    """Exit 0: s3ckpt will work; 1: it will, with a degraded feature; 2: it cannot."""
+    from s3ckpt.catalog.doctor import diagnose
+
+    if not 1 <= args.sample_mib <= 1024:
+        raise ConfigError("--sample-mib must be between 1 and 1024")
+    diagnosis = diagnose(args.uri, sample_mib=args.sample_mib, config=config_from(args))
+    _emit(args, output.doctor_json(diagnosis), output.doctor_text(diagnosis))
+    return diagnosis.exit_status

@@ -142,6 +142,12 @@ COMMANDS: tuple[Command, ...] = (
         commands.run_gc,
     ),
     Command("rm", "delete one checkpoint", commands.rm_arguments, commands.run_rm),
+    Command(
+        "doctor",
+        "probe an endpoint and bucket: what works, and what s3ckpt will do there",
+        commands.doctor_arguments,
+        commands.run_doctor,
+    ),
 )
 
 

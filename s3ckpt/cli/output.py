@@ -15,6 +15,7 @@ from s3ckpt.cli.humanize import format_time, human_bytes, human_duration, iso_ti
 
 if TYPE_CHECKING:
     from s3ckpt.catalog import CheckpointInfo, PruneReport, Removed
+    from s3ckpt.catalog.doctor import Diagnosis
     from s3ckpt.catalog.gc import GcReport
     from s3ckpt.catalog.verify import VerifyReport
     from s3ckpt.format.layout import StoredItem
@@ -251,3 +252,30 @@ def gc_text(report: GcReport) -> str:
         [table(["ACTION", "WHAT", "OBJECTS", "SIZE", "AGE"], rows, right=[2, 3])] if rows else []
     )
     return "\n".join([*parts, summary])
+
+
+# -- doctor ---------------------------------------------------------------------------------
+
+
+def doctor_json(diagnosis: Diagnosis) -> dict[str, Any]:
+    return {
+        "uri": diagnosis.uri,
+        "endpoint": diagnosis.endpoint,
+        "checks": [
+            {"check": c.name, "status": c.status, "detail": c.detail} for c in diagnosis.checks
+        ],
+        "plan": diagnosis.plan,
+        "exit_status": diagnosis.exit_status,
+    }
+
+
+def doctor_text(diagnosis: Diagnosis) -> str:
+    marks = {"ok": "ok  ", "degraded": "WARN", "failed": "FAIL"}
+    lines = [f"{marks[c.status]}  {c.name}: {c.detail}" for c in diagnosis.checks]
+    lines += [f"plan  {step}" for step in diagnosis.plan]
+    verdict = {
+        0: "s3ckpt will work here",
+        1: "s3ckpt will work here, with the fallbacks above",
+        2: "s3ckpt cannot work here",
+    }[diagnosis.exit_status]
+    return "\n".join([*lines, verdict])

@@ -1,0 +1,277 @@
+"""``s3ckpt doctor``: what a store supports, probed, and what s3ckpt will do on it.
+
+Someone pointing s3ckpt at a new FlashBlade (or any S3 endpoint) wants one command that
+says whether it will work before a training job finds out. Each check makes a few small
+requests under a scratch prefix (``<prefix>/.s3ckpt-doctor-<hex>/``, removed at the end)
+and gives one :class:`Check`: ``ok``, ``degraded`` (s3ckpt works, with a fallback) or
+``failed`` (s3ckpt cannot work). Requests are not retried (a doctor reports what it sees)
+and time out after ``read_timeout``. The throughput sample is small and bounded; it says
+whether the path is sane, not what a real save reaches.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from crc32c import crc32c
+
+from s3ckpt.config import S3URI, S3Config, make_config
+from s3ckpt.errors import PreconditionFailedError, S3CkptError, StorageError
+from s3ckpt.s3.client import client_handle, tls_verify
+from s3ckpt.s3.error_mapping import translated
+from s3ckpt.s3.loop import io_loop
+from s3ckpt.s3.store import ObjectStore, PartResult
+
+Status = Literal["ok", "degraded", "failed"]
+MiB = 1024 * 1024
+_UNSUPPORTED = ("NotImplemented", "501", "InvalidRequest", "InvalidArgument", "MethodNotAllowed")
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: Status
+    detail: str
+
+
+@dataclass
+class Diagnosis:
+    uri: str
+    endpoint: str
+    checks: list[Check] = field(default_factory=list)
+    plan: list[str] = field(default_factory=list)  # what s3ckpt will do on this store
+
+    @property
+    def exit_status(self) -> int:
+        """0: s3ckpt will work; 1: it will, with a degraded feature; 2: it cannot."""
+        statuses = {c.status for c in self.checks}
+        return 2 if "failed" in statuses else 1 if "degraded" in statuses else 0
+
+
+class _Probe:
+    """One doctor run: the store, the scratch prefix, and the checks so far."""
+
+    def __init__(self, store: ObjectStore, location: S3URI, sample: int) -> None:
+        self.store, self.location, self.sample = store, location, sample
+        self.scratch = location.key(f".s3ckpt-doctor-{secrets.token_hex(6)}")
+        self.diagnosis = Diagnosis(str(location), store.config.endpoint_url or "(AWS default)")
+
+    def key(self, name: str) -> str:
+        return f"{self.scratch}/{name}"
+
+    def add(self, name: str, status: Status, detail: str) -> None:
+        self.diagnosis.checks.append(Check(name, status, detail))
+
+    async def run(self) -> Diagnosis:
+        try:
+            if await self._reach():
+                for check in (
+                    self._access,
+                    self._conditional,
+                    self._checksums,
+                    self._multipart,
+                    self._ranges,
+                    self._uploads_listing,
+                    self._throughput,
+                ):
+                    await self._guarded(check)
+        finally:
+            await self._clean_up()
+        return self.diagnosis
+
+    async def _guarded(self, check: Callable[[], Awaitable[None]]) -> None:
+        name = check.__name__.strip("_").replace("_", " ")
+        try:
+            await check()
+        except S3CkptError as exc:
+            self.add(name, "failed", str(exc))
+
+    # -- the checks --------------------------------------------------------------------
+
+    async def _reach(self) -> bool:
+        config = self.store.config
+        verify = tls_verify(config)
+        scheme = (config.endpoint_url or "https://").split(":", 1)[0]
+        tls = (
+            "plain HTTP (no TLS)"
+            if scheme == "http"
+            else "TLS not verified"
+            if verify is False
+            else f"TLS verified against {'the CA bundle ' + verify if isinstance(verify, str) else 'botocore default CA bundle'}"
+        )
+        try:
+            await self.store.head_bucket()
+        except StorageError as exc:
+            self.add("endpoint, credentials, bucket", "failed", str(exc))
+            return False
+        self.add("endpoint and TLS", "ok", f"{self.diagnosis.endpoint} answers; {tls}")
+        self.add("credentials and bucket", "ok", f"s3://{self.store.bucket} is accessible")
+        return True
+
+    async def _access(self) -> None:
+        key, body = self.key("access"), b"s3ckpt doctor"
+        await self.store.put(key, body)
+        listed = [m.key async for m in self.store.list(self.scratch + "/")]
+        read = await self.store.get(key)
+        await self.store.delete_many([key])
+        gone = not await self.store.exists(key)
+        if read != body or key not in listed or not gone:
+            self.add("list, put, get, delete", "failed", "the store did not give back what it took")
+        else:
+            self.add("list, put, get, delete", "ok", f"under {self.location}")
+
+    async def _conditional(self) -> None:
+        key = self.key("conditional")
+        try:
+            await self.store.put(key, b"1", mode="create")
+            await self.store.put(key, b"2", mode="create")
+        except PreconditionFailedError:
+            self.add("conditional writes", "ok", "If-None-Match: * is honoured (412)")
+            self.diagnosis.plan.append("commits with a conditional create (If-None-Match: *)")
+            return
+        except StorageError as exc:
+            if exc.code not in _UNSUPPORTED:
+                raise
+            detail = f"If-None-Match: * is refused ({exc.code})"
+        else:
+            detail = "If-None-Match: * is ignored (the second create overwrote the first)"
+        self.add("conditional writes", "degraded", detail)
+        self.diagnosis.plan.append(
+            "commits with the claim protocol (correct without conditional writes)"
+        )
+
+    async def _checksums(self) -> None:
+        body = b"checksummed" * 100
+        await self.store.put(self.key("crc-good"), body, crc32c=crc32c(body))
+        try:
+            await self.store.put(self.key("crc-bad"), body, crc32c=crc32c(body) ^ 1)
+        except StorageError:
+            self.add("CRC32C on uploads", "ok", "checked: a wrong CRC32C is refused")
+            return
+        self.add(
+            "CRC32C on uploads",
+            "degraded",
+            "not checked (a wrong CRC32C was accepted): damage on the way in is caught only "
+            "when loading, by s3ckpt's block checksums",
+        )
+
+    async def _multipart(self) -> None:
+        key = self.key("multipart")
+        parts = [b"a" * (5 * MiB), b"b" * 1024]
+        upload = await self.store.create_multipart(key)
+        results = [
+            await self.store.upload_part(key, upload, n + 1, p, crc32c(p))
+            for n, p in enumerate(parts)
+        ]
+        await self.store.complete_multipart(key, upload, results)
+        size = (await self.store.head(key)).size
+        small = await self._small_parts_refused()
+        status: Status = "ok" if size == sum(map(len, parts)) else "failed"
+        detail = f"a 2-part upload completes ({size} bytes); parts under 5 MiB {small}"
+        self.add("multipart uploads", status, detail)
+
+    async def _small_parts_refused(self) -> str:
+        key = self.key("small-parts")
+        upload = await self.store.create_multipart(key)
+        parts: list[PartResult] = []
+        for n in (1, 2):
+            parts.append(await self.store.upload_part(key, upload, n, b"x" * 1024, None))
+        try:
+            await self.store.complete_multipart(key, upload, parts)
+        except StorageError as exc:
+            await self.store.abort_multipart(key, upload)
+            return f"are refused as S3 does ({exc.code})"
+        return "are accepted (S3 refuses them; s3ckpt never sends them)"
+
+    async def _ranges(self) -> None:
+        key, body = self.key("range"), bytes(range(256)) * 4096
+        await self.store.put(key, body)
+        received = bytearray(1000)
+
+        class Sink:
+            def buffer(self, offset: int) -> memoryview:
+                return memoryview(received)[offset - 5000 :]
+
+            def filled(self, offset: int, nbytes: int) -> None:
+                pass
+
+        await self.store.read_range(key, 5000, 6000, Sink())
+        if bytes(received) != body[5000:6000]:
+            self.add("ranged GETs", "failed", "bytes 5000-5999 came back wrong")
+        elif not await self._range_honoured(key):
+            self.add(
+                "ranged GETs",
+                "degraded",
+                "Range is ignored (200 with the whole object): loads work, but every read "
+                "transfers the object up to the range's end",
+            )
+        else:
+            self.add("ranged GETs", "ok", "a 1000-byte range of a 1 MiB object is exact (206)")
+            self.diagnosis.plan.append("loads with parallel ranged GETs")
+
+    async def _range_honoured(self, key: str) -> bool:
+        client = await client_handle(self.store.config).get()
+        with translated("GetObject", self.store.bucket, key):
+            response = await client.get_object(Bucket=self.store.bucket, Key=key, Range="bytes=0-9")
+            async with response["Body"] as body:
+                await body.read()
+        return bool(response["ResponseMetadata"]["HTTPStatusCode"] == 206)
+
+    async def _uploads_listing(self) -> None:
+        try:
+            [u async for u in self.store.list_multipart_uploads(self.scratch + "/")]
+        except StorageError as exc:
+            if exc.code not in _UNSUPPORTED:
+                raise
+            self.add(
+                "ListMultipartUploads",
+                "degraded",
+                f"unsupported ({exc.code}): gc cannot abort uploads left by failed saves; "
+                "add an AbortIncompleteMultipartUpload lifecycle rule",
+            )
+            return
+        self.add("ListMultipartUploads", "ok", "gc can find and abort uploads of failed saves")
+
+    async def _throughput(self) -> None:
+        key, body = self.key("sample"), b"\0" * self.sample
+        started = time.perf_counter()
+        await self.store.put(key, body)
+        put = time.perf_counter() - started
+        started = time.perf_counter()
+        await self.store.get(key)
+        get = time.perf_counter() - started
+        mb = self.sample / 1e6
+        self.add(
+            "throughput sample",
+            "ok",
+            f"PUT {mb / put:.0f} MB/s, GET {mb / get:.0f} MB/s ({self.sample // MiB} MiB, one "
+            "request each: a sanity check, not what parallel saves reach)",
+        )
+
+    async def _clean_up(self) -> None:
+        try:
+            keys = [m.key async for m in self.store.list(self.scratch + "/")]
+            if keys:
+                await self.store.delete_many(keys)
+            async for upload in self.store.list_multipart_uploads(self.scratch + "/"):
+                await self.store.abort_multipart(upload.key, upload.upload_id)
+        except S3CkptError:
+            pass  # nothing more to do: the scratch prefix is named in every check's detail
+
+
+def diagnose(
+    uri: str | S3URI,
+    *,
+    sample_mib: int = 8,
+    config: S3Config | None = None,
+    **options: Any,
+) -> Diagnosis:
+    """Probe the store behind ``uri`` (see the module docstring)."""
+    location = uri if isinstance(uri, S3URI) else S3URI.parse(uri, require_prefix=False)
+    probing = replace(make_config(config, **options), max_attempts=1)
+    store = ObjectStore(probing, location.bucket)
+    return io_loop().run(_Probe(store, location, sample_mib * MiB).run())

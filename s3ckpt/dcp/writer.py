@@ -189,8 +189,8 @@ class S3StorageWriter(S3Location, StorageWriter):
         await store.head_bucket()
         if not self.overwrite and await store.exists(location.key(MANIFEST_NAME)):
             raise CheckpointExistsError(
-                f"Checkpoint already exists at {location} (committed); pass overwrite=True to "
-                "replace it"
+                f"Checkpoint already exists: {location} is already committed; pass "
+                "overwrite=True to replace it"
             )
 
     async def _commit(

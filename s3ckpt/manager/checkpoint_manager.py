@@ -28,6 +28,7 @@ run on DCP's ``async_save`` thread (or process) while training goes on. The rule
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 import warnings
@@ -49,6 +50,7 @@ from s3ckpt.dcp.compat import stop_async_save_process, unwrap
 from s3ckpt.dcp.reader import S3StorageReader
 from s3ckpt.dcp.writer import S3StorageWriter
 from s3ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError
+from s3ckpt.manager.main_guard import require_main_guard
 from s3ckpt.manager.policy import (
     AsyncMode,
     IfBusy,
@@ -122,6 +124,8 @@ class CheckpointManager:
         **options: Any,
     ) -> None:
         validate_options(keep_last, keep_every, if_busy, async_mode)
+        if async_mode == "process":
+            require_main_guard(sys._getframe(1))
         self.location = S3URI.parse(uri, require_prefix=False)
         self.config = make_config(config, endpoint_url=endpoint_url, **options)
         self.if_busy, self.async_mode, self.overwrite = if_busy, async_mode, overwrite

@@ -9,6 +9,7 @@ scripts manage checkpoints without importing torch. One module per operation:
 * :mod:`~s3ckpt.catalog.verify`: re-read a checkpoint and check every size and CRC32C;
 * :mod:`~s3ckpt.catalog.gc`: leftovers of failed saves, after a grace period;
 * :mod:`~s3ckpt.catalog.grace`: ``gc``'s grace periods;
+* :mod:`~s3ckpt.catalog.doctor`: what a store supports, probed (``s3ckpt doctor``);
 * :mod:`~s3ckpt.catalog.reporting`: the progress protocol long operations report to.
 """
 

@@ -2,7 +2,8 @@
 
 * :mod:`~s3ckpt.manager.checkpoint_manager`: saves in the background, one in flight,
   failures raised on the next call, loading the latest;
-* :mod:`~s3ckpt.manager.policy`: checkpoint names, retention after each commit, metrics.
+* :mod:`~s3ckpt.manager.policy`: checkpoint names, retention after each commit, metrics;
+* :mod:`~s3ckpt.manager.main_guard`: process mode needs the main script's guard.
 """
 
 from s3ckpt.manager.checkpoint_manager import CheckpointManager

@@ -5,7 +5,7 @@ listing N checkpoints costs pages, not N requests. Keys are recognised by the on
 format (``docs/format.md``); the directory holding them names the checkpoint:
 
 * ``<name>/manifest.json``: the commit, so ``<name>`` is a committed checkpoint;
-* ``<name>/metadata-<save_id>.pkl`` and ``<name>/data/r<rank>-<save_id>-<n>.bin``: objects
+* ``<name>/metadata-<save_id>.pkl`` and ``<name>/data/[<hex>/]r<rank>-<save_id>-<n>.bin``: objects
   of a save into ``<name>``; without a manifest they form an uncommitted checkpoint (a save
   in flight, or one that died);
 * ``<name>/.s3ckpt-saving-<save_id>``: the in-flight record of a save into ``<name>``
@@ -45,7 +45,7 @@ _METADATA = re.compile(_DIR + r"metadata-(?P<save>[0-9a-f]+)\.pkl$")
 _PROBE = re.compile(_DIR + r"\.s3ckpt-probe-[0-9a-f]+$")
 _SAVING = re.compile(_DIR + re.escape(SAVING_PREFIX) + r"[0-9a-f]+$")
 _CLAIM = re.compile(_DIR + re.escape(CLAIM_PREFIX) + r"[0-9a-f]+$")
-_DATA = re.compile(_DIR + r"data/r(?P<rank>\d+)-(?P<save>[0-9a-f]+)-\d+\.bin$")
+_DATA = re.compile(_DIR + r"data/(?:[0-9a-f]{1,3}/)?r(?P<rank>\d+)-(?P<save>[0-9a-f]+)-\d+\.bin$")
 
 
 def timestamp(meta: ObjectMeta) -> float:

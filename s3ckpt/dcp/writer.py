@@ -54,7 +54,13 @@ from s3ckpt.dcp.location import S3Location
 from s3ckpt.dcp.tensor_bytes import as_cpu_contiguous, tensor_view
 from s3ckpt.errors import CheckpointExistsError, ConfigError, S3CkptError
 from s3ckpt.format.compression import RAW, Compression, Encoded, encode_raw, encode_stream
-from s3ckpt.format.layout import DEFAULT_MAX_OBJECT_SIZE, StoredItem, data_key, metadata_key
+from s3ckpt.format.layout import (
+    DEFAULT_MAX_OBJECT_SIZE,
+    SPREAD_WIDTHS,
+    StoredItem,
+    data_key,
+    metadata_key,
+)
 from s3ckpt.format.manifest import MANIFEST_NAME, ItemEntry, Manifest, ObjectEntry, new_save_id
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
@@ -88,6 +94,9 @@ class S3StorageWriter(S3Location, StorageWriter):
         compression: ``"zstd"`` (or a :class:`~s3ckpt.format.compression.Compression`) to store
             items zstd-compressed per checksum block, floating-point ones byte-grouped;
             off by default. ``compression_level`` sets the zstd level (default 1).
+        spread_prefixes: put data objects under 16, 256 or 4096 hashed key prefixes inside
+            the checkpoint, for stores that limit request rates per prefix (AWS S3); 0 (the
+            default) keeps them under ``data/``, which FlashBlade needs no more than.
     """
 
     _dcp_call = "dcp.save"
@@ -102,6 +111,7 @@ class S3StorageWriter(S3Location, StorageWriter):
         max_object_size: int = DEFAULT_MAX_OBJECT_SIZE,
         compression: str | Compression | None = None,
         compression_level: int | None = None,
+        spread_prefixes: int = 0,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -111,6 +121,11 @@ class S3StorageWriter(S3Location, StorageWriter):
             raise ConfigError(
                 f"max_object_size must be between 5 MiB and 5 TiB (S3's limits), got {max_object_size}"
             )
+        if spread_prefixes not in SPREAD_WIDTHS:
+            raise ConfigError(
+                f"spread_prefixes must be 0, 16, 256 or 4096, got {spread_prefixes!r}"
+            )
+        self.spread_prefixes = spread_prefixes
         self.overwrite = overwrite
         self.max_object_size = max_object_size
         self.location: S3URI | None = None
@@ -266,7 +281,9 @@ class _RankSave:
         writer, rank, save_id = self.writer, self.assignment.rank, self.assignment.save_id
         uploader = RankUploader(
             writer._store(),
-            lambda n: writer._require_location().key(data_key(rank, save_id, n)),
+            lambda n: writer._require_location().key(
+                data_key(rank, save_id, n, writer.spread_prefixes)
+            ),
             max_object_size=writer.max_object_size,
             size_hint=sum(item_nbytes(i) for i in items if i.type != WriteItemType.BYTE_IO)
             + (64 << 20),
@@ -277,7 +294,7 @@ class _RankSave:
         for item in items:
             placed, encoded = placements[item.index], self.encoded[item.index]
             stored = StoredItem(
-                key=data_key(rank, save_id, placed.object),
+                key=data_key(rank, save_id, placed.object, writer.spread_prefixes),
                 offset=placed.offset,
                 length=placed.length,
                 crc32c=encoded.crc32c,

@@ -187,3 +187,29 @@ def test_nn_module_and_optimizer_state(s3_prefix, make_writer, make_reader):
     assert torch.equal(
         target["optim"]["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"]
     )
+
+
+def test_data_objects_spread_over_hashed_prefixes_load_and_list(
+    s3_prefix, make_writer, make_reader, list_keys, s3_options
+):
+    """``spread_prefixes`` puts data objects under hashed prefixes (for AWS S3's per-prefix
+    request limits); loading, listing, verifying and removing are unaffected."""
+    from s3ckpt import catalog
+    from s3ckpt.config import make_config
+
+    state = {f"t{i}": torch.full((700_000,), float(i)) for i in range(6)}  # 2.7 MiB each
+    writer = make_writer(s3_prefix, spread_prefixes=16, max_object_size=5 * MiB)
+    dcp.save(state, storage_writer=writer)
+    data = [k for k in list_keys(s3_prefix) if k.startswith("data/")]
+    assert len(data) >= 3 and all(
+        len(k.split("/")) == 3 and len(k.split("/")[1]) == 1 for k in data
+    )
+    restored = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(restored, storage_reader=make_reader(s3_prefix))
+    assert all(torch.equal(restored[k], v) for k, v in state.items())
+    config = make_config(None, **s3_options)
+    (info,) = catalog.list_checkpoints(s3_prefix, config=config)
+    assert info.committed and info.ranks == 1 and info.objects == len(data) + 2
+    assert catalog.verify_checkpoint(s3_prefix, config=config).ok
+    catalog.remove_checkpoint(s3_prefix, config=config)
+    assert list_keys(s3_prefix) == []

@@ -29,3 +29,15 @@ def test_compressed_items_map_raw_blocks_to_stored_frames():
     assert item.stored_span(30, 60) == (10, 30)
     assert item.stored_span(0, 100) == (0, 60)
     assert item.stored_span(90, 100) == (55, 60)
+
+
+def test_spread_data_keys_use_that_many_hashed_prefixes():
+    from s3ckpt.format.layout import data_key
+
+    assert data_key(3, "ab12", 7) == "data/r00003-ab12-0007.bin"
+    for spread, width in ((16, 1), (256, 2), (4096, 3)):
+        keys = {data_key(rank, "ab12", n, spread) for rank in range(64) for n in range(4)}
+        prefixes = {k.split("/")[1] for k in keys}
+        assert all(len(p) == width for p in prefixes)
+        assert len(prefixes) > min(spread, 256) // 4  # spread out, not clustered
+    assert data_key(3, "ab12", 7, 256) == data_key(3, "ab12", 7, 256)  # deterministic

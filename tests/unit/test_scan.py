@@ -63,4 +63,7 @@ def test_data_directory():
     assert data_directory("step-1/data/r00000-ab12-0000.bin") == "step-1"
     assert data_directory("data/r00003-ab12-0007.bin") == ""
     assert data_directory("step-1/data/other.bin") is None
+    assert data_directory("step-1/data/a/r00000-ab12-0000.bin") == "step-1"  # spread prefixes
+    assert data_directory("run/step-2/data/3f0/r00001-ab12-0001.bin") == "run/step-2"
+    assert data_directory("step-1/data/xyz/r00000-ab12-0000.bin") is None
     assert data_directory("step-1/metadata-ab12.pkl") is None

@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from faultproxy import FaultProxy
 
-from s3ckpt import EndpointError, S3StorageReader, S3StorageWriter, catalog, unwrap
+from s3ckpt import ConfigError, EndpointError, S3StorageReader, S3StorageWriter, catalog, unwrap
 from s3ckpt.config import make_config
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
@@ -258,3 +258,14 @@ def test_no_proxy_bypasses_the_environments_proxy(s3_prefix, s3_options, monkeyp
     with pytest.raises(BaseException) as info:
         _round_trip(f"{s3_prefix}-2", {**s3_options, "max_attempts": 1}, direct_reads=True)
     assert isinstance(unwrap(info.value), EndpointError)
+
+
+def test_rank_local_metadata_mode_is_refused_with_a_clear_error(s3_prefix, s3_options, list_keys):
+    """DCP's use_collectives=False writes rank-local metadata and no global commit; s3ckpt's
+    coordinator commits for all ranks, so it says so before anything is written."""
+    writer = S3StorageWriter(s3_prefix, **s3_options)
+    with pytest.raises(BaseException) as info:
+        dcp.save({"a": torch.ones(3)}, storage_writer=writer, use_collectives=False)
+    error = unwrap(info.value)
+    assert isinstance(error, ConfigError) and "use_collectives=True" in str(error)
+    assert list_keys(s3_prefix) == []

@@ -34,7 +34,7 @@ from s3ckpt.format.layout import StoredItem, stored_span
 from s3ckpt.format.manifest import Manifest
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectMeta, ObjectStore
-from s3ckpt.transfer.download import RangeReader, ReadTarget
+from s3ckpt.transfer.download import REREADS, RangeReader, ReadTarget
 
 MiB = 1024 * 1024
 DEFAULT_MAX_BUFFER = 256 * MiB
@@ -184,24 +184,40 @@ class Verifier:
                 pending -= failed or set(pending)
 
     def _check(self, piece: _Piece, data: memoryview, progress: Reporter) -> None:
-        item = piece.item
-        first = piece.start // item.block_size
-        try:
-            raw = _decoded(piece, data)
-        except CorruptCheckpointError as exc:
-            self.problem(piece.label, item.key, str(exc))
-            return
-        block = first_bad_block(raw, item.crc32c, item.block_size, first)
-        if block is not None:
-            start = item.offset + block * item.block_size
-            end = item.offset + min((block + 1) * item.block_size, item.length)
-            self.problem(
-                piece.label,
-                item.key,
-                f"checksum mismatch in block {block} (object bytes {start}-{end})",
-            )
+        damage = _damage(piece, data)
+        for _ in range(REREADS if damage else 0):  # damage in transit goes away on a re-read
+            damage = _damage(piece, self._read_again(piece))
+            if damage is None:
+                break
+        if damage is not None:
+            self.problem(piece.label, piece.item.key, damage)
         self.report.bytes += piece.size
         progress.advance(piece.size)
+
+    def _read_again(self, piece: _Piece) -> memoryview:
+        """The piece's stored bytes, read anew on fresh connections."""
+        io_loop().run(self.store.close_idle_connections())
+        view = memoryview(bytearray(piece.size))
+        start = piece.item.offset + piece.stored[0]
+        target = ReadTarget(self.location.key(piece.item.key), start, start + piece.size, view, 0)
+        for _ in RangeReader(self.store).fetch([target]):
+            pass
+        return view
+
+
+def _damage(piece: _Piece, data: memoryview) -> str | None:
+    """What is wrong with a piece's bytes (undecodable, a block's CRC32C), or None."""
+    item = piece.item
+    try:
+        raw = _decoded(piece, data)
+    except CorruptCheckpointError as exc:
+        return str(exc)
+    block = first_bad_block(raw, item.crc32c, item.block_size, piece.start // item.block_size)
+    if block is None:
+        return None
+    start = item.offset + block * item.block_size
+    end = item.offset + min((block + 1) * item.block_size, item.length)
+    return f"checksum mismatch in block {block} (object bytes {start}-{end})"
 
 
 def _decoded(piece: _Piece, data: memoryview) -> memoryview:

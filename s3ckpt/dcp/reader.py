@@ -68,14 +68,13 @@ from s3ckpt.format.manifest import Manifest
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer.commit import read_manifest
-from s3ckpt.transfer.download import RangeReader, ReadTarget
+from s3ckpt.transfer.download import REREADS, RangeReader, ReadTarget
 
 INLINE_DECODE_BYTES = 64 * 1024
 # Compressed frames received but not yet decoded, at most (see download.RangeReader).
 FRAMES_BUDGET = 64 * 1024 * 1024
 log = logging.getLogger(__name__)
 _OVERWRITES_FOLLOWED = 3  # newer commits a metadata read follows before giving up
-REREADS = 3  # further reads of an item whose bytes failed their checksum
 
 
 class S3StorageReader(S3Location, StorageReader):

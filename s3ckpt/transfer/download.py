@@ -287,6 +287,9 @@ class _Admission:
 
 
 _FINISHED = object()
+# Further reads of a range whose bytes failed their checksum, each on fresh connections:
+# a mismatch in a GET body is most often damage in transit, not in the object.
+REREADS = 3
 
 
 class RangeReader:

@@ -31,8 +31,8 @@ from s3ckpt import (
     TransientStorageError,
     unwrap,
 )
-from s3ckpt.dcp.reader import REREADS
 from s3ckpt.errors import DeadlineExceededError
+from s3ckpt.transfer.download import REREADS
 
 pytestmark = [
     pytest.mark.integration,
@@ -343,3 +343,15 @@ def test_errors_a_retry_cannot_fix_are_not_retried(proxy, through, s3_prefix):
         dcp.save(_state(5), storage_writer=S3StorageWriter(missing, **through))
     assert isinstance(unwrap(info.value), BucketNotFoundError)
     assert sum(proxy.requests.values()) == 1  # the bucket check, once
+
+
+def test_verify_reads_again_through_damage_in_transit(proxy, through, s3_prefix):
+    """``s3ckpt verify`` reports damage in the object, not a bit flipped on the wire."""
+    from s3ckpt import catalog
+    from s3ckpt.config import make_config
+
+    dcp.save(_state(7), storage_writer=S3StorageWriter(s3_prefix, **through))
+    proxy.add(Rule("corrupt", methods=("GET",), match="/data/", after=1000, limit=1))
+    report = catalog.verify_checkpoint(s3_prefix, config=make_config(None, **through))
+    assert report.ok, report.problems
+    assert proxy.counts["corrupt"] == 1

@@ -249,7 +249,7 @@ class _Response:
         if (event.status_code == 200 and self.start != 0) or length > self.body_left:
             # The whole object for a ranged GET: skip to the range, and close the
             # connection once it is in rather than read the rest.
-            _warn_range_ignored(self.connection.endpoint)
+            warn_range_ignored(self.connection.endpoint)
             self.skip, self.keep_alive = self.start, False
             dropped = min(self.skip, len(leftover))
             self.skip -= dropped
@@ -355,7 +355,8 @@ def _in_place_length(status: int, headers: dict[str, str], start: int, end: int)
 _warned_range_ignored: set[str] = set()
 
 
-def _warn_range_ignored(endpoint: str) -> None:
+def warn_range_ignored(endpoint: str) -> None:
+    """Warn once per endpoint that it sends whole objects for ranged GETs."""
     if endpoint not in _warned_range_ignored:
         _warned_range_ignored.add(endpoint)
         log.warning(

@@ -8,8 +8,8 @@ lazily on the loop of whichever process uses it.
 
 Requests go through the shared client of :mod:`s3ckpt.s3.client` (path-style, no SHA-256
 payload signing, no botocore checksums: callers pass a CRC32C computed natively), except
-the body of ranged GETs, which :mod:`s3ckpt.s3.http_range` receives straight into the
-caller's memory (signed by that client; aiobotocore remains the fallback).
+the body of ranged GETs, which :mod:`s3ckpt.s3.range_get` receives straight into the
+caller's memory (one attempt; the retries are here).
 
 Failed requests are retried here, by :mod:`s3ckpt.s3.retry` (botocore's own retries are off),
 because a retry must know what the request meant: a ranged GET resumes at the first byte
@@ -34,11 +34,12 @@ from botocore.exceptions import ClientError
 
 from s3ckpt.config import S3Config
 from s3ckpt.errors import PreconditionFailedError, StorageError
-from s3ckpt.s3 import retry
+from s3ckpt.s3 import range_get, retry
 from s3ckpt.s3.client import client_handle
 from s3ckpt.s3.error_mapping import PRECONDITION_CODES, error_code, translate_final, translated
 from s3ckpt.s3.http_body import MemoryBody
-from s3ckpt.s3.http_response import RangeSink, UnsupportedResponse, copy_into
+from s3ckpt.s3.http_response import RangeSink
+from s3ckpt.s3.range_get import ResumingSink
 
 Body = bytes | bytearray | memoryview
 T = TypeVar("T")
@@ -76,21 +77,6 @@ class PendingUpload:
 def crc32c_header(value: int) -> str:
     """S3's encoding of a CRC32C: base64 of the 4 big-endian bytes."""
     return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
-
-
-class _Progress:
-    """A sink that remembers how far its range has been delivered (where a retry resumes)."""
-
-    def __init__(self, sink: RangeSink, start: int) -> None:
-        self.sink = sink
-        self.position = start
-
-    def buffer(self, offset: int) -> memoryview:
-        return self.sink.buffer(offset)
-
-    def filled(self, offset: int, nbytes: int) -> None:
-        self.sink.filled(offset, nbytes)
-        self.position = offset + nbytes
 
 
 class ObjectStore:
@@ -223,52 +209,15 @@ class ObjectStore:
         Bytes arrive in offset order and each exactly once: a retry asks only for the
         bytes not yet delivered.
         """
-        progress = _Progress(sink, start)
+        progress = ResumingSink(sink, start)
 
         async def attempt(_: int) -> None:
             if progress.position < end:
-                await self._receive(key, progress.position, end, progress)
+                await range_get.receive(
+                    self.config, self.bucket, key, progress.position, end, progress
+                )
 
         await self._retrying("GetObject", key, attempt)
-
-    async def _receive(self, key: str, start: int, end: int, sink: RangeSink) -> None:
-        """One ranged GET: s3ckpt's direct reader where it can, else aiobotocore."""
-        handle = client_handle(self.config)
-        reader = await handle.range_reader()
-        if reader is not None:
-            try:
-                async with handle.slots:
-                    await reader.read(self.bucket, key, start, end, sink)
-                return
-            except UnsupportedResponse as exc:
-                handle.disable_range_reader(str(exc))
-        await self._stream(key, start, end, sink)
-
-    async def _stream(self, key: str, start: int, end: int, sink: RangeSink) -> None:
-        """One ranged GET through aiobotocore; :class:`retry.ShortReadError` if it ends early."""
-        handle = client_handle(self.config)
-        client = await handle.get()
-        async with handle.slots:
-            response = await client.get_object(
-                Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}"
-            )
-            position = _body_offset(response, start, self._where(key))
-            async with response["Body"] as stream:
-                # readchunk() hands over one received buffer as is; readany() and
-                # read(n) join everything buffered into a new bytes object first.
-                content = stream.raw_stream.content
-                while position < end:
-                    chunk, _ = await content.readchunk()
-                    if not chunk:
-                        break
-                    useful = memoryview(chunk)[max(start - position, 0) : end - position]
-                    if useful:
-                        copy_into(sink, max(position, start), useful)
-                    position += len(chunk)
-        if position < end:
-            raise retry.ShortReadError(
-                f"the response ended after {position - start} of {end - start} bytes"
-            )
 
     async def close_idle_connections(self) -> None:
         """Make the next ranged GETs open fresh connections (after bytes came in damaged)."""
@@ -494,35 +443,3 @@ __all__ = [
     "PreconditionFailedError",
     "crc32c_header",
 ]
-
-
-def _body_offset(response: dict[str, Any], start: int, where: str) -> int:
-    """Where in the object a ranged GET's body starts: ``start`` for a ``206`` that honours
-    the range, 0 for a server that ignored ``Range`` and sent the whole object (``200``),
-    whose leading bytes the caller then skips."""
-    status = response["ResponseMetadata"]["HTTPStatusCode"]
-    if status == 200:
-        _warn_once(where)
-        return 0
-    first = str(response.get("ContentRange", "")).removeprefix("bytes ").partition("-")[0]
-    if not first.isdigit() or int(first) > start:
-        raise StorageError(
-            f"GetObject {where}: the server answered bytes {response.get('ContentRange')!r} "
-            f"to a request for bytes from {start}",
-            operation="GetObject",
-        )
-    return int(first)
-
-
-_warned_full_bodies: set[str] = set()
-
-
-def _warn_once(where: str) -> None:
-    bucket = where.split("/")[2] if where.startswith("s3://") else where
-    if bucket not in _warned_full_bodies:
-        _warned_full_bodies.add(bucket)
-        log.warning(
-            "the server ignores Range (it sent a whole object for a ranged GET of %s): "
-            "loads work, but every ranged read transfers the whole object",
-            where,
-        )

@@ -25,7 +25,8 @@ SERVERS = ["seaweedfs_s3", "moto_s3"]  # fixture names (tests/conftest.py)
 ON_BOTH = pytest.mark.parametrize("local_s3", SERVERS, indirect=True, ids=["seaweedfs", "moto"])
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port nothing listens on (until someone binds it)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -50,7 +51,7 @@ class MotoS3Server:
     def __enter__(self) -> MotoS3Server:
         executable = shutil.which("moto_server", path=str(Path(sys.executable).parent))
         command = [executable] if executable else [sys.executable, "-m", "moto.server"]
-        self.port = _free_port()
+        self.port = free_port()
         self.process = subprocess.Popen(
             [*command, "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=subprocess.DEVNULL,

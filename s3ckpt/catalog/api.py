@@ -45,6 +45,7 @@ from s3ckpt.errors import (
     StorageError,
 )
 from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
+from s3ckpt.s3.error_mapping import UNSUPPORTED_CODES
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectMeta, ObjectStore
 from s3ckpt.transfer.commit import read_manifest
@@ -242,7 +243,7 @@ async def _unpublish(
     except FileNotFoundError:
         pass  # removed concurrently; the objects it listed are still to be deleted
     except StorageError as exc:
-        if exc.code not in ("NotImplemented", "501", "InvalidArgument", "InvalidRequest"):
+        if exc.code not in UNSUPPORTED_CODES:
             raise
         await store.delete_many([key])  # no conditional deletes on this store
     if manifest is None:

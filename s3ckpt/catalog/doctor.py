@@ -22,13 +22,12 @@ from crc32c import crc32c
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.errors import PreconditionFailedError, S3CkptError, StorageError
 from s3ckpt.s3.client import client_handle, tls_verify
-from s3ckpt.s3.error_mapping import translated
+from s3ckpt.s3.error_mapping import UNSUPPORTED_CODES, translated
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore, PartResult
 
 Status = Literal["ok", "degraded", "failed"]
 MiB = 1024 * 1024
-_UNSUPPORTED = ("NotImplemented", "501", "InvalidRequest", "InvalidArgument", "MethodNotAllowed")
 
 
 @dataclass(frozen=True)
@@ -134,7 +133,7 @@ class _Probe:
             self.diagnosis.plan.append("commits with a conditional create (If-None-Match: *)")
             return
         except StorageError as exc:
-            if exc.code not in _UNSUPPORTED:
+            if exc.code not in UNSUPPORTED_CODES:
                 raise
             detail = f"If-None-Match: * is refused ({exc.code})"
         else:
@@ -225,7 +224,7 @@ class _Probe:
         try:
             [u async for u in self.store.list_multipart_uploads(self.scratch + "/")]
         except StorageError as exc:
-            if exc.code not in _UNSUPPORTED:
+            if exc.code not in UNSUPPORTED_CODES:
                 raise
             self.add(
                 "ListMultipartUploads",

@@ -129,7 +129,7 @@ async def acollect_garbage(
     report.garbage = [
         *_uncommitted(listing, busy, cutoff, now),
         *await _unreferenced(store, location, listing, busy, cutoff, now, report.problems),
-        *_records(listing, busy, cutoff, now),
+        *_records(listing, busy, cutoff, now - max(CLAIM_GRACE, grace), now),
         *_probes(location, listing, cutoff, now),
     ]
     if not dry_run:
@@ -219,7 +219,9 @@ async def _unreferenced(
     return [g for g in found if g is not None]
 
 
-def _records(listing: Scan, busy: set[str | None], cutoff: float, now: float) -> list[Garbage]:
+def _records(
+    listing: Scan, busy: set[str | None], cutoff: float, claim_cutoff: float, now: float
+) -> list[Garbage]:
     """In-flight records left in committed directories by saves that stopped (those of
     uncommitted ones go with their objects), and claims of commits that died."""
     found = []
@@ -227,7 +229,7 @@ def _records(listing: Scan, busy: set[str | None], cutoff: float, now: float) ->
         if group.name in busy:
             continue
         records = [m for m in group.saving if group.committed and timestamp(m) <= cutoff]
-        claims = [m for m in group.claims if timestamp(m) <= now - max(CLAIM_GRACE, now - cutoff)]
+        claims = [m for m in group.claims if timestamp(m) <= claim_cutoff]
         found += [_garbage(group.name, "record", records, now)] if records else []
         found += [_garbage(group.name, "claim", claims, now)] if claims else []
     return found

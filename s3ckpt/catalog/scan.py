@@ -32,6 +32,7 @@ from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.errors import CheckpointNotFoundError, StorageError
 from s3ckpt.format.layout import CLAIM_PREFIX, LEASE_S, SAVING_PREFIX
 from s3ckpt.format.manifest import Manifest
+from s3ckpt.s3.error_mapping import UNSUPPORTED_CODES
 from s3ckpt.s3.store import ObjectMeta, ObjectStore, PendingUpload
 from s3ckpt.transfer.commit import read_manifest
 
@@ -245,16 +246,13 @@ async def add_uploads(store: ObjectStore, location: S3URI, scanned: Scan) -> str
     return None
 
 
-_UNSUPPORTED = ("NotImplemented", "501", "MethodNotAllowed", "405")
-
-
 async def list_uploads(store: ObjectStore, prefix: str) -> list[PendingUpload] | str:
     """The open multipart uploads under ``prefix``, or, on a store that cannot list them
     (``ListMultipartUploads`` answered 501 or 405), a warning saying what that means."""
     try:
         return [u async for u in store.list_multipart_uploads(prefix)]
     except StorageError as exc:
-        if exc.code not in _UNSUPPORTED:
+        if exc.code not in UNSUPPORTED_CODES:
             raise
         return (
             f"this store cannot list multipart uploads ({exc.code}), so uploads left open by "

@@ -276,9 +276,7 @@ class S3StorageReader(S3Location, StorageReader):
             log.warning("%s; reading it again (%d of %d)", damage, attempt, REREADS)
             fresh = self._prepare(item.request, planner)
             ranges = self._range_reader()
-            io_loop().run(ranges.store.close_idle_connections())
-            for _ in ranges.fetch([self._target(fresh, FramePool(), ranges)]):
-                pass
+            ranges.fetch_again([self._target(fresh, FramePool(), ranges)])
             fresh, again = _checked(fresh)
             if again is None:
                 return fresh

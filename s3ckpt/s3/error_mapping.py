@@ -43,6 +43,11 @@ _DENIED = {
     "AllAccessDisabled",
 }
 PRECONDITION_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict"})
+# What a store answers to a request or header it does not implement (a conditional PUT,
+# ListMultipartUploads, If-Match on DELETE): s3ckpt then takes its documented fallback.
+UNSUPPORTED_CODES = frozenset(
+    {"NotImplemented", "501", "MethodNotAllowed", "405", "InvalidRequest", "InvalidArgument"}
+)
 _ENDPOINT_ERRORS = (
     bce.EndpointConnectionError,
     bce.ConnectTimeoutError,

@@ -41,6 +41,7 @@ from s3ckpt.errors import (
 )
 from s3ckpt.format.layout import CLAIM_PREFIX, claim_key
 from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
+from s3ckpt.s3.error_mapping import UNSUPPORTED_CODES
 from s3ckpt.s3.store import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ async def _probe(store: ObjectStore, location: S3URI) -> bool:
         log.warning("endpoint ignores If-None-Match: *; commits use claims instead")
         return False
     except StorageError as exc:
-        if exc.code in ("NotImplemented", "501", "InvalidRequest", "InvalidArgument"):
+        if exc.code in UNSUPPORTED_CODES:
             return False
         raise
     finally:

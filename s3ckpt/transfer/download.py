@@ -340,6 +340,13 @@ class RangeReader:
             if not future.done():
                 loop.run(_stopped(task))
 
+    def fetch_again(self, targets: list[ReadTarget]) -> None:
+        """Fetch ``targets`` anew, on fresh connections, after their bytes failed a check
+        (see :data:`REREADS`); returns once every byte has arrived."""
+        io_loop().run(self.store.close_idle_connections())
+        for _ in self.fetch(targets):
+            pass
+
     async def _start(
         self, requests: list[RangeRequest], done: Callable[[ReadTarget], None]
     ) -> asyncio.Task[None]:

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from faultproxy import FaultProxy
+from s3_servers import free_port
 
 from s3ckpt import ConfigError, EndpointError, S3StorageReader, S3StorageWriter, catalog, unwrap
 from s3ckpt.config import make_config
@@ -232,18 +233,10 @@ def test_the_cli_takes_a_ca_bundle(tls_endpoint, s3_prefix, s3_options, monkeypa
     assert main(["ls", s3_prefix, "--endpoint-url", endpoint, "--ca-bundle", str(cert)]) == 0
 
 
-def _closed_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_a_configured_proxy_is_used_by_every_request(s3_prefix, s3_options):
     from s3ckpt.s3.http_range import proxied
 
-    proxies = {"http": f"http://127.0.0.1:{_closed_port()}"}
+    proxies = {"http": f"http://127.0.0.1:{free_port()}"}
     options = {**s3_options, "proxies": proxies, "max_attempts": 1}
     assert proxied(s3_options["endpoint_url"], proxies)  # so no direct reads either
     with pytest.raises(EndpointError):
@@ -251,7 +244,7 @@ def test_a_configured_proxy_is_used_by_every_request(s3_prefix, s3_options):
 
 
 def test_no_proxy_bypasses_the_environments_proxy(s3_prefix, s3_options, monkeypatch):
-    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{_closed_port()}")
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{free_port()}")
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     _round_trip(s3_prefix, dict(s3_options), direct_reads=True)
     monkeypatch.delenv("NO_PROXY")

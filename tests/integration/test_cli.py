@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from s3_servers import ON_BOTH
+from s3_servers import ON_BOTH, free_port
 
 from s3ckpt.cli.main import main
 from s3ckpt.config import S3URI
@@ -79,12 +78,6 @@ def run_dir(s3_prefix, make_writer) -> str:
     with pytest.raises(BaseException, match="died"):
         dcp.save({"w": torch.ones(10)}, storage_writer=writer)
     return s3_prefix
-
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_ls_table_and_json(cli, run_dir):
@@ -208,7 +201,7 @@ def test_usage_errors_exit_2_with_one_line(cli, argv, message):
 
 
 def test_connection_errors_exit_2(cli, s3_prefix):
-    unreachable = cli("ls", s3_prefix, "--endpoint-url", f"http://127.0.0.1:{_closed_port()}")
+    unreachable = cli("ls", s3_prefix, "--endpoint-url", f"http://127.0.0.1:{free_port()}")
     assert unreachable.code == 2 and "could not connect" in unreachable.err
     missing = cli("show", "s3://no-such-bucket-s3ckpt/x/step-1")
     assert missing.code == 2 and missing.err.startswith("s3ckpt show: error: no such bucket: ")

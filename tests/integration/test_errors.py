@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from s3_servers import free_port
 
 from s3ckpt import (
     AccessDeniedError,
@@ -27,12 +27,6 @@ pytestmark = [
 ]
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _save_error(writer) -> BaseException:
     with pytest.raises(BaseException) as info:
         dcp.save({"a": torch.ones(3)}, storage_writer=writer)
@@ -40,7 +34,7 @@ def _save_error(writer) -> BaseException:
 
 
 def test_an_unreachable_endpoint_fails_within_seconds(s3_options):
-    options = {**s3_options, "endpoint_url": f"http://127.0.0.1:{_closed_port()}"}
+    options = {**s3_options, "endpoint_url": f"http://127.0.0.1:{free_port()}"}
     started = time.monotonic()
     error = _save_error(S3StorageWriter("s3://s3ckpt/run/step-1", **options))
     assert isinstance(error, EndpointError)

@@ -13,6 +13,11 @@ Isolation rules, so that two servers (two pytest sessions, a test and a CLI) coe
 * data, logs and the credentials file live in a fresh temporary directory;
 * credentials are random per server, so a stray client cannot hit the wrong one.
 
+``tls=True`` also serves S3 over HTTPS on a second port, with a CA and a certificate for
+``localhost`` generated at start (:mod:`s3ckpt.testing.tls_cert`): :attr:`https_endpoint_url`
+and :attr:`ca_file` are what a client needs; the plain HTTP endpoint stays, so the two can
+be compared against one server.
+
 ``weed`` hard-codes one unix socket per gRPC port as ``/tmp/seaweedfs-<svc>-<port>.sock``;
 :meth:`LocalS3Server.stop` removes any it left behind for the ports this server owned.
 """
@@ -39,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from s3ckpt.errors import ConfigError, LocalServerError
+from s3ckpt.testing.tls_cert import TLS_HOST, TlsFiles, write_tls_files
 
 __all__ = ["DEFAULT_BUCKET", "INSTALL_HINT", "WEED_ENV", "LocalS3Server", "find_weed"]
 
@@ -160,6 +166,7 @@ class LocalS3Server:
         weed_path: str | os.PathLike[str] | None = None,
         startup_timeout: float = 30.0,
         stop_timeout: float = 10.0,
+        tls: bool = False,
     ) -> None:
         self.buckets: tuple[str, ...] = (buckets,) if isinstance(buckets, str) else tuple(buckets)
         if not self.buckets:
@@ -175,6 +182,8 @@ class LocalS3Server:
         self._stop_timeout = stop_timeout
         self._dir: Path | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        self.tls = tls
+        self.tls_files: TlsFiles | None = None
 
     # -- public attributes -------------------------------------------------------------
 
@@ -187,6 +196,21 @@ class LocalS3Server:
         if "s3.port" not in self.ports:
             raise LocalServerError("the local S3 server has not been started")
         return f"http://127.0.0.1:{self.ports['s3.port']}"
+
+    @property
+    def https_endpoint_url(self) -> str:
+        """The HTTPS endpoint (``tls=True``): ``https://localhost:<port>``, which the
+        generated certificate names."""
+        if not self.tls or "s3.port.https" not in self.ports:
+            raise LocalServerError("the local S3 server was not started with tls=True")
+        return f"https://{TLS_HOST}:{self.ports['s3.port.https']}"
+
+    @property
+    def ca_file(self) -> Path:
+        """The generated CA certificate that the HTTPS endpoint's certificate chains to."""
+        if self.tls_files is None:
+            raise LocalServerError("the local S3 server was not started with tls=True")
+        return self.tls_files.ca_file
 
     @property
     def data_dir(self) -> Path | None:
@@ -251,6 +275,8 @@ class LocalS3Server:
         self._dir = self._make_dir()
         atexit.register(self.stop)
         try:
+            if self.tls:
+                self.tls_files = write_tls_files(self._dir)
             for attempt in range(_START_ATTEMPTS):
                 self._spawn(weed)
                 if self._wait_ready(
@@ -289,7 +315,7 @@ class LocalS3Server:
     def _spawn(self, weed: str) -> None:
         assert self._dir is not None and self.log_path is not None
         self._kill()
-        self.ports = _free_ports(_PORT_FLAGS)
+        self.ports = _free_ports(_PORT_FLAGS + (("s3.port.https",) if self.tls else ()))
         config = self._dir / "s3-identities.json"
         identity = {
             "name": "s3ckpt-local",
@@ -314,6 +340,11 @@ class LocalS3Server:
             "-volume.preStopSeconds=0",  # a test server has no clients to drain
             *(f"-{flag}={port}" for flag, port in self.ports.items()),
         ]
+        if self.tls_files is not None:
+            args += [
+                f"-s3.cert.file={self.tls_files.cert_file}",
+                f"-s3.key.file={self.tls_files.key_file}",
+            ]
         if len(str(self._dir / "filer.sock")) < 100:  # unix socket paths are short (108 bytes)
             # These two would otherwise go to /tmp and outlive a SIGKILLed server there.
             args += [

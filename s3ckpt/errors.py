@@ -4,7 +4,8 @@
 
     S3CkptError
     ├── ConfigError (ValueError)               bad options or arguments
-    │   └── InvalidURIError                    not an s3://bucket/key URI
+    │   ├── InvalidURIError                    not an s3://bucket/key URI
+    │   └── OutputExistsError (FileExistsError)  an export's output holds files, no overwrite
     ├── StorageError                           the object store said no
     │   ├── EndpointError (ConnectionError)    unreachable endpoint, TLS failure, timeout
     │   ├── AccessDeniedError (PermissionError) wrong or missing credentials, no permission
@@ -18,7 +19,8 @@
     │   ├── CheckpointExistsError (FileExistsError)      saving over a commit without overwrite
     │   ├── CommitConflictError                another writer committed the same id first
     │   ├── IncompleteSaveError                an object of the save vanished before its commit
-    │   └── CorruptCheckpointError             checksum or size mismatch, unreadable manifest
+    │   ├── CorruptCheckpointError             checksum or size mismatch, unreadable manifest
+    │   └── NotACheckpointError                an import source in no format s3ckpt reads
     └── LocalServerError                       the embedded S3 server could not start
 
 Messages name the bucket, key and operation involved and never contain credentials.
@@ -39,6 +41,11 @@ class ConfigError(S3CkptError, ValueError):
 
 class InvalidURIError(ConfigError):
     """A checkpoint location is not a valid ``s3://bucket/prefix`` URI."""
+
+
+class OutputExistsError(ConfigError, FileExistsError):
+    """The folder or prefix an export writes to already holds files, and overwrite was
+    not requested."""
 
 
 class StorageError(S3CkptError):
@@ -116,6 +123,11 @@ class IncompleteSaveError(CheckpointError):
 
 class CorruptCheckpointError(CheckpointError):
     """Stored bytes do not match their recorded size or checksum, or a manifest is unreadable."""
+
+
+class NotACheckpointError(CheckpointError):
+    """An import source is none of what s3ckpt imports: a DCP checkpoint folder, safetensors
+    files (or their index) or a ``torch.save`` file of tensors."""
 
 
 class LocalServerError(S3CkptError):

@@ -318,6 +318,38 @@ class ObjectStore:
                 return None
             raise
 
+    # -- server-side copies (same endpoint) ---------------------------------------------
+
+    async def copy(self, key: str, source_bucket: str, source_key: str) -> str:
+        """Copy ``source_bucket/source_key`` (at most 5 GiB) to ``key`` inside the store
+        (CopyObject): no byte leaves the server. Returns the new object's ETag."""
+        source = {"Bucket": source_bucket, "Key": source_key}
+        response = await self._call("CopyObject", key, Key=key, CopySource=source)
+        return str(response.get("CopyObjectResult", {}).get("ETag", ""))
+
+    async def upload_part_copy(
+        self,
+        key: str,
+        upload_id: str,
+        part_number: int,
+        source: tuple[str, str, int, int],
+    ) -> PartResult:
+        """One part of a multipart upload copied server-side (UploadPartCopy) from bytes
+        ``[start, end)`` of ``source = (bucket, key, start, end)``: how objects over
+        CopyObject's 5 GiB limit are copied."""
+        bucket, source_key, start, end = source
+        response = await self._call(
+            "UploadPartCopy",
+            key,
+            Key=key,
+            UploadId=upload_id,
+            PartNumber=part_number,
+            CopySource={"Bucket": bucket, "Key": source_key},
+            CopySourceRange=f"bytes={start}-{end - 1}",
+        )
+        result = response.get("CopyPartResult", {})
+        return PartResult(part_number, str(result["ETag"]), result.get("ChecksumCRC32C"))
+
     # -- multipart ---------------------------------------------------------------------
 
     async def create_multipart(self, key: str) -> str:

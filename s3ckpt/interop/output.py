@@ -1,0 +1,184 @@
+"""Where exported files go: a local folder or an S3 prefix, each file written front to back.
+
+The exporter writes every file sequentially as tensors arrive, so an output only needs
+"open a file, append bytes, close it". A local file is an ordinary file; a file under an
+``s3://`` prefix is a multipart upload whose parts are sent as they fill (one part in
+memory), or one ``PutObject`` if it ends before its first part is full.
+
+An output that already holds files is refused unless ``overwrite``; then the files of an
+earlier export that this one did not rewrite are removed at the end (a model re-exported
+into fewer shards leaves no stale shard). Anything else there is left alone. A failed
+export removes what it wrote.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Protocol
+
+from crc32c import crc32c
+
+from s3ckpt.config import S3URI, S3Config
+from s3ckpt.errors import OutputExistsError, StorageError
+from s3ckpt.s3.loop import io_loop
+from s3ckpt.s3.store import ObjectStore, PartResult
+from s3ckpt.transfer.parts import MiB
+
+PART_SIZE = 64 * MiB
+# Names an export writes (interop.formats): what ``overwrite`` may remove when stale.
+EXPORT_NAMES = re.compile(
+    r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|pytorch_model\.bin)$"
+)
+log = logging.getLogger(__name__)
+
+
+class Stream(Protocol):
+    """One file being written front to back."""
+
+    def write(self, data: memoryview | bytes) -> None: ...
+    def close(self) -> None: ...
+
+
+class Output(Protocol):
+    """A folder or prefix receiving files (see the module docstring)."""
+
+    written: list[str]  # names of the files opened so far
+
+    def check(self, overwrite: bool) -> None: ...
+    def open(self, name: str) -> Stream: ...
+    def finish(self) -> None: ...
+    def discard(self) -> None: ...
+
+
+def open_output(out: str | os.PathLike[str], config: S3Config) -> Output:
+    """The output ``out`` names: ``s3://bucket/prefix`` or a local folder."""
+    text = os.fspath(out)
+    if text.startswith("s3://"):
+        return S3Output(S3URI.parse(text, require_prefix=False), config)
+    return LocalOutput(Path(text))
+
+
+class LocalOutput:
+    """A local folder, created if absent."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.written: list[str] = []
+        self._existing: list[str] = []
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def check(self, overwrite: bool) -> None:
+        if self.path.exists() and not self.path.is_dir():
+            raise OutputExistsError(f"{self.path} exists and is not a folder")
+        self._existing = sorted(p.name for p in self.path.iterdir()) if self.path.is_dir() else []
+        if self._existing and not overwrite:
+            raise OutputExistsError(f"{self.path} exists and is not empty (pass --overwrite)")
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def open(self, name: str) -> Stream:
+        self.written.append(name)
+        return self.path.joinpath(name).open("wb")
+
+    def finish(self) -> None:
+        for name in _stale(self._existing, self.written):
+            self.path.joinpath(name).unlink(missing_ok=True)
+
+    def discard(self) -> None:
+        for name in self.written:
+            self.path.joinpath(name).unlink(missing_ok=True)
+
+
+class S3Output:
+    """An S3 prefix: each file one object, uploaded in parts as it is written."""
+
+    def __init__(self, location: S3URI, config: S3Config) -> None:
+        self.location = location
+        self.store = ObjectStore(config, location.bucket)
+        self.written: list[str] = []
+        self._existing: list[str] = []
+        self._open: list[_S3Stream] = []
+
+    def __str__(self) -> str:
+        return str(self.location)
+
+    def check(self, overwrite: bool) -> None:
+        prefix = self.location.key("")
+        io_loop().run(self.store.head_bucket())
+        self._existing = io_loop().run(_names(self.store, prefix))
+        if self._existing and not overwrite:
+            raise OutputExistsError(f"{self.location} already holds objects (pass --overwrite)")
+
+    def open(self, name: str) -> Stream:
+        self.written.append(name)
+        stream = _S3Stream(self.store, self.location.key(name))
+        self._open.append(stream)
+        return stream
+
+    def finish(self) -> None:
+        stale = [self.location.key(n) for n in _stale(self._existing, self.written)]
+        if stale:
+            io_loop().run(self.store.delete_many(stale))
+
+    def discard(self) -> None:
+        for stream in self._open:
+            stream.abort()
+        try:
+            io_loop().run(self.store.delete_many([self.location.key(n) for n in self.written]))
+        except StorageError as exc:
+            log.warning("could not delete the partial export at %s: %s", self.location, exc)
+
+
+async def _names(store: ObjectStore, prefix: str) -> list[str]:
+    return [m.key[len(prefix) :] async for m in store.list(prefix)]
+
+
+def _stale(existing: list[str], written: list[str]) -> list[str]:
+    return [n for n in existing if EXPORT_NAMES.match(n) and n not in written]
+
+
+class _S3Stream:
+    """One object written front to back: parts of :data:`PART_SIZE` uploaded as they fill."""
+
+    def __init__(self, store: ObjectStore, key: str) -> None:
+        self.store, self.key = store, key
+        self.buffer = bytearray()
+        self.upload_id: str | None = None
+        self.parts: list[PartResult] = []
+
+    def write(self, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            room = PART_SIZE - len(self.buffer)
+            self.buffer += view[:room]
+            view = view[room:]
+            if len(self.buffer) == PART_SIZE:
+                self._send_part()
+
+    def _send_part(self) -> None:
+        if self.upload_id is None:
+            self.upload_id = io_loop().run(self.store.create_multipart(self.key))
+        body, number = self.buffer, len(self.parts) + 1
+        self.buffer = bytearray()
+        part = self.store.upload_part(self.key, self.upload_id, number, body, crc32c(body))
+        self.parts.append(io_loop().run(part))
+
+    def close(self) -> None:
+        if self.upload_id is None:
+            io_loop().run(self.store.put(self.key, self.buffer, crc32c=crc32c(self.buffer)))
+            return
+        if self.buffer:
+            self._send_part()
+        io_loop().run(self.store.complete_multipart(self.key, self.upload_id, self.parts))
+        self.upload_id = None
+
+    def abort(self) -> None:
+        if self.upload_id is not None:
+            try:
+                io_loop().run(self.store.abort_multipart(self.key, self.upload_id))
+            except StorageError as exc:  # gc aborts it later
+                log.warning("could not abort the upload of %s: %s", self.key, exc)

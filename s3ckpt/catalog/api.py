@@ -49,6 +49,7 @@ from s3ckpt.s3.error_mapping import UNSUPPORTED_CODES
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectMeta, ObjectStore
 from s3ckpt.transfer.commit import read_manifest
+from s3ckpt.transfer.rank_index import with_items
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def _info(
         bytes=group.bytes,
         objects=len(group.objects) + (1 if group.committed else 0),
         ranks=manifest.world_size if manifest else group.ranks(save_id),
-        items=len(manifest.items) if manifest else None,
+        items=manifest.item_count if manifest else None,
         save_id=save_id,
         uploads=len(group.uploads),
         in_flight=group.in_flight(now),
@@ -207,8 +208,14 @@ def list_checkpoints(
 def show_checkpoint(
     uri: str | S3URI, *, config: S3Config | None = None, **options: Any
 ) -> Manifest:
+    """The committed manifest at ``uri``, with every item listed (format 2 reads them from
+    the index objects)."""
     store, location = open_store(uri, config, options, require_prefix=True)
-    return io_loop().run(read_committed(store, location))
+    return io_loop().run(_committed_with_items(store, location))
+
+
+async def _committed_with_items(store: ObjectStore, location: S3URI) -> Manifest:
+    return await with_items(store, location, await read_committed(store, location))
 
 
 # -- rm and prune -------------------------------------------------------------------------

@@ -5,9 +5,10 @@ listing N checkpoints costs pages, not N requests. Keys are recognised by the on
 format (``docs/format.md``); the directory holding them names the checkpoint:
 
 * ``<name>/manifest.json``: the commit, so ``<name>`` is a committed checkpoint;
-* ``<name>/metadata-<save_id>.pkl`` and ``<name>/data/[<hex>/]r<rank>-<save_id>-<n>.bin``: objects
-  of a save into ``<name>``; without a manifest they form an uncommitted checkpoint (a save
-  in flight, or one that died);
+* ``<name>/metadata-<save_id>.pkl``, ``<name>/data/[<hex>/]r<rank>-<save_id>-<n>.bin`` and
+  ``<name>/index/[<hex>/]r<rank>-<save_id>.json``: objects of a save into ``<name>``;
+  without a manifest they form an uncommitted checkpoint (a save in flight, or one that
+  died);
 * ``<name>/.s3ckpt-saving-<save_id>``: the in-flight record of a save into ``<name>``
   (:mod:`s3ckpt.transfer.inflight`): refreshed recently, a save is running there;
 * ``<name>/.s3ckpt-claim-<save_id>``: a claim on the commit, on stores without
@@ -47,6 +48,7 @@ _PROBE = re.compile(_DIR + r"\.s3ckpt-probe-[0-9a-f]+$")
 _SAVING = re.compile(_DIR + re.escape(SAVING_PREFIX) + r"[0-9a-f]+$")
 _CLAIM = re.compile(_DIR + re.escape(CLAIM_PREFIX) + r"[0-9a-f]+$")
 _DATA = re.compile(_DIR + r"data/(?:[0-9a-f]{1,3}/)?r(?P<rank>\d+)-(?P<save>[0-9a-f]+)-\d+\.bin$")
+_INDEX = re.compile(_DIR + r"index/(?:[0-9a-f]{1,3}/)?r(?P<rank>\d+)-(?P<save>[0-9a-f]+)\.json$")
 
 
 def timestamp(meta: ObjectMeta) -> float:
@@ -164,7 +166,7 @@ def group_keys(prefix: str, metas: Iterable[ObjectMeta]) -> Scan:
             scan.group(match["dir"] or "").manifest = meta
         elif match := _METADATA.match(rel):
             scan.group(match["dir"] or "").objects.append(SaveKey(meta, match["save"], None))
-        elif match := _DATA.match(rel):
+        elif match := _DATA.match(rel) or _INDEX.match(rel):
             save = SaveKey(meta, match["save"], int(match["rank"]))
             scan.group(match["dir"] or "").objects.append(save)
         elif match := _SAVING.match(rel):

@@ -6,7 +6,8 @@ all ahead of time and reports *every* damaged item rather than stopping at the f
 
 1. one LIST of the checkpoint's directory: every object the manifest names must exist with
    the size it records (items in a missing or short object are reported unread);
-2. the metadata object's size and CRC32C;
+2. the metadata object's size and CRC32C, and (format 2) every rank's index object's: the
+   items of a missing or damaged index are reported as unchecked;
 3. every item, cut into pieces of whole checksum blocks and fetched with the parallel,
    coalesced ranged GETs of :class:`s3ckpt.transfer.download.RangeReader`, each block compared with
    its CRC32C as soon as its piece arrives.
@@ -31,10 +32,11 @@ from s3ckpt.errors import CorruptCheckpointError, StorageError
 from s3ckpt.format.checksums import first_bad_block
 from s3ckpt.format.compression import CODECS, RAW, decode_block
 from s3ckpt.format.layout import StoredItem, stored_span
-from s3ckpt.format.manifest import Manifest
+from s3ckpt.format.manifest import ItemEntry, Manifest
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectMeta, ObjectStore
 from s3ckpt.transfer.download import REREADS, RangeReader, ReadTarget
+from s3ckpt.transfer.rank_index import read_index
 
 MiB = 1024 * 1024
 DEFAULT_MAX_BUFFER = 256 * MiB
@@ -90,8 +92,9 @@ class Verifier:
     ) -> None:
         self.store, self.location, self.manifest = store, location, manifest
         self.max_buffer = max_buffer
-        self.report = VerifyReport(str(location), manifest.save_id, len(manifest.items))
+        self.report = VerifyReport(str(location), manifest.save_id, manifest.item_count)
         self._reported: set[tuple[str, str]] = set()
+        self.items: tuple[ItemEntry, ...] = manifest.items
 
     def problem(self, what: str, key: str, message: str) -> None:
         if (what, key) not in self._reported:  # one line per damaged item
@@ -100,8 +103,11 @@ class Verifier:
 
     def run(self, progress: Reporter) -> VerifyReport:
         sizes = io_loop().run(self._sizes())
-        self.report.objects = len(self.manifest.objects) + 1
+        manifest = self.manifest
+        self.report.objects = len(manifest.objects) + len(manifest.indexes) + 1
         self._check_metadata(sizes)
+        if not manifest.items_listed:
+            self.items = io_loop().run(self._indexed_items())
         batches = list(_batches(list(self._pieces(sizes)), self.max_buffer))
         total = [sum(p.size for p in batch) for batch in batches]
         # One buffer for all batches. Reusing it is safe: RangeReader.fetch returns, or
@@ -129,9 +135,26 @@ class Verifier:
         if crc32c(body) != manifest.metadata_crc32c:
             self.problem("metadata", key, "checksum mismatch")
 
+    async def _indexed_items(self) -> tuple[ItemEntry, ...]:
+        """Format 2: the items of every rank whose index object is intact."""
+        items: list[ItemEntry] = []
+        etags = self.manifest.etags()
+        for ref in self.manifest.indexes:
+            try:
+                index = await read_index(self.store, self.location, ref, etags)
+            except (CorruptCheckpointError, StorageError) as exc:
+                what = "missing" if isinstance(exc, FileNotFoundError) else str(exc)
+                self.problem(
+                    "index", ref.key, f"{what}: {ref.items} items of rank {ref.rank} unchecked"
+                )
+                continue
+            self.report.bytes += ref.size
+            items.extend(index.items)
+        return tuple(items)
+
     def _pieces(self, sizes: dict[str, int]) -> Iterator[_Piece]:
         recorded = {o.key: o.size for o in self.manifest.objects}
-        for entry in self.manifest.items:
+        for entry in self.items:
             item, label = entry.stored, entry.label
             size = sizes.get(item.key)
             blocks = -(-item.size // item.block_size) if item.size else 1

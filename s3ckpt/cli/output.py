@@ -95,12 +95,18 @@ def info_table(infos: list[CheckpointInfo], now: float, *, status: bool, items: 
 
 def manifest_json(uri: str, manifest: Manifest) -> dict[str, Any]:
     body: dict[str, Any] = json.loads(manifest.to_json())
+    body["items"] = [item.to_dict() for item in manifest.items]
     return {"uri": uri, "created_time": iso_time(manifest.created), **body}
 
 
 def _crc(item: StoredItem) -> str:
     first = f"{item.crc32c[0]:08x}" if item.crc32c else "-"
     return first if len(item.crc32c) <= 1 else f"{first} (+{len(item.crc32c) - 1} blocks)"
+
+
+def _objects(manifest: Manifest) -> str:
+    indexes = f"{len(manifest.indexes)} index, " if manifest.indexes else ""
+    return f"{len(manifest.objects)} data, {indexes}1 metadata"
 
 
 def manifest_text(uri: str, manifest: Manifest) -> str:
@@ -110,8 +116,8 @@ def manifest_text(uri: str, manifest: Manifest) -> str:
             ["save id", manifest.save_id],
             ["committed", format_time(manifest.created)],
             ["ranks", manifest.world_size],
-            ["items", len(manifest.items)],
-            ["objects", f"{len(manifest.objects)} data, 1 metadata"],
+            ["items", manifest.item_count],
+            ["objects", _objects(manifest)],
             ["size", f"{human_bytes(manifest.total_bytes)} ({manifest.total_bytes} bytes)"],
             ["written by", f"torch {manifest.torch_version}, s3ckpt {manifest.s3ckpt_version}"],
         ],

@@ -2,15 +2,18 @@
 
 Only public names are imported at module level. The private details s3ckpt relies on:
 how DCP's ``Metadata`` pickles (the classes its pickle refers to, listed in
-:data:`METADATA_PICKLE_GLOBALS`), and how to stop DCP's process-mode ``async_save``
-background process (:func:`stop_async_save_process`). ``tests/unit/test_compat.py``
-fails loudly when a torch release changes either.
+:data:`METADATA_PICKLE_GLOBALS`), how to stop DCP's process-mode ``async_save``
+background process (:func:`stop_async_save_process`), and which process group a
+``dcp.load`` runs on (:func:`calling_load_group`). ``tests/unit/test_compat.py`` fails
+loudly when a torch release changes any of them.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Sequence
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -144,6 +147,43 @@ def stop_async_save_process(timeout: float = 30.0) -> bool:
     return True
 
 
+_T = TypeVar("_T")
+_LOADER_MODULE = "torch.distributed.checkpoint.state_dict_loader"
+_FRAMES_SEARCHED = 8
+
+
+class LoadGroup(Protocol):
+    """The collectives of the ``dcp.load`` under way (DCP's ``_DistWrapper``)."""
+
+    is_coordinator: bool
+
+    def broadcast_object(self, object: _T | None) -> _T: ...
+
+
+def calling_load_group() -> LoadGroup | None:
+    """The process group of the ``dcp.load`` whose ``read_metadata`` is running, if it
+    has more than one rank; ``None`` when called from anywhere else.
+
+    DCP calls ``StorageReader.read_metadata()`` on every rank of the load's group without
+    saying which group that is; the one place that knows is the ``_DistWrapper`` local of
+    ``state_dict_loader._load_state_dict``, a few frames up. A reader that cannot find it
+    (another caller, another torch) reads on its own: collectives are only used when
+    every rank is known to take part, so a single-rank load never waits for others.
+    """
+    frame = sys._getframe(1)
+    for _ in range(_FRAMES_SEARCHED):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_name == "_load_state_dict" and frame.f_globals.get("__name__") == _LOADER_MODULE:
+            wrapper: Any = frame.f_locals.get("distW")
+            if wrapper is None or not getattr(wrapper, "use_dist", False):
+                return None
+            return wrapper if wrapper.get_world_size() > 1 else None
+    return None
+
+
 def save_skeleton(tensors: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], path: str) -> None:
     """A ``torch.save`` file of ``{name: tensor}`` with every tensor's bytes left out.
 
@@ -194,6 +234,7 @@ __all__ = [
     "BytesStorageMetadata",
     "CheckpointException",
     "ChunkStorageMetadata",
+    "LoadGroup",
     "LoadItemType",
     "LoadPlan",
     "LoadPlanner",
@@ -209,6 +250,7 @@ __all__ = [
     "WriteItem",
     "WriteItemType",
     "WriteResult",
+    "calling_load_group",
     "chunk_shapes",
     "item_nbytes",
     "narrow",

@@ -6,11 +6,16 @@ Lifecycle of a load (the order DCP calls in):
 1. ``read_metadata()`` (all ranks): reads the manifest (no manifest, no checkpoint:
    :class:`~s3ckpt.errors.CheckpointNotFoundError`), then DCP's metadata object it names,
    checked against the manifest's size and CRC32C and unpickled with a restricted
-   unpickler (:mod:`s3ckpt.dcp.metadata_pickle`).
+   unpickler (:mod:`s3ckpt.dcp.metadata_pickle`). In a multi-rank ``dcp.load`` only the
+   coordinator reads them and broadcasts both to the other ranks, which make no request:
+   one read per load, not one per rank.
 2. ``set_up_storage_reader(metadata, is_coordinator)`` (all ranks).
 3. ``prepare_local_plan`` / ``prepare_global_plan``: unchanged; DCP's planner decides which
    stored chunks (or parts of chunks, when resharding) each rank needs.
-4. ``read_data(plan, planner)`` (all ranks): turns every read item into a byte range,
+4. ``read_data(plan, planner)`` (all ranks): finds where its items are stored: in format 2
+   by reading the index objects of just the ranks that stored them
+   (:mod:`s3ckpt.format.rank_index`; which rank stored what is in DCP's metadata), in
+   format 1 from DCP's metadata itself. Then turns every read item into a byte range,
    widened to whole checksum blocks, and fetches all of them with coalesced parallel
    ranged GETs (:mod:`s3ckpt.transfer.download`). Bytes go straight into the destination tensor
    when it is a contiguous CPU tensor of the stored shape; otherwise into a scratch buffer
@@ -24,6 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pickle
 import queue
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import wait as futures_wait
@@ -36,6 +42,7 @@ from torch.futures import Future
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.dcp import metadata_pickle as dcp_metadata
 from s3ckpt.dcp.compat import (
+    LoadGroup,
     LoadPlan,
     LoadPlanner,
     Metadata,
@@ -43,10 +50,12 @@ from s3ckpt.dcp.compat import (
     ReadItem,
     StorageMeta,
     StorageReader,
+    calling_load_group,
     chunk_shapes,
     remember_metadata_failure,
 )
 from s3ckpt.dcp.location import S3Location
+from s3ckpt.dcp.owners import ChunkPositions
 from s3ckpt.dcp.restore import (
     FramePool,
     PendingRead,
@@ -65,10 +74,12 @@ from s3ckpt.errors import (
 )
 from s3ckpt.format.layout import StoredItem
 from s3ckpt.format.manifest import Manifest
+from s3ckpt.format.rank_index import ItemOwners
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer.commit import read_manifest
 from s3ckpt.transfer.download import REREADS, RangeReader, ReadTarget
+from s3ckpt.transfer.rank_index import read_indexes
 
 INLINE_DECODE_BYTES = 64 * 1024
 # Compressed frames received but not yet decoded, at most (see download.RangeReader).
@@ -112,6 +123,7 @@ class S3StorageReader(S3Location, StorageReader):
         self.decode_threads = decode_threads
         self.trust_pickles = trust_pickles
         self.manifest: Manifest | None = None
+        self.metadata: Metadata | None = None
         self.storage_data: dict[MetadataIndex, StoredItem] = {}
         self._shapes: dict[MetadataIndex, tuple[torch.dtype, torch.Size]] = {}
 
@@ -133,8 +145,26 @@ class S3StorageReader(S3Location, StorageReader):
 
     def _read_metadata(self) -> Metadata:
         location = self._require_location()
-        manifest, body = io_loop().run(self._fetch_metadata(location))
+        group = calling_load_group()
+        if group is None:
+            manifest, body = io_loop().run(self._fetch_metadata(location))
+        else:
+            manifest, body = self._shared_metadata(location, group)
         return self._adopt(location, manifest, body)
+
+    def _shared_metadata(self, location: S3URI, group: LoadGroup) -> tuple[Manifest, bytes]:
+        """The coordinator reads the manifest and metadata and broadcasts them (or its
+        error, which every rank then raises): the other ranks make no request."""
+        fetched: tuple[Manifest, bytes] | BaseException | None = None
+        if group.is_coordinator:
+            try:
+                fetched = io_loop().run(self._fetch_metadata(location))
+            except Exception as exc:
+                fetched = _portable(exc)
+        received = group.broadcast_object(fetched)
+        if isinstance(received, BaseException):
+            raise received
+        return received
 
     def _adopt(self, location: S3URI, manifest: Manifest, body: bytes) -> Metadata:
         """Check and unpickle the metadata object of ``manifest``; it is the save read."""
@@ -159,7 +189,8 @@ class S3StorageReader(S3Location, StorageReader):
             raise CorruptCheckpointError(
                 f"checkpoint metadata at {self.location} has no storage data"
             )
-        self.storage_data = metadata.storage_data
+        self.metadata = metadata
+        self.storage_data = {}
         self._shapes = chunk_shapes(metadata)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -183,7 +214,29 @@ class S3StorageReader(S3Location, StorageReader):
         future.set_result(None)
         return future
 
+    def _locate(self, plan: LoadPlan) -> None:
+        """Where every item of ``plan`` is stored, into :attr:`storage_data`."""
+        location, metadata = self._require_location(), self.metadata
+        if metadata is None:
+            raise CheckpointError("read_data before set_up_storage_reader")
+        if not isinstance(metadata.storage_data, ItemOwners):  # format 1: in the metadata
+            self.storage_data = metadata.storage_data
+            return
+        self.storage_data = io_loop().run(
+            _stored_items(self._store(), location, self._manifest(), metadata, plan)
+        )
+
+    def _manifest(self) -> Manifest:
+        if self.manifest is None:
+            raise CheckpointError("read_data before read_metadata")
+        return self.manifest
+
+    def _store(self) -> ObjectStore:
+        location = self._require_location()
+        return ObjectStore(self.config, location.bucket).with_deadline(self.config.deadline_s)
+
     def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        self._locate(plan)
         pending = [self._prepare(request, planner) for request in plan.items]
         ranges = self._range_reader()
         frames = FramePool()
@@ -211,10 +264,8 @@ class S3StorageReader(S3Location, StorageReader):
             futures_wait(submitted)  # no worker may write into a destination after this returns
 
     def _range_reader(self) -> RangeReader:
-        location = self._require_location()
-        store = ObjectStore(self.config, location.bucket).with_deadline(self.config.deadline_s)
         return RangeReader(
-            store,
+            self._store(),
             max_request_size=self.request_size,
             lazy_budget=max(FRAMES_BUDGET, 4 * self.request_size),
         )
@@ -250,9 +301,7 @@ class S3StorageReader(S3Location, StorageReader):
                 f"{location} is committed but its object {missing.key} is missing"
             ) from missing
         metadata = self._adopt(location, manifest, body)
-        if metadata.storage_data is None or any(
-            r.storage_index not in metadata.storage_data for r in plan.items
-        ):
+        if not _describes(metadata, plan):
             raise CheckpointError(
                 f"{location} was overwritten during the load by a checkpoint with other "
                 "contents; load it again"
@@ -324,6 +373,63 @@ class S3StorageReader(S3Location, StorageReader):
 
 
 Checked = tuple[PendingRead, CorruptCheckpointError | None]
+
+
+async def _stored_items(
+    store: ObjectStore, location: S3URI, manifest: Manifest, metadata: Metadata, plan: LoadPlan
+) -> dict[MetadataIndex, StoredItem]:
+    """Format 2: the stored records of ``plan``'s items, from the index objects of only
+    the ranks that stored them."""
+    owners: ItemOwners = metadata.storage_data
+    positions = ChunkPositions(metadata)
+    wanted: dict[MetadataIndex, int] = {}
+    for request in plan.items:
+        index = request.storage_index
+        try:
+            wanted[index] = owners.rank_of(index.fqn, positions.of(index))
+        except KeyError as exc:
+            raise CorruptCheckpointError(
+                f"{location}: no rank stored {index.fqn!r} at {list(index.offset or ())}"
+            ) from exc
+    indexes = await read_indexes(store, location, manifest, wanted.values())
+    tables = {rank: index.by_index() for rank, index in indexes.items()}
+    found: dict[MetadataIndex, StoredItem] = {}
+    for index, rank in wanted.items():
+        entry = tables[rank].get((index.fqn, tuple(index.offset or ())))
+        if entry is None:
+            raise CorruptCheckpointError(
+                f"{location}: the index object of rank {rank} has no {index.fqn!r} at "
+                f"{list(index.offset or ())}"
+            )
+        found[index] = entry.stored
+    return found
+
+
+def _describes(metadata: Metadata, plan: LoadPlan) -> bool:
+    """Whether ``metadata`` stores every item ``plan`` reads (after an overwrite)."""
+    storage = metadata.storage_data
+    if storage is None:
+        return False
+    if not isinstance(storage, ItemOwners):
+        return all(r.storage_index in storage for r in plan.items)
+    positions = ChunkPositions(metadata)
+    try:
+        for request in plan.items:
+            index = request.storage_index
+            storage.rank_of(index.fqn, positions.of(index))
+    except KeyError:
+        return False
+    return True
+
+
+def _portable(exc: Exception) -> BaseException:
+    """``exc`` if it survives pickling (to be broadcast to the other ranks), else an
+    :class:`~s3ckpt.errors.S3CkptError` with its message."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return S3CkptError(f"{type(exc).__name__}: {exc}")
+    return exc
 
 
 def _checked(item: PendingRead) -> Checked:

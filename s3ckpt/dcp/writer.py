@@ -51,6 +51,7 @@ from s3ckpt.dcp.compat import (
     item_nbytes,
 )
 from s3ckpt.dcp.location import S3Location
+from s3ckpt.dcp.owners import ChunkPositions
 from s3ckpt.dcp.tensor_bytes import as_cpu_contiguous, tensor_view
 from s3ckpt.errors import CheckpointExistsError, ConfigError, S3CkptError
 from s3ckpt.format.compression import RAW, Compression, Encoded, encode_raw, encode_stream
@@ -59,15 +60,25 @@ from s3ckpt.format.layout import (
     SPREAD_WIDTHS,
     StoredItem,
     data_key,
+    index_key,
     metadata_key,
 )
-from s3ckpt.format.manifest import MANIFEST_NAME, ItemEntry, Manifest, ObjectEntry, new_save_id
+from s3ckpt.format.manifest import (
+    MANIFEST_NAME,
+    IndexRef,
+    ItemEntry,
+    Manifest,
+    ObjectEntry,
+    new_save_id,
+)
+from s3ckpt.format.rank_index import ItemOwners, RankIndex
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer.commit import commit_manifest, committed_save_id, confirm_objects
 from s3ckpt.transfer.inflight import Heartbeat, clear_in_flight, mark_in_flight
 from s3ckpt.transfer.parts import MAX_OBJECT_SIZE, MIN_PART_SIZE
-from s3ckpt.transfer.upload import Item, RankUploader
+from s3ckpt.transfer.rank_index import write_index
+from s3ckpt.transfer.upload import Item, Placement, RankUploader, UploadedObject
 
 log = logging.getLogger(__name__)
 
@@ -182,10 +193,9 @@ class S3StorageWriter(S3Location, StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         location = self._require_location()
         flat = [wr for rank_results in results for wr in rank_results]
-        metadata.storage_data = {wr.index: wr.storage_data for wr in flat}
+        metadata.storage_data = _item_owners(metadata, flat)
         metadata.storage_meta = self.storage_meta()
-        manifest_items = _manifest_items(metadata, flat)
-        io_loop().run(self._commit(location, metadata, manifest_items, results))
+        io_loop().run(self._commit(location, metadata, _rank_records(results), len(results)))
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(
@@ -212,8 +222,8 @@ class S3StorageWriter(S3Location, StorageWriter):
         self,
         location: S3URI,
         metadata: Metadata,
-        items: tuple[ItemEntry, ...],
-        results: list[list[WriteResult]],
+        records: list[_RankRecord],
+        world_size: int,
     ) -> None:
         """Metadata object, a check that every object is still there, then the manifest.
 
@@ -222,22 +232,25 @@ class S3StorageWriter(S3Location, StorageWriter):
         (a commit whose response was lost).
         """
         store = self._store()
-        objects = _object_entries(results)
         body = dcp_metadata.dumps(metadata)
         manifest = Manifest(
             save_id=self.save_id,
-            world_size=len(results),
+            world_size=world_size,
             metadata_key=metadata_key(self.save_id),
             metadata_size=len(body),
             metadata_crc32c=crc32c(body),
-            objects=objects,
-            items=items,
+            objects=tuple(o for record in records for o in record.objects),
+            items=(),
+            indexes=tuple(record.index for record in records),
             torch_version=TORCH_VERSION,
             s3ckpt_version=__version__,
         )
+        sizes = {o.key: o.size for o in manifest.objects} | {
+            i.key: i.size for i in manifest.indexes
+        }
         try:
             await mark_in_flight(store, location, self.save_id)
-            await confirm_objects(store, location, {o.key: o.size for o in objects})
+            await confirm_objects(store, location, sizes)
             await store.put(
                 location.key(manifest.metadata_key), body, crc32c=manifest.metadata_crc32c
             )
@@ -278,35 +291,63 @@ class _RankSave:
 
     def run(self, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         _refuse_oversized(items)
+        if not items:  # nothing stored, no index: the manifest lists ranks that stored items
+            return []
         writer, rank, save_id = self.writer, self.assignment.rank, self.assignment.save_id
+        store, location = writer._store(), writer._require_location()
         uploader = RankUploader(
-            writer._store(),
-            lambda n: writer._require_location().key(
-                data_key(rank, save_id, n, writer.spread_prefixes)
-            ),
+            store,
+            lambda n: location.key(data_key(rank, save_id, n, writer.spread_prefixes)),
             max_object_size=writer.max_object_size,
             size_hint=sum(item_nbytes(i) for i in items if i.type != WriteItemType.BYTE_IO)
             + (64 << 20),
             in_flight=writer.compression.max_ahead if writer.compression else None,
         )
         placements, uploaded = uploader.upload(self._stream(items, planner))
-        results = []
-        for item in items:
-            placed, encoded = placements[item.index], self.encoded[item.index]
-            stored = StoredItem(
-                key=data_key(rank, save_id, placed.object, writer.spread_prefixes),
-                offset=placed.offset,
-                length=placed.length,
-                crc32c=encoded.crc32c,
-                codec=encoded.codec,
-                etag=uploaded[placed.object].etag,
-                raw_length=None if encoded.codec == RAW else encoded.raw_length,
-                frames=encoded.frames,
-            )
-            results.append(
-                WriteResult(index=item.index, size_in_bytes=encoded.raw_length, storage_data=stored)
-            )
-        return results
+        entries = [self._entry(item, placements[item.index], uploaded) for item in items]
+        objects = tuple(
+            ObjectEntry(data_key(rank, save_id, n, writer.spread_prefixes), o.size, o.etag, rank)
+            for n, o in enumerate(uploaded)
+        )
+        index = RankIndex(save_id, rank, tuple(entries))
+        key = index_key(rank, save_id, writer.spread_prefixes)
+        try:
+            ref = io_loop().run(write_index(store, location, key, index))
+        except BaseException:
+            io_loop().run(_delete_quietly(store, [o.key for o in uploaded]))
+            raise
+        # One record per rank, shared by all its results: pickled once when DCP gathers
+        # them, so the coordinator receives O(ranks) storage data, not O(items).
+        record = _RankRecord(rank, ref, objects)
+        return [
+            WriteResult(item.index, self.encoded[item.index].raw_length, record) for item in items
+        ]
+
+    def _entry(
+        self, item: WriteItem, placed: Placement, uploaded: list[UploadedObject]
+    ) -> ItemEntry:
+        """The item's line in the rank's index: where it went and how to check it."""
+        writer, rank, save_id = self.writer, self.assignment.rank, self.assignment.save_id
+        encoded = self.encoded[item.index]
+        stored = StoredItem(
+            key=data_key(rank, save_id, placed.object, writer.spread_prefixes),
+            offset=placed.offset,
+            length=placed.length,
+            crc32c=encoded.crc32c,
+            codec=encoded.codec,
+            etag=uploaded[placed.object].etag,
+            raw_length=None if encoded.codec == RAW else encoded.raw_length,
+            frames=encoded.frames,
+        )
+        tensor = item.tensor_data if item.type != WriteItemType.BYTE_IO else None
+        return ItemEntry(
+            fqn=item.index.fqn,
+            chunk_offsets=tuple(item.index.offset or ()),
+            kind="tensor" if tensor is not None else "bytes",
+            dtype=str(tensor.properties.dtype).removeprefix("torch.") if tensor else None,
+            shape=tuple(tensor.chunk.sizes) if tensor else None,
+            stored=stored,
+        )
 
     def _stream(self, items: list[WriteItem], planner: SavePlanner) -> Iterator[Item]:
         """``(index, stored bytes, their block CRC32Cs)`` in plan order, each item resolved
@@ -368,38 +409,33 @@ def _grouping(item: WriteItem) -> int:
     return dtype.itemsize if dtype.is_floating_point and dtype.itemsize in (2, 4, 8) else 0
 
 
-def _object_entries(results: list[list[WriteResult]]) -> tuple[ObjectEntry, ...]:
-    sizes: dict[tuple[int, str], int] = {}
-    etags: dict[str, str] = {}
-    for rank, rank_results in enumerate(results):
-        for wr in rank_results:
-            stored: StoredItem = wr.storage_data
-            key = (rank, stored.key)
-            sizes[key] = max(sizes.get(key, 0), stored.offset + stored.length)
-            etags[stored.key] = stored.etag
-    return tuple(
-        ObjectEntry(key=k, size=s, etag=etags[k], rank=r) for (r, k), s in sorted(sizes.items())
-    )
+async def _delete_quietly(store: ObjectStore, keys: list[str]) -> None:
+    """Best effort: a rank that cannot finish removes what it uploaded (gc would, later)."""
+    try:
+        await store.delete_many(keys)
+    except S3CkptError as exc:
+        log.warning("could not delete %d object(s) of a failed rank: %s", len(keys), exc)
 
 
-def _manifest_items(metadata: Metadata, results: list[WriteResult]) -> tuple[ItemEntry, ...]:
-    entries = []
-    for wr in results:
-        stored: StoredItem = wr.storage_data
-        md = metadata.state_dict_metadata.get(wr.index.fqn)
-        chunk = None
-        if md is not None and hasattr(md, "chunks"):
-            chunk = next((c for c in md.chunks if c.offsets == wr.index.offset), None)
-        entries.append(
-            ItemEntry(
-                fqn=wr.index.fqn,
-                chunk_offsets=tuple(wr.index.offset or ()),
-                kind="tensor" if chunk is not None else "bytes",
-                dtype=str(md.properties.dtype).removeprefix("torch.")
-                if chunk is not None
-                else None,
-                shape=tuple(chunk.sizes) if chunk is not None else None,
-                stored=stored,
-            )
-        )
-    return tuple(entries)
+@dataclass(frozen=True)
+class _RankRecord:
+    """What a rank's ``write_data`` tells the coordinator: its index and data objects."""
+
+    rank: int
+    index: IndexRef
+    objects: tuple[ObjectEntry, ...]
+
+
+def _rank_records(results: list[list[WriteResult]]) -> list[_RankRecord]:
+    records = {id(wr.storage_data): wr.storage_data for rr in results for wr in rr}
+    return sorted(records.values(), key=lambda r: r.rank)
+
+
+def _item_owners(metadata: Metadata, results: list[WriteResult]) -> ItemOwners:
+    """Which rank stored each chunk of DCP's metadata (:class:`ItemOwners`)."""
+    counts = {
+        fqn: len(getattr(md, "chunks", ())) or 1 for fqn, md in metadata.state_dict_metadata.items()
+    }
+    positions = ChunkPositions(metadata)
+    owned = [(wr.index.fqn, positions.of(wr.index), wr.storage_data.rank) for wr in results]
+    return ItemOwners.build(counts, owned)

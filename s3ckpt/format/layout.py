@@ -77,12 +77,21 @@ def data_key(rank: int, save_id: str, number: int, spread: int = 0) -> str:
     """``data/r<rank>-<save>-<n>.bin``; with ``spread`` (16, 256 or 4096), under one of that
     many hashed prefixes, ``data/<hex>/r...``, for stores that partition request rates by
     key prefix (AWS S3: about 3,500 PUTs per second per prefix)."""
-    name = f"r{rank:05d}-{save_id}-{number:04d}.bin"
+    return _spread("data", f"r{rank:05d}-{save_id}-{number:04d}.bin", f"{rank}/{number}", spread)
+
+
+def index_key(rank: int, save_id: str, spread: int = 0) -> str:
+    """``index/r<rank>-<save>.json``: the rank's item table (:mod:`s3ckpt.format.rank_index`);
+    spread like the data objects, since every rank writes one at the same moment."""
+    return _spread("index", f"r{rank:05d}-{save_id}.json", f"{rank}/index", spread)
+
+
+def _spread(folder: str, name: str, seed: str, spread: int) -> str:
     width = SPREAD_WIDTHS[spread]
     if not width:
-        return f"data/{name}"
-    digest = hashlib.blake2b(f"{rank}/{number}".encode(), digest_size=4).hexdigest()
-    return f"data/{digest[:width]}/{name}"
+        return f"{folder}/{name}"
+    digest = hashlib.blake2b(seed.encode(), digest_size=4).hexdigest()
+    return f"{folder}/{digest[:width]}/{name}"
 
 
 def metadata_key(save_id: str) -> str:

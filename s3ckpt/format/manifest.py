@@ -1,10 +1,13 @@
 """The manifest's schema: the JSON object written last, whose existence *is* the commit.
 
 A checkpoint at ``s3://bucket/prefix`` exists if and only if ``prefix/manifest.json``
-exists. It lists every object of the save with its size and ETag, DCP's metadata object
-with its size and CRC32C, and every item with where it is stored and how to check it, so
-tools without torch (the catalog, the CLI) can list, verify and clean up checkpoints.
-Writing it, and the commit protocol around that, is :mod:`s3ckpt.transfer.commit`.
+exists. It lists every data object of the save with its size and ETag, DCP's metadata
+object with its size and CRC32C, and (format 2) every rank's index object with its size
+and CRC32C, so tools without torch (the catalog, the CLI) can list, verify and clean up
+checkpoints. The items themselves are in the index objects
+(:mod:`s3ckpt.format.rank_index`): the manifest grows with ranks, not with items.
+Format 1 listed every item here instead; it is still read (:attr:`Manifest.items`).
+Writing the manifest, and the commit protocol around that, is :mod:`s3ckpt.transfer.commit`.
 
 The schema is versioned; see ``docs/format.md``.
 """
@@ -22,7 +25,8 @@ from s3ckpt.format.layout import StoredItem
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "s3ckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+ITEMS_IN_MANIFEST = 1  # the last version that listed items in the manifest
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,27 @@ class ObjectEntry:
     def from_dict(cls, raw: dict[str, Any]) -> ObjectEntry:
         """Parse one JSON object entry; unknown fields are ignored (``docs/format.md``)."""
         return cls(str(raw["key"]), int(raw["size"]), str(raw["etag"]), int(raw["rank"]))
+
+
+@dataclass(frozen=True)
+class IndexRef:
+    """One rank's index object, as the manifest lists it (format 2)."""
+
+    rank: int
+    key: str  # relative to the checkpoint prefix
+    size: int
+    crc32c: int
+    items: int
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> IndexRef:
+        return cls(
+            int(raw["rank"]),
+            str(raw["key"]),
+            int(raw["size"]),
+            int(raw["crc32c"]),
+            int(raw["items"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -111,27 +136,53 @@ class Manifest:
     metadata_size: int
     metadata_crc32c: int
     objects: tuple[ObjectEntry, ...]
+    # Format 1: every item. Format 2 keeps items in the index objects; the catalog fills
+    # this in after reading them (``s3ckpt.transfer.rank_index.with_items``), never the JSON.
     items: tuple[ItemEntry, ...]
     created: float = field(default_factory=time.time)
     torch_version: str = ""
     s3ckpt_version: str = ""
     version: int = FORMAT_VERSION
+    indexes: tuple[IndexRef, ...] = ()
 
     @property
     def total_bytes(self) -> int:
-        return sum(o.size for o in self.objects) + self.metadata_size
+        return (
+            sum(o.size for o in self.objects)
+            + sum(i.size for i in self.indexes)
+            + self.metadata_size
+        )
+
+    @property
+    def item_count(self) -> int:
+        return sum(i.items for i in self.indexes) if self.indexes else len(self.items)
+
+    @property
+    def items_listed(self) -> bool:
+        """Whether :attr:`items` is complete: always in format 1, in format 2 once the
+        index objects have been read."""
+        return self.version <= ITEMS_IN_MANIFEST or len(self.items) == self.item_count
 
     def all_keys(self) -> list[str]:
         """Every object key of this checkpoint, relative to its prefix, manifest excluded."""
-        return [o.key for o in self.objects] + [self.metadata_key]
+        return [o.key for o in self.objects] + [i.key for i in self.indexes] + [self.metadata_key]
+
+    def etags(self) -> dict[str, str]:
+        return {o.key: o.etag for o in self.objects}
 
     def to_json(self) -> bytes:
+        """The manifest object; format 2 lists no items (they are in the index objects)."""
         body = {
             "format": FORMAT_NAME,
-            **asdict(replace(self, items=())),
-            "items": [item.to_dict() for item in self.items],
+            **asdict(replace(self, items=(), indexes=())),
             "total_bytes": self.total_bytes,
         }
+        if self.version <= ITEMS_IN_MANIFEST:
+            body["items"] = [item.to_dict() for item in self.items]
+            del body["indexes"]
+        else:
+            del body["items"]
+            body["indexes"] = [asdict(i) for i in self.indexes]
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -146,6 +197,8 @@ class Manifest:
                 )
             objects = tuple(ObjectEntry.from_dict(o) for o in raw["objects"])
             etags = {o.key: o.etag for o in objects}
+            version = int(raw["version"])
+            listed = raw["items"] if version <= ITEMS_IN_MANIFEST else ()
             return cls(
                 save_id=str(raw["save_id"]),
                 world_size=int(raw["world_size"]),
@@ -153,13 +206,14 @@ class Manifest:
                 metadata_size=int(raw["metadata_size"]),
                 metadata_crc32c=int(raw["metadata_crc32c"]),
                 objects=objects,
-                items=tuple(ItemEntry.from_dict(i, etags) for i in raw["items"]),
+                items=tuple(ItemEntry.from_dict(i, etags) for i in listed),
                 created=float(raw["created"]),
                 torch_version=str(raw.get("torch_version", "")),
                 s3ckpt_version=str(raw.get("s3ckpt_version", "")),
-                version=int(raw["version"]),
+                version=version,
+                indexes=tuple(IndexRef.from_dict(i) for i in raw.get("indexes", ())),
             )
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CorruptCheckpointError(f"unreadable manifest {where}: {exc}") from exc
 
 

@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from s3_servers import ON_BOTH, free_port
+from stored import stored_manifest
 
 from s3ckpt.cli.main import main
 from s3ckpt.config import S3URI
-from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
 
 pytestmark = [
     pytest.mark.integration,
@@ -118,8 +118,7 @@ def test_verify_ok_and_a_flipped_byte(cli, run_dir, local_s3):
     ok = cli("verify", uri)
     assert ok.code == 0 and ok.out.startswith("ok")
     location, client = S3URI.parse(uri), local_s3.client()
-    raw = client.get_object(Bucket=location.bucket, Key=location.key(MANIFEST_NAME))["Body"].read()
-    item = next(i.stored for i in Manifest.from_json(raw, uri).items if i.fqn == "w")
+    item = next(i.stored for i in stored_manifest(client, uri).items if i.fqn == "w")
     key = location.key(item.key)
     body = bytearray(client.get_object(Bucket=location.bucket, Key=key)["Body"].read())
     body[item.offset + 1234] ^= 0x40
@@ -176,7 +175,8 @@ def test_gc_and_rm(cli, run_dir):
     again = cli("rm", f"{run_dir}/step-1")
     assert again.code == 1 and again.out == ""
     assert again.err == f"s3ckpt rm: error: no committed checkpoint at {run_dir}/step-1\n"
-    assert cli("rm", f"{run_dir}/step-2", "--json").json()["objects"] == 3
+    # manifest, metadata, one data object and one index object
+    assert cli("rm", f"{run_dir}/step-2", "--json").json()["objects"] == 4
 
 
 @pytest.mark.parametrize(

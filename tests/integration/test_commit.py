@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from stored import stored_manifest
 
 from s3ckpt import (
     CheckpointExistsError,
@@ -25,13 +26,7 @@ pytestmark = [
 
 
 def _manifest(local_s3, uri) -> Manifest:
-    location = S3URI.parse(uri)
-    body = (
-        local_s3.client()
-        .get_object(Bucket=location.bucket, Key=location.key(MANIFEST_NAME))["Body"]
-        .read()
-    )
-    return Manifest.from_json(body, uri)
+    return stored_manifest(local_s3.client(), uri)
 
 
 def test_manifest_lists_every_object_and_item(local_s3, s3_prefix, make_writer, list_keys):

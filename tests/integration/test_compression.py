@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from stored import stored_manifest
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
@@ -16,7 +17,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from s3ckpt import CorruptCheckpointError, unwrap
 from s3ckpt.cli.main import main as cli
 from s3ckpt.config import S3URI
-from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
+from s3ckpt.format.manifest import Manifest
 
 pytestmark = [
     pytest.mark.integration,
@@ -45,13 +46,7 @@ def _state() -> dict:
 
 
 def _manifest(local_s3, uri: str) -> Manifest:
-    location = S3URI.parse(uri)
-    body = (
-        local_s3.client()
-        .get_object(Bucket=location.bucket, Key=location.key(MANIFEST_NAME))["Body"]
-        .read()
-    )
-    return Manifest.from_json(body, uri)
+    return stored_manifest(local_s3.client(), uri)
 
 
 def _flip_a_bit_in(local_s3, uri: str, item) -> None:

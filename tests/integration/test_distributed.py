@@ -94,7 +94,8 @@ def stored_keys(server: LocalS3Server, uri: str) -> list[str]:
 
 
 def assert_layout(server: LocalS3Server, uri: str, world_size: int) -> None:
-    """One manifest, one metadata object, data objects from every rank, nothing else."""
+    """One manifest, one metadata object, data and index objects from every rank, nothing
+    else; the manifest lists indexes, not items."""
     keys = stored_keys(server, uri)
     assert keys.count(MANIFEST_NAME) == 1, sorted(keys)
     bucket, _, prefix = uri.removeprefix("s3://").partition("/")
@@ -109,7 +110,10 @@ def assert_layout(server: LocalS3Server, uri: str, world_size: int) -> None:
     )
     assert {(o["key"], o["rank"]) for o in manifest["objects"]} == set(data.items())
     assert [k for k in keys if METADATA_KEY.match(k)] == [manifest["metadata_key"]], sorted(keys)
-    strays = set(keys) - set(data) - {MANIFEST_NAME, manifest["metadata_key"]}
+    indexes = {i["key"]: i["rank"] for i in manifest["indexes"]}
+    assert set(indexes.values()) == set(range(world_size)) and "items" not in manifest
+    assert all(key in keys for key in indexes), f"index objects missing: {sorted(keys)}"
+    strays = set(keys) - set(data) - set(indexes) - {MANIFEST_NAME, manifest["metadata_key"]}
     assert not strays, f"unexpected objects under {uri}: {sorted(strays)}"
 
 

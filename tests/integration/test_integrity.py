@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from stored import stored_manifest
 
 from s3ckpt import CorruptCheckpointError, StorageError, catalog, unwrap
 from s3ckpt.config import S3URI
-from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
+from s3ckpt.format.manifest import Manifest
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
 
@@ -29,13 +30,7 @@ def _rewrite(local_s3, uri: str, relative_key: str, mutate) -> None:
 
 
 def _manifest(local_s3, uri: str) -> Manifest:
-    location = S3URI.parse(uri)
-    raw = (
-        local_s3.client()
-        .get_object(Bucket=location.bucket, Key=location.key(MANIFEST_NAME))["Body"]
-        .read()
-    )
-    return Manifest.from_json(raw, uri)
+    return stored_manifest(local_s3.client(), uri)
 
 
 def test_a_flipped_byte_in_a_data_object_is_caught_and_named(

@@ -1,0 +1,74 @@
+"""Writing and reading the per-rank index objects of format 2 (:mod:`s3ckpt.format.rank_index`).
+
+Each rank PUTs its own index while it saves; the manifest records every index's size and
+CRC32C, so a reader checks an index before trusting one offset in it. A missing or
+damaged index is a damaged checkpoint (:class:`~s3ckpt.errors.CorruptCheckpointError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Iterable
+
+from crc32c import crc32c
+
+from s3ckpt.config import S3URI
+from s3ckpt.errors import CorruptCheckpointError
+from s3ckpt.format.manifest import IndexRef, Manifest
+from s3ckpt.format.rank_index import RankIndex
+from s3ckpt.s3.store import ObjectStore
+
+PARALLEL_INDEX_READS = 32
+
+
+async def write_index(store: ObjectStore, location: S3URI, key: str, index: RankIndex) -> IndexRef:
+    """PUT one rank's index at ``key`` (relative to ``location``); what the manifest lists."""
+    body = index.to_json()
+    checksum = crc32c(body)
+    await store.put(location.key(key), body, crc32c=checksum, content_type="application/json")
+    return IndexRef(index.rank, key, len(body), checksum, len(index.items))
+
+
+async def read_index(
+    store: ObjectStore, location: S3URI, ref: IndexRef, etags: dict[str, str]
+) -> RankIndex:
+    """GET and check one rank's index object (``FileNotFoundError`` if it is gone)."""
+    where = f"{location}/{ref.key}"
+    body = await store.get(location.key(ref.key))
+    if len(body) != ref.size:
+        raise CorruptCheckpointError(f"{where} has {len(body)} bytes, the manifest says {ref.size}")
+    if crc32c(body) != ref.crc32c:
+        raise CorruptCheckpointError(f"checksum mismatch in {where}")
+    return RankIndex.from_json(body, where, etags)
+
+
+async def read_indexes(
+    store: ObjectStore, location: S3URI, manifest: Manifest, ranks: Iterable[int]
+) -> dict[int, RankIndex]:
+    """The index objects of ``ranks``, read in parallel (at most :data:`PARALLEL_INDEX_READS`
+    at a time)."""
+    refs = {ref.rank: ref for ref in manifest.indexes}
+    wanted = sorted(set(ranks))
+    missing = [rank for rank in wanted if rank not in refs]
+    if missing:
+        raise CorruptCheckpointError(
+            f"{location} has no index object for rank(s) {missing[:5]} in its manifest"
+        )
+    etags, gate = manifest.etags(), asyncio.Semaphore(PARALLEL_INDEX_READS)
+
+    async def one(rank: int) -> RankIndex:
+        async with gate:
+            return await read_index(store, location, refs[rank], etags)
+
+    return dict(zip(wanted, await asyncio.gather(*(one(rank) for rank in wanted)), strict=True))
+
+
+async def with_items(store: ObjectStore, location: S3URI, manifest: Manifest) -> Manifest:
+    """``manifest`` with :attr:`~Manifest.items` complete: as is for format 1; for format 2
+    with every rank's index object read (for ``show`` and ``verify``, which need them all)."""
+    if manifest.items_listed:
+        return manifest
+    indexes = await read_indexes(store, location, manifest, (r.rank for r in manifest.indexes))
+    items = tuple(item for rank in sorted(indexes) for item in indexes[rank].items)
+    return dataclasses.replace(manifest, items=items)

@@ -2,7 +2,8 @@
 
 Each subcommand is one :class:`Command` row in :data:`COMMANDS`: a function that adds its
 arguments and a function that runs it and returns the exit status. The catalog commands
-(ls, show, verify, prune, gc, rm) live in :mod:`s3ckpt.cli.commands`; :func:`main` never changes.
+(ls, show, verify, prune, gc, rm, doctor) live in :mod:`s3ckpt.cli.commands`, cp, export
+and import in :mod:`s3ckpt.cli.interop_commands`; :func:`main` never changes.
 
 Exit statuses: 0 success; 1 a problem found (damage reported by verify, no committed
 checkpoint where one was named, an unreadable manifest); 2 a usage, configuration or
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import NoReturn
 
-from s3ckpt.cli import commands
+from s3ckpt.cli import commands, interop_commands
 from s3ckpt.errors import ConfigError, EndpointError, S3CkptError, StorageError
 
 
@@ -147,6 +148,24 @@ COMMANDS: tuple[Command, ...] = (
         "probe an endpoint and bucket: what works, and what s3ckpt will do there",
         commands.doctor_arguments,
         commands.run_doctor,
+    ),
+    Command(
+        "cp",
+        "copy a checkpoint to another prefix, bucket or endpoint (verified, committed last)",
+        interop_commands.cp_arguments,
+        interop_commands.run_cp,
+    ),
+    Command(
+        "export",
+        "write a checkpoint as safetensors shards or one torch.save file, for inference",
+        interop_commands.export_arguments,
+        interop_commands.run_export,
+    ),
+    Command(
+        "import",
+        "save a DCP folder, safetensors files or a torch.save file as a checkpoint",
+        interop_commands.import_arguments,
+        interop_commands.run_import,
     ),
 )
 

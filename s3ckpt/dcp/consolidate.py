@@ -93,3 +93,14 @@ def load_full(
     state = {t.fqn: torch.empty(t.shape, dtype=t.dtype) for t in tensors}
     dcp.load(state, storage_reader=reader(), no_dist=True)
     return state
+
+
+def load_all(reader: Callable[[], StorageReader], found: Contents) -> dict[str, object]:
+    """Every item of a checkpoint at once: tensors whole, other items as they were saved
+    (for an import, which saves them all in one ``dcp.save``)."""
+    state: dict[str, object] = load_full(reader, found.tensors)
+    if found.others:
+        others: dict[str, object] = dict.fromkeys(found.others)
+        dcp.load(others, storage_reader=reader(), no_dist=True)
+        state.update(others)
+    return state

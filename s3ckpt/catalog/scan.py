@@ -39,7 +39,9 @@ from s3ckpt.transfer.commit import read_manifest
 
 T = TypeVar("T")
 DELETE_BATCH = 1000  # keys per DeleteObjects request, S3's maximum
-_PARALLEL = 8  # manifest GETs or DeleteObjects batches in flight
+_PARALLEL = 8  # manifest GETs, directory listings or DeleteObjects batches in flight
+SMALL_LISTING = 1000  # one ListObjectsV2 page: beyond it, scan_checkpoints lists by level
+_SAVE_FOLDERS = ("data", "index")  # folders of a save's objects inside a checkpoint
 
 _DIR = r"^(?:(?P<dir>.*)/)?"
 _MANIFEST = re.compile(_DIR + r"manifest\.json$")
@@ -76,6 +78,7 @@ class Group:
     uploads: list[PendingUpload] = field(default_factory=list)  # open multipart uploads
     saving: list[ObjectMeta] = field(default_factory=list)  # in-flight records
     claims: list[ObjectMeta] = field(default_factory=list)  # commit claims
+    shallow: bool = False  # listed without its data and index objects (scan_checkpoints)
 
     @property
     def committed(self) -> bool:
@@ -225,9 +228,60 @@ async def delete_keys(store: ObjectStore, keys: list[str], progress: Reporter) -
 
 
 async def scan(store: ObjectStore, location: S3URI) -> Scan:
-    """One paged recursive LIST of the prefix, grouped into checkpoints."""
+    """One paged recursive LIST of the prefix, grouped into checkpoints: every object
+    (``gc`` needs them all)."""
     prefix = location.prefix
     return group_keys(prefix, [m async for m in store.list(f"{prefix}/" if prefix else "")])
+
+
+async def scan_checkpoints(store: ObjectStore, location: S3URI) -> Scan:
+    """The checkpoints under ``location`` (for ``ls``, retention and
+    ``CheckpointManager.steps()``), in one request when the prefix holds at most 1000
+    objects and with delimiter listings when it holds more.
+
+    A recursive listing costs a sequential page per 1000 objects, and a checkpoint of a
+    thousand ranks holds thousands. So past one page each level is listed with
+    ``Delimiter="/"``: a directory costs one request whatever it holds (directories are
+    listed concurrently), and ``data/`` and ``index/`` are never entered when the level
+    above shows a manifest. A committed group found so holds its manifest, metadata
+    objects, in-flight records and claims but not its data (:attr:`Group.shallow`: its
+    size is the manifest's business). Directories with s3ckpt objects but no manifest (a
+    save in flight, or one that died) are few and listed in full, like :func:`scan` does.
+    """
+    root = f"{location.prefix}/" if location.prefix else ""
+    first: list[ObjectMeta] = []
+    listing = store.list(root)
+    try:
+        async for meta in listing:
+            first.append(meta)
+            if len(first) == SMALL_LISTING:
+                break
+        else:
+            return group_keys(location.prefix, first)
+    finally:
+        await listing.aclose()  # type: ignore[attr-defined]
+    found = Scan()
+
+    async def walk(folder: str) -> None:
+        entries = [entry async for entry in store.list_level(folder)]
+        level = group_keys(location.prefix, [e for e in entries if isinstance(e, ObjectMeta)])
+        folders = [e for e in entries if isinstance(e, str)]
+        name = relative(location.prefix, folder.rstrip("/")) if folder.rstrip("/") else ""
+        here = level.groups.get(name)
+        if here is not None and here.committed:
+            here.shallow = True
+            found.groups[name] = here
+            folders = [f for f in folders if f.rsplit("/", 2)[-2] not in _SAVE_FOLDERS]
+        elif here is not None or any(f.rsplit("/", 2)[-2] in _SAVE_FOLDERS for f in folders):
+            deep = group_keys(location.prefix, [m async for m in store.list(folder)])
+            found.groups.update(deep.groups)
+            found.probes += deep.probes
+            return
+        found.probes += level.probes
+        await bounded([lambda f=f: walk(f) for f in folders], _PARALLEL)
+
+    await walk(root)
+    return found
 
 
 async def add_uploads(store: ObjectStore, location: S3URI, scanned: Scan) -> str | None:

@@ -91,11 +91,18 @@ class SaveMetrics:
 
 
 def stored_bytes(metadata: Any) -> int:
-    """Data bytes of every rank, from the per-item records DCP's save returns."""
-    storage = getattr(metadata, "storage_data", None)
-    if not isinstance(storage, dict):
-        return 0
-    return sum(int(getattr(item, "length", 0) or 0) for item in storage.values())
+    """Tensor bytes of the state saved (uncompressed), from the metadata DCP's save returns:
+    what the throughput of a save is measured in."""
+    total = 0
+    for md in getattr(metadata, "state_dict_metadata", {}).values():
+        properties, size = getattr(md, "properties", None), getattr(md, "size", None)
+        if properties is None or size is None:
+            continue  # a non-tensor item
+        numel = 1
+        for extent in size:
+            numel *= int(extent)
+        total += numel * properties.dtype.itemsize
+    return total
 
 
 def retention_victims(

@@ -46,6 +46,9 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+_LAST_CHARACTER = "\U0010ffff"
+
+
 @dataclass(frozen=True)
 class ObjectMeta:
     key: str
@@ -243,13 +246,29 @@ class ObjectStore:
         await self._call("HeadBucket", None)
 
     async def list(self, prefix: str) -> AsyncIterator[ObjectMeta]:
-        """Every object under ``prefix``, one LIST page (1000 keys) per request.
+        """Every object under ``prefix``, one LIST page (1000 keys) per request."""
+        async for entry in self._pages(prefix, None):
+            if isinstance(entry, ObjectMeta):
+                yield entry
+
+    async def list_level(self, prefix: str) -> AsyncIterator[ObjectMeta | str]:
+        """One level below ``prefix`` (which ends in ``/``): its objects, and each deeper
+        "directory" once, as a key prefix ending in ``/`` (``Delimiter="/"``). A listing of
+        N checkpoints costs N/1000 pages however many objects each holds."""
+        async for entry in self._pages(prefix, "/"):
+            yield entry
+
+    async def _pages(self, prefix: str, delimiter: str | None) -> AsyncIterator[ObjectMeta | str]:
+        """ListObjectsV2 page by page.
 
         A page marked truncated without a continuation token (some servers send none) is
         followed with ``StartAfter`` its last key; one that gives neither ends the listing
         with an error rather than asking for the same page forever.
         """
-        params: dict[str, Any] = {"Prefix": prefix}
+        base: dict[str, Any] = {"Prefix": prefix}
+        if delimiter:
+            base["Delimiter"] = delimiter
+        params, seen = dict(base), set()
         while True:
             response = await self._call("ListObjectsV2", None, **params)
             contents = response.get("Contents", [])
@@ -260,13 +279,21 @@ class ObjectStore:
                     str(item.get("ETag", "")),
                     item.get("LastModified"),
                 )
+            folders = [str(p["Prefix"]) for p in response.get("CommonPrefixes") or []]
+            for folder in folders:
+                if folder not in seen:
+                    seen.add(folder)
+                    yield folder
             if not response.get("IsTruncated"):
                 return
-            params = {"Prefix": prefix}
+            params = dict(base)
+            # Past a folder means past every key in it: U+10FFFF sorts after any of them.
+            ends = [*(c["Key"] for c in contents), *(f + _LAST_CHARACTER for f in folders)]
+            last = max(ends, default=None)
             if response.get("NextContinuationToken"):
                 params["ContinuationToken"] = response["NextContinuationToken"]
-            elif contents:
-                params["StartAfter"] = contents[-1]["Key"]
+            elif last is not None:
+                params["StartAfter"] = last
             else:
                 raise _stuck_listing("ListObjectsV2", self.bucket, prefix)
 

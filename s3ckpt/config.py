@@ -72,6 +72,10 @@ class S3Config:
             reader, straight into the destination memory (:mod:`s3ckpt.s3.http_range`);
             ``False`` sends them through aiobotocore like every other request. Endpoints
             reached through a proxy (``proxies`` or the environment) always use aiobotocore.
+        tls_threads: over HTTPS, send upload bodies and receive ranged GET bodies with
+            blocking TLS sockets in worker threads, which encrypt from and decrypt into
+            tensor memory with no copy (:mod:`s3ckpt.s3.tls_socket`); ``False`` leaves them
+            to aiohttp and asyncio's TLS. Same verification either way; no effect on HTTP.
     Retries (:mod:`s3ckpt.s3.retry`):
         max_attempts: tries per request for failures a retry can fix (throttling, 5xx,
             dropped connections, timeouts), with exponential backoff and full jitter;
@@ -99,6 +103,7 @@ class S3Config:
     connect_timeout: float = 10.0
     read_timeout: float = 120.0
     direct_reads: bool = True
+    tls_threads: bool = True
     max_attempts: int = 4
     deadline_s: float | None = 900.0
 
@@ -146,6 +151,7 @@ class S3Config:
             self.connect_timeout,
             self.read_timeout,
             self.direct_reads,
+            self.tls_threads,
         )
 
 

@@ -9,6 +9,12 @@ bodies that carry tensor bytes without a copy).
 Clients live in the resources of the process's I/O loop (:mod:`s3ckpt.s3.loop`), keyed by the
 configuration: every store with the same settings shares one connection pool and one
 request bound, and a forked child, which gets a new loop, creates its own.
+
+Over HTTPS (not through a proxy) the client also owns a :class:`~s3ckpt.s3.tls_socket.TlsTransport`:
+upload bodies (:mod:`s3ckpt.s3.tls_send`) travel over its blocking TLS sockets, encrypted
+straight from tensor memory. Ranged GETs keep the direct reader on the event loop's TLS
+(:mod:`s3ckpt.s3.http_range` says why); everything else, and every request over plain
+HTTP, goes through aiobotocore as before.
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
 
 from s3ckpt.config import S3Config, client_environment
-from s3ckpt.s3.http_range import DirectRangeReader, proxied
+from s3ckpt.s3.http_range import DirectRangeReader, proxied, tls_context
 from s3ckpt.s3.loop import io_loop
+from s3ckpt.s3.tls_send import TlsSender
+from s3ckpt.s3.tls_socket import TlsTransport
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +50,7 @@ class ClientHandle:
         self._lock = asyncio.Lock()
         self._direct: DirectRangeReader | None = None
         self._direct_allowed = config.direct_reads
+        self.tls: TlsTransport | None = None
 
     async def get(self) -> Any:
         if self.client is None:
@@ -50,8 +59,26 @@ class ClientHandle:
                     self._ctx = create_client(self.config)
                     client = await self._ctx.__aenter__()
                     client.meta.events.register("before-sign.s3.DeleteObjects", add_content_md5)
+                    self.tls = await self._tls_transport(client)
+                    if self.tls is not None:
+                        TlsSender(self.tls).register(client)
                     self.client = client
         return self.client
+
+    async def _tls_transport(self, client: Any) -> TlsTransport | None:
+        """Blocking TLS sockets for the bodies, where the endpoint is HTTPS and not proxied."""
+        endpoint = client.meta.endpoint_url
+        if not self.config.tls_threads or not endpoint.lower().startswith("https:"):
+            return None
+        if proxied(endpoint, self.config.proxies):
+            return None
+        context = await asyncio.to_thread(tls_context, tls_verify(self.config))
+        return TlsTransport(
+            context,
+            connect_timeout=self.config.connect_timeout,
+            read_timeout=self.config.read_timeout,
+            max_idle=self.config.max_concurrency,
+        )
 
     async def range_reader(self) -> DirectRangeReader | None:
         """The direct ranged-GET reader, or None where aiobotocore must read."""
@@ -82,11 +109,15 @@ class ClientHandle:
         """Close the direct reader's kept-alive connections, so the next reads open new ones."""
         if self._direct is not None:
             self._direct.close_idle()
+        if self.tls is not None:
+            self.tls.close_idle()
 
     async def aclose(self) -> None:
         if self._direct is not None:
             await self._direct.aclose()
             self._direct = None
+        if self.tls is not None:
+            await self.tls.aclose()
         if self._ctx is not None:
             await self._ctx.__aexit__(None, None, None)
             self._ctx = self.client = None

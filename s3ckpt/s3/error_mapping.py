@@ -123,7 +123,9 @@ def _class_for_code(code: str, key: str | None, retryable: bool) -> type[Storage
 
 def _endpoint_reason(exc: BaseException) -> str:
     if isinstance(exc, bce.SSLError):
-        inner = getattr(exc.kwargs.get("error"), "certificate_error", None)
+        error = exc.kwargs.get("error")
+        # aiohttp wraps the ssl module's error (certificate_error); the TLS path raises it.
+        inner = getattr(error, "certificate_error", error)
         detail = getattr(inner, "verify_message", None)
         what = f"TLS certificate verification failed ({detail})" if detail else "TLS error"
         return f"{what} talking to {exc.kwargs.get('endpoint_url', 'the endpoint')}; check verify/CA bundle"

@@ -29,6 +29,11 @@ class MemoryBody(BytesPayload):
     def __len__(self) -> int:
         return self._size
 
+    @property
+    def view(self) -> memoryview:
+        """The body's memory, flat bytes (what the TLS path sends from, :mod:`s3ckpt.s3.tls_send`)."""
+        return self._value
+
     def seek(self, position: int, whence: int = 0) -> int:
         """Rewinding is free: every write starts from the beginning of the memory."""
         return 0

@@ -1,0 +1,87 @@
+"""HTTPS uploads sent from tensor memory by a blocking ``SSLSocket`` (see :mod:`s3ckpt.s3.tls_socket`).
+
+aiobotocore still builds, signs and parses every request: :class:`TlsSender` is a
+handler of botocore's ``before-send`` event for ``UploadPart`` and ``PutObject``, the
+hook botocore offers for answering a request without its HTTP stack. It writes the
+signed request (every header as signed; ``Expect``, which is never signed, left out) and
+then the body, straight from the ``memoryview`` of the tensor, on a kept-alive TLS
+connection in a worker thread, and returns the response to botocore, which parses it as
+its own: status codes, ``ClientError`` s, ETags and checksums are exactly those of the
+aiohttp path, and so are :mod:`s3ckpt.s3.retry` and :mod:`s3ckpt.s3.error_mapping`.
+Bodies that are not plain memory go through aiohttp as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit
+
+from aiobotocore.awsrequest import AioAWSResponse
+
+from s3ckpt._version import __version__
+from s3ckpt.s3.http_body import MemoryBody
+from s3ckpt.s3.tls_exchange import send_request
+from s3ckpt.s3.tls_socket import TlsTransport
+
+OPERATIONS = ("UploadPart", "PutObject")
+# Headers this module writes itself, or that must not be sent as botocore left them.
+_OWN_HEADERS = frozenset({"host", "content-length", "expect", "transfer-encoding", "connection"})
+
+
+class TlsSender:
+    """The ``before-send`` handler that sends upload bodies over :class:`TlsTransport`."""
+
+    def __init__(self, transport: TlsTransport) -> None:
+        self.transport = transport
+
+    def register(self, client: Any) -> None:
+        for operation in OPERATIONS:
+            client.meta.events.register(f"before-send.s3.{operation}", self)
+
+    async def __call__(self, request: Any, **_: Any) -> AioAWSResponse | None:
+        body = _memory(request.body)
+        url = urlsplit(request.url)
+        if body is None or url.scheme != "https" or not url.hostname:
+            return None  # aiohttp sends it
+        head = _request_head(request.method, url, request.headers, len(body))
+        port = url.port or 443
+        status, headers, content = await self.transport.run(
+            url.hostname, port, lambda connection: send_request(connection, head, body)
+        )
+        return AioAWSResponse(request.url, status, headers, _Content(content))
+
+
+class _Content:
+    """The raw response body as aiobotocore reads it (``await raw.read()``)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    async def read(self, *_: Any) -> bytes:
+        return self.data
+
+
+def _memory(body: Any) -> memoryview | None:
+    """The request body as one flat ``memoryview``, or None for bodies of other kinds."""
+    if isinstance(body, MemoryBody):
+        return body.view
+    if isinstance(body, (bytes, bytearray, memoryview)):
+        view = memoryview(body)
+        return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    return None
+
+
+def _request_head(method: str, url: Any, headers: Any, length: int) -> bytes:
+    """The request line and headers as signed, with ``Host`` and ``Content-Length``."""
+    # SigV4 signs the host without the scheme's default port, as aiohttp sends it.
+    host = url.netloc[: -len(":443")] if url.netloc.endswith(":443") else url.netloc
+    target = f"{url.path or '/'}?{url.query}" if url.query else url.path or "/"
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {host}", f"Content-Length: {length}"]
+    for name, value in headers.items():
+        if name.lower() in _OWN_HEADERS:
+            continue
+        text = value.decode("latin-1") if isinstance(value, bytes) else str(value)
+        lines.append(f"{name}: {text}")
+    if "user-agent" not in {name.lower() for name in headers}:
+        lines.append(f"User-Agent: s3ckpt/{__version__}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")

@@ -72,10 +72,10 @@ class S3Config:
             reader, straight into the destination memory (:mod:`s3ckpt.s3.http_range`);
             ``False`` sends them through aiobotocore like every other request. Endpoints
             reached through a proxy (``proxies`` or the environment) always use aiobotocore.
-        tls_threads: over HTTPS, send upload bodies and receive ranged GET bodies with
-            blocking TLS sockets in worker threads, which encrypt from and decrypt into
-            tensor memory with no copy (:mod:`s3ckpt.s3.tls_socket`); ``False`` leaves them
-            to aiohttp and asyncio's TLS. Same verification either way; no effect on HTTP.
+        tls_threads: over HTTPS, send upload bodies with blocking TLS sockets in worker
+            threads, which encrypt straight from tensor memory (:mod:`s3ckpt.s3.tls_socket`);
+            ``False`` leaves them to aiohttp and the event loop's TLS. Same verification
+            either way; no effect on plain HTTP or on reads.
     Retries (:mod:`s3ckpt.s3.retry`):
         max_attempts: tries per request for failures a retry can fix (throttling, 5xx,
             dropped connections, timeouts), with exponential backoff and full jitter;

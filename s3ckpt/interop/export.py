@@ -150,8 +150,8 @@ def _run(
             state = _unwrapped(lambda batch=batch: load_full(reader, batch))
             for tensor in batch:
                 name, spec = by_fqn[tensor.fqn]
-                value = _convert(state.pop(tensor.fqn), spec.dtype, name, report)
-                writer.write(name, value)
+                # No name keeps the tensor alive into the next window's allocation.
+                writer.write(name, _convert(state.pop(tensor.fqn), spec.dtype, name, report))
                 report.bytes += spec.nbytes
                 progress.advance(spec.nbytes)
         writer.close()

@@ -9,6 +9,7 @@ One subpackage per part of the architecture (``docs/architecture.md``)::
     catalog/   list, show, verify, prune, gc, rm (no torch)
     cli/       the s3ckpt command over the catalog (no torch)
     manager/   CheckpointManager for training loops
+    interop/   export to safetensors/torch files, import, copy between stores
     testing/   the embedded S3 server (the engine never imports it)
 
 Data flow of a save, module by module::
@@ -53,7 +54,9 @@ from s3ckpt.errors import (
     IncompleteSaveError,
     InvalidURIError,
     LocalServerError,
+    NotACheckpointError,
     ObjectNotFoundError,
+    OutputExistsError,
     PreconditionFailedError,
     S3CkptError,
     StorageError,
@@ -64,6 +67,9 @@ if TYPE_CHECKING:
     from s3ckpt.dcp.compat import unwrap
     from s3ckpt.dcp.reader import S3StorageReader
     from s3ckpt.dcp.writer import S3StorageWriter
+    from s3ckpt.interop.copy import copy_checkpoint
+    from s3ckpt.interop.export import export_checkpoint
+    from s3ckpt.interop.imports import import_checkpoint
     from s3ckpt.manager import CheckpointManager, SaveMetrics
 
 # The DCP adapters import torch (seconds); the CLI and catalog do not need it.
@@ -72,6 +78,9 @@ _LAZY = {
     "S3StorageReader": "s3ckpt.dcp.reader",
     "S3StorageWriter": "s3ckpt.dcp.writer",
     "SaveMetrics": "s3ckpt.manager",
+    "copy_checkpoint": "s3ckpt.interop.copy",
+    "export_checkpoint": "s3ckpt.interop.export",
+    "import_checkpoint": "s3ckpt.interop.imports",
     "unwrap": "s3ckpt.dcp.compat",
 }
 
@@ -95,7 +104,9 @@ __all__ = [
     "IncompleteSaveError",
     "InvalidURIError",
     "LocalServerError",
+    "NotACheckpointError",
     "ObjectNotFoundError",
+    "OutputExistsError",
     "PreconditionFailedError",
     "S3CkptError",
     "S3Config",
@@ -105,5 +116,8 @@ __all__ = [
     "StorageError",
     "TransientStorageError",
     "__version__",
+    "copy_checkpoint",
+    "export_checkpoint",
+    "import_checkpoint",
     "unwrap",
 ]

@@ -313,3 +313,79 @@ def find_exceptions(exc: BaseException) -> list[BaseException]:
             if isinstance(inner, BaseException):
                 todo.append(inner)
     return found
+
+
+# -- world size 8: a 2-D sharded save, loads on 8, 3 and 2 ranks -------------------------------
+
+SAVE_MESH = (2, 4)  # 8 ranks: rows split in 2, columns in 4
+
+
+def _record_whole_object_gets() -> list[str]:
+    """Keys this process GETs whole (manifest, metadata, index objects), in order."""
+    from s3ckpt.s3.store import ObjectStore
+
+    seen: list[str] = []
+    original = ObjectStore.get
+
+    async def get(self: Any, key: str) -> bytes:
+        seen.append(key)
+        return await original(self, key)
+
+    ObjectStore.get = get  # type: ignore[method-assign]
+    return seen
+
+
+def eight_rank_save_main(
+    rank: int, world_size: int, port: int, s3: dict[str, Any], uri: str, out_dir: str
+) -> None:
+    """Save the DTensor state sharded [Shard(0), Shard(1)] over a 2x4 mesh of 8 ranks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    _init(rank, world_size, port)
+    try:
+        mesh = init_device_mesh("cpu", SAVE_MESH)
+        state: dict[str, Any] = {
+            k: distribute_tensor(v, mesh, [Shard(0), Shard(1)])
+            for k, v in dtensor_full_state().items()
+        }
+        state["step"] = torch.tensor(STEP)
+        dcp.save(state, storage_writer=_writer(uri, s3))
+        local = {k: tuple(v.to_local().shape) for k, v in state.items() if k != "step"}
+        _report(out_dir, rank, {"saved_local_shapes": local})
+    finally:
+        dist.destroy_process_group()
+
+
+def reshard_load_main(
+    rank: int, world_size: int, port: int, s3: dict[str, Any], uri: str, out_dir: str
+) -> None:
+    """Load the 8-rank checkpoint sharded Shard(world_size % 2) over ``world_size`` ranks; report
+    the shards, the full tensors, and every whole-object GET this rank made."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    _init(rank, world_size, port)
+    try:
+        gets = _record_whole_object_gets()
+        mesh = init_device_mesh("cpu", (world_size,))
+        full = dtensor_full_state()
+        dims = {key: world_size % 2 for key in full}  # Shard(0) on even sizes, Shard(1) on odd
+        target: dict[str, Any] = {
+            k: distribute_tensor(torch.full_like(full[k], 7), mesh, [Shard(dims[k])]) for k in full
+        }
+        target["step"] = torch.tensor(0)
+        dcp.load(target, storage_reader=_reader(uri, s3))
+        report: dict[str, Any] = {"step": target["step"], "gets": list(gets), "tensors": {}}
+        for key, dim in dims.items():
+            expected = distribute_tensor(full[key], mesh, [Shard(dim)]).to_local()
+            report["tensors"][key] = {
+                "local": target[key].to_local().clone(),
+                "expected_local": expected.clone(),
+                "full": target[key].full_tensor(),
+            }
+        _report(out_dir, rank, report)
+    finally:
+        dist.destroy_process_group()

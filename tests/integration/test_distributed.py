@@ -199,3 +199,94 @@ def test_dtensor_checkpoint_reshards_onto_four_ranks(four_rank_job: Job) -> None
     # The uneven splits really happened: 37 rows over 4 -> 10,10,10,7; 5 columns -> 2,2,1,0.
     assert [r["dtensor"]["odd"]["local"].shape[0] for r in four_rank_job.reports] == [10, 10, 10, 7]
     assert [r["dtensor"]["odd2"]["local"].shape[1] for r in four_rank_job.reports] == [2, 2, 1, 0]
+
+
+# -- world size 8 --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def eight_rank_checkpoint(
+    seaweedfs_s3: LocalS3Server, base_uri: str, tmp_path_factory: pytest.TempPathFactory
+) -> Job:
+    out = tmp_path_factory.mktemp("ranks8")
+    uri = f"{base_uri}/dtensor-ws8"
+    worker.run_ranks(
+        worker.eight_rank_save_main, 8, s3_options(seaweedfs_s3), uri, str(out), timeout=300
+    )
+    return Job({"dtensor": uri}, load_reports(out, 8))
+
+
+def test_eight_ranks_save_a_2d_sharded_checkpoint_with_one_index_per_rank(
+    eight_rank_checkpoint: Job, local_s3: LocalS3Server
+) -> None:
+    full = worker.dtensor_full_state()
+    for report in eight_rank_checkpoint.reports:
+        for key, shape in report["saved_local_shapes"].items():
+            assert len(shape) == 2 and shape[0] <= -(-full[key].shape[0] // 2), (key, shape)
+    assert_layout(local_s3, eight_rank_checkpoint.uris["dtensor"], 8)
+
+
+@pytest.mark.parametrize("world_size", [8, 3, 2])
+def test_eight_rank_checkpoint_loads_on_8_3_and_2_ranks(
+    world_size: int,
+    eight_rank_checkpoint: Job,
+    seaweedfs_s3: LocalS3Server,
+    tmp_path: Path,
+) -> None:
+    """Every rank gets its shard bit-exact; only the coordinator reads the manifest and the
+    metadata (the others receive them by broadcast), and each rank reads the index objects
+    of just the ranks whose data it loads."""
+    uri = eight_rank_checkpoint.uris["dtensor"]
+    worker.run_ranks(
+        worker.reshard_load_main,
+        world_size,
+        s3_options(seaweedfs_s3),
+        uri,
+        str(tmp_path),
+        timeout=300,
+    )
+    reports = load_reports(tmp_path, world_size)
+    full = worker.dtensor_full_state()
+    extras: list[set[int]] = []
+    for rank, report in enumerate(reports):
+        assert report["step"].item() == worker.STEP
+        for key, got in report["tensors"].items():
+            assert torch.equal(got["local"], got["expected_local"]), (rank, key)
+            assert torch.equal(got["full"], full[key]), (rank, key)
+        gets = [key.rsplit("/", 2)[-2:] for key in report["gets"]]
+        shared = [g for g in gets if g[-1] == MANIFEST_NAME or METADATA_KEY.match(g[-1])]
+        assert len(shared) == (2 if rank == 0 else 0), (rank, report["gets"])
+        read = [int(g[-1][1:6]) for g in gets if g[0] == "index"]
+        assert len(set(read)) == len(read), f"rank {rank} read an index object twice"
+        needed = _saving_ranks_overlapping(rank, world_size, full)
+        # Only those, plus the one that stored the replicated "step".
+        assert needed <= set(read) and len(set(read) - needed) <= 1, (rank, read, needed)
+        extras.append(set(read) - needed)
+    assert len({frozenset(e) for e in extras if e}) <= 1  # the same "step" owner for all
+    if world_size == 8:
+        union = set().union(*({k for k in r["gets"] if "/index/" in k} for r in reports))
+        assert len(union) == 8  # every index read, by the ranks that needed it
+
+
+def _split(size: int, parts: int) -> list[tuple[int, int]]:
+    """How DTensor's Shard splits ``size`` over ``parts`` ranks (torch.chunk: ceil-sized)."""
+    chunk = -(-size // parts)
+    return [(min(k * chunk, size), min((k + 1) * chunk, size)) for k in range(parts)]
+
+
+def _saving_ranks_overlapping(rank: int, world_size: int, full: dict[str, Any]) -> set[int]:
+    """The ranks of the 2x4 save whose shards overlap what ``rank`` of ``world_size`` loads."""
+    dim = world_size % 2
+    rows_of, cols_of = worker.SAVE_MESH
+    needed = set()
+    for tensor in full.values():
+        wanted = [(0, tensor.shape[0]), (0, tensor.shape[1])]
+        wanted[dim] = _split(tensor.shape[dim], world_size)[rank]
+        for i, rows in enumerate(_split(tensor.shape[0], rows_of)):
+            for j, cols in enumerate(_split(tensor.shape[1], cols_of)):
+                held = [rows, cols]
+                if all(
+                    min(a[1], b[1]) > max(a[0], b[0]) for a, b in zip(held, wanted, strict=True)
+                ):
+                    needed.add(i * cols_of + j)
+    return needed

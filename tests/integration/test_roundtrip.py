@@ -201,15 +201,16 @@ def test_data_objects_spread_over_hashed_prefixes_load_and_list(
     writer = make_writer(s3_prefix, spread_prefixes=16, max_object_size=5 * MiB)
     dcp.save(state, storage_writer=writer)
     data = [k for k in list_keys(s3_prefix) if k.startswith("data/")]
-    assert len(data) >= 3 and all(
-        len(k.split("/")) == 3 and len(k.split("/")[1]) == 1 for k in data
-    )
+    index = [k for k in list_keys(s3_prefix) if k.startswith("index/")]
+    assert len(data) >= 3 and len(index) == 1
+    assert all(len(k.split("/")) == 3 and len(k.split("/")[1]) == 1 for k in data + index)
     restored = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(restored, storage_reader=make_reader(s3_prefix))
     assert all(torch.equal(restored[k], v) for k, v in state.items())
     config = make_config(None, **s3_options)
     (info,) = catalog.list_checkpoints(s3_prefix, config=config)
-    assert info.committed and info.ranks == 1 and info.objects == len(data) + 2
+    # data, index, metadata and manifest
+    assert info.committed and info.ranks == 1 and info.objects == len(data) + 3
     assert catalog.verify_checkpoint(s3_prefix, config=config).ok
     catalog.remove_checkpoint(s3_prefix, config=config)
     assert list_keys(s3_prefix) == []

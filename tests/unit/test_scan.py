@@ -67,3 +67,94 @@ def test_data_directory():
     assert data_directory("run/step-2/data/3f0/r00001-ab12-0001.bin") == "run/step-2"
     assert data_directory("step-1/data/xyz/r00000-ab12-0000.bin") is None
     assert data_directory("step-1/metadata-ab12.pkl") is None
+
+
+class _MemoryStore:
+    """ListObjectsV2 semantics over a set of keys (1000 per page), counting requests."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = sorted(keys)
+        self.requests: list[tuple[str, str | None]] = []
+
+    async def list(self, prefix: str):
+        under = [k for k in self.keys if k.startswith(prefix)]
+        for page in range(0, max(len(under), 1), 1000):
+            self.requests.append((prefix, None))
+            for key in under[page : page + 1000]:
+                yield meta(key)
+
+    async def list_level(self, prefix: str):
+        self.requests.append((prefix, "/"))
+        folders: list[str] = []
+        for key in self.keys:
+            if not key.startswith(prefix):
+                continue
+            rest = key[len(prefix) :]
+            if "/" in rest:
+                folder = prefix + rest.split("/", 1)[0] + "/"
+                if folder not in folders:
+                    folders.append(folder)
+                    yield folder
+            else:
+                yield meta(key)
+
+
+def _checkpoint(name: str, save: str, ranks: int, committed: bool = True) -> list[str]:
+    keys = [f"{name}/metadata-{save}.pkl"] + ([f"{name}/manifest.json"] if committed else [])
+    for rank in range(ranks):
+        keys += [
+            f"{name}/data/r{rank:05d}-{save}-0000.bin",
+            f"{name}/index/r{rank:05d}-{save}.json",
+        ]
+    return keys
+
+
+def test_scan_checkpoints_lists_large_runs_by_level_never_entering_committed_data():
+    import asyncio
+
+    from s3ckpt.catalog.scan import scan_checkpoints
+    from s3ckpt.config import S3URI
+
+    keys = [
+        *_checkpoint("run/step-1", "aaaa", 600),
+        *_checkpoint("run/step-2", "bbbb", 600),
+        *_checkpoint("run/nested/step-3", "cccc", 2),
+        *_checkpoint("run/step-4", "dddd", 3, committed=False),  # a save in flight
+        "run/step-4/.s3ckpt-saving-dddd",
+        "run/notes.txt",
+    ]
+    store = _MemoryStore(keys)
+    scan = asyncio.run(scan_checkpoints(store, S3URI.parse("s3://bucket/run")))  # type: ignore[arg-type]
+    assert set(scan.groups) == {"step-1", "step-2", "nested/step-3", "step-4"}
+    for name in ("step-1", "step-2", "nested/step-3"):
+        group = scan.groups[name]
+        assert group.committed and group.shallow and len(group.objects) == 1  # the metadata
+    in_flight = scan.groups["step-4"]
+    assert not in_flight.committed and not in_flight.shallow
+    assert len(in_flight.objects) == 7 and len(in_flight.saving) == 1  # listed in full
+    # One page of the recursive listing, then one request per directory; data/ and index/
+    # of committed checkpoints are never listed (2,400 of their objects).
+    assert store.requests[0] == ("run/", None)
+    assert sorted(store.requests[1:], key=str) == [
+        ("run/", "/"),
+        ("run/nested/", "/"),
+        ("run/nested/step-3/", "/"),
+        ("run/step-1/", "/"),
+        ("run/step-2/", "/"),
+        ("run/step-4/", "/"),
+        ("run/step-4/", None),  # no manifest: listed in full
+    ]
+
+
+def test_scan_checkpoints_takes_one_request_for_small_runs():
+    import asyncio
+
+    from s3ckpt.catalog.scan import scan_checkpoints
+    from s3ckpt.config import S3URI
+
+    store = _MemoryStore(
+        _checkpoint("run/step-1", "aaaa", 4) + _checkpoint("run/step-2", "bbbb", 4)
+    )
+    scan = asyncio.run(scan_checkpoints(store, S3URI.parse("s3://bucket/run")))  # type: ignore[arg-type]
+    assert set(scan.groups) == {"step-1", "step-2"} and store.requests == [("run/", None)]
+    assert not scan.groups["step-1"].shallow and len(scan.groups["step-1"].objects) == 9

@@ -154,3 +154,21 @@ def test_delete_objects_carries_a_content_md5() -> None:
     add_content_md5(request)
     expected = base64.b64encode(hashlib.md5(body).digest()).decode()
     assert request.headers["Content-MD5"] == expected
+
+
+def test_a_level_listing_without_tokens_continues_past_its_last_folder() -> None:
+    """With a delimiter a page may end on a folder: the next page must start after every key
+    in it, or the same folder would come back forever."""
+    seen: list[dict[str, Any]] = []
+    first = _page("p/a.json", truncated=True)
+    first["CommonPrefixes"] = [{"Prefix": "p/step-1/"}]
+    second = _page(truncated=False)
+    second["CommonPrefixes"] = [{"Prefix": "p/step-1/"}, {"Prefix": "p/step-2/"}]
+    store = _store([first, second], seen)
+
+    async def collect() -> list[Any]:
+        return [e if isinstance(e, str) else e.key async for e in store.list_level("p/")]
+
+    assert asyncio.run(collect()) == ["p/a.json", "p/step-1/", "p/step-2/"]  # each once
+    assert seen[0] == {"Prefix": "p/", "Delimiter": "/"}
+    assert seen[1] == {"Prefix": "p/", "Delimiter": "/", "StartAfter": "p/step-1/\U0010ffff"}

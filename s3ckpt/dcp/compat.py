@@ -3,9 +3,11 @@
 Only public names are imported at module level. The private details s3ckpt relies on:
 how DCP's ``Metadata`` pickles (the classes its pickle refers to, listed in
 :data:`METADATA_PICKLE_GLOBALS`), how to stop DCP's process-mode ``async_save``
-background process (:func:`stop_async_save_process`), and which process group a
-``dcp.load`` runs on (:func:`calling_load_group`). ``tests/unit/test_compat.py`` fails
-loudly when a torch release changes any of them.
+background process (:func:`stop_async_save_process`), which process group a
+``dcp.load`` runs on (:func:`calling_load_group`), and how to lay out a ``torch.save``
+file without its tensors' bytes (:func:`save_skeleton`, for export).
+``tests/unit/test_compat.py`` and ``tests/unit/test_export_formats.py`` fail loudly when a
+torch release changes any of them.
 """
 
 from __future__ import annotations

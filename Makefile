@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.s3ckpt-installed
 BENCH_STAMP := $(VENV)/.s3ckpt-bench-installed
 
-.PHONY: install test demo bench lint reliability-report clean
+.PHONY: install test demo bench bench-scale lint reliability-report clean
 
 install: $(STAMP)
 
@@ -32,6 +32,10 @@ demo: $(STAMP)
 
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks.run
+
+# The commit and metadata path at 4 to 4,096 simulated ranks (docs/scale.md).
+bench-scale: $(STAMP)
+	$(BIN)/python -m benchmarks.scale
 
 # ruff, then the import contracts between the subpackages (pyproject.toml, docs/architecture.md).
 lint: $(STAMP)

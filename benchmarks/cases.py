@@ -5,7 +5,9 @@ only: the S3 server is another process). The environment carries the endpoint an
 credentials (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``...), plus ``BENCH_BUCKET``,
 ``BENCH_PREFIX``, ``BENCH_SIZE_MIB``, ``BENCH_REPS``, ``BENCH_TMP`` and ``BENCH_ROUND``
 (cases run more than once take turns with their pair; round r's loads read round r's
-saves).
+saves). Cases ending in ``_https`` talk to the same server over TLS:
+``BENCH_HTTPS_ENDPOINT`` and the CA that signed its certificate, ``BENCH_CA_FILE``. A case
+that cannot run here (``gpu_staging`` without CUDA) prints ``{"case", "skipped"}``.
 """
 
 from __future__ import annotations
@@ -61,23 +63,27 @@ class Env:
         self.tmp = Path(os.environ["BENCH_TMP"])
         self.endpoint = os.environ["AWS_ENDPOINT_URL"]
         self.round = int(os.environ.get("BENCH_ROUND", "0"))
+        self.https_endpoint = os.environ.get("BENCH_HTTPS_ENDPOINT", "")
+        self.ca_file = os.environ.get("BENCH_CA_FILE", "")
 
     def uri(self, system: str, rep: int) -> str:
         return f"s3://{self.bucket}/{self.prefix}/{system}/round{self.round}/rep{rep}"
 
 
-def _s3ckpt_options(env: Env) -> dict[str, Any]:
+def _s3ckpt_options(env: Env, *, https: bool = False) -> dict[str, Any]:
+    if https:
+        return {"endpoint_url": env.https_endpoint, "verify": env.ca_file}
     return {"endpoint_url": env.endpoint}
 
 
-def _open_s3ckpt_client(env: Env) -> None:
+def _open_s3ckpt_client(env: Env, *, https: bool = False) -> None:
     """Create s3ckpt's client before timing, as the raw ceilings create theirs: a process
     pays for it once (botocore loads its S3 model), not once per checkpoint."""
     from s3ckpt.config import make_config
     from s3ckpt.s3.loop import io_loop
     from s3ckpt.s3.store import ObjectStore
 
-    store = ObjectStore(make_config(None, **_s3ckpt_options(env)), env.bucket)
+    store = ObjectStore(make_config(None, **_s3ckpt_options(env, https=https)), env.bucket)
     io_loop().run(store.head_bucket())
 
 
@@ -95,16 +101,39 @@ def memcpy(env: Env, state: dict) -> Callable[[int], dict]:
     return rep
 
 
-def s3ckpt_save(env: Env, state: dict) -> Callable[[int], dict]:
-    from s3ckpt import S3StorageWriter
+def _save_case(system: str, https: bool) -> Callable[[Env, dict], Callable[[int], dict]]:
+    def case(env: Env, state: dict) -> Callable[[int], dict]:
+        from s3ckpt import S3StorageWriter
 
-    def rep(i: int) -> dict:
-        dcp.save(
-            state, storage_writer=S3StorageWriter(env.uri("s3ckpt", i), **_s3ckpt_options(env))
-        )
-        return {}
+        def rep(i: int) -> dict:
+            options = _s3ckpt_options(env, https=https)
+            dcp.save(state, storage_writer=S3StorageWriter(env.uri(system, i), **options))
+            return {}
 
-    return rep
+        return rep
+
+    return case
+
+
+def _load_case(system: str, https: bool) -> Callable[[Env, dict], Callable[[int], dict]]:
+    def case(env: Env, state: dict) -> Callable[[int], dict]:
+        from s3ckpt import S3StorageReader
+
+        target = empty_like_state(state)
+
+        def rep(i: int) -> dict:
+            options = _s3ckpt_options(env, https=https)
+            dcp.load(target, storage_reader=S3StorageReader(env.uri(system, i), **options))
+            return {}
+
+        return rep
+
+    return case
+
+
+s3ckpt_save, s3ckpt_load = _save_case("s3ckpt", False), _load_case("s3ckpt", False)
+s3ckpt_save_https = _save_case("s3ckpt-https", True)
+s3ckpt_load_https = _load_case("s3ckpt-https", True)
 
 
 def s3ckpt_async(env: Env, state: dict) -> Callable[[int], dict]:
@@ -159,20 +188,6 @@ def _compressed_cases(name: str, compression: str | None) -> tuple[Callable, Cal
 s3ckpt_save_real, s3ckpt_load_real = _compressed_cases("real", None)
 s3ckpt_save_zstd, s3ckpt_load_zstd = _compressed_cases("zstd", "zstd")
 REAL_WEIGHT_CASES = {"s3ckpt_save_real", "s3ckpt_load_real", "s3ckpt_save_zstd", "s3ckpt_load_zstd"}
-
-
-def s3ckpt_load(env: Env, state: dict) -> Callable[[int], dict]:
-    from s3ckpt import S3StorageReader
-
-    target = empty_like_state(state)
-
-    def rep(i: int) -> dict:
-        dcp.load(
-            target, storage_reader=S3StorageReader(env.uri("s3ckpt", i), **_s3ckpt_options(env))
-        )
-        return {}
-
-    return rep
 
 
 def _s3torch_config() -> Any:
@@ -268,33 +283,60 @@ def filesystem_load(env: Env, state: dict) -> Callable[[int], dict]:
     return rep
 
 
-def raw_upload(env: Env, state: dict) -> Callable[[int], dict]:
-    """The ceiling: one multipart upload of the same bytes, zero-copy bodies, no extras."""
-    from benchmarks.raw import RawClient, concat_bytes
-
-    payload = concat_bytes(state)
-    client = RawClient(env.endpoint, CONCURRENCY, uvloop=True)  # uvloop: the faster loop for writes
-
-    def rep(i: int) -> dict:
-        client.upload(env.bucket, f"{env.prefix}/raw/rep{i}", payload, PART)
-        return {}
-
-    return rep
-
-
-def raw_download(env: Env, state: dict) -> Callable[[int], dict]:
-    """The ceiling: parallel ranged GETs of the uploaded object into one preallocated buffer."""
+def _raw_client(env: Env, https: bool, *, uvloop: bool) -> Any:
     from benchmarks.raw import RawClient
 
-    size = state_nbytes(state)
-    buffer = torch.zeros(size, dtype=torch.uint8)
-    client = RawClient(env.endpoint, CONCURRENCY)
+    if https:
+        return RawClient(env.https_endpoint, CONCURRENCY, uvloop=uvloop, verify=env.ca_file)
+    return RawClient(env.endpoint, CONCURRENCY, uvloop=uvloop)
 
-    def rep(i: int) -> dict:
-        client.download(env.bucket, f"{env.prefix}/raw/rep{i}", buffer, PART)
-        return {}
 
-    return rep
+def _raw_upload_case(system: str, https: bool) -> Callable[[Env, dict], Callable[[int], dict]]:
+    """The ceiling: one multipart upload of the same bytes, zero-copy bodies, no extras."""
+
+    def case(env: Env, state: dict) -> Callable[[int], dict]:
+        from benchmarks.raw import concat_bytes
+
+        payload = concat_bytes(state)
+        client = _raw_client(env, https, uvloop=True)  # uvloop: the faster loop for writes
+
+        def rep(i: int) -> dict:
+            client.upload(env.bucket, f"{env.prefix}/{system}/rep{i}", payload, PART)
+            return {}
+
+        return rep
+
+    return case
+
+
+def _raw_download_case(system: str, https: bool) -> Callable[[Env, dict], Callable[[int], dict]]:
+    """The ceiling: parallel ranged GETs of the uploaded object into one preallocated buffer."""
+
+    def case(env: Env, state: dict) -> Callable[[int], dict]:
+        size = state_nbytes(state)
+        buffer = torch.zeros(size, dtype=torch.uint8)
+        client = _raw_client(env, https, uvloop=False)
+
+        def rep(i: int) -> dict:
+            client.download(env.bucket, f"{env.prefix}/{system}/rep{i}", buffer, PART)
+            return {}
+
+        return rep
+
+    return case
+
+
+raw_upload, raw_download = _raw_upload_case("raw", False), _raw_download_case("raw", False)
+raw_upload_https = _raw_upload_case("raw-https", True)
+raw_download_https = _raw_download_case("raw-https", True)
+HTTPS_CASES = {"raw_upload_https", "raw_download_https", "s3ckpt_save_https", "s3ckpt_load_https"}
+
+
+def gpu_staging(env: Env, state: dict) -> Callable[[int], dict]:
+    """Training stall of async saves from CUDA tensors against a bare D2H copy (``benchmarks.gpu``)."""
+    from benchmarks.gpu import gpu_staging_case
+
+    return gpu_staging_case(state, env.uri, _s3ckpt_options(env))
 
 
 def _commit_case(conditional: bool) -> Callable[[Env, dict], Callable[[int], dict]]:
@@ -336,10 +378,14 @@ COMMIT_REPS = 15
 CASES: dict[str, Callable[[Env, dict], Callable[[int], dict]]] = {
     f.__name__: f
     for f in (
-        memcpy, raw_upload, raw_download, s3ckpt_save, s3ckpt_async, s3ckpt_load,
-        s3torch_save, s3torch_load, fsspec_save, fsspec_load, filesystem_save, filesystem_load,
+        memcpy, s3ckpt_async, s3torch_save, s3torch_load, fsspec_save, fsspec_load,
+        filesystem_save, filesystem_load, gpu_staging,
     )
 } | {
+    "raw_upload": raw_upload, "raw_download": raw_download,
+    "s3ckpt_save": s3ckpt_save, "s3ckpt_load": s3ckpt_load,
+    "raw_upload_https": raw_upload_https, "raw_download_https": raw_download_https,
+    "s3ckpt_save_https": s3ckpt_save_https, "s3ckpt_load_https": s3ckpt_load_https,
     "s3ckpt_save_real": s3ckpt_save_real, "s3ckpt_load_real": s3ckpt_load_real,
     "s3ckpt_save_zstd": s3ckpt_save_zstd, "s3ckpt_load_zstd": s3ckpt_load_zstd,
     "commit_conditional": commit_conditional, "commit_claims": commit_claims,
@@ -348,6 +394,14 @@ CASES: dict[str, Callable[[Env, dict], Callable[[int], dict]]] = {
 
 def run(case: str) -> dict[str, Any]:
     env = Env()
+    if case == "gpu_staging":
+        from benchmarks.gpu import cuda_skip_reason
+
+        reason = cuda_skip_reason()
+        if reason is not None:
+            return {"case": case, "skipped": reason}
+    if case in HTTPS_CASES and not env.https_endpoint:
+        return {"case": case, "skipped": "no HTTPS endpoint (BENCH_HTTPS_ENDPOINT)"}
     if case in REAL_WEIGHT_CASES:
         from benchmarks.weights import real_state
 
@@ -357,8 +411,8 @@ def run(case: str) -> dict[str, Any]:
     else:
         state = make_state(env.size_mib)
     rep = CASES[case](env, state)
-    if case.startswith(("s3ckpt", "commit")):
-        _open_s3ckpt_client(env)
+    if case.startswith(("s3ckpt", "commit", "gpu")):
+        _open_s3ckpt_client(env, https=case in HTTPS_CASES)
     _reset_peak_rss()
     baseline = _rss_kib("VmRSS")
     samples = []

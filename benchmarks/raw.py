@@ -31,9 +31,12 @@ def _uvloop_loop() -> asyncio.AbstractEventLoop:
 class RawClient:
     """aiobotocore on its own loop thread; ``uvloop=True`` for the uvloop event loop."""
 
-    def __init__(self, endpoint: str, concurrency: int, *, uvloop: bool = False) -> None:
+    def __init__(
+        self, endpoint: str, concurrency: int, *, uvloop: bool = False, verify: str | None = None
+    ) -> None:
         self.endpoint = endpoint
         self.concurrency = concurrency
+        self.verify = verify  # the CA file of an HTTPS endpoint
         self.loop = _uvloop_loop() if uvloop else asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.client: Any = asyncio.run_coroutine_threadsafe(self._client(), self.loop).result()
@@ -48,7 +51,7 @@ class RawClient:
         )
         return (
             await AioSession()
-            .create_client("s3", endpoint_url=self.endpoint, config=config)
+            .create_client("s3", endpoint_url=self.endpoint, config=config, verify=self.verify)
             .__aenter__()
         )
 

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.gpu import STAGING_TARGET, staging_summary
+
 GiB = 1024**3
 
 # The systems compared, by operation: (case, label).
@@ -15,6 +17,11 @@ SAVES = [("raw_upload", "raw multipart upload (ceiling)"), ("s3ckpt_save", "s3ck
          ("fsspec_save", "FsspecWriter + s3fs"), ("filesystem_save", "FileSystemWriter (local disk)")]  # fmt: skip
 COMPRESSION = [("s3ckpt_save_real", "save, raw (MiniLM bf16)"), ("s3ckpt_save_zstd", "save, zstd (MiniLM bf16)"),
                ("s3ckpt_load_real", "load, raw (MiniLM bf16)"), ("s3ckpt_load_zstd", "load, zstd (MiniLM bf16)")]  # fmt: skip
+# HTTPS against HTTP, same server, same run: (HTTP case, HTTPS case, label).
+TLS_PAIRS = [("raw_upload", "raw_upload_https", "raw multipart upload"),
+             ("s3ckpt_save", "s3ckpt_save_https", "s3ckpt dcp.save"),
+             ("raw_download", "raw_download_https", "raw ranged GETs"),
+             ("s3ckpt_load", "s3ckpt_load_https", "s3ckpt dcp.load")]  # fmt: skip
 LOADS = [("raw_download", "raw ranged GETs (ceiling)"), ("s3ckpt_load", "s3ckpt dcp.load"),
          ("s3torch_load", "s3torchconnector"), ("fsspec_load", "FsspecReader + s3fs"),
          ("filesystem_load", "FileSystemReader (local disk)")]  # fmt: skip
@@ -24,6 +31,9 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     """Per case: throughput (median/min/max MB/s), CPU-s per GiB, peak RSS over baseline."""
     summary: dict[str, Any] = {}
     for case, result in results.items():
+        if "skipped" in result:
+            summary[case] = {"skipped": result["skipped"]}
+            continue
         if "error" in result:
             summary[case] = {
                 "error": result["error"].splitlines()[-1] if result["error"] else "failed"
@@ -46,6 +56,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         if blocked:
             entry["blocked_first_s"] = blocked[0]
             entry["blocked_median_after_first_s"] = statistics.median(blocked[1:] or blocked)
+        if all("d2h" in s for s in result["samples"]):
+            entry["staging"] = staging_summary(result["samples"])
         commits = sorted(s["commit"] for s in result["samples"] if "commit" in s)
         if commits:
             entry["commit_median_s"] = statistics.median(commits)
@@ -139,6 +151,7 @@ def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
             1.0,
         ),
     ]
+    checks += _tls_checks(summary) + _staging_checks(summary)
     out = []
     for name, value, op, goal in checks:
         met = (
@@ -150,6 +163,34 @@ def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
         )
         out.append({"target": name, "ratio": value, "goal": f"{op} {goal}", "met": met})
     return out
+
+
+def _tls_checks(summary: dict[str, Any]) -> list[tuple[str, float | None, str, float]]:
+    """HTTPS against HTTP for s3ckpt's saves and loads: CPU per GiB and throughput."""
+    checks: list[tuple[str, float | None, str, float]] = []
+    for http, https, what in (("s3ckpt_save", "s3ckpt_save_https", "save"),
+                              ("s3ckpt_load", "s3ckpt_load_https", "load")):  # fmt: skip
+        checks.append(
+            (
+                f"HTTPS {what} CPU-s/GiB / HTTP",
+                _ratio(summary, https, http, "cpu_s_per_gib"),
+                "<=",
+                1.35,
+            )
+        )
+        checks.append((f"HTTPS {what} throughput / HTTP", _ratio(summary, https, http, "mbps_median"), ">=", 0.8))  # fmt: skip
+    return checks
+
+
+def _staging_checks(summary: dict[str, Any]) -> list[tuple[str, float | None, str, float]]:
+    """The training stall of async saves from CUDA tensors against a bare D2H copy."""
+    staging = summary.get("gpu_staging", {}).get("staging")
+    if staging is None:
+        return []
+    return [
+        ("GPU dcp.async_save blocked / bare D2H copy", staging["async_blocked_over_d2h"], "<=", STAGING_TARGET),
+        ("GPU CheckpointManager.save blocked / bare D2H", staging["manager_blocked_over_d2h"], "<=", STAGING_TARGET),
+    ]  # fmt: skip
 
 
 def _blocked_ratio(summary: dict[str, Any]) -> float | None:
@@ -200,6 +241,8 @@ def table(report: dict[str, Any]) -> str:
             f"async_save blocked: first {a['blocked_first_s']:.3f} s, then median {a['blocked_median_after_first_s']:.3f} s"
         )
     lines += _commit_lines(summary)
+    lines += _tls_lines(report)
+    lines += _staging_lines(summary)
     lines += ["", f"{'target':56} {'ratio':>7} {'goal':>8}  met"]
     for t in report["targets"]:
         ratio = "n/a" if t["ratio"] is None else f"{t['ratio']:.2f}"
@@ -225,11 +268,66 @@ def _commit_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _tls_lines(report: dict[str, Any]) -> list[str]:
+    """HTTPS next to HTTP (same server, same run) and the AES-GCM floor."""
+    summary = report["cases"]
+    rows = [(h, s, label) for h, s, label in TLS_PAIRS if h in summary or s in summary]
+    if not rows:
+        return []
+    lines = ["", "HTTPS against HTTP (same server; ratios HTTPS / HTTP):",
+             f"{'':26} {'HTTP MB/s':>10} {'HTTPS MB/s':>11} {'ratio':>6} {'HTTP CPU':>9} {'HTTPS CPU':>10} {'ratio':>6}"]  # fmt: skip
+    for http, https, label in rows:
+        a, b = summary.get(http, {}), summary.get(https, {})
+        if "mbps_median" not in a or "mbps_median" not in b:
+            reason = b.get("skipped") or b.get("error") or a.get("error") or "not run"
+            lines.append(f"  {label:24} {reason[:70]}")
+            continue
+        lines.append(
+            f"  {label:24} {a['mbps_median']:10.0f} {b['mbps_median']:11.0f} "
+            f"{b['mbps_median'] / a['mbps_median']:6.2f} {a['cpu_s_per_gib']:9.2f} "
+            f"{b['cpu_s_per_gib']:10.2f} {b['cpu_s_per_gib'] / a['cpu_s_per_gib']:6.2f}"
+        )
+    aes = report.get("aes_gcm")
+    if aes and "openssl_speed_gb_per_s" in aes:
+        lines.append(
+            f"AES-256-GCM, 16 KiB records, one core ({aes['ssl_module_openssl']}, as the ssl "
+            f"module uses it): {aes['openssl_speed_gb_per_s']:.1f} GB/s = "
+            f"{aes['openssl_speed_cpu_s_per_gib']:.2f} CPU-s/GiB per side"
+        )
+    if aes:
+        lines.append(
+            f"AES-256-GCM through the cryptography package's OpenSSL: "
+            f"{aes['cryptography_gb_per_s']:.1f} GB/s = {aes['cryptography_cpu_s_per_gib']:.2f} CPU-s/GiB"
+        )
+    return lines
+
+
+def _staging_lines(summary: dict[str, Any]) -> list[str]:
+    entry = summary.get("gpu_staging")
+    if entry is None:
+        return []
+    if "skipped" in entry or "error" in entry:
+        return ["", f"GPU staging: not measured: {entry.get('skipped') or entry.get('error')}"]
+    st = entry["staging"]
+    return [
+        "",
+        "GPU staging (CUDA tensors, pinned buffers reused; medians after the first save):",
+        f"  bare D2H copy into pinned memory: {st['d2h'] * 1000:.1f} ms",
+        f"  dcp.async_save blocked: {st['async_blocked'] * 1000:.1f} ms "
+        f"({st['async_blocked_over_d2h']:.2f}x D2H; first save {st['first_async_blocked'] * 1000:.1f} ms), "
+        f"committed after {st['async_commit']:.2f} s",
+        f"  CheckpointManager.save blocked: {st['manager_blocked'] * 1000:.1f} ms "
+        f"({st['manager_blocked_over_d2h']:.2f}x D2H), committed after {st['manager_commit']:.2f} s",
+    ]
+
+
 def _row(label: str, entry: dict[str, Any] | None) -> str:
     if entry is None:
         return f"  {label:36} {'(not run)':>9}"
     if "error" in entry:
         return f"  {label:36} failed: {entry['error'][:60]}"
+    if "skipped" in entry:
+        return f"  {label:36} skipped: {entry['skipped'][:60]}"
     return (f"  {label:36} {entry['mbps_median']:9.0f} {entry['mbps_min']:7.0f} {entry['mbps_max']:7.0f}"
             f" {entry['cpu_s_per_gib']:10.2f} {entry['rss_over_baseline_mib']:9.0f}")  # fmt: skip
 

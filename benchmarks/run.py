@@ -5,7 +5,11 @@ Starts the embedded SeaweedFS server, runs every case in its own process (see
 peak RSS, then the ratios the performance targets are stated in. Absolute numbers on a
 shared 2-core machine drift from run to run; the ratios, measured side by side, are the
 result; compressed and uncompressed saves and loads take turns (``ALTERNATING``).
-Output: a table on the terminal, ``benchmarks/results/bench.json`` and
+The server also serves HTTPS (a certificate from a CA generated at start): the ``_https``
+cases run right after their HTTP counterparts, against the same server, and the report
+sets them side by side with the AES-GCM rate that bounds them. ``gpu_staging`` measures
+the training stall of async saves from CUDA tensors, and says why it did not run where
+there is no CUDA. Output: a table on the terminal, ``benchmarks/results/bench.json`` and
 ``benchmarks/results/bench.png``.
 
     python -m benchmarks.run [--size-mib 1024] [--reps 3] [--cases s3ckpt_save,...]
@@ -27,6 +31,7 @@ from benchmarks.cases import REAL_WEIGHT_CASES
 from benchmarks.compression import report as codec_report
 from benchmarks.compression import table as codec_table
 from benchmarks.report import chart, summarize, table, targets
+from benchmarks.tls import aes_gcm_report
 from benchmarks.weights import minilm_path
 from s3ckpt.testing.local_s3 import LocalS3Server
 
@@ -34,10 +39,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ORDER = [
     "memcpy",
     "raw_upload",
+    "raw_upload_https",
     "raw_download",
+    "raw_download_https",
     "s3ckpt_save",
+    "s3ckpt_save_https",
     "s3ckpt_async",
     "s3ckpt_load",
+    "s3ckpt_load_https",
+    "gpu_staging",
     "s3torch_save",
     "s3torch_load",
     "fsspec_save",
@@ -59,6 +69,9 @@ ROUNDS = 2
 # After these cases their objects are no longer needed: delete them to keep the disk small.
 CLEANUP_AFTER = {
     "raw_download": "raw",
+    "raw_download_https": "raw-https",
+    "s3ckpt_load_https": "s3ckpt-https",
+    "gpu_staging": "gpu-async",
     "s3ckpt_load": "s3ckpt",
     "s3ckpt_async": "s3ckpt-async",
     "s3torch_load": "s3torch",
@@ -90,9 +103,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need at least one known case, reps >= 1 and size >= 1")
 
     results: dict[str, Any] = {}
-    with LocalS3Server() as server, tempfile.TemporaryDirectory(prefix="s3ckpt-bench-") as tmp:
+    with (
+        LocalS3Server(tls=True) as server,
+        tempfile.TemporaryDirectory(prefix="s3ckpt-bench-") as tmp,
+    ):
         env = {**os.environ, **server.env(), "BENCH_BUCKET": server.bucket, "BENCH_PREFIX": f"bench-{int(time.time())}",
-               "BENCH_SIZE_MIB": str(args.size_mib), "BENCH_REPS": str(args.reps), "BENCH_TMP": tmp}  # fmt: skip
+               "BENCH_SIZE_MIB": str(args.size_mib), "BENCH_REPS": str(args.reps), "BENCH_TMP": tmp,
+               "BENCH_HTTPS_ENDPOINT": server.https_endpoint_url, "BENCH_CA_FILE": str(server.ca_file)}  # fmt: skip
         schedule = schedule_runs(cases)
         for index, (case, round_) in enumerate(schedule):
             print(
@@ -111,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         "cases": summary,
         "targets": targets(summary),
     }
+    if any(c.endswith("_https") for c in cases):
+        report["aes_gcm"] = aes_gcm_report()
     if minilm_path() is not None:
         report["codec"] = codec_report()
     print(table(report))

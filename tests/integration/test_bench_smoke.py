@@ -8,13 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_benchmark_smoke_run(tmp_path):
-    cases = "raw_upload,s3ckpt_save,s3ckpt_load"
+    https = "raw_upload_https,s3ckpt_save_https,s3ckpt_load_https"
+    cases = f"raw_upload,s3ckpt_save,s3ckpt_load,{https},gpu_staging"
     completed = subprocess.run(
         [
             sys.executable,
@@ -36,8 +38,16 @@ def test_benchmark_smoke_run(tmp_path):
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
     report = json.loads((tmp_path / "bench.json").read_text())["report"]
-    for case in cases.split(","):
+    for case in cases.split(",")[:-1]:
         assert "mbps_median" in report["cases"][case], report["cases"][case]
+    assert "HTTPS against HTTP" in completed.stdout
+    assert report["aes_gcm"]["cryptography_gb_per_s"] > 0
+    gpu = report["cases"]["gpu_staging"]
+    if torch.cuda.is_available():
+        assert gpu["staging"]["d2h"] > 0
+    else:  # the case says why it did not run, in the report and on the terminal
+        assert gpu["skipped"].startswith("no CUDA"), gpu
+        assert "GPU staging: not measured: no CUDA" in completed.stdout
     assert "save throughput / raw upload" in completed.stdout
     assert report["targets"][0]["target"] == "save throughput / raw upload"
     assert report["targets"][0]["ratio"] > 0

@@ -134,7 +134,16 @@ def assert_same(got: Any, want: Any, where: str = "state") -> None:
         assert got == want, where
 
 
-@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+PINNED = pytest.param(
+    "async_with_pinned_mem",
+    marks=pytest.mark.skipif(
+        not torch.accelerator.is_available(),
+        reason="async_with_pinned_mem stages with non-blocking copies: needs an accelerator",
+    ),
+)
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async", PINNED])
 def test_save_retain_discover_and_load_bit_exact(
     s3_prefix: str, aws_environment: dict[str, Any], s3_options: dict[str, Any], async_mode: str
 ) -> None:

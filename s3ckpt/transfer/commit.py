@@ -42,7 +42,7 @@ from s3ckpt.errors import (
 from s3ckpt.format.layout import CLAIM_PREFIX, claim_key
 from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
 from s3ckpt.s3.error_mapping import UNSUPPORTED_CODES
-from s3ckpt.s3.store import ObjectStore
+from s3ckpt.s3.store import ObjectMeta, ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +58,28 @@ async def read_manifest(store: ObjectStore, location: S3URI) -> Manifest:
 
 
 async def confirm_objects(store: ObjectStore, location: S3URI, sizes: dict[str, int]) -> None:
-    """Check, with one listing, that every object of a save exists with its size.
+    """Check, with one listing per folder of the save (concurrently), that every object of
+    a save exists with its size.
 
     ``sizes`` maps keys relative to ``location`` to their sizes. Anything missing means
     something deleted part of the save (``gc`` with too short a grace, a lifecycle rule):
-    committing would publish a checkpoint that cannot load.
+    committing would publish a checkpoint that cannot load. ``data/`` and ``index/`` are
+    listed side by side: at thousands of ranks each is several pages.
     """
-    found = {m.key: m.size async for m in store.list(location.key(""))}
+    folders = sorted({key.split("/", 1)[0] + "/" for key in sizes if "/" in key})
+
+    async def listed(folder: str | None) -> dict[str, int]:
+        if folder is None:  # the checkpoint's own level: its metadata object
+            return {
+                m.key: m.size
+                async for m in store.list_level(location.key(""))
+                if isinstance(m, ObjectMeta)
+            }
+        return {m.key: m.size async for m in store.list(location.key(folder))}
+
+    found: dict[str, int] = {}
+    for part in await asyncio.gather(*(listed(f) for f in [None, *folders])):
+        found.update(part)
     wrong = [
         f"{key} ({'missing' if location.key(key) not in found else 'wrong size'})"
         for key, size in sorted(sizes.items())

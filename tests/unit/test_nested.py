@@ -1,0 +1,66 @@
+"""Splitting a trainer's nested checkpoint dict into DCP items and a skeleton, and back."""
+
+from __future__ import annotations
+
+import collections
+import io
+
+import pytest
+import torch
+
+from s3ckpt import CheckpointError
+from s3ckpt.integrations.nested import SKELETON_KEY, join, split
+
+Pair = collections.namedtuple("Pair", "left right")
+
+
+def test_tensors_become_items_named_by_path_and_come_back_in_place() -> None:
+    weight = torch.randn(3, 2)
+    tree = {
+        "state_dict": collections.OrderedDict(weight=weight),
+        "optimizer_states": [{"state": {0: {"exp_avg": torch.ones(3)}}, "param_groups": []}],
+        "pair": Pair(torch.zeros(2, dtype=torch.bfloat16), 5),
+        "size": torch.Size([3, 2]),
+        "epoch": 7,
+    }
+    tensors, skeleton = split(tree)
+    assert set(tensors) == {
+        "state_dict.weight",
+        "optimizer_states.0.state.0.exp_avg",
+        "pair.0",
+    }
+    assert len(skeleton) < 4096  # the tensors' bytes are not in the skeleton
+    back = join(skeleton, tensors, weights_only=True)
+    assert type(back["state_dict"]) is collections.OrderedDict
+    assert back["state_dict"]["weight"] is tensors["state_dict.weight"]
+    assert list(back["optimizer_states"][0]["state"]) == [0]  # int keys stay ints
+    assert type(back["pair"]) is Pair and back["pair"].right == 5
+    assert back["size"] == torch.Size([3, 2]) and back["epoch"] == 7
+    assert tree["state_dict"]["weight"] is weight  # the input is not modified
+
+
+def test_what_dcp_cannot_store_stays_in_the_skeleton() -> None:
+    sparse = torch.eye(3).to_sparse()
+    meta = torch.empty(4, device="meta")
+    tensors, skeleton = split({"sparse": sparse, "meta": meta, "dense": torch.ones(1)})
+    assert list(tensors) == ["dense"]
+    back = join(skeleton, tensors, weights_only=True)
+    assert torch.equal(back["sparse"].to_dense(), torch.eye(3))
+    assert back["meta"].device.type == "meta" and back["meta"].shape == (4,)
+    assert back["dense"] is tensors["dense"]
+
+
+def test_names_never_collide_with_each_other_or_the_skeleton() -> None:
+    tree = {"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}, SKELETON_KEY: torch.ones(2)}
+    tensors, skeleton = split(tree)
+    assert len(tensors) == 3 and SKELETON_KEY not in tensors
+    back = join(skeleton, tensors, weights_only=True)
+    assert torch.equal(back["a.b"], torch.ones(1)) and torch.equal(back["a"]["b"], torch.zeros(1))
+    assert torch.equal(back[SKELETON_KEY], torch.ones(2))
+
+
+def test_a_skeleton_of_another_format_is_refused() -> None:
+    buffer = io.BytesIO()
+    torch.save({"format": 99}, buffer)
+    with pytest.raises(CheckpointError, match="unknown nested checkpoint format"):
+        join(buffer.getvalue(), {}, weights_only=True)

@@ -30,7 +30,7 @@ def test_tensors_become_items_named_by_path_and_come_back_in_place() -> None:
         "pair.0",
     }
     assert len(skeleton) < 4096  # the tensors' bytes are not in the skeleton
-    with pytest.raises(Exception, match="test_nested.Pair"):  # a class of this module
+    with pytest.raises(Exception, match=r"test_nested\.Pair"):  # a class of this module
         join(skeleton, tensors, weights_only=True)
     back = join(skeleton, tensors, weights_only=False)
     assert type(back["state_dict"]) is collections.OrderedDict

@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             results[case] = merge_runs(results.get(case), _run_case(case, run_env))
             if case in CLEANUP_AFTER and all(c != case for c, _ in schedule[index + 1 :]):
                 _delete_prefix(server, f"{env['BENCH_PREFIX']}/{CLEANUP_AFTER[case]}/")
+        tls = any(c.endswith("_https") for c in cases)
+        aes = aes_gcm_report(server.https_endpoint_url, str(server.ca_file)) if tls else None
     summary = summarize(results)
     report = {
         "size_mib": args.size_mib,
@@ -128,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         "cases": summary,
         "targets": targets(summary),
     }
-    if any(c.endswith("_https") for c in cases):
-        report["aes_gcm"] = aes_gcm_report()
+    if aes is not None:
+        report["aes_gcm"] = aes
     if minilm_path() is not None:
         report["codec"] = codec_report()
     print(table(report))

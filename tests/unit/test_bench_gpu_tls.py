@@ -50,11 +50,12 @@ def test_https_is_reported_against_http_with_its_targets():
     assert checks["HTTPS load throughput / HTTP"]["met"] is False
     assert not any(name.startswith("GPU") for name in checks)  # not measured: no target row
     report = {"size_mib": 1024, "reps": 1, "cases": cases, "targets": targets(cases),
-              "aes_gcm": {"ssl_module_openssl": "OpenSSL 3", "openssl_speed_gb_per_s": 5.0,
-                          "openssl_speed_cpu_s_per_gib": 0.21, "cryptography_gb_per_s": 10.0,
-                          "cryptography_cpu_s_per_gib": 0.1}}  # fmt: skip
+              "aes_gcm": {"ssl_module_openssl": "OpenSSL 3", "openssl_aes128_gb_per_s": 5.0,
+                          "openssl_aes128_cpu_s_per_gib": 0.21, "cryptography_gb_per_s": 10.0,
+                          "cryptography_cpu_s_per_gib": 0.1, "negotiated_cipher": "TLSv1.3 X"}}  # fmt: skip
     text = table(report)
-    assert "HTTPS against HTTP" in text and "AES-256-GCM" in text
+    assert "HTTPS against HTTP" in text and "AES-128-GCM 5.0 GB/s" in text
+    assert "TLSv1.3 X" in text
     assert "GPU staging: not measured: no CUDA: test" in text
 
 

@@ -20,6 +20,7 @@ COMPRESSION = [("s3ckpt_save_real", "save, raw (MiniLM bf16)"), ("s3ckpt_save_zs
 # HTTPS against HTTP, same server, same run: (HTTP case, HTTPS case, label).
 TLS_PAIRS = [("raw_upload", "raw_upload_https", "raw multipart upload"),
              ("s3ckpt_save", "s3ckpt_save_https", "s3ckpt dcp.save"),
+             ("s3ckpt_save", "s3ckpt_save_https_aiohttp", "  same, bodies via aiohttp"),
              ("raw_download", "raw_download_https", "raw ranged GETs"),
              ("s3ckpt_load", "s3ckpt_load_https", "s3ckpt dcp.load")]  # fmt: skip
 LOADS = [("raw_download", "raw ranged GETs (ceiling)"), ("s3ckpt_load", "s3ckpt dcp.load"),

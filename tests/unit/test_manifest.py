@@ -68,7 +68,9 @@ def test_manifest_size_grows_with_ranks_not_items():
         metadata_size=10,
         metadata_crc32c=1,
         objects=tuple(
-            ObjectEntry(f"data/r{r:05d}-0123456789abcdef-0000.bin", 1 << 40, '"' + "f" * 32 + '"', r)
+            ObjectEntry(
+                f"data/r{r:05d}-0123456789abcdef-0000.bin", 1 << 40, '"' + "f" * 32 + '"', r
+            )
             for r in range(ranks)
         ),
         items=(),

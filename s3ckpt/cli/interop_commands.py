@@ -10,9 +10,12 @@ CLI's no-torch contract).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import logging
 import re
 import sys
+from collections.abc import Iterator
 
 from s3ckpt.cli.commands import _common_arguments, _emit, config_from
 from s3ckpt.cli.humanize import human_bytes
@@ -56,6 +59,19 @@ def _destination_config(args: argparse.Namespace) -> S3Config | None:
     return config_from(args).replace(**given) if given else None
 
 
+@contextlib.contextmanager
+def _one_line_errors() -> Iterator[None]:
+    """Keep the engine's log records (a re-read after a bad checksum, a fallback) off
+    stderr, where logging's last-resort handler would print them: the command ends with
+    its own one line. Handlers the caller configured still receive them."""
+    logger, handler = logging.getLogger("s3ckpt"), logging.NullHandler()
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
 def _report_json(report: object) -> dict[str, object]:
     return dataclasses.asdict(report)  # type: ignore[call-overload,no-any-return]
 
@@ -75,14 +91,15 @@ def cp_arguments(parser: argparse.ArgumentParser) -> None:
 def run_cp(args: argparse.Namespace) -> int:
     from s3ckpt.interop.copy import copy_checkpoint
 
-    report = copy_checkpoint(
-        args.uri,
-        args.destination,
-        overwrite=args.overwrite,
-        config=config_from(args),
-        destination_config=_destination_config(args),
-        progress=Progress(),
-    )
+    with _one_line_errors():
+        report = copy_checkpoint(
+            args.uri,
+            args.destination,
+            overwrite=args.overwrite,
+            config=config_from(args),
+            destination_config=_destination_config(args),
+            progress=Progress(),
+        )
     how = "server-side" if report.server_side else "streamed"
     human = (
         f"copied {report.source} to {report.destination} ({report.objects} objects, "
@@ -126,18 +143,19 @@ def export_arguments(parser: argparse.ArgumentParser) -> None:
 def run_export(args: argparse.Namespace) -> int:
     from s3ckpt.interop.export import export_checkpoint
 
-    report = export_checkpoint(
-        args.uri,
-        args.out,
-        format=args.format,
-        only=args.only,
-        dtype=args.dtype,
-        overwrite=args.overwrite,
-        max_shard_size=args.max_shard_size,
-        config=config_from(args),
-        output_config=_destination_config(args),
-        progress=Progress(),
-    )
+    with _one_line_errors():
+        report = export_checkpoint(
+            args.uri,
+            args.out,
+            format=args.format,
+            only=args.only,
+            dtype=args.dtype,
+            overwrite=args.overwrite,
+            max_shard_size=args.max_shard_size,
+            config=config_from(args),
+            output_config=_destination_config(args),
+            progress=Progress(),
+        )
     human = (
         f"exported {report.source} to {report.output}: {report.tensors} tensors, "
         f"{human_bytes(report.bytes)} in {len(report.files)} file(s) ({report.format})"
@@ -179,9 +197,10 @@ def run_import(args: argparse.Namespace) -> int:
 
     if args.source.startswith("s3://"):
         raise ConfigError("SRC must be a local path (to copy between stores: s3ckpt cp)")
-    report = import_checkpoint(
-        args.source, args.uri, overwrite=args.overwrite, config=config_from(args)
-    )
+    with _one_line_errors():
+        report = import_checkpoint(
+            args.source, args.uri, overwrite=args.overwrite, config=config_from(args)
+        )
     human = (
         f"imported {report.source} ({report.format}: {report.tensors} tensors, "
         f"{human_bytes(report.bytes)}, {report.others} other item(s)) as {report.destination}"

@@ -14,6 +14,8 @@ for export, DCP's ``FileSystemReader`` for importing a DCP folder.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -83,6 +85,15 @@ def batches(tensors: Sequence[StoredTensor], window: int) -> Iterator[tuple[Stor
         yield tuple(batch)
 
 
+@contextlib.contextmanager
+def single_process() -> Iterator[None]:
+    """A ``dcp.load``/``dcp.save`` asked to run on this process alone (``no_dist``), without
+    the warning DCP gives every such call: here it is the intent, not a guess."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def load_full(
     reader: Callable[[], StorageReader], tensors: Sequence[StoredTensor]
 ) -> dict[str, torch.Tensor]:
@@ -91,7 +102,8 @@ def load_full(
     ``reader`` makes a fresh storage reader (one ``dcp.load`` each).
     """
     state = {t.fqn: torch.empty(t.shape, dtype=t.dtype) for t in tensors}
-    dcp.load(state, storage_reader=reader(), no_dist=True)
+    with single_process():
+        dcp.load(state, storage_reader=reader(), no_dist=True)
     return state
 
 
@@ -101,6 +113,7 @@ def load_all(reader: Callable[[], StorageReader], found: Contents) -> dict[str, 
     state: dict[str, object] = load_full(reader, found.tensors)
     if found.others:
         others: dict[str, object] = dict.fromkeys(found.others)
-        dcp.load(others, storage_reader=reader(), no_dist=True)
+        with single_process():
+            dcp.load(others, storage_reader=reader(), no_dist=True)
         state.update(others)
     return state

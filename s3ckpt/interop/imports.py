@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.dcp.compat import CheckpointException, unwrap
-from s3ckpt.dcp.consolidate import load_all, read_contents
+from s3ckpt.dcp.consolidate import load_all, read_contents, single_process
 from s3ckpt.dcp.writer import S3StorageWriter
 from s3ckpt.errors import NotACheckpointError
 from s3ckpt.interop.formats import INDEX_NAME
@@ -76,7 +76,8 @@ def import_checkpoint(
         str(location), config=make_config(config, **options), overwrite=overwrite
     )
     try:
-        dcp.save(state, storage_writer=writer, no_dist=True)
+        with single_process():
+            dcp.save(state, storage_writer=writer, no_dist=True)
     except CheckpointException as exc:
         inner = unwrap(exc)
         if inner is exc:

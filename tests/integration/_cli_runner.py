@@ -4,6 +4,9 @@ the test's server, credentials from the ``AWS_*`` environment as an operator wou
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,3 +47,22 @@ def runner(
         return Result(code, out, err)
 
     return run
+
+
+def entry_point(server: Any, tmp_path: Any, *argv: str) -> Result:
+    """``python -m s3ckpt ARGV`` in a child process, as an operator runs it: what reaches
+    stderr there (no test harness catching log records) is what is checked."""
+    env = {
+        **os.environ,
+        **server.env(),
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "s3ckpt", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return Result(done.returncode, done.stdout, done.stderr)

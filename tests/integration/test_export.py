@@ -156,7 +156,7 @@ def test_uncommitted_checkpoint(cli, two_rank_checkpoint: str, tmp_path: Path) -
     assert not (tmp_path / "x").exists()
 
 
-def test_damaged_checkpoint(cli, seaweedfs_s3: LocalS3Server, tmp_path: Path) -> None:
+def test_damaged_checkpoint(seaweedfs_s3: LocalS3Server, tmp_path: Path) -> None:
     options = s3_options(seaweedfs_s3)
     uri = f"s3://{seaweedfs_s3.bucket}/test_export-damaged-{secrets.token_hex(4)}"
     dcp.save({"w": torch.randn(4096)}, storage_writer=S3StorageWriter(uri, **options))
@@ -166,7 +166,7 @@ def test_damaged_checkpoint(cli, seaweedfs_s3: LocalS3Server, tmp_path: Path) ->
     body = bytearray(client.get_object(Bucket=location.bucket, Key=key)["Body"].read())
     body[100] ^= 0xFF  # same size, one flipped byte
     client.put_object(Bucket=location.bucket, Key=key, Body=bytes(body))
-    result = cli("export", uri, str(tmp_path / "out"))
+    result = _cli_runner.entry_point(seaweedfs_s3, tmp_path, "export", uri, str(tmp_path / "out"))
     assert result.code == 1
     assert "s3ckpt export: error:" in result.err and "checksum" in result.err
     assert len(result.err.strip().splitlines()) == 1
@@ -195,13 +195,15 @@ def test_existing_output_is_refused_unless_overwrite(
 
 
 def test_dtype_that_cannot_hold_the_values_warns(
-    cli, seaweedfs_s3: LocalS3Server, tmp_path: Path
+    seaweedfs_s3: LocalS3Server, tmp_path: Path
 ) -> None:
     options = s3_options(seaweedfs_s3)
     uri = f"s3://{seaweedfs_s3.bucket}/test_export-range-{secrets.token_hex(4)}"
     state = {"big": torch.tensor([1.0, 1e6, -3e38]), "small": torch.tensor([0.5, 2.0])}
     dcp.save(state, storage_writer=S3StorageWriter(uri, **options))
-    result = cli("export", uri, str(tmp_path / "out"), "--dtype", "fp16")
+    result = _cli_runner.entry_point(
+        seaweedfs_s3, tmp_path, "export", uri, str(tmp_path / "out"), "--dtype", "fp16"
+    )
     assert result.code == 0, result.err
     assert result.err.strip() == (
         "s3ckpt export: warning: fp16 cannot hold values of 1 tensor(s) (first: big); "

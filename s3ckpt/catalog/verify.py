@@ -45,7 +45,7 @@ _PIECE = 64 * MiB  # the largest piece of one item (rounded down to whole blocks
 
 @dataclass(frozen=True)
 class Problem:
-    what: str  # the item (FQN, with its chunk offsets when sharded) or "metadata"
+    what: str  # the item (FQN, with its chunk offsets when sharded), "metadata" or "index"
     key: str  # object key relative to the checkpoint
     message: str
 

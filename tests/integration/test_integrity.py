@@ -8,7 +8,7 @@ import torch.distributed.checkpoint as dcp
 from stored import stored_manifest
 
 from s3ckpt import CorruptCheckpointError, StorageError, catalog, unwrap
-from s3ckpt.config import S3URI
+from s3ckpt.config import S3URI, make_config
 from s3ckpt.format.manifest import Manifest
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
@@ -188,3 +188,28 @@ def make_config_for(options):
     from s3ckpt.config import make_config
 
     return make_config(None, **options)
+
+
+@pytest.mark.parametrize("damage", ["flipped", "missing"])
+def test_a_damaged_index_object_fails_the_load_and_shows_in_verify(
+    local_s3, s3_prefix, make_writer, make_reader, s3_options, damage
+):
+    dcp.save({"a": torch.ones(300), "b": torch.zeros(5)}, storage_writer=make_writer(s3_prefix))
+    manifest = _manifest(local_s3, s3_prefix)
+    (ref,) = manifest.indexes
+    location = S3URI.parse(s3_prefix)
+    if damage == "flipped":
+        _rewrite(local_s3, s3_prefix, ref.key, lambda b: b.__setitem__(5, b[5] ^ 0x20))
+    else:
+        local_s3.client().delete_object(Bucket=location.bucket, Key=location.key(ref.key))
+    with pytest.raises(BaseException) as info:
+        dcp.load({"a": torch.zeros(300), "b": torch.ones(5)}, storage_reader=make_reader(s3_prefix))
+    error = unwrap(info.value)
+    assert isinstance(error, CorruptCheckpointError), error
+    assert ref.key in str(error)
+    report = catalog.verify_checkpoint(s3_prefix, config=make_config(None, **s3_options))
+    assert not report.ok and report.items == 2
+    (problem,) = report.problems
+    assert problem.what == "index" and problem.key == ref.key
+    assert ("missing" if damage == "missing" else "checksum mismatch") in problem.message
+    assert "2 items of rank 0 unchecked" in problem.message

@@ -156,12 +156,15 @@ class S3StorageReader(S3Location, StorageReader):
         """The coordinator reads the manifest and metadata and broadcasts them (or its
         error, which every rank then raises): the other ranks make no request."""
         fetched: tuple[Manifest, bytes] | BaseException | None = None
+        failure: Exception | None = None
         if group.is_coordinator:
             try:
                 fetched = io_loop().run(self._fetch_metadata(location))
             except Exception as exc:
-                fetched = _portable(exc)
+                failure, fetched = exc, _portable(exc)
         received = group.broadcast_object(fetched)
+        if failure is not None:
+            raise failure
         if isinstance(received, BaseException):
             raise received
         return received

@@ -37,11 +37,17 @@ from s3ckpt.errors import (
     StorageError,
 )
 from s3ckpt.format.manifest import Manifest
-from s3ckpt.interop.objects import COPY_OBJECT_LIMIT, Endpoints, copy_object
+from s3ckpt.interop.objects import (
+    COPY_OBJECT_LIMIT,
+    STREAM_PART_SIZE,
+    Endpoints,
+    copy_object,
+)
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer.commit import commit_manifest, committed_save_id
 from s3ckpt.transfer.inflight import Heartbeat, clear_in_flight, mark_in_flight
+from s3ckpt.transfer.parts import MAX_PART_SIZE, MIN_PART_SIZE
 
 PARALLEL_COPIES = 8  # objects copied at once (a streamed one holds one part in memory)
 log = logging.getLogger(__name__)
@@ -69,6 +75,7 @@ def copy_checkpoint(
     destination_config: S3Config | None = None,
     max_buffer: int = DEFAULT_MAX_BUFFER,
     copy_object_limit: int = COPY_OBJECT_LIMIT,
+    part_size: int = STREAM_PART_SIZE,
     progress: Reporter = SILENT,
     **options: Any,
 ) -> CopyReport:
@@ -76,7 +83,9 @@ def copy_checkpoint(
 
     ``config`` and ``options`` configure the source's endpoint, and the destination's too
     unless ``destination_config`` names another. ``max_buffer`` bounds the verifier's
-    memory. Raises :class:`~s3ckpt.errors.CheckpointNotFoundError` (nothing committed at
+    memory; ``part_size`` is the part of multipart copies (streamed ones hold one part per
+    object in flight); objects over ``copy_object_limit`` are copied in parts even on one
+    endpoint. Raises :class:`~s3ckpt.errors.CheckpointNotFoundError` (nothing committed at
     ``source``), :class:`~s3ckpt.errors.CheckpointExistsError` (``destination``
     committed, no ``overwrite``), :class:`~s3ckpt.errors.CorruptCheckpointError` (the
     copy failed verification; nothing is committed).
@@ -84,7 +93,9 @@ def copy_checkpoint(
     src, src_location = open_store(source, config, options, require_prefix=True)
     dst_config = destination_config or src.config
     dst, dst_location = open_store(destination, dst_config, {}, require_prefix=True)
-    sides = Endpoints(src, dst, copy_object_limit=copy_object_limit)
+    if not MIN_PART_SIZE <= part_size <= MAX_PART_SIZE:
+        raise ConfigError(f"part_size must be between 5 MiB and 5 GiB, got {part_size}")
+    sides = Endpoints(src, dst, copy_object_limit=copy_object_limit, part_size=part_size)
     if sides.server_side and (src.bucket, src_location.prefix) == (
         dst.bucket,
         dst_location.prefix,

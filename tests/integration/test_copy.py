@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from s3_servers import MotoS3Server
 
 from s3ckpt import S3StorageReader, S3StorageWriter
-from s3ckpt.config import S3URI
+from s3ckpt.config import S3URI, S3Config
 from s3ckpt.errors import CorruptCheckpointError
 from s3ckpt.format.manifest import MANIFEST_NAME
 from s3ckpt.interop import copy_checkpoint
@@ -63,6 +63,13 @@ def same_objects(server: Any, uri: str, source_server: Any, source: str) -> None
     assert copied == original
 
 
+def parts_of_largest(server: Any, uri: str) -> str:
+    """The ETag of the largest object under ``uri``: ``"...-N"`` for an N-part upload."""
+    location = S3URI.parse(uri)
+    name = max(keys(server, uri).items(), key=lambda item: item[1])[0]
+    return server.client().head_object(Bucket=location.bucket, Key=location.key(name))["ETag"]
+
+
 def assert_loads(uri: str, server: Any) -> None:
     expected = state()
     loaded = {"w": torch.zeros_like(expected["w"]), "e": torch.zeros_like(expected["e"]), "step": 0}
@@ -101,12 +108,15 @@ def test_across_buckets_and_objects_over_the_copy_limit(
     source: str, seaweedfs_s3: LocalS3Server
 ) -> None:
     """A second bucket on the same endpoint; objects over the CopyObject limit (lowered
-    here to 1 byte) go by UploadPartCopy."""
+    here to 1 byte) go by UploadPartCopy, the 12 MiB data object in three 5 MiB parts."""
     bucket = f"copy-{secrets.token_hex(4)}"
     seaweedfs_s3.client().create_bucket(Bucket=bucket)
     destination = f"s3://{bucket}/imported/step-42"
-    report = copy_checkpoint(source, destination, copy_object_limit=1, **options_of(seaweedfs_s3))
+    report = copy_checkpoint(
+        source, destination, copy_object_limit=1, part_size=5 * 2**20, **options_of(seaweedfs_s3)
+    )
     assert report.server_side
+    assert parts_of_largest(seaweedfs_s3, destination).endswith('-3"')  # 5 + 5 + 2 MiB
     same_objects(seaweedfs_s3, destination, seaweedfs_s3, source)
     assert_loads(destination, seaweedfs_s3)
 
@@ -118,6 +128,25 @@ def test_across_endpoints_streamed(
     result = cli("cp", source, destination, "--to-endpoint-url", moto_s3.endpoint_url)
     assert result.code == 0, result.err
     assert "streamed; verified" in result.out
+    same_objects(moto_s3, destination, seaweedfs_s3, source)
+    assert_loads(destination, moto_s3)
+
+
+def test_across_endpoints_in_parts(
+    source: str, seaweedfs_s3: LocalS3Server, moto_s3: MotoS3Server
+) -> None:
+    """Objects larger than a part are streamed through part by part (5 MiB here), each
+    part with its CRC32C."""
+    destination = f"s3://{moto_s3.bucket}/parts-{secrets.token_hex(4)}/step-42"
+    report = copy_checkpoint(
+        source,
+        destination,
+        part_size=5 * 2**20,
+        destination_config=S3Config(**options_of(moto_s3)),
+        **options_of(seaweedfs_s3),
+    )
+    assert not report.server_side and report.verified_bytes >= 12 * 2**20
+    assert parts_of_largest(moto_s3, destination).endswith('-3"')  # 5 + 5 + 2 MiB
     same_objects(moto_s3, destination, seaweedfs_s3, source)
     assert_loads(destination, moto_s3)
 

@@ -1,0 +1,218 @@
+"""The blocking TLS path's pieces on their own: request heads as signed, cancellation,
+stale kept-alive connections, answers that arrive before the whole body was taken."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from urllib.parse import urlsplit
+
+import pytest
+
+from s3ckpt.s3.http_range import tls_context
+from s3ckpt.s3.tls_exchange import send_request
+from s3ckpt.s3.tls_send import TlsSender, _request_head
+from s3ckpt.s3.tls_socket import TlsTransport
+from s3ckpt.testing.tls_cert import write_tls_files
+
+
+def test_the_request_head_keeps_signed_headers_and_drops_expect():
+    url = urlsplit("https://s3.example.com:443/bucket/key?partNumber=2&uploadId=abc")
+    headers = {
+        "Authorization": "AWS4-HMAC-SHA256 Credential=...",
+        "X-Amz-Date": b"20260101T000000Z",
+        "Expect": "100-continue",
+        "Content-Length": "999",
+        "User-Agent": "aiobotocore",
+    }
+    head = _request_head("PUT", url, headers, 1234).decode("latin-1")
+    lines = head.split("\r\n")
+    assert lines[0] == "PUT /bucket/key?partNumber=2&uploadId=abc HTTP/1.1"
+    assert "Host: s3.example.com" in lines  # the default port is not part of the signed host
+    assert "Content-Length: 1234" in lines and "Content-Length: 999" not in lines
+    assert "X-Amz-Date: 20260101T000000Z" in lines
+    assert not any(line.lower().startswith("expect") for line in lines)
+    assert head.endswith("\r\n\r\n")
+    other = _request_head("PUT", urlsplit("https://localhost:9000/b/k"), {}, 0).decode()
+    assert "Host: localhost:9000" in other and "User-Agent: s3ckpt/" in other
+
+
+class _TlsServer:
+    """A TLS server on 127.0.0.1 whose connections run ``handle(sock)`` in a thread."""
+
+    def __init__(self, directory: Path, handle: Callable[[ssl.SSLSocket], None]) -> None:
+        files = write_tls_files(directory)
+        self.ca_file = files.ca_file
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(files.cert_file, files.key_file)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.context, self.handle = context, handle
+        self.accepted = 0
+        self.threads: list[threading.Thread] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                raw, _ = self.listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            thread = threading.Thread(target=self._one, args=(raw,), daemon=True)
+            thread.start()
+            self.threads.append(thread)
+
+    def _one(self, raw: socket.socket) -> None:
+        try:
+            with self.context.wrap_socket(raw, server_side=True) as sock:
+                self.handle(sock)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.listener.close()
+        for thread in self.threads:
+            thread.join(timeout=5)
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator[Callable[[Callable[[ssl.SSLSocket], None]], _TlsServer]]:
+    servers: list[_TlsServer] = []
+
+    def start(handle: Callable[[ssl.SSLSocket], None]) -> _TlsServer:
+        directory = tmp_path / str(len(servers))
+        directory.mkdir()
+        servers.append(_TlsServer(directory, handle))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def _transport(ca_file: Path, read_timeout: float = 5.0) -> TlsTransport:
+    return TlsTransport(
+        tls_context(str(ca_file)), connect_timeout=5.0, read_timeout=read_timeout, max_idle=4
+    )
+
+
+def _read_request(sock: ssl.SSLSocket) -> int:
+    """Read one request (head and Content-Length body); returns the body length."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return -1
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":")[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length")
+    )
+    while len(body) < length:
+        body += sock.recv(65536)
+    return length
+
+
+_OK = b'HTTP/1.1 200 OK\r\nETag: "e"\r\nContent-Length: 0\r\n\r\n'
+
+
+def test_a_cancelled_request_stops_its_thread_at_once(serve):
+    release = threading.Event()
+    server = serve(lambda sock: (_read_request(sock), release.wait(10)))
+    transport = _transport(server.ca_file)
+    head = b"PUT /b/k HTTP/1.1\r\nHost: localhost\r\nContent-Length: 4\r\n\r\n"
+
+    async def cancelled() -> float:
+        task = asyncio.ensure_future(
+            transport.run(
+                "localhost", server.port, lambda c: send_request(c, head, memoryview(b"data"))
+            )
+        )
+        await asyncio.sleep(0.3)
+        started = time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return time.monotonic() - started
+
+    try:
+        assert asyncio.run(cancelled()) < 2  # not the 5 s read timeout
+    finally:
+        release.set()
+        transport.executor.shutdown(wait=True)
+
+
+def test_a_kept_alive_connection_the_server_closed_is_replaced(serve):
+    def answer_once(sock: ssl.SSLSocket) -> None:
+        _read_request(sock)
+        sock.sendall(_OK)  # keep-alive by default, but close it right after
+
+    server = serve(answer_once)
+    transport = _transport(server.ca_file)
+    head = b"PUT /b/k HTTP/1.1\r\nHost: localhost\r\nContent-Length: 4\r\n\r\n"
+
+    async def twice() -> list[int]:
+        statuses = []
+        for _ in range(2):
+            status, headers, _ = await transport.run(
+                "localhost", server.port, lambda c: send_request(c, head, memoryview(b"data"))
+            )
+            statuses.append(status)
+            assert headers["etag"] == '"e"'
+            await asyncio.sleep(0.2)  # the server has closed the idle connection by now
+        return statuses
+
+    try:
+        assert asyncio.run(twice()) == [200, 200]
+        assert server.accepted == 2  # the stale connection was replaced, not reported
+    finally:
+        transport.close_idle()
+        transport.executor.shutdown(wait=True)
+
+
+def test_an_answer_before_the_whole_body_is_what_the_caller_gets(serve):
+    refusal = b"<Error><Code>AccessDenied</Code></Error>"
+
+    def refuse_early(sock: ssl.SSLSocket) -> None:
+        sock.recv(65536)  # the head and no more of the body
+        sock.sendall(
+            b"HTTP/1.1 403 Forbidden\r\nConnection: close\r\n"
+            + f"Content-Length: {len(refusal)}\r\n\r\n".encode()
+            + refusal
+        )
+        time.sleep(0.5)
+
+    server = serve(refuse_early)
+    transport = _transport(server.ca_file)
+    body = memoryview(bytes(64 * 1024 * 1024))
+    head = f"PUT /b/k HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+
+    async def put() -> tuple[int, bytes]:
+        status, _, content = await transport.run(
+            "localhost", server.port, lambda c: send_request(c, head, body)
+        )
+        return status, content
+
+    try:
+        assert asyncio.run(put()) == (403, refusal)
+    finally:
+        transport.executor.shutdown(wait=True)
+
+
+def test_requests_the_tls_path_does_not_take_are_left_to_aiohttp():
+    """Plain HTTP, and bodies that are not memory (a file, say), go the usual way."""
+    sender = TlsSender(transport=None)  # type: ignore[arg-type]  # never reached
+    plain = SimpleNamespace(method="PUT", url="http://h/b/k", headers={}, body=b"x")
+    stream = SimpleNamespace(method="PUT", url="https://h/b/k", headers={}, body=io.BytesIO())
+    assert asyncio.run(sender(plain)) is None
+    assert asyncio.run(sender(stream)) is None

@@ -140,12 +140,13 @@ class TlsTransport:
     ) -> T:
         """Run ``exchange`` (blocking; returns its result and whether the connection may be
         kept) on a connection to ``host:port`` in a worker thread. A kept-alive connection
-        that the server had closed is replaced once without counting as a failure."""
+        that the server had closed meanwhile is replaced without counting as a failure
+        (only reused connections can be stale, and each is tried once)."""
         while True:
-            holder: list[TlsConnection] = []
+            attempt = _Attempt()
             try:
                 return await self._in_thread(
-                    holder, functools.partial(self._exchange, host, port, exchange, holder)
+                    attempt, functools.partial(self._exchange, host, port, exchange, attempt)
                 )
             except StaleConnection:
                 continue
@@ -155,10 +156,9 @@ class TlsTransport:
         host: str,
         port: int,
         exchange: Callable[[TlsConnection], tuple[T, bool]],
-        holder: list[TlsConnection],
+        attempt: _Attempt,
     ) -> T:
-        connection = self.connection(host, port)
-        holder.append(connection)
+        connection = attempt.hold(self.connection(host, port))
         try:
             result, keep_alive = exchange(connection)
         except BaseException:
@@ -167,19 +167,42 @@ class TlsTransport:
         self.release(connection, keep_alive=keep_alive)
         return result
 
-    async def _in_thread(self, holder: list[TlsConnection], call: Callable[[], T]) -> T:
-        """``call()`` in a worker thread; on cancellation its connection is shut down and
-        the thread awaited before the cancellation goes on."""
+    async def _in_thread(self, attempt: _Attempt, call: Callable[[], T]) -> T:
+        """``call()`` in a worker thread; on cancellation its connection is shut down (or,
+        not yet connected, closed as soon as it is) and the thread awaited before the
+        cancellation goes on, so no byte is sent from memory the caller has let go of."""
         future = asyncio.get_running_loop().run_in_executor(self.executor, call)
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
-            for connection in holder:
-                connection.abort()
+            attempt.cancel()
             while not future.done():
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.wait([future])
             raise
+
+
+class _Attempt:
+    """The connection one request runs on, and whether the request was cancelled."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._connection: TlsConnection | None = None
+        self._cancelled = False
+
+    def hold(self, connection: TlsConnection) -> TlsConnection:
+        """Record the connection (worker thread); aborted at once if already cancelled."""
+        with self._lock:
+            self._connection = connection
+            if self._cancelled:
+                connection.abort()
+        return connection
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            if self._connection is not None:
+                self._connection.abort()
 
 
 class StaleConnection(Exception):

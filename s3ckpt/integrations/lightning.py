@@ -142,8 +142,9 @@ class S3CheckpointIO(CheckpointIO):
         try:
             self._remove(uri)
         except CheckpointNotFoundError:
-            # Not committed: under AsyncCheckpointIO its save is still queued. Removed
-            # when that save commits.
+            # Not committed: under AsyncCheckpointIO its save is still queued, so it is
+            # removed when that save commits. (Lightning removes only paths it saved, and
+            # never saves a path again after removing it within one process.)
             with self._lock:
                 self._deferred_removals.add(uri)
             log.debug("%s is not committed yet; it will be removed once it is", uri)

@@ -198,6 +198,21 @@ def test_a_checkpoint_dict_comes_back_with_its_types(
         io.load_checkpoint(uri)
 
 
+def test_a_removal_asked_for_before_the_save_commits_happens_when_it_commits(
+    s3_prefix: str, s3_options: dict[str, Any]
+) -> None:
+    """AsyncCheckpointIO's order: save(B) queued, remove(A) while A's save is still queued."""
+    io = S3CheckpointIO(configure_fsspec=False, **s3_options)
+    state = {"state_dict": {"w": torch.ones(8)}}
+    io.remove_checkpoint(f"{s3_prefix}/a.ckpt")  # not saved yet: remembered
+    io.save_checkpoint(state, f"{s3_prefix}/b.ckpt")
+    assert committed_names(s3_prefix, s3_options) == ["b.ckpt"]
+    io.save_checkpoint(state, f"{s3_prefix}/a.ckpt")  # committed, then removed
+    assert committed_names(s3_prefix, s3_options) == ["b.ckpt"]
+    io.save_checkpoint(state, f"{s3_prefix}/a.ckpt")  # the removal was carried out once
+    assert committed_names(s3_prefix, s3_options) == ["a.ckpt", "b.ckpt"]
+
+
 def test_storage_options_apply_to_one_save(s3_prefix: str, s3_options: dict[str, Any]) -> None:
     io = S3CheckpointIO(configure_fsspec=False, **s3_options)
     state = {"state_dict": {"w": torch.arange(4096, dtype=torch.float32)}}

@@ -58,7 +58,7 @@ from s3ckpt.manager.policy import (
     SaveMetrics,
     checkpoint_name,
     parse_step,
-    stored_bytes,
+    state_bytes,
     validate_options,
 )
 
@@ -354,7 +354,7 @@ class CheckpointManager:
     def _committed_ok(
         self, step: int, metadata: Any, blocked: float, upload: float, waited: float
     ) -> SaveMetrics:
-        metrics = SaveMetrics.of(step, blocked, upload, stored_bytes(metadata), waited)
+        metrics = SaveMetrics.of(step, blocked, upload, state_bytes(metadata), waited)
         with self._lock:
             self._committed.add(step)
             self.metrics.append(metrics)

@@ -90,7 +90,7 @@ class SaveMetrics:
         )
 
 
-def stored_bytes(metadata: Any) -> int:
+def state_bytes(metadata: Any) -> int:
     """Tensor bytes of the state saved (uncompressed), from the metadata DCP's save returns:
     what the throughput of a save is measured in."""
     total = 0

@@ -7,7 +7,6 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,7 +14,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from s3ckpt.catalog import CheckpointInfo
 from s3ckpt.errors import BucketNotFoundError, CheckpointError, CheckpointExistsError, ConfigError
-from s3ckpt.format.layout import StoredItem
 from s3ckpt.manager import checkpoint_manager as manager_module
 from s3ckpt.manager.checkpoint_manager import CheckpointManager
 from s3ckpt.manager.policy import (
@@ -23,7 +21,7 @@ from s3ckpt.manager.policy import (
     checkpoint_name,
     parse_step,
     retention_victims,
-    stored_bytes,
+    state_bytes,
 )
 
 NOW = 1_000_000.0
@@ -71,14 +69,24 @@ def test_metrics_throughput_and_dict():
     assert "step-0000000007 committed: 50.0 MB" in str(metrics)
 
 
-def test_stored_bytes_sums_every_item_of_every_rank():
-    metadata = SimpleNamespace(
-        storage_data={
-            i: StoredItem(key="k", offset=0, length=n, crc32c=(0,)) for i, n in enumerate((3, 5, 0))
+def test_state_bytes_sums_the_tensors_dcp_saved():
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    metadata = Metadata(
+        {
+            "w": TensorStorageMetadata(TensorProperties(torch.bfloat16), torch.Size([4, 8]), []),
+            "step": TensorStorageMetadata(TensorProperties(torch.int64), torch.Size([]), []),
+            "extra": BytesStorageMetadata(),  # size unknown to the metadata: not counted
         }
     )
-    assert stored_bytes(metadata) == 8
-    assert stored_bytes(None) == 0
+    assert state_bytes(metadata) == 4 * 8 * 2 + 8
+    assert state_bytes(None) == 0
 
 
 # -- retention choice ---------------------------------------------------------------------------
@@ -158,8 +166,16 @@ class FakeDCP:
         return future
 
     def commit(self, index: int = -1, nbytes: int = 1000) -> None:
-        item = StoredItem(key="k", offset=0, length=nbytes, crc32c=(0,))
-        self.futures[index].set_result(SimpleNamespace(storage_data={0: item}))
+        """Complete a save whose state was ``nbytes`` of uint8 (what DCP's metadata says)."""
+        import torch
+        from torch.distributed.checkpoint.metadata import (
+            Metadata,
+            TensorProperties,
+            TensorStorageMetadata,
+        )
+
+        tensor = TensorStorageMetadata(TensorProperties(torch.uint8), torch.Size([nbytes]), [])
+        self.futures[index].set_result(Metadata({"w": tensor}))
 
     def fail(self, error: BaseException, index: int = -1) -> None:
         wrapped = CheckpointException("save failed", {0: (error, None)})

@@ -62,7 +62,8 @@ class SaveMetrics:
 
     ``blocked_s``: seconds ``save()`` held the training loop (``waited_s`` of them waiting
     for the previous upload, the rest staging); ``upload_s``: from ``save()`` returning to
-    the commit; ``bytes``: stored by all ranks (after compression, if any);
+    the commit; ``bytes``: the tensor bytes of the state saved, all ranks (before any
+    compression);
     ``throughput_mb_s``: bytes / upload_s in MB/s (10**6 bytes).
     """
 

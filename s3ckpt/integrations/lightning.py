@@ -149,6 +149,19 @@ class S3CheckpointIO(CheckpointIO):
                 self._deferred_removals.add(uri)
             log.debug("%s is not committed yet; it will be removed once it is", uri)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Configuration only: ``ddp_spawn`` pickles the plugins into each process."""
+        state = self.__dict__.copy()
+        for name in ("_lock", "_saving", "_deferred_removals"):
+            del state[name]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._saving = set()
+        self._deferred_removals = set()
+
     def teardown(self) -> None:
         with self._lock:
             self._deferred_removals.clear()

@@ -6,6 +6,7 @@ wrapped in Lightning's AsyncCheckpointIO."""
 from __future__ import annotations
 
 import copy
+import pickle
 from collections.abc import Iterator
 from typing import Any
 
@@ -233,6 +234,17 @@ def test_pickled_objects_need_weights_only_false(
     assert io.load_checkpoint(uri, weights_only=False)["hyper_parameters"] == {
         "optimizer": torch.optim.AdamW
     }
+
+
+def test_the_plugin_pickles_for_spawned_processes(
+    s3_prefix: str, s3_options: dict[str, Any]
+) -> None:
+    io = S3CheckpointIO(
+        configure_fsspec=False, writer_options={"compression": "zstd"}, **s3_options
+    )
+    copied = pickle.loads(pickle.dumps(io))
+    assert copied.config == io.config and copied.writer_options == {"compression": "zstd"}
+    copied.remove_checkpoint(f"{s3_prefix}/never-saved.ckpt")  # its lock works
 
 
 def test_paths_lightning_mangled_are_repaired_and_others_refused() -> None:

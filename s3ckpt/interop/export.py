@@ -30,8 +30,14 @@ from s3ckpt.dcp.compat import CheckpointException, StorageReader, unwrap
 from s3ckpt.dcp.consolidate import StoredTensor, batches, load_full, read_contents
 from s3ckpt.dcp.reader import S3StorageReader
 from s3ckpt.errors import ConfigError
-from s3ckpt.interop.formats import DEFAULT_MAX_SHARD_SIZE, SafetensorsWriter, Spec, TorchWriter
-from s3ckpt.interop.output import Output, open_output
+from s3ckpt.interop.formats import (
+    DEFAULT_MAX_SHARD_SIZE,
+    SafetensorsWriter,
+    Spec,
+    TorchWriter,
+    check_safetensors_dtypes,
+)
+from s3ckpt.interop.output import open_output
 from s3ckpt.transfer.parts import MiB
 
 FORMATS = ("safetensors", "torch")
@@ -113,26 +119,12 @@ def export_checkpoint(
     contents = _unwrapped(lambda: read_contents(reader()))
     chosen = _select(contents.tensors, only)
     specs = [Spec(name, _converted_dtype(t.dtype, target), t.shape) for name, t in chosen]
+    if format == "safetensors":
+        check_safetensors_dtypes(specs)
     output = open_output(out, output_config or s3)
     output.check(overwrite)
     report = ExportReport(str(location), str(output), format, [], len(specs), 0)
     report.left_out = [fqn for fqn in contents.others if _under(fqn, only)]
-    _run(reader, output, chosen, specs, format, max_shard_size, window, report, progress)
-    return report
-
-
-def _run(
-    reader: Callable[[], StorageReader],
-    output: Output,
-    chosen: Sequence[tuple[str, StoredTensor]],
-    specs: Sequence[Spec],
-    format: str,
-    max_shard_size: int,
-    window: int,
-    report: ExportReport,
-    progress: Reporter,
-) -> None:
-    """Load window by window, write tensor by tensor; on failure remove what was written."""
     writer: SafetensorsWriter | TorchWriter | None = None
     try:
         writer = (
@@ -140,29 +132,39 @@ def _run(
             if format == "safetensors"
             else TorchWriter(output, specs)
         )
-        by_fqn = {
-            stored.fqn: (name, spec) for (name, stored), spec in zip(chosen, specs, strict=True)
-        }
-        order = {name: n for n, name in enumerate(s.name for s in writer.order)}
-        stored = sorted((t for _, t in chosen), key=lambda t: order[by_fqn[t.fqn][0]])
-        progress.start("exporting", sum(s.nbytes for s in specs), "bytes")
-        for batch in batches(stored, window):
-            state = _unwrapped(lambda batch=batch: load_full(reader, batch))
-            for tensor in batch:
-                name, spec = by_fqn[tensor.fqn]
-                # No name keeps the tensor alive into the next window's allocation.
-                writer.write(name, _convert(state.pop(tensor.fqn), spec.dtype, name, report))
-                report.bytes += spec.nbytes
-                progress.advance(spec.nbytes)
-        writer.close()
+        _stream(reader, writer, dict(zip(specs, chosen, strict=True)), window, report, progress)
         output.finish()
-        progress.finish()
     except BaseException:
-        if isinstance(writer, TorchWriter):
+        if writer is not None:
             writer.discard()
         output.discard()
         raise
     report.files = list(output.written)
+    return report
+
+
+def _stream(
+    reader: Callable[[], StorageReader],
+    writer: SafetensorsWriter | TorchWriter,
+    sources: dict[Spec, tuple[str, StoredTensor]],
+    window: int,
+    report: ExportReport,
+    progress: Reporter,
+) -> None:
+    """Load window by window in the writer's order, write tensor by tensor."""
+    stored = [sources[spec][1] for spec in writer.order]
+    specs = {sources[spec][1].fqn: spec for spec in writer.order}
+    progress.start("exporting", sum(s.nbytes for s in writer.order), "bytes")
+    for batch in batches(stored, window):
+        state = _unwrapped(lambda batch=batch: load_full(reader, batch))
+        for tensor in batch:
+            spec = specs[tensor.fqn]
+            # No name keeps the tensor alive into the next window's allocation.
+            writer.write(spec.name, _convert(state.pop(tensor.fqn), spec, report))
+            report.bytes += spec.nbytes
+            progress.advance(spec.nbytes)
+    writer.close()
+    progress.finish()
 
 
 def _unwrapped(call: Callable[[], Any]) -> Any:
@@ -205,10 +207,9 @@ def _converted_dtype(dtype: torch.dtype, target: torch.dtype | None) -> torch.dt
     return target if target is not None and dtype.is_floating_point else dtype
 
 
-def _convert(
-    tensor: torch.Tensor, dtype: torch.dtype, name: str, report: ExportReport
-) -> torch.Tensor:
-    """``tensor`` in ``dtype``; a finite value that became infinite is reported."""
+def _convert(tensor: torch.Tensor, spec: Spec, report: ExportReport) -> torch.Tensor:
+    """``tensor`` in the spec's dtype; a finite value that became infinite is reported."""
+    dtype, name = spec.dtype, spec.name
     if tensor.dtype == dtype:
         return tensor
     converted = tensor.to(dtype)

@@ -76,12 +76,7 @@ class SafetensorsWriter:
     """Writes safetensors shards (module docstring); tensors must come in ``specs`` order."""
 
     def __init__(self, output: Output, specs: Sequence[Spec], max_shard_size: int) -> None:
-        unsupported = sorted({str(s.dtype) for s in specs if s.dtype not in SAFETENSORS_DTYPES})
-        if unsupported:
-            raise ConfigError(
-                f"safetensors cannot hold {', '.join(unsupported)} tensors; "
-                "use --format torch or --dtype"
-            )
+        check_safetensors_dtypes(specs)
         self.output = output
         self.shards = _shards(specs, max_shard_size)
         count = len(self.shards)
@@ -116,6 +111,7 @@ class SafetensorsWriter:
             self._open_next()
         if self._stream is not None:
             self._stream.close()
+            self._stream = None
         total = sum(spec.nbytes for spec in self.order)
         weight_map = {
             spec.name: self.names[n] for n, shard in enumerate(self.shards) for spec in shard
@@ -124,6 +120,22 @@ class SafetensorsWriter:
         stream = self.output.open(INDEX_NAME)
         stream.write(json.dumps(index, indent=2).encode() + b"\n")
         stream.close()
+
+    def discard(self) -> None:
+        """Give up after a failure (the output removes the files)."""
+        if self._stream is not None:
+            self._stream.abort()
+            self._stream = None
+
+
+def check_safetensors_dtypes(specs: Sequence[Spec]) -> None:
+    """:class:`ConfigError` if safetensors has no name for a dtype among ``specs``."""
+    unsupported = sorted({str(s.dtype) for s in specs if s.dtype not in SAFETENSORS_DTYPES})
+    if unsupported:
+        raise ConfigError(
+            f"safetensors cannot hold {', '.join(unsupported)} tensors; "
+            "use --format torch or --dtype"
+        )
 
 
 def _shards(specs: Sequence[Spec], limit: int) -> list[list[Spec]]:
@@ -192,11 +204,17 @@ class TorchWriter:
     def close(self) -> None:
         self._copy_to(None)
         self.stream.close()
-        self.discard()
+        self._remove_skeleton()
 
     def discard(self) -> None:
+        """Give up after a failure (the output removes the file); remove the skeleton."""
+        self.stream.abort()
+        self._remove_skeleton()
+
+    def _remove_skeleton(self) -> None:
         self.skeleton.close()
-        os.unlink(self._skeleton_path)
+        if os.path.exists(self._skeleton_path):
+            os.unlink(self._skeleton_path)
 
 
 def _records(path: str, specs: Sequence[Spec]) -> list[int]:

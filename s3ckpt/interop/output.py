@@ -40,6 +40,9 @@ class Stream(Protocol):
 
     def write(self, data: memoryview | bytes) -> None: ...
     def close(self) -> None: ...
+    def abort(self) -> None:
+        """Give up on the file (its output removes it)."""
+        ...
 
 
 class Output(Protocol):
@@ -85,7 +88,7 @@ class LocalOutput:
 
     def open(self, name: str) -> Stream:
         self.written.append(name)
-        return self.path.joinpath(name).open("wb")
+        return _LocalStream(self.path / name)
 
     def finish(self) -> None:
         for name in _stale(self._existing, self.written):
@@ -144,6 +147,22 @@ def _stale(existing: list[str], written: list[str]) -> list[str]:
     return [n for n in existing if EXPORT_NAMES.match(n) and n not in written]
 
 
+class _LocalStream:
+    """One local file written front to back."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = path.open("wb")
+
+    def write(self, data: memoryview | bytes) -> None:
+        self.file.write(data)
+
+    def close(self) -> None:
+        self.file.close()
+
+    def abort(self) -> None:
+        self.file.close()
+
+
 class _S3Stream:
     """One object written front to back: parts of :data:`PART_SIZE` uploaded as they fill."""
 
@@ -181,7 +200,13 @@ class _S3Stream:
 
     def abort(self) -> None:
         if self.upload_id is not None:
+            upload_id, self.upload_id = self.upload_id, None
             try:
-                io_loop().run(self.store.abort_multipart(self.key, self.upload_id))
-            except StorageError as exc:  # gc aborts it later
-                log.warning("could not abort the upload of %s: %s", self.key, exc)
+                io_loop().run(self.store.abort_multipart(self.key, upload_id))
+            except StorageError as exc:  # not an s3ckpt key: gc leaves it to lifecycle rules
+                log.warning(
+                    "could not abort the upload of %s (an AbortIncompleteMultipartUpload "
+                    "lifecycle rule removes it): %s",
+                    self.key,
+                    exc,
+                )

@@ -22,7 +22,7 @@ from safetensors.torch import load, load_file
 
 from s3ckpt import S3StorageWriter
 from s3ckpt.config import S3URI
-from s3ckpt.errors import OutputExistsError
+from s3ckpt.errors import CorruptCheckpointError, OutputExistsError
 from s3ckpt.interop import export_checkpoint
 from s3ckpt.testing.local_s3 import LocalS3Server
 
@@ -229,3 +229,25 @@ def test_bad_options(
     assert result.code == 2
     assert result.err.strip() == f"s3ckpt export: error: {message}"
     assert not (tmp_path / "out").exists()
+
+
+def test_a_failed_export_to_s3_leaves_nothing(seaweedfs_s3: LocalS3Server) -> None:
+    """The first tensor is half uploaded (one 64 MiB part of 70) when the second turns out
+    damaged: the upload is aborted and the prefix stays empty."""
+    options = s3_options(seaweedfs_s3)
+    base = f"s3://{seaweedfs_s3.bucket}/test_export-failed-{secrets.token_hex(4)}"
+    state = {"a": torch.randn(70 * 1024 * 1024 // 4), "b": torch.randn(1000)}
+    dcp.save(state, storage_writer=S3StorageWriter(f"{base}/ckpt", **options))
+    location, client = S3URI.parse(f"{base}/ckpt"), seaweedfs_s3.client()
+    (data,) = client.list_objects_v2(Bucket=location.bucket, Prefix=location.key("data/"))[
+        "Contents"
+    ]
+    body = bytearray(client.get_object(Bucket=location.bucket, Key=data["Key"])["Body"].read())
+    body[-1] ^= 0xFF  # the last bytes of the object are b's
+    client.put_object(Bucket=location.bucket, Key=data["Key"], Body=bytes(body))
+    with pytest.raises(CorruptCheckpointError, match="'b'"):
+        export_checkpoint(f"{base}/ckpt", f"{base}/out", window=1, **options)
+    out = S3URI.parse(f"{base}/out")
+    assert client.list_objects_v2(Bucket=out.bucket, Prefix=out.key("")).get("KeyCount") == 0
+    uploads = client.list_multipart_uploads(Bucket=out.bucket, Prefix=out.key(""))
+    assert uploads.get("Uploads", []) == []

@@ -119,7 +119,14 @@ def _read_dcp(path: Path) -> dict[str, Any]:
     def reader() -> dcp.FileSystemReader:
         return dcp.FileSystemReader(str(path))
 
-    return load_all(reader, read_contents(reader()))
+    try:
+        return load_all(reader, read_contents(reader()))
+    except (CheckpointException, OSError, EOFError, pickle.UnpicklingError, ValueError) as exc:
+        cause = unwrap(exc)
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        raise NotACheckpointError(
+            f"{path}: DCP cannot read this checkpoint folder ({first})"
+        ) from exc
 
 
 def _safetensors_in(folder: Path) -> list[Path]:

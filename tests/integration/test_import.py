@@ -150,8 +150,12 @@ def test_torch_save_file(
             lambda p: torch.save([1, 2, 3], p / "list.pt") or p / "list.pt",
             "{p}/list.pt holds no dict of tensors (list)",
         ),
+        (
+            lambda p: (p / ".metadata").write_bytes(b"") or p,
+            "{p}: DCP cannot read this checkpoint folder (Ran out of input)",
+        ),
     ],
-    ids=["missing", "empty-folder", "text-file", "no-tensors"],
+    ids=["missing", "empty-folder", "text-file", "no-tensors", "empty-dcp-metadata"],
 )
 def test_a_source_that_is_not_a_checkpoint(
     cli, tmp_path: Path, destination: str, make: Any, message: str

@@ -30,6 +30,9 @@ What Lightning does around the plugin, and how it is covered:
   manifest first, then exactly the objects it lists. Under ``AsyncCheckpointIO`` Lightning
   asks to remove a checkpoint whose save may still be queued or running; the removal is
   then carried out as soon as that save commits, so nothing is left behind.
+* Other paths (Lightning's ``ddp_spawn`` hands its final weights back to the main process
+  through a local temporary file; ``trainer.save_checkpoint("model.ckpt")``) go to
+  Lightning's ``TorchCheckpointIO``, as without the plugin.
 * ``fit(ckpt_path="last")`` does not work with remote directories in Lightning (it
   normalises ``s3://`` away); :func:`last_checkpoint` finds the newest committed
   checkpoint under a prefix instead.
@@ -48,7 +51,7 @@ import threading
 from typing import Any
 
 import torch
-from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 
 from s3ckpt import catalog
 from s3ckpt.config import S3URI, S3Config, make_config
@@ -91,6 +94,7 @@ class S3CheckpointIO(CheckpointIO):
         self.reader_options = dict(reader_options or {})
         if configure_fsspec:
             point_fsspec_at(self.config)
+        self._local = TorchCheckpointIO()
         self._lock = threading.Lock()
         self._saving: set[str] = set()
         self._deferred_removals: set[str] = set()
@@ -102,6 +106,9 @@ class S3CheckpointIO(CheckpointIO):
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         """Save ``checkpoint`` at ``path``, replacing a committed one atomically."""
+        if not is_s3(path):
+            self._local.save_checkpoint(checkpoint, path, storage_options)
+            return
         uri = lightning_uri(path)
         options = {**self.writer_options, **(storage_options or {})}
         writer = S3StorageWriter(uri, config=self.config, overwrite=True, **options)
@@ -129,11 +136,16 @@ class S3CheckpointIO(CheckpointIO):
         ``weights_only`` as in ``torch.load`` (``None``: torch's default, weights-only;
         ``False`` unpickles anything, for buckets you trust).
         """
+        if not is_s3(path):
+            return self._local.load_checkpoint(path, map_location, weights_only)
         reader = S3StorageReader(lightning_uri(path), config=self.config, **self.reader_options)
         return load_nested(reader, weights_only=weights_only, map_location=map_location)
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Delete the checkpoint at ``path`` (manifest first), or once its save commits."""
+        if not is_s3(path):
+            self._local.remove_checkpoint(path)
+            return
         uri = lightning_uri(path)
         with self._lock:
             if uri in self._saving:
@@ -169,6 +181,11 @@ class S3CheckpointIO(CheckpointIO):
     def _remove(self, uri: str) -> None:
         removed = catalog.remove_checkpoint(uri, config=self.config)
         log.debug("removed %s (%d objects)", uri, removed.objects)
+
+
+def is_s3(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is an ``s3://`` location (also as ``s3:/``, see :func:`lightning_uri`)."""
+    return os.fspath(path).startswith("s3:/")
 
 
 def lightning_uri(path: str | os.PathLike[str]) -> str:

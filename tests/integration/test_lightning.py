@@ -247,6 +247,16 @@ def test_the_plugin_pickles_for_spawned_processes(
     copied.remove_checkpoint(f"{s3_prefix}/never-saved.ckpt")  # its lock works
 
 
+def test_local_paths_are_lightnings_own_files(tmp_path, s3_options: dict[str, Any]) -> None:
+    io = S3CheckpointIO(configure_fsspec=False, **s3_options)
+    path = tmp_path / "weights" / "model.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.arange(3)}, "epoch": 1}, path)
+    assert path.is_file()  # a torch.save file, as TorchCheckpointIO writes it
+    assert_same(io.load_checkpoint(path), {"state_dict": {"w": torch.arange(3)}, "epoch": 1})
+    io.remove_checkpoint(path)
+    assert not path.exists()
+
+
 def test_paths_lightning_mangled_are_repaired_and_others_refused() -> None:
     assert lightning_uri("s3:/bucket/run/last.ckpt") == "s3://bucket/run/last.ckpt"
     assert lightning_uri("s3://bucket/run/last.ckpt") == "s3://bucket/run/last.ckpt"

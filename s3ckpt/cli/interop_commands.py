@@ -39,6 +39,23 @@ def parse_size(text: str) -> int:
     return size
 
 
+# Copies of multi-GiB objects and 64 MiB parts are not the small requests the catalog
+# commands make: a server may stay silent for a long while before answering a CopyObject.
+TRANSFER_READ_TIMEOUT_S = 120.0
+
+
+def _transfer_arguments(parser: argparse.ArgumentParser, uri_help: str) -> None:
+    """The common options, with a request timeout suited to moving whole checkpoints."""
+    _common_arguments(parser, uri_help)
+    parser.set_defaults(read_timeout=TRANSFER_READ_TIMEOUT_S)
+    for action in parser._actions:  # argparse offers no other way to amend a help text
+        if action.dest == "read_timeout":
+            action.help = (
+                "a request silent for longer fails and is retried "
+                f"(default {TRANSFER_READ_TIMEOUT_S:g}s: large copies and parts take a while)"
+            )
+
+
 def _destination_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     group = parser.add_argument_group(
         f"{what} endpoint (default: the same connection as the source)"
@@ -80,7 +97,7 @@ def _report_json(report: object) -> dict[str, object]:
 
 
 def cp_arguments(parser: argparse.ArgumentParser) -> None:
-    _common_arguments(parser, "committed checkpoint to copy, s3://bucket/prefix/name")
+    _transfer_arguments(parser, "committed checkpoint to copy, s3://bucket/prefix/name")
     parser.add_argument("destination", metavar="DST", help="where the copy goes, s3://...")
     parser.add_argument(
         "--overwrite", action="store_true", help="replace a checkpoint committed at DST"
@@ -113,7 +130,7 @@ def run_cp(args: argparse.Namespace) -> int:
 
 
 def export_arguments(parser: argparse.ArgumentParser) -> None:
-    _common_arguments(parser, "committed checkpoint to export, s3://bucket/prefix/name")
+    _transfer_arguments(parser, "committed checkpoint to export, s3://bucket/prefix/name")
     parser.add_argument("out", metavar="OUT", help="local folder or s3:// prefix to write")
     parser.add_argument(
         "--format",
@@ -186,7 +203,7 @@ def import_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SRC",
         help="a DCP checkpoint folder, safetensors file(s) or index, or a torch.save file",
     )
-    _common_arguments(parser, "where the checkpoint goes, s3://bucket/prefix/name")
+    _transfer_arguments(parser, "where the checkpoint goes, s3://bucket/prefix/name")
     parser.add_argument(
         "--overwrite", action="store_true", help="replace a checkpoint committed there"
     )

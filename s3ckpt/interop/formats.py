@@ -11,7 +11,8 @@ shape is known from DCP's metadata before any byte is read:
   ``transformers`` the set);
 * torch: one ``pytorch_model.bin`` that ``torch.load`` reads as ``{name: tensor}``. Its
   skeleton, written by ``torch.save`` with no tensor bytes
-  (:func:`s3ckpt.dcp.compat.save_skeleton`) into a temporary file, is streamed out with
+  (:func:`s3ckpt.dcp.compat.save_skeleton`) into a temporary file (sparse: the tensor
+  records are holes, so a 140 GB model's takes kilobytes of disk), is streamed out with
   each tensor's bytes spliced into its zip record as it arrives.
 """
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,15 @@ def test_torch_file_streamed_into_the_skeleton_loads_bit_exact(tmp_path: Path) -
     assert_bit_exact(loaded, state)
     mapped = torch.load(tmp_path / TORCH_NAME, weights_only=True, mmap=True)
     assert_bit_exact(mapped, state)
+
+
+def test_the_torch_skeleton_takes_no_disk_for_tensor_bytes(tmp_path: Path) -> None:
+    specs = [Spec("big", torch.float32, (64 * 2**20,)), Spec("small", torch.int8, (3,))]
+    writer = TorchWriter(output(tmp_path), specs)
+    skeleton = os.stat(writer._skeleton_path)
+    assert skeleton.st_size > 256 * 2**20 > 64 * skeleton.st_blocks * 512
+    writer.discard()
+    assert not os.path.exists(writer._skeleton_path)
 
 
 def test_overwrite_removes_stale_export_files_only(tmp_path: Path) -> None:

@@ -152,6 +152,14 @@ def export_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest safetensors shard (default 5GB)",
     )
     parser.add_argument(
+        "--window",
+        type=parse_size,
+        default="256MiB",
+        metavar="SIZE",
+        help="tensors read at a time, in bytes (default 256MiB; at least the largest tensor): "
+        "what the export's memory follows",
+    )
+    parser.add_argument(
         "--overwrite", action="store_true", help="write into an OUT that already holds files"
     )
     _destination_arguments(parser, "s3:// OUT")
@@ -169,6 +177,7 @@ def run_export(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             overwrite=args.overwrite,
             max_shard_size=args.max_shard_size,
+            window=args.window,
             config=config_from(args),
             output_config=_destination_config(args),
             progress=Progress(),

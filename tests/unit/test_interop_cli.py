@@ -19,6 +19,7 @@ def test_transfer_commands_wait_longer_for_silent_requests() -> None:
     assert cp.read_timeout == TRANSFER_READ_TIMEOUT_S > READ_TIMEOUT_S
     assert parser.parse_args(["ls", "s3://a"]).read_timeout == READ_TIMEOUT_S
     assert export.max_shard_size == 2 * 2**30 and export.format == "safetensors"
+    assert export.window == 256 * 2**20
     assert (
         parser.parse_args(["cp", "s3://a/b", "s3://c/d", "--read-timeout", "5s"]).read_timeout == 5
     )

@@ -129,6 +129,12 @@ def test_save_and_load_over_https_through_aiohttp(uri, options, tls_sends):
     assert tls_sends == []
 
 
+def test_plain_http_keeps_its_own_path(tls_s3, uri, options, tls_sends):
+    """The same server's HTTP port: nothing goes through the TLS sockets."""
+    _round_trip(uri, {**options, "endpoint_url": tls_s3.endpoint_url})
+    assert tls_sends == []
+
+
 def test_the_aws_ca_bundle_variable_is_honoured(uri, options, tls_sends, monkeypatch):
     monkeypatch.setenv("AWS_CA_BUNDLE", options.pop("verify"))
     _round_trip(uri, options)

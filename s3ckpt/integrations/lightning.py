@@ -92,6 +92,7 @@ class S3CheckpointIO(CheckpointIO):
         self.config = make_config(config, endpoint_url=endpoint_url, **options)
         self.writer_options = dict(writer_options or {})
         self.reader_options = dict(reader_options or {})
+        self.configure_fsspec = configure_fsspec
         if configure_fsspec:
             point_fsspec_at(self.config)
         self._local = TorchCheckpointIO()
@@ -162,7 +163,8 @@ class S3CheckpointIO(CheckpointIO):
             log.debug("%s is not committed yet; it will be removed once it is", uri)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Configuration only: ``ddp_spawn`` pickles the plugins into each process."""
+        """Configuration only: ``ddp_spawn`` pickles the plugins into each process (which
+        configures its own fsspec on unpickling)."""
         state = self.__dict__.copy()
         for name in ("_lock", "_saving", "_deferred_removals"):
             del state[name]
@@ -170,6 +172,8 @@ class S3CheckpointIO(CheckpointIO):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        if self.configure_fsspec:
+            point_fsspec_at(self.config)
         self._lock = threading.Lock()
         self._saving = set()
         self._deferred_removals = set()

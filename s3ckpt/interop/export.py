@@ -29,7 +29,7 @@ from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.dcp.compat import CheckpointException, StorageReader, unwrap
 from s3ckpt.dcp.consolidate import StoredTensor, batches, load_full, read_contents
 from s3ckpt.dcp.reader import S3StorageReader
-from s3ckpt.errors import ConfigError
+from s3ckpt.errors import CheckpointError, ConfigError
 from s3ckpt.interop.formats import (
     DEFAULT_MAX_SHARD_SIZE,
     SafetensorsWriter,
@@ -113,8 +113,11 @@ def export_checkpoint(
     s3 = make_config(config, **options)
     location = source if isinstance(source, S3URI) else S3URI.parse(source, require_prefix=True)
 
+    readers: list[S3StorageReader] = []
+
     def reader() -> StorageReader:
-        return S3StorageReader(str(location), config=s3)
+        readers.append(S3StorageReader(str(location), config=s3))
+        return readers[-1]
 
     contents = _unwrapped(lambda: read_contents(reader()))
     chosen = _select(contents.tensors, only)
@@ -133,6 +136,7 @@ def export_checkpoint(
             else TorchWriter(output, specs)
         )
         _stream(reader, writer, dict(zip(specs, chosen, strict=True)), window, report, progress)
+        _require_one_save(location, readers)
         output.finish()
     except BaseException:
         if writer is not None:
@@ -165,6 +169,14 @@ def _stream(
             progress.advance(spec.nbytes)
     writer.close()
     progress.finish()
+
+
+def _require_one_save(location: S3URI, readers: list[S3StorageReader]) -> None:
+    """Every window was read from the same save: an overwrite during the export would
+    otherwise mix two checkpoints' tensors in one output."""
+    saves = {r.manifest.save_id for r in readers if r.manifest is not None}
+    if len(saves) > 1:
+        raise CheckpointError(f"{location} was overwritten during the export; export it again")
 
 
 def _unwrapped(call: Callable[[], Any]) -> Any:

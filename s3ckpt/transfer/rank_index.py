@@ -1,8 +1,10 @@
 """Writing and reading the per-rank index objects of format 2 (:mod:`s3ckpt.format.rank_index`).
 
 Each rank PUTs its own index while it saves; the manifest records every index's size and
-CRC32C, so a reader checks an index before trusting one offset in it. A missing or
-damaged index is a damaged checkpoint (:class:`~s3ckpt.errors.CorruptCheckpointError`).
+CRC32C, so a reader checks an index before trusting one offset in it. A damaged index is
+a damaged checkpoint (:class:`~s3ckpt.errors.CorruptCheckpointError`). A missing one
+raises ``FileNotFoundError`` from :func:`read_index`: a load first checks whether the
+checkpoint was overwritten meanwhile; :func:`with_items` reports it as damage.
 """
 
 from __future__ import annotations
@@ -69,6 +71,11 @@ async def with_items(store: ObjectStore, location: S3URI, manifest: Manifest) ->
     with every rank's index object read (for ``show`` and ``verify``, which need them all)."""
     if manifest.items_listed:
         return manifest
-    indexes = await read_indexes(store, location, manifest, (r.rank for r in manifest.indexes))
+    try:
+        indexes = await read_indexes(store, location, manifest, (r.rank for r in manifest.indexes))
+    except FileNotFoundError as exc:
+        raise CorruptCheckpointError(
+            f"{location} is committed but an index object is missing: {exc}"
+        ) from exc
     items = tuple(item for rank in sorted(indexes) for item in indexes[rank].items)
     return dataclasses.replace(manifest, items=items)

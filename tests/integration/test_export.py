@@ -251,3 +251,35 @@ def test_a_failed_export_to_s3_leaves_nothing(seaweedfs_s3: LocalS3Server) -> No
     assert client.list_objects_v2(Bucket=out.bucket, Prefix=out.key("")).get("KeyCount") == 0
     uploads = client.list_multipart_uploads(Bucket=out.bucket, Prefix=out.key(""))
     assert uploads.get("Uploads", []) == []
+
+
+def test_an_overwrite_during_the_export_is_refused_not_mixed(
+    seaweedfs_s3: LocalS3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoint is overwritten (same names and shapes, other values) after the first
+    window: the export fails rather than writing tensors of two saves into one output."""
+    from s3ckpt.errors import CheckpointError
+    from s3ckpt.interop import export as export_module
+
+    options = s3_options(seaweedfs_s3)
+    uri = f"s3://{seaweedfs_s3.bucket}/test_export-overwritten-{secrets.token_hex(4)}"
+    dcp.save(
+        {"a": torch.ones(1000), "b": torch.ones(1000)},
+        storage_writer=S3StorageWriter(uri, **options),
+    )
+    real = export_module.load_full
+    windows: list[int] = []
+
+    def then_overwrite(reader: Any, batch: Any) -> Any:
+        loaded = real(reader, batch)
+        if not windows:
+            state = {"a": torch.zeros(1000), "b": torch.zeros(1000)}
+            dcp.save(state, storage_writer=S3StorageWriter(uri, overwrite=True, **options))
+        windows.append(len(batch))
+        return loaded
+
+    monkeypatch.setattr(export_module, "load_full", then_overwrite)
+    with pytest.raises(CheckpointError, match="overwritten during the export"):
+        export_checkpoint(uri, tmp_path / "out", window=1, **options)
+    assert windows == [1, 1]  # one tensor per window: the second read the new save
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

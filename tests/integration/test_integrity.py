@@ -213,3 +213,5 @@ def test_a_damaged_index_object_fails_the_load_and_shows_in_verify(
     assert problem.what == "index" and problem.key == ref.key
     assert ("missing" if damage == "missing" else "checksum mismatch") in problem.message
     assert "2 items of rank 0 unchecked" in problem.message
+    with pytest.raises(CorruptCheckpointError, match="index"):  # show: exit status 1
+        catalog.show_checkpoint(s3_prefix, config=make_config(None, **s3_options))

@@ -118,6 +118,7 @@ class ClientHandle:
             self._direct = None
         if self.tls is not None:
             await self.tls.aclose()
+            self.tls = None
         if self._ctx is not None:
             await self._ctx.__aexit__(None, None, None)
             self._ctx = self.client = None

@@ -79,6 +79,7 @@ class TlsTransport:
         self.executor = ThreadPoolExecutor(max_idle, thread_name_prefix="s3ckpt-tls")
         self._idle: dict[tuple[str, int], list[TlsConnection]] = {}
         self._lock = threading.Lock()
+        self._shut = False  # closed: connections are no longer kept alive
 
     def connection(self, host: str, port: int) -> TlsConnection:
         """An idle connection to ``host:port``, or a new one (call in a worker thread)."""
@@ -118,7 +119,7 @@ class TlsTransport:
         if keep_alive and not connection.closed:
             with self._lock:
                 idle = self._idle.setdefault(connection.origin, [])
-                if len(idle) < self.max_idle:
+                if not self._shut and len(idle) < self.max_idle:
                     idle.append(connection)
                     return
         connection.close()
@@ -132,6 +133,10 @@ class TlsTransport:
             connection.close()
 
     async def aclose(self) -> None:
+        """Close every kept-alive connection; a request still running closes its own when
+        it ends, since nothing is kept alive after this."""
+        with self._lock:
+            self._shut = True
         self.close_idle()
         self.executor.shutdown(wait=False)
 

@@ -178,10 +178,19 @@ class TorchWriter:
         self.order = list(specs)
         handle, self._skeleton_path = tempfile.mkstemp(suffix=".pt", prefix="s3ckpt-export-")
         os.close(handle)
-        save_skeleton([(s.name, s.dtype, s.shape) for s in self.order], self._skeleton_path)
-        self.records = _records(self._skeleton_path, self.order)
-        self.skeleton = open(self._skeleton_path, "rb")  # noqa: SIM115 - closed in close()
-        self.stream = output.open(TORCH_NAME)
+        try:
+            save_skeleton([(s.name, s.dtype, s.shape) for s in self.order], self._skeleton_path)
+            self.records = _records(self._skeleton_path, self.order)
+            self.skeleton = open(self._skeleton_path, "rb")  # noqa: SIM115 - closed in close()
+        except BaseException:
+            os.unlink(self._skeleton_path)
+            raise
+        try:
+            self.stream = output.open(TORCH_NAME)
+        except BaseException:
+            self.skeleton.close()
+            os.unlink(self._skeleton_path)
+            raise
         self._next = 0
 
     def write(self, name: str, tensor: torch.Tensor) -> None:

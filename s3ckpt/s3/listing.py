@@ -1,0 +1,117 @@
+"""Listing a bucket: objects under a prefix (recursively or one level at a time) and the
+multipart uploads left open there, page by page, on servers that paginate oddly too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from s3ckpt.errors import StorageError
+from s3ckpt.s3.requests import Requests
+
+_LAST_CHARACTER = "\U0010ffff"
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    key: str
+    size: int
+    etag: str
+    last_modified: datetime | None = None
+
+
+@dataclass(frozen=True)
+class PendingUpload:
+    key: str
+    upload_id: str
+    initiated: datetime | None
+
+
+class Listings(Requests):
+    """The listing operations of :class:`~s3ckpt.s3.store.ObjectStore`."""
+
+    async def list(self, prefix: str) -> AsyncIterator[ObjectMeta]:
+        """Every object under ``prefix``, one LIST page (1000 keys) per request."""
+        async for entry in self._pages(prefix, None):
+            if isinstance(entry, ObjectMeta):
+                yield entry
+
+    async def list_level(self, prefix: str) -> AsyncIterator[ObjectMeta | str]:
+        """One level below ``prefix`` (which ends in ``/``): its objects, and each deeper
+        "directory" once, as a key prefix ending in ``/`` (``Delimiter="/"``). A listing of
+        N checkpoints costs N/1000 pages however many objects each holds."""
+        async for entry in self._pages(prefix, "/"):
+            yield entry
+
+    async def _pages(self, prefix: str, delimiter: str | None) -> AsyncIterator[ObjectMeta | str]:
+        """ListObjectsV2 page by page.
+
+        A page marked truncated without a continuation token (some servers send none) is
+        followed with ``StartAfter`` its last key; one that gives neither ends the listing
+        with an error rather than asking for the same page forever.
+        """
+        base: dict[str, Any] = {"Prefix": prefix}
+        if delimiter:
+            base["Delimiter"] = delimiter
+        params, seen = dict(base), set()
+        while True:
+            response = await self._call("ListObjectsV2", None, **params)
+            contents = response.get("Contents", [])
+            for item in contents:
+                yield ObjectMeta(
+                    item["Key"],
+                    int(item["Size"]),
+                    str(item.get("ETag", "")),
+                    item.get("LastModified"),
+                )
+            folders = [str(p["Prefix"]) for p in response.get("CommonPrefixes") or []]
+            for folder in folders:
+                if folder not in seen:
+                    seen.add(folder)
+                    yield folder
+            if not response.get("IsTruncated"):
+                return
+            params = dict(base)
+            # Past a folder means past every key in it: U+10FFFF sorts after any of them.
+            ends = [*(c["Key"] for c in contents), *(f + _LAST_CHARACTER for f in folders)]
+            last = max(ends, default=None)
+            if response.get("NextContinuationToken"):
+                params["ContinuationToken"] = response["NextContinuationToken"]
+            elif last is not None:
+                params["StartAfter"] = last
+            else:
+                raise _stuck_listing("ListObjectsV2", self.bucket, prefix)
+
+    async def list_multipart_uploads(self, prefix: str) -> AsyncIterator[PendingUpload]:
+        key_marker: str | None = None
+        upload_marker: str | None = None
+        while True:
+            params: dict[str, Any] = {"Prefix": prefix}
+            if key_marker:
+                params["KeyMarker"] = key_marker
+                params["UploadIdMarker"] = upload_marker or ""
+            response = await self._call("ListMultipartUploads", None, **params)
+            for item in response.get("Uploads", []):
+                yield PendingUpload(item["Key"], item["UploadId"], item.get("Initiated"))
+            if not response.get("IsTruncated"):
+                return
+            if not response.get("NextKeyMarker") or (
+                (response.get("NextKeyMarker"), response.get("NextUploadIdMarker"))
+                == (key_marker, upload_marker)
+            ):
+                raise _stuck_listing("ListMultipartUploads", self.bucket, prefix)
+            key_marker = response.get("NextKeyMarker")
+            upload_marker = response.get("NextUploadIdMarker")
+
+
+def _stuck_listing(operation: str, bucket: str, prefix: str) -> StorageError:
+    return StorageError(
+        f"{operation} s3://{bucket}/{prefix} failed: a page was marked truncated but gave no "
+        "way to the next one",
+        operation=operation,
+        bucket=bucket,
+        key=prefix,
+    )

@@ -1,0 +1,159 @@
+"""Multipart uploads and server-side copies: the operations a large object is written with.
+
+Every retry knows what its request meant: a retried CreateMultipartUpload aborts the
+uploads its lost responses created, and a retried CompleteMultipartUpload whose first
+response was lost recognises its own landed object.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from botocore.exceptions import ClientError
+
+from s3ckpt.errors import StorageError
+from s3ckpt.s3.error_mapping import error_code
+from s3ckpt.s3.http_body import MemoryBody
+from s3ckpt.s3.listing import Listings
+from s3ckpt.s3.requests import Body
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PartResult:
+    part_number: int
+    etag: str
+    crc32c: str | None
+
+    def as_complete_entry(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {"PartNumber": self.part_number, "ETag": self.etag}
+        if self.crc32c:
+            entry["ChecksumCRC32C"] = self.crc32c
+        return entry
+
+
+def crc32c_header(value: int) -> str:
+    """S3's encoding of a CRC32C: base64 of the 4 big-endian bytes."""
+    return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
+
+
+class MultipartUploads(Listings):
+    """The multipart and copy operations of :class:`~s3ckpt.s3.store.ObjectStore`."""
+
+    async def create_multipart(self, key: str) -> str:
+        params: dict[str, Any] = {"Key": key}
+        if self.config.checksums:
+            params["ChecksumAlgorithm"] = "CRC32C"
+
+        async def attempt(number: int) -> tuple[int, dict[str, Any]]:
+            return number, await self._request("CreateMultipartUpload", params)
+
+        number, response = await self._retrying("CreateMultipartUpload", key, attempt)
+        upload_id = str(response["UploadId"])
+        if number > 1:  # earlier tries may have created uploads whose ids never arrived
+            await self._abort_others(key, upload_id)
+        return upload_id
+
+    async def _abort_others(self, key: str, upload_id: str) -> None:
+        """Abort the uploads of ``key`` other than ``upload_id`` (keys are unique per save).
+
+        Best effort: what this misses, ``gc`` removes later.
+        """
+        try:
+            async for pending in self.list_multipart_uploads(key):
+                if pending.key == key and pending.upload_id != upload_id:
+                    await self.abort_multipart(key, pending.upload_id)
+        except StorageError as exc:
+            log.warning("could not abort stray uploads of %s: %s", self._where(key), exc)
+
+    async def upload_part(
+        self, key: str, upload_id: str, part_number: int, body: Body, crc32c: int | None
+    ) -> PartResult:
+        params: dict[str, Any] = {
+            "Key": key,
+            "UploadId": upload_id,
+            "PartNumber": part_number,
+            "Body": MemoryBody(body),
+        }
+        checksum = crc32c_header(crc32c) if crc32c is not None and self.config.checksums else None
+        if checksum:
+            params["ChecksumCRC32C"] = checksum
+        response = await self._call("UploadPart", key, **params)
+        return PartResult(part_number, str(response["ETag"]), checksum)
+
+    async def complete_multipart(
+        self,
+        key: str,
+        upload_id: str,
+        parts: list[PartResult],
+        *,
+        mode: Literal["overwrite", "create"] = "overwrite",
+    ) -> str:
+        params: dict[str, Any] = {
+            "Key": key,
+            "UploadId": upload_id,
+            "MultipartUpload": {
+                "Parts": [p.as_complete_entry() for p in sorted(parts, key=lambda p: p.part_number)]
+            },
+        }
+        if mode == "create":
+            params["IfNoneMatch"] = "*"
+
+        async def attempt(_: int) -> dict[str, Any]:
+            try:
+                return await self._request("CompleteMultipartUpload", params)
+            except ClientError as exc:
+                # The upload is gone but the object is there: an earlier try completed it
+                # and its response was lost. The key is unique to this save: it is ours.
+                if error_code(exc) in ("NoSuchUpload", "404"):
+                    landed = await self._head_or_none(key)
+                    if landed is not None:
+                        return landed
+                raise
+
+        response = await self._retrying("CompleteMultipartUpload", key, attempt)
+        return str(response.get("ETag", ""))
+
+    async def abort_multipart(self, key: str, upload_id: str) -> None:
+        """Abort an upload; an upload that is already gone counts as aborted."""
+        try:
+            await self._call("AbortMultipartUpload", key, Key=key, UploadId=upload_id)
+        except StorageError as exc:
+            if exc.code not in ("NoSuchUpload", "404"):
+                raise
+
+    # -- server-side copies (same endpoint) ---------------------------------------------
+
+    async def copy(self, key: str, source_bucket: str, source_key: str) -> str:
+        """Copy ``source_bucket/source_key`` (at most 5 GiB) to ``key`` inside the store
+        (CopyObject): no byte leaves the server. Returns the new object's ETag."""
+        source = {"Bucket": source_bucket, "Key": source_key}
+        response = await self._call("CopyObject", key, Key=key, CopySource=source)
+        return str(response.get("CopyObjectResult", {}).get("ETag", ""))
+
+    async def upload_part_copy(
+        self,
+        key: str,
+        upload_id: str,
+        part_number: int,
+        source: tuple[str, str, int, int],
+    ) -> PartResult:
+        """One part of a multipart upload copied server-side (UploadPartCopy) from bytes
+        ``[start, end)`` of ``source = (bucket, key, start, end)``: how objects over
+        CopyObject's 5 GiB limit are copied."""
+        bucket, source_key, start, end = source
+        response = await self._call(
+            "UploadPartCopy",
+            key,
+            Key=key,
+            UploadId=upload_id,
+            PartNumber=part_number,
+            CopySource={"Bucket": bucket, "Key": source_key},
+            CopySourceRange=f"bytes={start}-{end - 1}",
+        )
+        result = response.get("CopyPartResult", {})
+        return PartResult(part_number, str(result["ETag"]), result.get("ChecksumCRC32C"))

@@ -1,0 +1,74 @@
+"""The request core of :class:`~s3ckpt.s3.store.ObjectStore`: one bucket, one client, and
+the retries every operation runs under (see :mod:`s3ckpt.s3.store` for why retries are
+here and not in botocore).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from botocore import xform_name
+from botocore.exceptions import ClientError
+
+from s3ckpt.config import S3Config
+from s3ckpt.s3 import retry
+from s3ckpt.s3.client import client_handle
+from s3ckpt.s3.error_mapping import error_code, translate_final, translated
+
+Body = bytes | bytearray | memoryview
+T = TypeVar("T")
+
+
+class Requests:
+    """Requests on one bucket with s3ckpt's retry policy; the store's operations build on it.
+
+    ``deadline`` (a ``time.monotonic()`` instant) ends retrying: a request that fails after
+    it is not tried again.
+    """
+
+    def __init__(self, config: S3Config, bucket: str, *, deadline: float | None = None) -> None:
+        self.config = config
+        self.bucket = bucket
+        self.deadline = deadline
+
+    async def _retrying(
+        self, operation: str, key: str | None, attempt: Callable[[int], Awaitable[T]]
+    ) -> T:
+        """Run ``attempt(n)`` under the retry policy; every failure leaves as an s3ckpt error."""
+        policy = retry.RetryPolicy(max_attempts=self.config.max_attempts, deadline=self.deadline)
+        with translated(operation, self.bucket, key):
+            try:
+                return await retry.run(attempt, policy, what=f"{operation} {self._where(key)}")
+            except retry.RetryError as exc:
+                raise translate_final(
+                    exc.last,
+                    exc.attempts,
+                    out_of_time=exc.out_of_time,
+                    operation=operation,
+                    bucket=self.bucket,
+                    key=key,
+                ) from exc.last
+
+    async def _request(self, operation: str, params: dict[str, Any]) -> dict[str, Any]:
+        """One try of one request, holding one of the client's request slots."""
+        handle = client_handle(self.config)
+        client = await handle.get()
+        async with handle.slots:
+            method: Callable[..., Any] = getattr(client, xform_name(operation))
+            return await method(Bucket=self.bucket, **params)
+
+    async def _call(self, operation: str, key: str | None, **params: Any) -> dict[str, Any]:
+        return await self._retrying(operation, key, lambda _: self._request(operation, params))
+
+    def _where(self, key: str | None) -> str:
+        return f"s3://{self.bucket}/{key}" if key else f"s3://{self.bucket}"
+
+    async def _head_or_none(self, key: str) -> dict[str, Any] | None:
+        """One HEAD inside an attempt: the response, or None if the key is absent."""
+        try:
+            return await self._request("HeadObject", {"Key": key})
+        except ClientError as exc:
+            if error_code(exc) in ("NoSuchKey", "404", "NotFound"):
+                return None
+            raise

@@ -9,7 +9,8 @@ import pytest
 
 from s3ckpt.cli import main as cli
 from s3ckpt.errors import ConfigError, LocalServerError
-from s3ckpt.testing.local_s3 import WEED_ENV, LocalS3Server, _free_ports, find_weed
+from s3ckpt.testing.local_s3 import WEED_ENV, LocalS3Server, find_weed
+from s3ckpt.testing.weed import free_ports
 
 
 def fake_weed(directory: Path) -> Path:
@@ -64,7 +65,7 @@ def test_find_weed_bad_override_is_an_error_not_a_fallback(
 
 
 def test_free_ports_distinct_with_admin_pair() -> None:
-    ports = _free_ports(["a", "b", "c"])
+    ports = free_ports(["a", "b", "c"])
     assert set(ports) == {"a", "b", "c", "admin.port", "admin.port.grpc"}
     assert len(set(ports.values())) == len(ports)
     assert ports["admin.port.grpc"] == ports["admin.port"] + 10000

@@ -33,10 +33,11 @@ from s3ckpt.format.checksums import first_bad_block
 from s3ckpt.format.compression import CODECS, RAW, decode_block
 from s3ckpt.format.layout import StoredItem, stored_span
 from s3ckpt.format.manifest import ItemEntry, Manifest
+from s3ckpt.format.rank_index import RankIndex
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectMeta, ObjectStore
 from s3ckpt.transfer.download import REREADS, RangeReader, ReadTarget
-from s3ckpt.transfer.rank_index import read_index
+from s3ckpt.transfer.rank_index import read_each
 
 MiB = 1024 * 1024
 DEFAULT_MAX_BUFFER = 256 * MiB
@@ -138,24 +139,24 @@ class Verifier:
     async def _indexed_items(self) -> tuple[ItemEntry, ...]:
         """Format 2: the items of every rank whose index object is intact."""
         items: list[ItemEntry] = []
-        etags = self.manifest.etags()
-        for ref in self.manifest.indexes:
-            try:
-                index = await read_index(self.store, self.location, ref, etags)
-            except (CorruptCheckpointError, StorageError) as exc:
-                what = (
-                    "missing"
-                    if isinstance(exc, FileNotFoundError)
-                    else str(exc)
-                    if isinstance(exc, CorruptCheckpointError)
-                    else f"read failed: {exc}"
-                )
-                self.problem(
-                    "index", ref.key, f"{what}: {ref.items} items of rank {ref.rank} unchecked"
-                )
+        refs = list(self.manifest.indexes)
+        for ref, index in zip(
+            refs, await read_each(self.store, self.location, self.manifest, refs), strict=True
+        ):
+            if isinstance(index, RankIndex):
+                self.report.bytes += ref.size
+                items.extend(index.items)
                 continue
-            self.report.bytes += ref.size
-            items.extend(index.items)
+            what = (
+                "missing"
+                if isinstance(index, FileNotFoundError)
+                else str(index)
+                if isinstance(index, CorruptCheckpointError)
+                else f"read failed: {index}"
+            )
+            self.problem(
+                "index", ref.key, f"{what}: {ref.items} items of rank {ref.rank} unchecked"
+            )
         return tuple(items)
 
     def _pieces(self, sizes: dict[str, int]) -> Iterator[_Piece]:

@@ -343,7 +343,7 @@ class S3StorageReader(S3Location, StorageReader):
         (an overwrite, then ``gc`` of the replaced save): the newer checkpoint is read
         instead. Only a manifest that still names a missing object is a damaged checkpoint.
         """
-        store = ObjectStore(self.config, location.bucket).with_deadline(self.config.deadline_s)
+        store = self._store()
         manifest = await self._read_manifest(store, location)
         for _ in range(_OVERWRITES_FOLLOWED):
             try:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from crc32c import crc32c
 
 from s3ckpt.config import S3URI
-from s3ckpt.errors import CorruptCheckpointError
+from s3ckpt.errors import CorruptCheckpointError, StorageError
 from s3ckpt.format.manifest import IndexRef, Manifest
 from s3ckpt.format.rank_index import RankIndex
 from s3ckpt.s3.store import ObjectStore
@@ -57,13 +57,30 @@ async def read_indexes(
         raise CorruptCheckpointError(
             f"{location} has no index object for rank(s) {missing[:5]} in its manifest"
         )
+    results = await read_each(store, location, manifest, [refs[rank] for rank in wanted])
+    indexes: dict[int, RankIndex] = {}
+    for rank, result in zip(wanted, results, strict=True):
+        if not isinstance(result, RankIndex):
+            raise result
+        indexes[rank] = result
+    return indexes
+
+
+async def read_each(
+    store: ObjectStore, location: S3URI, manifest: Manifest, refs: list[IndexRef]
+) -> list[RankIndex | CorruptCheckpointError | StorageError]:
+    """Every index object of ``refs``, or why it could not be read, in order; at most
+    :data:`PARALLEL_INDEX_READS` at a time."""
     etags, gate = manifest.etags(), asyncio.Semaphore(PARALLEL_INDEX_READS)
 
-    async def one(rank: int) -> RankIndex:
+    async def one(ref: IndexRef) -> RankIndex | CorruptCheckpointError | StorageError:
         async with gate:
-            return await read_index(store, location, refs[rank], etags)
+            try:
+                return await read_index(store, location, ref, etags)
+            except (CorruptCheckpointError, StorageError) as exc:
+                return exc
 
-    return dict(zip(wanted, await asyncio.gather(*(one(rank) for rank in wanted)), strict=True))
+    return list(await asyncio.gather(*(one(ref) for ref in refs)))
 
 
 async def with_items(store: ObjectStore, location: S3URI, manifest: Manifest) -> Manifest:

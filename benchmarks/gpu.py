@@ -7,9 +7,10 @@ its pinned staging buffers; later saves reuse them, which is the steady state):
 
 * ``d2h``: the floor, a bare copy of the same tensors into pinned host buffers allocated
   once (``non_blocking`` copies, then one ``torch.cuda.synchronize``);
-* ``dcp.async_save`` with :class:`S3StorageWriter` and a ``DefaultStager`` keeping pinned
-  buffers across saves (``use_pinned_memory``, non-blocking copies, staging in the
-  caller): the time until ``async_save`` returns, and the time until the upload committed;
+* ``dcp.async_save`` with :class:`S3StorageWriter` and an :class:`s3ckpt.HostStager`
+  keeping pinned buffers across saves (non-blocking copies, one synchronize, staging in
+  the caller): the time until ``async_save`` returns, and the time until the upload
+  committed;
 * :meth:`s3ckpt.CheckpointManager.save` (thread mode): the time until ``save`` returns,
   and until ``wait`` returns (commit).
 
@@ -62,21 +63,13 @@ def gpu_staging_case(
 ) -> Callable[[int], dict[str, float]]:
     """The per-rep callable of the case (``uri(system, rep)`` names each checkpoint)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    from s3ckpt import CheckpointManager, S3StorageWriter
+    from s3ckpt import CheckpointManager, HostStager, S3StorageWriter
 
     device = torch.device("cuda", 0)
     gpu_state = {name: tensor.to(device) for name, tensor in state.items()}
     pinned = {name: torch.empty_like(t, device="cpu").pin_memory() for name, t in gpu_state.items()}
-    stager = DefaultStager(
-        StagingOptions(
-            use_pinned_memory=True,
-            use_shared_memory=False,
-            use_async_staging=False,
-            use_non_blocking_copy=True,
-        )
-    )
+    stager = HostStager(pin_memory=True)
     manager = CheckpointManager(uri("gpu-manager", 0).rsplit("/", 1)[0], **options)
     torch.cuda.synchronize(device)
 

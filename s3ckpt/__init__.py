@@ -66,6 +66,7 @@ from s3ckpt.errors import (
 if TYPE_CHECKING:
     from s3ckpt.dcp.compat import unwrap
     from s3ckpt.dcp.reader import S3StorageReader
+    from s3ckpt.dcp.staging import HostStager
     from s3ckpt.dcp.writer import S3StorageWriter
     from s3ckpt.interop.copy import copy_checkpoint
     from s3ckpt.interop.export import export_checkpoint
@@ -75,6 +76,7 @@ if TYPE_CHECKING:
 # The DCP adapters import torch (seconds); the CLI and catalog do not need it.
 _LAZY = {
     "CheckpointManager": "s3ckpt.manager",
+    "HostStager": "s3ckpt.dcp.staging",
     "S3StorageReader": "s3ckpt.dcp.reader",
     "S3StorageWriter": "s3ckpt.dcp.writer",
     "SaveMetrics": "s3ckpt.manager",
@@ -101,6 +103,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DeadlineExceededError",
     "EndpointError",
+    "HostStager",
     "IncompleteSaveError",
     "InvalidURIError",
     "LocalServerError",

@@ -4,8 +4,9 @@ Only public names are imported at module level. The private details s3ckpt relie
 how DCP's ``Metadata`` pickles (the classes its pickle refers to, listed in
 :data:`METADATA_PICKLE_GLOBALS`), how to stop DCP's process-mode ``async_save``
 background process (:func:`stop_async_save_process`), which process group a
-``dcp.load`` runs on (:func:`calling_load_group`), and how to lay out a ``torch.save``
-file without its tensors' bytes (:func:`save_skeleton`, for export).
+``dcp.load`` runs on (:func:`calling_load_group`), how to lay out a ``torch.save``
+file without its tensors' bytes (:func:`save_skeleton`, for export), and DCP's storage
+copier that keeps staging buffers (:func:`storage_copier`, for :mod:`s3ckpt.dcp.staging`).
 ``tests/unit/test_compat.py`` and ``tests/unit/test_export_formats.py`` fail loudly when a
 torch release changes any of them.
 """
@@ -147,6 +148,28 @@ def stop_async_save_process(timeout: float = 30.0) -> bool:
             process._save_process.terminate()
         executor._CHECKPOINT_PROCESS = None
     return True
+
+
+class StorageCopier(Protocol):
+    """DCP's ``StateDictStager``: deep-copies a state dict to host memory, each tensor
+    storage into a host buffer cached (weakly, by source storage) for the next copy."""
+
+    def stage(self, state_dict: Any, non_blocking: bool = False) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+def storage_copier(*, pin_memory: bool, share_memory: bool) -> StorageCopier:
+    """DCP's private ``StateDictStager``, which its ``DefaultStager`` wraps.
+
+    Used directly because some torch releases (2.11 among them) make ``DefaultStager``
+    close this copier after every stage: that frees the cached buffers, so nothing is
+    reused, and breaks the next stage of any dict (``KeyError: <class 'type'>``).
+    ``tests/unit/test_compat.py`` pins the names used.
+    """
+    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+
+    return StateDictStager(pin_memory=pin_memory, share_memory=share_memory)
 
 
 _T = TypeVar("_T")

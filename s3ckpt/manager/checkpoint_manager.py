@@ -1,12 +1,14 @@
 """``CheckpointManager``: what a training loop calls to checkpoint by step, in the background.
 
-The loop blocks only while the state is copied to host memory; the upload and the commit
-run on DCP's ``async_save`` thread (or process) while training goes on. The rules:
+The loop blocks only while the state is copied to host memory (with CUDA, into pinned
+buffers: non-blocking copies, then one synchronize); the upload and the commit run on DCP's
+``async_save`` thread (or process) while training goes on. The rules:
 
 * **Names.** Step ``N`` lives at ``<uri>/step-<N:010d>``, zero-padded so that plain LIST
   order is step order. ``steps()`` lists the committed ones (one LIST, on rank 0).
-* **At most one save in flight.** One persistent ``DefaultStager`` reuses its host buffers
-  from save to save, so a save cannot stage before the previous upload is done:
+* **At most one save in flight.** One persistent :class:`~s3ckpt.dcp.staging.HostStager`
+  reuses its host buffers from save to save, so a save cannot stage before the previous
+  upload is done:
   ``if_busy="wait"`` (default) waits for it, ``"skip"`` skips the new save. With several
   ranks the skip decision is agreed (one all-gather), so no rank starts a save alone.
 * **Failures are never lost.** A failed background save is logged when it fails and raised,
@@ -38,16 +40,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from s3ckpt import catalog
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.dcp.compat import stop_async_save_process, unwrap
 from s3ckpt.dcp.reader import S3StorageReader
+from s3ckpt.dcp.staging import HostStager
 from s3ckpt.dcp.writer import S3StorageWriter
 from s3ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError
 from s3ckpt.manager.main_guard import require_main_guard
@@ -141,14 +142,7 @@ class CheckpointManager:
         self._world = dist.get_world_size(process_group) if distributed else 1
         self._rank = dist.get_rank(process_group) if distributed else 0
         self._save_group = self._make_save_group(distributed)
-        self._stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=torch.cuda.is_available(),
-                use_shared_memory=async_mode == "process",
-                use_async_staging=False,
-                use_non_blocking_copy=False,
-            )
-        )
+        self._stager = HostStager(share_memory=async_mode == "process")
         self._retention = Retention(self.location, self.config, keep_last, keep_every)
         self._lock = threading.Lock()
         self._inflight: _InFlight | None = None

@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from s3ckpt import CheckpointExistsError, unwrap
-from s3ckpt.dcp.compat import item_nbytes, narrow
+from s3ckpt.dcp.compat import item_nbytes, narrow, storage_copier
 
 
 def test_a_shard_is_sized_by_its_chunk_not_the_whole_tensor():
@@ -105,3 +105,16 @@ def test_calling_load_group_is_none_outside_a_multi_rank_load():
         dcp.load({}, storage_reader=Probe(), no_dist=True)
     # DCP asks twice (global, then rank-local metadata); a single-process load reads alone
     assert seen and all(group is None for group in seen)
+
+
+def test_dcp_storage_copier_keeps_buffers_until_closed():
+    """``storage_copier`` is DCP's private ``StateDictStager``: a stage takes
+    ``non_blocking`` and reuses the host buffer of a storage it copied before."""
+    copier = storage_copier(pin_memory=False, share_memory=False)
+    source = torch.arange(8.0)
+    first = copier.stage({"w": source}, non_blocking=False)["w"]
+    source.add_(1)
+    second = copier.stage({"w": source}, non_blocking=True)["w"]
+    assert second.data_ptr() == first.data_ptr()
+    assert torch.equal(second, torch.arange(8.0) + 1)
+    copier.close()

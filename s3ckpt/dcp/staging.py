@@ -1,0 +1,81 @@
+"""``HostStager``: the copy of a state dict to host memory that an async save blocks on.
+
+``dcp.async_save`` and :class:`s3ckpt.CheckpointManager` block the training loop only
+while the state is copied off the accelerator; the upload runs in the background from the
+copy. To keep that stall close to a bare device-to-host copy:
+
+* **buffers are kept from save to save**: each tensor storage is copied into a host buffer
+  cached (weakly, by source storage) by DCP's own copier, so a steady-state save allocates
+  and pins nothing;
+* **pinned and non-blocking with an accelerator**: copies into page-locked buffers are
+  queued without waiting, then one ``synchronize`` waits for all of them;
+* **shared memory** for process-mode saves, which hand the copy to another process.
+
+Why not torch's ``DefaultStager``: several torch releases (2.11 among them) make it close
+its copier after every stage, which frees the buffers (no reuse: each save allocates and
+pins its whole state again) and makes the second stage of a dict fail with
+``KeyError: <class 'type'>``. ``HostStager`` keeps one copier until :meth:`close`.
+
+The contract of reused buffers, as with ``DefaultStager``: a save must finish uploading
+before the next one stages (the buffers hold the copy being uploaded).
+``CheckpointManager`` enforces that; callers of ``dcp.async_save`` wait on the previous
+save's future first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.staging import AsyncStager
+
+from s3ckpt.dcp.compat import storage_copier
+
+
+def _accelerator_available() -> bool:
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        return bool(accelerator.is_available())
+    return torch.cuda.is_available()
+
+
+def _synchronize_accelerator() -> None:
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        accelerator.synchronize()
+    else:
+        torch.cuda.synchronize()
+
+
+class HostStager(AsyncStager):
+    """Stages state dicts into host buffers that are kept and reused across saves.
+
+    ``pin_memory`` defaults to whether an accelerator is available (pinning needs one);
+    ``share_memory`` is for process-mode ``async_save``. Pass it as
+    ``dcp.async_save(..., async_stager=HostStager())``; :meth:`close` frees the buffers.
+    """
+
+    # The copy is complete when stage() returns: nothing to wait for after execute.
+    _synchronize_after_execute = False
+
+    def __init__(self, *, pin_memory: bool | None = None, share_memory: bool = False) -> None:
+        accelerated = _accelerator_available()
+        self._non_blocking = accelerated
+        self._copier = storage_copier(
+            pin_memory=accelerated if pin_memory is None else pin_memory,
+            share_memory=share_memory,
+        )
+
+    def stage(self, state_dict: Any) -> Any:
+        """Copy ``state_dict`` to host memory; returns once every byte has landed."""
+        staged = self._copier.stage(state_dict, non_blocking=self._non_blocking)
+        if self._non_blocking:
+            _synchronize_accelerator()
+        return staged
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns a complete copy."""
+
+    def close(self) -> None:
+        """Free the cached host buffers; the stager must not be used afterwards."""
+        self._copier.close()

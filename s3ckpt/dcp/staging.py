@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.stateful import Stateful
 
 from s3ckpt.dcp.compat import storage_copier
 
@@ -79,3 +80,12 @@ class HostStager(AsyncStager):
     def close(self) -> None:
         """Free the cached host buffers; the stager must not be used afterwards."""
         self._copier.close()
+
+
+def plain_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with each :class:`Stateful` entry replaced by its ``state_dict()``,
+    as DCP does before it stages or saves: the values of the call, ready to copy."""
+    return {
+        key: value.state_dict() if isinstance(value, Stateful) else value
+        for key, value in state_dict.items()
+    }

@@ -36,7 +36,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
@@ -48,7 +48,7 @@ from s3ckpt import catalog
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.dcp.compat import stop_async_save_process, unwrap
 from s3ckpt.dcp.reader import S3StorageReader
-from s3ckpt.dcp.staging import HostStager
+from s3ckpt.dcp.staging import HostStager, plain_state_dict
 from s3ckpt.dcp.writer import S3StorageWriter
 from s3ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError
 from s3ckpt.manager.main_guard import require_main_guard
@@ -65,7 +65,6 @@ from s3ckpt.manager.policy import (
 
 log = logging.getLogger("s3ckpt.manager")
 T = TypeVar("T")
-_CHECKPOINTER = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
 
 
 @dataclass(eq=False)
@@ -143,6 +142,8 @@ class CheckpointManager:
         self._rank = dist.get_rank(process_group) if distributed else 0
         self._save_group = self._make_save_group(distributed)
         self._stager = HostStager(share_memory=async_mode == "process")
+        # thread mode's dcp.save and rank 0's committed checks, one after the other
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s3ckpt-save")
         self._retention = Retention(self.location, self.config, keep_last, keep_every)
         self._lock = threading.Lock()
         self._inflight: _InFlight | None = None
@@ -246,29 +247,30 @@ class CheckpointManager:
             return False
         self._settle()  # from here on, every rank has the same view of what is committed
         waited = time.perf_counter() - started
-        with self._lock:
-            exists = step in self._committed
-        if not exists and not self.overwrite:  # committed by an earlier run, maybe
-            exists = self._on_rank0(
-                lambda: catalog.is_committed(self.uri_of(step), config=self.config)
-            )
-        if exists and not self.overwrite:
-            log.info("%s is already committed; not saved again", name)
-            return False
-        writer = S3StorageWriter(
-            self.uri_of(step), config=self.config, overwrite=self.overwrite, **self.writer_options
-        )
+        committed = self._committed_check(step)  # a HEAD on rank 0, running while staging
         if self.async_mode == "sync":
-            return self._save_sync(step, state_dict, writer, started, waited)
+            if committed():
+                return self._skip_committed(name)
+            return self._save_sync(step, state_dict, self._writer(step), started, waited)
+        staged = self._stage(state_dict) if self.async_mode == "thread" else None
+        if committed():
+            return self._skip_committed(name)
+        writer = self._writer(step)
         try:
-            future = dcp.async_save(
-                state_dict,
-                storage_writer=writer,
-                process_group=self._save_group if self.async_mode == "thread" else self._group,
-                async_checkpointer_type=_CHECKPOINTER[self.async_mode],
-                async_stager=self._stager,
-                no_dist=self._no_dist,
-            )
+            if staged is not None:
+                future = self._worker.submit(
+                    dcp.save, staged, storage_writer=writer,
+                    process_group=self._save_group, no_dist=self._no_dist,
+                )  # fmt: skip
+            else:
+                future = dcp.async_save(
+                    state_dict,
+                    storage_writer=writer,
+                    process_group=self._group,
+                    async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                    async_stager=self._stager,
+                    no_dist=self._no_dist,
+                )
         except BaseException as exc:
             _reraise(exc)
         now = time.perf_counter()
@@ -276,6 +278,39 @@ class CheckpointManager:
         self._inflight = inflight
         future.add_done_callback(lambda _: self._finished(inflight))
         return True
+
+    def _writer(self, step: int) -> S3StorageWriter:
+        return S3StorageWriter(
+            self.uri_of(step), config=self.config, overwrite=self.overwrite, **self.writer_options
+        )
+
+    def _stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Thread mode's only stall: the copy to host memory (DCP's ``async_save`` would
+        add its own per-entry work and a thread start to it; ``dcp.save`` then runs on
+        the manager's worker thread, as ``async_save`` would run it on its own)."""
+        try:
+            return self._stager.stage(plain_state_dict(state_dict))
+        except BaseException as exc:
+            _reraise(exc)
+
+    def _committed_check(self, step: int) -> Callable[[], bool]:
+        """Whether ``step`` is committed already (by this manager, or an earlier run): the
+        answer is awaited by calling the result, so the HEAD overlaps the staging."""
+        if self.overwrite:
+            return lambda: False
+        with self._lock:
+            known = step in self._committed
+        if known:
+            return lambda: True
+        head = None
+        if self._rank == 0:
+            uri = self.uri_of(step)
+            head = self._worker.submit(catalog.is_committed, uri, config=self.config)
+        return lambda: self._on_rank0(lambda: head.result() if head is not None else False)
+
+    def _skip_committed(self, name: str) -> bool:
+        log.info("%s is already committed; not saved again", name)
+        return False
 
     def _save_sync(
         self, step: int, state: dict[str, Any], writer: S3StorageWriter, t0: float, waited: float
@@ -315,6 +350,7 @@ class CheckpointManager:
             self.wait()
         finally:
             self._retention.close()
+            self._worker.shutdown(wait=True)
             self._stager.close()
             if self.async_mode == "process":
                 stop_async_save_process()

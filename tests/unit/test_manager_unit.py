@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
+from s3ckpt import S3StorageWriter
 from s3ckpt.catalog import CheckpointInfo
 from s3ckpt.errors import BucketNotFoundError, CheckpointError, CheckpointExistsError, ConfigError
 from s3ckpt.manager import checkpoint_manager as manager_module
@@ -153,17 +154,31 @@ def test_process_mode_needs_a_process_group():
 
 
 class FakeDCP:
-    """Stands in for ``dcp.async_save``: futures the test completes by hand."""
+    """Stands in for ``dcp.save`` on the manager's worker thread (thread mode): each save
+    blocks on a future the test completes by hand. ``calls`` lists the checkpoints whose
+    writer the manager created, which it does in the caller just before starting a save."""
 
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.futures: list[Future[Any]] = []
+        self._changed = threading.Condition()
 
-    def async_save(self, state_dict: Any, *, storage_writer: Any, **kwargs: Any) -> Future[Any]:
-        self.calls.append(str(storage_writer.location))
+    def writer(self, uri: str, **options: Any) -> S3StorageWriter:
+        self.calls.append(uri)
+        return S3StorageWriter(uri, **options)
+
+    def save(self, state_dict: Any, *, storage_writer: Any, **kwargs: Any) -> Any:
         future: Future[Any] = Future()
-        self.futures.append(future)
-        return future
+        with self._changed:
+            self.futures.append(future)
+            self._changed.notify_all()
+        return future.result()
+
+    def _pending(self, index: int) -> Future[Any]:
+        """The save to complete, once the worker has started it."""
+        with self._changed:
+            self._changed.wait_for(lambda: any(not f.done() for f in self.futures), timeout=5)
+            return self.futures[index]
 
     def commit(self, index: int = -1, nbytes: int = 1000) -> None:
         """Complete a save whose state was ``nbytes`` of uint8 (what DCP's metadata says)."""
@@ -175,17 +190,18 @@ class FakeDCP:
         )
 
         tensor = TensorStorageMetadata(TensorProperties(torch.uint8), torch.Size([nbytes]), [])
-        self.futures[index].set_result(Metadata({"w": tensor}))
+        self._pending(index).set_result(Metadata({"w": tensor}))
 
     def fail(self, error: BaseException, index: int = -1) -> None:
         wrapped = CheckpointException("save failed", {0: (error, None)})
-        self.futures[index].set_exception(wrapped)
+        self._pending(index).set_exception(wrapped)
 
 
 @pytest.fixture
 def fake(monkeypatch) -> FakeDCP:
     fake = FakeDCP()
-    monkeypatch.setattr(manager_module.dcp, "async_save", fake.async_save)
+    monkeypatch.setattr(manager_module.dcp, "save", fake.save)
+    monkeypatch.setattr(manager_module, "S3StorageWriter", fake.writer)
     monkeypatch.setattr(
         manager_module.catalog, "list_checkpoints", lambda *a, **k: [info(checkpoint_name(5), 5)]
     )
@@ -193,6 +209,13 @@ def fake(monkeypatch) -> FakeDCP:
         manager_module.catalog, "is_committed", lambda uri, **k: uri.endswith(checkpoint_name(5))
     )
     return fake
+
+
+def wait_until_idle(manager: CheckpointManager) -> None:
+    """Until the save's bookkeeping (on the manager's worker thread) has run."""
+    deadline = time.monotonic() + 5
+    while manager.busy and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def make(**options: Any) -> CheckpointManager:
@@ -245,6 +268,7 @@ def test_a_failed_background_save_is_logged_and_raised_once(fake, caplog):
     manager.save(1, {})
     with caplog.at_level(logging.ERROR, logger="s3ckpt.manager"):
         fake.fail(BucketNotFoundError("no bucket", bucket="bucket"))
+        wait_until_idle(manager)
     assert "background save of step-0000000001 failed" in caplog.text
     with pytest.raises(BucketNotFoundError):
         manager.save(2, {})

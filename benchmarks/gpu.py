@@ -7,6 +7,7 @@ its pinned staging buffers; later saves reuse them, which is the steady state):
 
 * ``d2h``: the floor, a bare copy of the same tensors into pinned host buffers allocated
   once (``non_blocking`` copies, then one ``torch.cuda.synchronize``);
+* ``stage``: :meth:`s3ckpt.HostStager.stage` alone, the copy the two saves below block on;
 * ``dcp.async_save`` with :class:`S3StorageWriter` and an :class:`s3ckpt.HostStager`
   keeping pinned buffers across saves (non-blocking copies, one synchronize, staging in
   the caller): the time until ``async_save`` returns, and the time until the upload
@@ -44,8 +45,10 @@ def staging_summary(samples: list[dict[str, float]]) -> dict[str, float]:
     steady = samples[1:] or samples
     out = {
         key: statistics.median(s[key] for s in steady)
-        for key in ("d2h", "async_blocked", "async_commit", "manager_blocked", "manager_commit")
-    }
+        for key in ("d2h", "stage", "async_blocked", "async_commit", "manager_blocked",
+                    "manager_commit")
+        if all(key in s for s in steady)
+    }  # fmt: skip
     out["async_blocked_over_d2h"] = out["async_blocked"] / out["d2h"]
     out["manager_blocked_over_d2h"] = out["manager_blocked"] / out["d2h"]
     out["first_async_blocked"] = samples[0]["async_blocked"]
@@ -80,6 +83,7 @@ def gpu_staging_case(
 
     def rep(i: int) -> dict[str, float]:
         copy_s, _ = _timed(d2h)
+        stage_s, _ = _timed(lambda: stager.stage(gpu_state))
         writer = S3StorageWriter(uri("gpu-async", i), **options)
         blocked, future = _timed(
             lambda: dcp.async_save(gpu_state, storage_writer=writer, async_stager=stager)
@@ -90,6 +94,7 @@ def gpu_staging_case(
         manager_commit, _ = _timed(manager.wait)
         return {
             "d2h": copy_s,
+            "stage": stage_s,
             "async_blocked": blocked,
             "async_commit": blocked + commit,
             "manager_blocked": manager_blocked,

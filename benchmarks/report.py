@@ -316,6 +316,14 @@ def _staging_lines(summary: dict[str, Any]) -> list[str]:
         "",
         "GPU staging (CUDA tensors, pinned buffers reused; medians after the first save):",
         f"  bare D2H copy into pinned memory: {st['d2h'] * 1000:.1f} ms",
+        *(
+            [
+                f"  HostStager.stage alone: {st['stage'] * 1000:.1f} ms "
+                f"({st['stage'] / st['d2h']:.2f}x D2H)"
+            ]
+            if "stage" in st
+            else []
+        ),
         f"  dcp.async_save blocked: {st['async_blocked'] * 1000:.1f} ms "
         f"({st['async_blocked_over_d2h']:.2f}x D2H; first save {st['first_async_blocked'] * 1000:.1f} ms), "
         f"committed after {st['async_commit']:.2f} s",

@@ -14,9 +14,9 @@ buffers: non-blocking copies, then one synchronize); the upload and the commit r
 * **Failures are never lost.** A failed background save is logged when it fails and raised,
   as the s3ckpt error (:func:`s3ckpt.unwrap`), by the next ``save``/``wait``/``close``/``load``.
 * **Existing steps are kept**: re-saving a committed step (a resumed loop re-running it,
-  seen committed by this manager or, with one HEAD on rank 0, by an earlier run) is
-  skipped with an INFO line and returns False, unless ``overwrite=True`` (then replaced
-  atomically).
+  seen committed by this manager or, listed once on rank 0 at the first save, by an
+  earlier run) is skipped with an INFO line and returns False, unless ``overwrite=True``
+  (then replaced atomically). A step another writer commits later is caught by the commit.
 * **Rollbacks**: after ``load(step)`` of an older step, the first commit supersedes the
   higher steps an earlier run left: ``steps()``/``load_latest`` skip them and retention
   deletes them (:mod:`s3ckpt.catalog.retention`).
@@ -50,7 +50,7 @@ from s3ckpt.dcp.compat import stop_async_save_process, unwrap
 from s3ckpt.dcp.reader import S3StorageReader
 from s3ckpt.dcp.staging import HostStager, plain_state_dict
 from s3ckpt.dcp.writer import S3StorageWriter
-from s3ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError
+from s3ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError, S3CkptError
 from s3ckpt.manager.main_guard import require_main_guard
 from s3ckpt.manager.policy import (
     AsyncMode,
@@ -142,13 +142,14 @@ class CheckpointManager:
         self._rank = dist.get_rank(process_group) if distributed else 0
         self._save_group = self._make_save_group(distributed)
         self._stager = HostStager(share_memory=async_mode == "process")
-        # thread mode's dcp.save and rank 0's committed checks, one after the other
+        # thread mode's dcp.save, as DCP's async_save would run it on a thread of its own
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s3ckpt-save")
         self._retention = Retention(self.location, self.config, keep_last, keep_every)
         self._lock = threading.Lock()
         self._inflight: _InFlight | None = None
         self._failure: BaseException | None = None
         self._committed: set[int] = set()  # seen committed; the same on every rank
+        self._listed: frozenset[int] | None = None  # committed before the first save
         self._closed = False
 
     def __repr__(self) -> str:
@@ -247,15 +248,13 @@ class CheckpointManager:
             return False
         self._settle()  # from here on, every rank has the same view of what is committed
         waited = time.perf_counter() - started
-        committed = self._committed_check(step)  # a HEAD on rank 0, running while staging
-        if self.async_mode == "sync":
-            if committed():
-                return self._skip_committed(name)
-            return self._save_sync(step, state_dict, self._writer(step), started, waited)
-        staged = self._stage(state_dict) if self.async_mode == "thread" else None
-        if committed():
-            return self._skip_committed(name)
+        if self._already_committed(step):
+            log.info("%s is already committed; not saved again", name)
+            return False
         writer = self._writer(step)
+        if self.async_mode == "sync":
+            return self._save_sync(step, state_dict, writer, started, waited)
+        staged = self._stage(state_dict) if self.async_mode == "thread" else None
         try:
             if staged is not None:
                 future = self._worker.submit(
@@ -293,24 +292,34 @@ class CheckpointManager:
         except BaseException as exc:
             _reraise(exc)
 
-    def _committed_check(self, step: int) -> Callable[[], bool]:
-        """Whether ``step`` is committed already (by this manager, or an earlier run): the
-        answer is awaited by calling the result, so the HEAD overlaps the staging."""
-        if self.overwrite:
-            return lambda: False
-        with self._lock:
-            known = step in self._committed
-        if known:
-            return lambda: True
-        head = None
-        if self._rank == 0:
-            uri = self.uri_of(step)
-            head = self._worker.submit(catalog.is_committed, uri, config=self.config)
-        return lambda: self._on_rank0(lambda: head.result() if head is not None else False)
+    def _already_committed(self, step: int) -> bool:
+        """Whether ``step`` is committed: by this manager, or by an earlier run.
 
-    def _skip_committed(self, name: str) -> bool:
-        log.info("%s is already committed; not saved again", name)
-        return False
+        Earlier runs' steps are listed once, on rank 0, at the first save (one HEAD per
+        save when that listing fails), so later saves make no request while the loop is
+        blocked. A step another writer commits after the listing is caught by the
+        commit itself (``CheckpointExistsError``: logged, not saved).
+        """
+        if self.overwrite:
+            return False
+        with self._lock:
+            if step in self._committed:
+                return True
+        if self._listed is None:
+            self._listed = self._on_rank0(self._committed_before)
+        if self._listed is not None:
+            return step in self._listed
+        uri = self.uri_of(step)
+        return self._on_rank0(lambda: catalog.is_committed(uri, config=self.config))
+
+    def _committed_before(self) -> frozenset[int] | None:
+        """The committed steps under the prefix, or None when they cannot be listed."""
+        try:
+            infos = catalog.list_checkpoints(str(self.location), config=self.config)
+        except S3CkptError as exc:
+            log.debug("could not list %s (%s); asking per step", self.location, exc)
+            return None
+        return frozenset(s for s in (parse_step(i.name) for i in infos) if s is not None)
 
     def _save_sync(
         self, step: int, state: dict[str, Any], writer: S3StorageWriter, t0: float, waited: float

@@ -106,7 +106,10 @@ def test_rollback_save_is_not_pruned(s3_prefix, s3_options):
         manager.load(10, state)
         manager.save(15, state)  # the rolled-back run's first save
         manager.wait()
-        assert manager.steps() == [15, 30]
+        steps = manager.steps()
+    # 30 is superseded (and so pruned) once 15 commits in a later second than it did
+    # (S3 times have whole seconds); 15 is kept either way
+    assert steps in ([15], [15, 30])
 
 
 def test_existing_step_is_skipped_or_overwritten(s3_prefix, s3_options, local_s3):

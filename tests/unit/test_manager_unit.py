@@ -344,13 +344,14 @@ def test_on_saved_gets_metrics_and_its_errors_do_not_escape(fake, caplog):
 
 def test_retention_runs_after_each_commit_protecting_the_new_step(fake, monkeypatch):
     removed: list[str] = []
-    listing = [info(checkpoint_name(s), s) for s in (1, 2, 3)]
+    listing = [info(checkpoint_name(s), s) for s in (1, 2)]
     monkeypatch.setattr(manager_module.catalog, "list_checkpoints", lambda *a, **k: listing)
     monkeypatch.setattr(
         "s3ckpt.manager.policy.catalog.remove_checkpoint", lambda uri, **k: removed.append(uri)
     )
     manager = make(keep_last=1)
-    manager.save(3, {})
+    assert manager.save(3, {}) is True
+    listing.append(info(checkpoint_name(3), 3))  # what retention lists once 3 is committed
     fake.commit()
     manager.wait()  # waits for retention too
     assert removed == ["s3://bucket/run/step-0000000001", "s3://bucket/run/step-0000000002"]
@@ -382,3 +383,46 @@ def test_busy_flag_tracks_the_upload(fake):
         time.sleep(0.01)
     assert not manager.busy
     manager.close()
+
+
+def test_earlier_steps_are_listed_once_not_asked_per_save(fake, monkeypatch):
+    listings: list[str] = []
+
+    def listed(uri: str, **kwargs: Any) -> list[CheckpointInfo]:
+        listings.append(uri)
+        return [info(checkpoint_name(5), 5)]
+
+    def head(uri: str, **kwargs: Any) -> bool:
+        raise AssertionError(f"a HEAD while the loop is blocked: {uri}")
+
+    monkeypatch.setattr(manager_module.catalog, "list_checkpoints", listed)
+    monkeypatch.setattr(manager_module.catalog, "is_committed", head)
+    manager = make()
+    assert manager.save(5, {}) is False  # committed by an earlier run
+    for step in (6, 7):
+        assert manager.save(step, {}) is True
+        fake.commit()
+        manager.wait()
+    assert manager.save(6, {}) is False  # committed by this manager
+    assert listings == ["s3://bucket/run"]
+    manager.close()
+
+
+def test_a_failed_listing_falls_back_to_a_head_per_save(fake, monkeypatch):
+    heads: list[str] = []
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise BucketNotFoundError("no listing here")
+
+    def head(uri: str, **kwargs: Any) -> bool:
+        heads.append(uri)
+        return uri.endswith(checkpoint_name(5))
+
+    monkeypatch.setattr(manager_module.catalog, "list_checkpoints", broken)
+    monkeypatch.setattr(manager_module.catalog, "is_committed", head)
+    manager = make()
+    assert manager.save(5, {}) is False
+    assert manager.save(6, {}) is True
+    fake.commit()
+    manager.close()
+    assert heads == ["s3://bucket/run/step-0000000005", "s3://bucket/run/step-0000000006"]

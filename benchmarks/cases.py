@@ -17,6 +17,8 @@ import contextlib
 import json
 import os
 import resource
+import shutil
+import subprocess
 import sys
 import time
 import warnings
@@ -332,8 +334,50 @@ def _raw_download_case(system: str, https: bool) -> Callable[[Env, dict], Callab
 raw_upload, raw_download = _raw_upload_case("raw", False), _raw_download_case("raw", False)
 raw_upload_https = _raw_upload_case("raw-https", True)
 raw_download_https = _raw_download_case("raw-https", True)
+
+
+def _curl_download_case(system: str, https: bool) -> Callable[[Env, dict], Callable[[int], dict]]:
+    """A C client for scale: curl (libcurl, the system OpenSSL) GETs the same bytes as one
+    object to /dev/null. What TLS costs a client that adds nothing in Python, and how far
+    the server's share of the two cores lets any client go over HTTPS."""
+
+    def case(env: Env, state: dict) -> Callable[[int], dict]:
+        import boto3
+
+        from benchmarks.raw import concat_bytes
+
+        curl = shutil.which("curl") or "curl"  # run() skips the case without one
+        options = {"endpoint_url": env.https_endpoint, "verify": env.ca_file} if https else {}
+        client = boto3.client("s3", **(options or {"endpoint_url": env.endpoint}))
+        key = f"{env.prefix}/{system}/object"
+        client.put_object(Bucket=env.bucket, Key=key, Body=bytes(concat_bytes(state)))
+        url = client.generate_presigned_url(
+            "get_object", Params={"Bucket": env.bucket, "Key": key}, ExpiresIn=3600
+        )
+        command = [curl, "-sS", "--fail", "-o", "/dev/null", url]
+        if https:
+            command[1:1] = ["--cacert", env.ca_file]
+
+        def rep(i: int) -> dict:
+            own, children = _cpu(), _children_cpu()
+            subprocess.run(command, check=True)
+            return {"cpu": _cpu() - own + _children_cpu() - children}
+
+        return rep
+
+    return case
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+curl_download = _curl_download_case("curl", False)
+curl_download_https = _curl_download_case("curl-https", True)
 HTTPS_CASES = {"raw_upload_https", "raw_download_https", "s3ckpt_save_https",
-               "s3ckpt_load_https", "s3ckpt_save_https_aiohttp"}  # fmt: skip
+               "s3ckpt_load_https", "s3ckpt_save_https_aiohttp",
+               "curl_download_https"}  # fmt: skip
 
 
 def gpu_staging(env: Env, state: dict) -> Callable[[int], dict]:
@@ -389,6 +433,7 @@ CASES: dict[str, Callable[[Env, dict], Callable[[int], dict]]] = {
     "raw_upload": raw_upload, "raw_download": raw_download,
     "s3ckpt_save": s3ckpt_save, "s3ckpt_load": s3ckpt_load,
     "raw_upload_https": raw_upload_https, "raw_download_https": raw_download_https,
+    "curl_download": curl_download, "curl_download_https": curl_download_https,
     "s3ckpt_save_https": s3ckpt_save_https, "s3ckpt_load_https": s3ckpt_load_https,
     "s3ckpt_save_https_aiohttp": s3ckpt_save_https_aiohttp,
     "s3ckpt_save_real": s3ckpt_save_real, "s3ckpt_load_real": s3ckpt_load_real,
@@ -405,6 +450,8 @@ def run(case: str) -> dict[str, Any]:
         reason = cuda_skip_reason()
         if reason is not None:
             return {"case": case, "skipped": reason}
+    if case.startswith("curl") and shutil.which("curl") is None:
+        return {"case": case, "skipped": "curl not found"}
     if case in HTTPS_CASES and not env.https_endpoint:
         return {"case": case, "skipped": "no HTTPS endpoint (BENCH_HTTPS_ENDPOINT)"}
     if case in REAL_WEIGHT_CASES:

@@ -22,6 +22,7 @@ TLS_PAIRS = [("raw_upload", "raw_upload_https", "raw multipart upload"),
              ("s3ckpt_save", "s3ckpt_save_https", "s3ckpt dcp.save"),
              ("s3ckpt_save", "s3ckpt_save_https_aiohttp", "  same, bodies via aiohttp"),
              ("raw_download", "raw_download_https", "raw ranged GETs"),
+             ("curl_download", "curl_download_https", "curl GET (C client)"),
              ("s3ckpt_load", "s3ckpt_load_https", "s3ckpt dcp.load")]  # fmt: skip
 LOADS = [("raw_download", "raw ranged GETs (ceiling)"), ("s3ckpt_load", "s3ckpt dcp.load"),
          ("s3torch_load", "s3torchconnector"), ("fsspec_load", "FsspecReader + s3fs"),

@@ -42,6 +42,8 @@ ORDER = [
     "raw_upload_https",
     "raw_download",
     "raw_download_https",
+    "curl_download",
+    "curl_download_https",
     "s3ckpt_save",
     "s3ckpt_save_https",
     "s3ckpt_save_https_aiohttp",
@@ -71,6 +73,8 @@ ROUNDS = 2
 CLEANUP_AFTER = {
     "raw_download": "raw",
     "raw_download_https": "raw-https",
+    "curl_download": "curl",
+    "curl_download_https": "curl-https",
     "s3ckpt_load_https": "s3ckpt-https",
     "gpu_staging": "gpu-async",
     "s3ckpt_save_https_aiohttp": "s3ckpt-https-aiohttp",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_benchmark_smoke_run(tmp_path):
-    https = "raw_upload_https,s3ckpt_save_https,s3ckpt_load_https"
-    cases = f"raw_upload,s3ckpt_save,s3ckpt_load,{https},gpu_staging"
+    https = "raw_upload_https,s3ckpt_save_https,s3ckpt_load_https,curl_download_https"
+    cases = f"raw_upload,s3ckpt_save,s3ckpt_load,curl_download,{https},gpu_staging"
     completed = subprocess.run(
         [
             sys.executable,
@@ -39,6 +40,9 @@ def test_benchmark_smoke_run(tmp_path):
     assert completed.returncode == 0, completed.stderr[-2000:]
     report = json.loads((tmp_path / "bench.json").read_text())["report"]
     for case in cases.split(",")[:-1]:
+        if case.startswith("curl") and shutil.which("curl") is None:
+            assert report["cases"][case]["skipped"] == "curl not found"
+            continue
         assert "mbps_median" in report["cases"][case], report["cases"][case]
     assert "HTTPS against HTTP" in completed.stdout
     assert report["aes_gcm"]["cryptography_gb_per_s"] > 0

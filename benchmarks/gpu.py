@@ -83,13 +83,13 @@ def gpu_staging_case(
 
     def rep(i: int) -> dict[str, float]:
         copy_s, _ = _timed(d2h)
-        stage_s, _ = _timed(lambda: stager.stage(gpu_state))
         writer = S3StorageWriter(uri("gpu-async", i), **options)
         blocked, future = _timed(
             lambda: dcp.async_save(gpu_state, storage_writer=writer, async_stager=stager)
         )
         upload = future.upload_completion if hasattr(future, "upload_completion") else future
         commit, _ = _timed(upload.result)
+        stage_s, _ = _timed(lambda: stager.stage(gpu_state))  # after: buffers in place
         manager_blocked, _ = _timed(lambda: manager.save(i, gpu_state))
         manager_commit, _ = _timed(manager.wait)
         return {

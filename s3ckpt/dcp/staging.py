@@ -8,7 +8,8 @@ copy. To keep that stall close to a bare device-to-host copy:
   cached (weakly, by source storage) by DCP's own copier, so a steady-state save allocates
   and pins nothing;
 * **pinned and non-blocking with an accelerator**: copies into page-locked buffers are
-  queued without waiting, then one ``synchronize`` waits for all of them;
+  queued without waiting, then one ``synchronize`` per device holding tensors of the
+  state waits for all of them;
 * **shared memory** for process-mode saves, which hand the copy to another process.
 
 Why not torch's ``DefaultStager``: several torch releases (2.11 among them) make it close
@@ -24,6 +25,7 @@ save's future first.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -40,18 +42,41 @@ def _accelerator_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _synchronize_accelerator() -> None:
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None:
-        accelerator.synchronize()
+def _device_tensors(value: Any, seen: set[int]) -> Iterator[torch.Tensor]:
+    """The accelerator tensors in a state dict: in dicts, lists, tuples and objects'
+    attributes, as DCP's copier finds them."""
+    if id(value) in seen:
+        return
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            yield value
+        return
+    if isinstance(value, dict):
+        children: Any = value.values()
+    elif isinstance(value, (list, tuple)):
+        children = value
     else:
-        torch.cuda.synchronize()
+        children = getattr(value, "__dict__", {}).values()
+    for child in children:
+        yield from _device_tensors(child, seen)
+
+
+def _synchronize(devices: set[torch.device]) -> None:
+    """Wait for the copies queued on each device (not only on the current one)."""
+    accelerator = getattr(torch, "accelerator", None)
+    for device in devices:
+        if accelerator is not None:
+            accelerator.synchronize(device)
+        else:
+            torch.cuda.synchronize(device)
 
 
 class HostStager(AsyncStager):
     """Stages state dicts into host buffers that are kept and reused across saves.
 
-    ``pin_memory`` defaults to whether an accelerator is available (pinning needs one);
+    ``pin_memory`` defaults to whether CUDA is available (page-locked memory is a CUDA
+    host allocation);
     ``share_memory`` is for process-mode ``async_save``. Pass it as
     ``dcp.async_save(..., async_stager=HostStager())``; :meth:`close` frees the buffers.
     """
@@ -60,10 +85,9 @@ class HostStager(AsyncStager):
     _synchronize_after_execute = False
 
     def __init__(self, *, pin_memory: bool | None = None, share_memory: bool = False) -> None:
-        accelerated = _accelerator_available()
-        self._non_blocking = accelerated
+        self._non_blocking = _accelerator_available()
         self._copier = storage_copier(
-            pin_memory=accelerated if pin_memory is None else pin_memory,
+            pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
             share_memory=share_memory,
         )
 
@@ -71,7 +95,7 @@ class HostStager(AsyncStager):
         """Copy ``state_dict`` to host memory; returns once every byte has landed."""
         staged = self._copier.stage(state_dict, non_blocking=self._non_blocking)
         if self._non_blocking:
-            _synchronize_accelerator()
+            _synchronize({t.device for t in _device_tensors(state_dict, set())})
         return staged
 
     def synchronize_staging(self) -> None:

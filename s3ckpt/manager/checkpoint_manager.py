@@ -1,8 +1,9 @@
 """``CheckpointManager``: what a training loop calls to checkpoint by step, in the background.
 
 The loop blocks only while the state is copied to host memory (with CUDA, into pinned
-buffers: non-blocking copies, then one synchronize); the upload and the commit run on DCP's
-``async_save`` thread (or process) while training goes on. The rules:
+buffers: non-blocking copies, then a synchronize); the upload and the commit run while
+training goes on: ``dcp.save`` of that copy on the manager's worker thread (thread mode),
+or DCP's ``async_save`` process (process mode). The rules:
 
 * **Names.** Step ``N`` lives at ``<uri>/step-<N:010d>``, zero-padded so that plain LIST
   order is step order. ``steps()`` lists the committed ones (one LIST, on rank 0).
@@ -14,9 +15,10 @@ buffers: non-blocking copies, then one synchronize); the upload and the commit r
 * **Failures are never lost.** A failed background save is logged when it fails and raised,
   as the s3ckpt error (:func:`s3ckpt.unwrap`), by the next ``save``/``wait``/``close``/``load``.
 * **Existing steps are kept**: re-saving a committed step (a resumed loop re-running it,
-  seen committed by this manager or, listed once on rank 0 at the first save, by an
-  earlier run) is skipped with an INFO line and returns False, unless ``overwrite=True``
-  (then replaced atomically). A step another writer commits later is caught by the commit.
+  seen committed by this manager or, listed once on rank 0 at the first save and then
+  confirmed with one HEAD, by an earlier run) is skipped with an INFO line and returns
+  False, unless ``overwrite=True`` (then replaced atomically). A step another writer
+  commits later is caught by the commit.
 * **Rollbacks**: after ``load(step)`` of an older step, the first commit supersedes the
   higher steps an earlier run left: ``steps()``/``load_latest`` skip them and retention
   deletes them (:mod:`s3ckpt.catalog.retention`).
@@ -150,6 +152,7 @@ class CheckpointManager:
         self._failure: BaseException | None = None
         self._committed: set[int] = set()  # seen committed; the same on every rank
         self._listed: frozenset[int] | None = None  # committed before the first save
+        self._list_tried = False
         self._closed = False
 
     def __repr__(self) -> str:
@@ -295,20 +298,23 @@ class CheckpointManager:
     def _already_committed(self, step: int) -> bool:
         """Whether ``step`` is committed: by this manager, or by an earlier run.
 
-        Earlier runs' steps are listed once, on rank 0, at the first save (one HEAD per
-        save when that listing fails), so later saves make no request while the loop is
-        blocked. A step another writer commits after the listing is caught by the
-        commit itself (``CheckpointExistsError``: logged, not saved).
+        Rank 0 lists the prefix once, at the first save. A step missing from that listing
+        costs no request while the loop is blocked; a step in it is confirmed with one
+        HEAD (a rollback's retention may have deleted it since); and when the listing
+        failed, every save asks with one HEAD. A step another writer commits after the
+        listing is caught by the commit itself (``CheckpointExistsError``: logged, not
+        saved).
         """
         if self.overwrite:
             return False
         with self._lock:
             if step in self._committed:
                 return True
-        if self._listed is None:
+        if not self._list_tried:
+            self._list_tried = True
             self._listed = self._on_rank0(self._committed_before)
-        if self._listed is not None:
-            return step in self._listed
+        if self._listed is not None and step not in self._listed:
+            return False
         uri = self.uri_of(step)
         return self._on_rank0(lambda: catalog.is_committed(uri, config=self.config))
 
@@ -358,8 +364,8 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            self._worker.shutdown(wait=True)  # before retention: its bookkeeping may use it
             self._retention.close()
-            self._worker.shutdown(wait=True)
             self._stager.close()
             if self.async_mode == "process":
                 stop_async_save_process()
@@ -369,7 +375,7 @@ class CheckpointManager:
                 except Exception:  # the default group may be gone already
                     log.debug("could not destroy the checkpoint process group", exc_info=True)
 
-    # -- background bookkeeping (DCP's thread) -----------------------------------------------
+    # -- background bookkeeping (the worker thread, or DCP's) -----------------------------------------
 
     def _finished(self, inflight: _InFlight) -> None:
         try:

@@ -216,6 +216,7 @@ def wait_until_idle(manager: CheckpointManager) -> None:
     deadline = time.monotonic() + 5
     while manager.busy and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert not manager.busy
 
 
 def make(**options: Any) -> CheckpointManager:
@@ -392,26 +393,45 @@ def test_earlier_steps_are_listed_once_not_asked_per_save(fake, monkeypatch):
         listings.append(uri)
         return [info(checkpoint_name(5), 5)]
 
+    heads: list[str] = []
+
     def head(uri: str, **kwargs: Any) -> bool:
-        raise AssertionError(f"a HEAD while the loop is blocked: {uri}")
+        heads.append(uri)
+        return True
 
     monkeypatch.setattr(manager_module.catalog, "list_checkpoints", listed)
     monkeypatch.setattr(manager_module.catalog, "is_committed", head)
     manager = make()
-    assert manager.save(5, {}) is False  # committed by an earlier run
-    for step in (6, 7):
+    assert manager.save(5, {}) is False  # listed, and confirmed with one HEAD
+    for step in (6, 7):  # not listed: no request
         assert manager.save(step, {}) is True
         fake.commit()
         manager.wait()
     assert manager.save(6, {}) is False  # committed by this manager
     assert listings == ["s3://bucket/run"]
+    assert heads == ["s3://bucket/run/step-0000000005"]
+    manager.close()
+
+
+def test_a_listed_step_deleted_since_is_saved(fake, monkeypatch):
+    """A rollback's retention deletes the abandoned run's higher steps after the first
+    save listed them: reaching such a step again saves it."""
+    monkeypatch.setattr(
+        manager_module.catalog, "list_checkpoints", lambda *a, **k: [info(checkpoint_name(9), 9)]
+    )
+    monkeypatch.setattr(manager_module.catalog, "is_committed", lambda uri, **k: False)
+    manager = make()
+    assert manager.save(9, {}) is True
+    fake.commit()
     manager.close()
 
 
 def test_a_failed_listing_falls_back_to_a_head_per_save(fake, monkeypatch):
     heads: list[str] = []
+    listings: list[int] = []
 
     def broken(*args: Any, **kwargs: Any) -> None:
+        listings.append(1)
         raise BucketNotFoundError("no listing here")
 
     def head(uri: str, **kwargs: Any) -> bool:
@@ -426,3 +446,4 @@ def test_a_failed_listing_falls_back_to_a_head_per_save(fake, monkeypatch):
     fake.commit()
     manager.close()
     assert heads == ["s3://bucket/run/step-0000000005", "s3://bucket/run/step-0000000006"]
+    assert listings == [1]  # tried once

@@ -51,11 +51,24 @@ def test_views_share_their_staged_storage_and_other_values_survive():
     stager.close()
 
 
-def test_the_copy_is_complete_when_stage_returns():
+def test_dcp_is_told_there_is_nothing_to_wait_for_after_stage():
+    """stage() returns a complete copy, so DCP must not call back to wait for one."""
     stager = HostStager(pin_memory=False)
     assert stager.should_synchronize_after_execute is False
     stager.synchronize_staging()  # nothing pending: returns at once
     stager.close()
+
+
+def test_every_device_holding_tensors_is_found_for_the_synchronize():
+    from s3ckpt.dcp.staging import _device_tensors
+
+    class Holder:
+        def __init__(self) -> None:
+            self.inner = {"t": torch.ones(2, device="meta")}
+
+    state = {"a": [torch.zeros(1), (torch.empty(3, device="meta"),)], "b": Holder()}
+    found = list(_device_tensors(state, set()))
+    assert [t.shape for t in found] == [torch.Size([3]), torch.Size([2])]
 
 
 def test_async_save_with_a_host_stager_saves_each_calls_values(tmp_path):

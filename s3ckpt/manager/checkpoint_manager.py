@@ -15,10 +15,9 @@ or DCP's ``async_save`` process (process mode). The rules:
 * **Failures are never lost.** A failed background save is logged when it fails and raised,
   as the s3ckpt error (:func:`s3ckpt.unwrap`), by the next ``save``/``wait``/``close``/``load``.
 * **Existing steps are kept**: re-saving a committed step (a resumed loop re-running it,
-  seen committed by this manager or, listed once on rank 0 at the first save and then
-  confirmed with one HEAD, by an earlier run) is skipped with an INFO line and returns
-  False, unless ``overwrite=True`` (then replaced atomically). A step another writer
-  commits later is caught by the commit.
+  seen committed by this manager or by an earlier run: :mod:`s3ckpt.manager.committed`
+  says how that is found at little cost) is skipped with an INFO line and returns False,
+  unless ``overwrite=True`` (then replaced atomically).
 * **Rollbacks**: after ``load(step)`` of an older step, the first commit supersedes the
   higher steps an earlier run left: ``steps()``/``load_latest`` skip them and retention
   deletes them (:mod:`s3ckpt.catalog.retention`).
@@ -52,7 +51,8 @@ from s3ckpt.dcp.compat import stop_async_save_process, unwrap
 from s3ckpt.dcp.reader import S3StorageReader
 from s3ckpt.dcp.staging import HostStager, plain_state_dict
 from s3ckpt.dcp.writer import S3StorageWriter
-from s3ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError, S3CkptError
+from s3ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError
+from s3ckpt.manager.committed import CommittedSteps
 from s3ckpt.manager.main_guard import require_main_guard
 from s3ckpt.manager.policy import (
     AsyncMode,
@@ -150,9 +150,7 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self._inflight: _InFlight | None = None
         self._failure: BaseException | None = None
-        self._committed: set[int] = set()  # seen committed; the same on every rank
-        self._listed: frozenset[int] | None = None  # committed before the first save
-        self._list_tried = False
+        self._committed = CommittedSteps(self.location, self.config, self._on_rank0)
         self._closed = False
 
     def __repr__(self) -> str:
@@ -189,8 +187,7 @@ class CheckpointManager:
             return sorted(s for s in steps if s is not None)
 
         outcome: list[int] = self._on_rank0(listed)
-        with self._lock:
-            self._committed.update(outcome)
+        self._committed.add(outcome)
         return list(outcome)
 
     def latest_step(self) -> int | None:
@@ -251,7 +248,7 @@ class CheckpointManager:
             return False
         self._settle()  # from here on, every rank has the same view of what is committed
         waited = time.perf_counter() - started
-        if self._already_committed(step):
+        if not self.overwrite and self._committed.includes(step):
             log.info("%s is already committed; not saved again", name)
             return False
         writer = self._writer(step)
@@ -294,38 +291,6 @@ class CheckpointManager:
             return self._stager.stage(plain_state_dict(state_dict))
         except BaseException as exc:
             _reraise(exc)
-
-    def _already_committed(self, step: int) -> bool:
-        """Whether ``step`` is committed: by this manager, or by an earlier run.
-
-        Rank 0 lists the prefix once, at the first save. A step missing from that listing
-        costs no request while the loop is blocked; a step in it is confirmed with one
-        HEAD (a rollback's retention may have deleted it since); and when the listing
-        failed, every save asks with one HEAD. A step another writer commits after the
-        listing is caught by the commit itself (``CheckpointExistsError``: logged, not
-        saved).
-        """
-        if self.overwrite:
-            return False
-        with self._lock:
-            if step in self._committed:
-                return True
-        if not self._list_tried:
-            self._list_tried = True
-            self._listed = self._on_rank0(self._committed_before)
-        if self._listed is not None and step not in self._listed:
-            return False
-        uri = self.uri_of(step)
-        return self._on_rank0(lambda: catalog.is_committed(uri, config=self.config))
-
-    def _committed_before(self) -> frozenset[int] | None:
-        """The committed steps under the prefix, or None when they cannot be listed."""
-        try:
-            infos = catalog.list_checkpoints(str(self.location), config=self.config)
-        except S3CkptError as exc:
-            log.debug("could not list %s (%s); asking per step", self.location, exc)
-            return None
-        return frozenset(s for s in (parse_step(i.name) for i in infos) if s is not None)
 
     def _save_sync(
         self, step: int, state: dict[str, Any], writer: S3StorageWriter, t0: float, waited: float
@@ -400,8 +365,8 @@ class CheckpointManager:
         self, step: int, metadata: Any, blocked: float, upload: float, waited: float
     ) -> SaveMetrics:
         metrics = SaveMetrics.of(step, blocked, upload, state_bytes(metadata), waited)
+        self._committed.add([step])
         with self._lock:
-            self._committed.add(step)
             self.metrics.append(metrics)
         log.info("%s", metrics)
         if self.on_saved is not None:
@@ -418,8 +383,7 @@ class CheckpointManager:
         name = checkpoint_name(step)
         if isinstance(error, CheckpointExistsError):
             log.warning("%s was committed by someone else; not saved", name)
-            with self._lock:
-                self._committed.add(step)
+            self._committed.add([step])
             return
         log.error("background save of %s failed: %s", name, error, exc_info=error)
         if hasattr(error, "add_note"):

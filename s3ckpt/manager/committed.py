@@ -1,0 +1,72 @@
+"""Which steps are committed, as :meth:`CheckpointManager.save` must know before it saves.
+
+A resumed loop re-runs steps that an earlier run committed; those are kept (the save is
+skipped), and finding out must cost the blocked training loop as little as possible:
+
+* steps this manager saw committed (its own commits, ``steps()``, a commit that lost to
+  another writer) are known without a request;
+* rank 0 lists the prefix once, at the first save. A step missing from that listing costs
+  no request later; a step in it is confirmed with one HEAD, since a rollback's retention
+  may have deleted it since;
+* when that listing fails, each save asks with one HEAD;
+* a step another writer commits after the listing is caught by the commit itself
+  (``CheckpointExistsError``: logged, not saved).
+
+Every answer comes from rank 0 through the manager's ``on_rank0``, so all ranks agree.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from s3ckpt import catalog
+from s3ckpt.config import S3URI, S3Config
+from s3ckpt.errors import S3CkptError
+from s3ckpt.manager.policy import checkpoint_name, parse_step
+
+log = logging.getLogger("s3ckpt.manager")
+
+OnRank0 = Callable[[Callable[[], Any]], Any]
+
+
+class CommittedSteps:
+    """The committed steps under one prefix, as far as a manager knows or asks."""
+
+    def __init__(self, location: S3URI, config: S3Config, on_rank0: OnRank0) -> None:
+        self._location = location
+        self._config = config
+        self._on_rank0 = on_rank0
+        self._lock = threading.Lock()  # add() runs on the save's background thread
+        self._seen: set[int] = set()
+        self._listed: frozenset[int] | None = None  # committed before the first save
+        self._list_tried = False
+
+    def add(self, steps: Iterable[int]) -> None:
+        """Steps seen committed."""
+        with self._lock:
+            self._seen.update(steps)
+
+    def includes(self, step: int) -> bool:
+        """Whether ``step`` is committed (see the module docstring for what that costs)."""
+        with self._lock:
+            if step in self._seen:
+                return True
+        if not self._list_tried:
+            self._list_tried = True
+            self._listed = self._on_rank0(self._committed_before)
+        if self._listed is not None and step not in self._listed:
+            return False
+        uri = str(self._location.child(checkpoint_name(step)))
+        return bool(self._on_rank0(lambda: catalog.is_committed(uri, config=self._config)))
+
+    def _committed_before(self) -> frozenset[int] | None:
+        """The committed steps under the prefix, or None when they cannot be listed."""
+        try:
+            infos = catalog.list_checkpoints(str(self._location), config=self._config)
+        except S3CkptError as exc:
+            log.debug("could not list %s (%s); asking per step", self._location, exc)
+            return None
+        return frozenset(s for s in (parse_step(i.name) for i in infos) if s is not None)

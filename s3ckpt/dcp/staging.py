@@ -35,13 +35,6 @@ from torch.distributed.checkpoint.stateful import Stateful
 from s3ckpt.dcp.compat import storage_copier
 
 
-def _accelerator_available() -> bool:
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None:
-        return bool(accelerator.is_available())
-    return torch.cuda.is_available()
-
-
 def _device_tensors(value: Any, seen: set[int]) -> Iterator[torch.Tensor]:
     """The accelerator tensors in a state dict: in dicts, lists, tuples and objects'
     attributes, as DCP's copier finds them."""
@@ -62,22 +55,11 @@ def _device_tensors(value: Any, seen: set[int]) -> Iterator[torch.Tensor]:
         yield from _device_tensors(child, seen)
 
 
-def _synchronize(devices: set[torch.device]) -> None:
-    """Wait for the copies queued on each device (not only on the current one)."""
-    accelerator = getattr(torch, "accelerator", None)
-    for device in devices:
-        if accelerator is not None:
-            accelerator.synchronize(device)
-        else:
-            torch.cuda.synchronize(device)
-
-
 class HostStager(AsyncStager):
     """Stages state dicts into host buffers that are kept and reused across saves.
 
     ``pin_memory`` defaults to whether CUDA is available (page-locked memory is a CUDA
-    host allocation);
-    ``share_memory`` is for process-mode ``async_save``. Pass it as
+    host allocation); ``share_memory`` is for process-mode ``async_save``. Pass it as
     ``dcp.async_save(..., async_stager=HostStager())``; :meth:`close` frees the buffers.
     """
 
@@ -85,7 +67,9 @@ class HostStager(AsyncStager):
     _synchronize_after_execute = False
 
     def __init__(self, *, pin_memory: bool | None = None, share_memory: bool = False) -> None:
-        self._non_blocking = _accelerator_available()
+        accelerator = torch.accelerator.current_accelerator()
+        self._accelerator = None if accelerator is None else accelerator.type
+        self._non_blocking = self._accelerator is not None
         self._copier = storage_copier(
             pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
             share_memory=share_memory,
@@ -95,7 +79,10 @@ class HostStager(AsyncStager):
         """Copy ``state_dict`` to host memory; returns once every byte has landed."""
         staged = self._copier.stage(state_dict, non_blocking=self._non_blocking)
         if self._non_blocking:
-            _synchronize({t.device for t in _device_tensors(state_dict, set())})
+            # each device the copies came from, not only the current one
+            tensors = _device_tensors(state_dict, set())
+            for device in {t.device for t in tensors if t.device.type == self._accelerator}:
+                torch.accelerator.synchronize(device)
         return staged
 
     def synchronize_staging(self) -> None:

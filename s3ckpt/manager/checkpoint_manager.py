@@ -39,19 +39,18 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from s3ckpt import catalog
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.dcp.compat import stop_async_save_process, unwrap
 from s3ckpt.dcp.reader import S3StorageReader
 from s3ckpt.dcp.staging import HostStager, plain_state_dict
 from s3ckpt.dcp.writer import S3StorageWriter
-from s3ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError
+from s3ckpt.errors import CheckpointError, CheckpointExistsError
 from s3ckpt.manager.committed import CommittedSteps
 from s3ckpt.manager.main_guard import require_main_guard
 from s3ckpt.manager.policy import (
@@ -60,13 +59,12 @@ from s3ckpt.manager.policy import (
     Retention,
     SaveMetrics,
     checkpoint_name,
-    parse_step,
     state_bytes,
     validate_options,
 )
+from s3ckpt.manager.ranks import Ranks
 
 log = logging.getLogger("s3ckpt.manager")
-T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -135,14 +133,11 @@ class CheckpointManager:
         self.writer_options = dict(writer_options or {})
         self.reader_options = dict(reader_options or {})
         self.metrics: deque[SaveMetrics] = deque(maxlen=max_metrics)
-        distributed = dist.is_available() and dist.is_initialized()
-        self._group = process_group
-        self._no_dist = not distributed
+        self._ranks = Ranks(process_group)
+        self._no_dist = not self._ranks.distributed
         if self._no_dist:  # DCP warns on every single-process call; here that is the intent
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        self._world = dist.get_world_size(process_group) if distributed else 1
-        self._rank = dist.get_rank(process_group) if distributed else 0
-        self._save_group = self._make_save_group(distributed)
+        self._save_group = self._ranks.save_group(async_mode)
         self._stager = HostStager(share_memory=async_mode == "process")
         # thread mode's dcp.save, as DCP's async_save would run it on a thread of its own
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s3ckpt-save")
@@ -150,7 +145,7 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self._inflight: _InFlight | None = None
         self._failure: BaseException | None = None
-        self._committed = CommittedSteps(self.location, self.config, self._on_rank0)
+        self._committed = CommittedSteps(self.location, self.config, self._ranks.on_rank0)
         self._closed = False
 
     def __repr__(self) -> str:
@@ -180,15 +175,7 @@ class CheckpointManager:
         Steps superseded by a rollback (a lower step committed after them, see
         :mod:`s3ckpt.catalog.retention`) are left out: training does not go on from them.
         """
-
-        def listed() -> list[int]:
-            infos = catalog.list_checkpoints(str(self.location), config=self.config)
-            steps = (parse_step(i.name) for i in infos if not i.superseded_by)
-            return sorted(s for s in steps if s is not None)
-
-        outcome: list[int] = self._on_rank0(listed)
-        self._committed.add(outcome)
-        return list(outcome)
+        return self._committed.current()
 
     def latest_step(self) -> int | None:
         """The highest committed step, or None."""
@@ -224,7 +211,10 @@ class CheckpointManager:
         reader = S3StorageReader(self.uri_of(step), config=self.config, **self.reader_options)
         try:
             dcp.load(
-                state_dict, storage_reader=reader, process_group=self._group, no_dist=self._no_dist
+                state_dict,
+                storage_reader=reader,
+                process_group=self._ranks.group,
+                no_dist=self._no_dist,
             )
         except BaseException as exc:
             _reraise(exc)
@@ -243,7 +233,7 @@ class CheckpointManager:
             raise CheckpointError(f"{self!r} is closed")
         name = checkpoint_name(step)
         started = time.perf_counter()
-        if self.if_busy == "skip" and self._busy_anywhere():
+        if self.if_busy == "skip" and self._ranks.any(self.busy):
             log.info("skipped %s: the previous save is still uploading", name)
             return False
         self._settle()  # from here on, every rank has the same view of what is committed
@@ -265,7 +255,7 @@ class CheckpointManager:
                 future = dcp.async_save(
                     state_dict,
                     storage_writer=writer,
-                    process_group=self._group,
+                    process_group=self._ranks.group,
                     async_checkpointer_type=AsyncCheckpointerType.PROCESS,
                     async_stager=self._stager,
                     no_dist=self._no_dist,
@@ -298,7 +288,7 @@ class CheckpointManager:
         started = time.perf_counter()
         try:
             metadata = dcp.save(
-                state, storage_writer=writer, process_group=self._group, no_dist=self._no_dist
+                state, storage_writer=writer, process_group=self._ranks.group, no_dist=self._no_dist
             )
         except BaseException as exc:
             if not isinstance(unwrap(exc), CheckpointExistsError):
@@ -340,7 +330,7 @@ class CheckpointManager:
                 except Exception:  # the default group may be gone already
                     log.debug("could not destroy the checkpoint process group", exc_info=True)
 
-    # -- background bookkeeping (the worker thread, or DCP's) -----------------------------------------
+    # -- background bookkeeping (the worker thread, or DCP's) ----------------------------
 
     def _finished(self, inflight: _InFlight) -> None:
         try:
@@ -374,7 +364,7 @@ class CheckpointManager:
                 self.on_saved(metrics)
             except Exception:
                 log.exception("on_saved callback failed for step %d", step)
-        if self._rank == 0:
+        if self._ranks.rank == 0:
             self._retention.after_commit(step)
         return metrics
 
@@ -403,44 +393,6 @@ class CheckpointManager:
             error, self._failure = self._failure, None
         if error is not None:
             raise error
-
-    def _busy_anywhere(self) -> bool:
-        if self._world == 1:
-            return self.busy
-        flags: list[Any] = [None] * self._world
-        dist.all_gather_object(flags, self.busy, group=self._group)
-        return any(flags)
-
-    def _on_rank0(self, call: Callable[[], T]) -> T:
-        """``call()`` on rank 0, its result (or its error) on every rank."""
-        outcome: Any = None
-        if self._rank == 0:
-            try:
-                outcome = call()
-            except Exception as exc:  # every rank raises it, rather than the others hanging
-                outcome = exc
-        outcome = self._broadcast(outcome)
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
-
-    def _broadcast(self, value: Any) -> Any:
-        if self._world == 1:
-            return value
-        box = [value]
-        source = 0 if self._group is None else dist.get_global_rank(self._group, 0)
-        dist.broadcast_object_list(box, src=source, group=self._group)
-        return box[0]
-
-    def _make_save_group(self, distributed: bool) -> dist.ProcessGroup | None:
-        if self.async_mode == "process" and not distributed:
-            raise ConfigError(
-                "async_mode='process' needs torch.distributed initialized with a gloo backend"
-            )
-        if self.async_mode != "thread" or self._world == 1:
-            return None
-        ranks = dist.get_process_group_ranks(self._group or dist.group.WORLD)
-        return dist.new_group(ranks=ranks, backend="gloo")
 
 
 def _reraise(exc: BaseException) -> NoReturn:

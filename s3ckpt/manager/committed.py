@@ -5,9 +5,9 @@ skipped), and finding out must cost the blocked training loop as little as possi
 
 * steps this manager saw committed (its own commits, ``steps()``, a commit that lost to
   another writer) are known without a request;
-* rank 0 lists the prefix once, at the first save. A step missing from that listing costs
-  no request later; a step in it is confirmed with one HEAD, since a rollback's retention
-  may have deleted it since;
+* rank 0 lists the prefix once, at the first save (or when ``steps()`` lists it first). A
+  step missing from that listing costs no request later; a step in it is confirmed with
+  one HEAD, since a rollback's retention may have deleted it since;
 * when that listing fails, each save asks with one HEAD;
 * a step another writer commits after the listing is caught by the commit itself
   (``CheckpointExistsError``: logged, not saved).
@@ -41,7 +41,7 @@ class CommittedSteps:
         self._on_rank0 = on_rank0
         self._lock = threading.Lock()  # add() runs on the save's background thread
         self._seen: set[int] = set()
-        self._listed: frozenset[int] | None = None  # committed before the first save
+        self._listed: frozenset[int] | None = None  # every committed step, when listed
         self._list_tried = False
 
     def add(self, steps: Iterable[int]) -> None:
@@ -49,24 +49,42 @@ class CommittedSteps:
         with self._lock:
             self._seen.update(steps)
 
+    def current(self) -> list[int]:
+        """The committed steps not superseded by a rollback, ascending (one listing, on
+        rank 0). The listing also serves :meth:`includes`."""
+        every, current = self._on_rank0(self._listing)
+        self._remember(every, current)
+        return current
+
     def includes(self, step: int) -> bool:
         """Whether ``step`` is committed (see the module docstring for what that costs)."""
         with self._lock:
             if step in self._seen:
                 return True
         if not self._list_tried:
+            outcome = self._on_rank0(self._listing_or_none)
             self._list_tried = True
-            self._listed = self._on_rank0(self._committed_before)
+            if outcome is not None:
+                self._remember(*outcome)
         if self._listed is not None and step not in self._listed:
             return False
         uri = str(self._location.child(checkpoint_name(step)))
         return bool(self._on_rank0(lambda: catalog.is_committed(uri, config=self._config)))
 
-    def _committed_before(self) -> frozenset[int] | None:
-        """The committed steps under the prefix, or None when they cannot be listed."""
+    def _remember(self, every: frozenset[int], current: list[int]) -> None:
+        self.add(current)
+        self._listed, self._list_tried = every, True
+
+    def _listing(self) -> tuple[frozenset[int], list[int]]:
+        """Every committed step, and those not superseded by a rollback."""
+        infos = catalog.list_checkpoints(str(self._location), config=self._config)
+        steps = [(parse_step(i.name), i.superseded_by) for i in infos]
+        every = frozenset(step for step, _ in steps if step is not None)
+        return every, sorted(step for step, later in steps if step is not None and not later)
+
+    def _listing_or_none(self) -> tuple[frozenset[int], list[int]] | None:
         try:
-            infos = catalog.list_checkpoints(str(self._location), config=self._config)
+            return self._listing()
         except S3CkptError as exc:
             log.debug("could not list %s (%s); asking per step", self._location, exc)
             return None
-        return frozenset(s for s in (parse_step(i.name) for i in infos) if s is not None)

@@ -16,6 +16,7 @@ from s3ckpt import S3StorageWriter
 from s3ckpt.catalog import CheckpointInfo
 from s3ckpt.errors import BucketNotFoundError, CheckpointError, CheckpointExistsError, ConfigError
 from s3ckpt.manager import checkpoint_manager as manager_module
+from s3ckpt.manager import committed as committed_module
 from s3ckpt.manager.checkpoint_manager import CheckpointManager
 from s3ckpt.manager.policy import (
     SaveMetrics,
@@ -203,10 +204,10 @@ def fake(monkeypatch) -> FakeDCP:
     monkeypatch.setattr(manager_module.dcp, "save", fake.save)
     monkeypatch.setattr(manager_module, "S3StorageWriter", fake.writer)
     monkeypatch.setattr(
-        manager_module.catalog, "list_checkpoints", lambda *a, **k: [info(checkpoint_name(5), 5)]
+        committed_module.catalog, "list_checkpoints", lambda *a, **k: [info(checkpoint_name(5), 5)]
     )
     monkeypatch.setattr(
-        manager_module.catalog, "is_committed", lambda uri, **k: uri.endswith(checkpoint_name(5))
+        committed_module.catalog, "is_committed", lambda uri, **k: uri.endswith(checkpoint_name(5))
     )
     return fake
 
@@ -346,7 +347,7 @@ def test_on_saved_gets_metrics_and_its_errors_do_not_escape(fake, caplog):
 def test_retention_runs_after_each_commit_protecting_the_new_step(fake, monkeypatch):
     removed: list[str] = []
     listing = [info(checkpoint_name(s), s) for s in (1, 2)]
-    monkeypatch.setattr(manager_module.catalog, "list_checkpoints", lambda *a, **k: listing)
+    monkeypatch.setattr(committed_module.catalog, "list_checkpoints", lambda *a, **k: listing)
     monkeypatch.setattr(
         "s3ckpt.manager.policy.catalog.remove_checkpoint", lambda uri, **k: removed.append(uri)
     )
@@ -399,8 +400,8 @@ def test_earlier_steps_are_listed_once_not_asked_per_save(fake, monkeypatch):
         heads.append(uri)
         return True
 
-    monkeypatch.setattr(manager_module.catalog, "list_checkpoints", listed)
-    monkeypatch.setattr(manager_module.catalog, "is_committed", head)
+    monkeypatch.setattr(committed_module.catalog, "list_checkpoints", listed)
+    monkeypatch.setattr(committed_module.catalog, "is_committed", head)
     manager = make()
     assert manager.save(5, {}) is False  # listed, and confirmed with one HEAD
     for step in (6, 7):  # not listed: no request
@@ -417,9 +418,9 @@ def test_a_listed_step_deleted_since_is_saved(fake, monkeypatch):
     """A rollback's retention deletes the abandoned run's higher steps after the first
     save listed them: reaching such a step again saves it."""
     monkeypatch.setattr(
-        manager_module.catalog, "list_checkpoints", lambda *a, **k: [info(checkpoint_name(9), 9)]
+        committed_module.catalog, "list_checkpoints", lambda *a, **k: [info(checkpoint_name(9), 9)]
     )
-    monkeypatch.setattr(manager_module.catalog, "is_committed", lambda uri, **k: False)
+    monkeypatch.setattr(committed_module.catalog, "is_committed", lambda uri, **k: False)
     manager = make()
     assert manager.save(9, {}) is True
     fake.commit()
@@ -438,8 +439,8 @@ def test_a_failed_listing_falls_back_to_a_head_per_save(fake, monkeypatch):
         heads.append(uri)
         return uri.endswith(checkpoint_name(5))
 
-    monkeypatch.setattr(manager_module.catalog, "list_checkpoints", broken)
-    monkeypatch.setattr(manager_module.catalog, "is_committed", head)
+    monkeypatch.setattr(committed_module.catalog, "list_checkpoints", broken)
+    monkeypatch.setattr(committed_module.catalog, "is_committed", head)
     manager = make()
     assert manager.save(5, {}) is False
     assert manager.save(6, {}) is True

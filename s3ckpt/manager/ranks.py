@@ -1,0 +1,72 @@
+"""The ranks a ``CheckpointManager`` agrees with, and the few collectives it needs.
+
+Every decision that could differ between ranks (skip a busy save, whether a step is
+committed) is taken once and shared, so that no rank starts a save, or a collective,
+alone. Rank 0 asks the store; the others receive its answer, or its error, and raise
+it too rather than hang.
+
+Thread-mode saves run their collectives on a separate gloo group, created here, so
+that the background save never interleaves its collectives with the training loop's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from s3ckpt.errors import ConfigError
+
+T = TypeVar("T")
+
+
+class Ranks:
+    """The process group of a manager (or this process alone, without torch.distributed)."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.group = group
+        self.world = dist.get_world_size(group) if self.distributed else 1
+        self.rank = dist.get_rank(group) if self.distributed else 0
+
+    def save_group(self, async_mode: str) -> dist.ProcessGroup | None:
+        """The group background saves use: a new gloo group in thread mode with several
+        ranks, else None (DCP's default). Process mode needs torch.distributed."""
+        if async_mode == "process" and not self.distributed:
+            raise ConfigError(
+                "async_mode='process' needs torch.distributed initialized with a gloo backend"
+            )
+        if async_mode != "thread" or self.world == 1:
+            return None
+        ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+        return dist.new_group(ranks=ranks, backend="gloo")
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank (one all-gather)."""
+        if self.world == 1:
+            return flag
+        flags: list[Any] = [None] * self.world
+        dist.all_gather_object(flags, flag, group=self.group)
+        return any(flags)
+
+    def on_rank0(self, call: Callable[[], T]) -> T:
+        """``call()`` on rank 0, its result (or its error) on every rank."""
+        outcome: Any = None
+        if self.rank == 0:
+            try:
+                outcome = call()
+            except Exception as exc:  # every rank raises it, rather than the others hanging
+                outcome = exc
+        outcome = self._broadcast(outcome)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def _broadcast(self, value: Any) -> Any:
+        if self.world == 1:
+            return value
+        box = [value]
+        source = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.broadcast_object_list(box, src=source, group=self.group)
+        return box[0]

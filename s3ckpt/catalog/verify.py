@@ -147,15 +147,8 @@ class Verifier:
                 self.report.bytes += ref.size
                 items.extend(index.items)
                 continue
-            what = (
-                "missing"
-                if isinstance(index, FileNotFoundError)
-                else str(index)
-                if isinstance(index, CorruptCheckpointError)
-                else f"read failed: {index}"
-            )
             self.problem(
-                "index", ref.key, f"{what}: {ref.items} items of rank {ref.rank} unchecked"
+                "index", ref.key, f"{_why(index)}: {ref.items} items of rank {ref.rank} unchecked"
             )
         return tuple(items)
 
@@ -292,3 +285,12 @@ def verify_checkpoint(
     store, location = open_store(uri, config, options, require_prefix=True)
     manifest = io_loop().run(read_committed(store, location))
     return Verifier(store, location, manifest, max_buffer).run(progress)
+
+
+def _why(error: BaseException) -> str:
+    """What went wrong with an index object, as a verify problem says it."""
+    if isinstance(error, FileNotFoundError):
+        return "missing"
+    if isinstance(error, CorruptCheckpointError):
+        return str(error)
+    return f"read failed: {error}"

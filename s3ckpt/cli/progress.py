@@ -49,18 +49,18 @@ class Progress:
             now = time.monotonic()
             if now - self._last >= self.interval:
                 self._last = now
-                self.emit()
+                self._emit()
 
     def finish(self) -> None:
         with self._lock:
             if self._drawn:  # only operations long enough to have shown progress end with a line
                 if self._shown != self.done:
-                    self.emit()
+                    self._emit()
                 if self.tty:
                     self.stream.write("\n")
                     self.stream.flush()
 
-    def emit(self) -> None:
+    def _emit(self) -> None:
         self._drawn, self._shown = True, self.done
         fraction = self.done / self.total if self.total else 1.0
         text = (

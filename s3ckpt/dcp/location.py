@@ -1,4 +1,5 @@
-"""What the DCP writer and reader share: a connection config and an ``s3://`` location."""
+"""What the DCP writer and reader share: a connection config, an ``s3://`` location and
+the store of its bucket."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import ClassVar
 
 from s3ckpt.config import S3URI, S3Config
 from s3ckpt.errors import ConfigError
+from s3ckpt.s3.store import ObjectStore
 
 
 class S3Location:
@@ -41,3 +43,9 @@ class S3Location:
                 f"no checkpoint location: pass s3://bucket/prefix to {type(self).__name__} or {self._dcp_call}"
             )
         return self.location
+
+    def _store(self) -> ObjectStore:
+        """A store for the location's bucket, bounded by the config's deadline."""
+        return ObjectStore(self.config, self._require_location().bucket).with_deadline(
+            self.config.deadline_s
+        )

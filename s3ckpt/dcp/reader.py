@@ -234,10 +234,6 @@ class S3StorageReader(S3Location, StorageReader):
             raise CheckpointError("read_data before read_metadata")
         return self.manifest
 
-    def _store(self) -> ObjectStore:
-        location = self._require_location()
-        return ObjectStore(self.config, location.bucket).with_deadline(self.config.deadline_s)
-
     def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         self._locate(plan)
         pending = [self._prepare(request, planner) for request in plan.items]

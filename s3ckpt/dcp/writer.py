@@ -207,11 +207,6 @@ class S3StorageWriter(S3Location, StorageWriter):
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _store(self) -> ObjectStore:
-        return ObjectStore(self.config, self._require_location().bucket).with_deadline(
-            self.config.deadline_s
-        )
-
     async def _check_target(self) -> None:
         store, location = self._store(), self._require_location()
         await store.head_bucket()

@@ -113,12 +113,7 @@ def export_checkpoint(
     s3 = make_config(config, **options)
     location = source if isinstance(source, S3URI) else S3URI.parse(source, require_prefix=True)
 
-    readers: list[S3StorageReader] = []
-
-    def reader() -> StorageReader:
-        readers.append(S3StorageReader(str(location), config=s3))
-        return readers[-1]
-
+    reader = _OneSaveReaders(location, s3)
     contents = _unwrapped(lambda: read_contents(reader()))
     chosen = _select(contents.tensors, only)
     specs = [Spec(name, _converted_dtype(t.dtype, target), t.shape) for name, t in chosen]
@@ -136,7 +131,7 @@ def export_checkpoint(
             else TorchWriter(output, specs)
         )
         _stream(reader, writer, dict(zip(specs, chosen, strict=True)), window, report, progress)
-        _require_one_save(location, readers)
+        reader.check()
         output.finish()
     except BaseException:
         if writer is not None:
@@ -171,12 +166,32 @@ def _stream(
     progress.finish()
 
 
-def _require_one_save(location: S3URI, readers: list[S3StorageReader]) -> None:
-    """Every window was read from the same save: an overwrite during the export would
-    otherwise mix two checkpoints' tensors in one output."""
-    saves = {r.manifest.save_id for r in readers if r.manifest is not None}
-    if len(saves) > 1:
-        raise CheckpointError(f"{location} was overwritten during the export; export it again")
+class _OneSaveReaders:
+    """A reader per window, each checked to have read the save the first one read: an
+    overwrite during the export would otherwise mix two checkpoints' tensors in one
+    output. Only the last reader is kept (each holds DCP's whole metadata)."""
+
+    def __init__(self, location: S3URI, config: S3Config) -> None:
+        self.location, self.config = location, config
+        self._last: S3StorageReader | None = None
+        self._save: str | None = None
+
+    def __call__(self) -> StorageReader:
+        self.check()
+        self._last = S3StorageReader(str(self.location), config=self.config)
+        return self._last
+
+    def check(self) -> None:
+        """Raise if the last reader read another save than the first."""
+        manifest = self._last.manifest if self._last is not None else None
+        if manifest is None:
+            return
+        if self._save is None:
+            self._save = manifest.save_id
+        elif manifest.save_id != self._save:
+            raise CheckpointError(
+                f"{self.location} was overwritten during the export; export it again"
+            )
 
 
 def _unwrapped(call: Callable[[], Any]) -> Any:

@@ -188,8 +188,7 @@ class TorchWriter:
         try:
             self.stream = output.open(TORCH_NAME)
         except BaseException:
-            self.skeleton.close()
-            os.unlink(self._skeleton_path)
+            self._remove_skeleton()
             raise
         self._next = 0
 

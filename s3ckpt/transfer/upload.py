@@ -296,12 +296,12 @@ class _ObjectStream:
             if crcs is not None:
                 self.crcs[number] = crcs
         for part in self.cutter.add(number, len(data)):
-            self.emit(part)
+            self._emit(part)
         return offset
 
     def finish(self) -> None:
         for part in self.cutter.finish():
-            self.emit(part)
+            self._emit(part)
         up = self.uploader
         if self.created is None:
             body = _join([memoryview(b) for b, _ in self.held]) if self.held else b""
@@ -312,7 +312,7 @@ class _ObjectStream:
                 up._complete(self.key, self.size, self.created, self.parts), 0
             )
 
-    def emit(self, part: list[tuple[int, int, int]]) -> None:
+    def _emit(self, part: list[tuple[int, int, int]]) -> None:
         part = [(item, start, end) for item, start, end in part if end > start]
         pieces = [self.data[item][start:end] for item, start, end in part]
         checksum = (

@@ -29,7 +29,6 @@ from s3ckpt.catalog.retention import (
 from s3ckpt.catalog.scan import (
     Group,
     add_uploads,
-    bounded,
     child,
     delete_keys,
     open_store,
@@ -49,6 +48,7 @@ from s3ckpt.s3.error_mapping import UNSUPPORTED_CODES
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectMeta, ObjectStore
 from s3ckpt.transfer.commit import read_manifest
+from s3ckpt.transfer.fanout import bounded
 from s3ckpt.transfer.rank_index import with_items
 
 log = logging.getLogger(__name__)
@@ -186,6 +186,27 @@ async def _maybe_manifest(
         return None
     except CorruptCheckpointError as exc:
         return str(exc)
+
+
+async def acommitted_names(store: ObjectStore, location: S3URI) -> dict[str, str | None]:
+    """The committed checkpoints under ``location``, each with the name of the one that
+    supersedes it after a rollback (None: current; see :mod:`s3ckpt.catalog.retention`).
+
+    The listing of :func:`alist_checkpoints` without its manifest GETs: names and commit
+    times are all it needs, so it costs one request up to 1000 objects under the prefix
+    and one per directory past that, what a training loop may afford to wait for.
+    """
+    scanned = await scan_checkpoints(store, location)
+    groups = [g for g in scanned.groups.values() if g.committed]
+    replaced = superseded(Candidate(g.name, g.newest) for g in groups)
+    return {g.name: replaced.get(g.name) for g in groups}
+
+
+def committed_names(
+    uri: str | S3URI, *, config: S3Config | None = None, **options: Any
+) -> dict[str, str | None]:
+    store, location = open_store(uri, config, options, require_prefix=False)
+    return io_loop().run(acommitted_names(store, location))
 
 
 async def ais_committed(store: ObjectStore, location: S3URI) -> bool:

@@ -38,7 +38,6 @@ from s3ckpt.catalog.reporting import SILENT, Reporter
 from s3ckpt.catalog.scan import (
     Group,
     Scan,
-    bounded,
     child,
     data_directory,
     delete_keys,
@@ -54,6 +53,7 @@ from s3ckpt.format.layout import LEASE_S
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectMeta, ObjectStore, PendingUpload
 from s3ckpt.transfer.commit import CLAIM_MAX_AGE_S, read_manifest
+from s3ckpt.transfer.fanout import bounded
 
 # A writer gives up a claim it has held for CLAIM_MAX_AGE_S (its own clock) before writing
 # the manifest; removing claims only well after that keeps the claim protocol safe.

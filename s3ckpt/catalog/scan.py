@@ -21,12 +21,11 @@ listed prefix and may contain slashes; ``""`` is the prefix itself.
 
 from __future__ import annotations
 
-import asyncio
 import re
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any
 
 from s3ckpt.catalog.reporting import Reporter
 from s3ckpt.config import S3URI, S3Config, make_config
@@ -36,8 +35,8 @@ from s3ckpt.format.manifest import Manifest
 from s3ckpt.s3.error_mapping import UNSUPPORTED_CODES
 from s3ckpt.s3.store import ObjectMeta, ObjectStore, PendingUpload
 from s3ckpt.transfer.commit import read_manifest
+from s3ckpt.transfer.fanout import bounded
 
-T = TypeVar("T")
 DELETE_BATCH = 1000  # keys per DeleteObjects request, S3's maximum
 _PARALLEL = 8  # manifest GETs, directory listings or DeleteObjects batches in flight
 SMALL_LISTING = 1000  # one ListObjectsV2 page: beyond it, scan_checkpoints lists by level
@@ -193,27 +192,6 @@ def open_store(
 
 def child(location: S3URI, name: str) -> S3URI:
     return location.child(name) if name else location
-
-
-async def bounded(calls: Iterable[Callable[[], Awaitable[T]]], limit: int = _PARALLEL) -> list[T]:
-    """Run the calls concurrently, at most ``limit`` at a time, results in order.
-
-    The first failure cancels the calls still pending, so nothing keeps deleting after an
-    error has been reported.
-    """
-    slots = asyncio.Semaphore(limit)
-
-    async def run(call: Callable[[], Awaitable[T]]) -> T:
-        async with slots:
-            return await call()
-
-    tasks = [asyncio.ensure_future(run(c)) for c in calls]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def delete_keys(store: ObjectStore, keys: list[str], progress: Reporter) -> None:

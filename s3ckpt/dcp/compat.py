@@ -152,7 +152,10 @@ def stop_async_save_process(timeout: float = 30.0) -> bool:
 
 class StorageCopier(Protocol):
     """DCP's ``StateDictStager``: deep-copies a state dict to host memory, each tensor
-    storage into a host buffer cached (weakly, by source storage) for the next copy."""
+    storage into a host buffer cached (weakly, by source storage) for the next copy.
+    ``devices``: the device of every storage the last :meth:`stage` copied."""
+
+    devices: set[torch.device]
 
     def stage(self, state_dict: Any, non_blocking: bool = False) -> Any: ...
 
@@ -165,11 +168,29 @@ def storage_copier(*, pin_memory: bool, share_memory: bool) -> StorageCopier:
     Used directly because some torch releases (2.11 among them) make ``DefaultStager``
     close this copier after every stage: that frees the cached buffers, so nothing is
     reused, and breaks the next stage of any dict (``KeyError: <class 'type'>``).
-    ``tests/unit/test_compat.py`` pins the names used.
+
+    It also records the device of each storage it copies, through the one method every
+    copy goes through (``_stage_untyped_storage``): non-blocking copies are complete only
+    once each of those devices is synchronized, and tensors sit where no walk of dicts
+    and attributes finds them (a ``ShardedTensor`` reports the CPU, its shards hold the
+    data in slots). ``tests/unit/test_compat.py`` pins the names used.
     """
     from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 
-    return StateDictStager(pin_memory=pin_memory, share_memory=share_memory)
+    class RecordingCopier(StateDictStager):
+        def __init__(self) -> None:
+            super().__init__(pin_memory=pin_memory, share_memory=share_memory)
+            self.devices: set[torch.device] = set()
+
+        def stage(self, state_dict: Any, non_blocking: bool = False) -> Any:
+            self.devices = set()
+            return super().stage(state_dict, non_blocking=non_blocking)
+
+        def _stage_untyped_storage(self, storage: Any, non_blocking: bool = False) -> Any:
+            self.devices.add(storage.device)
+            return super()._stage_untyped_storage(storage, non_blocking=non_blocking)
+
+    return RecordingCopier()
 
 
 _T = TypeVar("_T")

@@ -25,7 +25,6 @@ save's future first.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,26 +32,6 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.stateful import Stateful
 
 from s3ckpt.dcp.compat import storage_copier
-
-
-def _device_tensors(value: Any, seen: set[int]) -> Iterator[torch.Tensor]:
-    """The accelerator tensors in a state dict: in dicts, lists, tuples and objects'
-    attributes, as DCP's copier finds them."""
-    if id(value) in seen:
-        return
-    seen.add(id(value))
-    if isinstance(value, torch.Tensor):
-        if value.device.type != "cpu":
-            yield value
-        return
-    if isinstance(value, dict):
-        children: Any = value.values()
-    elif isinstance(value, (list, tuple)):
-        children = value
-    else:
-        children = getattr(value, "__dict__", {}).values()
-    for child in children:
-        yield from _device_tensors(child, seen)
 
 
 class HostStager(AsyncStager):
@@ -78,11 +57,10 @@ class HostStager(AsyncStager):
     def stage(self, state_dict: Any) -> Any:
         """Copy ``state_dict`` to host memory; returns once every byte has landed."""
         staged = self._copier.stage(state_dict, non_blocking=self._non_blocking)
-        if self._non_blocking:
-            # each device the copies came from, not only the current one
-            tensors = _device_tensors(state_dict, set())
-            for device in {t.device for t in tensors if t.device.type == self._accelerator}:
-                torch.accelerator.synchronize(device)
+        if self._non_blocking:  # each device the copies came from, not only the current one
+            for device in self._copier.devices:
+                if device.type == self._accelerator:
+                    torch.accelerator.synchronize(device)
         return staged
 
     def synchronize_staging(self) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from s3ckpt.catalog.reporting import SILENT, Reporter
-from s3ckpt.catalog.scan import bounded, open_store, read_committed
+from s3ckpt.catalog.scan import open_store, read_committed
 from s3ckpt.catalog.verify import DEFAULT_MAX_BUFFER, Verifier
 from s3ckpt.config import S3URI, S3Config
 from s3ckpt.errors import (
@@ -46,6 +46,7 @@ from s3ckpt.interop.objects import (
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer.commit import commit_manifest, committed_save_id
+from s3ckpt.transfer.fanout import bounded
 from s3ckpt.transfer.inflight import Heartbeat, clear_in_flight, mark_in_flight
 from s3ckpt.transfer.parts import MAX_PART_SIZE, MIN_PART_SIZE
 

@@ -31,6 +31,7 @@ or DCP's ``async_save`` process (process mode). The rules:
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -135,7 +136,9 @@ class CheckpointManager:
         self.metrics: deque[SaveMetrics] = deque(maxlen=max_metrics)
         self._ranks = Ranks(process_group)
         self._no_dist = not self._ranks.distributed
-        if self._no_dist:  # DCP warns on every single-process call; here that is the intent
+        if (
+            self._ranks.world == 1
+        ):  # DCP warns on every single-process call; here that is the intent
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         self._save_group = self._ranks.save_group(async_mode)
         self._stager = HostStager(share_memory=async_mode == "process")
@@ -147,6 +150,7 @@ class CheckpointManager:
         self._failure: BaseException | None = None
         self._committed = CommittedSteps(self.location, self.config, self._ranks.on_rank0)
         self._closed = False
+        self._pid = os.getpid()  # its threads and its saves in flight belong to this process
 
     def __repr__(self) -> str:
         return f"CheckpointManager({str(self.location)!r}, async_mode={self.async_mode!r})"
@@ -175,6 +179,7 @@ class CheckpointManager:
         Steps superseded by a rollback (a lower step committed after them, see
         :mod:`s3ckpt.catalog.retention`) are left out: training does not go on from them.
         """
+        self._check_process()
         return self._committed.current()
 
     def latest_step(self) -> int | None:
@@ -198,6 +203,7 @@ class CheckpointManager:
         The step returned is the one passed to the ``save`` restored: if the loop saves
         after training step ``N``, resume at ``N + 1``.
         """
+        self._check_process()
         self._settle()
         step = self.latest_step()
         if step is not None:
@@ -206,6 +212,7 @@ class CheckpointManager:
 
     def load(self, step: int, state_dict: dict[str, Any]) -> None:
         """Load committed ``step`` into ``state_dict`` (to roll back, for instance)."""
+        self._check_process()
         self._settle()
         started = time.perf_counter()
         reader = S3StorageReader(self.uri_of(step), config=self.config, **self.reader_options)
@@ -218,6 +225,7 @@ class CheckpointManager:
             )
         except BaseException as exc:
             _reraise(exc)
+        self._committed.rolled_back(step)
         log.info("loaded %s in %.2f s", checkpoint_name(step), time.perf_counter() - started)
 
     # -- save ----------------------------------------------------------------------------
@@ -231,6 +239,7 @@ class CheckpointManager:
         """
         if self._closed:
             raise CheckpointError(f"{self!r} is closed")
+        self._check_process()
         name = checkpoint_name(step)
         started = time.perf_counter()
         if self.if_busy == "skip" and self._ranks.any(self.busy):
@@ -244,28 +253,16 @@ class CheckpointManager:
         writer = self._writer(step)
         if self.async_mode == "sync":
             return self._save_sync(step, state_dict, writer, started, waited)
-        staged = self._stage(state_dict) if self.async_mode == "thread" else None
-        try:
-            if staged is not None:
-                future = self._worker.submit(
-                    dcp.save, staged, storage_writer=writer,
-                    process_group=self._save_group, no_dist=self._no_dist,
-                )  # fmt: skip
-            else:
-                future = dcp.async_save(
-                    state_dict,
-                    storage_writer=writer,
-                    process_group=self._ranks.group,
-                    async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                    async_stager=self._stager,
-                    no_dist=self._no_dist,
-                )
-        except BaseException as exc:
-            _reraise(exc)
+        if self.async_mode == "thread":
+            future, failure = self._save_on_worker(step, state_dict, writer)
+        else:
+            future, failure = self._save_in_process(state_dict, writer), None
         now = time.perf_counter()
         inflight = _InFlight(step, future, now, now - started, waited)
         self._inflight = inflight
         future.add_done_callback(lambda _: self._finished(inflight))
+        if failure is not None:
+            _reraise(failure)
         return True
 
     def _writer(self, step: int) -> S3StorageWriter:
@@ -273,12 +270,55 @@ class CheckpointManager:
             self.uri_of(step), config=self.config, overwrite=self.overwrite, **self.writer_options
         )
 
-    def _stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Thread mode's only stall: the copy to host memory (DCP's ``async_save`` would
-        add its own per-entry work and a thread start to it; ``dcp.save`` then runs on
-        the manager's worker thread, as ``async_save`` would run it on its own)."""
+    def _save_on_worker(
+        self, step: int, state_dict: dict[str, Any], writer: S3StorageWriter
+    ) -> tuple[Future[Any], BaseException | None]:
+        """Thread mode: the copy to host memory is the only stall (DCP's ``async_save``
+        would add its own per-entry work and a thread start to it); ``dcp.save`` then runs
+        on the manager's worker thread, as ``async_save`` would run it on its own.
+
+        A rank whose copy fails raises its error here, but first hands the worker its part
+        of the agreement that opens every background save (:meth:`_background_save`): the
+        other ranks' saves then stop instead of waiting for it in a collective, and every
+        rank raises the same failure at its next call, so their collectives stay in step.
+        """
         try:
-            return self._stager.stage(plain_state_dict(state_dict))
+            staged, failure = self._stager.stage(plain_state_dict(state_dict)), None
+        except BaseException as exc:
+            if self._ranks.world == 1:
+                _reraise(exc)
+            staged, failure = None, exc
+        return self._worker.submit(self._background_save, step, staged, writer), failure
+
+    def _background_save(
+        self, step: int, staged: dict[str, Any] | None, writer: S3StorageWriter
+    ) -> Any:
+        """On the worker: check that every rank staged (one all-gather on the save group),
+        then save. A lone rank saves with ``no_dist``: DCP would otherwise take the
+        default group for its collectives, which may hold ranks that are not saving."""
+        failed = self._ranks.where(staged is None, self._save_group)
+        if failed:
+            raise CheckpointError(
+                f"{checkpoint_name(step)} not saved: rank(s) {failed} could not copy "
+                "their state to host memory"
+            )
+        return dcp.save(
+            staged,
+            storage_writer=writer,
+            process_group=self._save_group,
+            no_dist=self._save_group is None,
+        )
+
+    def _save_in_process(self, state_dict: dict[str, Any], writer: S3StorageWriter) -> Future[Any]:
+        try:
+            return dcp.async_save(
+                state_dict,
+                storage_writer=writer,
+                process_group=self._ranks.group,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                async_stager=self._stager,
+                no_dist=self._no_dist,
+            )
         except BaseException as exc:
             _reraise(exc)
 
@@ -306,6 +346,7 @@ class CheckpointManager:
 
         Returns the metrics of the save waited for (None if there was none or it failed).
         """
+        self._check_process()
         inflight = self._inflight
         self._settle()
         self._retention.wait()
@@ -316,6 +357,8 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._pid:
+            return  # a forked child: the threads, buffers and saves are its parent's
         try:
             self.wait()
         finally:
@@ -383,6 +426,14 @@ class CheckpointManager:
                 self._failure = error
 
     # -- helpers ---------------------------------------------------------------------------
+
+    def _check_process(self) -> None:
+        """A forked child has none of the manager's threads: its saves would never run."""
+        if os.getpid() != self._pid:
+            raise CheckpointError(
+                f"{self!r} was created in process {self._pid}, not in this one "
+                f"({os.getpid()}): each process creates its own CheckpointManager"
+            )
 
     def _settle(self) -> None:
         """Wait for the save in flight, then raise its failure (once) if it failed."""

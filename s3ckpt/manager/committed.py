@@ -3,11 +3,14 @@
 A resumed loop re-runs steps that an earlier run committed; those are kept (the save is
 skipped), and finding out must cost the blocked training loop as little as possible:
 
-* steps this manager saw committed (its own commits, ``steps()``, a commit that lost to
-  another writer) are known without a request;
-* rank 0 lists the prefix once, at the first save (or when ``steps()`` lists it first). A
-  step missing from that listing costs no request later; a step in it is confirmed with
-  one HEAD, since a rollback's retention may have deleted it since;
+* steps this manager saw committed (its own commits, a commit that lost to another
+  writer) are known without a request, until the loop rolls back below them
+  (:meth:`CheckpointManager.load` of a lower step): the next commit supersedes them, and
+  retention may delete them;
+* rank 0 lists the prefix once, at the first save (or when ``steps()`` lists it first):
+  names and commit times only, no manifest read. A step missing from that listing costs
+  no request later; a step in it, or one seen before a rollback, is confirmed with one
+  HEAD, since a rollback's retention may have deleted it since;
 * when that listing fails, each save asks with one HEAD;
 * a step another writer commits after the listing is caught by the commit itself
   (``CheckpointExistsError``: logged, not saved).
@@ -40,20 +43,29 @@ class CommittedSteps:
         self._config = config
         self._on_rank0 = on_rank0
         self._lock = threading.Lock()  # add() runs on the save's background thread
-        self._seen: set[int] = set()
-        self._listed: frozenset[int] | None = None  # every committed step, when listed
+        self._seen: set[int] = set()  # committed, and not deleted since as far as known
+        self._once: set[int] = set()  # committed at some point: a HEAD tells if still there
+        self._complete = False  # the prefix was listed: a step in neither set is not committed
         self._list_tried = False
 
     def add(self, steps: Iterable[int]) -> None:
-        """Steps seen committed."""
+        """Steps seen committed (a commit of this manager's, or one that lost to another)."""
         with self._lock:
             self._seen.update(steps)
+
+    def rolled_back(self, step: int) -> None:
+        """The loop went back to ``step``: the steps above it that this manager saw
+        committed will be superseded by the next commit, and retention may delete them."""
+        with self._lock:
+            above = {s for s in self._seen if s > step}
+            self._seen -= above
+            self._once |= above
 
     def current(self) -> list[int]:
         """The committed steps not superseded by a rollback, ascending (one listing, on
         rank 0). The listing also serves :meth:`includes`."""
         every, current = self._on_rank0(self._listing)
-        self._remember(every, current)
+        self._remember(every)
         return current
 
     def includes(self, step: int) -> bool:
@@ -65,20 +77,21 @@ class CommittedSteps:
             outcome = self._on_rank0(self._listing_or_none)
             self._list_tried = True
             if outcome is not None:
-                self._remember(*outcome)
-        if self._listed is not None and step not in self._listed:
-            return False
+                self._remember(outcome[0])
+        with self._lock:
+            if self._complete and step not in self._once:
+                return False
         uri = str(self._location.child(checkpoint_name(step)))
         return bool(self._on_rank0(lambda: catalog.is_committed(uri, config=self._config)))
 
-    def _remember(self, every: frozenset[int], current: list[int]) -> None:
-        self.add(current)
-        self._listed, self._list_tried = every, True
+    def _remember(self, every: frozenset[int]) -> None:
+        with self._lock:
+            self._once, self._complete, self._list_tried = set(every), True, True
 
     def _listing(self) -> tuple[frozenset[int], list[int]]:
         """Every committed step, and those not superseded by a rollback."""
-        infos = catalog.list_checkpoints(str(self._location), config=self._config)
-        steps = [(parse_step(i.name), i.superseded_by) for i in infos]
+        names = catalog.committed_names(str(self._location), config=self._config)
+        steps = [(parse_step(name), later) for name, later in names.items()]
         every = frozenset(step for step, _ in steps if step is not None)
         return every, sorted(step for step, later in steps if step is not None and not later)
 

@@ -31,8 +31,9 @@ class Ranks:
         self.rank = dist.get_rank(group) if self.distributed else 0
 
     def save_group(self, async_mode: str) -> dist.ProcessGroup | None:
-        """The group background saves use: a new gloo group in thread mode with several
-        ranks, else None (DCP's default). Process mode needs torch.distributed."""
+        """The group thread-mode saves run their collectives on: a new gloo group with the
+        manager's ranks when there are several, else None (a lone rank's save needs no
+        collective, and runs with ``no_dist``). Process mode needs torch.distributed."""
         if async_mode == "process" and not self.distributed:
             raise ConfigError(
                 "async_mode='process' needs torch.distributed initialized with a gloo backend"
@@ -44,11 +45,16 @@ class Ranks:
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank (one all-gather)."""
+        return bool(self.where(flag, self.group))
+
+    def where(self, flag: bool, group: dist.ProcessGroup | None) -> list[int]:
+        """The ranks on which ``flag`` is true (one all-gather on ``group``, which holds
+        the manager's ranks: its own group, or the save group)."""
         if self.world == 1:
-            return flag
+            return [self.rank] if flag else []
         flags: list[Any] = [None] * self.world
-        dist.all_gather_object(flags, flag, group=self.group)
-        return any(flags)
+        dist.all_gather_object(flags, flag, group=group)
+        return [rank for rank, raised in enumerate(flags) if raised]
 
     def on_rank0(self, call: Callable[[], T]) -> T:
         """``call()`` on rank 0, its result (or its error) on every rank."""

@@ -43,6 +43,7 @@ from s3ckpt.format.layout import CLAIM_PREFIX, claim_key
 from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
 from s3ckpt.s3.error_mapping import UNSUPPORTED_CODES
 from s3ckpt.s3.store import ObjectMeta, ObjectStore
+from s3ckpt.transfer.fanout import bounded
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ async def confirm_objects(store: ObjectStore, location: S3URI, sizes: dict[str, 
         return {m.key: m.size async for m in store.list(location.key(folder))}
 
     found: dict[str, int] = {}
-    for part in await asyncio.gather(*(listed(f) for f in [None, *folders])):
+    for part in await bounded([lambda f=f: listed(f) for f in [None, *folders]]):
         found.update(part)
     wrong = [
         f"{key} ({'missing' if location.key(key) not in found else 'wrong size'})"

@@ -126,3 +126,63 @@ def process_mode(
         result = {"steps": manager.steps(), "bytes": metrics.bytes if metrics else None}
     result["background_stopped"] = executor._CHECKPOINT_PROCESS is None  # close() stopped it
     return result
+
+
+def group_edges_main(
+    rank: int, world_size: int, port: int, s3: dict[str, Any], uri: str, out_dir: str
+) -> None:
+    """A manager on a one-rank group, and a copy to host memory failing on one rank."""
+    _init(rank, world_size, port)
+    report: dict[str, Any] = {}
+    try:
+        solo = dist.new_group([0])  # every rank takes part in creating it
+        if rank == 0:
+            report["solo"] = solo_saves(f"{uri}-solo", s3, solo)
+        dist.barrier()
+        report["staging"] = failed_staging(rank, f"{uri}-staging", s3)
+        dist.barrier()
+    finally:
+        torch.save(report, Path(out_dir) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+
+
+def solo_saves(uri: str, s3: dict[str, Any], group: dist.ProcessGroup) -> list[int]:
+    """Rank 0 alone saves (the "only rank 0 saves" pattern): nothing may wait for rank 1."""
+    from s3ckpt import CheckpointManager
+
+    with CheckpointManager(uri, process_group=group, **s3) as manager:
+        for step in (1, 2):
+            manager.save(step, {"w": torch.full((1000,), float(step))})
+        manager.wait()
+        return manager.steps()
+
+
+def failed_staging(rank: int, uri: str, s3: dict[str, Any]) -> dict[str, Any]:
+    """Rank 1's copy to host memory fails at step 1 (pinned memory exhausted, say): every
+    rank must learn it at its next call instead of waiting in the save's collectives, and
+    the ranks' collectives must stay in step afterwards."""
+    from s3ckpt import CheckpointError, CheckpointManager
+
+    outcome: dict[str, Any] = {}
+    state = {f"w{rank}": torch.full((1000,), float(rank))}
+    with CheckpointManager(uri, **s3) as manager:
+        stage = manager._stager.stage
+        if rank == 1:
+
+            def broken(state_dict: Any) -> Any:
+                raise RuntimeError("cannot pin memory")
+
+            manager._stager.stage = broken  # type: ignore[method-assign]
+        try:
+            outcome["first"] = manager.save(1, state)
+        except RuntimeError as exc:
+            outcome["first"] = f"raised: {exc}"
+        manager._stager.stage = stage  # type: ignore[method-assign]
+        try:
+            outcome["second"] = manager.save(2, state)
+        except CheckpointError as exc:
+            outcome["second"] = f"raised: {exc}"
+        outcome["third"] = manager.save(3, state)
+        manager.wait()
+        outcome["steps"] = manager.steps()
+    return outcome

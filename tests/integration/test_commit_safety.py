@@ -209,6 +209,7 @@ def test_a_rollback_supersedes_the_dead_runs_later_steps(
         assert rollback.steps() == [100, 200, 300, 310]
         listing = cli_capture("ls", s3_prefix)
         assert "step-0000000400" in listing and "superseded by step-0000000310" in listing
+        assert catalog.committed_names(s3_prefix, **opts)["step-0000000400"] == "step-0000000310"
     with CheckpointManager(s3_prefix, async_mode="sync", keep_last=2, **s3_options) as restart:
         assert restart.load_latest(state) == 310 and torch.equal(
             state["w"], torch.full((100,), 310.0)
@@ -218,6 +219,29 @@ def test_a_rollback_supersedes_the_dead_runs_later_steps(
         assert restart.steps() == [310, 320]
     names = [i.name for i in catalog.list_checkpoints(s3_prefix, **opts)]
     assert names == ["step-0000000310", "step-0000000320"]
+
+
+def test_a_step_retention_removed_after_a_rollback_is_saved_when_reached_again(
+    s3_prefix: str, s3_options: dict[str, Any]
+) -> None:
+    """The first save after the rollback lists the dead run's 400; its commit supersedes
+    400 and retention removes it: reaching 400 again must save it, not skip it."""
+    with CheckpointManager(s3_prefix, async_mode="sync", **s3_options) as dead:
+        for step in (300, 400):
+            dead.save(step, {"w": torch.full((100,), float(step))})
+    time.sleep(1.1)  # commit times have a resolution of a second on many stores
+    state = {"w": torch.zeros(100)}
+    with CheckpointManager(s3_prefix, keep_last=5, **s3_options) as rollback:
+        rollback.load(300, state)
+        assert rollback.save(310, {"w": torch.full((100,), 310.0)}) is True
+        rollback.wait()
+        assert rollback.steps() == [300, 310]  # 400 removed by retention
+        assert rollback.save(400, {"w": torch.full((100,), 401.0)}) is True
+        rollback.wait()
+        assert rollback.steps() == [300, 310, 400]
+    with CheckpointManager(s3_prefix, **s3_options) as restart:
+        assert restart.load_latest(state) == 400
+    assert torch.equal(state["w"], torch.full((100,), 401.0))
 
 
 # -- 6 and 7: stores without ListMultipartUploads, unreadable manifests ------------------------

@@ -99,6 +99,30 @@ def test_host_stager_stages_into_pinned_buffers_it_reuses():
         stager.close()
 
 
+class Shard:
+    """A holder without ``__dict__``, as ``ShardedTensor``'s shards hold their data."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def test_host_stager_waits_for_copies_of_tensors_held_in_slots():
+    """The copy must be complete when stage() returns, for tensors no dict walk finds."""
+    stager = HostStager()
+    source = torch.randn(64 * MIB // 4, device="cuda")
+    try:
+        for step in range(3):
+            source.fill_(step)
+            staged = stager.stage({"shard": Shard(source)})
+            # no synchronize here: stage() must have waited for the copy
+            assert torch.all(staged["shard"].tensor == step)
+            assert stager._copier.devices == {source.device}
+    finally:
+        stager.close()
+
+
 def test_manager_saves_snapshots_of_cuda_state(s3_prefix, s3_options):
     state = cuda_state(2)
     snapshots = {}

@@ -187,3 +187,22 @@ def test_two_ranks(local_s3, s3_prefix, s3_options: dict[str, Any], tmp_path):
         assert report["process_mode"]["background_stopped"]
     assert reports[0]["skips"] == reports[1]["skips"]  # one decision for all ranks
     assert reports[0]["skips"][0] is True
+
+
+def test_one_rank_groups_and_a_rank_that_cannot_stage(local_s3, s3_prefix, s3_options, tmp_path):
+    """Two gloo ranks: a manager on a group of rank 0 alone saves without waiting for
+    rank 1; a copy that fails on rank 1 makes every rank raise at its next save, after
+    which both save again in step."""
+    worker.run_ranks(worker.group_edges_main, 2, s3_options, s3_prefix, str(tmp_path), timeout=180)
+    reports = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert reports[0]["solo"] == [1, 2]
+    staging = [r["staging"] for r in reports]
+    assert staging[0]["first"] is True
+    assert staging[1]["first"] == "raised: cannot pin memory"
+    for outcome in staging:
+        assert outcome["second"] == (
+            "raised: step-0000000001 not saved: rank(s) [1] could not copy their state "
+            "to host memory"
+        )
+        assert outcome["third"] is True
+        assert outcome["steps"] == [3]

@@ -117,4 +117,6 @@ def test_dcp_storage_copier_keeps_buffers_until_closed():
     second = copier.stage({"w": source}, non_blocking=True)["w"]
     assert second.data_ptr() == first.data_ptr()
     assert torch.equal(second, torch.arange(8.0) + 1)
+    # every copy goes through _stage_untyped_storage, which records its source device
+    assert copier.devices == {torch.device("cpu")}
     copier.close()

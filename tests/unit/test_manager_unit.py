@@ -4,6 +4,7 @@ save policy (one in flight, wait or skip, failures raised once) against a fake D
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -204,7 +205,7 @@ def fake(monkeypatch) -> FakeDCP:
     monkeypatch.setattr(manager_module.dcp, "save", fake.save)
     monkeypatch.setattr(manager_module, "S3StorageWriter", fake.writer)
     monkeypatch.setattr(
-        committed_module.catalog, "list_checkpoints", lambda *a, **k: [info(checkpoint_name(5), 5)]
+        committed_module.catalog, "committed_names", lambda *a, **k: {checkpoint_name(5): None}
     )
     monkeypatch.setattr(
         committed_module.catalog, "is_committed", lambda uri, **k: uri.endswith(checkpoint_name(5))
@@ -390,9 +391,9 @@ def test_busy_flag_tracks_the_upload(fake):
 def test_earlier_steps_are_listed_once_not_asked_per_save(fake, monkeypatch):
     listings: list[str] = []
 
-    def listed(uri: str, **kwargs: Any) -> list[CheckpointInfo]:
+    def listed(uri: str, **kwargs: Any) -> dict[str, str | None]:
         listings.append(uri)
-        return [info(checkpoint_name(5), 5)]
+        return {checkpoint_name(5): None}
 
     heads: list[str] = []
 
@@ -400,7 +401,7 @@ def test_earlier_steps_are_listed_once_not_asked_per_save(fake, monkeypatch):
         heads.append(uri)
         return True
 
-    monkeypatch.setattr(committed_module.catalog, "list_checkpoints", listed)
+    monkeypatch.setattr(committed_module.catalog, "committed_names", listed)
     monkeypatch.setattr(committed_module.catalog, "is_committed", head)
     manager = make()
     assert manager.save(5, {}) is False  # listed, and confirmed with one HEAD
@@ -415,14 +416,51 @@ def test_earlier_steps_are_listed_once_not_asked_per_save(fake, monkeypatch):
 
 
 def test_a_listed_step_deleted_since_is_saved(fake, monkeypatch):
-    """A rollback's retention deletes the abandoned run's higher steps after the first
-    save listed them: reaching such a step again saves it."""
+    """Resumed from step 300 with an abandoned step 400 left over: the first save (310)
+    lists 400, its commit supersedes 400 and retention deletes it; reaching 400 again
+    asks with a HEAD and saves it."""
+    present = {checkpoint_name(300), checkpoint_name(400)}
     monkeypatch.setattr(
-        committed_module.catalog, "list_checkpoints", lambda *a, **k: [info(checkpoint_name(9), 9)]
+        committed_module.catalog, "committed_names", lambda *a, **k: dict.fromkeys(present)
     )
-    monkeypatch.setattr(committed_module.catalog, "is_committed", lambda uri, **k: False)
+    monkeypatch.setattr(
+        committed_module.catalog, "is_committed", lambda uri, **k: uri.rsplit("/", 1)[1] in present
+    )
     manager = make()
-    assert manager.save(9, {}) is True
+    assert manager.save(310, {}) is True
+    fake.commit()
+    manager.wait()
+    present.discard(checkpoint_name(400))  # retention after the commit of 310
+    assert manager.save(400, {}) is True
+    fake.commit()
+    manager.close()
+
+
+def test_after_a_rollback_the_steps_above_it_are_asked_again(fake, monkeypatch):
+    """Steps this manager committed are known without a request until it loads a lower
+    step: retention may then delete them (superseded), so reaching them asks again."""
+    monkeypatch.setattr(committed_module.catalog, "committed_names", lambda *a, **k: {})
+    heads: list[str] = []
+    present: set[str] = set()
+
+    def head(uri: str, **kwargs: Any) -> bool:
+        heads.append(uri)
+        return uri.rsplit("/", 1)[1] in present
+
+    monkeypatch.setattr(committed_module.catalog, "is_committed", head)
+    monkeypatch.setattr(manager_module.dcp, "load", lambda *a, **k: None)
+    manager = make()
+    for step in (300, 400):
+        assert manager.save(step, {}) is True
+        fake.commit()
+        manager.wait()
+        present.add(checkpoint_name(step))
+    assert manager.save(400, {}) is False and heads == []  # its own commit: no request
+    manager.load(300, {})
+    assert manager.save(300, {}) is False and heads == []  # at or below the rollback: kept
+    present.discard(checkpoint_name(400))  # superseded by the next commit, then deleted
+    assert manager.save(400, {}) is True
+    assert heads == ["s3://bucket/run/step-0000000400"]
     fake.commit()
     manager.close()
 
@@ -439,7 +477,7 @@ def test_a_failed_listing_falls_back_to_a_head_per_save(fake, monkeypatch):
         heads.append(uri)
         return uri.endswith(checkpoint_name(5))
 
-    monkeypatch.setattr(committed_module.catalog, "list_checkpoints", broken)
+    monkeypatch.setattr(committed_module.catalog, "committed_names", broken)
     monkeypatch.setattr(committed_module.catalog, "is_committed", head)
     manager = make()
     assert manager.save(5, {}) is False
@@ -448,3 +486,26 @@ def test_a_failed_listing_falls_back_to_a_head_per_save(fake, monkeypatch):
     manager.close()
     assert heads == ["s3://bucket/run/step-0000000005", "s3://bucket/run/step-0000000006"]
     assert listings == [1]  # tried once
+
+
+def test_a_forked_child_gets_a_clear_error_not_a_hang(fake):
+    """The worker thread and the save in flight stay in the parent: a child that uses the
+    manager is told so, and closing it there waits for nothing."""
+    manager = make()
+    assert manager.save(1, {}) is True  # in flight while the child runs
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        code = 1
+        try:
+            manager.save(2, {})
+        except CheckpointError as exc:
+            code = 0 if "each process creates its own CheckpointManager" in str(exc) else 2
+        try:
+            manager.close()
+        except BaseException:
+            code = 3
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    fake.commit()
+    manager.close()

@@ -59,16 +59,25 @@ def test_dcp_is_told_there_is_nothing_to_wait_for_after_stage():
     stager.close()
 
 
-def test_every_device_holding_tensors_is_found_for_the_synchronize():
-    from s3ckpt.dcp.staging import _device_tensors
+class Slotted:
+    """A holder without ``__dict__``, as ``ShardedTensor``'s shards are."""
 
-    class Holder:
-        def __init__(self) -> None:
-            self.inner = {"t": torch.ones(2, device="meta")}
+    __slots__ = ("tensor",)
 
-    state = {"a": [torch.zeros(1), (torch.empty(3, device="meta"),)], "b": Holder()}
-    found = list(_device_tensors(state, set()))
-    assert [t.shape for t in found] == [torch.Size([3]), torch.Size([2])]
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def test_the_devices_to_synchronize_are_those_the_copies_came_from():
+    """Every storage copied is recorded, wherever it sits (here in slots and attributes),
+    and only those of the last stage."""
+    stager = HostStager(pin_memory=False)
+    staged = stager.stage({"shard": Slotted(torch.ones(3)), "t": torch.zeros(2)})
+    assert torch.equal(staged["shard"].tensor, torch.ones(3))
+    assert stager._copier.devices == {torch.device("cpu")}
+    stager.stage({"step": 3})
+    assert stager._copier.devices == set()
+    stager.close()
 
 
 def test_async_save_with_a_host_stager_saves_each_calls_values(tmp_path):

@@ -71,6 +71,19 @@ class HostStager(AsyncStager):
         self._copier.close()
 
 
+class AlreadyStaged(AsyncStager):
+    """Hands ``dcp.async_save`` a state dict its caller staged already (with a
+    :class:`HostStager`), so that the caller sees a failed copy before DCP starts a save."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: Any) -> Any:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: the caller's copy is complete."""
+
+
 def plain_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     """``state_dict`` with each :class:`Stateful` entry replaced by its ``state_dict()``,
     as DCP does before it stages or saves: the values of the call, ready to copy."""

@@ -14,6 +14,8 @@ or DCP's ``async_save`` process (process mode). The rules:
   ranks the skip decision is agreed (one all-gather), so no rank starts a save alone.
 * **Failures are never lost.** A failed background save is logged when it fails and raised,
   as the s3ckpt error (:func:`s3ckpt.unwrap`), by the next ``save``/``wait``/``close``/``load``.
+  A rank whose copy to host memory fails raises at once and still starts its save, which
+  fails in planning, so every rank raises at its next call and none waits in a collective.
 * **Existing steps are kept**: re-saving a committed step (a resumed loop re-running it,
   seen committed by this manager or by an earlier run: :mod:`s3ckpt.manager.committed`
   says how that is found at little cost) is skipped with an INFO line and returns False,
@@ -49,7 +51,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.dcp.compat import stop_async_save_process, unwrap
 from s3ckpt.dcp.reader import S3StorageReader
-from s3ckpt.dcp.staging import HostStager, plain_state_dict
+from s3ckpt.dcp.staging import AlreadyStaged, HostStager, plain_state_dict
 from s3ckpt.dcp.writer import S3StorageWriter
 from s3ckpt.errors import CheckpointError, CheckpointExistsError
 from s3ckpt.manager.committed import CommittedSteps
@@ -250,13 +252,9 @@ class CheckpointManager:
         if not self.overwrite and self._committed.includes(step):
             log.info("%s is already committed; not saved again", name)
             return False
-        writer = self._writer(step)
         if self.async_mode == "sync":
-            return self._save_sync(step, state_dict, writer, started, waited)
-        if self.async_mode == "thread":
-            future, failure = self._save_on_worker(step, state_dict, writer)
-        else:
-            future, failure = self._save_in_process(state_dict, writer), None
+            return self._save_sync(step, state_dict, self._writer(step), started, waited)
+        future, failure = self._start(step, state_dict)
         now = time.perf_counter()
         inflight = _InFlight(step, future, now, now - started, waited)
         self._inflight = inflight
@@ -265,62 +263,52 @@ class CheckpointManager:
             _reraise(failure)
         return True
 
-    def _writer(self, step: int) -> S3StorageWriter:
-        return S3StorageWriter(
-            self.uri_of(step), config=self.config, overwrite=self.overwrite, **self.writer_options
+    def _writer(self, step: int, copy_failure: BaseException | None = None) -> S3StorageWriter:
+        options = dict(config=self.config, overwrite=self.overwrite, **self.writer_options)
+        if copy_failure is None:
+            return S3StorageWriter(self.uri_of(step), **options)
+        reason = (
+            f"{checkpoint_name(step)} not saved: rank {self._ranks.rank} could not copy its "
+            f"state to host memory ({type(copy_failure).__name__}: {copy_failure})"
         )
+        return _CopyFailed(self.uri_of(step), reason=reason, **options)
 
-    def _save_on_worker(
-        self, step: int, state_dict: dict[str, Any], writer: S3StorageWriter
-    ) -> tuple[Future[Any], BaseException | None]:
-        """Thread mode: the copy to host memory is the only stall (DCP's ``async_save``
-        would add its own per-entry work and a thread start to it); ``dcp.save`` then runs
-        on the manager's worker thread, as ``async_save`` would run it on its own.
+    def _start(self, step: int, state_dict: dict[str, Any]) -> tuple[Future[Any], Exception | None]:
+        """Copy the state to host memory, the only stall, then start the upload in the
+        background: ``dcp.save`` on the manager's worker thread (thread mode: DCP's
+        ``async_save`` would add its own per-entry work and a thread start to the copy)
+        or in DCP's background process.
 
-        A rank whose copy fails raises its error here, but first hands the worker its part
-        of the agreement that opens every background save (:meth:`_background_save`): the
-        other ranks' saves then stop instead of waiting for it in a collective, and every
-        rank raises the same failure at its next call, so their collectives stay in step.
+        A rank whose copy fails raises its error here, but first starts a save with a
+        :class:`_CopyFailed` writer: DCP reports that save's failure to every rank, so the
+        others stop instead of waiting for this rank in the save's collectives, and every
+        rank raises it at its next call, which keeps their collectives in step.
         """
         try:
             staged, failure = self._stager.stage(plain_state_dict(state_dict)), None
-        except BaseException as exc:
+        except Exception as exc:
             if self._ranks.world == 1:
                 _reraise(exc)
-            staged, failure = None, exc
-        return self._worker.submit(self._background_save, step, staged, writer), failure
-
-    def _background_save(
-        self, step: int, staged: dict[str, Any] | None, writer: S3StorageWriter
-    ) -> Any:
-        """On the worker: check that every rank staged (one all-gather on the save group),
-        then save. A lone rank saves with ``no_dist``: DCP would otherwise take the
-        default group for its collectives, which may hold ranks that are not saving."""
-        failed = self._ranks.where(staged is None, self._save_group)
-        if failed:
-            raise CheckpointError(
-                f"{checkpoint_name(step)} not saved: rank(s) {failed} could not copy "
-                "their state to host memory"
-            )
-        return dcp.save(
-            staged,
-            storage_writer=writer,
-            process_group=self._save_group,
-            no_dist=self._save_group is None,
-        )
-
-    def _save_in_process(self, state_dict: dict[str, Any], writer: S3StorageWriter) -> Future[Any]:
+            staged, failure = {}, exc
+        writer = self._writer(step, failure)
+        if self.async_mode == "thread":
+            future = self._worker.submit(
+                dcp.save, staged, storage_writer=writer,
+                process_group=self._save_group, no_dist=self._save_group is None,
+            )  # fmt: skip
+            return future, failure
         try:
-            return dcp.async_save(
-                state_dict,
+            future = dcp.async_save(
+                staged,
                 storage_writer=writer,
                 process_group=self._ranks.group,
                 async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                async_stager=self._stager,
+                async_stager=AlreadyStaged(),
                 no_dist=self._no_dist,
             )
         except BaseException as exc:
             _reraise(exc)
+        return future, failure
 
     def _save_sync(
         self, step: int, state: dict[str, Any], writer: S3StorageWriter, t0: float, waited: float
@@ -444,6 +432,19 @@ class CheckpointManager:
             error, self._failure = self._failure, None
         if error is not None:
             raise error
+
+
+class _CopyFailed(S3StorageWriter):
+    """The writer of a rank whose copy to host memory failed: its part of the save's
+    planning raises ``reason``, which DCP gathers and raises on every rank. It touches
+    nothing in the store."""
+
+    def __init__(self, checkpoint_id: str, *, reason: str, **options: Any) -> None:
+        super().__init__(checkpoint_id, **options)
+        self.reason = reason
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        raise CheckpointError(self.reason)
 
 
 def _reraise(exc: BaseException) -> NoReturn:

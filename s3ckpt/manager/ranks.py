@@ -45,16 +45,11 @@ class Ranks:
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank (one all-gather)."""
-        return bool(self.where(flag, self.group))
-
-    def where(self, flag: bool, group: dist.ProcessGroup | None) -> list[int]:
-        """The ranks on which ``flag`` is true (one all-gather on ``group``, which holds
-        the manager's ranks: its own group, or the save group)."""
         if self.world == 1:
-            return [self.rank] if flag else []
+            return flag
         flags: list[Any] = [None] * self.world
-        dist.all_gather_object(flags, flag, group=group)
-        return [rank for rank, raised in enumerate(flags) if raised]
+        dist.all_gather_object(flags, flag, group=self.group)
+        return any(flags)
 
     def on_rank0(self, call: Callable[[], T]) -> T:
         """``call()`` on rank 0, its result (or its error) on every rank."""

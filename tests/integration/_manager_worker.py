@@ -139,8 +139,9 @@ def group_edges_main(
         if rank == 0:
             report["solo"] = solo_saves(f"{uri}-solo", s3, solo)
         dist.barrier()
-        report["staging"] = failed_staging(rank, f"{uri}-staging", s3)
-        dist.barrier()
+        for mode in ("thread", "process"):
+            report[mode] = failed_staging(rank, f"{uri}-{mode}", s3, mode)
+            dist.barrier()
     finally:
         torch.save(report, Path(out_dir) / f"rank{rank}.pt")
         dist.destroy_process_group()
@@ -157,15 +158,15 @@ def solo_saves(uri: str, s3: dict[str, Any], group: dist.ProcessGroup) -> list[i
         return manager.steps()
 
 
-def failed_staging(rank: int, uri: str, s3: dict[str, Any]) -> dict[str, Any]:
+def failed_staging(rank: int, uri: str, s3: dict[str, Any], mode: str) -> dict[str, Any]:
     """Rank 1's copy to host memory fails at step 1 (pinned memory exhausted, say): every
     rank must learn it at its next call instead of waiting in the save's collectives, and
     the ranks' collectives must stay in step afterwards."""
-    from s3ckpt import CheckpointError, CheckpointManager
+    from s3ckpt import CheckpointError, CheckpointManager, catalog
 
     outcome: dict[str, Any] = {}
     state = {f"w{rank}": torch.full((1000,), float(rank))}
-    with CheckpointManager(uri, **s3) as manager:
+    with CheckpointManager(uri, async_mode=mode, **s3) as manager:
         stage = manager._stager.stage
         if rank == 1:
 
@@ -185,4 +186,6 @@ def failed_staging(rank: int, uri: str, s3: dict[str, Any]) -> dict[str, Any]:
         outcome["third"] = manager.save(3, state)
         manager.wait()
         outcome["steps"] = manager.steps()
+    listed = catalog.list_checkpoints(uri, include_uncommitted=True, **s3)
+    outcome["uncommitted"] = [i.name for i in listed if not i.committed]
     return outcome

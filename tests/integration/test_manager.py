@@ -192,17 +192,19 @@ def test_two_ranks(local_s3, s3_prefix, s3_options: dict[str, Any], tmp_path):
 def test_one_rank_groups_and_a_rank_that_cannot_stage(local_s3, s3_prefix, s3_options, tmp_path):
     """Two gloo ranks: a manager on a group of rank 0 alone saves without waiting for
     rank 1; a copy that fails on rank 1 makes every rank raise at its next save, after
-    which both save again in step."""
+    which both save again in step (thread and process modes)."""
     worker.run_ranks(worker.group_edges_main, 2, s3_options, s3_prefix, str(tmp_path), timeout=180)
     reports = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert reports[0]["solo"] == [1, 2]
-    staging = [r["staging"] for r in reports]
-    assert staging[0]["first"] is True
-    assert staging[1]["first"] == "raised: cannot pin memory"
-    for outcome in staging:
-        assert outcome["second"] == (
-            "raised: step-0000000001 not saved: rank(s) [1] could not copy their state "
-            "to host memory"
-        )
-        assert outcome["third"] is True
-        assert outcome["steps"] == [3]
+    for mode in ("thread", "process"):
+        staging = [r[mode] for r in reports]
+        assert staging[0]["first"] is True, mode
+        assert staging[1]["first"] == "raised: cannot pin memory", mode
+        for outcome in staging:
+            assert outcome["second"] == (
+                "raised: step-0000000001 not saved: rank 1 could not copy its state to host "
+                "memory (RuntimeError: cannot pin memory)"
+            ), mode
+            assert outcome["third"] is True, mode
+            assert outcome["steps"] == [3], mode
+            assert outcome["uncommitted"] == [], mode  # the failed save wrote nothing

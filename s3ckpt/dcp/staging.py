@@ -56,12 +56,13 @@ class HostStager(AsyncStager):
 
     def stage(self, state_dict: Any) -> Any:
         """Copy ``state_dict`` to host memory; returns once every byte has landed."""
-        staged = self._copier.stage(state_dict, non_blocking=self._non_blocking)
-        if self._non_blocking:  # each device the copies came from, not only the current one
-            for device in self._copier.devices:
-                if device.type == self._accelerator:
-                    torch.accelerator.synchronize(device)
-        return staged
+        try:
+            return self._copier.stage(state_dict, non_blocking=self._non_blocking)
+        finally:  # even after a failure: no copy may still run into a buffer freed later
+            if self._non_blocking:  # each device the copies came from, not the current one only
+                for device in self._copier.devices:
+                    if device.type == self._accelerator:
+                        torch.accelerator.synchronize(device)
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for: :meth:`stage` returns a complete copy."""

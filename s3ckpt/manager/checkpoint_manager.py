@@ -20,9 +20,11 @@ or DCP's ``async_save`` process (process mode). The rules:
   seen committed by this manager or by an earlier run: :mod:`s3ckpt.manager.committed`
   says how that is found at little cost) is skipped with an INFO line and returns False,
   unless ``overwrite=True`` (then replaced atomically).
-* **Rollbacks**: after ``load(step)`` of an older step, the first commit supersedes the
-  higher steps an earlier run left: ``steps()``/``load_latest`` skip them and retention
-  deletes them (:mod:`s3ckpt.catalog.retention`).
+* **Rollbacks**: after ``load(step)`` of an older step, the checkpoints above it are the
+  abandoned run's. The first commit supersedes them: ``steps()``/``load_latest`` skip
+  them and retention deletes them (:mod:`s3ckpt.catalog.retention`). A step above the
+  one loaded is saved over the abandoned run's checkpoint there, atomically, so a
+  restart never resumes from the run rolled back from.
 * **Retention** (``keep_last``, ``keep_every``) runs on rank 0 after each commit on its own
   thread (:class:`s3ckpt.manager.policy.Retention`); it never deletes the checkpoint just
   written, and its failures are logged, not raised.
@@ -227,7 +229,7 @@ class CheckpointManager:
             )
         except BaseException as exc:
             _reraise(exc)
-        self._committed.rolled_back(step)
+        self._committed.loaded(step)
         log.info("loaded %s in %.2f s", checkpoint_name(step), time.perf_counter() - started)
 
     # -- save ----------------------------------------------------------------------------
@@ -249,12 +251,14 @@ class CheckpointManager:
             return False
         self._settle()  # from here on, every rank has the same view of what is committed
         waited = time.perf_counter() - started
-        if not self.overwrite and self._committed.includes(step):
+        replace = self.overwrite or self._committed.replaces(step)
+        if not replace and self._committed.includes(step):
             log.info("%s is already committed; not saved again", name)
             return False
         if self.async_mode == "sync":
-            return self._save_sync(step, state_dict, self._writer(step), started, waited)
-        future, failure = self._start(step, state_dict)
+            writer = self._writer(step, replace)
+            return self._save_sync(step, state_dict, writer, started, waited)
+        future, failure = self._start(step, state_dict, replace)
         now = time.perf_counter()
         inflight = _InFlight(step, future, now, now - started, waited)
         self._inflight = inflight
@@ -263,8 +267,10 @@ class CheckpointManager:
             _reraise(failure)
         return True
 
-    def _writer(self, step: int, copy_failure: BaseException | None = None) -> S3StorageWriter:
-        options = dict(config=self.config, overwrite=self.overwrite, **self.writer_options)
+    def _writer(
+        self, step: int, replace: bool, copy_failure: BaseException | None = None
+    ) -> S3StorageWriter:
+        options = dict(config=self.config, overwrite=replace, **self.writer_options)
         if copy_failure is None:
             return S3StorageWriter(self.uri_of(step), **options)
         reason = (
@@ -273,7 +279,9 @@ class CheckpointManager:
         )
         return _CopyFailed(self.uri_of(step), reason=reason, **options)
 
-    def _start(self, step: int, state_dict: dict[str, Any]) -> tuple[Future[Any], Exception | None]:
+    def _start(
+        self, step: int, state_dict: dict[str, Any], replace: bool
+    ) -> tuple[Future[Any], Exception | None]:
         """Copy the state to host memory, the only stall, then start the upload in the
         background: ``dcp.save`` on the manager's worker thread (thread mode: DCP's
         ``async_save`` would add its own per-entry work and a thread start to the copy)
@@ -290,7 +298,7 @@ class CheckpointManager:
             if self._ranks.world == 1:
                 _reraise(exc)
             staged, failure = {}, exc
-        writer = self._writer(step, failure)
+        writer = self._writer(step, replace, failure)
         if self.async_mode == "thread":
             future = self._worker.submit(
                 dcp.save, staged, storage_writer=writer,

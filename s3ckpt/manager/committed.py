@@ -4,13 +4,15 @@ A resumed loop re-runs steps that an earlier run committed; those are kept (the 
 skipped), and finding out must cost the blocked training loop as little as possible:
 
 * steps this manager saw committed (its own commits, a commit that lost to another
-  writer) are known without a request, until the loop rolls back below them
-  (:meth:`CheckpointManager.load` of a lower step): the next commit supersedes them, and
-  retention may delete them;
+  writer) are known without a request;
+* after :meth:`CheckpointManager.load` of step ``L``, the checkpoints above ``L`` belong
+  to the run rolled back from: a step above ``L`` that this manager has not committed
+  since is saved, over any such checkpoint (:meth:`CommittedSteps.replaces`), without a
+  request;
 * rank 0 lists the prefix once, at the first save (or when ``steps()`` lists it first):
   names and commit times only, no manifest read. A step missing from that listing costs
-  no request later; a step in it, or one seen before a rollback, is confirmed with one
-  HEAD, since a rollback's retention may have deleted it since;
+  no request later; a step in it is confirmed with one HEAD, since a rollback's
+  retention may have deleted it since;
 * when that listing fails, each save asks with one HEAD;
 * a step another writer commits after the listing is caught by the commit itself
   (``CheckpointExistsError``: logged, not saved).
@@ -44,22 +46,28 @@ class CommittedSteps:
         self._on_rank0 = on_rank0
         self._lock = threading.Lock()  # add() runs on the save's background thread
         self._seen: set[int] = set()  # committed, and not deleted since as far as known
-        self._once: set[int] = set()  # committed at some point: a HEAD tells if still there
+        self._once: set[int] = set()  # listed committed: a HEAD tells if still there
         self._complete = False  # the prefix was listed: a step in neither set is not committed
         self._list_tried = False
+        self._loaded: int | None = None  # the step the run went on from, if it loaded one
 
     def add(self, steps: Iterable[int]) -> None:
         """Steps seen committed (a commit of this manager's, or one that lost to another)."""
         with self._lock:
             self._seen.update(steps)
 
-    def rolled_back(self, step: int) -> None:
-        """The loop went back to ``step``: the steps above it that this manager saw
-        committed will be superseded by the next commit, and retention may delete them."""
+    def loaded(self, step: int) -> None:
+        """The run goes on from ``step``: what is saved above it from now on is this run's."""
         with self._lock:
-            above = {s for s in self._seen if s > step}
-            self._seen -= above
-            self._once |= above
+            self._loaded = step
+            self._seen = {s for s in self._seen if s <= step}
+
+    def replaces(self, step: int) -> bool:
+        """Whether ``step`` is to be saved over whatever is committed there: it is above
+        the step the run loaded, and not committed by this manager since, so a checkpoint
+        there is the rolled-back run's (kept, a restart would resume from it)."""
+        with self._lock:
+            return self._loaded is not None and step > self._loaded and step not in self._seen
 
     def current(self) -> list[int]:
         """The committed steps not superseded by a rollback, ascending (one listing, on

@@ -244,6 +244,27 @@ def test_a_step_retention_removed_after_a_rollback_is_saved_when_reached_again(
     assert torch.equal(state["w"], torch.full((100,), 401.0))
 
 
+def test_after_a_rollback_the_abandoned_runs_steps_are_saved_over(
+    s3_prefix: str, s3_options: dict[str, Any]
+) -> None:
+    """Saving every 100 steps, the run goes back to 300 (a loss spike, say): its saves of
+    400 and 500 replace the abandoned run's, so a restart resumes from this run's 500."""
+    with CheckpointManager(s3_prefix, **s3_options) as dead:
+        for step in (300, 400, 500):
+            dead.save(step, {"w": torch.full((100,), float(step))})
+    state = {"w": torch.zeros(100)}
+    with CheckpointManager(s3_prefix, **s3_options) as rollback:
+        rollback.load(300, state)
+        for step in (400, 500):
+            assert rollback.save(step, {"w": torch.full((100,), step + 1.0)}) is True
+        rollback.wait()
+        assert rollback.save(500, state) is False  # this run's own commit now
+    with CheckpointManager(s3_prefix, **s3_options) as restart:
+        assert restart.steps() == [300, 400, 500]
+        assert restart.load_latest(state) == 500
+    assert torch.equal(state["w"], torch.full((100,), 501.0))
+
+
 # -- 6 and 7: stores without ListMultipartUploads, unreadable manifests ------------------------
 
 

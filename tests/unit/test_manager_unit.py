@@ -162,11 +162,13 @@ class FakeDCP:
 
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.overwrites: list[bool] = []
         self.futures: list[Future[Any]] = []
         self._changed = threading.Condition()
 
     def writer(self, uri: str, **options: Any) -> S3StorageWriter:
         self.calls.append(uri)
+        self.overwrites.append(options.get("overwrite", False))
         return S3StorageWriter(uri, **options)
 
     def save(self, state_dict: Any, *, storage_writer: Any, **kwargs: Any) -> Any:
@@ -436,31 +438,33 @@ def test_a_listed_step_deleted_since_is_saved(fake, monkeypatch):
     manager.close()
 
 
-def test_after_a_rollback_the_steps_above_it_are_asked_again(fake, monkeypatch):
-    """Steps this manager committed are known without a request until it loads a lower
-    step: retention may then delete them (superseded), so reaching them asks again."""
-    monkeypatch.setattr(committed_module.catalog, "committed_names", lambda *a, **k: {})
+def test_after_a_rollback_the_steps_above_it_are_saved_over_the_abandoned_run(fake, monkeypatch):
+    """After ``load(300)``, 400 and 500 are the abandoned run's: reaching them saves over
+    them (a restart must not resume from the run rolled back from), without a request;
+    once this run committed them, they are kept like any other."""
+    monkeypatch.setattr(
+        committed_module.catalog,
+        "committed_names",
+        lambda *a, **k: dict.fromkeys(checkpoint_name(s) for s in (300, 400, 500)),
+    )
     heads: list[str] = []
-    present: set[str] = set()
-
-    def head(uri: str, **kwargs: Any) -> bool:
-        heads.append(uri)
-        return uri.rsplit("/", 1)[1] in present
-
-    monkeypatch.setattr(committed_module.catalog, "is_committed", head)
+    monkeypatch.setattr(
+        committed_module.catalog, "is_committed", lambda uri, **k: not heads.append(uri)
+    )
     monkeypatch.setattr(manager_module.dcp, "load", lambda *a, **k: None)
     manager = make()
-    for step in (300, 400):
+    assert manager.save(400, {}) is False  # no load yet: an earlier run's step is kept
+    manager.load(300, {})
+    assert manager.save(300, {}) is False  # the step loaded: kept
+    for step in (400, 500):
         assert manager.save(step, {}) is True
         fake.commit()
         manager.wait()
-        present.add(checkpoint_name(step))
-    assert manager.save(400, {}) is False and heads == []  # its own commit: no request
-    manager.load(300, {})
-    assert manager.save(300, {}) is False and heads == []  # at or below the rollback: kept
-    present.discard(checkpoint_name(400))  # superseded by the next commit, then deleted
-    assert manager.save(400, {}) is True
-    assert heads == ["s3://bucket/run/step-0000000400"]
+    assert fake.overwrites == [True, True]
+    assert heads == ["s3://bucket/run/step-0000000400", "s3://bucket/run/step-0000000300"]
+    assert manager.save(400, {}) is False  # this run's own commit now
+    manager.load(300, {})  # rolled back again: this run's 400 is abandoned in turn
+    assert manager.save(400, {}) is True and fake.overwrites[-1] is True
     fake.commit()
     manager.close()
 

@@ -64,8 +64,8 @@ class CommittedSteps:
 
     def replaces(self, step: int) -> bool:
         """Whether ``step`` is to be saved over whatever is committed there: it is above
-        the step the run loaded, and not committed by this manager since, so a checkpoint
-        there is the rolled-back run's (kept, a restart would resume from it)."""
+        the step the run loaded and this manager has not committed it since, so a
+        checkpoint there is the rolled-back run's, which a restart must not resume from."""
         with self._lock:
             return self._loaded is not None and step > self._loaded and step not in self._seen
 

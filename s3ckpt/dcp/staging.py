@@ -48,7 +48,6 @@ class HostStager(AsyncStager):
     def __init__(self, *, pin_memory: bool | None = None, share_memory: bool = False) -> None:
         accelerator = torch.accelerator.current_accelerator()
         self._accelerator = None if accelerator is None else accelerator.type
-        self._non_blocking = self._accelerator is not None
         self._copier = storage_copier(
             pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
             share_memory=share_memory,
@@ -57,12 +56,11 @@ class HostStager(AsyncStager):
     def stage(self, state_dict: Any) -> Any:
         """Copy ``state_dict`` to host memory; returns once every byte has landed."""
         try:
-            return self._copier.stage(state_dict, non_blocking=self._non_blocking)
+            return self._copier.stage(state_dict, non_blocking=self._accelerator is not None)
         finally:  # even after a failure: no copy may still run into a buffer freed later
-            if self._non_blocking:  # each device the copies came from, not the current one only
-                for device in self._copier.devices:
-                    if device.type == self._accelerator:
-                        torch.accelerator.synchronize(device)
+            for device in self._copier.devices:  # each one copied from, not the current only
+                if device.type == self._accelerator:
+                    torch.accelerator.synchronize(device)
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for: :meth:`stage` returns a complete copy."""

@@ -3,7 +3,8 @@
 The loop blocks only while the state is copied to host memory (with CUDA, into pinned
 buffers: non-blocking copies, then a synchronize); the upload and the commit run while
 training goes on: ``dcp.save`` of that copy on the manager's worker thread (thread mode),
-or DCP's ``async_save`` process (process mode). The rules:
+or DCP's ``async_save`` process (process mode), started by
+:class:`~s3ckpt.manager.background.BackgroundSaves`. The rules:
 
 * **Names.** Step ``N`` lives at ``<uri>/step-<N:010d>``, zero-padded so that plain LIST
   order is step order. ``steps()`` lists the committed ones (one LIST, on rank 0).
@@ -42,20 +43,19 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from s3ckpt.config import S3URI, S3Config, make_config
-from s3ckpt.dcp.compat import stop_async_save_process, unwrap
+from s3ckpt.dcp.compat import unwrap
 from s3ckpt.dcp.reader import S3StorageReader
-from s3ckpt.dcp.staging import AlreadyStaged, HostStager, plain_state_dict
 from s3ckpt.dcp.writer import S3StorageWriter
 from s3ckpt.errors import CheckpointError, CheckpointExistsError
+from s3ckpt.manager.background import BackgroundSaves
 from s3ckpt.manager.committed import CommittedSteps
 from s3ckpt.manager.main_guard import require_main_guard
 from s3ckpt.manager.policy import (
@@ -140,14 +140,9 @@ class CheckpointManager:
         self.metrics: deque[SaveMetrics] = deque(maxlen=max_metrics)
         self._ranks = Ranks(process_group)
         self._no_dist = not self._ranks.distributed
-        if (
-            self._ranks.world == 1
-        ):  # DCP warns on every single-process call; here that is the intent
+        if self._ranks.world == 1:  # DCP warns on each single-process call; here it is meant
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        self._save_group = self._ranks.save_group(async_mode)
-        self._stager = HostStager(share_memory=async_mode == "process")
-        # thread mode's dcp.save, as DCP's async_save would run it on a thread of its own
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s3ckpt-save")
+        self._saves = BackgroundSaves(self._ranks, async_mode)
         self._retention = Retention(self.location, self.config, keep_last, keep_every)
         self._lock = threading.Lock()
         self._inflight: _InFlight | None = None
@@ -255,10 +250,13 @@ class CheckpointManager:
         if not replace and self._committed.includes(step):
             log.info("%s is already committed; not saved again", name)
             return False
+        writer = self._writer(step, replace)
         if self.async_mode == "sync":
-            writer = self._writer(step, replace)
             return self._save_sync(step, state_dict, writer, started, waited)
-        future, failure = self._start(step, state_dict, replace)
+        try:
+            future, failure = self._saves.start(step, state_dict, writer)
+        except BaseException as exc:
+            _reraise(exc)
         now = time.perf_counter()
         inflight = _InFlight(step, future, now, now - started, waited)
         self._inflight = inflight
@@ -267,56 +265,10 @@ class CheckpointManager:
             _reraise(failure)
         return True
 
-    def _writer(
-        self, step: int, replace: bool, copy_failure: BaseException | None = None
-    ) -> S3StorageWriter:
-        options = dict(config=self.config, overwrite=replace, **self.writer_options)
-        if copy_failure is None:
-            return S3StorageWriter(self.uri_of(step), **options)
-        reason = (
-            f"{checkpoint_name(step)} not saved: rank {self._ranks.rank} could not copy its "
-            f"state to host memory ({type(copy_failure).__name__}: {copy_failure})"
+    def _writer(self, step: int, replace: bool) -> S3StorageWriter:
+        return S3StorageWriter(
+            self.uri_of(step), config=self.config, overwrite=replace, **self.writer_options
         )
-        return _CopyFailed(self.uri_of(step), reason=reason, **options)
-
-    def _start(
-        self, step: int, state_dict: dict[str, Any], replace: bool
-    ) -> tuple[Future[Any], Exception | None]:
-        """Copy the state to host memory, the only stall, then start the upload in the
-        background: ``dcp.save`` on the manager's worker thread (thread mode: DCP's
-        ``async_save`` would add its own per-entry work and a thread start to the copy)
-        or in DCP's background process.
-
-        A rank whose copy fails raises its error here, but first starts a save with a
-        :class:`_CopyFailed` writer: DCP reports that save's failure to every rank, so the
-        others stop instead of waiting for this rank in the save's collectives, and every
-        rank raises it at its next call, which keeps their collectives in step.
-        """
-        try:
-            staged, failure = self._stager.stage(plain_state_dict(state_dict)), None
-        except Exception as exc:
-            if self._ranks.world == 1:
-                _reraise(exc)
-            staged, failure = {}, exc
-        writer = self._writer(step, replace, failure)
-        if self.async_mode == "thread":
-            future = self._worker.submit(
-                dcp.save, staged, storage_writer=writer,
-                process_group=self._save_group, no_dist=self._save_group is None,
-            )  # fmt: skip
-            return future, failure
-        try:
-            future = dcp.async_save(
-                staged,
-                storage_writer=writer,
-                process_group=self._ranks.group,
-                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                async_stager=AlreadyStaged(),
-                no_dist=self._no_dist,
-            )
-        except BaseException as exc:
-            _reraise(exc)
-        return future, failure
 
     def _save_sync(
         self, step: int, state: dict[str, Any], writer: S3StorageWriter, t0: float, waited: float
@@ -358,16 +310,10 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            self._worker.shutdown(wait=True)  # before retention: its bookkeeping may use it
-            self._retention.close()
-            self._stager.close()
-            if self.async_mode == "process":
-                stop_async_save_process()
-            if self._save_group is not None:
-                try:
-                    dist.destroy_process_group(self._save_group)
-                except Exception:  # the default group may be gone already
-                    log.debug("could not destroy the checkpoint process group", exc_info=True)
+            try:
+                self._saves.close()  # first: its worker's bookkeeping may start a retention
+            finally:
+                self._retention.close()
 
     # -- background bookkeeping (the worker thread, or DCP's) ----------------------------
 
@@ -440,19 +386,6 @@ class CheckpointManager:
             error, self._failure = self._failure, None
         if error is not None:
             raise error
-
-
-class _CopyFailed(S3StorageWriter):
-    """The writer of a rank whose copy to host memory failed: its part of the save's
-    planning raises ``reason``, which DCP gathers and raises on every rank. It touches
-    nothing in the store."""
-
-    def __init__(self, checkpoint_id: str, *, reason: str, **options: Any) -> None:
-        super().__init__(checkpoint_id, **options)
-        self.reason = reason
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        raise CheckpointError(self.reason)
 
 
 def _reraise(exc: BaseException) -> NoReturn:

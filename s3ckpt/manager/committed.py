@@ -46,8 +46,7 @@ class CommittedSteps:
         self._on_rank0 = on_rank0
         self._lock = threading.Lock()  # add() runs on the save's background thread
         self._seen: set[int] = set()  # committed, and not deleted since as far as known
-        self._once: set[int] = set()  # listed committed: a HEAD tells if still there
-        self._complete = False  # the prefix was listed: a step in neither set is not committed
+        self._listed: frozenset[int] | None = None  # when listed: a HEAD confirms these
         self._list_tried = False
         self._loaded: int | None = None  # the step the run went on from, if it loaded one
 
@@ -86,15 +85,13 @@ class CommittedSteps:
             self._list_tried = True
             if outcome is not None:
                 self._remember(outcome[0])
-        with self._lock:
-            if self._complete and step not in self._once:
-                return False
+        if self._listed is not None and step not in self._listed:
+            return False
         uri = str(self._location.child(checkpoint_name(step)))
         return bool(self._on_rank0(lambda: catalog.is_committed(uri, config=self._config)))
 
     def _remember(self, every: frozenset[int]) -> None:
-        with self._lock:
-            self._once, self._complete, self._list_tried = set(every), True, True
+        self._listed, self._list_tried = every, True
 
     def _listing(self) -> tuple[frozenset[int], list[int]]:
         """Every committed step, and those not superseded by a rollback."""

@@ -9,7 +9,6 @@ checkpoint was overwritten meanwhile; :func:`with_items` reports it as damage.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import Iterable
 
@@ -71,16 +70,15 @@ async def read_each(
 ) -> list[RankIndex | CorruptCheckpointError | StorageError]:
     """Every index object of ``refs``, or why it could not be read, in order; at most
     :data:`PARALLEL_INDEX_READS` at a time (``verify`` reports every damaged index)."""
-    etags, gate = manifest.etags(), asyncio.Semaphore(PARALLEL_INDEX_READS)
+    etags = manifest.etags()
 
     async def one(ref: IndexRef) -> RankIndex | CorruptCheckpointError | StorageError:
-        async with gate:
-            try:
-                return await read_index(store, location, ref, etags)
-            except (CorruptCheckpointError, StorageError) as exc:
-                return exc
+        try:
+            return await read_index(store, location, ref, etags)
+        except (CorruptCheckpointError, StorageError) as exc:
+            return exc
 
-    return list(await asyncio.gather(*(one(ref) for ref in refs)))
+    return await bounded([lambda r=ref: one(r) for ref in refs], PARALLEL_INDEX_READS)
 
 
 async def with_items(store: ObjectStore, location: S3URI, manifest: Manifest) -> Manifest:

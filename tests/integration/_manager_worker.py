@@ -7,12 +7,13 @@ report in ``out_dir`` for the parent test to check.
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _dist_worker import _init, run_ranks
+from _dist_worker import _init, _report, run_ranks
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -71,9 +72,7 @@ def manager_main(
     """Save steps 1-3 with retention, agree on skips, restart and resume; report everything."""
     from s3ckpt import CheckpointManager
 
-    _init(rank, world_size, port)
-    report: dict[str, Any] = {}
-    try:
+    with reporting_rank(rank, world_size, port, out_dir) as report:
         model, state = make_state(rank, seed=1)
         manager = CheckpointManager(uri, keep_last=2, **s3)
         report["initial"] = manager.load_latest(state)
@@ -96,8 +95,18 @@ def manager_main(
             report["restored"] = restarted.load_latest(fresh)
         report["loaded"] = snapshot(fresh_model, fresh, rank)
         dist.barrier()
+
+
+@contextmanager
+def reporting_rank(rank: int, world_size: int, port: int, out_dir: str) -> Iterator[dict]:
+    """Join the gloo group; on the way out, leave the report (whatever it holds) for the
+    parent test and leave the group."""
+    _init(rank, world_size, port)
+    report: dict[str, Any] = {}
+    try:
+        yield report
     finally:
-        torch.save(report, Path(out_dir) / f"rank{rank}.pt")
+        _report(out_dir, rank, report)
         dist.destroy_process_group()
 
 
@@ -132,9 +141,7 @@ def group_edges_main(
     rank: int, world_size: int, port: int, s3: dict[str, Any], uri: str, out_dir: str
 ) -> None:
     """A manager on a one-rank group, and a copy to host memory failing on one rank."""
-    _init(rank, world_size, port)
-    report: dict[str, Any] = {}
-    try:
+    with reporting_rank(rank, world_size, port, out_dir) as report:
         solo = dist.new_group([0])  # every rank takes part in creating it
         if rank == 0:
             report["solo"] = solo_saves(f"{uri}-solo", s3, solo)
@@ -142,9 +149,6 @@ def group_edges_main(
         for mode in ("thread", "process"):
             report[mode] = failed_staging(rank, f"{uri}-{mode}", s3, mode)
             dist.barrier()
-    finally:
-        torch.save(report, Path(out_dir) / f"rank{rank}.pt")
-        dist.destroy_process_group()
 
 
 def solo_saves(uri: str, s3: dict[str, Any], group: dist.ProcessGroup) -> list[int]:
@@ -167,18 +171,18 @@ def failed_staging(rank: int, uri: str, s3: dict[str, Any], mode: str) -> dict[s
     outcome: dict[str, Any] = {}
     state = {f"w{rank}": torch.full((1000,), float(rank))}
     with CheckpointManager(uri, async_mode=mode, **s3) as manager:
-        stage = manager._stager.stage
+        stage = manager._saves._stager.stage
         if rank == 1:
 
             def broken(state_dict: Any) -> Any:
                 raise RuntimeError("cannot pin memory")
 
-            manager._stager.stage = broken  # type: ignore[method-assign]
+            manager._saves._stager.stage = broken  # type: ignore[method-assign]
         try:
             outcome["first"] = manager.save(1, state)
         except RuntimeError as exc:
             outcome["first"] = f"raised: {exc}"
-        manager._stager.stage = stage  # type: ignore[method-assign]
+        manager._saves._stager.stage = stage  # type: ignore[method-assign]
         try:
             outcome["second"] = manager.save(2, state)
         except CheckpointError as exc:

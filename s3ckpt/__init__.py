@@ -61,6 +61,7 @@ from s3ckpt.errors import (
     S3CkptError,
     StorageError,
     TransientStorageError,
+    UntrustedPickleError,
 )
 
 if TYPE_CHECKING:
@@ -118,6 +119,7 @@ __all__ = [
     "SaveMetrics",
     "StorageError",
     "TransientStorageError",
+    "UntrustedPickleError",
     "__version__",
     "copy_checkpoint",
     "export_checkpoint",

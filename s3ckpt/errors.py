@@ -20,6 +20,7 @@
     │   ├── CommitConflictError                another writer committed the same id first
     │   ├── IncompleteSaveError                an object of the save vanished before its commit
     │   ├── CorruptCheckpointError             checksum or size mismatch, unreadable manifest
+    │   ├── UntrustedPickleError               a pickle names a Python global loads refuse
     │   └── NotACheckpointError                an import source in no format s3ckpt reads
     └── LocalServerError                       the embedded S3 server could not start
 
@@ -123,6 +124,16 @@ class IncompleteSaveError(CheckpointError):
 
 class CorruptCheckpointError(CheckpointError):
     """Stored bytes do not match their recorded size or checksum, or a manifest is unreadable."""
+
+
+class UntrustedPickleError(CheckpointError):
+    """Checkpoint metadata or a non-tensor item names a Python global (a class, a function)
+    outside what s3ckpt loads by default. The bytes are sound; loading them would run
+    code the bucket chose. ``trust_pickles=True`` loads them, for buckets you trust."""
+
+    def __init__(self, message: str, refused: str | None = None) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class NotACheckpointError(CheckpointError):

@@ -1,8 +1,8 @@
 """Everything s3ckpt needs from torch beyond DCP's public storage API, in one place.
 
 Only public names are imported at module level. The private details s3ckpt relies on:
-how DCP's ``Metadata`` pickles (the classes its pickle refers to, listed in
-:data:`METADATA_PICKLE_GLOBALS`), how to stop DCP's process-mode ``async_save``
+how DCP's ``Metadata`` pickles (the globals its pickle refers to,
+:func:`metadata_global`, and how ``TensorProperties`` grew between releases), how to stop DCP's process-mode ``async_save``
 background process (:func:`stop_async_save_process`), which process group a
 ``dcp.load`` runs on (:func:`calling_load_group`), how to lay out a ``torch.save``
 file without its tensors' bytes (:func:`save_skeleton`, for export), and DCP's storage
@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol, TypeVar
 
 import torch
+import torch.distributed.checkpoint.metadata as _metadata_module
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
     StorageMeta,
+    TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
@@ -42,51 +44,12 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 TORCH_VERSION = torch.__version__
 
-# (module, name) pairs that DCP's Metadata pickle may reference.
-METADATA_PICKLE_GLOBALS: frozenset[tuple[str, str]] = frozenset(
-    {
-        ("torch.distributed.checkpoint.metadata", n)
-        for n in (
-            "Metadata",
-            "MetadataIndex",
-            "StorageMeta",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "_MEM_FORMAT_ENCODING",
-        )
-    }
-    | {("torch", "Size"), ("torch.serialization", "_get_layout")}
-    | {
-        ("torch", str(dtype).removeprefix("torch."))
-        for dtype in (
-            torch.float64,
-            torch.float32,
-            torch.float16,
-            torch.bfloat16,
-            torch.complex128,
-            torch.complex64,
-            torch.complex32,
-            torch.int64,
-            torch.int32,
-            torch.int16,
-            torch.int8,
-            torch.uint64,
-            torch.uint32,
-            torch.uint16,
-            torch.uint8,
-            torch.bool,
-            torch.float8_e4m3fn,
-            torch.float8_e5m2,
-            torch.float8_e4m3fnuz,
-            torch.float8_e5m2fnuz,
-        )
-    }
-    | {
-        ("torch", n)
-        for n in ("contiguous_format", "channels_last", "channels_last_3d", "preserve_format")
-    }
+# (module, name) pairs, beyond torch's own dtypes, memory formats and layouts, that DCP's
+# Metadata pickle may reference. ``_MEM_FORMAT_ENCODING`` is how TensorProperties pickles
+# its memory format; ``torch.Size`` holds shapes and offsets.
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_OTHER_METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    {("torch", "Size"), ("torch.serialization", "_get_layout")}
     | {
         ("collections", "OrderedDict"),
         ("builtins", "set"),
@@ -94,6 +57,53 @@ METADATA_PICKLE_GLOBALS: frozenset[tuple[str, str]] = frozenset(
         ("builtins", "slice"),
     }
 )
+# torch's values that metadata names by ``torch.<name>``: each is data, never code.
+_TORCH_VALUE_TYPES = (torch.dtype, torch.memory_format, torch.layout)
+
+
+def metadata_global(module: str, name: str) -> object | None:
+    """The object a DCP metadata pickle may name as ``module.name``; ``None`` if refused.
+
+    Derived from the running torch rather than listed: every ``torch.dtype`` it defines
+    (a new dtype such as ``float8_e8m0fnu`` is allowed the day torch adds it), its memory
+    formats and layouts, and every class defined in DCP's ``metadata`` module (plain
+    dataclasses and enums). :class:`TensorProperties` is read through
+    :class:`_PortableTensorProperties`, so a newer torch's pickle loads here too.
+    """
+    if module == "torch":
+        value = getattr(torch, name, None)
+        if isinstance(value, _TORCH_VALUE_TYPES):
+            return value
+    if module == _METADATA_MODULE:
+        value = getattr(_metadata_module, name, None)
+        if isinstance(value, type) and value.__module__ == _METADATA_MODULE:
+            return _PortableTensorProperties if value is TensorProperties else value
+    if (module, name) in _OTHER_METADATA_GLOBALS:
+        return _resolve(module, name)
+    return None
+
+
+def _resolve(module: str, name: str) -> object:
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+_PROPERTIES_FIELDS = len(TensorProperties().__getstate__())
+
+
+class _PortableTensorProperties(TensorProperties):
+    """Unpickles the ``TensorProperties`` of any torch release into this one's class.
+
+    torch 2.15 added ``strides`` and pickles six fields; 2.13's ``__setstate__`` takes
+    exactly five. Fields this torch does not know (at the end of the tuple) are dropped,
+    then the object becomes a plain :class:`TensorProperties`, indistinguishable from one
+    this torch unpickled itself.
+    """
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        TensorProperties.__setstate__(self, tuple(state[:_PROPERTIES_FIELDS]))
+        self.__class__ = TensorProperties  # type: ignore[assignment]
 
 
 def unwrap(exc: BaseException) -> BaseException:
@@ -275,7 +285,6 @@ def chunk_shapes(metadata: Metadata) -> dict[MetadataIndex, tuple[torch.dtype, t
 
 
 __all__ = [
-    "METADATA_PICKLE_GLOBALS",
     "TORCH_VERSION",
     "BytesStorageMetadata",
     "CheckpointException",
@@ -299,6 +308,7 @@ __all__ = [
     "calling_load_group",
     "chunk_shapes",
     "item_nbytes",
+    "metadata_global",
     "narrow",
     "remember_metadata_failure",
     "save_skeleton",

@@ -98,8 +98,8 @@ class S3StorageReader(S3Location, StorageReader):
         request_size: the largest ranged GET; larger ranges are split and fetched in parallel.
         decode_threads: worker threads decompressing compressed items.
         trust_pickles: load non-tensor items even if they hold objects outside torch's
-            weights-only allowlist (custom classes). Only for buckets you trust: such items
-            are unpickled by DCP and can run code.
+            weights-only allowlist (custom classes), and metadata naming globals outside
+            s3ckpt's allowlist. Only for buckets you trust: such pickles can run code.
     """
 
     _dcp_call = "dcp.load"
@@ -178,7 +178,7 @@ class S3StorageReader(S3Location, StorageReader):
             )
         if crc32c(body) != manifest.metadata_crc32c:
             raise CorruptCheckpointError(f"checksum mismatch in {where}")
-        metadata = dcp_metadata.loads(body, where)
+        metadata = dcp_metadata.loads(body, where, trust_pickles=self.trust_pickles)
         self.manifest = manifest
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()

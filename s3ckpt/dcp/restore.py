@@ -31,7 +31,7 @@ import torch
 
 from s3ckpt.dcp.compat import LoadItemType, LoadPlanner, ReadItem, narrow
 from s3ckpt.dcp.tensor_bytes import byte_buffer, tensor_from_bytes, tensor_view
-from s3ckpt.errors import CorruptCheckpointError
+from s3ckpt.errors import CorruptCheckpointError, UntrustedPickleError
 from s3ckpt.format.checksums import StreamingCheck, check_block, verify_blocks
 from s3ckpt.format.compression import CODECS, RAW, decode_block
 from s3ckpt.format.layout import StoredItem
@@ -283,7 +283,7 @@ def _check_pickle(data: bytes, what: str) -> None:
         with torch.serialization.safe_globals(SAFE_VALUE_CLASSES):
             torch.load(io.BytesIO(data), weights_only=True)
     except Exception as exc:
-        raise CorruptCheckpointError(
+        raise UntrustedPickleError(
             f"{what} holds objects outside torch's weights-only allowlist and was not loaded "
             f"(pass trust_pickles=True to S3StorageReader to load it anyway): {exc}"
         ) from exc

@@ -55,6 +55,7 @@ from s3ckpt.dcp.compat import (
 )
 from s3ckpt.dcp.location import S3Location
 from s3ckpt.dcp.owners import ChunkPositions
+from s3ckpt.dcp.save_identity import RankAssignment, claim
 from s3ckpt.dcp.tensor_bytes import as_cpu_contiguous, tensor_view
 from s3ckpt.errors import CheckpointExistsError, ConfigError, S3CkptError
 from s3ckpt.format.compression import RAW, Compression, Encoded, encode_raw, encode_stream
@@ -84,14 +85,6 @@ from s3ckpt.transfer.rank_index import write_index
 from s3ckpt.transfer.upload import Item, Placement, RankUploader, UploadedObject
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _RankAssignment:
-    """What the coordinator tells each rank in ``SavePlan.storage_data``."""
-
-    rank: int
-    save_id: str
 
 
 class S3StorageWriter(S3Location, StorageWriter):
@@ -146,7 +139,7 @@ class S3StorageWriter(S3Location, StorageWriter):
         self._set_location(checkpoint_id)
         self.save_id = new_save_id()
         self.is_coordinator = False
-        self.rank = 0
+        self.rank: int | None = None  # DCP passes it; callers of the bare API may not
 
     # -- DCP lifecycle --------------------------------------------------------------------
 
@@ -159,7 +152,8 @@ class S3StorageWriter(S3Location, StorageWriter):
         # A writer reused for another save without a new checkpoint_id (so without reset)
         # still needs fresh object keys: an overwrite must never touch the committed ones.
         self.save_id = new_save_id()
-        self.rank = int(kwargs.get("rank") or 0)
+        rank = kwargs.get("rank")
+        self.rank = None if rank is None else int(rank)
         if kwargs.get("use_collectives", True) is False:
             raise ConfigError(
                 "S3StorageWriter needs use_collectives=True: the coordinator commits for all ranks"
@@ -175,13 +169,13 @@ class S3StorageWriter(S3Location, StorageWriter):
         # Before any rank writes an object: gc and prune must see this save from the start.
         io_loop().run(mark_in_flight(self._store(), self._require_location(), self.save_id))
         return [
-            dataclasses.replace(plan, storage_data=_RankAssignment(rank, self.save_id))
+            dataclasses.replace(plan, storage_data=RankAssignment(rank, self.save_id))
             for rank, plan in enumerate(plans)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        assignment: _RankAssignment = plan.storage_data
         store, location = self._store(), self._require_location()
+        assignment = self._assignment(plan, store, location)
         try:
             with Heartbeat(store, location, assignment.save_id):
                 results = _RankSave(self, assignment).run(plan.items, planner)
@@ -192,6 +186,24 @@ class S3StorageWriter(S3Location, StorageWriter):
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
+
+    def _assignment(self, plan: SavePlan, store: ObjectStore, location: S3URI) -> RankAssignment:
+        """The rank and save id this ``write_data`` writes under (:mod:`.save_identity`).
+
+        A plan replayed from a planner's cache gets a save id of its own; its in-flight
+        record is written before any of its objects, and the coordinator commits under it.
+        """
+        rank = self.rank
+        if rank is None:  # no rank from DCP: trust the plan's
+            rank = getattr(plan.storage_data, "rank", 0)
+        assignment = claim(plan.storage_data, rank)
+        if assignment != plan.storage_data:
+            log.info("save plan replayed from a cache: writing it as save %s", assignment.save_id)
+            io_loop().run(mark_in_flight(store, location, assignment.save_id))
+        if self.is_coordinator and assignment.save_id != self.save_id:
+            marked, self.save_id = self.save_id, assignment.save_id
+            io_loop().run(clear_in_flight(store, location, marked))
+        return assignment
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         location = self._require_location()
@@ -247,6 +259,7 @@ class S3StorageWriter(S3Location, StorageWriter):
             i.key: i.size for i in manifest.indexes
         }
         try:
+            dcp_metadata.check_loadable(body, str(location))
             await mark_in_flight(store, location, self.save_id)
             await confirm_objects(store, location, sizes)
             await store.put(
@@ -255,9 +268,10 @@ class S3StorageWriter(S3Location, StorageWriter):
             await commit_manifest(store, location, manifest, overwrite=self.overwrite)
         except Exception:
             if not await self._committed_anyway(store, location):
-                await self._discard(store, location, manifest)
+                await self._discard(store, location, manifest, records)
                 raise
-        await clear_in_flight(store, location, self.save_id)
+        for save_id in _save_ids(records, self.save_id):
+            await clear_in_flight(store, location, save_id)
 
     async def _committed_anyway(self, store: ObjectStore, location: S3URI) -> bool:
         """Whether the manifest names this save although committing raised; True too when
@@ -268,21 +282,28 @@ class S3StorageWriter(S3Location, StorageWriter):
             log.warning("save %s failed and %s is unreadable: %s", self.save_id, location, exc)
             return True
 
-    async def _discard(self, store: ObjectStore, location: S3URI, manifest: Manifest) -> None:
-        """Delete every object of a save that did not commit, its in-flight record last."""
+    async def _discard(
+        self,
+        store: ObjectStore,
+        location: S3URI,
+        manifest: Manifest,
+        records: list[_RankRecord],
+    ) -> None:
+        """Delete every object of a save that did not commit, its in-flight records last."""
         try:
             await store.delete_many([location.key(k) for k in manifest.all_keys()])
         except S3CkptError as exc:
             log.warning("could not delete the objects of failed save %s: %s", self.save_id, exc)
             return
-        await clear_in_flight(store, location, self.save_id)
+        for save_id in _save_ids(records, self.save_id):
+            await clear_in_flight(store, location, save_id)
 
 
 class _RankSave:
     """One rank's ``write_data``: stream items (compressed if asked) into the uploader,
     then describe where each went."""
 
-    def __init__(self, writer: S3StorageWriter, assignment: _RankAssignment) -> None:
+    def __init__(self, writer: S3StorageWriter, assignment: RankAssignment) -> None:
         self.writer = writer
         self.assignment = assignment
         self.encoded: dict[Any, Encoded] = {}
@@ -316,7 +337,7 @@ class _RankSave:
             raise
         # One record per rank, shared by all its results: pickled once when DCP gathers
         # them, so the coordinator receives O(ranks) storage data, not O(items).
-        record = _RankRecord(rank, ref, objects)
+        record = _RankRecord(rank, ref, objects, save_id)
         return [
             WriteResult(item.index, self.encoded[item.index].raw_length, record) for item in items
         ]
@@ -422,6 +443,12 @@ class _RankRecord:
     rank: int
     index: IndexRef
     objects: tuple[ObjectEntry, ...]
+    save_id: str = ""  # the id its keys carry: the coordinator's, or a replay's own
+
+
+def _save_ids(records: list[_RankRecord], coordinator: str) -> list[str]:
+    """Every save id the ranks of one save wrote under (one, unless plans were replayed)."""
+    return sorted({coordinator} | {r.save_id for r in records if r.save_id})
 
 
 def _rank_records(results: list[list[WriteResult]]) -> list[_RankRecord]:

@@ -18,10 +18,10 @@ from faultproxy import FaultProxy, Rule
 
 from s3ckpt import (
     AccessDeniedError,
-    CorruptCheckpointError,
     S3Config,
     S3StorageReader,
     S3StorageWriter,
+    UntrustedPickleError,
     unwrap,
 )
 from s3ckpt.config import S3URI
@@ -145,11 +145,13 @@ def test_hostile_metadata_is_refused_and_runs_nothing(
     manifest.update(metadata_size=len(hostile), metadata_crc32c=crc32c(hostile))
     client.put_object(Bucket=location.bucket, Key=manifest_key, Body=json.dumps(manifest).encode())
 
-    with pytest.raises(CorruptCheckpointError, match="not allowed"):
+    with pytest.raises(UntrustedPickleError, match=r"names os\.makedirs") as refused:
         make_reader(s3_prefix).read_metadata()
+    assert refused.value.refused == "os.makedirs"
+    assert "trust_pickles=True" in str(refused.value)
     with pytest.raises(BaseException) as info:
         dcp.load({"w": torch.zeros(4)}, storage_reader=make_reader(s3_prefix))
-    assert "os.makedirs is not allowed" in str(unwrap(info.value))  # DCP rewraps this one
+    assert "names os.makedirs" in str(unwrap(info.value))  # DCP rewraps this one
     assert not marker.exists()
 
 
@@ -159,7 +161,7 @@ def test_a_hostile_non_tensor_item_runs_nothing(s3_prefix, make_writer, make_rea
     try:
         dcp.load({"extra": None}, storage_reader=make_reader(s3_prefix))
     except BaseException as exc:  # refusing the item is the right outcome
-        assert isinstance(unwrap(exc), CorruptCheckpointError)
+        assert isinstance(unwrap(exc), UntrustedPickleError)
     assert not marker.exists()
 
 
@@ -179,7 +181,7 @@ def test_custom_classes_load_only_when_the_bucket_is_trusted(s3_prefix, make_wri
     )
     with pytest.raises(BaseException) as info:
         dcp.load({"w": torch.zeros(2), "schedule": None}, storage_reader=make_reader(s3_prefix))
-    assert isinstance(unwrap(info.value), CorruptCheckpointError)
+    assert isinstance(unwrap(info.value), UntrustedPickleError)
     assert "trust_pickles" in str(unwrap(info.value))
     restored: dict[str, Any] = {"w": torch.zeros(2), "schedule": None}
     dcp.load(restored, storage_reader=make_reader(s3_prefix, trust_pickles=True))

@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from s3ckpt.dcp import metadata_pickle as dcp_metadata
-from s3ckpt.errors import CorruptCheckpointError
+from s3ckpt.errors import CorruptCheckpointError, UntrustedPickleError
 from s3ckpt.format.layout import StoredItem
 
 
@@ -43,8 +43,10 @@ class _Exploit:
 
 
 def test_a_hostile_pickle_is_refused():
-    with pytest.raises(CorruptCheckpointError, match="not allowed"):
+    with pytest.raises(UntrustedPickleError, match=r"names posix\.system") as info:
         dcp_metadata.loads(pickle.dumps(_Exploit()), "s3://evil/metadata")
+    assert "trust_pickles=True" in str(info.value)
+    assert not isinstance(info.value, CorruptCheckpointError)
 
 
 def test_a_pickle_of_something_else_is_refused():

@@ -3,8 +3,7 @@
 Only public names are imported at module level. The private details s3ckpt relies on:
 how DCP's ``Metadata`` pickles (the globals its pickle refers to,
 :func:`metadata_global`, and how ``TensorProperties`` grew between releases), how to stop DCP's process-mode ``async_save``
-background process (:func:`stop_async_save_process`), which process group a
-``dcp.load`` runs on (:func:`calling_load_group`), how to lay out a ``torch.save``
+background process (:func:`stop_async_save_process`), how to lay out a ``torch.save``
 file without its tensors' bytes (:func:`save_skeleton`, for export), and DCP's storage
 copier that keeps staging buffers (:func:`storage_copier`, for :mod:`s3ckpt.dcp.staging`).
 ``tests/unit/test_compat.py`` and ``tests/unit/test_export_formats.py`` fail loudly when a
@@ -13,10 +12,9 @@ torch release changes any of them.
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint.metadata as _metadata_module
@@ -203,43 +201,6 @@ def storage_copier(*, pin_memory: bool, share_memory: bool) -> StorageCopier:
     return RecordingCopier()
 
 
-_T = TypeVar("_T")
-_LOADER_MODULE = "torch.distributed.checkpoint.state_dict_loader"
-_FRAMES_SEARCHED = 8
-
-
-class LoadGroup(Protocol):
-    """The collectives of the ``dcp.load`` under way (DCP's ``_DistWrapper``)."""
-
-    is_coordinator: bool
-
-    def broadcast_object(self, object: _T | None) -> _T: ...
-
-
-def calling_load_group() -> LoadGroup | None:
-    """The process group of the ``dcp.load`` whose ``read_metadata`` is running, if it
-    has more than one rank; ``None`` when called from anywhere else.
-
-    DCP calls ``StorageReader.read_metadata()`` on every rank of the load's group without
-    saying which group that is; the one place that knows is the ``_DistWrapper`` local of
-    ``state_dict_loader._load_state_dict``, a few frames up. A reader that cannot find it
-    (another caller, another torch) reads on its own: collectives are only used when
-    every rank is known to take part, so a single-rank load never waits for others.
-    """
-    frame = sys._getframe(1)
-    for _ in range(_FRAMES_SEARCHED):
-        frame = frame.f_back  # type: ignore[assignment]
-        if frame is None:
-            return None
-        code = frame.f_code
-        if code.co_name == "_load_state_dict" and frame.f_globals.get("__name__") == _LOADER_MODULE:
-            wrapper: Any = frame.f_locals.get("distW")
-            if wrapper is None or not getattr(wrapper, "use_dist", False):
-                return None
-            return wrapper if wrapper.get_world_size() > 1 else None
-    return None
-
-
 def save_skeleton(tensors: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], path: str) -> None:
     """A ``torch.save`` file of ``{name: tensor}`` with every tensor's bytes left out.
 
@@ -289,7 +250,6 @@ __all__ = [
     "BytesStorageMetadata",
     "CheckpointException",
     "ChunkStorageMetadata",
-    "LoadGroup",
     "LoadItemType",
     "LoadPlan",
     "LoadPlanner",
@@ -305,7 +265,6 @@ __all__ = [
     "WriteItem",
     "WriteItemType",
     "WriteResult",
-    "calling_load_group",
     "chunk_shapes",
     "item_nbytes",
     "metadata_global",

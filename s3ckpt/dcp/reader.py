@@ -6,9 +6,10 @@ Lifecycle of a load (the order DCP calls in):
 1. ``read_metadata()`` (all ranks): reads the manifest (no manifest, no checkpoint:
    :class:`~s3ckpt.errors.CheckpointNotFoundError`), then DCP's metadata object it names,
    checked against the manifest's size and CRC32C and unpickled with a restricted
-   unpickler (:mod:`s3ckpt.dcp.metadata_pickle`). In a multi-rank ``dcp.load`` only the
-   coordinator reads them and broadcasts both to the other ranks, which make no request:
-   one read per load, not one per rank.
+   unpickler (:mod:`s3ckpt.dcp.metadata_pickle`). Given ``process_group=``, the group's
+   rank 0 reads them and broadcasts both (or its error) to the other ranks, which make no
+   request: one read per load, not one per rank. Without it every rank reads for itself
+   and no collective is issued: s3ckpt never guesses the group a load runs on.
 2. ``set_up_storage_reader(metadata, is_coordinator)`` (all ranks).
 3. ``prepare_local_plan`` / ``prepare_global_plan``: unchanged; DCP's planner decides which
    stored chunks (or parts of chunks, when resharding) each rank needs.
@@ -36,13 +37,13 @@ from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from crc32c import crc32c
 from torch.futures import Future
 
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.dcp import metadata_pickle as dcp_metadata
 from s3ckpt.dcp.compat import (
-    LoadGroup,
     LoadPlan,
     LoadPlanner,
     Metadata,
@@ -50,12 +51,12 @@ from s3ckpt.dcp.compat import (
     ReadItem,
     StorageMeta,
     StorageReader,
-    calling_load_group,
     chunk_shapes,
     remember_metadata_failure,
 )
 from s3ckpt.dcp.location import S3Location
 from s3ckpt.dcp.owners import ChunkPositions
+from s3ckpt.dcp.process_group import SharedReads, shared_reads
 from s3ckpt.dcp.restore import (
     FramePool,
     PendingRead,
@@ -97,6 +98,11 @@ class S3StorageReader(S3Location, StorageReader):
         config: an :class:`~s3ckpt.config.S3Config`; keyword ``options`` override its fields.
         request_size: the largest ranged GET; larger ranges are split and fetched in parallel.
         decode_threads: worker threads decompressing compressed items.
+        process_group: the ranks that call ``dcp.load`` together (the group given to
+            ``dcp.load(process_group=...)``, or ``torch.distributed.group.WORLD``): their
+            rank 0 reads the metadata once and broadcasts it over this group, which every
+            one of them must therefore pass. ``None`` (the default): each rank reads it
+            itself, with no collective.
         trust_pickles: load non-tensor items even if they hold objects outside torch's
             weights-only allowlist (custom classes), and metadata naming globals outside
             s3ckpt's allowlist. Only for buckets you trust: such pickles can run code.
@@ -113,6 +119,7 @@ class S3StorageReader(S3Location, StorageReader):
         request_size: int = 16 * 1024 * 1024,
         decode_threads: int = 2,
         trust_pickles: bool = False,
+        process_group: dist.ProcessGroup | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -122,6 +129,7 @@ class S3StorageReader(S3Location, StorageReader):
         self.request_size = request_size
         self.decode_threads = decode_threads
         self.trust_pickles = trust_pickles
+        self.process_group = process_group
         self.manifest: Manifest | None = None
         self.metadata: Metadata | None = None
         self.storage_data: dict[MetadataIndex, StoredItem] = {}
@@ -145,14 +153,14 @@ class S3StorageReader(S3Location, StorageReader):
 
     def _read_metadata(self) -> Metadata:
         location = self._require_location()
-        group = calling_load_group()
+        group = shared_reads(self.process_group)
         if group is None:
             manifest, body = io_loop().run(self._fetch_metadata(location))
         else:
             manifest, body = self._shared_metadata(location, group)
         return self._adopt(location, manifest, body)
 
-    def _shared_metadata(self, location: S3URI, group: LoadGroup) -> tuple[Manifest, bytes]:
+    def _shared_metadata(self, location: S3URI, group: SharedReads) -> tuple[Manifest, bytes]:
         """The coordinator reads the manifest and metadata and broadcasts them (or its
         error, which every rank then raises): the other ranks make no request."""
         fetched: tuple[Manifest, bytes] | BaseException | None = None

@@ -160,7 +160,11 @@ class S3CheckpointManager(CheckpointManager):
         if from_hf or not checkpoint_id.startswith("s3://"):
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return
-        reader = S3StorageReader(checkpoint_id, config=self.s3_config, **self.reader_options)
+        # dcp.load runs on the default group here: its ranks share one metadata read.
+        shared = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
+        reader = S3StorageReader(
+            checkpoint_id, config=self.s3_config, process_group=shared, **self.reader_options
+        )
         dcp.load(state_dict, storage_reader=reader)
         # The model's entries are flattened into the top level; torchtitan applies them
         # the same way after its own loads.

@@ -214,7 +214,12 @@ class CheckpointManager:
         self._check_process()
         self._settle()
         started = time.perf_counter()
-        reader = S3StorageReader(self.uri_of(step), config=self.config, **self.reader_options)
+        reader = S3StorageReader(
+            self.uri_of(step),
+            config=self.config,
+            process_group=self._ranks.shared(),
+            **self.reader_options,
+        )
         try:
             dcp.load(
                 state_dict,

@@ -43,6 +43,13 @@ class Ranks:
         ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
         return dist.new_group(ranks=ranks, backend="gloo")
 
+    def shared(self) -> dist.ProcessGroup | None:
+        """The group a load's readers share their metadata read over (every rank of it
+        loads): the manager's own, ``None`` for a lone rank."""
+        if not self.distributed or self.world == 1:
+            return None
+        return self.group if self.group is not None else dist.group.WORLD
+
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank (one all-gather)."""
         if self.world == 1:

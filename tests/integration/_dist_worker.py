@@ -361,15 +361,22 @@ def eight_rank_save_main(
 def reshard_load_main(
     rank: int, world_size: int, port: int, s3: dict[str, Any], uri: str, out_dir: str
 ) -> None:
-    """Load the 8-rank checkpoint sharded Shard(world_size % 2) over ``world_size`` ranks; report
-    the shards, the full tensors, and every whole-object GET this rank made."""
+    """Load the 8-rank checkpoint sharded Shard(world_size % 2) over ``world_size`` ranks with
+    the reader given the group; report the shards, the full tensors, and every whole-object
+    GET this rank made (and those of a first load of ``step`` alone, given no group)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from s3ckpt import S3StorageReader
+
     _init(rank, world_size, port)
     try:
         gets = _record_whole_object_gets()
+        # Without a process group, every rank reads the metadata itself: no collective.
+        step_only = {"step": torch.tensor(0)}
+        dcp.load(step_only, storage_reader=_reader(uri, s3))
+        unshared, gets[:] = list(gets), []
         mesh = init_device_mesh("cpu", (world_size,))
         full = dtensor_full_state()
         dims = {key: world_size % 2 for key in full}  # Shard(0) on even sizes, Shard(1) on odd
@@ -377,8 +384,15 @@ def reshard_load_main(
             k: distribute_tensor(torch.full_like(full[k], 7), mesh, [Shard(dims[k])]) for k in full
         }
         target["step"] = torch.tensor(0)
-        dcp.load(target, storage_reader=_reader(uri, s3))
-        report: dict[str, Any] = {"step": target["step"], "gets": list(gets), "tensors": {}}
+        reader = S3StorageReader(uri, process_group=dist.group.WORLD, **s3)
+        dcp.load(target, storage_reader=reader)
+        report: dict[str, Any] = {
+            "step": target["step"],
+            "unshared_step": step_only["step"],
+            "unshared_gets": unshared,
+            "gets": list(gets),
+            "tensors": {},
+        }
         for key, dim in dims.items():
             expected = distribute_tensor(full[key], mesh, [Shard(dim)]).to_local()
             report["tensors"][key] = {

@@ -233,9 +233,10 @@ def test_eight_rank_checkpoint_loads_on_8_3_and_2_ranks(
     seaweedfs_s3: LocalS3Server,
     tmp_path: Path,
 ) -> None:
-    """Every rank gets its shard bit-exact; only the coordinator reads the manifest and the
-    metadata (the others receive them by broadcast), and each rank reads the index objects
-    of just the ranks whose data it loads."""
+    """Every rank gets its shard bit-exact; with the reader given the group, only its rank 0
+    reads the manifest and the metadata (the others receive them by broadcast), and each
+    rank reads the index objects of just the ranks whose data it loads. Given no group,
+    every rank reads them itself (no collective is issued on a group s3ckpt guessed)."""
     uri = eight_rank_checkpoint.uris["dtensor"]
     worker.run_ranks(
         worker.reshard_load_main,
@@ -250,6 +251,10 @@ def test_eight_rank_checkpoint_loads_on_8_3_and_2_ranks(
     extras: list[set[int]] = []
     for rank, report in enumerate(reports):
         assert report["step"].item() == worker.STEP
+        assert report["unshared_step"].item() == worker.STEP
+        alone = [k.rsplit("/", 1)[-1] for k in report["unshared_gets"]]
+        assert alone.count(MANIFEST_NAME) == 1, (rank, alone)
+        assert len([k for k in alone if METADATA_KEY.match(k)]) == 1, (rank, alone)
         for key, got in report["tensors"].items():
             assert torch.equal(got["local"], got["expected_local"]), (rank, key)
             assert torch.equal(got["full"], full[key]), (rank, key)

@@ -1,4 +1,3 @@
-import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
@@ -67,44 +66,6 @@ def test_unwrap_recovers_a_metadata_failure_that_dcp_replaced():
     finally:
         remember_metadata_failure(None)
     assert unwrap(replaced) is replaced
-
-
-def test_dcp_load_keeps_its_collectives_where_calling_load_group_looks():
-    """The reader finds the load's process group as the ``distW`` local of DCP's
-    ``_load_state_dict``, which calls ``read_metadata`` from a nested function."""
-    from torch.distributed.checkpoint import state_dict_loader
-    from torch.distributed.checkpoint.utils import _DistWrapper
-
-    from s3ckpt.dcp import compat
-
-    code = state_dict_loader._load_state_dict.__code__
-    assert state_dict_loader.__name__ == compat._LOADER_MODULE
-    assert "distW" in code.co_cellvars  # shared with the nested local_step
-    for name in ("broadcast_object", "get_world_size", "is_coordinator", "use_dist"):
-        assert name in dir(_DistWrapper) or name in _DistWrapper.__init__.__code__.co_names
-
-
-def test_calling_load_group_is_none_outside_a_multi_rank_load():
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import StorageReader
-
-    from s3ckpt.dcp.compat import calling_load_group
-
-    assert calling_load_group() is None
-    seen = []
-
-    class Probe(StorageReader):  # records what the reader would see inside dcp.load
-        def read_metadata(self, *args, **kwargs):
-            seen.append(calling_load_group())
-            raise RuntimeError("probe only")
-
-        reset = set_up_storage_reader = prepare_local_plan = prepare_global_plan = None
-        read_data = validate_checkpoint_id = None
-
-    with pytest.raises(BaseException, match="probe only"):
-        dcp.load({}, storage_reader=Probe(), no_dist=True)
-    # DCP asks twice (global, then rank-local metadata); a single-process load reads alone
-    assert seen and all(group is None for group in seen)
 
 
 def test_dcp_storage_copier_keeps_buffers_until_closed():

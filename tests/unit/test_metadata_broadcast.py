@@ -93,3 +93,33 @@ def test_manifest_objects_survive_the_broadcast_pickle():
         "abc", 2, "metadata-abc.pkl", 1, 2, (), (), indexes=(IndexRef(0, "k", 1, 2, 3),)
     )
     assert pickle.loads(pickle.dumps(manifest)) == manifest
+
+
+def test_without_a_process_group_a_reader_issues_no_collective(monkeypatch):
+    """A reader given no group reads the metadata itself, even inside a multi-rank job:
+    s3ckpt never guesses the group a load runs on."""
+    import torch.distributed as dist
+
+    from s3ckpt.dcp import process_group
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a collective was issued")
+
+    monkeypatch.setattr(dist, "broadcast_object_list", refuse)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    assert process_group.shared_reads(None) is None
+    answer = (Manifest("s", 1, "m", 1, 1, (), ()), b"x")
+    reader, calls = _reader(monkeypatch, answer)
+    monkeypatch.setattr(reader, "_adopt", lambda location, manifest, body: (manifest, body))
+    assert reader.read_metadata() == answer and calls == [URI]
+
+
+def test_a_group_of_one_rank_reads_alone(monkeypatch):
+    import torch.distributed as dist
+
+    from s3ckpt.dcp import process_group
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    assert process_group.shared_reads(object()) is None  # type: ignore[arg-type]

@@ -19,6 +19,7 @@
     │   ├── CheckpointExistsError (FileExistsError)      saving over a commit without overwrite
     │   ├── CommitConflictError                another writer committed the same id first
     │   ├── IncompleteSaveError                an object of the save vanished before its commit
+    │   ├── CheckpointReplacedError            overwritten while a multi-rank load read it
     │   ├── CorruptCheckpointError             checksum or size mismatch, unreadable manifest
     │   ├── UntrustedPickleError               a pickle names a Python global loads refuse
     │   └── NotACheckpointError                an import source in no format s3ckpt reads
@@ -120,6 +121,12 @@ class CommitConflictError(CheckpointError):
 class IncompleteSaveError(CheckpointError):
     """An object of the save was gone when the commit checked (deleted by ``gc`` with too
     short a grace, a lifecycle rule or a person); nothing was committed."""
+
+
+class CheckpointReplacedError(CheckpointError):
+    """The checkpoint was overwritten (and the replaced save's objects removed) while a load
+    read it, and the load could not move to the newer save on every rank at once: no rank
+    returns a state mixing two saves. Loading again reads the newer one."""
 
 
 class CorruptCheckpointError(CheckpointError):

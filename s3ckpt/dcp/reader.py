@@ -11,8 +11,9 @@ Lifecycle of a load (the order DCP calls in):
    request: one read per load, not one per rank. Without it every rank reads for itself
    and no collective is issued: s3ckpt never guesses the group a load runs on.
 2. ``set_up_storage_reader(metadata, is_coordinator)`` (all ranks).
-3. ``prepare_local_plan`` / ``prepare_global_plan``: unchanged; DCP's planner decides which
-   stored chunks (or parts of chunks, when resharding) each rank needs.
+3. ``prepare_local_plan`` / ``prepare_global_plan``: DCP's planner decides which stored
+   chunks (or parts of chunks, when resharding) each rank needs; the coordinator adds to
+   every rank's plan the save it planned from and how many ranks load.
 4. ``read_data(plan, planner)`` (all ranks): finds where its items are stored: in format 2
    by reading the index objects of just the ranks that stored them
    (:mod:`s3ckpt.format.rank_index`; which rank stored what is in DCP's metadata), in
@@ -23,10 +24,18 @@ Lifecycle of a load (the order DCP calls in):
    that is then copied (narrowed, moved to the device). Every block is verified against
    its CRC32C before the item is committed; a mismatch raises
    :class:`~s3ckpt.errors.CorruptCheckpointError` naming the object and the item.
+
+   A load never returns a state that mixes two saves. A rank that read another save than
+   the coordinator's (an overwrite committed between their reads of the manifest), or a
+   rank of a multi-rank load whose data object vanished (the checkpoint was overwritten
+   and ``gc`` removed the replaced save), raises
+   :class:`~s3ckpt.errors.CheckpointReplacedError`, which DCP hands to every rank. Only a
+   load of one rank follows the overwrite, reading every item again from the newer save.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -34,6 +43,7 @@ import pickle
 import queue
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,6 +79,7 @@ from s3ckpt.dcp.restore import (
 from s3ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointReplacedError,
     CorruptCheckpointError,
     ObjectNotFoundError,
     S3CkptError,
@@ -208,14 +219,21 @@ class S3StorageReader(S3Location, StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        # The coordinator names the save it planned from, and how many ranks load: every
+        # rank checks that it read the same save, and only a lone rank follows an overwrite.
+        agreed = _LoadAgreement(self._manifest().save_id, len(plans))
+        return [dataclasses.replace(plan, storage_data=agreed) for plan in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        agreed = plan.storage_data if isinstance(plan.storage_data, _LoadAgreement) else None
+        self._check_agreement(agreed)
         for _ in range(_OVERWRITES_FOLLOWED):
             try:
                 self._read_all(plan, planner)
                 break
             except ObjectNotFoundError as exc:
+                if agreed is None or agreed.ranks != 1:
+                    raise self._replaced(exc) from exc
                 self._follow_overwrite(plan, exc)
         else:
             raise CorruptCheckpointError(
@@ -291,6 +309,37 @@ class S3StorageReader(S3Location, StorageReader):
             else None,
         )
 
+    def _check_agreement(self, agreed: _LoadAgreement | None) -> None:
+        """This rank read the save the coordinator planned from (without a shared metadata
+        read, an overwrite may commit between two ranks' reads of the manifest)."""
+        mine = self._manifest().save_id
+        if agreed is not None and agreed.save_id != mine:
+            raise CheckpointReplacedError(
+                f"{self.location} was overwritten while the ranks of this load read it "
+                f"(this rank read save {mine}, the coordinator save {agreed.save_id}): "
+                "nothing was loaded from a mix of the two; load again"
+            )
+
+    def _replaced(self, missing: ObjectNotFoundError) -> S3CkptError:
+        """The error of a multi-rank load meeting a vanished object: a damaged checkpoint
+        if the save read is still the committed one, else a replaced one. DCP hands it to
+        every rank, so none returns with the older save while another moves on."""
+        location = self._require_location()
+        try:
+            latest = io_loop().run(self._read_manifest(self._store(), location))
+        except S3CkptError as exc:
+            log.warning("could not read %s again after %s: %s", location, missing.key, exc)
+            return missing
+        if latest.save_id == self._manifest().save_id:
+            return CorruptCheckpointError(
+                f"{location} is committed but its object {missing.key} is missing"
+            )
+        return CheckpointReplacedError(
+            f"{location} was overwritten during the load (save {self._manifest().save_id} "
+            f"replaced by {latest.save_id}, its object {missing.key} removed): every rank "
+            "stops rather than return a state that mixes two saves; load again"
+        )
+
     def _follow_overwrite(self, plan: LoadPlan, missing: ObjectNotFoundError) -> None:
         """After a data object went missing mid-load: switch to the save that replaced the
         one being read, so the load starts over on it; a missing object of the save still
@@ -309,7 +358,7 @@ class S3StorageReader(S3Location, StorageReader):
             ) from missing
         metadata = self._adopt(location, manifest, body)
         if not _describes(metadata, plan):
-            raise CheckpointError(
+            raise CheckpointReplacedError(
                 f"{location} was overwritten during the load by a checkpoint with other "
                 "contents; load it again"
             ) from missing
@@ -380,6 +429,15 @@ class S3StorageReader(S3Location, StorageReader):
 
 
 Checked = tuple[PendingRead, CorruptCheckpointError | None]
+
+
+@dataclass(frozen=True)
+class _LoadAgreement:
+    """What the coordinator tells each rank in ``LoadPlan.storage_data``: the save it
+    planned from and how many ranks load."""
+
+    save_id: str
+    ranks: int
 
 
 async def _stored_items(

@@ -1,0 +1,117 @@
+"""A multi-rank load never assembles one state from two checkpoints.
+
+Ranks load a DTensor-sharded checkpoint in rounds while this process overwrites it and runs
+``gc`` with no grace after every overwrite (each save fills its tensors with its own
+number). In some rounds the last rank's data reads are held back until an overwrite and
+its ``gc`` are done, so that rank meets vanished objects while the others have read the
+older save: every rank must then fail with ``CheckpointReplacedError``. Every load that
+returns holds one version on every rank.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from pathlib import Path
+from typing import Any
+
+import _dist_worker as worker
+import _replaced_load_worker as load_worker
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from s3ckpt import S3StorageWriter, catalog
+from s3ckpt.config import S3Config
+from s3ckpt.testing.local_s3 import LocalS3Server
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.distributed,
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
+
+ROUNDS = 6
+FORCED = [1, 4]  # one with the metadata read shared over the group, one without
+
+
+class _Overwriter(threading.Thread):
+    """Overwrites the checkpoint and collects the replaced save, over and over; answers a
+    stalled rank's signal with one overwrite and gc before letting it go on."""
+
+    def __init__(self, uri: str, s3: dict[str, Any], signals: Path) -> None:
+        super().__init__(daemon=True)
+        self.uri, self.s3, self.signals = uri, s3, signals
+        self.version = 0
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def overwrite(self) -> None:
+        self.version += 1
+        writer = S3StorageWriter(self.uri, overwrite=True, **self.s3)
+        dcp.save(load_worker.version_state(self.version), storage_writer=writer, no_dist=True)
+        config = S3Config(
+            endpoint_url=self.s3["endpoint_url"],
+            access_key_id=self.s3["access_key_id"],
+            secret_access_key=self.s3["secret_access_key"],
+            region=self.s3["region"],
+        )
+        catalog.collect_garbage(self.uri, grace=0, config=config)
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                stalled = [
+                    p for p in self.signals.glob("stalled-*")
+                    if not (self.signals / p.name.replace("stalled", "overwritten")).exists()
+                ]  # fmt: skip
+                self.overwrite()
+                for signal in stalled:
+                    (self.signals / signal.name.replace("stalled", "overwritten")).touch()
+        except BaseException as exc:
+            self.error = exc
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_load_returns_one_save_on_every_rank_or_fails_on_all(
+    world_size: int, seaweedfs_s3: LocalS3Server, tmp_path: Path
+):
+    uri = f"s3://{seaweedfs_s3.bucket}/replaced-during-load-{secrets.token_hex(4)}"
+    s3 = {
+        "endpoint_url": seaweedfs_s3.endpoint_url,
+        "access_key_id": seaweedfs_s3.access_key,
+        "secret_access_key": seaweedfs_s3.secret_key,
+        "region": seaweedfs_s3.region,
+    }
+    dcp.save(load_worker.version_state(0), storage_writer=S3StorageWriter(uri, **s3), no_dist=True)
+    overwriter = _Overwriter(uri, s3, tmp_path)
+    overwriter.start()
+    try:
+        worker.run_ranks(
+            load_worker.loading_main,
+            world_size,
+            s3,
+            uri,
+            str(tmp_path),
+            ROUNDS,
+            FORCED,
+            timeout=300,
+        )
+    finally:
+        overwriter.stop.set()
+        overwriter.join(timeout=120)
+    assert overwriter.error is None, overwriter.error
+    reports = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
+    for round_ in range(ROUNDS):
+        outcomes = [report["outcomes"][round_] for report in reports]
+        kinds = {kind for kind, _ in outcomes}
+        assert len(kinds) == 1, f"round {round_}: ranks disagree: {outcomes}"
+        if kinds == {"loaded"}:
+            versions = {tuple(values) for _, values in outcomes}
+            assert len(versions) == 1 and len(next(iter(versions))) == 1, (
+                f"round {round_}: a state mixing saves: {outcomes}"
+            )
+        if round_ in FORCED:
+            assert kinds == {"replaced"}, f"round {round_}: {outcomes}"
+            assert "load again" in outcomes[-1][1]
+    assert overwriter.version >= len(FORCED)

@@ -11,7 +11,7 @@ TITAN_VENV ?= .venv-torchtitan
 TITAN_STAMP := $(TITAN_VENV)/.s3ckpt-installed
 TITAN_TESTS := tests/integration/test_torchtitan.py
 
-.PHONY: install test demo bench bench-scale lint reliability-report clean
+.PHONY: install test test-fast demo bench bench-scale lint reliability-report clean
 
 install: $(STAMP)
 
@@ -38,6 +38,11 @@ $(BENCH_STAMP): $(STAMP)
 test: $(STAMP) $(TITAN_STAMP)
 	$(BIN)/python -m pytest --ignore=$(TITAN_TESTS)
 	$(TITAN_VENV)/bin/python -m pytest $(TITAN_TESTS)
+
+# The inner loop: tests/unit without the tests that start an S3 server or a process (the
+# `fast` marker, tests/conftest.py, which fails a fast test that starts one).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests/unit -m fast
 
 demo: $(STAMP)
 	$(BIN)/python -m s3ckpt.demo

@@ -50,12 +50,14 @@ def _copy_of_package(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.subprocess  # runs lint-imports
 def test_the_import_contracts_hold() -> None:
     result = _lint_imports(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "0 broken" in result.stdout
 
 
+@pytest.mark.subprocess  # runs lint-imports
 @pytest.mark.parametrize(
     ("module", "line", "contract"),
     [

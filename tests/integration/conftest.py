@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -66,3 +67,15 @@ def pending_uploads(local_s3: LocalS3Server):
         return [u["Key"] for u in response.get("Uploads", [])]
 
     return uploads
+
+
+@pytest.fixture
+def retries(caplog: pytest.LogCaptureFixture):
+    """The retries of S3 requests logged so far in the test (``s3ckpt.s3.retry``, one line
+    a retry): what shows that a failure was, or was not, tried again."""
+    caplog.set_level(logging.INFO, logger="s3ckpt.s3.retry")
+
+    def logged() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "s3ckpt.s3.retry"]
+
+    return logged

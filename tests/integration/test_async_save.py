@@ -234,7 +234,7 @@ class _FailingPlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item: Any) -> Any:
         if write_item.index.fqn == "tail":
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 60  # a bound on a hang: the save gets there in ~1 s
             while time.monotonic() < deadline:
                 self.seen = leftovers(self.server, self.uri)
                 objects, uploads = self.seen

@@ -275,10 +275,16 @@ def test_an_upload_started_inside_the_grace_period_protects_its_directory(
     _failed_save(make_writer, f"{s3_prefix}/step-2")
     stale = location.key("step-9/data/r00000-00000000000000aa-0000.bin")
     client.create_multipart_upload(Bucket=location.bucket, Key=stale)
-    time.sleep(2.2)
+    time.sleep(1.1)  # past the second that stamps it: the next upload's stamp differs
     fresh = location.key("step-2/data/r00001-00000000000000bb-0000.bin")
     client.create_multipart_upload(Bucket=location.bucket, Key=fresh)  # a rank still uploading
-    report = io_loop().run(acollect_garbage(store, location, grace=2.0, dry_run=True))
+    listed = client.list_multipart_uploads(Bucket=location.bucket, Prefix=location.prefix + "/")
+    initiated = {u["Key"]: u["Initiated"].timestamp() for u in listed["Uploads"]}
+    assert initiated[fresh] - initiated[stale] >= 1.0, initiated
+    # ``now`` from the server's stamps, not this machine's clock: the fresh upload is 0.5 s
+    # old, inside the grace of 1 s, and the stale one at least 1.5 s, however slow the test.
+    now = initiated[fresh] + 0.5
+    report = io_loop().run(acollect_garbage(store, location, grace=1.0, dry_run=True, now=now))
     assert [u.key for u in report.uploads] == [stale]
     assert report.garbage == []
 

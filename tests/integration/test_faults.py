@@ -319,7 +319,9 @@ def test_the_deadline_ends_a_save_that_would_retry_for_long(
     error = unwrap(info.value)
     assert isinstance(error, DeadlineExceededError), error
     assert "deadline_s" in str(error)
-    assert time.monotonic() - started < 20
+    # The 2 s deadline and the work around it: some seconds. Ignoring the deadline, the
+    # 1000 attempts would back off for hours, so a bound of a minute cannot be hit by load.
+    assert time.monotonic() - started < 60
     faults = dict(proxy.counts)
     proxy.clear()
     verified = _assert_previous_intact(

@@ -57,7 +57,9 @@ def test_a_silent_endpoint_fails_ls_after_the_read_timeouts(silent_endpoint, cap
     )
     elapsed = time.monotonic() - started
     err = capsys.readouterr().err
-    assert code == 2 and elapsed < 10
+    # Ignoring --read-timeout, one request alone would wait the default read timeout; the
+    # bound is that, not what the command takes (a few seconds), so load cannot break it.
+    assert code == 2 and elapsed < commands.READ_TIMEOUT_S
     assert err.count("\n") == 1 and err.startswith("s3ckpt ls: error:") and "timed out" in err
 
 
@@ -66,5 +68,5 @@ def test_timeout_bounds_the_whole_command(silent_endpoint, capsys) -> None:
     code = main(["ls", "s3://bucket/run", "--endpoint-url", silent_endpoint, "--timeout", "1s"])
     elapsed = time.monotonic() - started
     err = capsys.readouterr().err
-    assert code == 2 and elapsed < 5
+    assert code == 2 and elapsed < commands.READ_TIMEOUT_S  # what waiting for a request costs
     assert err.count("\n") == 1 and "gave up after 1 s (--timeout)" in err

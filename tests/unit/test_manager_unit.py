@@ -28,6 +28,9 @@ from s3ckpt.manager.policy import (
 )
 
 NOW = 1_000_000.0
+# How long a test waits for the manager's worker thread: a bound on a hang, never reached
+# when all is well, so generous that a loaded machine cannot reach it either.
+PATIENCE_S = 60.0
 
 # -- names ----------------------------------------------------------------------------------
 
@@ -181,7 +184,9 @@ class FakeDCP:
     def _pending(self, index: int) -> Future[Any]:
         """The save to complete, once the worker has started it."""
         with self._changed:
-            self._changed.wait_for(lambda: any(not f.done() for f in self.futures), timeout=5)
+            assert self._changed.wait_for(
+                lambda: any(not f.done() for f in self.futures), timeout=PATIENCE_S
+            )
             return self.futures[index]
 
     def commit(self, index: int = -1, nbytes: int = 1000) -> None:
@@ -217,7 +222,7 @@ def fake(monkeypatch) -> FakeDCP:
 
 def wait_until_idle(manager: CheckpointManager) -> None:
     """Until the save's bookkeeping (on the manager's worker thread) has run."""
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + PATIENCE_S
     while manager.busy and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not manager.busy
@@ -240,17 +245,39 @@ def test_save_returns_once_staged_and_names_the_checkpoint(fake):
     manager.close()
 
 
-def test_a_save_waits_for_the_previous_upload(fake):
+def test_a_save_waits_for_the_previous_upload(fake, monkeypatch):
+    """Save 1 is committed 0.3 s after save 2 has begun to wait for it (once the manager
+    waits, not after a guess of when it will), so the bounds below hold however slow."""
     manager = make()
     manager.save(1, {})
-    threading.Timer(0.3, fake.commit).start()
+    waiting, committing = threading.Event(), threading.Event()
+    settle = manager._settle
+
+    def settle_after_saying_so() -> None:
+        waiting.set()
+        settle()
+
+    monkeypatch.setattr(manager, "_settle", settle_after_saying_so)
+
+    def commit_later() -> None:
+        assert waiting.wait(60)
+        time.sleep(0.3)
+        committing.set()
+        fake.commit()
+
+    committer = threading.Thread(target=commit_later)
+    committer.start()
+    called = time.perf_counter()
     manager.save(2, {})  # blocks until save 1 is committed
+    returned = time.perf_counter()
+    assert committing.is_set()  # it returned after the commit, not before
+    committer.join(60)
     assert len(fake.calls) == 2
     fake.commit()
     metrics = manager.wait()
-    assert (
-        metrics is not None and metrics.waited_s >= 0.25 and metrics.blocked_s >= metrics.waited_s
-    )
+    assert metrics is not None and metrics.step == 2
+    assert 0.3 <= metrics.waited_s <= returned - called
+    assert metrics.blocked_s >= metrics.waited_s
     manager.close()
 
 
@@ -383,7 +410,7 @@ def test_busy_flag_tracks_the_upload(fake):
     manager.save(1, {})
     assert manager.busy
     fake.commit()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + PATIENCE_S
     while manager.busy and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not manager.busy

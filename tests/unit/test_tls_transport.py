@@ -127,9 +127,16 @@ _OK = b'HTTP/1.1 200 OK\r\nETag: "e"\r\nContent-Length: 0\r\n\r\n'
 
 
 def test_a_cancelled_request_stops_its_thread_at_once(serve):
-    release = threading.Event()
-    server = serve(lambda sock: (_read_request(sock), release.wait(10)))
-    transport = _transport(server.ca_file)
+    read_timeout = 60.0  # what the request would wait without the cancel
+    received, release = threading.Event(), threading.Event()
+
+    def hold(sock: ssl.SSLSocket) -> None:
+        _read_request(sock)
+        received.set()
+        release.wait(2 * read_timeout)  # answer nothing
+
+    server = serve(hold)
+    transport = _transport(server.ca_file, read_timeout=read_timeout)
     head = b"PUT /b/k HTTP/1.1\r\nHost: localhost\r\nContent-Length: 4\r\n\r\n"
 
     async def cancelled() -> float:
@@ -138,7 +145,8 @@ def test_a_cancelled_request_stops_its_thread_at_once(serve):
                 "localhost", server.port, lambda c: send_request(c, head, memoryview(b"data"))
             )
         )
-        await asyncio.sleep(0.3)
+        # The request is sent and its thread waits for the answer.
+        assert await asyncio.to_thread(received.wait, read_timeout)
         started = time.monotonic()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -146,16 +154,21 @@ def test_a_cancelled_request_stops_its_thread_at_once(serve):
         return time.monotonic() - started
 
     try:
-        assert asyncio.run(cancelled()) < 2  # not the 5 s read timeout
+        # Well under the read timeout, the one thing that ends the request without the cancel.
+        assert asyncio.run(cancelled()) < read_timeout / 4
     finally:
         release.set()
         transport.executor.shutdown(wait=True)
 
 
 def test_a_kept_alive_connection_the_server_closed_is_replaced(serve):
+    closed = threading.Event()
+
     def answer_once(sock: ssl.SSLSocket) -> None:
         _read_request(sock)
         sock.sendall(_OK)  # keep-alive by default, but close it right after
+        sock.close()
+        closed.set()
 
     server = serve(answer_once)
     transport = _transport(server.ca_file)
@@ -169,7 +182,8 @@ def test_a_kept_alive_connection_the_server_closed_is_replaced(serve):
             )
             statuses.append(status)
             assert headers["etag"] == '"e"'
-            await asyncio.sleep(0.2)  # the server has closed the idle connection by now
+            assert await asyncio.to_thread(closed.wait, 10)  # the idle connection is closed
+            closed.clear()
         return statuses
 
     try:

@@ -190,9 +190,7 @@ def test_two_writers_racing_for_one_id_exactly_one_commits(
         t.join(timeout=60)
     failures = [exc for exc in outcomes.values() if exc is not None]
     assert len(outcomes) == 2 and len(failures) == 1, outcomes
-    assert "CommitConflictError" in repr(failures[0]) or isinstance(
-        failures[0], CommitConflictError
-    )
+    assert isinstance(unwrap(failures[0]), CommitConflictError), failures[0]
     winner = next(i for i, exc in outcomes.items() if exc is None)
     restored = {"a": torch.zeros(10)}
     dcp.load(restored, storage_reader=make_reader(s3_prefix))

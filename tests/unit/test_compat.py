@@ -36,7 +36,12 @@ def test_narrow_selects_the_region_as_a_view():
     base = torch.arange(24).reshape(4, 6)
     region = narrow(base, (1, 2), (2, 3))
     assert torch.equal(region, base[1:3, 2:5])
-    assert region.data_ptr() != base.data_ptr() or region.storage_offset() > 0
+    # A view: the same memory, so a write through it lands in the base, there and only there.
+    assert region.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    region.fill_(-1)
+    expected = torch.arange(24).reshape(4, 6)
+    expected[1:3, 2:5] = -1
+    assert torch.equal(base, expected)
 
 
 def test_dcp_process_executor_names_used_to_stop_it_exist():

@@ -72,9 +72,13 @@ def test_large_items_get_parts_of_their_own_split_evenly():
 
 
 def test_small_items_share_parts_and_small_tails_are_topped_up():
-    parts, sizes = _check_cut([MiB] * 40 + [30 * MiB], 16 * MiB)
-    assert len(parts[0]) == 16  # 16 x 1 MiB in one joined part
-    assert max(sizes) <= 16 * MiB or len(parts[-1]) == 1
+    parts, sizes = _check_cut([MiB] * 34 + [30 * MiB], 16 * MiB)
+    assert [len(part) for part in parts[:2]] == [16, 16]  # 16 x 1 MiB in each joined part
+    # The 2 MiB of small items left are too few to close a part: the large item tops
+    # them up to the minimum, and the rest of it gets parts of its own.
+    assert parts[2] == [(32, 0, MiB), (33, 0, MiB), (34, 0, MIN_PART_SIZE - 2 * MiB)]
+    assert all(len(part) == 1 and part[0][0] == 34 for part in parts[3:])
+    assert max(sizes) <= 16 * MiB
 
 
 def test_empty_items_are_kept_and_never_make_an_empty_last_part():

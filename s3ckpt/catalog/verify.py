@@ -23,8 +23,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from crc32c import crc32c
-
 from s3ckpt.catalog.reporting import SILENT, Reporter
 from s3ckpt.catalog.scan import open_store, read_committed
 from s3ckpt.config import S3URI, S3Config
@@ -36,6 +34,7 @@ from s3ckpt.format.manifest import ItemEntry, Manifest
 from s3ckpt.format.rank_index import RankIndex
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectMeta, ObjectStore
+from s3ckpt.transfer.checked import get_checked, sized_and_summed
 from s3ckpt.transfer.download import REREADS, RangeReader, ReadTarget
 from s3ckpt.transfer.rank_index import read_each
 
@@ -131,10 +130,12 @@ class Verifier:
             found = "missing" if key not in sizes else f"{sizes[key]} bytes"
             self.problem("metadata", key, f"{found}, the manifest says {manifest.metadata_size}")
             return
-        body = io_loop().run(self.store.get(self.location.key(key)))
-        self.report.bytes += len(body)
-        if crc32c(body) != manifest.metadata_crc32c:
+        intact = sized_and_summed(manifest.metadata_size, manifest.metadata_crc32c, key)
+        try:
+            io_loop().run(get_checked(self.store, self.location.key(key), intact))
+        except CorruptCheckpointError:
             self.problem("metadata", key, "checksum mismatch")
+        self.report.bytes += manifest.metadata_size
 
     async def _indexed_items(self) -> tuple[ItemEntry, ...]:
         """Format 2: the items of every rank whose index object is intact."""

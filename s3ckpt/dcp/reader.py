@@ -89,6 +89,7 @@ from s3ckpt.format.manifest import Manifest
 from s3ckpt.format.rank_index import ItemOwners
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
+from s3ckpt.transfer.checked import get_checked, sized_and_summed
 from s3ckpt.transfer.commit import read_manifest
 from s3ckpt.transfer.download import REREADS, RangeReader, ReadTarget
 from s3ckpt.transfer.rank_index import read_indexes
@@ -400,7 +401,11 @@ class S3StorageReader(S3Location, StorageReader):
         manifest = await self._read_manifest(store, location)
         for _ in range(_OVERWRITES_FOLLOWED):
             try:
-                return manifest, await store.get(location.key(manifest.metadata_key))
+                where = f"{location}/{manifest.metadata_key}"
+                intact = sized_and_summed(manifest.metadata_size, manifest.metadata_crc32c, where)
+                return manifest, await get_checked(
+                    store, location.key(manifest.metadata_key), intact
+                )
             except FileNotFoundError as exc:
                 latest = await self._read_manifest(store, location)
                 if latest.save_id == manifest.save_id:

@@ -20,6 +20,8 @@ import uuid
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from crc32c import crc32c
+
 from s3ckpt.errors import CorruptCheckpointError
 from s3ckpt.format.layout import StoredItem
 
@@ -183,10 +185,11 @@ class Manifest:
         else:
             del body["items"]
             body["indexes"] = [asdict(i) for i in self.indexes]
-        return json.dumps(body, separators=(",", ":")).encode()
+        return sealed(json.dumps(body, separators=(",", ":")).encode())
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
+        data = unsealed(data, where)
         try:
             raw: dict[str, Any] = json.loads(data)
             if raw.get("format") != FORMAT_NAME:
@@ -215,6 +218,33 @@ class Manifest:
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CorruptCheckpointError(f"unreadable manifest {where}: {exc}") from exc
+
+
+# A manifest carries the CRC32C of its own bytes as its first member, ahead of the body it
+# covers (``{"manifest_crc32c":N,`` + the body after its ``{``), so a reader checks it
+# before parsing a byte and a flipped byte anywhere is caught. Manifests written before
+# it start with the body itself; readers of those releases ignore the extra member.
+_SEAL = b'{"manifest_crc32c":'
+_UNSEALED_START = b'{"format":'
+
+
+def sealed(body: bytes) -> bytes:
+    """``body`` (a JSON object starting ``{"format":``) with its CRC32C in front."""
+    return b"%s%d,%s" % (_SEAL, crc32c(body), body[1:])
+
+
+def unsealed(data: bytes, where: str) -> bytes:
+    """The body of a manifest object, its checksum checked (:func:`sealed`)."""
+    if not data.startswith(_SEAL):
+        if data.startswith(_UNSEALED_START):  # written by 0.1.0
+            return data
+        raise CorruptCheckpointError(f"unreadable manifest {where}: not an s3ckpt manifest")
+    end = data.find(b",", len(_SEAL))
+    claimed = data[len(_SEAL) : end]
+    body = b"{" + data[end + 1 :]
+    if end < 0 or not claimed.isdigit() or crc32c(body) != int(claimed):
+        raise CorruptCheckpointError(f"checksum mismatch in manifest {where}")
+    return body
 
 
 def new_save_id() -> str:

@@ -43,6 +43,7 @@ from s3ckpt.format.layout import CLAIM_PREFIX, claim_key
 from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
 from s3ckpt.s3.error_mapping import UNSUPPORTED_CODES
 from s3ckpt.s3.store import ObjectMeta, ObjectStore
+from s3ckpt.transfer.checked import get_checked
 from s3ckpt.transfer.fanout import bounded
 
 log = logging.getLogger(__name__)
@@ -53,9 +54,11 @@ CLAIM_MAX_AGE_S = 600.0  # a claim held longer than this (own clock) is given up
 
 
 async def read_manifest(store: ObjectStore, location: S3URI) -> Manifest:
-    """The committed manifest at ``location``; ``ObjectNotFoundError`` if none."""
+    """The committed manifest at ``location``; ``ObjectNotFoundError`` if none. A body that
+    fails its own checksum or does not parse is read again (:mod:`s3ckpt.transfer.checked`)."""
     key = location.key(MANIFEST_NAME)
-    return Manifest.from_json(await store.get(key), f"s3://{store.bucket}/{key}")
+    where = f"s3://{store.bucket}/{key}"
+    return await get_checked(store, key, lambda body: Manifest.from_json(body, where))
 
 
 async def confirm_objects(store: ObjectStore, location: S3URI, sizes: dict[str, int]) -> None:

@@ -19,6 +19,7 @@ from s3ckpt.errors import CorruptCheckpointError, StorageError
 from s3ckpt.format.manifest import IndexRef, Manifest
 from s3ckpt.format.rank_index import RankIndex
 from s3ckpt.s3.store import ObjectStore
+from s3ckpt.transfer.checked import get_checked, sized_and_summed
 from s3ckpt.transfer.fanout import bounded
 
 PARALLEL_INDEX_READS = 32
@@ -35,14 +36,13 @@ async def write_index(store: ObjectStore, location: S3URI, key: str, index: Rank
 async def read_index(
     store: ObjectStore, location: S3URI, ref: IndexRef, etags: dict[str, str]
 ) -> RankIndex:
-    """GET and check one rank's index object (``FileNotFoundError`` if it is gone)."""
+    """GET and check one rank's index object (``FileNotFoundError`` if it is gone); a body
+    that fails its check is read again (:mod:`s3ckpt.transfer.checked`)."""
     where = f"{location}/{ref.key}"
-    body = await store.get(location.key(ref.key))
-    if len(body) != ref.size:
-        raise CorruptCheckpointError(f"{where} has {len(body)} bytes, the manifest says {ref.size}")
-    if crc32c(body) != ref.crc32c:
-        raise CorruptCheckpointError(f"checksum mismatch in {where}")
-    return RankIndex.from_json(body, where, etags)
+    intact = sized_and_summed(ref.size, ref.crc32c, where)
+    return await get_checked(
+        store, location.key(ref.key), lambda body: RankIndex.from_json(intact(body), where, etags)
+    )
 
 
 async def read_indexes(

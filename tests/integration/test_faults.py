@@ -100,6 +100,11 @@ SCENARIOS = {
         "flipped bits in 30% of GET response bodies (transient: re-read)",
         (Rule("corrupt", methods=("GET",), match="/data/", after=77_777, rate=0.3),),
     ),
+    "corrupt-small-objects": Scenario(
+        "flipped bits in 30% of all GET bodies: manifest, metadata, index objects, data "
+        "(transient: re-read)",
+        (Rule("corrupt", methods=("GET",), after=5, rate=0.3),),
+    ),
     "mixed": Scenario(
         "all of the above at 10% each",
         (
@@ -357,3 +362,21 @@ def test_verify_reads_again_through_damage_in_transit(proxy, through, s3_prefix)
     report = catalog.verify_checkpoint(s3_prefix, config=make_config(None, **through))
     assert report.ok, report.problems
     assert proxy.counts["corrupt"] == 1
+
+
+@pytest.mark.parametrize("target", ["manifest.json", "/metadata-", "/index/"])
+def test_a_small_object_damaged_on_every_read_fails_as_corrupt(
+    target, proxy, through, s3_prefix, make_reader
+):
+    """Re-reads cure damage in transit; damage that persists through them is reported as
+    a damaged checkpoint, whichever checked object it is in."""
+    dcp.save({"w": torch.arange(1000.0)}, storage_writer=S3StorageWriter(s3_prefix, **through))
+    proxy.add(Rule("corrupt", methods=("GET",), match=target, after=3, per_request=None))
+    with pytest.raises(BaseException) as info:
+        dcp.load({"w": torch.zeros(1000)}, storage_reader=S3StorageReader(s3_prefix, **through))
+    assert isinstance(unwrap(info.value), CorruptCheckpointError), unwrap(info.value)
+    assert proxy.counts["corrupt"] >= 1 + REREADS
+    proxy.clear()
+    restored = {"w": torch.zeros(1000)}
+    dcp.load(restored, storage_reader=S3StorageReader(s3_prefix, **through))
+    assert torch.equal(restored["w"], torch.arange(1000.0))

@@ -25,7 +25,7 @@ from s3ckpt import (
     unwrap,
 )
 from s3ckpt.config import S3URI
-from s3ckpt.format.manifest import MANIFEST_NAME
+from s3ckpt.format.manifest import MANIFEST_NAME, sealed
 from s3ckpt.s3.client import create_client
 from s3ckpt.s3.store import ObjectStore
 
@@ -143,7 +143,9 @@ def test_hostile_metadata_is_refused_and_runs_nothing(
         Bucket=location.bucket, Key=location.key(manifest["metadata_key"]), Body=hostile
     )
     manifest.update(metadata_size=len(hostile), metadata_crc32c=crc32c(hostile))
-    client.put_object(Bucket=location.bucket, Key=manifest_key, Body=json.dumps(manifest).encode())
+    del manifest["manifest_crc32c"]  # and seals the manifest again
+    body = sealed(json.dumps(manifest, separators=(",", ":")).encode())
+    client.put_object(Bucket=location.bucket, Key=manifest_key, Body=body)
 
     with pytest.raises(UntrustedPickleError, match=r"names os\.makedirs") as refused:
         make_reader(s3_prefix).read_metadata()

@@ -11,6 +11,7 @@ from s3ckpt.format.manifest import (
     ItemEntry,
     Manifest,
     ObjectEntry,
+    sealed,
 )
 from s3ckpt.format.rank_index import ItemOwners, RankIndex
 
@@ -123,7 +124,8 @@ def test_items_are_flat_json_objects_and_unknown_fields_are_ignored_everywhere()
     item["added_by_a_newer_release"] = 1
     raw["objects"][0]["added_by_a_newer_release"] = 2
     raw["added_by_a_newer_release"] = 3
-    parsed = Manifest.from_json(json.dumps(raw).encode(), "m")
+    del raw["manifest_crc32c"]  # a writer seals what it writes
+    parsed = Manifest.from_json(sealed(json.dumps(raw).encode()), "m")
     assert parsed.items[0].stored.etag == '"etag"'  # the object's, from the object list
     assert parsed == manifest
 
@@ -147,3 +149,26 @@ def test_item_owners_map_chunk_positions_to_ranks_and_pickle_small():
             owners.rank_of(*missing)
     many = ItemOwners.build({"w": 100_000}, [("w", i, i % 1024) for i in range(100_000)])
     assert len(pickle.dumps(many, protocol=4)) < 4 * 100_000 + 200
+
+
+def test_a_flipped_bit_anywhere_in_a_manifest_is_caught_before_it_is_parsed():
+    """The manifest carries the CRC32C of its own bytes: every single-bit flip, in the
+    body, in the checksum or in its name, is refused as damage."""
+    body = _manifest().to_json()
+    assert body.startswith(b'{"manifest_crc32c":')
+    assert Manifest.from_json(body, "m") == Manifest.from_json(body, "m")
+    for position in range(len(body)):
+        for bit in (0, 5):
+            damaged = bytearray(body)
+            damaged[position] ^= 1 << bit
+            with pytest.raises(CorruptCheckpointError):
+                Manifest.from_json(bytes(damaged), "m")
+
+
+def test_a_manifest_written_before_the_seal_still_reads():
+    sealed_body = _manifest().to_json()
+    raw = json.loads(sealed_body)
+    del raw["manifest_crc32c"]
+    legacy = json.dumps(raw, separators=(",", ":")).encode()
+    assert legacy.startswith(b'{"format":')
+    assert Manifest.from_json(legacy, "m") == Manifest.from_json(sealed_body, "m")

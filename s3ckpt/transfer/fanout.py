@@ -48,3 +48,23 @@ async def bounded(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def settled(
+    calls: Iterable[Callable[[], Awaitable[T]]], limit: int = DEFAULT_LIMIT
+) -> list[T | Exception]:
+    """Run every call concurrently, at most ``limit`` at a time, whatever the others do;
+    each one's result or the exception it raised, in order.
+
+    For clean-ups: one abort or delete that fails must not stop the rest.
+    """
+    slots = asyncio.Semaphore(limit)
+
+    async def run(call: Callable[[], Awaitable[T]]) -> T | Exception:
+        async with slots:
+            try:
+                return await call()
+            except Exception as exc:
+                return exc
+
+    return list(await asyncio.gather(*(run(c) for c in calls)))

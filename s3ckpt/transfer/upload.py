@@ -14,9 +14,10 @@ process-wide request bound, while a byte budget keeps the producer from running 
 ahead of the network.
 
 Nothing is left behind on failure or cancellation: every task is cancelled and awaited,
-every multipart upload this save created is aborted (also ones whose CreateMultipartUpload
-response never arrived: they are found by listing the save's unique keys), and objects
-already completed are deleted.
+every multipart upload this save created is aborted (by its id; only those whose
+CreateMultipartUpload response never arrived are found by listing the save's unique keys),
+and objects already completed are deleted. One clean-up request that fails stops none of
+the others; what could not be removed is logged, for ``gc``.
 """
 
 from __future__ import annotations
@@ -35,12 +36,15 @@ from s3ckpt.format.checksums import combine, range_crc
 from s3ckpt.format.layout import DEFAULT_BLOCK_SIZE
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import Body, ObjectStore, PartResult
+from s3ckpt.transfer.fanout import settled
 from s3ckpt.transfer.parts import PartCutter, part_limits
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 # (index, stored bytes, their block CRC32Cs when known): what the uploader is fed.
 Item = tuple[object, memoryview, tuple[int, ...] | None]
+CLEAN_UP_REQUESTS = 16  # aborts of one failed rank's uploads in flight at once
+CLEAN_UP_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,7 @@ class RankUploader:
         self._unstoppables: list[asyncio.Future[Any]] = []
         self._error: BaseException | None = None
         self._planned_keys: list[str] = []
+        self._created: list[str] = []  # keys whose CreateMultipartUpload was sent
 
     def upload(self, items: Iterable[Item]) -> tuple[dict[object, Placement], list[UploadedObject]]:
         """Upload ``(index, bytes, block CRC32Cs or None)`` items in order; returns where
@@ -188,9 +193,11 @@ class RankUploader:
 
     def _clean_up(self) -> None:
         try:
-            self._loop.submit(self._abandon()).result(timeout=120)
+            self._loop.submit(self._abandon()).result(timeout=CLEAN_UP_TIMEOUT_S)
         except Exception as exc:  # the original error matters more than a failed clean-up
-            log.warning("clean-up after a failed save was incomplete: %s", exc)
+            log.warning(
+                "clean-up after a failed save was incomplete (gc removes the rest): %s", exc
+            )
 
     # -- I/O side (event loop) --------------------------------------------------------
 
@@ -210,6 +217,8 @@ class RankUploader:
     async def _create(self, key: str) -> str:
         def record(upload_id: str) -> None:  # also when this task is cancelled meanwhile
             self._upload_ids[key] = upload_id
+
+        self._created.append(key)
 
         return await self._unstoppable(self.store.create_multipart(key), record)
 
@@ -246,22 +255,54 @@ class RankUploader:
         return await asyncio.shield(future)
 
     async def _abandon(self) -> None:
-        """Cancel everything in flight, abort this save's uploads, delete its objects."""
+        """Cancel everything in flight, then clean up step by step: every step runs
+        whatever the one before it did, and every failure is reported at the end.
+
+        Uploads whose id is known are aborted without listing; only keys whose
+        CreateMultipartUpload was sent but never answered are looked up, by listing. The
+        aborts run concurrently under a bound; the deletes of every planned key always run.
+        """
         current = asyncio.current_task()
         tasks = [t for t in self._tasks if t is not current]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*self._unstoppables, return_exceptions=True)
-        for key in self._planned_keys:
-            upload_ids = {self._upload_ids[key]} if key in self._upload_ids else set()
-            async for pending in self.store.list_multipart_uploads(key):
-                if pending.key == key:
-                    upload_ids.add(pending.upload_id)
-            for upload_id in upload_ids:
-                await self.store.abort_multipart(key, upload_id)
+        known = dict(self._upload_ids)
+        unanswered = [key for key in self._created if key not in known]
+        aborts = [lambda k=k, u=u: self._abort(k, u) for k, u in known.items()]
+        aborts += [lambda k=k: self._abort_listed(k) for k in unanswered]
+        failures = [r for r in await settled(aborts, CLEAN_UP_REQUESTS) if isinstance(r, Exception)]
         if self._planned_keys:
-            await self.store.delete_many(self._planned_keys)
+            try:
+                await self.store.delete_many(self._planned_keys)
+            except Exception as exc:
+                failures.append(
+                    CleanUpIncomplete(f"objects {', '.join(self._planned_keys)} not deleted: {exc}")
+                )
+        if failures:
+            raise CleanUpIncomplete("; ".join(str(f) for f in failures))
+
+    async def _abort(self, key: str, upload_id: str) -> None:
+        try:
+            await self.store.abort_multipart(key, upload_id)
+        except Exception as exc:
+            raise CleanUpIncomplete(f"upload {upload_id} of {key} not aborted: {exc}") from exc
+
+    async def _abort_listed(self, key: str) -> None:
+        """Abort the uploads of ``key`` a lost CreateMultipartUpload response left unknown."""
+        try:
+            found = [
+                p.upload_id async for p in self.store.list_multipart_uploads(key) if p.key == key
+            ]
+        except Exception as exc:
+            raise CleanUpIncomplete(f"uploads of {key} not listed: {exc}") from exc
+        for upload_id in found:
+            await self._abort(key, upload_id)
+
+
+class CleanUpIncomplete(Exception):
+    """What a clean-up after a failed save could not remove (``gc`` removes it later)."""
 
 
 class _ObjectStream:

@@ -1,9 +1,16 @@
 """What the DCP writer and reader share: a connection config, an ``s3://`` location and
-the store of its bucket."""
+the store of its bucket, with one retry budget per save or load.
+
+``S3Config.deadline_s`` bounds a whole save (from ``set_up_storage_writer``: the check,
+the uploads, the index objects, the commit) or a whole load (from ``read_metadata``), not
+each of its phases: every store handed out until the next save or load starts shares one
+deadline, so a save that keeps failing ends within ``deadline_s`` plus one request.
+"""
 
 from __future__ import annotations
 
 import os
+import time
 from typing import ClassVar
 
 from s3ckpt.config import S3URI, S3Config
@@ -20,6 +27,8 @@ class S3Location:
 
     config: S3Config
     location: S3URI | None
+    _deadline: float | None = None  # time.monotonic() at which retrying stops
+    _budget_started: bool = False
     _dcp_call: ClassVar[str] = "dcp"  # named in the error when no location was given
 
     def _set_location(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
@@ -44,8 +53,16 @@ class S3Location:
             )
         return self.location
 
+    def _start_budget(self) -> None:
+        """Start the retry budget of a new save or load: ``S3Config.deadline_s`` from now,
+        shared by every request of every phase until the next one starts."""
+        seconds = self.config.deadline_s
+        self._deadline = None if seconds is None else time.monotonic() + seconds
+        self._budget_started = True
+
     def _store(self) -> ObjectStore:
-        """A store for the location's bucket, bounded by the config's deadline."""
-        return ObjectStore(self.config, self._require_location().bucket).with_deadline(
-            self.config.deadline_s
-        )
+        """A store for the location's bucket, bounded by the deadline of the save or load
+        under way (started now if none is: a caller outside DCP's lifecycle)."""
+        if not self._budget_started:
+            self._start_budget()
+        return ObjectStore(self.config, self._require_location().bucket, deadline=self._deadline)

@@ -155,6 +155,7 @@ class S3StorageReader(S3Location, StorageReader):
         self.storage_data = {}
 
     def read_metadata(self) -> Metadata:
+        self._start_budget()  # the first call of every load
         try:
             metadata = self._read_metadata()
         except S3CkptError as exc:

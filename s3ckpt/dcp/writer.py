@@ -149,6 +149,7 @@ class S3StorageWriter(S3Location, StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
+        self._start_budget()
         # A writer reused for another save without a new checkpoint_id (so without reset)
         # still needs fresh object keys: an overwrite must never touch the committed ones.
         self.save_id = new_save_id()

@@ -149,3 +149,29 @@ def test_the_deadline_ends_retrying_before_max_attempts():
     )
     assert isinstance(error, DeadlineExceededError) and isinstance(error, TransientStorageError)
     assert "deadline_s" in str(error) and "timed out" in str(error)
+
+
+def test_every_phase_of_a_save_shares_one_deadline(monkeypatch):
+    """The retry budget starts once per save (``set_up_storage_writer``) and once per load
+    (``read_metadata``), not once per request phase."""
+    from s3ckpt import S3StorageReader, S3StorageWriter
+    from s3ckpt.dcp import location
+
+    now = [1000.0]
+    monkeypatch.setattr(location.time, "monotonic", lambda: now[0])
+    writer = S3StorageWriter(
+        "s3://bucket/run/step-1", endpoint_url="http://127.0.0.1:9", deadline_s=60
+    )
+    writer.set_up_storage_writer(True, rank=0)
+    first = writer._store().deadline
+    now[0] += 45  # the uploads took a while
+    assert writer._store().deadline == first == 1060.0
+    writer.set_up_storage_writer(True, rank=0)  # the next save gets a budget of its own
+    assert writer._store().deadline == 1105.0
+
+    reader = S3StorageReader(
+        "s3://bucket/run/step-1", endpoint_url="http://127.0.0.1:9", deadline_s=30
+    )
+    reader._start_budget()
+    now[0] += 20
+    assert reader._store().deadline == 1075.0

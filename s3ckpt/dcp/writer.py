@@ -27,6 +27,7 @@ The writer holds only its configuration and location, so it pickles (process-mod
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -260,9 +261,18 @@ class S3StorageWriter(S3Location, StorageWriter):
             i.key: i.size for i in manifest.indexes
         }
         try:
-            dcp_metadata.check_loadable(body, str(location))
-            await mark_in_flight(store, location, self.save_id)
-            await confirm_objects(store, location, sizes)
+            # Reading the metadata back costs about one unpickle (3.0 s against 2.3 s to
+            # pickle 409,600 chunks, 16 MB): it runs on a worker thread while the listings
+            # that confirm the objects are on the wire.
+            checked = asyncio.ensure_future(
+                asyncio.to_thread(dcp_metadata.check_loadable, body, str(location))
+            )
+            try:
+                await mark_in_flight(store, location, self.save_id)
+                await confirm_objects(store, location, sizes)
+            finally:
+                await asyncio.wait([checked])
+            checked.result()
             await store.put(
                 location.key(manifest.metadata_key), body, crc32c=manifest.metadata_crc32c
             )

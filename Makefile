@@ -59,6 +59,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check s3ckpt tests benchmarks
 	$(BIN)/ruff format --check s3ckpt tests benchmarks
 	$(BIN)/lint-imports
+	$(BIN)/python tests/private_names.py
 
 # Runs the fault and crash suites, then renders what they recorded into docs/reliability.md.
 reliability-report: $(STAMP)

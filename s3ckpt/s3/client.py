@@ -29,6 +29,7 @@ from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
 
 from s3ckpt.config import S3Config, client_environment
+from s3ckpt.s3.compat_botocore import on_before_sign
 from s3ckpt.s3.http_range import DirectRangeReader, proxied, tls_context
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.tls_send import TlsSender
@@ -58,7 +59,7 @@ class ClientHandle:
                 if self.client is None:
                     self._ctx = create_client(self.config)
                     client = await self._ctx.__aenter__()
-                    client.meta.events.register("before-sign.s3.DeleteObjects", add_content_md5)
+                    on_before_sign(client, "DeleteObjects", add_content_md5)
                     self.tls = await self._tls_transport(client)
                     if self.tls is not None:
                         TlsSender(self.tls).register(client)

@@ -28,6 +28,7 @@ from s3ckpt.errors import (
     TransientStorageError,
 )
 from s3ckpt.s3 import retry
+from s3ckpt.s3.compat_botocore import cause, failed_endpoint
 from s3ckpt.s3.retry import ShortReadError
 
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
@@ -123,16 +124,16 @@ def _class_for_code(code: str, key: str | None, retryable: bool) -> type[Storage
 
 def _endpoint_reason(exc: BaseException) -> str:
     if isinstance(exc, bce.SSLError):
-        error = exc.kwargs.get("error")
+        error = cause(exc)
         # aiohttp wraps the ssl module's error (certificate_error); the TLS path raises it.
         inner = getattr(error, "certificate_error", error)
         detail = getattr(inner, "verify_message", None)
         what = f"TLS certificate verification failed ({detail})" if detail else "TLS error"
-        return f"{what} talking to {exc.kwargs.get('endpoint_url', 'the endpoint')}; check verify/CA bundle"
+        return f"{what} talking to {failed_endpoint(exc, 'the endpoint')}; check verify/CA bundle"
     if isinstance(exc, (bce.ConnectTimeoutError, bce.ReadTimeoutError)):
-        return f"timed out talking to {exc.kwargs.get('endpoint_url', 'the endpoint')}"
+        return f"timed out talking to {failed_endpoint(exc, 'the endpoint')}"
     if isinstance(exc, bce.EndpointConnectionError):
-        return f"could not connect to {exc.kwargs.get('endpoint_url', 'the endpoint')}"
+        return f"could not connect to {failed_endpoint(exc, 'the endpoint')}"
     return f"connection to the endpoint failed ({type(exc).__name__})"
 
 

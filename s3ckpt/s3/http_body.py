@@ -8,7 +8,8 @@ writes the headers alone and then the body as one ``memoryview``, which uvloop's
 transport queues by reference, so the part goes from the tensor's memory to the kernel.
 
 It also answers ``len()`` (botocore sizes the request with it) and ``seek(0)`` (botocore
-rewinds bodies before a retry).
+rewinds bodies before a retry). What it relies on in aiohttp is in
+:mod:`s3ckpt.s3.compat_aiohttp`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.payload import BytesPayload
+
+from s3ckpt.s3.compat_aiohttp import payload_memory, send_head
 
 
 class MemoryBody(BytesPayload):
@@ -27,12 +30,12 @@ class MemoryBody(BytesPayload):
         super().__init__(view if view.format == "B" else view.cast("B"), **kwargs)
 
     def __len__(self) -> int:
-        return self._size
+        return len(self.view)
 
     @property
     def view(self) -> memoryview:
         """The body's memory, flat bytes (what the TLS path sends from, :mod:`s3ckpt.s3.tls_send`)."""
-        return self._value
+        return payload_memory(self)
 
     def seek(self, position: int, whence: int = 0) -> int:
         """Rewinding is free: every write starts from the beginning of the memory."""
@@ -47,6 +50,6 @@ class MemoryBody(BytesPayload):
     async def write_with_length(
         self, writer: AbstractStreamWriter, content_length: int | None
     ) -> None:
-        view = self._value if content_length is None else self._value[:content_length]
-        await writer.write(b"")  # flushes the buffered headers on their own
+        view = self.view if content_length is None else self.view[:content_length]
+        await send_head(writer)
         await writer.write(view)

@@ -34,11 +34,16 @@ import urllib.request
 from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
-from botocore import exceptions as bce
 from botocore.exceptions import ClientError
-from botocore.httpsession import create_urllib3_context, get_cert_path
 
 from s3ckpt._version import __version__
+from s3ckpt.s3.compat_botocore import (
+    ca_bundle,
+    connect_timeout,
+    connection_failed,
+    default_tls_context,
+    tls_failed,
+)
 from s3ckpt.s3.http_response import Connection, RangeSink, StaleConnection
 
 PRESIGN_EXPIRES_S = 3600
@@ -60,11 +65,11 @@ def proxied(endpoint_url: str, proxies: dict[str, str] | None = None) -> bool:
 
 def tls_context(verify: bool | str) -> ssl.SSLContext:
     """The TLS settings aiobotocore derives from the same ``verify`` value."""
-    context = create_urllib3_context()
+    context = default_tls_context()
     if verify:
         context.verify_mode = ssl.CERT_REQUIRED
         context.check_hostname = True
-        ca_certs = get_cert_path(verify)
+        ca_certs = ca_bundle(verify)
         if ca_certs:
             context.load_verify_locations(ca_certs, None, None)
     else:
@@ -174,11 +179,11 @@ class DirectRangeReader:
                 self.connect_timeout,
             )
         except ssl.SSLError as exc:
-            raise bce.SSLError(endpoint_url=endpoint, error=exc) from exc
+            raise tls_failed(endpoint, exc) from exc
         except (asyncio.TimeoutError, TimeoutError) as exc:
-            raise bce.ConnectTimeoutError(endpoint_url=endpoint) from exc
+            raise connect_timeout(endpoint) from exc
         except OSError as exc:
-            raise bce.EndpointConnectionError(endpoint_url=endpoint, error=exc) from exc
+            raise connection_failed(endpoint, exc) from exc
         return connection
 
     def _release(self, origin: tuple[str, str, int], connection: Connection) -> None:

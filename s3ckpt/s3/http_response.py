@@ -23,9 +23,9 @@ import xml.etree.ElementTree as ElementTree
 from typing import Protocol
 
 import h11
-from botocore import exceptions as bce
 from botocore.exceptions import ClientError
 
+from s3ckpt.s3.compat_botocore import read_timeout
 from s3ckpt.s3.retry import ShortReadError
 
 log = logging.getLogger(__name__)
@@ -292,7 +292,7 @@ class _Response:
             return
         idle = self.connection.loop.time() - self.last_progress
         if idle >= self.connection.read_timeout:
-            self.fail(bce.ReadTimeoutError(endpoint_url=self.connection.endpoint))
+            self.fail(read_timeout(self.connection.endpoint))
             return
         self.timer = self.connection.loop.call_later(
             self.connection.read_timeout - idle, self._check_stall

@@ -15,6 +15,7 @@ from s3ckpt.config import S3Config
 from s3ckpt.errors import StorageError
 from s3ckpt.s3 import retry
 from s3ckpt.s3.client import client_handle
+from s3ckpt.s3.compat_aiobotocore import received_chunks
 from s3ckpt.s3.http_response import (
     RangeSink,
     UnsupportedResponse,
@@ -66,7 +67,7 @@ async def stream(
         async with response["Body"] as body:
             # readchunk() hands over one received buffer as is; readany() and
             # read(n) join everything buffered into a new bytes object first.
-            content = body.raw_stream.content
+            content = received_chunks(body)
             while position < end:
                 chunk, _ = await content.readchunk()
                 if not chunk:

@@ -8,12 +8,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from botocore import xform_name
 from botocore.exceptions import ClientError
 
 from s3ckpt.config import S3Config
 from s3ckpt.s3 import retry
 from s3ckpt.s3.client import client_handle
+from s3ckpt.s3.compat_botocore import operation_method
 from s3ckpt.s3.error_mapping import error_code, translate_final, translated
 
 Body = bytes | bytearray | memoryview
@@ -55,8 +55,7 @@ class Requests:
         handle = client_handle(self.config)
         client = await handle.get()
         async with handle.slots:
-            method: Callable[..., Any] = getattr(client, xform_name(operation))
-            return await method(Bucket=self.bucket, **params)
+            return await operation_method(client, operation)(Bucket=self.bucket, **params)
 
     async def _call(self, operation: str, key: str | None, **params: Any) -> dict[str, Any]:
         return await self._retrying(operation, key, lambda _: self._request(operation, params))

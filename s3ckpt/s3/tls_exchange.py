@@ -19,6 +19,7 @@ import ssl
 import h11
 from botocore import exceptions as bce
 
+from s3ckpt.s3.compat_botocore import read_timeout
 from s3ckpt.s3.http_response import MAX_ERROR_BODY, MAX_HEADER_BYTES, _parser
 from s3ckpt.s3.tls_socket import StaleConnection, TlsConnection
 
@@ -39,7 +40,7 @@ class _Exchange:
             self.connection.sock.sendall(data)
         except TimeoutError as exc:
             # botocore has no write timeout; a send stalled past the timeout is its read timeout
-            raise bce.ReadTimeoutError(endpoint_url=self.connection.endpoint) from exc
+            raise read_timeout(self.connection.endpoint) from exc
         except OSError as exc:
             if self.connection.used and not self.received:
                 raise StaleConnection from exc
@@ -50,7 +51,7 @@ class _Exchange:
         try:
             count = self.connection.sock.recv_into(view)
         except TimeoutError as exc:
-            raise bce.ReadTimeoutError(endpoint_url=self.connection.endpoint) from exc
+            raise read_timeout(self.connection.endpoint) from exc
         except ssl.SSLZeroReturnError:
             count = 0
         except OSError as exc:

@@ -8,7 +8,9 @@ then the body, straight from the ``memoryview`` of the tensor, on a kept-alive T
 connection in a worker thread, and returns the response to botocore, which parses it as
 its own: status codes, ``ClientError`` s, ETags and checksums are exactly those of the
 aiohttp path, and so are :mod:`s3ckpt.s3.retry` and :mod:`s3ckpt.s3.error_mapping`.
-Bodies that are not plain memory go through aiohttp as before.
+Bodies that are not plain memory go through aiohttp as before. The hook and the response
+it returns are botocore's and aiobotocore's internals (:mod:`s3ckpt.s3.compat_botocore`,
+:mod:`s3ckpt.s3.compat_aiobotocore`).
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
-from aiobotocore.awsrequest import AioAWSResponse
-
 from s3ckpt._version import __version__
+from s3ckpt.s3.compat_aiobotocore import Response, response
+from s3ckpt.s3.compat_botocore import on_before_send
 from s3ckpt.s3.http_body import MemoryBody
 from s3ckpt.s3.tls_exchange import send_request
 from s3ckpt.s3.tls_socket import TlsTransport
@@ -36,9 +38,9 @@ class TlsSender:
 
     def register(self, client: Any) -> None:
         for operation in OPERATIONS:
-            client.meta.events.register(f"before-send.s3.{operation}", self)
+            on_before_send(client, operation, self)
 
-    async def __call__(self, request: Any, **_: Any) -> AioAWSResponse | None:
+    async def __call__(self, request: Any, **_: Any) -> Response | None:
         body = _memory(request.body)
         url = urlsplit(request.url)
         if body is None or url.scheme != "https" or not url.hostname:
@@ -48,17 +50,7 @@ class TlsSender:
         status, headers, content = await self.transport.run(
             url.hostname, port, lambda connection: send_request(connection, head, body)
         )
-        return AioAWSResponse(request.url, status, headers, _Content(content))
-
-
-class _Content:
-    """The raw response body as aiobotocore reads it (``await raw.read()``)."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    async def read(self, *_: Any) -> bytes:
-        return self.data
+        return response(request.url, status, headers, content)
 
 
 def _memory(body: Any) -> memoryview | None:

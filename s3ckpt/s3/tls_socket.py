@@ -32,7 +32,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from botocore import exceptions as bce
+from s3ckpt.s3.compat_botocore import (
+    connect_timeout,
+    connection_failed,
+    tls_failed,
+)
 
 T = TypeVar("T")
 
@@ -94,22 +98,22 @@ class TlsTransport:
         try:
             raw = socket.create_connection((host, port), timeout=self.connect_timeout)
         except TimeoutError as exc:
-            raise bce.ConnectTimeoutError(endpoint_url=endpoint) from exc
+            raise connect_timeout(endpoint) from exc
         except OSError as exc:
-            raise bce.EndpointConnectionError(endpoint_url=endpoint, error=exc) from exc
+            raise connection_failed(endpoint, exc) from exc
         try:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             raw.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             sock = self.context.wrap_socket(raw, server_hostname=host)  # SNI and host check
         except ssl.SSLError as exc:
             raw.close()
-            raise bce.SSLError(endpoint_url=endpoint, error=exc) from exc
+            raise tls_failed(endpoint, exc) from exc
         except TimeoutError as exc:
             raw.close()
-            raise bce.ConnectTimeoutError(endpoint_url=endpoint) from exc
+            raise connect_timeout(endpoint) from exc
         except OSError as exc:
             raw.close()
-            raise bce.EndpointConnectionError(endpoint_url=endpoint, error=exc) from exc
+            raise connection_failed(endpoint, exc) from exc
         sock.settimeout(self.read_timeout)  # a receive silent this long fails the request
         return TlsConnection(sock, host, port)
 

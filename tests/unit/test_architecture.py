@@ -3,7 +3,9 @@
 The import contracts live in ``pyproject.toml`` (``[tool.importlinter]``) and are checked
 by import-linter, here and in ``make lint``. import-linter sees external packages only by
 their top-level name (``torch``), so the finer rule, that only the DCP adapters know DCP's
-planner and metadata types, is checked here by reading the imports of every module.
+planner and metadata types, is checked here by reading the imports of every module, and
+so is the rule that only their compat modules touch the internals of torch, aiobotocore,
+botocore and aiohttp (``tests/private_names.py``, also run by ``make lint``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import private_names
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,3 +149,86 @@ def test_the_planner_type_check_sees_every_form_of_import() -> None:
     assert not dcp_internal_imports(
         "from torch.distributed.checkpoint.staging import DefaultStager"
     )
+
+
+# -- foreign internals only in their compat modules (tests/private_names.py, make lint) ----
+
+
+def test_private_names_of_dependencies_are_touched_only_in_their_compat_modules() -> None:
+    found = private_names.violations()
+    assert not found, "\n".join(str(v) for v in found)
+
+
+@pytest.mark.parametrize(
+    ("source", "name"),
+    [
+        (
+            "from torch.distributed.checkpoint._state_dict_stager import StateDictStager",
+            "torch.distributed.checkpoint._state_dict_stager.StateDictStager",
+        ),
+        ("from botocore.endpoint import _x", "botocore.endpoint._x"),
+        ("import aiohttp._http_parser", "aiohttp._http_parser"),
+        ("from torch.distributed import checkpoint as c\nc._x", "torch.distributed.checkpoint._x"),
+        ("import torch\ntorch._C._foo()", "torch._C"),
+        ("import torch.distributed as dist\ndist._functional", "torch.distributed._functional"),
+        ("from botocore import exceptions as bce\nbce._private", "botocore.exceptions._private"),
+        ("import torch\ngetattr(torch, '_dynamo')", "torch._dynamo"),
+        ("from botocore.httpsession import get_cert_path", "botocore.httpsession.get_cert_path"),
+        (
+            "from aiobotocore.awsrequest import AioAWSResponse",
+            "aiobotocore.awsrequest.AioAWSResponse",
+        ),
+        ("import botocore\nbotocore.xform_name('HeadObject')", "botocore.xform_name"),
+        ("def f():\n    from botocore import xform_name", "botocore.xform_name"),
+        ("client.meta.events.register('before-send.s3.PutObject', f)", "botocore event hook"),
+        (
+            "from aiohttp.payload import BytesPayload\n"
+            "class Body(BytesPayload):\n"
+            "    def __len__(self):\n"
+            "        return self._size",
+            "aiohttp.payload.BytesPayload._size",
+        ),
+        (
+            "from aiohttp import payload\n"
+            "class Body(payload.BytesPayload):\n"
+            "    def write(self):\n"
+            "        return super()._write()",
+            "aiohttp.payload.BytesPayload._write",
+        ),
+    ],
+)
+def test_private_names_check_sees_every_form(source: str, name: str) -> None:
+    found = list(private_names.module_violations(source, "s3ckpt/s3/store.py"))
+    assert [v.name.split(" (")[0] for v in found] == [name], found
+    assert str(found[0]).startswith(f"s3ckpt/s3/store.py:{found[0].line}: {name}")
+
+
+def test_private_names_check_leaves_own_and_public_names_alone() -> None:
+    source = (
+        "import sys\n"
+        "import torch\n"
+        "from botocore import exceptions as bce\n"
+        "from aiohttp.payload import BytesPayload\n"
+        "from s3ckpt.s3.http_response import _parser\n"
+        "from ._version import __version__\n"
+        "torch.__version__, bce.ClientError, sys._getframe(0), _parser()\n"
+        "class Body(BytesPayload):\n"
+        "    def __init__(self):\n"
+        "        self._mine = 1\n"
+        "    def _helper(self):\n"
+        "        return self._mine\n"
+        "    def size(self):\n"
+        "        return self._helper()\n"
+        "class Store(Base):\n"
+        "    def get(self):\n"
+        "        return self._client, super()._request()\n"
+    )
+    assert list(private_names.module_violations(source, "s3ckpt/s3/store.py")) == []
+
+
+def test_private_names_are_allowed_in_their_own_compat_module_only() -> None:
+    source = "import torch\nfrom botocore import xform_name\ntorch._C"
+    found = private_names.module_violations(source, "s3ckpt/dcp/compat.py")
+    assert [v.dependency for v in found] == ["botocore"]
+    found = private_names.module_violations(source, "s3ckpt/s3/compat_botocore.py")
+    assert [v.dependency for v in found] == ["torch"]

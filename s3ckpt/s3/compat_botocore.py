@@ -1,0 +1,114 @@
+"""Everything s3ckpt needs from botocore beyond its public client API, in one place.
+
+The internals s3ckpt relies on, each behind a function here:
+
+* botocore's event hooks, registered on ``client.meta.events``:
+  ``before-sign.s3.<Operation>``, whose handler may still change the request
+  (``.body``, ``.headers``) before it is signed (:func:`on_before_sign`: the
+  ``Content-MD5`` of DeleteObjects, :mod:`s3ckpt.s3.client`), and
+  ``before-send.s3.<Operation>``, whose handler gets the signed request (``.method``,
+  ``.url``, ``.headers``, ``.body``) and may answer it itself by returning a response
+  (:func:`on_before_send`: the TLS upload path, :mod:`s3ckpt.s3.tls_send`; the response
+  it returns is aiobotocore's, :mod:`s3ckpt.s3.compat_aiobotocore`);
+* ``botocore.xform_name``, the client method of an API operation (``HeadObject`` ->
+  ``head_object``; :func:`operation_method`, :mod:`s3ckpt.s3.requests`);
+* ``botocore.httpsession``'s ``create_urllib3_context`` and ``get_cert_path``, from which
+  botocore's HTTP session, and aiobotocore's, derive their TLS context and CA bundle
+  (:func:`default_tls_context`, :func:`ca_bundle`: the direct reader and the TLS upload
+  path verify as aiobotocore does, :mod:`s3ckpt.s3.http_range`);
+* the keyword arguments botocore's connection errors are built with and keep in
+  ``.kwargs`` (``endpoint_url``, ``error``; aiobotocore raises ``SSLError`` with aiohttp's
+  exception as ``error``): s3ckpt's own transports raise the errors botocore would
+  (:func:`read_timeout`, :func:`connect_timeout`, :func:`connection_failed`,
+  :func:`tls_failed`), and messages read them back (:func:`failed_endpoint`,
+  :func:`cause`, :mod:`s3ckpt.s3.error_mapping`).
+
+``tests/unit/test_s3_compat.py`` fails loudly when a botocore release changes any of them.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Callable
+from typing import Any
+
+from botocore import exceptions as bce
+from botocore import xform_name
+from botocore.httpsession import create_urllib3_context, get_cert_path
+
+BEFORE_SIGN = "before-sign.s3.{operation}"
+BEFORE_SEND = "before-send.s3.{operation}"
+
+
+def on_before_sign(client: Any, operation: str, handler: Callable[..., Any]) -> None:
+    """Call ``handler(request=..., **kwargs)`` on every ``operation`` request of
+    ``client`` before it is signed; the handler may change its body and headers."""
+    client.meta.events.register(BEFORE_SIGN.format(operation=operation), handler)
+
+
+def on_before_send(client: Any, operation: str, handler: Callable[..., Any]) -> None:
+    """Call ``handler(request=..., **kwargs)`` on every signed ``operation`` request of
+    ``client``; a response it returns is used instead of sending the request."""
+    client.meta.events.register(BEFORE_SEND.format(operation=operation), handler)
+
+
+def operation_method(client: Any, operation: str) -> Callable[..., Any]:
+    """The method of ``client`` that calls the API operation ``operation``."""
+    method: Callable[..., Any] = getattr(client, xform_name(operation))
+    return method
+
+
+def default_tls_context() -> ssl.SSLContext:
+    """A client TLS context with botocore's defaults (protocols, options, ciphers), before
+    any verification settings."""
+    return create_urllib3_context()
+
+
+def ca_bundle(verify: bool | str) -> str | None:
+    """The CA bundle botocore verifies with for a true ``verify`` (its own bundle for
+    ``True``, the file for a path)."""
+    path: str | None = get_cert_path(verify)
+    return path
+
+
+def read_timeout(endpoint_url: str) -> bce.ReadTimeoutError:
+    return bce.ReadTimeoutError(endpoint_url=endpoint_url)
+
+
+def connect_timeout(endpoint_url: str) -> bce.ConnectTimeoutError:
+    return bce.ConnectTimeoutError(endpoint_url=endpoint_url)
+
+
+def connection_failed(endpoint_url: str, error: BaseException) -> bce.EndpointConnectionError:
+    return bce.EndpointConnectionError(endpoint_url=endpoint_url, error=error)
+
+
+def tls_failed(endpoint_url: str, error: BaseException) -> bce.SSLError:
+    return bce.SSLError(endpoint_url=endpoint_url, error=error)
+
+
+def failed_endpoint(exc: bce.BotoCoreError, default: str) -> Any:
+    """The endpoint a botocore connection error names, else ``default``."""
+    return exc.kwargs.get("endpoint_url", default)
+
+
+def cause(exc: bce.BotoCoreError) -> Any:
+    """The exception a botocore connection error wraps (``None`` if it wraps none)."""
+    return exc.kwargs.get("error")
+
+
+__all__ = [
+    "BEFORE_SEND",
+    "BEFORE_SIGN",
+    "ca_bundle",
+    "cause",
+    "connect_timeout",
+    "connection_failed",
+    "default_tls_context",
+    "failed_endpoint",
+    "on_before_send",
+    "on_before_sign",
+    "operation_method",
+    "read_timeout",
+    "tls_failed",
+]

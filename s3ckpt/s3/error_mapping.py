@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Iterator
 
 import aiohttp
+import h11
 from botocore import exceptions as bce
 
 from s3ckpt.errors import (
@@ -169,14 +170,30 @@ def translate_final(
     return type(error)(f"{error} (gave up after {attempts} attempts)", **ctx)
 
 
+# What a request can fail with that is the store's or the network's doing: S3's answers,
+# botocore's and aiohttp's transport errors, h11's protocol errors on the TLS path, the
+# operating system's socket and TLS errors, timeouts, short bodies. Anything else is a bug
+# (in s3ckpt or in a library it calls) and propagates as itself: it is neither worded as
+# a failed request nor retried.
+STORE_ERRORS: tuple[type[BaseException], ...] = (
+    bce.BotoCoreError,
+    bce.ClientError,
+    aiohttp.ClientError,
+    h11.ProtocolError,
+    OSError,
+    asyncio.TimeoutError,
+    TimeoutError,
+    ShortReadError,
+)
+
+
 @contextlib.contextmanager
 def translated(operation: str, bucket: str | None = None, key: str | None = None) -> Iterator[None]:
-    """Re-raise anything but cancellation as the matching s3ckpt error."""
+    """Re-raise the store's and the network's failures (:data:`STORE_ERRORS`) as the
+    matching s3ckpt error; everything else, cancellation and bugs included, unchanged."""
     try:
         yield
-    except asyncio.CancelledError:
-        raise
     except S3CkptError:
         raise
-    except Exception as exc:
+    except STORE_ERRORS as exc:
         raise translate(exc, operation=operation, bucket=bucket, key=key) from exc

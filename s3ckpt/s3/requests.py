@@ -12,7 +12,7 @@ from botocore.exceptions import ClientError
 
 from s3ckpt.config import S3Config
 from s3ckpt.s3 import retry
-from s3ckpt.s3.client import client_handle
+from s3ckpt.s3.client import ClientHandle, client_handle
 from s3ckpt.s3.compat_botocore import operation_method
 from s3ckpt.s3.error_mapping import error_code, translate_final, translated
 
@@ -24,22 +24,38 @@ class Requests:
     """Requests on one bucket with s3ckpt's retry policy; the store's operations build on it.
 
     ``deadline`` (a ``time.monotonic()`` instant) ends retrying: a request that fails after
-    it is not tried again.
+    it is not tried again. ``tally`` counts the retries of every request made through it.
     """
 
-    def __init__(self, config: S3Config, bucket: str, *, deadline: float | None = None) -> None:
+    def __init__(
+        self,
+        config: S3Config,
+        bucket: str,
+        *,
+        deadline: float | None = None,
+        tally: retry.Tally | None = None,
+    ) -> None:
         self.config = config
         self.bucket = bucket
         self.deadline = deadline
+        self.tally = tally
 
     async def _retrying(
         self, operation: str, key: str | None, attempt: Callable[[int], Awaitable[T]]
     ) -> T:
         """Run ``attempt(n)`` under the retry policy; every failure leaves as an s3ckpt error."""
-        policy = retry.RetryPolicy(max_attempts=self.config.max_attempts, deadline=self.deadline)
+        handle = client_handle(self.config)
+        policy = retry.RetryPolicy(
+            max_attempts=self.config.max_attempts,
+            deadline=self.deadline,
+            tally=self.tally,
+            endpoint_answered=handle.answered,
+        )
         with translated(operation, self.bucket, key):
             try:
-                return await retry.run(attempt, policy, what=f"{operation} {self._where(key)}")
+                return await retry.run(
+                    self._answered(attempt, handle), policy, what=f"{operation} {self._where(key)}"
+                )
             except retry.RetryError as exc:
                 raise translate_final(
                     exc.last,
@@ -49,6 +65,24 @@ class Requests:
                     bucket=self.bucket,
                     key=key,
                 ) from exc.last
+
+    @staticmethod
+    def _answered(
+        attempt: Callable[[int], Awaitable[T]], handle: ClientHandle
+    ) -> Callable[[int], Awaitable[T]]:
+        """``attempt``, noting that the endpoint answers when it returns or fails with an
+        S3 error response (which only a reachable endpoint sends)."""
+
+        async def noted(number: int) -> T:
+            try:
+                result = await attempt(number)
+            except ClientError:
+                handle.answered = True
+                raise
+            handle.answered = True
+            return result
+
+        return noted
 
     async def _request(self, operation: str, params: dict[str, Any]) -> dict[str, Any]:
         """One try of one request, holding one of the client's request slots."""

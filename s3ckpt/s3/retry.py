@@ -5,11 +5,19 @@ s3ckpt has exactly one retry layer, this one (botocore's own retries are switche
 resumes from the first byte it has not delivered, a create whose response was lost is
 recognised as our own write. Three bounds keep a failing save from hanging:
 
-* ``max_attempts`` tries per request;
+* a deadline (``time.monotonic()``) shared by every request of one save or load: a
+  transient failure is retried until it has passed, then no more. It never cuts a request
+  that is working. A count of tries per request makes large saves fragile (with 5 %
+  throttling and about 1,000 requests per rank, a 1,000-rank save meets four failures in a
+  row on some request with probability about 0.998), so by default there is none;
+* ``max_attempts``, a cap on tries per request only where one is asked for (the CLI's
+  short commands), or where there is no deadline (:data:`ATTEMPTS_WITHOUT_DEADLINE`);
 * exponential backoff with full jitter (a random wait up to ``base * 2**retry``, capped),
   so that many parts throttled at once do not come back in lockstep;
-* a deadline (``time.monotonic()``) shared by every request of one save or load: once it
-  has passed, failures are no longer retried. It never cuts a request that is working.
+* an endpoint that has not answered one request of this process yet and refuses the
+  connection (or lets it time out) is given :data:`UNANSWERED_ENDPOINT_ATTEMPTS` tries, a
+  few seconds: a wrong endpoint fails in seconds rather than at the deadline. Once it has
+  answered, a refused connection is a blip (a restart, a failover) like any other.
 
 Only failures that a retry can fix are retried: throttling, 5xx, ``RequestTimeout``,
 ``BadDigest`` (bytes damaged in transit), dropped and reset connections, timeouts
@@ -61,14 +69,44 @@ class ShortReadError(Exception):
     """A response ended before the bytes it announced (a connection closed early)."""
 
 
+ATTEMPTS_WITHOUT_DEADLINE = 10
+UNANSWERED_ENDPOINT_ATTEMPTS = 4
+# Failures to open a connection at all (nothing was sent).
+_CONNECT_FAILURES = (
+    bce.EndpointConnectionError,
+    bce.ConnectTimeoutError,
+    aiohttp.ClientConnectorError,
+    ConnectionRefusedError,
+)
+
+
+@dataclass
+class Tally:
+    """Retries counted over every request of one save or load (its metrics)."""
+
+    retries: int = 0
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How many tries, how long between them, and until when (``None``: no deadline)."""
+    """Until when to retry (``None``: no deadline), how many tries at most (``None``: as
+    many as the deadline allows), how long between them, and where to count retries."""
 
-    max_attempts: int = 4
+    max_attempts: int | None = None
     base_delay: float = 0.25
     max_delay: float = 20.0
     deadline: float | None = None
+    tally: Tally | None = None
+    endpoint_answered: bool = True
+
+    def attempt_limit(self, failure: BaseException) -> int | None:
+        """The most tries of a request that just failed with ``failure``."""
+        limit = self.max_attempts
+        if limit is None and self.deadline is None:
+            limit = ATTEMPTS_WITHOUT_DEADLINE
+        if not self.endpoint_answered and isinstance(failure, _CONNECT_FAILURES):
+            limit = min(limit or UNANSWERED_ENDPOINT_ATTEMPTS, UNANSWERED_ENDPOINT_ATTEMPTS)
+        return limit
 
     def delay(self, retry: int, rng: random.Random | None = None) -> float:
         """Full jitter: uniform in ``[0, min(max_delay, base_delay * 2**(retry - 1))]``."""
@@ -122,6 +160,7 @@ async def run(
     *,
     what: str = "request",
     sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+    clock: Callable[[], float] = time.monotonic,
 ) -> T:
     """Call ``attempt(n)`` for n = 1, 2, ... until it returns, fails for good, or time is up.
 
@@ -138,18 +177,21 @@ async def run(
         except Exception as exc:
             if not is_retryable(exc):
                 raise
-            if number >= policy.max_attempts:
+            limit = policy.attempt_limit(exc)
+            if limit is not None and number >= limit:
                 raise RetryError(exc, number, out_of_time=False) from exc
             delay = policy.delay(number)
-            if policy.deadline is not None and time.monotonic() + delay >= policy.deadline:
+            if policy.deadline is not None and clock() + delay >= policy.deadline:
                 raise RetryError(exc, number, out_of_time=True) from exc
             log.info(
-                "%s failed (%s); retry %d of %d in %.2fs",
+                "%s failed (%s); retry %d%s in %.2fs",
                 what,
                 type(exc).__name__,
                 number,
-                policy.max_attempts - 1,
+                f" of {limit - 1}" if limit is not None else "",
                 delay,
             )
+            if policy.tally is not None:
+                policy.tally.retries += 1
             await sleep(delay)
             number += 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,8 +116,8 @@ SCENARIOS = {
         ),
     ),
 }
-# + corruption, persistent failure, deadline; on each server
-EXPECTED_ROWS = 2 * (len(SCENARIOS) + 3)
+# + corruption, persistent failure, deadline, the 2,000-request campaign; on each server
+EXPECTED_ROWS = 2 * (len(SCENARIOS) + 4)
 
 
 @pytest.fixture(scope="module")
@@ -380,3 +381,53 @@ def test_a_small_object_damaged_on_every_read_fails_as_corrupt(
     restored = {"w": torch.zeros(1000)}
     dcp.load(restored, storage_reader=S3StorageReader(s3_prefix, **through))
     assert torch.equal(restored["w"], torch.arange(1000.0))
+
+
+def test_a_campaign_of_2000_requests_at_25_percent_faults_survives_bit_exact(
+    proxy, through, s3_prefix, matrix, pending_uploads, server
+):
+    """A fault on a quarter of all requests, with no cap on how often one request is hit:
+    some request meets four or more in a row (which a count of four tries per request
+    failed on); retrying until the deadline carries every save and load through. Four
+    savers run side by side, as ranks would."""
+    proxy.add(
+        Rule("slowdown", rate=0.15, per_request=None),
+        Rule("reset_response", rate=0.10 / 0.85, per_request=None),
+    )
+
+    def one_round(number: int) -> tuple[int, int, int]:
+        uri, state = f"{s3_prefix}/step-{number}", _campaign_state(number)
+        writer = S3StorageWriter(uri, **through)
+        dcp.save(state, storage_writer=writer, no_dist=True)
+        restored = {k: torch.zeros_like(v) for k, v in state.items()}
+        reader = S3StorageReader(uri, **through)
+        dcp.load(restored, storage_reader=reader, no_dist=True)
+        assert pending_uploads(uri) == []
+        return (*_compare(state, restored), writer.retries + reader.retries)
+
+    verified = lost = retried = rounds = 0
+    with ThreadPoolExecutor(4) as pool:
+        while sum(proxy.requests.values()) < 2000:
+            assert rounds < 400, proxy.requests
+            for good, bad, tries in pool.map(one_round, range(rounds, rounds + 4)):
+                verified, lost, retried = verified + good, lost + bad, retried + tries
+            rounds += 4
+    requests = sum(proxy.requests.values())
+    faults = sum(proxy.counts.values())
+    assert lost == 0 and requests >= 2000
+    assert faults >= 0.2 * requests, (faults, requests)
+    assert retried >= faults // 2, (retried, faults)  # the savers counted their retries
+    matrix.add(
+        report.Row(
+            _titled(f"{requests} requests, a fault on 25% of them, uncapped", server),
+            dict(proxy.counts),
+            operations=2 * rounds,
+            survived=2 * rounds,
+            bytes_verified=verified,
+        )
+    )
+
+
+def _campaign_state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64 * KiB, generator=g), "ids": torch.arange(10_000) * seed}

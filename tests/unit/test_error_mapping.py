@@ -58,3 +58,36 @@ def test_connection_and_credential_errors():
     error = translate(NoCredentialsError(), operation="PutObject", bucket="b", key="k")
     assert isinstance(error, AccessDeniedError)
     assert "credentials" in str(error)
+
+
+def test_a_programming_error_inside_a_request_surfaces_unchanged(monkeypatch):
+    """Only the store's and the network's failures become StorageError: a bug (here an
+    AttributeError, as a library upgrade might cause) propagates as itself, not retried."""
+    import asyncio
+
+    from s3ckpt.config import S3Config
+    from s3ckpt.s3 import requests as requests_module
+    from s3ckpt.s3.store import ObjectStore
+
+    calls: list[str] = []
+
+    def broken(client: object, operation: str) -> object:
+        calls.append(operation)
+        raise AttributeError("'AioBaseClient' object has no attribute 'get_object'")
+
+    monkeypatch.setattr(requests_module, "operation_method", broken)
+    config = S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="a", secret_access_key="b")
+    store = ObjectStore(config, "bucket")
+    with pytest.raises(AttributeError, match="no attribute 'get_object'"):
+        asyncio.run(store.put("some/key", b"x"))
+    assert calls == ["PutObject"]  # tried once: a bug is not retried
+
+
+def test_socket_and_protocol_errors_are_translated():
+    import h11
+
+    from s3ckpt.s3.error_mapping import translated
+
+    for raised in (ConnectionResetError(), h11.RemoteProtocolError("bad"), TimeoutError()):
+        with pytest.raises(StorageError), translated("GetObject", "b", "k"):
+            raise raised

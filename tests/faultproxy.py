@@ -30,7 +30,8 @@ the relay a plain byte pump. Decisions come from ``random.Random(seed)``, so the
 sequence of requests meets the same faults, and ``per_request`` caps how often one request
 (method and target) is hit, by all rules together, which is what makes a fault transient:
 a request retried more often than that gets through. ``counts`` tallies
-every fault that fired; ``requests`` every request seen, by method.
+every fault that fired; ``requests`` every request seen, by method; ``body_bytes`` the
+response bytes relayed after the heads, by method (what GETs cost the store).
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ class FaultProxy:
         self.ignore_range = ignore_range
         self._tls = tls
         self._rng = random.Random(seed)
+        self.body_bytes: Counter[str] = Counter()  # response body bytes relayed, by method
         self._hits: Counter[tuple[str, str]] = Counter()  # faults per (method, target)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -317,6 +319,7 @@ class FaultProxy:
         await to_client.drain()
         if fault == "stall":
             await asyncio.sleep(self.stall_s)
+            self.body_bytes[exchange.method] += len(chunk)
 
     # -- decisions ---------------------------------------------------------------------
 

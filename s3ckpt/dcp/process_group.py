@@ -9,11 +9,13 @@ and the integrations pass), never one inferred from the caller.
 
 from __future__ import annotations
 
+import pickle
 from typing import Protocol, TypeVar
 
+import torch
 import torch.distributed as dist
 
-from s3ckpt.errors import ConfigError
+from s3ckpt.errors import ConfigError, S3CkptError
 
 _T = TypeVar("_T")
 
@@ -24,6 +26,9 @@ class SharedReads(Protocol):
     is_coordinator: bool
 
     def broadcast_object(self, value: _T | None) -> _T: ...
+
+
+Transfer = tuple[torch.Tensor, int, int]  # (uint8 tensor, peer's rank in the group, tag)
 
 
 class GroupBroadcast:
@@ -44,6 +49,46 @@ class GroupBroadcast:
         box = [value]
         dist.broadcast_object_list(box, src=self._source, group=self.group)
         return box[0]  # type: ignore[return-value]
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def all_gather(self, value: _T) -> list[_T]:
+        """Every rank's ``value``, in group rank order (one small collective)."""
+        gathered: list[_T] = [None] * self.size  # type: ignore[list-item]
+        dist.all_gather_object(gathered, value, group=self.group)
+        return gathered
+
+    def exchange(self, sends: list[Transfer], receives: list[Transfer]) -> None:
+        """Point-to-point transfers of byte tensors, all posted at once, then awaited.
+
+        Every rank passes the transfers it takes part in, from one schedule that every
+        rank computed the same way, so each send meets its receive.
+        """
+        ops = [
+            dist.P2POp(dist.isend, tensor, dist.get_global_rank(self.group, peer), self.group, tag)
+            for tensor, peer, tag in sends
+        ] + [
+            dist.P2POp(dist.irecv, tensor, dist.get_global_rank(self.group, peer), self.group, tag)
+            for tensor, peer, tag in receives
+        ]
+        for work in dist.batch_isend_irecv(ops) if ops else ():
+            work.wait()
+
+
+def portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling (to be sent to the other ranks), else an
+    :class:`~s3ckpt.errors.S3CkptError` with its message."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return S3CkptError(f"{type(exc).__name__}: {exc}")
+    return exc
 
 
 def shared_reads(group: dist.ProcessGroup | None) -> SharedReads | None:

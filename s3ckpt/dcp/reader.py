@@ -39,7 +39,6 @@ import dataclasses
 import functools
 import logging
 import os
-import pickle
 import queue
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import wait as futures_wait
@@ -66,7 +65,7 @@ from s3ckpt.dcp.compat import (
 )
 from s3ckpt.dcp.location import S3Location
 from s3ckpt.dcp.owners import ChunkPositions
-from s3ckpt.dcp.process_group import SharedReads, shared_reads
+from s3ckpt.dcp.process_group import GroupBroadcast, SharedReads, portable, shared_reads
 from s3ckpt.dcp.restore import (
     FramePool,
     PendingRead,
@@ -76,6 +75,7 @@ from s3ckpt.dcp.restore import (
     prepare,
     verify_streamed,
 )
+from s3ckpt.dcp.shared_read import SharedRead
 from s3ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -182,7 +182,7 @@ class S3StorageReader(S3Location, StorageReader):
             try:
                 fetched = io_loop().run(self._fetch_metadata(location))
             except Exception as exc:
-                failure, fetched = exc, _portable(exc)
+                failure, fetched = exc, portable(exc)
         received = group.broadcast_object(fetched)
         if failure is not None:
             raise failure
@@ -265,14 +265,33 @@ class S3StorageReader(S3Location, StorageReader):
         return self.manifest
 
     def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        group = shared_reads(self.process_group)
+        if isinstance(group, GroupBroadcast):
+            SharedRead(self, group).run(plan, planner)
+            return
         self._locate(plan)
-        pending = [self._prepare(request, planner) for request in plan.items]
+        self._fetch([self._prepare(request, planner) for request in plan.items], planner)
+
+    def _fetch(
+        self, pending: list[PendingRead], planner: LoadPlanner, keep: frozenset[int] = frozenset()
+    ) -> dict[int, PendingRead]:
+        """Fetch, verify (reading damaged items again) and hand over every item; those
+        whose ``id`` is in ``keep`` are verified but kept, returned by that ``id``."""
         ranges = self._range_reader()
         frames = FramePool()
         targets = [self._target(p, frames, ranges) for p in pending]
         decoded: queue.SimpleQueue[ThreadFuture[Checked]] = queue.SimpleQueue()
         submitted: list[ThreadFuture[Checked]] = []
         pool = decode_pool(self.decode_threads)
+        kept: dict[int, PendingRead] = {}
+
+        def settle(checked: Checked) -> None:
+            item = self._settled(checked, planner)
+            if id(checked[0]) in keep:
+                kept[id(checked[0])] = item
+            else:
+                hand_to_planner(item, planner, trust_pickles=self.trust_pickles)
+
         handed_over = 0
         try:
             for token in ranges.fetch(targets):
@@ -281,16 +300,17 @@ class S3StorageReader(S3Location, StorageReader):
                     submitted.append(pool.submit(_checked, item))
                     submitted[-1].add_done_callback(decoded.put)
                 else:  # small compressed items: a worker costs more than decoding here
-                    self._hand_over(_checked(item), planner)
+                    settle(_checked(item))
                 while not decoded.empty():
-                    self._hand_over(decoded.get().result(), planner)
+                    settle(decoded.get().result())
                     handed_over += 1
             for _ in range(len(submitted) - handed_over):
-                self._hand_over(decoded.get().result(), planner)
+                settle(decoded.get().result())
         finally:
             for waiting in submitted:
                 waiting.cancel()
             futures_wait(submitted)  # no worker may write into a destination after this returns
+        return kept
 
     def _range_reader(self) -> RangeReader:
         return RangeReader(
@@ -369,11 +389,10 @@ class S3StorageReader(S3Location, StorageReader):
         self.set_up_storage_reader(metadata, is_coordinator=False)
         log.info("%s was overwritten during the load; reading save %s", location, manifest.save_id)
 
-    def _hand_over(self, checked: Checked, planner: LoadPlanner) -> None:
+    def _settled(self, checked: Checked, planner: LoadPlanner) -> PendingRead:
+        """A fetched item whose bytes passed their check (read again if they did not)."""
         item, damage = checked
-        if damage is not None:
-            item = self._read_again(item, damage, planner)
-        hand_to_planner(item, planner, trust_pickles=self.trust_pickles)
+        return item if damage is None else self._read_again(item, damage, planner)
 
     def _read_again(
         self, item: PendingRead, damage: CorruptCheckpointError, planner: LoadPlanner
@@ -493,16 +512,6 @@ def _describes(metadata: Metadata, plan: LoadPlan) -> bool:
     except KeyError:
         return False
     return True
-
-
-def _portable(exc: Exception) -> BaseException:
-    """``exc`` if it survives pickling (to be broadcast to the other ranks), else an
-    :class:`~s3ckpt.errors.S3CkptError` with its message."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:
-        return S3CkptError(f"{type(exc).__name__}: {exc}")
-    return exc
 
 
 def _checked(item: PendingRead) -> Checked:

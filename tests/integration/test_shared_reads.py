@@ -1,0 +1,95 @@
+"""Replicated state read once: with the reader given the group, a multi-rank load GETs
+each stored byte about once, however many ranks hold a copy.
+
+GET body bytes are counted by a proxy in front of the server; ranks load DDP (4 full
+copies) and HSDP (2 replicas x 2 shards) layouts, bit-exact on every rank, with and
+without the group.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+import _dist_worker as worker
+import _shared_read_worker as shared_worker
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from faultproxy import FaultProxy
+
+from s3ckpt import S3StorageWriter
+from s3ckpt.testing.local_s3 import LocalS3Server
+from s3ckpt.transfer.shares import plan_shares
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.distributed,
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(seaweedfs_s3: LocalS3Server) -> tuple[str, dict]:
+    s3 = {
+        "endpoint_url": seaweedfs_s3.endpoint_url,
+        "access_key_id": seaweedfs_s3.access_key,
+        "secret_access_key": seaweedfs_s3.secret_key,
+        "region": seaweedfs_s3.region,
+    }
+    uri = f"s3://{seaweedfs_s3.bucket}/shared-reads-{secrets.token_hex(4)}"
+    writer = S3StorageWriter(uri, **s3)
+    dcp.save(shared_worker.full_state(), storage_writer=writer, no_dist=True)
+    return uri, s3
+
+
+def _load(checkpoint, layout: str, shared: bool, tmp_path: Path) -> float:
+    """GET body bytes of one 4-rank load, over the checkpoint's stored tensor bytes."""
+    uri, s3 = checkpoint
+    with FaultProxy(s3["endpoint_url"], seed=1) as proxy:
+        through = {**s3, "endpoint_url": proxy.endpoint_url}
+        worker.run_ranks(
+            shared_worker.shared_load_main, 4, through, uri, str(tmp_path), layout, shared,
+            timeout=240,
+        )  # fmt: skip
+        fetched = proxy.body_bytes["GET"]
+    for rank in range(4):
+        report = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert all(report["exact"].values()), (layout, shared, rank, report["exact"])
+    return fetched / shared_worker.stored_bytes()
+
+
+@pytest.mark.parametrize("layout", ["ddp", "hsdp"])
+def test_a_replicated_load_reads_each_stored_byte_once(layout, checkpoint, tmp_path):
+    ratio = _load(checkpoint, layout, True, tmp_path)
+    print(f"{layout}, shared: GET bytes / stored bytes = {ratio:.3f}")
+    assert ratio <= 1.1, f"{layout}: GET bytes / stored bytes = {ratio:.2f}"
+
+
+def test_without_a_group_every_replica_reads_for_itself(checkpoint, tmp_path):
+    ratio = _load(checkpoint, "ddp", False, tmp_path)
+    print(f"ddp, unshared: GET bytes / stored bytes = {ratio:.3f}")
+    assert 3.9 <= ratio <= 4.2, ratio
+
+
+def test_a_rank_that_cannot_fetch_its_share_fails_every_rank_with_its_error(checkpoint, tmp_path):
+    uri, s3 = checkpoint
+    worker.run_ranks(
+        shared_worker.shared_load_main, 4, s3, uri, str(tmp_path), "ddp", True, 2, timeout=240
+    )
+    errors = [torch.load(tmp_path / f"rank{r}.pt")["error"] for r in range(4)]
+    assert all("injected: rank 2 cannot read its share" in e for e in errors), errors
+
+
+def test_the_plan_balances_shared_ranges_and_leaves_single_needs_alone():
+    big, small = ("data/a", 0, 100), ("data/a", 100, 110)
+    alone = ("data/b", 0, 50)
+    plan = plan_shares([[big, small], [big, small, alone], [big]])
+    assert set(plan.owners) == {big, small}  # needed by one rank only: not shared
+    # Largest first, to the needing rank with the fewest bytes (rank 1 reads 50 alone).
+    assert plan.owners[big] == 0 and plan.owners[small] == 1
+    assert plan.receivers[big] == (1, 2) and plan.receivers[small] == (0,)
+    assert plan.receives(1) == [(big, 0)] and plan.receives(0) == [(small, 1)]
+    assert plan.sends(0) == [(big, 1), (big, 2)]
+    assert plan.tags[big] != plan.tags[small]
+    assert not plan_shares([[big], [alone]]).shared  # nothing replicated: nothing to share

@@ -307,6 +307,7 @@ class FaultProxy:
             to_client.write(chunk)
             await to_client.drain()
             received += len(chunk)
+            self.body_bytes[exchange.method] += len(chunk)
 
     async def _inject(self, exchange: _Exchange, to_client: asyncio.StreamWriter) -> None:
         """The response-side faults that end the exchange."""
@@ -319,7 +320,6 @@ class FaultProxy:
         await to_client.drain()
         if fault == "stall":
             await asyncio.sleep(self.stall_s)
-            self.body_bytes[exchange.method] += len(chunk)
 
     # -- decisions ---------------------------------------------------------------------
 

@@ -22,7 +22,10 @@ and then injects one of:
 with the whole object. ``conditional="reject"`` answers every request carrying
 ``If-None-Match`` or ``If-Match``
 with 501 (a store without conditional writes that says so), ``"ignore"`` strips those
-headers before relaying (a store that silently ignores them, as some do).
+headers before relaying (a store that silently ignores them, as some do). The headers are
+covered by the request's SigV4 signature, so a server that checks signatures (SeaweedFS)
+refuses a request they were stripped from: given the server's ``secret_key``, the proxy
+signs such a request again without them.
 
 ``after=-1`` acts before the response head (the server did the work, the client never
 learns). Each connection carries one request (``Connection: close`` is forced), which keeps
@@ -38,6 +41,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import random
 import socket
 import ssl
@@ -135,19 +140,21 @@ class FaultProxy:
         conditional: Conditional = "pass",
         ignore_range: bool = False,
         tls: ssl.SSLContext | None = None,
+        secret_key: str | None = None,
     ) -> None:
         parsed = urlparse(upstream)
         self.upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
         self.rules: list[Rule] = []
         self.counts: Counter[str] = Counter()
         self.requests: Counter[str] = Counter()
+        self.body_bytes: Counter[str] = Counter()  # response body bytes relayed, by method
         self.stall_s = stall_s
         self.delay_s = delay_s
         self.conditional = conditional
         self.ignore_range = ignore_range
+        self._secret_key = secret_key
         self._tls = tls
         self._rng = random.Random(seed)
-        self.body_bytes: Counter[str] = Counter()  # response body bytes relayed, by method
         self._hits: Counter[tuple[str, str]] = Counter()  # faults per (method, target)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -232,8 +239,13 @@ class FaultProxy:
         if fault == "delay":
             self._fire(exchange)
             await asyncio.sleep(self._rng.uniform(0, self.delay_s))
-        if self.conditional == "ignore":
+        if self.conditional == "ignore" and any(
+            h in headers for h in ("if-none-match", "if-match")
+        ):
             head = _without(head, _CONDITIONAL)
+            if self._secret_key is not None:
+                head = _signed_again(head, self._secret_key)
+                self.counts["conditional_ignored"] += 1
         if self.ignore_range:
             head = _without(head, (b"range:",))
         server, to_server = await asyncio.open_connection(*self.upstream)
@@ -372,6 +384,57 @@ def _without(head: bytes, names: tuple[bytes, ...]) -> bytes:
     lines = head.rstrip(b"\r\n").split(b"\r\n")
     kept = [line for line in lines if not line.lower().startswith(names)]
     return b"\r\n".join(kept) + b"\r\n\r\n"
+
+
+def _signed_again(head: bytes, secret_key: str) -> bytes:
+    """``head`` with its SigV4 ``Authorization`` computed anew over the headers it still has
+    (the signature of a request whose signed headers were stripped), with the same date,
+    scope and payload hash. A head not signed with SigV4 is returned as it is."""
+    lines = head.rstrip(b"\r\n").decode("latin-1").split("\r\n")
+    method, target, _ = lines[0].split(" ", 2)
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    authorization = headers.get("authorization", "")
+    if not authorization.startswith("AWS4-HMAC-SHA256 "):
+        return head
+    fields = dict(part.strip().split("=", 1) for part in authorization.split(" ", 1)[1].split(","))
+    signed = [h for h in fields["SignedHeaders"].split(";") if h in headers]
+    path, _, query = target.partition("?")
+    pairs = sorted(pair.partition("=")[::2] for pair in query.split("&") if pair)
+    canonical = "\n".join(
+        [
+            method,
+            path,
+            "&".join(f"{key}={value}" for key, value in pairs),
+            "".join(f"{h}:{' '.join(headers[h].split())}\n" for h in signed),
+            ";".join(signed),
+            headers.get("x-amz-content-sha256", "UNSIGNED-PAYLOAD"),
+        ]
+    )
+    scope = fields["Credential"].split("/", 1)[1]
+    to_sign = "\n".join(
+        [
+            "AWS4-HMAC-SHA256",
+            headers["x-amz-date"],
+            scope,
+            hashlib.sha256(canonical.encode()).hexdigest(),
+        ]
+    )
+    key = ("AWS4" + secret_key).encode()
+    for part in scope.split("/"):
+        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+    authorization = (
+        f"AWS4-HMAC-SHA256 Credential={fields['Credential']}, "
+        f"SignedHeaders={';'.join(signed)}, Signature={signature}"
+    )
+    kept = [
+        f"Authorization: {authorization}" if line.lower().startswith("authorization:") else line
+        for line in lines
+    ]
+    return ("\r\n".join(kept) + "\r\n\r\n").encode("latin-1")
 
 
 def _close_after(head: bytes) -> bytes:

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from s3ckpt.catalog.clock import store_time
 from s3ckpt.catalog.reporting import SILENT, Reporter
 from s3ckpt.catalog.retention import (
     Candidate,
@@ -35,18 +36,16 @@ from s3ckpt.catalog.scan import (
     read_committed,
     scan_checkpoints,
 )
+from s3ckpt.catalog.unpublish import conditional_deletes, unpublish
 from s3ckpt.config import S3URI, S3Config
 from s3ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    PreconditionFailedError,
-    StorageError,
 )
 from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
-from s3ckpt.s3.error_mapping import UNSUPPORTED_CODES
 from s3ckpt.s3.loop import io_loop
-from s3ckpt.s3.store import ObjectMeta, ObjectStore
+from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer.commit import read_manifest
 from s3ckpt.transfer.fanout import bounded
 from s3ckpt.transfer.rank_index import with_items
@@ -89,8 +88,9 @@ class Removed:
 class PruneReport:
     decisions: list[Decision]  # every committed checkpoint, oldest first
     removed: list[Removed]
-    changed: list[str]  # recommitted since the listing: left alone
+    changed: list[str]  # changed since the listing (recommitted, a save started): left alone
     dry_run: bool
+    why_changed: dict[str, str] = field(default_factory=dict)  # name -> why it was left alone
 
 
 # -- ls -----------------------------------------------------------------------------------
@@ -145,16 +145,18 @@ async def alist_checkpoints(
 
     Costs one request when the prefix holds at most 1000 objects, else one delimiter
     listing per directory (:func:`~s3ckpt.catalog.scan.scan_checkpoints`, never a page per
-    1000 objects) plus a GET of each committed manifest for its size and ranks.
+    1000 objects) plus a GET of each committed manifest for its size and ranks, and, where
+    in-flight records were listed, a ``HeadBucket`` for the store's clock.
     ``details`` reads every manifest, for exact ranks, items and save id (an unreadable
     manifest marks its checkpoint ``damaged`` instead of failing the listing). What could
     not be listed is appended to ``problems`` (logged when it is None).
     """
-    now = time.time()
     scanned = await scan_checkpoints(store, location)
     if include_uncommitted and (problem := await add_uploads(store, location, scanned)):
         _report(problem, problems)
     groups = [g for g in scanned.groups.values() if g.committed or include_uncommitted]
+    # In-flight records are judged by the store's clock; asked only when there are some.
+    now = await store_time(store) if any(g.saving for g in groups) else time.time()
     manifests: list[Manifest | str | None] = await bounded(
         [lambda g=g: _maybe_manifest(store, child(location, g.name), g, details) for g in groups]
     )
@@ -259,58 +261,37 @@ async def _committed_with_items(store: ObjectStore, location: S3URI) -> Manifest
 # -- rm and prune -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Unpublished:
-    keys: list[str]  # the manifest's objects, relative to the checkpoint
-    bytes: int
-
-
-async def _unpublish(
-    store: ObjectStore, location: S3URI, manifest_meta: ObjectMeta
-) -> _Unpublished | None:
-    """Read the manifest, then delete it if it is still the one listed (same ETag).
-
-    Returns what is left to delete, or None when the manifest was replaced or removed since
-    the listing (a save recommitted it, another prune got there first): that checkpoint is
-    left alone. An unreadable manifest is deleted alone; its objects are then gc's.
-    """
-    try:
-        manifest: Manifest | None = await read_manifest(store, location)
-    except FileNotFoundError:
-        return None
-    except CorruptCheckpointError:
-        manifest = None
-    key = location.key(MANIFEST_NAME)
-    try:
-        await store.delete_if_match(key, manifest_meta.etag)
-    except PreconditionFailedError:
-        return None
-    except FileNotFoundError:
-        pass  # removed concurrently; the objects it listed are still to be deleted
-    except StorageError as exc:
-        if exc.code not in UNSUPPORTED_CODES:
-            raise
-        await store.delete_many([key])  # no conditional deletes on this store
-    if manifest is None:
-        return _Unpublished([], manifest_meta.size)
-    return _Unpublished(manifest.all_keys(), manifest.total_bytes + manifest_meta.size)
-
-
 async def remove_groups(
-    store: ObjectStore, location: S3URI, groups: list[Group], progress: Reporter
+    store: ObjectStore,
+    location: S3URI,
+    groups: list[Group],
+    progress: Reporter,
+    *,
+    now: float | None = None,
+    why: dict[str, str] | None = None,
 ) -> tuple[list[Removed], list[str]]:
-    """Unpublish every group's manifest (concurrently), then delete their objects in batches."""
+    """Unpublish every group's manifest (concurrently), then delete their objects in batches.
+
+    Returns what was removed and the names of the checkpoints left alone because they
+    changed since the listing (:mod:`s3ckpt.catalog.unpublish`), each with its reason in
+    ``why`` when given. ``now``: the store's clock (read from the store when needed)."""
+    conditional = bool(groups) and await conditional_deletes(store, location)  # probed once
+    if groups and not conditional and now is None:
+        now = await store_time(store)  # the re-check compares in-flight records with it
     results = await bounded(
         [
-            lambda g=g: _unpublish(store, child(location, g.name), g.manifest)  # type: ignore[arg-type]
+            lambda g=g: unpublish(store, child(location, g.name), g.manifest, now, conditional)  # type: ignore[arg-type]
             for g in groups
         ]
     )
     removed, changed, keys = [], [], []
     for group, result in zip(groups, results, strict=True):
         where = child(location, group.name)
-        if result is None:
+        if isinstance(result, str):
             changed.append(group.name)
+            log.info("%s: %s; left alone", where, result)
+            if why is not None:
+                why[group.name] = result
             continue
         keys += [where.key(k) for k in result.keys]
         removed.append(Removed(group.name, str(where), len(result.keys) + 1, result.bytes))
@@ -331,9 +312,10 @@ async def aremove_checkpoint(
         await store.head_bucket()
         raise CheckpointNotFoundError(f"no committed checkpoint at {location}") from exc
     group = Group("", manifest=meta)
-    removed, changed = await remove_groups(store, location, [group], progress)
+    why: dict[str, str] = {}
+    removed, changed = await remove_groups(store, location, [group], progress, why=why)
     if changed:
-        raise CheckpointError(f"{location} was recommitted while being removed; kept it")
+        raise CheckpointError(f"{location} was not removed: {why['']}; kept it")
     return removed[0]
 
 
@@ -364,16 +346,20 @@ async def aprune(
     checkpoints under ``location``. Saves that are in flight have no manifest and are not
     candidates, and a committed checkpoint being overwritten is kept; a checkpoint
     committed after the listing is not seen, so it survives."""
-    now = time.time() if now is None else now
     listed = await scan_checkpoints(store, location)
     groups = {g.name: g for g in listed.groups.values() if g.committed}
+    if now is None and (older_than is not None or any(g.saving for g in groups.values())):
+        now = await store_time(store)  # ages are the store's: commit times, in-flight records
     decisions = plan_retention(
-        [Candidate(g.name, g.newest, g.in_flight(now)) for g in groups.values()],
+        [
+            Candidate(g.name, g.newest, now is not None and g.in_flight(now))
+            for g in groups.values()
+        ],
         keep_last=keep_last,
         keep_every=keep_every,
         older_than=older_than,
         force=force,
-        now=now,
+        now=time.time() if now is None else now,  # then no rule reads it
     )
     victims = [groups[d.name] for d in decisions if d.delete]
     if dry_run:
@@ -389,8 +375,9 @@ async def aprune(
             for g, m in zip(victims, manifests, strict=True)
         ]
         return PruneReport(decisions, removed, [], dry_run=True)
-    removed, changed = await remove_groups(store, location, victims, progress)
-    return PruneReport(decisions, removed, changed, dry_run=False)
+    why: dict[str, str] = {}
+    removed, changed = await remove_groups(store, location, victims, progress, now=now, why=why)
+    return PruneReport(decisions, removed, changed, dry_run=False, why_changed=why)
 
 
 def prune(

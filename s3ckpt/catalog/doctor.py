@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from crc32c import crc32c
 
+from s3ckpt.catalog.unpublish import probe_conditional_delete, record_conditional_deletes
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.errors import PreconditionFailedError, S3CkptError, StorageError
 from s3ckpt.s3.client import client_handle, tls_verify
@@ -71,6 +72,7 @@ class _Probe:
                 for check in (
                     self._access,
                     self._conditional,
+                    self._conditional_deletes,
                     self._checksums,
                     self._multipart,
                     self._ranges,
@@ -141,6 +143,23 @@ class _Probe:
         self.add("conditional writes", "degraded", detail)
         self.diagnosis.plan.append(
             "commits with the claim protocol (correct without conditional writes)"
+        )
+
+    async def _conditional_deletes(self) -> None:
+        honoured, detail = await probe_conditional_delete(self.store, self.key("delete"))
+        record_conditional_deletes(self.store, honoured)  # what prune and rm here rely on
+        if honoured:
+            self.add("conditional deletes", "ok", detail)
+            self.diagnosis.plan.append("prune and rm delete a manifest with If-Match")
+            return
+        self.add(
+            "conditional deletes",
+            "degraded",
+            f"{detail}: prune and rm re-check each manifest just before deleting it, which "
+            "leaves a short window (docs/reliability.md)",
+        )
+        self.diagnosis.plan.append(
+            "prune and rm re-check a manifest (ETag, in-flight records) before deleting it"
         )
 
     async def _checksums(self) -> None:

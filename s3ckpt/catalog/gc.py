@@ -17,7 +17,8 @@ storage. ``gc`` removes, under a prefix:
 It never deletes a manifest, and never touches a directory where a save is in flight: one
 whose in-flight record was refreshed within its lease (:mod:`s3ckpt.transfer.inflight`),
 or with a multipart upload started inside the grace period. ``LastModified`` and
-``Initiated`` come from the server's clock, ``now`` from this machine's. Reading manifests
+``Initiated`` come from the server's clock, and so does ``now`` (:mod:`s3ckpt.catalog.clock`):
+a host whose clock is off ages nothing wrongly. Reading manifests
 costs one GET per committed checkpoint whose directory holds objects of more than one
 save; all other decisions come from the listing.
 
@@ -29,10 +30,10 @@ s3ckpt releases that kept no in-flight record.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from s3ckpt.catalog.clock import store_time
 from s3ckpt.catalog.grace import DEFAULT_GRACE, MIN_SAFE_GRACE
 from s3ckpt.catalog.reporting import SILENT, Reporter
 from s3ckpt.catalog.scan import (
@@ -111,7 +112,7 @@ async def acollect_garbage(
     ``lease``: how long after its last refresh an in-flight record still means a save is
     running. Shorten it only when the saves are known to be dead (their processes gone).
     """
-    now = time.time() if now is None else now
+    now = await store_time(store) if now is None else now
     cutoff = now - grace
     report = GcReport(grace, dry_run)
     uploads = await list_uploads(store, _list_prefix(location))

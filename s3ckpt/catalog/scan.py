@@ -85,7 +85,8 @@ class Group:
 
     def in_flight(self, now: float, lease: float = LEASE_S) -> bool:
         """Whether a save is running here: an in-flight record refreshed within ``lease``
-        (``LastModified`` from the server's clock, ``now`` from ours). The record of the
+        (``LastModified`` from the server's clock, and ``now`` too: callers read it from
+        the store, :mod:`s3ckpt.catalog.clock`, never from this machine). The record of the
         save the manifest names does not count: that save has committed (and died before
         deleting its record)."""
         done = self.committed_save_hint()

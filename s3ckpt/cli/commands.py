@@ -7,7 +7,8 @@ stdout (field names documented in ``docs/cli.md``). The catalog is imported insi
 ``run_*`` so that ``s3ckpt --help`` stays instant; nothing here imports torch.
 
 Exit statuses are decided in :func:`s3ckpt.cli.main.main` from the exception raised, except
-"problem found" results (verify), which return 1 here.
+"problem found" results (verify; prune leaving a checkpoint that changed since its
+listing), which return 1 here.
 """
 
 from __future__ import annotations
@@ -224,7 +225,10 @@ def run_prune(args: argparse.Namespace) -> int:
         config=config_from(args),
     )
     emit(args, output.prune_json(report), output.prune_text(report))
-    return 0
+    for name in report.changed:  # the policy was not carried out for these: say so, exit 1
+        why = report.why_changed.get(name, "changed since the listing")
+        print(f"s3ckpt: prune: {name or '.'}: {why}; kept", file=sys.stderr)
+    return 1 if report.changed else 0
 
 
 # -- gc -------------------------------------------------------------------------------------

@@ -181,6 +181,7 @@ def prune_json(report: PruneReport) -> dict[str, Any]:
         "deleted": [removed_json(r) for r in report.removed],
         "kept": [{"name": d.name, "reason": d.reason} for d in report.decisions if not d.delete],
         "changed": report.changed,
+        "why_changed": report.why_changed,
         "bytes": sum(r.bytes for r in report.removed),
     }
 
@@ -204,7 +205,9 @@ def prune_text(report: PruneReport) -> str:
 
 
 def _why(decision: Any, report: PruneReport) -> str:
-    return "recommitted meanwhile" if decision.name in report.changed else decision.reason
+    if decision.name in report.changed:
+        return report.why_changed.get(decision.name, "recommitted meanwhile")
+    return decision.reason
 
 
 # -- gc -------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ lost responses created. Bodies are memory, so resending one costs no copy.
 from __future__ import annotations
 
 import time
+from email.utils import parsedate_to_datetime
 from typing import Any, Literal
 
 from botocore.exceptions import ClientError
@@ -163,6 +164,16 @@ class ObjectStore(MultipartUploads):
 
     async def head_bucket(self) -> None:
         await self._call("HeadBucket", None)
+
+    async def server_time(self) -> float | None:
+        """The store's clock, from the ``Date`` header of a ``HeadBucket`` response (seconds
+        since the epoch, whole seconds); None when the store sent none, or an unreadable one."""
+        response = await self._call("HeadBucket", None)
+        date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+        try:
+            return parsedate_to_datetime(date).timestamp() if date else None
+        except (TypeError, ValueError):
+            return None
 
     async def delete_many(self, keys: list[str]) -> None:
         """Delete ``keys`` with batched DeleteObjects (1000 per request); missing keys are fine."""

@@ -18,6 +18,7 @@ CHECKS = {
     "credentials and bucket",
     "list, put, get, delete",
     "conditional writes",
+    "conditional deletes",
     "CRC32C on uploads",
     "multipart uploads",
     "ranged GETs",
@@ -61,8 +62,21 @@ def test_doctor_reports_what_a_store_lacks_and_the_fallbacks(local_s3, s3_prefix
     statuses = {c["check"]: c["status"] for c in report["checks"]}
     assert code == 1
     assert statuses["conditional writes"] == "degraded"
+    assert statuses["conditional deletes"] == "degraded"
     assert statuses["ListMultipartUploads"] == "degraded"
     assert any("claim protocol" in step for step in report["plan"])
+    assert any("re-check a manifest" in step for step in report["plan"])
+
+
+def test_doctor_says_when_a_store_ignores_conditional_deletes(local_s3, s3_prefix, doctor):
+    with FaultProxy(
+        local_s3.endpoint_url, conditional="ignore", secret_key=local_s3.secret_key
+    ) as proxy:
+        code, report = doctor(s3_prefix, proxy.endpoint_url)
+    checks = {c["check"]: c for c in report["checks"]}
+    assert code == 1 and checks["conditional deletes"]["status"] == "degraded"
+    assert "ignored" in checks["conditional deletes"]["detail"]
+    assert checks["conditional writes"]["status"] == "degraded"  # If-None-Match is ignored too
 
 
 def test_doctor_says_when_s3ckpt_cannot_work(s3_prefix, doctor):

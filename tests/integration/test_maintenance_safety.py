@@ -1,0 +1,310 @@
+"""Maintenance never deletes what a save has just committed or is writing:
+
+* on a store that ignores ``If-Match`` on DELETE (the fault proxy strips the header, as
+  some stores do), ``prune`` and ``rm`` re-check a manifest just before deleting it, and a
+  checkpoint recommitted after their listing survives and loads;
+* ``gc`` and ``prune`` measure ages with the store's clock, so a host whose clock is two
+  hours off neither collects a running save nor keeps a dead one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from faultproxy import FaultProxy
+
+from s3ckpt import catalog
+from s3ckpt.catalog import api as catalog_api
+from s3ckpt.catalog import unpublish as unpublish_module
+from s3ckpt.catalog.gc import acollect_garbage
+from s3ckpt.catalog.unpublish import conditional_deletes, probe_conditional_delete
+from s3ckpt.cli.main import main
+from s3ckpt.config import S3URI, make_config
+from s3ckpt.format.layout import saving_key
+from s3ckpt.s3.loop import io_loop
+from s3ckpt.s3.store import ObjectStore
+from s3ckpt.transfer.inflight import mark_in_flight
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
+SKEWS = (2 * 3600.0, -2 * 3600.0)  # a local clock two hours ahead, then two hours behind
+
+
+def _state(value: float) -> dict[str, object]:
+    return {"w": torch.full((64,), value), "meta": {"v": value}}
+
+
+def _loads(make_reader, uri: str, value: float) -> bool:
+    restored = {"w": torch.zeros(64), "meta": {"v": 0.0}}
+    dcp.load(restored, storage_reader=make_reader(uri))
+    return bool(torch.equal(restored["w"], torch.full((64,), value))) and restored["meta"] == {
+        "v": value
+    }
+
+
+@pytest.fixture
+def ignoring(local_s3):
+    """The fault proxy in front of the server, dropping conditional headers."""
+    with FaultProxy(
+        local_s3.endpoint_url, conditional="ignore", secret_key=local_s3.secret_key
+    ) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+def through(s3_options, ignoring) -> dict[str, Any]:
+    """Catalog options that go through the proxy."""
+    return {"config": make_config(None, **{**s3_options, "endpoint_url": ignoring.endpoint_url})}
+
+
+@pytest.fixture
+def cli_env(local_s3, monkeypatch):
+    for name, value in local_s3.env().items():
+        monkeypatch.setenv(name, value)
+
+
+class PausedSave:
+    """A save whose objects are written and whose commit waits until :meth:`release`."""
+
+    def __init__(self, writer, value: float) -> None:
+        self.uploaded, self._go = threading.Event(), threading.Event()
+        self.error: BaseException | None = None
+        commit = writer.finish
+
+        def finish(metadata, results):
+            self.uploaded.set()
+            assert self._go.wait(120)
+            return commit(metadata, results)
+
+        writer.finish = finish
+        self.thread = threading.Thread(target=self._run, args=(writer, value))
+        self.thread.start()
+        assert self.uploaded.wait(120)
+
+    def _run(self, writer, value: float) -> None:
+        try:
+            dcp.save(_state(value), storage_writer=writer)
+        except BaseException as exc:
+            self.error = exc
+
+    def release(self) -> None:
+        self._go.set()
+        self.thread.join(120)
+        assert self.error is None, self.error
+
+
+def test_the_probe_sees_which_stores_honour_conditional_deletes(
+    s3_options, local_s3, s3_prefix, list_keys
+):
+    location = S3URI.parse(s3_prefix)
+    seen = {}
+    for mode in ("pass", "ignore", "reject"):
+        with FaultProxy(
+            local_s3.endpoint_url, conditional=mode, secret_key=local_s3.secret_key
+        ) as proxy:
+            config = make_config(None, **{**s3_options, "endpoint_url": proxy.endpoint_url})
+            store = ObjectStore(config, local_s3.bucket)
+            probe = location.key(f"probe-{mode}")
+            seen[mode] = io_loop().run(probe_conditional_delete(store, probe))
+            assert io_loop().run(conditional_deletes(store, location)) is seen[mode][0]
+    assert seen["pass"][0] and "honoured" in seen["pass"][1]
+    assert not seen["ignore"][0] and "ignored" in seen["ignore"][1]
+    assert not seen["reject"][0] and "refused (NotImplemented)" in seen["reject"][1]
+    assert list_keys(s3_prefix) == []  # the probe objects are gone
+
+
+def test_prune_keeps_a_checkpoint_recommitted_after_its_listing(
+    s3_prefix, make_writer, make_reader, ignoring, cli_env, monkeypatch, capsys
+):
+    for step in (1, 2):
+        dcp.save(_state(step), storage_writer=make_writer(f"{s3_prefix}/step-{step}"))
+    real_scan = catalog_api.scan_checkpoints
+
+    async def scan_then_recommit(store, location):
+        listing = await real_scan(store, location)  # step-1 is to go: the listed manifest
+        overwrite = make_writer(f"{s3_prefix}/step-1", overwrite=True)
+        await asyncio.to_thread(dcp.save, _state(10.0), storage_writer=overwrite)
+        return listing
+
+    monkeypatch.setattr(catalog_api, "scan_checkpoints", scan_then_recommit)
+    code = main(["prune", s3_prefix, "--keep-last", "1", "--endpoint-url", ignoring.endpoint_url])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert captured.err == "s3ckpt: prune: step-1: recommitted since the listing; kept\n"
+    assert "keep (recommitted since the listing)" in captured.out
+    assert _loads(make_reader, f"{s3_prefix}/step-1", 10.0)  # the newest commit survived
+    assert _loads(make_reader, f"{s3_prefix}/step-2", 2.0)
+
+
+def test_prune_keeps_a_checkpoint_recommitted_just_before_its_delete(
+    s3_prefix, make_writer, make_reader, through, monkeypatch
+):
+    for step in (1, 2):
+        dcp.save(_state(step), storage_writer=make_writer(f"{s3_prefix}/step-{step}"))
+    real_read = unpublish_module.read_manifest
+
+    async def read_then_recommit(store, location):
+        manifest = await real_read(store, location)  # the old manifest, its objects to go
+        overwrite = make_writer(str(location), overwrite=True)
+        await asyncio.to_thread(dcp.save, _state(10.0), storage_writer=overwrite)
+        return manifest
+
+    monkeypatch.setattr(unpublish_module, "read_manifest", read_then_recommit)
+    report = catalog.prune(s3_prefix, keep_last=1, **through)
+    assert report.removed == [] and report.changed == ["step-1"]
+    assert report.why_changed == {"step-1": "recommitted since the listing"}
+    assert _loads(make_reader, f"{s3_prefix}/step-1", 10.0)
+    assert catalog.verify_checkpoint(f"{s3_prefix}/step-1", **through).ok
+
+
+def test_prune_keeps_a_checkpoint_a_save_started_into_after_its_listing(
+    s3_prefix, make_writer, make_reader, through, monkeypatch
+):
+    for step in (1, 2):
+        dcp.save(_state(step), storage_writer=make_writer(f"{s3_prefix}/step-{step}"))
+    real_scan = catalog_api.scan_checkpoints
+    started: list[PausedSave] = []
+
+    async def scan_then_start_a_save(store, location):
+        listing = await real_scan(store, location)
+        writer = make_writer(f"{s3_prefix}/step-1", overwrite=True)
+        started.append(await asyncio.to_thread(PausedSave, writer, 10.0))
+        return listing
+
+    monkeypatch.setattr(catalog_api, "scan_checkpoints", scan_then_start_a_save)
+    report = catalog.prune(s3_prefix, keep_last=1, **through)
+    assert report.removed == []
+    assert report.why_changed == {"step-1": "a save started there since the listing"}
+    assert _loads(make_reader, f"{s3_prefix}/step-1", 1.0)  # still the old one, whole
+    started[0].release()
+    assert _loads(make_reader, f"{s3_prefix}/step-1", 10.0)
+
+
+def test_prune_still_deletes_on_a_store_without_conditional_deletes(
+    s3_prefix, make_writer, through, list_keys
+):
+    for step in (1, 2, 3):
+        dcp.save(_state(step), storage_writer=make_writer(f"{s3_prefix}/step-{step}"))
+    report = catalog.prune(s3_prefix, keep_last=1, **through)
+    assert [r.name for r in report.removed] == ["step-1", "step-2"] and report.changed == []
+    assert list_keys(f"{s3_prefix}/step-1") == list_keys(f"{s3_prefix}/step-2") == []
+
+
+def test_rm_refuses_a_checkpoint_recommitted_while_it_runs(
+    s3_prefix, make_writer, make_reader, ignoring, cli_env, monkeypatch, capsys
+):
+    uri = f"{s3_prefix}/step-1"
+    dcp.save(_state(1.0), storage_writer=make_writer(uri))
+    real_read = unpublish_module.read_manifest
+
+    async def read_then_recommit(store, location):
+        manifest = await real_read(store, location)
+        overwrite = make_writer(uri, overwrite=True)
+        await asyncio.to_thread(dcp.save, _state(10.0), storage_writer=overwrite)
+        return manifest
+
+    monkeypatch.setattr(unpublish_module, "read_manifest", read_then_recommit)
+    code = main(["rm", uri, "--endpoint-url", ignoring.endpoint_url])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1
+    assert (
+        err == f"s3ckpt rm: error: {uri} was not removed: recommitted since the listing; kept it\n"
+    )
+    assert _loads(make_reader, uri, 10.0)
+
+
+# -- clocks -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def store(s3_options, local_s3) -> ObjectStore:
+    return ObjectStore(make_config(None, **s3_options), local_s3.bucket)
+
+
+@pytest.fixture
+def skewed(monkeypatch):
+    """``skewed(seconds)``: this machine's clock (``time.time``) off by ``seconds``."""
+    real = time.time
+
+    def skew(seconds: float) -> None:
+        monkeypatch.setattr(time, "time", lambda: real() + seconds)
+
+    yield skew
+    monkeypatch.setattr(time, "time", real)
+
+
+def _record_age(store: ObjectStore, key: str) -> float:
+    """How old the object at ``key`` is by the store's own clock."""
+    meta = io_loop().run(store.head(key))
+    assert meta.last_modified is not None
+    now = io_loop().run(store.server_time())
+    assert now is not None
+    return now - meta.last_modified.timestamp()
+
+
+def test_gc_measures_in_flight_records_with_the_store_clock(
+    local_s3, s3_prefix, make_writer, make_reader, store, list_keys, skewed
+):
+    lease = 10.0  # short, so that a dead save's record expires within the test
+    location = S3URI.parse(s3_prefix)
+    dead_id = "00000000000000d1"
+    dead = {
+        f"step-1/{saving_key(dead_id)}": b'{"save_id": "00000000000000d1"}',
+        f"step-1/data/r00000-{dead_id}-0000.bin": b"x" * 100,
+    }
+    for key, body in dead.items():
+        local_s3.client().put_object(Bucket=location.bucket, Key=location.key(key), Body=body)
+    running = PausedSave(make_writer(f"{s3_prefix}/step-2"), 2.0)
+    record = next(k for k in list_keys(f"{s3_prefix}/step-2") if ".s3ckpt-saving-" in k)
+    running_id = record.rsplit("-", 1)[1]
+    for _ in range(600):  # until the dead save's record is past the lease, by the store's clock
+        if _record_age(store, location.key(f"step-1/{saving_key(dead_id)}")) > lease:
+            break
+        time.sleep(0.25)
+
+    for skew in SKEWS:
+        io_loop().run(mark_in_flight(store, location.child("step-2"), running_id))  # a beat
+        skewed(skew)
+        report = io_loop().run(
+            acollect_garbage(store, location, grace=0.0, lease=lease, dry_run=True)
+        )
+        skewed(0.0)
+        assert report.in_flight == ["step-2"], skew  # the running save keeps its directory
+        assert [(g.name, g.reason) for g in report.garbage] == [("step-1", "uncommitted")], skew
+
+    io_loop().run(mark_in_flight(store, location.child("step-2"), running_id))
+    skewed(SKEWS[0])
+    io_loop().run(acollect_garbage(store, location, grace=0.0, lease=lease))
+    skewed(0.0)
+    assert list_keys(f"{s3_prefix}/step-1") == []
+    running.release()
+    assert _loads(make_reader, f"{s3_prefix}/step-2", 2.0)
+
+
+def test_prune_keeps_a_checkpoint_being_overwritten_whatever_the_local_clock(
+    s3_prefix, make_writer, make_reader, store, list_keys, skewed
+):
+    location = S3URI.parse(s3_prefix)
+    for step in (1, 2):
+        dcp.save(_state(step), storage_writer=make_writer(f"{s3_prefix}/step-{step}"))
+    overwrite = PausedSave(make_writer(f"{s3_prefix}/step-1", overwrite=True), 10.0)
+    for skew, dry_run in ((*SKEWS[:1], True), (*SKEWS[1:], True), (*SKEWS[:1], False)):
+        skewed(skew)
+        report = io_loop().run(
+            catalog_api.aprune(store, location, keep_last=0, force=True, dry_run=dry_run)
+        )
+        skewed(0.0)
+        kept = {d.name: d.reason for d in report.decisions if not d.delete}
+        assert kept == {"step-1": "save in flight"}, skew
+        assert [r.name for r in report.removed] == ["step-2"], skew
+    assert list_keys(f"{s3_prefix}/step-2") == []
+    overwrite.release()
+    assert _loads(make_reader, f"{s3_prefix}/step-1", 10.0)

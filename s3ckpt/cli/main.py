@@ -24,10 +24,13 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from s3ckpt.cli import commands, interop_commands
 from s3ckpt.errors import ConfigError, EndpointError, S3CkptError, StorageError
+
+if TYPE_CHECKING:
+    from s3ckpt.s3.loop import CancelScope
 
 
 @dataclass(frozen=True)
@@ -192,25 +195,46 @@ class CommandTimeout(EndpointError):
 
 
 @contextlib.contextmanager
-def _bounded(seconds: float | None) -> Iterator[None]:
-    """Raise :class:`CommandTimeout` in the main thread once ``seconds`` have passed (the
-    wait on the I/O loop is interrupted, and its request cancelled)."""
-    if not seconds or threading.current_thread() is not threading.main_thread():
-        yield
+def _bounded(seconds: float | None) -> Iterator[CancelScope | None]:
+    """Stop the command once ``seconds`` have passed: a timer cancels its requests on the
+    I/O loop (:class:`~s3ckpt.s3.loop.CancelScope`), and the request the command waits
+    for, or its next one, raises :class:`CommandTimeout`. No signal interrupts the main
+    thread wherever it happens to be (holding a lock, in a ``finally`` block, drawing the
+    progress bar): it carries on to its next request, and fails there."""
+    if not seconds:
+        yield None
         return
+    from s3ckpt.s3.loop import CancelScope
 
-    def expire(signum: int, frame: FrameType | None) -> None:
-        raise CommandTimeout(
+    scope = CancelScope()
+    timer = threading.Timer(seconds, _expire, (scope, seconds))
+    timer.daemon = True
+    with scope:
+        timer.start()
+        try:
+            yield scope
+        finally:
+            timer.cancel()
+
+
+def _expire(scope: CancelScope, seconds: float) -> None:
+    """The timer's end (on the timer's thread)."""
+    scope.cancel(
+        CommandTimeout(
             f"gave up after {seconds:g} s (--timeout): the endpoint did not finish the command"
         )
+    )
 
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+
+def _run(args: argparse.Namespace, scope: CancelScope | None) -> int:
     try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        return int(args._run(args))
+    except Exception as exc:
+        # Past the timeout, whatever the command ended with (a cancelled wait inside DCP,
+        # say) follows from it: report the timeout.
+        if scope is not None and scope.error is not None and exc is not scope.error:
+            raise scope.error from exc
+        raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -218,8 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # --help and usage errors raise SystemExit (0, 2)
     prefix = f"s3ckpt {args.command}: error:"
     try:
-        with _bounded(getattr(args, "timeout", None)):
-            status = int(args._run(args))
+        with _bounded(getattr(args, "timeout", None)) as scope:
+            status = _run(args, scope)
             sys.stdout.flush()
             return status
     except (ConfigError, StorageError) as exc:

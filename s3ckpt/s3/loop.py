@@ -5,6 +5,11 @@ checkpoints saving at once cannot oversubscribe the endpoint. The loop is keyed 
 after ``fork`` (DCP's process-mode ``async_save``, data-loader workers) the child gets a
 fresh loop and fresh clients on first use instead of inheriting a dead thread and sockets
 that belong to the parent. uvloop is used when installed.
+
+A :class:`CancelScope` lets another thread stop what a thread waits for on the loop (the
+CLI's ``--timeout``): the scope's tasks are cancelled on the loop, and the thread's waits
+raise the scope's error once they have ended, so the error comes out of a request, where
+every caller expects errors, never out of whatever line the thread was running.
 """
 
 from __future__ import annotations
@@ -12,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import contextvars
 import os
 import threading
 from collections.abc import Coroutine
 from concurrent.futures import Future
+from types import TracebackType
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -36,19 +43,33 @@ class EventLoopThread:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
-    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
-        """Schedule ``coro`` on the loop; returns a thread-safe future."""
+    def submit(self, coro: Coroutine[Any, Any, T], *, scoped: bool = True) -> Future[T]:
+        """Schedule ``coro`` on the loop; returns a thread-safe future. Inside a
+        :class:`CancelScope` (unless ``scoped=False``: work that must run to its end, such
+        as stopping a background task) the scope's :meth:`~CancelScope.cancel` cancels it."""
+        scope = _scope.get() if scoped else None
+        if scope is not None:
+            coro = scope._guard(coro)
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the loop and wait for its result (never call from the loop itself)."""
+        """Run ``coro`` on the loop and wait for its result (never call from the loop itself).
+
+        Inside a cancelled :class:`CancelScope`, raises the scope's error (at once, or once
+        the cancelled ``coro`` has ended)."""
         if threading.current_thread() is self._thread:
+            coro.close()
             raise RuntimeError("EventLoopThread.run called from its own loop thread")
+        scope = _scope.get()
         future = self.submit(coro)
         try:
             return future.result()
-        except BaseException:
+        except BaseException as exc:
             future.cancel()
+            # Whatever a cancelled scope's task ended with, the scope's error says why
+            # (KeyboardInterrupt and the like stay what they are).
+            if isinstance(exc, Exception) and scope is not None and scope.error is not None:
+                raise scope.error from None
             raise
 
     def close(self) -> None:
@@ -59,6 +80,75 @@ class EventLoopThread:
             self.submit(_close_resources(self.resources)).result(timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
+
+
+_scope: contextvars.ContextVar[CancelScope | None] = contextvars.ContextVar(
+    "s3ckpt_cancel_scope", default=None
+)
+
+
+class CancelScope:
+    """What the threads inside ``with scope:`` submit to the loop, cancellable at once
+    from any thread (a timer, say) with :meth:`cancel`.
+
+    Cancelling cancels the scope's tasks on the loop (their ``finally`` blocks and
+    clean-ups run there as for any cancellation); each :meth:`EventLoopThread.run` waiting
+    on one raises the scope's error once its task has ended, and every later one raises it
+    at once, its coroutine never started. Nothing is raised anywhere else: a thread that
+    holds a lock, runs a ``finally`` block or prints when the scope is cancelled carries on
+    to its next request, which fails like any failed request.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tasks: dict[asyncio.Task[Any], asyncio.AbstractEventLoop] = {}
+        self.error: BaseException | None = None
+        self._token: contextvars.Token[CancelScope | None] | None = None
+
+    def __enter__(self) -> CancelScope:
+        self._token = _scope.set(self)
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if self._token is not None:
+            _scope.reset(self._token)
+            self._token = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self.error is not None
+
+    def cancel(self, error: BaseException) -> None:
+        """Cancel the scope's tasks; its waits raise ``error`` (the first cancel counts)."""
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error = error
+            tasks = list(self._tasks.items())
+        for task, loop in tasks:
+            with contextlib.suppress(RuntimeError):  # a loop closed meanwhile: nothing runs
+                loop.call_soon_threadsafe(task.cancel)
+
+    async def _guard(self, coro: Coroutine[Any, Any, T]) -> T:
+        """``coro``, as a task of this scope (runs on the loop)."""
+        task = asyncio.current_task()
+        assert task is not None
+        with self._lock:
+            if self.error is None:
+                self._tasks[task] = asyncio.get_running_loop()
+        if self.error is not None:
+            coro.close()
+            raise asyncio.CancelledError()
+        try:
+            return await coro
+        finally:
+            with self._lock:
+                self._tasks.pop(task, None)
 
 
 async def _close_resources(resources: dict[Any, Any]) -> None:

@@ -21,7 +21,6 @@ import asyncio
 import json
 import logging
 import random
-from concurrent.futures import Future
 from types import TracebackType
 
 from s3ckpt.config import S3URI
@@ -53,14 +52,26 @@ class Heartbeat:
     The refreshes run on the I/O loop, so a rank busy in its calling thread (compressing,
     waiting for uploads) still keeps its record fresh. A failed refresh is logged, not
     raised: it matters only if the save outlives :data:`LEASE_S` without another success.
+
+    Leaving the block stops the refreshes and waits until they have stopped: a refresh
+    that is on the wire then is left to finish (for up to the store's ``read_timeout``;
+    past that it is cancelled, and the cancellation awaited), so that none lands after the
+    block, where it would recreate the record that the commit or the clean-up deletes
+    next and hold ``gc`` and ``prune`` off the directory for a lease.
     """
 
     def __init__(self, store: ObjectStore, location: S3URI, save_id: str) -> None:
         self.store, self.location, self.save_id = store, location, save_id
-        self._task: Future[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._refreshing = False
 
     def __enter__(self) -> Heartbeat:
-        self._task = io_loop().submit(self._beat())
+        self._stopping = False
+        if _on_loop_thread():
+            self._task = asyncio.get_running_loop().create_task(self._beat())
+        else:
+            self._task = io_loop().submit(self._start(), scoped=False).result()
         return self
 
     def __exit__(
@@ -69,14 +80,47 @@ class Heartbeat:
         value: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        task, self._task = self._task, None
+        if task is None:
+            return
+        if _on_loop_thread():  # the loop cannot run while we wait on it: cancel, do not wait
+            self._stopping = True
+            task.cancel()
+            return
+        io_loop().submit(self._stop(task), scoped=False).result()
+
+    async def _start(self) -> asyncio.Task[None]:
+        return asyncio.get_running_loop().create_task(self._beat())
+
+    async def _stop(self, task: asyncio.Task[None]) -> None:
+        """End the beat (on the loop): at once when it sleeps, after the refresh it has on
+        the wire otherwise (bounded by the store's read timeout); return once it has ended."""
+        self._stopping = True
+        if not self._refreshing:
+            task.cancel()
+        _, pending = await asyncio.wait([task], timeout=self.store.config.read_timeout)
+        if pending:
+            log.warning("a refresh of the in-flight record of %s hangs; cancelled", self.location)
+            task.cancel()
+            await asyncio.wait([task])
 
     async def _beat(self) -> None:
-        while True:
+        while not self._stopping:
             # Jitter spreads the refreshes of many ranks over the interval.
             await asyncio.sleep(HEARTBEAT_S * random.uniform(0.8, 1.0))
+            self._refreshing = True
             try:
                 await mark_in_flight(self.store, self.location, self.save_id)
             except StorageError as exc:
                 log.warning("could not refresh the in-flight record of %s: %s", self.location, exc)
+            finally:
+                self._refreshing = False
+
+
+def _on_loop_thread() -> bool:
+    """Whether the caller runs on the I/O loop's own thread."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return running is io_loop().loop

@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from faultproxy import FaultProxy, Rule
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-from s3ckpt import S3StorageWriter, catalog, unwrap
-from s3ckpt.config import make_config
 
 pytestmark = [
     pytest.mark.integration,
@@ -72,54 +66,3 @@ def test_an_object_that_cannot_be_serialized_fails_cleanly(s3_prefix, make_write
     with pytest.raises(BaseException, match=r"(?i)pickle"):
         dcp.save(state, storage_writer=make_writer(s3_prefix))
     assert list_keys(s3_prefix) == []
-
-
-def _failing_completes(proxy) -> None:
-    """Every CompleteMultipartUpload refused (501, not retried): the save fails with each
-    of its uploads open and its id known."""
-    proxy.add(Rule("not_implemented", methods=("POST",), match="uploadId=", per_request=None))
-
-
-def _save_through(proxy, s3_options, uri: str) -> None:
-    options = {**s3_options, "endpoint_url": proxy.endpoint_url, "part_size": 5 * MiB}
-    writer = S3StorageWriter(uri, max_object_size=8 * MiB, **options)
-    with pytest.raises(BaseException) as info:
-        dcp.save(_state(), storage_writer=writer)
-    assert "CompleteMultipartUpload" in str(unwrap(info.value)), unwrap(info.value)
-
-
-def test_a_clean_up_that_cannot_list_still_aborts_every_upload_it_knows(
-    local_s3, s3_prefix, s3_options, list_keys, pending_uploads
-):
-    """Uploads whose id is known are aborted without listing: a store that fails every
-    ListMultipartUploads still gets every upload of the failed save aborted."""
-    with FaultProxy(local_s3.endpoint_url, seed=3) as proxy:
-        _failing_completes(proxy)
-        proxy.add(Rule("slowdown", methods=("GET",), match="uploads", per_request=None))
-        _save_through(proxy, s3_options, s3_prefix)
-        assert proxy.counts["not_implemented"] >= 1  # the completes failed
-        assert proxy.counts["slowdown"] == 0  # no listing was needed
-    assert pending_uploads(s3_prefix) == []
-    assert list_keys(s3_prefix) == []
-
-
-def test_one_failing_abort_stops_none_of_the_rest_and_gc_finds_what_was_left(
-    local_s3, s3_prefix, s3_options, list_keys, pending_uploads, caplog
-):
-    with FaultProxy(local_s3.endpoint_url, seed=3) as proxy:
-        _failing_completes(proxy)
-        proxy.add(
-            Rule(
-                "not_implemented", methods=("DELETE",), match="-0000.bin?uploadId", per_request=None
-            )
-        )
-        with caplog.at_level(logging.WARNING, logger="s3ckpt.transfer.upload"):
-            _save_through(proxy, s3_options, s3_prefix)
-    left = pending_uploads(s3_prefix)
-    assert len(left) == 1 and left[0].endswith("-0000.bin"), left
-    assert list_keys(s3_prefix) == []  # the deletes ran all the same
-    logged = " ".join(r.getMessage() for r in caplog.records)
-    assert "-0000.bin not aborted" in logged, logged
-    report = catalog.collect_garbage(s3_prefix, grace=0, config=make_config(None, **s3_options))
-    assert [u.key.rsplit("/", 1)[-1] for u in report.uploads] == [left[0].rsplit("/", 1)[-1]]
-    assert pending_uploads(s3_prefix) == []

@@ -11,6 +11,7 @@ caught and named. Each test adds its counts to the fault matrix of ``docs/reliab
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -116,8 +117,9 @@ SCENARIOS = {
         ),
     ),
 }
-# + corruption, persistent failure, deadline, the 2,000-request campaign; on each server
-EXPECTED_ROWS = 2 * (len(SCENARIOS) + 4)
+# + corruption, persistent failure, deadline, the 2,000-request campaign, two failing
+# clean-ups; on each server
+EXPECTED_ROWS = 2 * (len(SCENARIOS) + 6)
 
 
 @pytest.fixture(scope="module")
@@ -433,3 +435,73 @@ def test_a_campaign_of_2000_requests_at_25_percent_faults_survives_bit_exact(
 def _campaign_state(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {"w": torch.randn(64 * KiB, generator=g), "ids": torch.arange(10_000) * seed}
+
+
+def _failing_completes(proxy) -> None:
+    """Every CompleteMultipartUpload refused (501, not retried): the save fails with each
+    of its uploads open and its id known."""
+    proxy.add(Rule("not_implemented", methods=("POST",), match="uploadId=", per_request=None))
+
+
+def _save_through(through, uri: str) -> None:
+    writer = S3StorageWriter(uri, max_object_size=8 * MiB, **through)
+    state = {f"t{i}": torch.full((MiB,), float(i)) for i in range(8)}  # 8 x 4 MiB
+    with pytest.raises(BaseException) as info:
+        dcp.save(state, storage_writer=writer)
+    assert "CompleteMultipartUpload" in str(unwrap(info.value)), unwrap(info.value)
+
+
+def test_a_clean_up_that_cannot_list_still_aborts_every_upload_it_knows(
+    proxy, through, s3_prefix, list_keys, pending_uploads, matrix, server
+):
+    """Uploads whose id is known are aborted without listing: a store that fails every
+    ListMultipartUploads still gets every upload of the failed save aborted."""
+    _failing_completes(proxy)
+    proxy.add(Rule("slowdown", methods=("GET",), match="uploads", per_request=None))
+    _save_through(through, s3_prefix)
+    assert proxy.counts["not_implemented"] >= 1  # the completes failed
+    assert proxy.counts["slowdown"] == 0  # no listing was needed
+    faults = dict(proxy.counts)
+    proxy.clear()
+    assert pending_uploads(s3_prefix) == []
+    assert list_keys(s3_prefix) == []
+    matrix.add(
+        report.Row(
+            _titled("a failed save's clean-up where every listing of uploads fails", server),
+            faults,
+            operations=1,
+            failed_cleanly=1,
+        )
+    )
+
+
+def test_one_failing_abort_stops_none_of_the_rest_and_gc_finds_what_was_left(
+    proxy, through, s3_prefix, s3_options, list_keys, pending_uploads, caplog, matrix, server
+):
+    _failing_completes(proxy)
+    proxy.add(
+        Rule("not_implemented", methods=("DELETE",), match="-0000.bin?uploadId", per_request=None)
+    )
+    with caplog.at_level(logging.WARNING, logger="s3ckpt.transfer.upload"):
+        _save_through(through, s3_prefix)
+    faults = dict(proxy.counts)
+    proxy.clear()
+    left = pending_uploads(s3_prefix)
+    assert len(left) == 1 and left[0].endswith("-0000.bin"), left
+    assert list_keys(s3_prefix) == []  # the deletes ran all the same
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "-0000.bin not aborted" in logged, logged
+    from s3ckpt import catalog
+    from s3ckpt.config import make_config
+
+    collected = catalog.collect_garbage(s3_prefix, grace=0, config=make_config(None, **s3_options))
+    assert [u.key.rsplit("/", 1)[-1] for u in collected.uploads] == [left[0].rsplit("/", 1)[-1]]
+    assert pending_uploads(s3_prefix) == []
+    matrix.add(
+        report.Row(
+            _titled("a failed save's clean-up where one abort fails (gc removes it)", server),
+            faults,
+            operations=1,
+            failed_cleanly=1,
+        )
+    )

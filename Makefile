@@ -72,9 +72,11 @@ demo: $(STAMP)
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks.run
 
-# The commit and metadata path at 4 to 4,096 simulated ranks (docs/scale.md).
+# The commit and metadata path at 4 to 4,096 simulated ranks, and replicated loads read
+# once or by every replica (docs/scale.md).
 bench-scale: $(STAMP)
 	$(BIN)/python -m benchmarks.scale
+	$(BIN)/python -m benchmarks.shared_reads
 
 # ruff, then the import contracts between the subpackages (pyproject.toml, docs/architecture.md).
 lint: $(STAMP)

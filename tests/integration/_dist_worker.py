@@ -67,6 +67,16 @@ STEP = 1234
 # -- launcher (parent side) -------------------------------------------------------------------
 
 
+def server_options(server: Any) -> dict[str, Any]:
+    """The S3 options ranks need to reach a test server (a ``LocalS3Server``)."""
+    return {
+        "endpoint_url": server.endpoint_url,
+        "access_key_id": server.access_key,
+        "secret_access_key": server.secret_key,
+        "region": server.region,
+    }
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -39,12 +39,7 @@ class Job:
 
 
 def s3_options(server: LocalS3Server) -> dict[str, Any]:
-    return {
-        "endpoint_url": server.endpoint_url,
-        "access_key_id": server.access_key,
-        "secret_access_key": server.secret_key,
-        "region": server.region,
-    }
+    return worker.server_options(server)
 
 
 def load_reports(out_dir: Path, world_size: int) -> list[dict[str, Any]]:

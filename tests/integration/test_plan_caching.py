@@ -47,12 +47,7 @@ def test_two_ranks_with_plan_caching_save_each_checkpoint_under_its_own_keys(
     seaweedfs_s3: LocalS3Server, tmp_path
 ):
     base = f"s3://{seaweedfs_s3.bucket}/plan-caching-{secrets.token_hex(4)}"
-    s3 = {
-        "endpoint_url": seaweedfs_s3.endpoint_url,
-        "access_key_id": seaweedfs_s3.access_key,
-        "secret_access_key": seaweedfs_s3.secret_key,
-        "region": seaweedfs_s3.region,
-    }
+    s3 = worker.server_options(seaweedfs_s3)
     worker.run_ranks(cache_worker.plan_caching_main, 2, s3, base, str(tmp_path), timeout=240)
     reports = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
 

@@ -77,12 +77,7 @@ def test_every_load_returns_one_save_on_every_rank_or_fails_on_all(
     world_size: int, seaweedfs_s3: LocalS3Server, tmp_path: Path
 ):
     uri = f"s3://{seaweedfs_s3.bucket}/replaced-during-load-{secrets.token_hex(4)}"
-    s3 = {
-        "endpoint_url": seaweedfs_s3.endpoint_url,
-        "access_key_id": seaweedfs_s3.access_key,
-        "secret_access_key": seaweedfs_s3.secret_key,
-        "region": seaweedfs_s3.region,
-    }
+    s3 = worker.server_options(seaweedfs_s3)
     dcp.save(load_worker.version_state(0), storage_writer=S3StorageWriter(uri, **s3), no_dist=True)
     overwriter = _Overwriter(uri, s3, tmp_path)
     overwriter.start()

@@ -31,12 +31,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def checkpoint(seaweedfs_s3: LocalS3Server) -> tuple[str, dict]:
-    s3 = {
-        "endpoint_url": seaweedfs_s3.endpoint_url,
-        "access_key_id": seaweedfs_s3.access_key,
-        "secret_access_key": seaweedfs_s3.secret_key,
-        "region": seaweedfs_s3.region,
-    }
+    s3 = worker.server_options(seaweedfs_s3)
     uri = f"s3://{seaweedfs_s3.bucket}/shared-reads-{secrets.token_hex(4)}"
     writer = S3StorageWriter(uri, **s3)
     dcp.save(shared_worker.full_state(), storage_writer=writer, no_dist=True)

@@ -177,14 +177,26 @@ def test_every_phase_of_a_save_shares_one_deadline(monkeypatch):
     assert reader._store().deadline == 1075.0
 
 
+class _FakeTime:
+    """A clock that moves only when the retry loop sleeps."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+    def clock(self) -> float:
+        return self.now
+
+    def run(self, attempt, policy):
+        return asyncio.run(retry.run(attempt, policy, sleep=self.sleep, clock=self.clock))
+
+
 def test_transient_failures_are_retried_until_the_deadline_not_a_count():
     """Twenty failures in a row of one request, well inside the deadline, still succeed
     (a count of four tries made large saves fail), and every retry is counted."""
-    now = [0.0]
-
-    async def sleep(seconds: float) -> None:
-        now[0] += seconds
-
+    time_ = _FakeTime()
     calls: list[int] = []
 
     async def attempt(number: int) -> str:
@@ -195,9 +207,9 @@ def test_transient_failures_are_retried_until_the_deadline_not_a_count():
 
     tally = retry.Tally()
     policy = retry.RetryPolicy(deadline=900.0, tally=tally)
-    result = asyncio.run(retry.run(attempt, policy, sleep=sleep, clock=lambda: now[0]))
+    result = time_.run(attempt, policy)
     assert result == "ok" and len(calls) == 21 and tally.retries == 20
-    assert 0 < now[0] < 900.0
+    assert 0 < time_.now < 900.0
 
 
 def test_with_neither_deadline_nor_cap_a_request_still_stops():
@@ -210,18 +222,15 @@ def test_with_neither_deadline_nor_cap_a_request_still_stops():
 
 
 def test_the_deadline_is_read_from_the_injected_clock():
-    now = [100.0]
-
-    async def sleep(seconds: float) -> None:
-        now[0] += seconds
+    time_ = _FakeTime(100.0)
 
     async def attempt(number: int) -> None:
         raise bce.ReadTimeoutError(endpoint_url="http://x")
 
     policy = retry.RetryPolicy(base_delay=1.0, max_delay=1.0, deadline=110.0)
     with pytest.raises(retry.RetryError) as info:
-        asyncio.run(retry.run(attempt, policy, sleep=sleep, clock=lambda: now[0]))
-    assert info.value.out_of_time and now[0] < 110.0
+        time_.run(attempt, policy)
+    assert info.value.out_of_time and time_.now < 110.0
 
 
 @pytest.mark.parametrize(
@@ -230,11 +239,7 @@ def test_the_deadline_is_read_from_the_injected_clock():
 def test_a_refused_connection_fails_fast_only_before_the_endpoint_ever_answered(answered, tries):
     """A wrong endpoint fails in a few tries; one that has answered before and now
     refuses (a restart, a failover) is retried like any blip, until the deadline."""
-    now = [0.0]
-
-    async def sleep(seconds: float) -> None:
-        now[0] += seconds
-
+    time_ = _FakeTime()
     calls: list[int] = []
 
     async def attempt(number: int) -> str:
@@ -244,10 +249,9 @@ def test_a_refused_connection_fails_fast_only_before_the_endpoint_ever_answered(
         return "ok"
 
     policy = retry.RetryPolicy(deadline=10_000.0, endpoint_answered=answered)
-    run = retry.run(attempt, policy, sleep=sleep, clock=lambda: now[0])
     if answered:
-        assert asyncio.run(run) == "ok"
+        assert time_.run(attempt, policy) == "ok"
     else:
         with pytest.raises(retry.RetryError):
-            asyncio.run(run)
+            time_.run(attempt, policy)
     assert len(calls) == tries

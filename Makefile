@@ -85,9 +85,10 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/python tests/private_names.py
 
-# Runs the fault and crash suites, then renders what they recorded into docs/reliability.md.
+# Runs the fault, crash, overwrite-during-load and maintenance suites, then renders what they recorded into docs/reliability.md.
 reliability-report: $(STAMP)
-	$(BIN)/python -m pytest -q tests/integration/test_faults.py tests/integration/test_crash.py
+	$(BIN)/python -m pytest -q tests/integration/test_faults.py tests/integration/test_crash.py \
+		tests/integration/test_replaced_during_load.py tests/integration/test_maintenance_safety.py
 	$(BIN)/python tests/reliability_report.py
 
 clean:

@@ -20,7 +20,12 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "tests" / ".reliability" / "results.json"
 DOC = ROOT / "docs" / "reliability.md"
 BEGIN, END = "<!-- fault-matrix:begin -->", "<!-- fault-matrix:end -->"
-SUITES = {"faults": "Fault proxy (`test_faults.py`)", "crash": "Crash trials (`test_crash.py`)"}
+SUITES = {
+    "faults": "Fault proxy (`test_faults.py`)",
+    "crash": "Crash trials (`test_crash.py`)",
+    "replaced": "Overwrites during multi-rank loads (`test_replaced_during_load.py`)",
+    "maintenance": "Maintenance next to saves (`test_maintenance_safety.py`)",
+}
 
 
 @dataclass

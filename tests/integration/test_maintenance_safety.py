@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import pytest
+import reliability_report as reliability
 import torch
 import torch.distributed.checkpoint as dcp
 from faultproxy import FaultProxy
@@ -36,6 +37,27 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
 ]
 SKEWS = (2 * 3600.0, -2 * 3600.0)  # a local clock two hours ahead, then two hours behind
+MATRIX_ROWS = 5
+
+
+@pytest.fixture(scope="module")
+def matrix():
+    """Rows of the fault matrix (``make reliability-report`` renders them)."""
+    suite = reliability.Suite(
+        notes=[
+            "Against SeaweedFS through the fault proxy; where conditional deletes are "
+            "ignored, the proxy strips If-Match and signs the request again. Survived: the "
+            "newest commit (or the running save) was kept and loads bit-exact; what was due "
+            "for deletion was deleted.",
+        ]
+    )
+    yield suite
+    if len(suite.rows) == MATRIX_ROWS:
+        reliability.record("maintenance", suite)
+
+
+def _row(matrix, scenario: str, faults: dict[str, int]) -> None:
+    matrix.add(reliability.Row(scenario, faults, operations=1, survived=1))
 
 
 def _state(value: float) -> dict[str, object]:
@@ -122,7 +144,7 @@ def test_the_probe_sees_which_stores_honour_conditional_deletes(
 
 
 def test_prune_keeps_a_checkpoint_recommitted_after_its_listing(
-    s3_prefix, make_writer, make_reader, ignoring, cli_env, monkeypatch, capsys
+    s3_prefix, make_writer, make_reader, ignoring, cli_env, monkeypatch, capsys, matrix
 ):
     for step in (1, 2):
         dcp.save(_state(step), storage_writer=make_writer(f"{s3_prefix}/step-{step}"))
@@ -142,10 +164,12 @@ def test_prune_keeps_a_checkpoint_recommitted_after_its_listing(
     assert "keep (recommitted since the listing)" in captured.out
     assert _loads(make_reader, f"{s3_prefix}/step-1", 10.0)  # the newest commit survived
     assert _loads(make_reader, f"{s3_prefix}/step-2", 2.0)
+    _row(matrix, "s3ckpt prune, If-Match ignored, recommitted after its listing",
+         {"recommit": 1, **ignoring.counts})  # fmt: skip
 
 
 def test_prune_keeps_a_checkpoint_recommitted_just_before_its_delete(
-    s3_prefix, make_writer, make_reader, through, monkeypatch
+    s3_prefix, make_writer, make_reader, through, monkeypatch, ignoring, matrix
 ):
     for step in (1, 2):
         dcp.save(_state(step), storage_writer=make_writer(f"{s3_prefix}/step-{step}"))
@@ -163,10 +187,12 @@ def test_prune_keeps_a_checkpoint_recommitted_just_before_its_delete(
     assert report.why_changed == {"step-1": "recommitted since the listing"}
     assert _loads(make_reader, f"{s3_prefix}/step-1", 10.0)
     assert catalog.verify_checkpoint(f"{s3_prefix}/step-1", **through).ok
+    _row(matrix, "prune, If-Match ignored, recommitted just before its delete",
+         {"recommit": 1, **ignoring.counts})  # fmt: skip
 
 
 def test_prune_keeps_a_checkpoint_a_save_started_into_after_its_listing(
-    s3_prefix, make_writer, make_reader, through, monkeypatch
+    s3_prefix, make_writer, make_reader, through, monkeypatch, ignoring, matrix
 ):
     for step in (1, 2):
         dcp.save(_state(step), storage_writer=make_writer(f"{s3_prefix}/step-{step}"))
@@ -186,6 +212,8 @@ def test_prune_keeps_a_checkpoint_a_save_started_into_after_its_listing(
     assert _loads(make_reader, f"{s3_prefix}/step-1", 1.0)  # still the old one, whole
     started[0].release()
     assert _loads(make_reader, f"{s3_prefix}/step-1", 10.0)
+    _row(matrix, "prune, If-Match ignored, a save started after its listing",
+         {"save started": 1, **ignoring.counts})  # fmt: skip
 
 
 def test_prune_still_deletes_on_a_store_without_conditional_deletes(
@@ -251,7 +279,7 @@ def _record_age(store: ObjectStore, key: str) -> float:
 
 
 def test_gc_measures_in_flight_records_with_the_store_clock(
-    local_s3, s3_prefix, make_writer, make_reader, store, list_keys, skewed
+    local_s3, s3_prefix, make_writer, make_reader, store, list_keys, skewed, matrix
 ):
     lease = 10.0  # short, so that a dead save's record expires within the test
     location = S3URI.parse(s3_prefix)
@@ -287,10 +315,11 @@ def test_gc_measures_in_flight_records_with_the_store_clock(
     assert list_keys(f"{s3_prefix}/step-1") == []
     running.release()
     assert _loads(make_reader, f"{s3_prefix}/step-2", 2.0)
+    _row(matrix, "gc with the local clock 2 h ahead and 2 h behind", {"clock skew": 2})
 
 
 def test_prune_keeps_a_checkpoint_being_overwritten_whatever_the_local_clock(
-    s3_prefix, make_writer, make_reader, store, list_keys, skewed
+    s3_prefix, make_writer, make_reader, store, list_keys, skewed, matrix
 ):
     location = S3URI.parse(s3_prefix)
     for step in (1, 2):
@@ -308,3 +337,4 @@ def test_prune_keeps_a_checkpoint_being_overwritten_whatever_the_local_clock(
     assert list_keys(f"{s3_prefix}/step-2") == []
     overwrite.release()
     assert _loads(make_reader, f"{s3_prefix}/step-1", 10.0)
+    _row(matrix, "prune next to a running overwrite, local clock 2 h off", {"clock skew": 3})

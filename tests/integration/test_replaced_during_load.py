@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import secrets
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import _dist_worker as worker
 import _replaced_load_worker as load_worker
 import pytest
+import reliability_report as report
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -72,9 +74,25 @@ class _Overwriter(threading.Thread):
             self.error = exc
 
 
+@pytest.fixture(scope="module")
+def matrix() -> Iterator[report.Suite]:
+    """Rows of the fault matrix (``make reliability-report`` renders them)."""
+    suite = report.Suite(
+        notes=[
+            f"Each row: {ROUNDS} rounds of a sharded load on every rank while this process "
+            "overwrites the checkpoint and runs gc with no grace after each overwrite; in "
+            f"{len(FORCED)} of them the last rank's reads wait for an overwrite. Survived: "
+            "one version on every rank; failed cleanly: CheckpointReplacedError on every rank.",
+        ]
+    )
+    yield suite
+    if len(suite.rows) == 2:
+        report.record("replaced", suite)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_every_load_returns_one_save_on_every_rank_or_fails_on_all(
-    world_size: int, seaweedfs_s3: LocalS3Server, tmp_path: Path
+    world_size: int, seaweedfs_s3: LocalS3Server, tmp_path: Path, matrix: report.Suite
 ):
     uri = f"s3://{seaweedfs_s3.bucket}/replaced-during-load-{secrets.token_hex(4)}"
     s3 = worker.server_options(seaweedfs_s3)
@@ -110,3 +128,13 @@ def test_every_load_returns_one_save_on_every_rank_or_fails_on_all(
             assert kinds == {"replaced"}, f"round {round_}: {outcomes}"
             assert "load again" in outcomes[-1][1]
     assert overwriter.version >= len(FORCED)
+    kinds = [reports[0]["outcomes"][r][0] for r in range(ROUNDS)]
+    matrix.add(
+        report.Row(
+            f"{world_size} gloo ranks loading while the checkpoint is overwritten and collected",
+            {"overwrite+gc": overwriter.version},
+            operations=ROUNDS * world_size,
+            survived=kinds.count("loaded") * world_size,
+            failed_cleanly=kinds.count("replaced") * world_size,
+        )
+    )

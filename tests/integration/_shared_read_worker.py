@@ -85,3 +85,27 @@ def shared_load_main(
         _report(out_dir, rank, {"exact": exact})
     finally:
         dist.destroy_process_group()
+
+
+def legacy_load_main(
+    rank: int, world_size: int, port: int, s3: dict[str, Any], uri: str, out_dir: str,
+    expected_path: str,
+) -> None:  # fmt: skip
+    """Every rank loads a format-1 checkpoint (items in the manifest) with the group."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+
+    from s3ckpt import S3StorageReader
+
+    _init(rank, world_size, port)
+    try:
+        expected = torch.load(expected_path, weights_only=True)
+        model = {name: torch.zeros_like(t) for name, t in expected["model"].items()}
+        state = {"model": model, "extra": {"epoch": 0, "name": "", "history": io.BytesIO()}}
+        dcp.load(state, storage_reader=S3StorageReader(uri, process_group=dist.group.WORLD, **s3))
+        exact = {n: torch.equal(model[n], t) for n, t in expected["model"].items()}
+        exact["extra"] = state["extra"]["epoch"] == expected["extra"]["epoch"]
+        _report(out_dir, rank, {"exact": exact})
+    finally:
+        dist.destroy_process_group()

@@ -113,3 +113,24 @@ def test_the_plan_balances_shared_ranges_and_leaves_single_needs_alone():
     assert plan.sends(0) == [(big, 1), (big, 2)]
     assert plan.tags[big] != plan.tags[small]
     assert not plan_shares([[big], [alone]]).shared  # nothing replicated: nothing to share
+
+
+def test_a_format_1_checkpoint_loads_bit_exact_with_the_group(seaweedfs_s3, tmp_path):
+    from test_legacy_format import FIXTURES, RELEASES, _upload
+
+    folder = FIXTURES / RELEASES[0]
+    uri = f"s3://{seaweedfs_s3.bucket}/shared-reads-v1-{secrets.token_hex(4)}"
+    _upload(seaweedfs_s3, folder / "raw", uri)
+    s3 = worker.server_options(seaweedfs_s3)
+    with FaultProxy(s3["endpoint_url"], seed=1) as proxy:
+        through = {**s3, "endpoint_url": proxy.endpoint_url}
+        worker.run_ranks(
+            shared_worker.legacy_load_main, 2, through, uri, str(tmp_path),
+            str(folder / "expected.pt"), timeout=240,
+        )  # fmt: skip
+        fetched = proxy.body_bytes["GET"]
+    for rank in range(2):
+        report = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert all(report["exact"].values()), (rank, report["exact"])
+    data = sum(p.stat().st_size for p in (folder / "raw" / "data").rglob("*") if p.is_file())
+    assert fetched < 1.5 * data + 64 * 1024, (fetched, data)  # read once, not twice

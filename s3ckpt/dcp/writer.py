@@ -10,14 +10,17 @@ Lifecycle of a save (the order DCP calls in, see ``torch.distributed.checkpoint.
    so a doomed save fails before any byte is uploaded.
 3. ``prepare_global_plan(plans)`` (coordinator): gives every rank its rank number and the
    coordinator's save id, which names all objects of this save.
-4. ``write_data(plan, planner)`` (all ranks): streams the rank's items zero-copy (or
-   compressed, :mod:`s3ckpt.format.compression`) into :class:`~s3ckpt.transfer.upload.RankUploader`,
+4. ``write_data(plan, planner)`` (all ranks, :mod:`s3ckpt.dcp.rank_save`): under the
+   save id of the plan's rank assignment (or one of its own when the plan was replayed from
+   a planner's cache, :mod:`s3ckpt.dcp.save_identity`), streams the rank's items zero-copy
+   (or compressed, :mod:`s3ckpt.format.compression`) into :class:`~s3ckpt.transfer.upload.RankUploader`,
    which packs them into a few data objects sent as PUTs and multipart uploads, then
    writes the rank's index object (:mod:`s3ckpt.format.rank_index`): per item a
    :class:`~s3ckpt.format.layout.StoredItem`, its object, offset, length and block
    CRC32Cs. A failure aborts and deletes everything the rank uploaded.
 5. ``finish(metadata, results)`` (coordinator): records in DCP's metadata which rank
-   stored each chunk, writes it, checks that every object of the save is there, then
+   stored each chunk, checks that the metadata loads as a default load reads it, writes
+   it, checks that every object of the save is there, then
    writes the manifest (:mod:`s3ckpt.transfer.commit`): the commit. Before it, the
    checkpoint does not exist.
 
@@ -31,11 +34,8 @@ import asyncio
 import dataclasses
 import logging
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 from crc32c import crc32c
 from torch.futures import Future
 
@@ -49,41 +49,30 @@ from s3ckpt.dcp.compat import (
     SavePlanner,
     StorageMeta,
     StorageWriter,
-    WriteItem,
-    WriteItemType,
     WriteResult,
-    item_nbytes,
 )
 from s3ckpt.dcp.location import S3Location
 from s3ckpt.dcp.owners import ChunkPositions
+from s3ckpt.dcp.rank_save import RankRecord, RankSave, rank_name
 from s3ckpt.dcp.save_identity import RankAssignment, claim
-from s3ckpt.dcp.tensor_bytes import as_cpu_contiguous, tensor_view
 from s3ckpt.errors import CheckpointExistsError, ConfigError, S3CkptError
-from s3ckpt.format.compression import RAW, Compression, Encoded, encode_raw, encode_stream
+from s3ckpt.format.compression import Compression
 from s3ckpt.format.layout import (
     DEFAULT_MAX_OBJECT_SIZE,
     SPREAD_WIDTHS,
-    StoredItem,
-    data_key,
-    index_key,
     metadata_key,
 )
 from s3ckpt.format.manifest import (
     MANIFEST_NAME,
-    IndexRef,
-    ItemEntry,
     Manifest,
-    ObjectEntry,
     new_save_id,
 )
-from s3ckpt.format.rank_index import ItemOwners, RankIndex
+from s3ckpt.format.rank_index import ItemOwners
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer.commit import commit_manifest, committed_save_id, confirm_objects
 from s3ckpt.transfer.inflight import Heartbeat, clear_in_flight, mark_in_flight
 from s3ckpt.transfer.parts import MAX_OBJECT_SIZE, MIN_PART_SIZE
-from s3ckpt.transfer.rank_index import write_index
-from s3ckpt.transfer.upload import Item, Placement, RankUploader, UploadedObject
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +169,7 @@ class S3StorageWriter(S3Location, StorageWriter):
         assignment = self._assignment(plan, store, location)
         try:
             with Heartbeat(store, location, assignment.save_id):
-                results = _RankSave(self, assignment).run(plan.items, planner)
+                results = RankSave(self, assignment).run(plan.items, planner)
         except BaseException:
             # The save cannot commit now: nothing of it is in flight any more.
             io_loop().run(clear_in_flight(store, location, assignment.save_id))
@@ -241,7 +230,7 @@ class S3StorageWriter(S3Location, StorageWriter):
         self,
         location: S3URI,
         metadata: Metadata,
-        records: list[_RankRecord],
+        records: list[RankRecord],
         world_size: int,
     ) -> None:
         """Metadata object, a check that every object is still there, then the manifest.
@@ -305,7 +294,7 @@ class S3StorageWriter(S3Location, StorageWriter):
         store: ObjectStore,
         location: S3URI,
         manifest: Manifest,
-        records: list[_RankRecord],
+        records: list[RankRecord],
     ) -> None:
         """Delete every object of a save that did not commit, its in-flight records last."""
         try:
@@ -317,163 +306,12 @@ class S3StorageWriter(S3Location, StorageWriter):
             await clear_in_flight(store, location, save_id)
 
 
-class _RankSave:
-    """One rank's ``write_data``: stream items (compressed if asked) into the uploader,
-    then describe where each went."""
-
-    def __init__(self, writer: S3StorageWriter, assignment: RankAssignment) -> None:
-        self.writer = writer
-        self.assignment = assignment
-        self.encoded: dict[Any, Encoded] = {}
-
-    def run(self, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
-        _refuse_oversized(items)
-        if not items:  # nothing stored, no index: the manifest lists ranks that stored items
-            return []
-        writer, rank, save_id = self.writer, self.assignment.rank, self.assignment.save_id
-        store, location = writer._store(), writer._require_location()
-        uploader = RankUploader(
-            store,
-            lambda n: location.key(data_key(rank, save_id, n, writer.spread_prefixes)),
-            max_object_size=writer.max_object_size,
-            size_hint=sum(item_nbytes(i) for i in items if i.type != WriteItemType.BYTE_IO)
-            + (64 << 20),
-            in_flight=writer.compression.max_ahead if writer.compression else None,
-        )
-        placements, uploaded = uploader.upload(self._stream(items, planner))
-        entries = [self._entry(item, placements[item.index], uploaded) for item in items]
-        objects = tuple(
-            ObjectEntry(data_key(rank, save_id, n, writer.spread_prefixes), o.size, o.etag, rank)
-            for n, o in enumerate(uploaded)
-        )
-        index = RankIndex(save_id, rank, tuple(entries))
-        key = index_key(rank, save_id, writer.spread_prefixes)
-        try:
-            ref = io_loop().run(write_index(store, location, key, index))
-        except BaseException:
-            io_loop().run(_delete_quietly(store, [o.key for o in uploaded]))
-            raise
-        # One record per rank, shared by all its results: pickled once when DCP gathers
-        # them, so the coordinator receives O(ranks) storage data, not O(items).
-        record = _RankRecord(rank, ref, objects, save_id)
-        return [
-            WriteResult(item.index, self.encoded[item.index].raw_length, record) for item in items
-        ]
-
-    def _entry(
-        self, item: WriteItem, placed: Placement, uploaded: list[UploadedObject]
-    ) -> ItemEntry:
-        """The item's line in the rank's index: where it went and how to check it."""
-        writer, rank, save_id = self.writer, self.assignment.rank, self.assignment.save_id
-        encoded = self.encoded[item.index]
-        stored = StoredItem(
-            key=data_key(rank, save_id, placed.object, writer.spread_prefixes),
-            offset=placed.offset,
-            length=placed.length,
-            crc32c=encoded.crc32c,
-            codec=encoded.codec,
-            etag=uploaded[placed.object].etag,
-            raw_length=None if encoded.codec == RAW else encoded.raw_length,
-            frames=encoded.frames,
-        )
-        tensor = item.tensor_data if item.type != WriteItemType.BYTE_IO else None
-        return ItemEntry(
-            fqn=item.index.fqn,
-            chunk_offsets=tuple(item.index.offset or ()),
-            kind="tensor" if tensor is not None else "bytes",
-            dtype=str(tensor.properties.dtype).removeprefix("torch.") if tensor else None,
-            shape=tuple(tensor.chunk.sizes) if tensor else None,
-            stored=stored,
-        )
-
-    def _stream(self, items: list[WriteItem], planner: SavePlanner) -> Iterator[Item]:
-        """``(index, stored bytes, their block CRC32Cs)`` in plan order, each item resolved
-        only when needed (the CRCs are of raw bytes, so compressed items go without)."""
-        raw = ((item, _item_bytes(item, planner), _grouping(item)) for item in items)
-        options = self.writer.compression
-        encoded: Iterator[tuple[WriteItem, Encoded]] = (
-            encode_stream(raw, options)
-            if options
-            else ((item, encode_raw(data)) for item, data, _ in raw)
-        )
-        for item, result in encoded:
-            # Keep what the storage record needs, not the bytes: the uploader holds the
-            # payload only until its parts are sent (bounded by max_bytes_in_flight), so
-            # a compressed save never holds the rank's whole compressed state.
-            self.encoded[item.index] = dataclasses.replace(result, payload=_NO_BYTES)
-            yield item.index, result.payload, result.crc32c if result.codec == RAW else None
-            del result
-
-
-_NO_BYTES = memoryview(b"")
-
-
-def rank_name(rank: int | None) -> str:
-    return "?" if rank is None else str(rank)
-
-
-def _refuse_oversized(items: list[WriteItem]) -> None:
-    """Before any byte is sent: an item gets at most one object, and S3 objects stop at 5 TiB."""
-    for item in items:
-        if item.type != WriteItemType.BYTE_IO and item_nbytes(item) > MAX_OBJECT_SIZE:
-            raise ConfigError(
-                f"{item.index.fqn} is {item_nbytes(item)} bytes: S3 objects are limited to "
-                "5 TiB; shard the tensor (DTensor) so that no shard is larger"
-            )
-
-
-def _item_bytes(item: WriteItem, planner: SavePlanner) -> memoryview:
-    data = planner.resolve_data(item)
-    if item.type == WriteItemType.BYTE_IO:
-        return data.getbuffer()
-    if not isinstance(data, torch.Tensor):
-        raise TypeError(
-            f"planner resolved {item.index.fqn} to {type(data).__name__}, expected a tensor"
-        )
-    if data.layout != torch.strided:
-        raise ConfigError(
-            f"{item.index.fqn}: {data.layout} tensors are not supported; save tensor.to_dense()"
-        )
-    view = tensor_view(as_cpu_contiguous(data))
-    if len(view) != item_nbytes(item):
-        raise ValueError(
-            f"item {item.index.fqn} resolved to {len(view)} bytes, planned {item_nbytes(item)}"
-        )
-    return view
-
-
-def _grouping(item: WriteItem) -> int:
-    """Element size to byte-group by: floating-point tensors only."""
-    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
-        return 0
-    dtype = item.tensor_data.properties.dtype
-    return dtype.itemsize if dtype.is_floating_point and dtype.itemsize in (2, 4, 8) else 0
-
-
-async def _delete_quietly(store: ObjectStore, keys: list[str]) -> None:
-    """Best effort: a rank that cannot finish removes what it uploaded (gc would, later)."""
-    try:
-        await store.delete_many(keys)
-    except S3CkptError as exc:
-        log.warning("could not delete %d object(s) of a failed rank: %s", len(keys), exc)
-
-
-@dataclass(frozen=True)
-class _RankRecord:
-    """What a rank's ``write_data`` tells the coordinator: its index and data objects."""
-
-    rank: int
-    index: IndexRef
-    objects: tuple[ObjectEntry, ...]
-    save_id: str = ""  # the id its keys carry: the coordinator's, or a replay's own
-
-
-def _save_ids(records: list[_RankRecord], coordinator: str) -> list[str]:
+def _save_ids(records: list[RankRecord], coordinator: str) -> list[str]:
     """Every save id the ranks of one save wrote under (one, unless plans were replayed)."""
     return sorted({coordinator} | {r.save_id for r in records if r.save_id})
 
 
-def _rank_records(results: list[list[WriteResult]]) -> list[_RankRecord]:
+def _rank_records(results: list[list[WriteResult]]) -> list[RankRecord]:
     records = {wr.storage_data.rank: wr.storage_data for rr in results for wr in rr}
     return sorted(records.values(), key=lambda r: r.rank)
 

@@ -40,8 +40,16 @@ def release_state() -> dict[str, Any]:
     return state
 
 
+def blank_like(tensor: torch.Tensor) -> torch.Tensor:
+    """Zeros of ``tensor``'s dtype and shape, built from bytes: torch has no fill kernel for
+    some dtypes (``float4_e2m1fn_x2``), which ``zeros_like`` and a deterministic
+    ``empty_like`` need."""
+    raw = torch.zeros(tensor.numel() * tensor.element_size(), dtype=torch.uint8)
+    return raw.view(tensor.dtype).reshape(tensor.shape)
+
+
 def _target(state: dict[str, Any]) -> dict[str, Any]:
-    target: dict[str, Any] = {k: torch.zeros_like(v) for k, v in state.items() if k != "extra"}
+    target: dict[str, Any] = {k: blank_like(v) for k, v in state.items() if k != "extra"}
     target["extra"] = {"epoch": 0, "name": "", "history": io.BytesIO()}
     return target
 

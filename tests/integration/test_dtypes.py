@@ -40,6 +40,13 @@ def _from_bytes(dtype: torch.dtype) -> torch.Tensor | None:
         return None
 
 
+def _blank_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A load target of ``tensor``'s dtype and shape, built from bytes (torch has no fill
+    kernel for some dtypes, which a deterministic ``empty_like`` would call)."""
+    raw = torch.zeros(tensor.numel() * tensor.element_size(), dtype=torch.uint8)
+    return raw.view(tensor.dtype).reshape(tensor.shape)
+
+
 def _bytes_of(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
@@ -49,7 +56,7 @@ def _dcp_round_trips(tensor: torch.Tensor) -> bool:
     with tempfile.TemporaryDirectory() as folder:
         try:
             dcp.save({"t": tensor}, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
-            loaded = {"t": torch.empty_like(tensor)}
+            loaded = {"t": _blank_like(tensor)}
             dcp.load(loaded, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
         except (Exception, CheckpointException):  # DCP's is a BaseException
             return False
@@ -84,7 +91,7 @@ def test_the_enumeration_finds_the_dtypes_large_models_train_with():
 def test_one_checkpoint_holding_every_dtype_loads_bit_exact(s3_prefix, make_writer, make_reader):
     state = {_name(d): _from_bytes(d) for d in dcp_dtypes()}
     dcp.save(state, storage_writer=make_writer(s3_prefix), no_dist=True)
-    loaded = {k: torch.empty_like(v) for k, v in state.items()}
+    loaded = {k: _blank_like(v) for k, v in state.items()}
     dcp.load(loaded, storage_reader=make_reader(s3_prefix), no_dist=True)
     for key, tensor in state.items():
         assert loaded[key].dtype == tensor.dtype, key
@@ -96,7 +103,7 @@ def test_each_dtype_on_its_own_loads_bit_exact(dtype, s3_prefix, make_writer, ma
     tensor = _from_bytes(dtype)
     assert tensor is not None
     dcp.save({"t": tensor, "step": 3}, storage_writer=make_writer(s3_prefix), no_dist=True)
-    loaded: dict[str, Any] = {"t": torch.empty_like(tensor), "step": 0}
+    loaded: dict[str, Any] = {"t": _blank_like(tensor), "step": 0}
     dcp.load(loaded, storage_reader=make_reader(s3_prefix), no_dist=True)
     assert loaded["t"].dtype == dtype and loaded["step"] == 3
     assert _bytes_of(loaded["t"]) == _bytes_of(tensor)

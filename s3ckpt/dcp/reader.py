@@ -29,7 +29,8 @@ Lifecycle of a load (the order DCP calls in):
    the coordinator's (an overwrite committed between their reads of the manifest), or a
    rank of a multi-rank load whose data object vanished (the checkpoint was overwritten
    and ``gc`` removed the replaced save), raises
-   :class:`~s3ckpt.errors.CheckpointReplacedError`, which DCP hands to every rank. Only a
+   :class:`~s3ckpt.errors.CheckpointReplacedError` (:mod:`s3ckpt.dcp.overwrites`), which DCP
+   hands to every rank. Only a
    load of one rank follows the overwrite, reading every item again from the newer save.
 """
 
@@ -42,30 +43,34 @@ import os
 import queue
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from crc32c import crc32c
 from torch.futures import Future
 
 from s3ckpt.config import S3URI, S3Config, make_config
-from s3ckpt.dcp import metadata_pickle as dcp_metadata
+from s3ckpt.dcp import metadata_read
 from s3ckpt.dcp.compat import (
     LoadPlan,
     LoadPlanner,
     Metadata,
     MetadataIndex,
     ReadItem,
-    StorageMeta,
     StorageReader,
     chunk_shapes,
     remember_metadata_failure,
 )
 from s3ckpt.dcp.location import S3Location
+from s3ckpt.dcp.overwrites import (
+    LoadAgreement,
+    check_agreement,
+    describes,
+    latest_save_id,
+    replaced_error,
+)
 from s3ckpt.dcp.owners import ChunkPositions
-from s3ckpt.dcp.process_group import GroupBroadcast, SharedReads, portable, shared_reads
+from s3ckpt.dcp.process_group import GroupBroadcast, SharedReads, shared_reads
 from s3ckpt.dcp.restore import (
     FramePool,
     PendingRead,
@@ -78,7 +83,6 @@ from s3ckpt.dcp.restore import (
 from s3ckpt.dcp.shared_read import SharedRead
 from s3ckpt.errors import (
     CheckpointError,
-    CheckpointNotFoundError,
     CheckpointReplacedError,
     CorruptCheckpointError,
     ObjectNotFoundError,
@@ -89,8 +93,6 @@ from s3ckpt.format.manifest import Manifest
 from s3ckpt.format.rank_index import ItemOwners
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
-from s3ckpt.transfer.checked import get_checked, sized_and_summed
-from s3ckpt.transfer.commit import read_manifest
 from s3ckpt.transfer.download import REREADS, RangeReader, ReadTarget
 from s3ckpt.transfer.rank_index import read_indexes
 
@@ -98,7 +100,6 @@ INLINE_DECODE_BYTES = 64 * 1024
 # Compressed frames received but not yet decoded, at most (see download.RangeReader).
 FRAMES_BUDGET = 64 * 1024 * 1024
 log = logging.getLogger(__name__)
-_OVERWRITES_FOLLOWED = 3  # newer commits a metadata read follows before giving up
 
 
 class S3StorageReader(S3Location, StorageReader):
@@ -174,36 +175,15 @@ class S3StorageReader(S3Location, StorageReader):
         return self._adopt(location, manifest, body)
 
     def _shared_metadata(self, location: S3URI, group: SharedReads) -> tuple[Manifest, bytes]:
-        """The coordinator reads the manifest and metadata and broadcasts them (or its
-        error, which every rank then raises): the other ranks make no request."""
-        fetched: tuple[Manifest, bytes] | BaseException | None = None
-        failure: Exception | None = None
-        if group.is_coordinator:
-            try:
-                fetched = io_loop().run(self._fetch_metadata(location))
-            except Exception as exc:
-                failure, fetched = exc, portable(exc)
-        received = group.broadcast_object(fetched)
-        if failure is not None:
-            raise failure
-        if isinstance(received, BaseException):
-            raise received
-        return received
+        """The group's coordinator reads the manifest and metadata and broadcasts them."""
+        return metadata_read.shared(lambda: io_loop().run(self._fetch_metadata(location)), group)
 
     def _adopt(self, location: S3URI, manifest: Manifest, body: bytes) -> Metadata:
         """Check and unpickle the metadata object of ``manifest``; it is the save read."""
-        where = f"{location}/{manifest.metadata_key}"
-        if len(body) != manifest.metadata_size:
-            raise CorruptCheckpointError(
-                f"{where} has {len(body)} bytes, the manifest says {manifest.metadata_size}"
-            )
-        if crc32c(body) != manifest.metadata_crc32c:
-            raise CorruptCheckpointError(f"checksum mismatch in {where}")
-        metadata = dcp_metadata.loads(body, where, trust_pickles=self.trust_pickles)
+        metadata = metadata_read.unpickled(
+            location, manifest, body, trust_pickles=self.trust_pickles
+        )
         self.manifest = manifest
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = manifest.save_id
         return metadata
 
     def set_up_storage_reader(
@@ -223,13 +203,13 @@ class S3StorageReader(S3Location, StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         # The coordinator names the save it planned from, and how many ranks load: every
         # rank checks that it read the same save, and only a lone rank follows an overwrite.
-        agreed = _LoadAgreement(self._manifest().save_id, len(plans))
+        agreed = LoadAgreement(self._manifest().save_id, len(plans))
         return [dataclasses.replace(plan, storage_data=agreed) for plan in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        agreed = plan.storage_data if isinstance(plan.storage_data, _LoadAgreement) else None
+        agreed = plan.storage_data if isinstance(plan.storage_data, LoadAgreement) else None
         self._check_agreement(agreed)
-        for _ in range(_OVERWRITES_FOLLOWED):
+        for _ in range(metadata_read.OVERWRITES_FOLLOWED):
             try:
                 self._read_all(plan, planner)
                 break
@@ -239,7 +219,7 @@ class S3StorageReader(S3Location, StorageReader):
                 self._follow_overwrite(plan, exc)
         else:
             raise CorruptCheckpointError(
-                f"{self.location} was overwritten {_OVERWRITES_FOLLOWED} times during one load"
+                f"{self.location} was overwritten {metadata_read.OVERWRITES_FOLLOWED} times during one load"
             )
         if self.retries:
             log.info("load of %s: %d request(s) retried", self.location, self.retries)
@@ -333,36 +313,13 @@ class S3StorageReader(S3Location, StorageReader):
             else None,
         )
 
-    def _check_agreement(self, agreed: _LoadAgreement | None) -> None:
-        """This rank read the save the coordinator planned from (without a shared metadata
-        read, an overwrite may commit between two ranks' reads of the manifest)."""
-        mine = self._manifest().save_id
-        if agreed is not None and agreed.save_id != mine:
-            raise CheckpointReplacedError(
-                f"{self.location} was overwritten while the ranks of this load read it "
-                f"(this rank read save {mine}, the coordinator save {agreed.save_id}): "
-                "nothing was loaded from a mix of the two; load again"
-            )
+    def _check_agreement(self, agreed: LoadAgreement | None) -> None:
+        check_agreement(self.location, self._manifest().save_id, agreed)
 
     def _replaced(self, missing: ObjectNotFoundError) -> S3CkptError:
-        """The error of a multi-rank load meeting a vanished object: a damaged checkpoint
-        if the save read is still the committed one, else a replaced one. DCP hands it to
-        every rank, so none returns with the older save while another moves on."""
         location = self._require_location()
-        try:
-            latest = io_loop().run(self._read_manifest(self._store(), location))
-        except S3CkptError as exc:
-            log.warning("could not read %s again after %s: %s", location, missing.key, exc)
-            return missing
-        if latest.save_id == self._manifest().save_id:
-            return CorruptCheckpointError(
-                f"{location} is committed but its object {missing.key} is missing"
-            )
-        return CheckpointReplacedError(
-            f"{location} was overwritten during the load (save {self._manifest().save_id} "
-            f"replaced by {latest.save_id}, its object {missing.key} removed): every rank "
-            "stops rather than return a state that mixes two saves; load again"
-        )
+        latest = io_loop().run(latest_save_id(self._store(), location, missing))
+        return replaced_error(location, self._manifest().save_id, latest, missing)
 
     def _follow_overwrite(self, plan: LoadPlan, missing: ObjectNotFoundError) -> None:
         """After a data object went missing mid-load: switch to the save that replaced the
@@ -381,7 +338,7 @@ class S3StorageReader(S3Location, StorageReader):
                 f"{location} is committed but its object {missing.key} is missing"
             ) from missing
         metadata = self._adopt(location, manifest, body)
-        if not _describes(metadata, plan):
+        if not describes(metadata, plan):
             raise CheckpointReplacedError(
                 f"{location} was overwritten during the load by a checkpoint with other "
                 "contents; load it again"
@@ -413,41 +370,11 @@ class S3StorageReader(S3Location, StorageReader):
     # -- helpers ---------------------------------------------------------------------------
 
     async def _fetch_metadata(self, location: S3URI) -> tuple[Manifest, bytes]:
-        """The committed manifest and the metadata object it names.
-
-        A metadata object that vanished after its manifest was read means a newer commit
-        (an overwrite, then ``gc`` of the replaced save): the newer checkpoint is read
-        instead. Only a manifest that still names a missing object is a damaged checkpoint.
-        """
-        store = self._store()
-        manifest = await self._read_manifest(store, location)
-        for _ in range(_OVERWRITES_FOLLOWED):
-            try:
-                where = f"{location}/{manifest.metadata_key}"
-                intact = sized_and_summed(manifest.metadata_size, manifest.metadata_crc32c, where)
-                return manifest, await get_checked(
-                    store, location.key(manifest.metadata_key), intact
-                )
-            except FileNotFoundError as exc:
-                latest = await self._read_manifest(store, location)
-                if latest.save_id == manifest.save_id:
-                    raise CorruptCheckpointError(
-                        f"{location} is committed but its metadata object is missing"
-                    ) from exc
-                manifest = latest
-        raise CorruptCheckpointError(
-            f"{location} was overwritten {_OVERWRITES_FOLLOWED} times while its metadata was read"
-        )
+        return await metadata_read.fetch_metadata(self._store(), location)
 
     @staticmethod
     async def _read_manifest(store: ObjectStore, location: S3URI) -> Manifest:
-        try:
-            return await read_manifest(store, location)
-        except FileNotFoundError as exc:
-            await store.head_bucket()  # a missing bucket deserves its own error
-            raise CheckpointNotFoundError(
-                f"no committed checkpoint at {location} (no manifest)"
-            ) from exc
+        return await metadata_read.committed_manifest(store, location)
 
     def _prepare(self, request: ReadItem, planner: LoadPlanner) -> PendingRead:
         stored = self.storage_data[request.storage_index]
@@ -456,15 +383,6 @@ class S3StorageReader(S3Location, StorageReader):
 
 
 Checked = tuple[PendingRead, CorruptCheckpointError | None]
-
-
-@dataclass(frozen=True)
-class _LoadAgreement:
-    """What the coordinator tells each rank in ``LoadPlan.storage_data``: the save it
-    planned from and how many ranks load."""
-
-    save_id: str
-    ranks: int
 
 
 async def _stored_items(
@@ -495,23 +413,6 @@ async def _stored_items(
             )
         found[index] = entry.stored
     return found
-
-
-def _describes(metadata: Metadata, plan: LoadPlan) -> bool:
-    """Whether ``metadata`` stores every item ``plan`` reads (after an overwrite)."""
-    storage = metadata.storage_data
-    if storage is None:
-        return False
-    if not isinstance(storage, ItemOwners):
-        return all(r.storage_index in storage for r in plan.items)
-    positions = ChunkPositions(metadata)
-    try:
-        for request in plan.items:
-            index = request.storage_index
-            storage.rank_of(index.fqn, positions.of(index))
-    except KeyError:
-        return False
-    return True
 
 
 def _checked(item: PendingRead) -> Checked:

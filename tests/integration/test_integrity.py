@@ -101,20 +101,20 @@ def test_a_load_racing_an_overwrite_reads_the_newer_checkpoint(
 ):
     # The reader reads the old manifest; the overwrite then commits and gc removes the old
     # save's metadata before the reader fetches it: the reader follows the new commit.
-    from s3ckpt.dcp import reader as reader_module
+    from s3ckpt.dcp import metadata_read
 
     dcp.save({"a": torch.full((10,), 1.0)}, storage_writer=make_writer(s3_prefix))
     old = _manifest(local_s3, s3_prefix)
     dcp.save({"a": torch.full((10,), 2.0)}, storage_writer=make_writer(s3_prefix, overwrite=True))
     _collect_the_replaced_save(s3_options, s3_prefix)
-    real = reader_module.read_manifest
+    real = metadata_read.read_manifest
     calls = []
 
     async def stale_first(store, location):
         calls.append(location)
         return old if len(calls) == 1 else await real(store, location)
 
-    monkeypatch.setattr(reader_module, "read_manifest", stale_first)
+    monkeypatch.setattr(metadata_read, "read_manifest", stale_first)
     restored = {"a": torch.zeros(10)}
     dcp.load(restored, storage_reader=make_reader(s3_prefix))
     assert torch.equal(restored["a"], torch.full((10,), 2.0))

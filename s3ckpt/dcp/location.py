@@ -29,8 +29,7 @@ class S3Location:
     config: S3Config
     location: S3URI | None
     _deadline: float | None = None  # time.monotonic() at which retrying stops
-    _budget_started: bool = False
-    _tally: Tally = Tally()  # replaced at the start of every save or load
+    _tally: Tally | None = None  # the retries of the save or load under way; None: none started
     _dcp_call: ClassVar[str] = "dcp"  # named in the error when no location was given
 
     def _set_location(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
@@ -61,18 +60,17 @@ class S3Location:
         seconds = self.config.deadline_s
         self._deadline = None if seconds is None else time.monotonic() + seconds
         self._tally = Tally()
-        self._budget_started = True
 
     @property
     def retries(self) -> int:
         """Requests retried (transient failures) by this rank in the save or load under way
         or last finished."""
-        return self._tally.retries
+        return self._tally.retries if self._tally is not None else 0
 
     def _store(self) -> ObjectStore:
         """A store for the location's bucket, bounded by the deadline of the save or load
         under way (started now if none is: a caller outside DCP's lifecycle)."""
-        if not self._budget_started:
+        if self._tally is None:
             self._start_budget()
         bucket = self._require_location().bucket
         return ObjectStore(self.config, bucket, deadline=self._deadline, tally=self._tally)

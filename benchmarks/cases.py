@@ -7,7 +7,7 @@ credentials (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``...), plus ``BENCH_BUCKE
 (cases run more than once take turns with their pair; round r's loads read round r's
 saves). Cases ending in ``_https`` talk to the same server over TLS:
 ``BENCH_HTTPS_ENDPOINT`` and the CA that signed its certificate, ``BENCH_CA_FILE``. A case
-that cannot run here (``gpu_staging`` without CUDA) prints ``{"case", "skipped"}``.
+that cannot run here (``gpu_staging`` and ``gpu_load`` without CUDA) prints ``{"case", "skipped"}``.
 """
 
 from __future__ import annotations
@@ -387,6 +387,13 @@ def gpu_staging(env: Env, state: dict) -> Callable[[int], dict]:
     return gpu_staging_case(state, env.uri, _s3ckpt_options(env))
 
 
+def gpu_load(env: Env, state: dict) -> Callable[[int], dict]:
+    """A load into CUDA tensors against the network read plus a bare H2D copy (``benchmarks.gpu``)."""
+    from benchmarks.gpu import gpu_load_case
+
+    return gpu_load_case(state, env.uri, _s3ckpt_options(env))
+
+
 def _commit_case(conditional: bool) -> Callable[[Env, dict], Callable[[int], dict]]:
     """Small saves, timing the commit (``finish``: metadata object, the check that every
     object is there, the manifest) with ``If-None-Match`` or with the claim protocol."""
@@ -427,7 +434,7 @@ CASES: dict[str, Callable[[Env, dict], Callable[[int], dict]]] = {
     f.__name__: f
     for f in (
         memcpy, s3ckpt_async, s3torch_save, s3torch_load, fsspec_save, fsspec_load,
-        filesystem_save, filesystem_load, gpu_staging,
+        filesystem_save, filesystem_load, gpu_staging, gpu_load,
     )
 } | {
     "raw_upload": raw_upload, "raw_download": raw_download,
@@ -444,7 +451,7 @@ CASES: dict[str, Callable[[Env, dict], Callable[[int], dict]]] = {
 
 def run(case: str) -> dict[str, Any]:
     env = Env()
-    if case == "gpu_staging":
+    if case in ("gpu_staging", "gpu_load"):
         from benchmarks.gpu import cuda_skip_reason
 
         reason = cuda_skip_reason()

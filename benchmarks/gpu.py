@@ -17,6 +17,13 @@ its pinned staging buffers; later saves reuse them, which is the steady state):
 
 The target: blocked time (after the first save) no more than 1.2x the bare copy. Without
 CUDA the case reports why it did not run instead of a number.
+
+The ``gpu_load`` case times a load into CUDA tensors (``dcp.load`` with
+:class:`S3StorageReader`: every item through the pinned bounce slabs of
+:mod:`s3ckpt.dcp.device_load`, copies to the device overlapped with the network) against
+its two parts run alone: the network read of the same checkpoint into CPU tensors
+(received in place) and a bare pinned host-to-device copy of the same bytes. Target: the
+load into the device takes at most 1.15x their sum.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Any
 import torch
 
 STAGING_TARGET = 1.2
+GPU_LOAD_TARGET = 1.15
 
 
 def cuda_skip_reason() -> str | None:
@@ -100,5 +108,51 @@ def gpu_staging_case(
             "manager_blocked": manager_blocked,
             "manager_commit": manager_blocked + manager_commit,
         }
+
+    return rep
+
+
+def gpu_load_summary(samples: list[dict[str, float]]) -> dict[str, float]:
+    """Medians over the loads after the first (slabs pinned once), and the target ratio."""
+    steady = samples[1:] or samples
+    out = {key: statistics.median(s[key] for s in steady) for key in ("network", "h2d", "gpu_load")}
+    out["gpu_load_over_parts"] = out["gpu_load"] / (out["network"] + out["h2d"])
+    out["first_gpu_load"] = samples[0]["gpu_load"]
+    return out
+
+
+def gpu_load_case(
+    state: dict[str, torch.Tensor], uri: Callable[[str, int], str], options: dict[str, Any]
+) -> Callable[[int], dict[str, float]]:
+    """The per-rep callable of ``gpu_load``: one save, then each rep loads it three ways."""
+    import torch.distributed.checkpoint as dcp
+
+    from s3ckpt import S3StorageReader, S3StorageWriter
+
+    device = torch.device("cuda", 0)
+    location = uri("gpu-load", 0)
+    dcp.save(state, storage_writer=S3StorageWriter(location, **options))
+    on_host = {name: torch.empty_like(t) for name, t in state.items()}
+    pinned = {name: t.clone().pin_memory() for name, t in state.items()}
+    on_device = {name: torch.empty_like(t, device=device) for name, t in state.items()}
+    torch.cuda.synchronize(device)
+
+    def network() -> None:
+        dcp.load(on_host, storage_reader=S3StorageReader(location, **options))
+
+    def h2d() -> None:
+        for name, tensor in pinned.items():
+            on_device[name].copy_(tensor, non_blocking=True)
+        torch.cuda.synchronize(device)
+
+    def gpu_load() -> None:
+        dcp.load(on_device, storage_reader=S3StorageReader(location, **options))
+        torch.cuda.synchronize(device)
+
+    def rep(i: int) -> dict[str, float]:
+        network_s, _ = _timed(network)
+        h2d_s, _ = _timed(h2d)
+        gpu_s, _ = _timed(gpu_load)
+        return {"network": network_s, "h2d": h2d_s, "gpu_load": gpu_s}
 
     return rep

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu import STAGING_TARGET, staging_summary
+from benchmarks.gpu import GPU_LOAD_TARGET, STAGING_TARGET, gpu_load_summary, staging_summary
 
 GiB = 1024**3
 
@@ -60,6 +60,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
             entry["blocked_median_after_first_s"] = statistics.median(blocked[1:] or blocked)
         if all("d2h" in s for s in result["samples"]):
             entry["staging"] = staging_summary(result["samples"])
+        if all("gpu_load" in s for s in result["samples"]):
+            entry["gpu_load"] = gpu_load_summary(result["samples"])
         commits = sorted(s["commit"] for s in result["samples"] if "commit" in s)
         if commits:
             entry["commit_median_s"] = statistics.median(commits)
@@ -185,11 +187,19 @@ def _tls_checks(summary: dict[str, Any]) -> list[tuple[str, float | None, str, f
 
 
 def _staging_checks(summary: dict[str, Any]) -> list[tuple[str, float | None, str, float]]:
-    """The training stall of async saves from CUDA tensors against a bare D2H copy."""
+    """The GPU targets: loads into CUDA tensors against their parts, and the training stall
+    of async saves from CUDA tensors against a bare D2H copy."""
+    loads = summary.get("gpu_load", {}).get("gpu_load")
+    checks = (
+        []
+        if loads is None
+        else [("GPU dcp.load / (network read + bare H2D copy)", loads["gpu_load_over_parts"], "<=", GPU_LOAD_TARGET)]
+    )  # fmt: skip
     staging = summary.get("gpu_staging", {}).get("staging")
     if staging is None:
-        return []
+        return checks
     return [
+        *checks,
         ("GPU dcp.async_save blocked / bare D2H copy", staging["async_blocked_over_d2h"], "<=", STAGING_TARGET),
         ("GPU CheckpointManager.save blocked / bare D2H", staging["manager_blocked_over_d2h"], "<=", STAGING_TARGET),
     ]  # fmt: skip
@@ -244,7 +254,7 @@ def table(report: dict[str, Any]) -> str:
         )
     lines += _commit_lines(summary)
     lines += _tls_lines(report)
-    lines += _staging_lines(summary)
+    lines += _staging_lines(summary) + _gpu_load_lines(summary)
     lines += ["", f"{'target':56} {'ratio':>7} {'goal':>8}  met"]
     for t in report["targets"]:
         ratio = "n/a" if t["ratio"] is None else f"{t['ratio']:.2f}"
@@ -304,6 +314,22 @@ def _tls_lines(report: dict[str, Any]) -> list[str]:
             f"{aes['cryptography_gb_per_s']:.1f} GB/s = {aes['cryptography_cpu_s_per_gib']:.2f} CPU-s/GiB"
         )
     return lines
+
+
+def _gpu_load_lines(summary: dict[str, Any]) -> list[str]:
+    entry = summary.get("gpu_load")
+    if entry is None:
+        return []
+    if "skipped" in entry or "error" in entry:
+        return ["", f"GPU load: not measured: {entry.get('skipped') or entry.get('error')}"]
+    g = entry["gpu_load"]
+    return [
+        "",
+        "GPU load (into CUDA tensors through pinned bounce slabs; medians after the first load):",
+        f"  network read into CPU tensors: {g['network']:.2f} s; bare pinned H2D copy: {g['h2d'] * 1000:.1f} ms",
+        f"  dcp.load into CUDA tensors: {g['gpu_load']:.2f} s ({g['gpu_load_over_parts']:.2f}x their sum; "
+        f"first load {g['first_gpu_load']:.2f} s)",
+    ]  # fmt: skip
 
 
 def _staging_lines(summary: dict[str, Any]) -> list[str]:

@@ -9,7 +9,8 @@ The server also serves HTTPS (a certificate from a CA generated at start): the `
 cases run right after their HTTP counterparts, against the same server, and the report
 sets them side by side with the AES-GCM rate that bounds them. ``gpu_staging`` measures
 the training stall of async saves from CUDA tensors, and says why it did not run where
-there is no CUDA. Output: a table on the terminal, ``benchmarks/results/bench.json`` and
+there is no CUDA; ``gpu_load`` a load into CUDA tensors against the network read plus a
+bare pinned host-to-device copy of the same bytes. Output: a table on the terminal, ``benchmarks/results/bench.json`` and
 ``benchmarks/results/bench.png``.
 
     python -m benchmarks.run [--size-mib 1024] [--reps 3] [--cases s3ckpt_save,...]
@@ -51,6 +52,7 @@ ORDER = [
     "s3ckpt_load",
     "s3ckpt_load_https",
     "gpu_staging",
+    "gpu_load",
     "s3torch_save",
     "s3torch_load",
     "fsspec_save",
@@ -77,6 +79,7 @@ CLEANUP_AFTER = {
     "curl_download_https": "curl-https",
     "s3ckpt_load_https": "s3ckpt-https",
     "gpu_staging": "gpu-async",
+    "gpu_load": "gpu-load",
     "s3ckpt_save_https_aiohttp": "s3ckpt-https-aiohttp",
     "s3ckpt_load": "s3ckpt",
     "s3ckpt_async": "s3ckpt-async",

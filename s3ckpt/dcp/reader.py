@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from s3ckpt.config import S3URI, S3Config, make_config
-from s3ckpt.dcp import metadata_read
+from s3ckpt.dcp import device_load, metadata_read
 from s3ckpt.dcp.compat import (
     LoadPlan,
     LoadPlanner,
@@ -61,6 +61,7 @@ from s3ckpt.dcp.compat import (
     chunk_shapes,
     remember_metadata_failure,
 )
+from s3ckpt.dcp.device_load import DeviceFeed, Piece
 from s3ckpt.dcp.location import S3Location
 from s3ckpt.dcp.overwrites import (
     LoadAgreement,
@@ -84,6 +85,7 @@ from s3ckpt.dcp.shared_read import SharedRead
 from s3ckpt.errors import (
     CheckpointError,
     CheckpointReplacedError,
+    ConfigError,
     CorruptCheckpointError,
     ObjectNotFoundError,
     S3CkptError,
@@ -119,6 +121,9 @@ class S3StorageReader(S3Location, StorageReader):
         trust_pickles: load non-tensor items even if they hold objects outside torch's
             weights-only allowlist (custom classes), and metadata naming globals outside
             s3ckpt's allowlist. Only for buckets you trust: such pickles can run code.
+        bounce_bytes: host memory (page-locked where CUDA is available) that items
+            loaded into device memory pass through, in slabs of about ``request_size``
+            (:mod:`s3ckpt.dcp.device_load`); 256 MiB by default.
     """
 
     _dcp_call = "dcp.load"
@@ -133,6 +138,7 @@ class S3StorageReader(S3Location, StorageReader):
         decode_threads: int = 2,
         trust_pickles: bool = False,
         process_group: dist.ProcessGroup | None = None,
+        bounce_bytes: int = device_load.DEFAULT_BOUNCE_BYTES,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -143,6 +149,9 @@ class S3StorageReader(S3Location, StorageReader):
         self.decode_threads = decode_threads
         self.trust_pickles = trust_pickles
         self.process_group = process_group
+        if bounce_bytes <= 0:
+            raise ConfigError(f"bounce_bytes must be positive, not {bounce_bytes}")
+        self.bounce_bytes = bounce_bytes
         self.manifest: Manifest | None = None
         self.metadata: Metadata | None = None
         self.storage_data: dict[MetadataIndex, StoredItem] = {}
@@ -257,9 +266,17 @@ class S3StorageReader(S3Location, StorageReader):
     ) -> dict[int, PendingRead]:
         """Fetch, verify (reading damaged items again) and hand over every item; those
         whose ``id`` is in ``keep`` are verified but kept, returned by that ``id``."""
-        ranges = self._range_reader()
+        staged = [p for p in pending if p.staged]
+        slabs = self._slabs(staged) if staged else None
+        ranges = self._range_reader(None if slabs is None else slabs.budget)
+        feed = None if slabs is None else DeviceFeed(slabs, ranges.release, self._reread)
         frames = FramePool()
-        targets = [self._target(p, frames, ranges) for p in pending]
+        targets: list[ReadTarget] = []
+        for p in pending:
+            if feed is not None and p.staged:
+                targets += feed.targets(p, self._require_location().key(p.stored.key))
+            else:
+                targets.append(self._target(p, frames, ranges))
         decoded: queue.SimpleQueue[ThreadFuture[Checked]] = queue.SimpleQueue()
         submitted: list[ThreadFuture[Checked]] = []
         pool = decode_pool(self.decode_threads)
@@ -273,8 +290,14 @@ class S3StorageReader(S3Location, StorageReader):
                 hand_to_planner(item, planner, trust_pickles=self.trust_pickles)
 
         handed_over = 0
+        idle = None if feed is None else functools.partial(feed.give_back_copied, wait=True)
         try:
-            for token in ranges.fetch(targets):
+            for token in ranges.fetch(targets, idle):
+                if isinstance(token, Piece):  # verified and copied to the device here
+                    landed = feed.land(token) if feed is not None else None
+                    if landed is not None:
+                        settle((landed, None))
+                    continue
                 item: PendingRead = token  # type: ignore[assignment]
                 if item.compressed and len(item.view) > INLINE_DECODE_BYTES:
                     submitted.append(pool.submit(_checked, item))
@@ -290,14 +313,25 @@ class S3StorageReader(S3Location, StorageReader):
             for waiting in submitted:
                 waiting.cancel()
             futures_wait(submitted)  # no worker may write into a destination after this returns
+            if feed is not None and slabs is not None:
+                feed.close()  # nor a copy from a slab still run
+                device_load.give_back(slabs)
         return kept
 
-    def _range_reader(self) -> RangeReader:
+    def _slabs(self, staged: list[PendingRead]) -> device_load.Slabs:
+        size = device_load.slab_size(staged, self.request_size)
+        return device_load.checkout(size, self.bounce_bytes, torch.cuda.is_available())
+
+    def _range_reader(self, budget: int | None = None) -> RangeReader:
         return RangeReader(
             self._store(),
             max_request_size=self.request_size,
-            lazy_budget=max(FRAMES_BUDGET, 4 * self.request_size),
+            lazy_budget=budget or max(FRAMES_BUDGET, 4 * self.request_size),
         )
+
+    def _reread(self, target: ReadTarget) -> None:
+        """Fetch one target again, on fresh connections (a piece whose bytes were damaged)."""
+        RangeReader(self._store(), max_request_size=self.request_size).fetch_again([target])
 
     def _target(self, item: PendingRead, frames: FramePool, ranges: RangeReader) -> ReadTarget:
         location = self._require_location()
@@ -376,10 +410,13 @@ class S3StorageReader(S3Location, StorageReader):
     async def _read_manifest(store: ObjectStore, location: S3URI) -> Manifest:
         return await metadata_read.committed_manifest(store, location)
 
-    def _prepare(self, request: ReadItem, planner: LoadPlanner) -> PendingRead:
+    def _prepare(
+        self, request: ReadItem, planner: LoadPlanner, *, stage: bool = True
+    ) -> PendingRead:
         stored = self.storage_data[request.storage_index]
         what = f"{self.location}/{stored.key} item {request.storage_index.fqn!r}"
-        return prepare(request, stored, self._shapes.get(request.storage_index), planner, what)
+        shape = self._shapes.get(request.storage_index)
+        return prepare(request, stored, shape, planner, what, stage=stage)
 
 
 Checked = tuple[PendingRead, CorruptCheckpointError | None]

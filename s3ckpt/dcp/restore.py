@@ -8,7 +8,9 @@ For every read item of a load, :func:`prepare` decides
   bytes hold those blocks (the same range for raw items; the blocks' frames for
   compressed ones);
 * where the bytes land: straight into the destination tensor when it is a contiguous CPU
-  tensor of the stored dtype and the whole chunk is read, else a scratch buffer.
+  tensor of the stored dtype and the whole chunk is read; through the bounce slabs of
+  :mod:`s3ckpt.dcp.device_load` when it is in device memory; else a scratch buffer (for
+  compressed items, allocated when they are decoded, so only items in flight hold one).
 
 Raw items are verified while they stream in (:class:`~s3ckpt.format.checksums.StreamingCheck`);
 compressed items are decoded and verified by :func:`decode`, in a worker thread.
@@ -56,6 +58,10 @@ class PendingRead:
     destination: torch.Tensor | None  # None for BYTE_IO
     direct: bool
     what: str  # names the object and the item in errors
+    # Received through bounce slabs (device destinations): ``raw`` is the destination's
+    # bytes (direct) or a device scratch buffer made when the first piece lands.
+    staged: bool = False
+    scratch_at_decode: bool = False  # compressed, not direct: ``raw`` is allocated by decode
     stored_span: tuple[int, int] = field(init=False)  # stored bytes fetched, relative to the item
     raw_view: memoryview = field(init=False)  # over ``raw``
     view: memoryview = field(init=False)  # receives the stored bytes
@@ -70,7 +76,7 @@ class PendingRead:
         first, last = self.span
         self.stored_span = self.stored.stored_span(first, last)
         compressed = self.stored.codec != RAW
-        self.raw_view = tensor_view(self.raw)
+        self.raw_view = memoryview(b"") if self.staged else tensor_view(self.raw)
         # Compressed frames get their memory when the first byte arrives (frames_buffer).
         self.view = memoryview(b"") if compressed else self.raw_view
         block = self.stored.block_size
@@ -169,7 +175,9 @@ def _size_class(nbytes: int) -> int:
 
 
 def prepare(request: ReadItem, stored: StoredItem, chunk: tuple[torch.dtype, torch.Size] | None,
-            planner: LoadPlanner, what: str) -> PendingRead:  # fmt: skip
+            planner: LoadPlanner, what: str, *, stage: bool = True) -> PendingRead:  # fmt: skip
+    """Where ``request``'s bytes will land. ``stage=False``: device destinations get a host
+    scratch buffer now instead of bounce slabs (a shared read passes that buffer on)."""
     if request.type == LoadItemType.BYTE_IO or chunk is None:
         return PendingRead(
             request,
@@ -189,11 +197,28 @@ def prepare(request: ReadItem, stored: StoredItem, chunk: tuple[torch.dtype, tor
     whole = wanted == (0, stored.size) or (
         wanted is None and tuple(request.lengths) == tuple(shape)
     )
-    direct = whole and _can_receive(destination, dtype, stored.size)
-    raw = _as_bytes_tensor(destination) if direct else byte_buffer(last - first)
-    return PendingRead(
-        request, stored, chunk, (first, last), wanted, raw, destination, direct, what
-    )
+    takes_bytes = whole and takes_stored_bytes(destination, dtype, stored.size)
+    if stage and stored.codec == RAW and through_slabs(destination, last - first):
+        raw = as_bytes_tensor(destination) if takes_bytes else _EMPTY
+        return PendingRead(request, stored, chunk, (first, last), wanted, raw, destination,
+                           takes_bytes, what, staged=True)  # fmt: skip
+    direct = takes_bytes and destination.device.type == "cpu"
+    later = stored.codec != RAW and not direct
+    raw = as_bytes_tensor(destination) if direct else _EMPTY if later else byte_buffer(last - first)
+    return PendingRead(request, stored, chunk, (first, last), wanted, raw, destination, direct,
+                       what, scratch_at_decode=later)  # fmt: skip
+
+
+# Device destinations smaller than this keep a host scratch buffer of their own: their
+# requests are then coalesced with their neighbours', where a bounce slab would take one
+# request (and a whole slab) each. Norms and biases, a small part of any model's bytes.
+SLAB_MIN_ITEM = 1024 * 1024
+
+
+def through_slabs(destination: torch.Tensor, nbytes: int) -> bool:
+    """Whether an item's bytes pass through bounce slabs: a destination the network cannot
+    write into (device memory), and an item large enough to be worth a slab."""
+    return destination.device.type != "cpu" and nbytes >= SLAB_MIN_ITEM
 
 
 def decode(pending: PendingRead) -> PendingRead:
@@ -203,6 +228,10 @@ def decode(pending: PendingRead) -> PendingRead:
     checksum in the same pass. The frame memory goes back as soon as decoding ends, even
     when it fails: downloads waiting for the frames budget depend on it.
     """
+    if pending.scratch_at_decode:
+        pending.raw = byte_buffer(pending.span[1] - pending.span[0])
+        pending.raw_view = tensor_view(pending.raw)
+        pending.scratch_at_decode = False
     stored, raw, size = pending.stored, pending.raw_view, pending.stored.block_size
     first_block = pending.span[0] // size
     position = 0
@@ -324,10 +353,10 @@ def contiguous_range(
     return (start, start + numel * itemsize)
 
 
-def _can_receive(destination: torch.Tensor, dtype: torch.dtype, nbytes: int) -> bool:
+def takes_stored_bytes(destination: torch.Tensor, dtype: torch.dtype, nbytes: int) -> bool:
+    """Whether ``destination``'s own memory, as bytes, is the stored chunk (on any device)."""
     return (
-        destination.device.type == "cpu"
-        and destination.dtype == dtype
+        destination.dtype == dtype
         and destination.is_contiguous()
         and destination.numel() * destination.element_size() == nbytes
         and not destination.is_conj()
@@ -335,6 +364,7 @@ def _can_receive(destination: torch.Tensor, dtype: torch.dtype, nbytes: int) -> 
     )
 
 
-def _as_bytes_tensor(tensor: torch.Tensor) -> torch.Tensor:
+def as_bytes_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat ``uint8`` tensor (zero-copy)."""
     flat = tensor.reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)

@@ -45,7 +45,9 @@ class SharedRead:
         pending: list[PendingRead] = []
         try:
             self.reader._locate(plan)
-            pending = [self.reader._prepare(request, planner) for request in plan.items]
+            pending = [
+                self.reader._prepare(request, planner, stage=False) for request in plan.items
+            ]
             primaries = _primaries(pending)
             outcome: Any = ("needs", sorted(primaries))
         except Exception as exc:

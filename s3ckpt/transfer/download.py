@@ -46,6 +46,9 @@ class ReadTarget:
 
     ``buffer`` may be ``None`` with ``allocate`` given instead: the memory is then taken
     when the first byte arrives, so a load holds buffers only for what is in flight.
+    ``reserve`` is what such a target counts against the reader's budget while it holds
+    its memory (its length unless given: a piece received into a fixed-size slab holds
+    the whole slab).
     """
 
     key: str
@@ -55,6 +58,7 @@ class ReadTarget:
     token: object
     check: StreamingCheck | None = None
     allocate: Callable[[], memoryview] | None = None
+    reserve: int | None = None
     remaining: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -63,6 +67,11 @@ class ReadTarget:
         if self.buffer is not None:
             self._check_length(self.buffer)
         self.remaining = self.end - self.start
+
+    @property
+    def reserved(self) -> int:
+        """Bytes this target counts against the budget while it holds its memory."""
+        return self.end - self.start if self.reserve is None else self.reserve
 
     def memory(self) -> memoryview:
         """The buffer, allocated now if it was given lazily."""
@@ -162,9 +171,12 @@ def _disable_split_checks(requests: list[RangeRequest]) -> None:
 
 
 def _coalesce(group: list[ReadTarget], max_gap: int) -> Iterator[tuple[int, int, list[ReadTarget]]]:
+    """Runs of targets at most ``max_gap`` apart; a target with a ``reserve`` (a piece that
+    takes a whole slab) stays in a run of its own, so one request takes one slab at most."""
     start, end, members = group[0].start, group[0].end, [group[0]]
     for target in group[1:]:
-        if target.start - end <= max_gap:
+        alone = target.reserve is not None or members[-1].reserve is not None
+        if target.start - end <= max_gap and not alone:
             end = max(end, target.end)
             members.append(target)
         else:
@@ -316,12 +328,18 @@ class RangeReader:
         if self._admission is not None:
             io_loop().loop.call_soon_threadsafe(self._admission.leave, nbytes)
 
-    def fetch(self, targets: list[ReadTarget]) -> Iterator[object]:
+    def fetch(
+        self, targets: list[ReadTarget], idle: Callable[[], bool] | None = None
+    ) -> Iterator[object]:
         """Yield each target's token once all its bytes have arrived (in arrival order).
 
         Empty targets are yielded first. Raises the first I/O error; abandoning the
         iterator cancels the requests still running and waits until they have stopped, so
         no byte lands in a target after the caller has moved on (to raise an error, say).
+        ``idle()`` is called whenever no token is ready, before waiting for one: the caller
+        may give memory back there (it returns whether it did, and is then asked again), so
+        a download held back by the budget is never left waiting on a caller that waits
+        on it.
         """
         completed: queue.SimpleQueue[object] = queue.SimpleQueue()
         for target in targets:
@@ -333,7 +351,7 @@ class RangeReader:
         future = loop.submit(_outcome(task))
         future.add_done_callback(lambda _: completed.put(_FINISHED))
         try:
-            while (token := completed.get()) is not _FINISHED:
+            while (token := _next(completed, idle)) is not _FINISHED:
                 yield token
             future.result()
         finally:
@@ -364,7 +382,7 @@ class RangeReader:
     async def _request(self, request: RangeRequest, done: Callable[[ReadTarget], None]) -> None:
         if self._admission is not None:
             lazy = [t for t in request.targets if t.allocate is not None]
-            starting = sum(t.end - t.start for t in lazy if t.start >= request.start)
+            starting = sum(t.reserved for t in lazy if t.start >= request.start)
             # A request that carries the rest of a target admitted earlier never waits:
             # that target's release depends on it.
             continuing = any(t.start < request.start for t in lazy)
@@ -373,6 +391,17 @@ class RangeReader:
         await self.store.read_range(
             request.key, request.start, request.end, _Scatter(request, done)
         )
+
+
+def _next(completed: queue.SimpleQueue[object], idle: Callable[[], bool] | None) -> object:
+    """The next token: at once if one is ready, else after ``idle`` has run out of work."""
+    while idle is not None:
+        try:
+            return completed.get_nowait()
+        except queue.Empty:
+            if not idle():
+                break
+    return completed.get()
 
 
 async def _outcome(task: asyncio.Task[None]) -> None:

@@ -34,7 +34,7 @@ def _fail_fetches(rank: int) -> None:
     from s3ckpt.errors import StorageError
     from s3ckpt.transfer.download import RangeReader
 
-    def refuse(self: Any, targets: Any) -> Any:
+    def refuse(self: Any, targets: Any, idle: Any = None) -> Any:
         raise StorageError(f"injected: rank {rank} cannot read its share")
         yield  # a generator, like the real one
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.gpu import cuda_skip_reason, staging_summary
+from benchmarks.gpu import cuda_skip_reason, gpu_load_summary, staging_summary
 from benchmarks.report import table, targets
 
 
@@ -63,3 +63,26 @@ def test_measured_gpu_staging_gets_target_rows():
     cases = {"gpu_staging": {**_case(1000, 1.0), "staging": staging_summary([_sample(0.1, 0.11)])}}
     checks = {t["target"]: t for t in targets(cases)}
     assert checks["GPU dcp.async_save blocked / bare D2H copy"]["met"] is True
+
+
+def _load_sample(network: float, h2d: float, gpu: float) -> dict[str, float]:
+    return {"network": network, "h2d": h2d, "gpu_load": gpu}
+
+
+def test_gpu_loads_are_measured_against_the_network_read_plus_a_bare_copy():
+    samples = [
+        _load_sample(1.0, 0.1, 3.0),
+        _load_sample(1.0, 0.1, 1.2),
+        _load_sample(1.0, 0.1, 1.3),
+    ]
+    summary = gpu_load_summary(samples)
+    assert summary["first_gpu_load"] == 3.0  # pinning the slabs
+    assert summary["gpu_load_over_parts"] == pytest.approx(1.25 / 1.1)
+    checks = {
+        t["target"]: t for t in targets({"gpu_load": {**_case(1000, 1.0), "gpu_load": summary}})
+    }
+    row = checks["GPU dcp.load / (network read + bare H2D copy)"]
+    assert row["ratio"] == pytest.approx(1.25 / 1.1) and row["met"] is True
+    text = table({"size_mib": 1024, "reps": 3, "cases": {"gpu_load": {"skipped": "no CUDA: x"}},
+                  "targets": []})  # fmt: skip
+    assert "GPU load: not measured: no CUDA: x" in text

@@ -212,3 +212,50 @@ def test_an_abandoned_fetch_stops_its_requests_before_the_caller_moves_on():
             raise RuntimeError("caller failed")
     # The caller has moved on: the write under way has landed already, not later.
     assert writes == ["slow"] and bytes(slow) == b"\x02" * 10
+
+
+def test_a_target_with_a_reserve_is_never_coalesced_with_its_neighbours():
+    """A piece that takes a whole slab gets requests of its own: one request never takes
+    more slabs than the budget it was admitted for."""
+    slab = ReadTarget("a", 10, 20, None, "piece", allocate=lambda: None, reserve=1000)
+    targets = [_target("a", 0, 10), slab, _target("a", 20, 30), _target("a", 30, 40)]
+    requests = plan_requests(targets, max_request_size=1000, max_gap=100)
+    assert sorted((r.start, r.end, len(r.targets)) for r in requests) == [
+        (0, 10, 1),
+        (10, 20, 1),
+        (20, 40, 2),
+    ]
+    assert slab.reserved == 1000 and targets[0].reserved == 10
+
+
+def test_a_fetch_asks_its_caller_to_give_memory_back_before_it_waits():
+    """A download held back by its budget waits on the caller, who waits for the next
+    token: ``idle`` is where the caller gives the budget back, and it runs before any
+    wait. The budget here admits one lazily allocated target at a time."""
+    from s3ckpt.transfer.download import RangeReader
+
+    class Store:
+        async def read_range(self, key, start, end, sink):
+            copy_into(sink, start, b"\x07" * (end - start))
+
+    buffers = [memoryview(bytearray(10)) for _ in range(3)]
+    targets = [
+        ReadTarget("k", 100 * i, 100 * i + 10, None, i, allocate=lambda i=i: buffers[i], reserve=10)
+        for i in range(3)
+    ]
+    reader = RangeReader(Store(), lazy_budget=10)  # type: ignore[arg-type]
+    held: list[int] = []
+
+    def idle() -> bool:
+        if not held:
+            return False
+        reader.release(10 * len(held))
+        held.clear()
+        return True
+
+    arrived = []
+    for token in reader.fetch(targets, idle):
+        arrived.append(token)
+        held.append(token)  # given back only when the caller is idle
+    assert sorted(arrived) == [0, 1, 2]
+    assert all(bytes(b) == b"\x07" * 10 for b in buffers)

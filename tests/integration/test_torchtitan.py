@@ -1,7 +1,15 @@
 """torchtitan's checkpoint manager on S3 through S3CheckpointManager, against the embedded
 server, on CPU with a one-rank gloo group: saves at an interval, keep_latest_k through the
 catalog, discovery of the latest committed step-N, and a bit-exact load into a fresh model,
-optimizer and schedule; synchronous and in torchtitan's "async" mode.
+optimizer and schedule; synchronous and in torchtitan's "async" mode. The last step saved
+model-only, and in Hugging Face safetensors (``last_save_in_hf``), checked bit for bit
+against the adapter's names and values, and skipped by discovery.
+
+The Hugging Face tests use a state-dict adapter of their own, a torchtitan
+``StateDictAdapter`` written the way torchtitan's llama3 one is (HF names, the q/k row
+permutation, shards from ``model.safetensors.index.json`` in ``hf_assets_path``): the
+llama3 adapter cannot be imported on a CPU-only install, since ``torchtitan.models``
+imports triton.
 
 torchtitan pulls pandas, pyarrow, datasets, wandb and tensorboard and pins older fsspec,
 aiobotocore and lightning releases than the main test environment runs on, so ``make
@@ -12,7 +20,9 @@ test`` runs this module in an environment of its own (``.venv-torchtitan``, with
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import fsspec.config
@@ -26,13 +36,17 @@ pytest.importorskip(
     reason="torchtitan is not installed here: make test runs this module in .venv-torchtitan",
 )
 
+import safetensors.torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
-from s3ckpt import ConfigError, catalog
+from s3ckpt import CheckpointError, ConfigError, catalog
+from s3ckpt.config import S3URI
 from s3ckpt.integrations.torchtitan import S3CheckpointManager
+from s3ckpt.interop import formats
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -75,7 +89,58 @@ def aws_environment(monkeypatch: pytest.MonkeyPatch, local_s3: Any) -> dict[str,
     return {"endpoint_url": local_s3.endpoint_url, "s3_options": {"region": local_s3.region}}
 
 
-def build(folder: str, connection: dict[str, Any], seed: int, async_mode: str) -> Any:
+HF_NAMES = {
+    "0.weight": "model.up_proj.weight",
+    "0.bias": "model.up_proj.bias",
+    "2.weight": "lm_head.weight",
+    "2.bias": "lm_head.bias",
+}
+HF_SHARDS = {
+    "model.up_proj.weight": "model-00001-of-00002.safetensors",
+    "model.up_proj.bias": "model-00001-of-00002.safetensors",
+    "lm_head.weight": "model-00002-of-00002.safetensors",
+    "lm_head.bias": "model-00002-of-00002.safetensors",
+}
+HF_CONFIG = b'{"architectures": ["TinyForCausalLM"], "hidden_size": 16}\n'
+
+
+def permuted(weight: torch.Tensor, heads: int = 2) -> torch.Tensor:
+    """llama3's q/k permutation for Hugging Face's rotary layout (rows interleaved)."""
+    rows, cols = weight.shape
+    return weight.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+class TinyAdapter(StateDictAdapter):
+    """The test model's Hugging Face names and values, as llama3's adapter converts them."""
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return {
+            HF_NAMES[k]: permuted(v).clone() if k == "0.weight" else v
+            for k, v in state_dict.items()
+        }
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        native = {v: k for k, v in HF_NAMES.items()}
+        return {native[k]: v for k, v in hf_state_dict.items()}
+
+
+def hf_assets(folder: Path) -> str:
+    """A Hugging Face assets folder: the model's shard index and configuration."""
+    folder.mkdir()
+    index = {"metadata": {}, "weight_map": HF_SHARDS}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    (folder / "config.json").write_bytes(HF_CONFIG)
+    return str(folder)
+
+
+def build(
+    folder: str,
+    connection: dict[str, Any],
+    seed: int,
+    async_mode: str,
+    sd_adapter: StateDictAdapter | None = None,
+    **checkpoint: Any,
+) -> Any:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
     optimizers = OptimizersContainer.Config(
@@ -93,16 +158,15 @@ def build(folder: str, connection: dict[str, Any], seed: int, async_mode: str) -
         folder=folder,
         interval=2,
         keep_latest_k=2,
-        last_save_model_only=False,
         async_mode=async_mode,
-        **connection,
+        **{"last_save_model_only": False, **checkpoint, **connection},
     ).build(
         dataloader=None,
         model_parts=[model],
         optimizers=optimizers,
         lr_schedulers=schedulers,
         states={"train_state": train_state},
-        sd_adapter=None,
+        sd_adapter=sd_adapter,
         base_folder="/unused/dump/folder",
     )
     return model, optimizers, schedulers, train_state, manager
@@ -135,6 +199,27 @@ def assert_same(got: Any, want: Any, where: str = "state") -> None:
         assert got == want, where
 
 
+def train(parts: Any, steps: int, snapshot_at: int = 0) -> Any:
+    """Train and save every step as torchtitan's trainer does; the state after
+    ``snapshot_at`` (None if 0)."""
+    model, optimizers, schedulers, train_state, manager = parts
+    generator = torch.Generator().manual_seed(0)
+    kept = None
+    for step in range(1, steps + 1):
+        x = torch.randn(4, 8, generator=generator)
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizers.step()
+        optimizers.zero_grad()
+        schedulers.step()
+        train_state.step = step
+        manager.save(step, last_step=step == steps)  # the last step is saved synchronously
+        if step == snapshot_at:
+            manager.maybe_wait_for_saving()
+            kept = snapshot(model, optimizers, schedulers, train_state)
+    return kept
+
+
 PINNED = pytest.param(
     "async_with_pinned_mem",
     marks=pytest.mark.skipif(
@@ -152,16 +237,7 @@ def test_save_retain_discover_and_load_bit_exact(
         s3_prefix, aws_environment, seed=1, async_mode=async_mode
     )
     assert manager.load() is False  # nothing there yet: a fresh start
-    generator = torch.Generator().manual_seed(0)
-    for step in range(1, STEPS + 1):
-        x = torch.randn(4, 8, generator=generator)
-        loss = model(x).square().mean()
-        loss.backward()
-        optimizers.step()
-        optimizers.zero_grad()
-        schedulers.step()
-        train_state.step = step
-        manager.save(step, last_step=step == STEPS)  # the last step is saved synchronously
+    train((model, optimizers, schedulers, train_state, manager), STEPS)
     expected = snapshot(model, optimizers, schedulers, train_state)
     manager.close()  # finishes the queued deletions
 
@@ -196,3 +272,107 @@ def test_credentials_in_the_config_and_local_folders_are_refused() -> None:
         )
     with pytest.raises(ConfigError, match="s3://"):
         S3CheckpointManager.Config(enable=True, folder="checkpoint")
+    # torchtitan refuses last_save_in_hf for any remote folder; this manager takes it, with
+    # torchtitan's other rules: model-only, and (at build) an adapter.
+    S3CheckpointManager.Config(enable=True, folder="s3://b/run", last_save_in_hf=True)
+    with pytest.raises(ConfigError, match="last_save_model_only"):
+        S3CheckpointManager.Config(
+            enable=True, folder="s3://b/run", last_save_in_hf=True, last_save_model_only=False
+        )
+
+
+def objects_under(local_s3: Any, uri: str) -> dict[str, bytes]:
+    """Every object under ``uri``/, by name relative to it, with its bytes."""
+    location = S3URI.parse(uri)
+    client = local_s3.client()
+    listed = client.list_objects_v2(Bucket=location.bucket, Prefix=location.prefix + "/")
+    return {
+        item["Key"][len(location.prefix) + 1 :]: client.get_object(
+            Bucket=location.bucket, Key=item["Key"]
+        )["Body"].read()
+        for item in listed.get("Contents", [])
+    }
+
+
+@pytest.mark.parametrize("in_hf", [False, True], ids=["model-only", "hf-safetensors"])
+def test_the_last_step_model_only_or_in_hf_is_no_resume_point(
+    s3_prefix: str,
+    aws_environment: dict[str, Any],
+    s3_options: dict[str, Any],
+    local_s3: Any,
+    tmp_path: Path,
+    in_hf: bool,
+) -> None:
+    adapter = TinyAdapter(None, hf_assets(tmp_path / "hf-assets"))
+    last = dict(last_save_model_only=True, last_save_in_hf=in_hf, export_dtype="bfloat16")
+    parts = build(s3_prefix, aws_environment, 1, "async", adapter, **last)
+    resumable = train(parts, STEPS, snapshot_at=STEPS - 2)
+    model, *_, manager = parts
+    final = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    manager.close()
+
+    committed = [c.name for c in catalog.list_checkpoints(s3_prefix, **s3_options) if c.committed]
+    last_step = f"{s3_prefix}/step-{STEPS}"
+    if in_hf:
+        # step-8 holds safetensors, no s3ckpt checkpoint; the export's source is gone.
+        assert committed == ["step-4", "step-6"]
+        assert objects_under(local_s3, last_step + ".hf-source") == {}
+        files = objects_under(local_s3, last_step)
+        assert sorted(files) == sorted(
+            {"config.json", "model.safetensors.index.json", *HF_SHARDS.values()}
+        )
+        assert files["config.json"] == HF_CONFIG
+        index = json.loads(files["model.safetensors.index.json"])
+        assert index["weight_map"] == HF_SHARDS
+        exported: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(HF_SHARDS.values())):
+            tensors = safetensors.torch.load(files[shard])
+            assert all(HF_SHARDS[name] == shard for name in tensors)
+            exported.update(tensors)
+        # Bit for bit the model in export_dtype, named and permuted by the adapter.
+        assert_same(exported, adapter.to_hf(final))
+        assert index["metadata"]["total_size"] == sum(t.nbytes for t in exported.values())
+    else:
+        assert committed == ["step-4", "step-6", "step-8"]
+        assert not manager.holds_training_state(last_step)  # the model alone, in bf16
+        assert manager.holds_training_state(f"{s3_prefix}/step-6")
+
+    fresh = build(s3_prefix, aws_environment, 2, "async", adapter, **last)
+    assert fresh[4]._find_load_step() == STEPS - 2  # the last full checkpoint
+    assert fresh[4].load() is True
+    fresh[4].close()
+    assert_same(snapshot(*fresh[:4]), resumable)
+
+
+def test_a_failed_hf_export_leaves_no_files_and_keeps_the_model(
+    s3_prefix: str,
+    aws_environment: dict[str, Any],
+    s3_options: dict[str, Any],
+    local_s3: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    adapter = TinyAdapter(None, hf_assets(tmp_path / "hf-assets"))
+    last = dict(last_save_model_only=True, last_save_in_hf=True)
+    parts = build(s3_prefix, aws_environment, 1, "disabled", adapter, **last)
+    written = formats.SafetensorsWriter.write
+    stored: list[str] = []
+
+    def failing(self: Any, name: str, tensor: torch.Tensor) -> None:
+        written(self, name, tensor)
+        if self._shard == 1:  # in the second shard: config.json and the first are stored
+            stored.extend(self.output.written)
+            raise OSError("disk on fire")
+
+    monkeypatch.setattr(formats.SafetensorsWriter, "write", failing)
+    with pytest.raises(CheckpointError, match="disk on fire") as failure:
+        parts[4].save(1, last_step=True)
+    parts[4].close()
+    assert stored == ["config.json", *sorted(set(HF_SHARDS.values()))]
+    source = f"{s3_prefix}/step-1.hf-source"
+    assert source in str(failure.value)
+    assert objects_under(local_s3, f"{s3_prefix}/step-1") == {}  # no partial export
+    assert [c.name for c in catalog.list_checkpoints(s3_prefix, **s3_options)] == [
+        "step-1.hf-source"  # kept, committed, for s3ckpt export to retry
+    ]
+    assert parts[4]._find_load_step() == -1

@@ -5,11 +5,8 @@ optimizer and schedule; synchronous and in torchtitan's "async" mode. The last s
 model-only, and in Hugging Face safetensors (``last_save_in_hf``), checked bit for bit
 against the adapter's names and values, and skipped by discovery.
 
-The Hugging Face tests use a state-dict adapter of their own, a torchtitan
-``StateDictAdapter`` written the way torchtitan's llama3 one is (HF names, the q/k row
-permutation, shards from ``model.safetensors.index.json`` in ``hf_assets_path``): the
-llama3 adapter cannot be imported on a CPU-only install, since ``torchtitan.models``
-imports triton.
+The Hugging Face tests use a state-dict adapter of their own (``_torchtitan_worker``,
+which says why), also on two FSDP ranks.
 
 torchtitan pulls pandas, pyarrow, datasets, wandb and tensorboard and pins older fsspec,
 aiobotocore and lightning releases than the main test environment runs on, so ``make
@@ -37,6 +34,7 @@ pytest.importorskip(
 )
 
 import safetensors.torch
+from _torchtitan_worker import HF_CONFIG, HF_SHARDS, TinyAdapter, fsdp_hf_main, hf_assets, run_ranks
 from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
@@ -87,50 +85,6 @@ def aws_environment(monkeypatch: pytest.MonkeyPatch, local_s3: Any) -> dict[str,
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", local_s3.access_key)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", local_s3.secret_key)
     return {"endpoint_url": local_s3.endpoint_url, "s3_options": {"region": local_s3.region}}
-
-
-HF_NAMES = {
-    "0.weight": "model.up_proj.weight",
-    "0.bias": "model.up_proj.bias",
-    "2.weight": "lm_head.weight",
-    "2.bias": "lm_head.bias",
-}
-HF_SHARDS = {
-    "model.up_proj.weight": "model-00001-of-00002.safetensors",
-    "model.up_proj.bias": "model-00001-of-00002.safetensors",
-    "lm_head.weight": "model-00002-of-00002.safetensors",
-    "lm_head.bias": "model-00002-of-00002.safetensors",
-}
-HF_CONFIG = b'{"architectures": ["TinyForCausalLM"], "hidden_size": 16}\n'
-
-
-def permuted(weight: torch.Tensor, heads: int = 2) -> torch.Tensor:
-    """llama3's q/k permutation for Hugging Face's rotary layout (rows interleaved)."""
-    rows, cols = weight.shape
-    return weight.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-class TinyAdapter(StateDictAdapter):
-    """The test model's Hugging Face names and values, as llama3's adapter converts them."""
-
-    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return {
-            HF_NAMES[k]: permuted(v).clone() if k == "0.weight" else v
-            for k, v in state_dict.items()
-        }
-
-    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
-        native = {v: k for k, v in HF_NAMES.items()}
-        return {native[k]: v for k, v in hf_state_dict.items()}
-
-
-def hf_assets(folder: Path) -> str:
-    """A Hugging Face assets folder: the model's shard index and configuration."""
-    folder.mkdir()
-    index = {"metadata": {}, "weight_map": HF_SHARDS}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    (folder / "config.json").write_bytes(HF_CONFIG)
-    return str(folder)
 
 
 def build(
@@ -376,3 +330,32 @@ def test_a_failed_hf_export_leaves_no_files_and_keeps_the_model(
         "step-1.hf-source"  # kept, committed, for s3ckpt export to retry
     ]
     assert parts[4]._find_load_step() == -1
+
+
+@pytest.mark.distributed
+def test_two_fsdp_ranks_export_the_whole_model_in_hf(
+    s3_prefix: str,
+    aws_environment: dict[str, Any],
+    local_s3: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every rank saves its FSDP shards; rank 0 exports whole tensors; both resume from
+    step 1, the last full checkpoint."""
+    env = {"AWS_ACCESS_KEY_ID": local_s3.access_key, "AWS_SECRET_ACCESS_KEY": local_s3.secret_key}
+    assets = hf_assets(tmp_path / "hf-assets")
+    args = (env, aws_environment, s3_prefix, assets, str(tmp_path))
+    run_ranks(fsdp_hf_main, 2, *args, timeout=240)
+    reports = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    files = objects_under(local_s3, f"{s3_prefix}/step-2")
+    assert sorted(files) == sorted(
+        {"config.json", "model.safetensors.index.json", *HF_SHARDS.values()}
+    )
+    exported = {}
+    for shard in sorted(set(HF_SHARDS.values())):
+        exported.update(safetensors.torch.load(files[shard]))
+    adapter = TinyAdapter(None, assets)
+    for report in reports:
+        assert_same(exported, adapter.to_hf(report["final"]))
+        assert report["found"] == 1 and report["loaded"] is True
+        assert_same(report["restored"], report["step1"])

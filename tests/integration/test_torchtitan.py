@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import copy
 import json
+import re
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -359,3 +361,20 @@ def test_two_fsdp_ranks_export_the_whole_model_in_hf(
         assert_same(exported, adapter.to_hf(report["final"]))
         assert report["found"] == 1 and report["loaded"] is True
         assert_same(report["restored"], report["step1"])
+
+
+def test_the_quickstart_configurations_are_accepted() -> None:
+    """The ``py`` blocks of the quickstart's torchtitan section, run in order: each gives
+    a configuration this manager takes (the Hugging Face one, which torchtitan's own
+    manager refuses for an s3:// folder, as the HF test above runs it)."""
+    text = (Path(__file__).parents[2] / "docs" / "quickstart.md").read_text()
+    section = text.split("## 11. torchtitan", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```py\n(.*?)```", section, flags=re.DOTALL)
+    namespace: dict[str, Any] = {"config": types.SimpleNamespace()}
+    seen = []
+    for block in blocks:
+        exec(compile(block, "docs/quickstart.md", "exec"), namespace)
+        checkpoint = namespace["config"].checkpoint
+        assert isinstance(checkpoint, S3CheckpointManager.Config)
+        seen.append((checkpoint.last_save_model_only, checkpoint.last_save_in_hf))
+    assert seen == [(True, False), (True, True)]

@@ -239,8 +239,8 @@ class S3CheckpointManager(CheckpointManager):
             )
         except Exception as exc:
             raise CheckpointError(
-                f"the Hugging Face export of {source} into {out} failed and removed what "
-                f"it wrote; the model stays saved at {source}: {exc}"
+                f"the Hugging Face export of {source} into {out} failed (what it wrote "
+                f"there is removed); the model stays saved at {source}: {exc}"
             ) from exc
         log.info("saved the model as Hugging Face safetensors at %s", out)
         try:

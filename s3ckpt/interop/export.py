@@ -15,8 +15,10 @@ was left out.
 
 What commits an export is its last file: the safetensors index (or the one torch file).
 Small files given along (``files``: a model's ``config.json``) are written first, then the
-tensors; an export that fails removes everything it wrote, so an output is either a whole
-export or none.
+tensors; an export that fails removes everything it wrote. One killed outright leaves its
+files so far without the index: shards a loader does not take as a model (each object
+is whole or absent, so a lone ``model.safetensors`` is the complete model); the next
+export with ``overwrite`` replaces them.
 """
 
 from __future__ import annotations

@@ -19,17 +19,36 @@ not have: its commit is ``step-N/manifest.json``), ``_purge_stale_checkpoints`` 
   the older committed ones through the catalog (manifest first) on torchtitan's purge
   thread.
 
-HF safetensors saves and loads, and local paths (``initial_load_path``), stay
-torchtitan's. torchtitan checks that the folder exists through fsspec, i.e. s3fs: the
-manager points s3fs at the same endpoint (``configure_fsspec``), so s3fs must be
-installed. Select it in the trainer's configuration::
+* the last step (``last_save_model_only``, torchtitan's default) holds the model alone, in
+  ``export_dtype``: it is committed as ``step-N`` like the others but is no point to resume
+  from, so discovery skips it (its stored names hold no state but the model's) and picks
+  the newest step that holds the whole training state;
+* with ``last_save_in_hf`` (which torchtitan refuses for a remote folder), the last step is
+  written as Hugging Face safetensors under ``step-N``: the model, named and laid out by
+  torchtitan's state-dict adapter (``sd_adapter.to_hf``; the shards of its
+  ``fqn_to_index_mapping``, read from ``model.safetensors.index.json`` in
+  ``hf_assets_path``, else one ``model.safetensors``), is saved by every rank as an s3ckpt
+  checkpoint at ``step-N.hf-source`` and exported from there by rank 0 with
+  :func:`s3ckpt.interop.export.export_checkpoint` (as ``s3ckpt export`` does: whole
+  tensors whatever the parallelism, every byte checked), with ``config.json`` and
+  ``generation_config.json`` from ``hf_assets_path`` when it has them. The index,
+  ``model.safetensors.index.json``, is written last; an export that fails removes what it
+  wrote, keeps ``step-N.hf-source`` and fails the save on every rank; one that succeeds
+  removes ``step-N.hf-source``. ``step-N`` then holds safetensors, not an s3ckpt
+  checkpoint: neither is a resume point.
+
+Loads of HF safetensors and local paths (``initial_load_path``) stay torchtitan's.
+torchtitan checks that the folder exists through fsspec, i.e. s3fs: the manager points
+s3fs at the same endpoint (``configure_fsspec``), so s3fs must be installed. Select it in
+the trainer's configuration::
 
     from s3ckpt.integrations.torchtitan import S3CheckpointManager
 
     config.checkpoint = S3CheckpointManager.Config(
         enable=True, folder="s3://ckpt/llama3-8b", interval=500, keep_latest_k=3,
         async_mode="async", endpoint_url="https://flashblade.example.com",
-        writer_options={"compression": "zstd"})
+        writer_options={"compression": "zstd"},
+        last_save_model_only=True, last_save_in_hf=True, export_dtype="bfloat16")
 
 Credentials come from the AWS environment or a profile (``s3_options={"profile": ...}``),
 never from the configuration, which torchtitan logs.
@@ -42,7 +61,9 @@ import logging
 import queue
 import re
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -55,13 +76,16 @@ from s3ckpt import catalog
 from s3ckpt.config import S3Config, make_config
 from s3ckpt.dcp.reader import S3StorageReader
 from s3ckpt.dcp.writer import S3StorageWriter
-from s3ckpt.errors import CheckpointNotFoundError, ConfigError
+from s3ckpt.errors import CheckpointError, CheckpointNotFoundError, ConfigError, S3CkptError
 from s3ckpt.integrations.fsspec_s3 import configure_fsspec
+from s3ckpt.interop.export import export_checkpoint
 
 log = logging.getLogger(__name__)
 
 _STEP = re.compile(r"step-(\d+)")
 _SECRETS = frozenset({"access_key_id", "secret_access_key", "session_token"})
+HF_SOURCE = ".hf-source"  # step-N + this: the model an HF export at step-N is written from
+HF_CONFIG_FILES = ("config.json", "generation_config.json")  # copied from hf_assets_path
 
 
 class S3CheckpointManager(CheckpointManager):
@@ -86,7 +110,16 @@ class S3CheckpointManager(CheckpointManager):
         """Point fsspec's s3 filesystem (s3fs) at the same store."""
 
         def __post_init__(self) -> None:
-            CheckpointManager.Config.__post_init__(self)
+            # torchtitan refuses last_save_in_hf for a remote folder: it writes HF files
+            # with the file system. This manager writes them itself, so that one check of
+            # torchtitan's is skipped and the rest of its checks run as they are.
+            in_hf, self.last_save_in_hf = self.last_save_in_hf, False
+            try:
+                CheckpointManager.Config.__post_init__(self)
+            finally:
+                self.last_save_in_hf = in_hf
+            if in_hf and not self.last_save_model_only:
+                raise ConfigError("last_save_in_hf requires last_save_model_only=True")
             secrets = _SECRETS & set(self.s3_options)
             if secrets:
                 raise ConfigError(
@@ -129,10 +162,13 @@ class S3CheckpointManager(CheckpointManager):
         enable_garbage_collection: bool = False,
         to_hf: bool = False,
     ) -> Any:
-        if to_hf or not checkpoint_id.startswith("s3://"):
+        if not checkpoint_id.startswith("s3://"):
             return super().dcp_save(
                 state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf
             )
+        if to_hf:  # the last step, always saved synchronously by torchtitan
+            self.save_in_hf(state_dict, checkpoint_id)
+            return None
         writer = S3StorageWriter(
             checkpoint_id, config=self.s3_config, overwrite=True, **self.writer_options
         )
@@ -171,6 +207,55 @@ class S3CheckpointManager(CheckpointManager):
         if MODEL in self.states:
             self.states[MODEL].load_state_dict(state_dict)
 
+    def save_in_hf(self, state_dict: dict[str, Any], checkpoint_id: str) -> None:
+        """The model as Hugging Face safetensors at ``checkpoint_id`` (module docstring).
+
+        The model goes through an s3ckpt checkpoint first so that every rank saves its
+        own shards (FSDP, TP, PP alike) and the export reads whole tensors back through
+        DCP, a window at a time; rank 0 alone writes the files.
+        """
+        if self.sd_adapter is None:  # torchtitan's __init__ refuses this already
+            raise ConfigError("last_save_in_hf needs the model's state-dict adapter (sd_adapter)")
+        hf_state = self.sd_adapter.to_hf(state_dict)
+        # Read after to_hf, which may drop a name from it (a tied lm_head).
+        mapping = self.sd_adapter.fqn_to_index_mapping
+        source = checkpoint_id + HF_SOURCE
+        writer = S3StorageWriter(
+            source, config=self.s3_config, overwrite=True, **self.writer_options
+        )
+        dcp.save(hf_state, storage_writer=writer)
+        _on_rank_zero(lambda: self._export(source, checkpoint_id, mapping))
+
+    def _export(self, source: str, out: str, mapping: Mapping[Any, int] | None) -> None:
+        try:
+            export_checkpoint(
+                source,
+                out,
+                format="safetensors",
+                overwrite=True,  # as torchtitan's file system save writes over a folder
+                shard_of={str(k): int(v) for k, v in mapping.items()} if mapping else None,
+                files=self._hf_config_files(),
+                config=self.s3_config,
+            )
+        except Exception as exc:
+            raise CheckpointError(
+                f"the Hugging Face export of {source} into {out} failed (what it wrote "
+                f"there is removed); the model stays saved at {source}: {exc}"
+            ) from exc
+        log.info("saved the model as Hugging Face safetensors at %s", out)
+        try:
+            catalog.remove_checkpoint(source, config=self.s3_config)
+        except S3CkptError as exc:  # the export is whole: the run need not fail for this
+            log.warning("could not remove %s (s3ckpt rm removes it): %s", source, exc)
+
+    def _hf_config_files(self) -> dict[str, bytes]:
+        """The model's configuration from torchtitan's Hugging Face assets folder, if local."""
+        folder = getattr(self.sd_adapter, "hf_assets_path", None)
+        if not folder or "://" in str(folder):
+            return {}
+        paths = (Path(folder) / name for name in HF_CONFIG_FILES)
+        return {path.name: path.read_bytes() for path in paths if path.is_file()}
+
     # -- steps and retention ------------------------------------------------------------
 
     def committed_steps(self, folder: str = "") -> dict[int, str]:
@@ -186,7 +271,25 @@ class S3CheckpointManager(CheckpointManager):
     def _find_load_step(self, folder: str = "") -> int:
         if not (folder or self.folder).startswith("s3://"):
             return super()._find_load_step(folder)
-        return max(self.committed_steps(folder), default=-1)
+        steps = self.committed_steps(folder)
+        for step in sorted(steps, reverse=True):
+            # torchtitan loads step 0, its seed checkpoint, as the model alone.
+            if step == 0 or self.holds_training_state(steps[step]):
+                return step
+            log.info("%s holds the model alone: not a point to resume from", steps[step])
+        return -1
+
+    def holds_training_state(self, uri: str) -> bool:
+        """Whether the checkpoint at ``uri`` holds more than the model (optimizer, train
+        state...): a last save with ``last_save_model_only`` holds the model alone, maybe
+        converted to ``export_dtype``, and resuming from it would fail. One read of its
+        manifest and DCP metadata, on each rank (no collective: ranks may call this alone)."""
+        others = set(self.states) - {MODEL}
+        if not others:
+            return True
+        reader = S3StorageReader(uri, config=self.s3_config, **self.reader_options)
+        stored = reader.read_metadata().state_dict_metadata
+        return any(fqn.split(".", 1)[0] in others for fqn in stored)
 
     def _should_purge(self) -> bool:
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -210,3 +313,22 @@ class S3CheckpointManager(CheckpointManager):
             catalog.remove_checkpoint(uri, config=self.s3_config)
         except CheckpointNotFoundError:
             log.debug("%s was already removed", uri)
+
+
+def _on_rank_zero(action: Callable[[], None]) -> None:
+    """Run ``action`` on rank 0 alone; every rank raises if it failed there, so that no
+    rank goes on believing the save done."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    failure: Exception | None = None
+    if rank == 0:
+        try:
+            action()
+        except Exception as exc:
+            failure = exc
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        outcome = [None if failure is None else str(failure)]
+        dist.broadcast_object_list(outcome, src=0)
+        if failure is None and outcome[0] is not None:
+            raise CheckpointError(f"rank 0 failed to save the last step: {outcome[0]}")
+    if failure is not None:
+        raise failure

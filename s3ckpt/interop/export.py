@@ -12,13 +12,20 @@ upload part, not the model.
 Only tensors are exported: safetensors holds nothing else, and the rest of a training
 state (step counters, optimizer settings) is no use to inference; the report names what
 was left out.
+
+What commits an export is its last file: the safetensors index (or the one torch file).
+Small files given along (``files``: a model's ``config.json``) are written first, then the
+tensors; an export that fails removes everything it wrote. One killed outright leaves its
+files so far without the index: shards a loader does not take as a model (each object
+is whole or absent, so a lone ``model.safetensors`` is the complete model); the next
+export with ``overwrite`` replaces them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,9 +42,10 @@ from s3ckpt.interop.formats import (
     SafetensorsWriter,
     Spec,
     TorchWriter,
+    assigned,
     check_safetensors_dtypes,
 )
-from s3ckpt.interop.output import open_output
+from s3ckpt.interop.output import EXPORT_NAMES, open_output
 from s3ckpt.transfer.parts import MiB
 
 FORMATS = ("safetensors", "torch")
@@ -87,6 +95,8 @@ def export_checkpoint(
     dtype: str | torch.dtype | None = None,
     overwrite: bool = False,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    shard_of: Mapping[str, int] | None = None,
+    files: Mapping[str, bytes] | None = None,
     window: int = DEFAULT_WINDOW,
     config: S3Config | None = None,
     output_config: S3Config | None = None,
@@ -98,15 +108,21 @@ def export_checkpoint(
     ``only``: export the tensors under this FQN prefix (``model`` takes ``model.*``), named
     without it, as inference loaders expect. ``dtype``: convert floating-point tensors
     (``bf16``, ``fp16``, ``fp32``); values the dtype cannot hold overflow to ``inf`` and
-    are reported in :attr:`ExportReport.overflowed`. ``output_config``: the endpoint of an
+    are reported in :attr:`ExportReport.overflowed`. ``shard_of`` (safetensors): the shard
+    of each exported name, numbered from 1 as a Hugging Face index names them, instead of
+    shards cut at ``max_shard_size``. ``files``: further small files (name -> bytes)
+    written into ``out`` before the tensors. ``output_config``: the endpoint of an
     ``s3://`` output when it is not the source's. Raises
     :class:`~s3ckpt.errors.CheckpointNotFoundError` (nothing committed at ``source``),
     :class:`~s3ckpt.errors.CorruptCheckpointError` (damaged),
     :class:`~s3ckpt.errors.OutputExistsError` (``out`` holds files, no ``overwrite``),
-    :class:`~s3ckpt.errors.ConfigError` (unknown format or dtype).
+    :class:`~s3ckpt.errors.ConfigError` (unknown format or dtype, a tensor ``shard_of``
+    does not place, a file name that is a path or one the export writes itself).
     """
     if format not in FORMATS:
         raise ConfigError(f"unknown format {format!r} (one of {', '.join(FORMATS)})")
+    extra = dict(files or {})
+    _check_file_names(extra)
     target = parse_dtype(dtype)
     if max_shard_size < 1 or window < 1:
         raise ConfigError("max_shard_size and window must be positive")
@@ -119,14 +135,22 @@ def export_checkpoint(
     specs = [Spec(name, _converted_dtype(t.dtype, target), t.shape) for name, t in chosen]
     if format == "safetensors":
         check_safetensors_dtypes(specs)
+        if shard_of is not None:
+            assigned(specs, shard_of)  # a tensor it does not place: refused before any write
+    elif shard_of is not None:
+        raise ConfigError("shard_of applies to the safetensors format only")
     output = open_output(out, output_config or s3)
     output.check(overwrite)
     report = ExportReport(str(location), str(output), format, [], len(specs), 0)
     report.left_out = [fqn for fqn in contents.others if _under(fqn, only)]
     writer: SafetensorsWriter | TorchWriter | None = None
     try:
+        for name, data in extra.items():
+            stream = output.open(name)
+            stream.write(data)
+            stream.close()
         writer = (
-            SafetensorsWriter(output, specs, max_shard_size)
+            SafetensorsWriter(output, specs, max_shard_size, shard_of)
             if format == "safetensors"
             else TorchWriter(output, specs)
         )
@@ -191,6 +215,21 @@ class _OneSaveReaders:
         elif manifest.save_id != self._save:
             raise CheckpointError(
                 f"{self.location} was overwritten during the export; export it again"
+            )
+
+
+def _check_file_names(files: Mapping[str, bytes]) -> None:
+    """:class:`ConfigError` for a name that is not a plain file name, or one of the export's own."""
+    for name in files:
+        if (
+            not name
+            or "/" in name
+            or "\\" in name
+            or name in (".", "..")
+            or EXPORT_NAMES.match(name)
+        ):
+            raise ConfigError(
+                f"cannot write {name!r} along with an export: not a plain file name of its own"
             )
 
 

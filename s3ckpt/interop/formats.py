@@ -3,12 +3,14 @@
 Both formats are written front to back, tensor by tensor, because every name, dtype and
 shape is known from DCP's metadata before any byte is read:
 
-* safetensors (Hugging Face): shards of at most ``max_shard_size`` bytes, each an 8-byte
-  header length, a JSON header (dtype, shape and byte range of every tensor, padded to
-  8 bytes) and the raw little-endian tensor bytes in header order; ``model.safetensors``
-  alone or ``model-0000i-of-0000n.safetensors``, and ``model.safetensors.index.json``
-  mapping every tensor to its shard (``safetensors.torch.load_file`` reads each shard,
-  ``transformers`` the set);
+* safetensors (Hugging Face): shards of at most ``max_shard_size`` bytes, or the shards a
+  model's own index assigns (``shard_of``: name -> 1-based shard number, as a Hugging Face
+  ``model.safetensors.index.json`` names them), each an 8-byte header length, a JSON header
+  (dtype, shape and byte range of every tensor, padded to 8 bytes) and the raw
+  little-endian tensor bytes in header order; ``model.safetensors`` alone or
+  ``model-0000i-of-0000n.safetensors``, and ``model.safetensors.index.json`` mapping
+  every tensor to its shard, written last (``safetensors.torch.load_file`` reads each
+  shard, ``transformers`` the set);
 * torch: one ``pytorch_model.bin`` that ``torch.load`` reads as ``{name: tensor}``. Its
   skeleton, written by ``torch.save`` with no tensor bytes
   (:func:`s3ckpt.dcp.compat.save_skeleton`) into a temporary file (sparse: the tensor
@@ -24,7 +26,7 @@ import os
 import struct
 import tempfile
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -74,10 +76,18 @@ class Spec:
 class SafetensorsWriter:
     """Writes safetensors shards (module docstring); tensors must come in ``specs`` order."""
 
-    def __init__(self, output: Output, specs: Sequence[Spec], max_shard_size: int) -> None:
+    def __init__(
+        self,
+        output: Output,
+        specs: Sequence[Spec],
+        max_shard_size: int,
+        shard_of: Mapping[str, int] | None = None,
+    ) -> None:
         check_safetensors_dtypes(specs)
         self.output = output
-        self.shards = _shards(specs, max_shard_size)
+        self.shards = (
+            _shards(specs, max_shard_size) if shard_of is None else assigned(specs, shard_of)
+        )
         count = len(self.shards)
         self.names = (
             ["model.safetensors"]
@@ -146,6 +156,22 @@ def _shards(specs: Sequence[Spec], limit: int) -> list[list[Spec]]:
             used = 0
         shards[-1].append(spec)
         used += spec.nbytes
+    return shards
+
+
+def assigned(specs: Sequence[Spec], shard_of: Mapping[str, int]) -> list[list[Spec]]:
+    """``specs`` in the shards ``shard_of`` names (1 to its highest number, some maybe
+    empty), each in ``specs`` order; :class:`ConfigError` for a tensor it does not place."""
+    unplaced = [s.name for s in specs if shard_of.get(s.name, 0) < 1]
+    if unplaced:
+        raise ConfigError(
+            f"the shard assignment places no shard for {len(unplaced)} tensor(s): "
+            f"{', '.join(unplaced[:5])}"
+        )
+    count = max((shard_of[s.name] for s in specs), default=1)
+    shards: list[list[Spec]] = [[] for _ in range(count)]
+    for spec in specs:
+        shards[shard_of[spec.name] - 1].append(spec)
     return shards
 
 

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from s3ckpt.cli.interop_commands import parse_size
 from s3ckpt.errors import ConfigError, OutputExistsError
+from s3ckpt.interop.export import export_checkpoint
 from s3ckpt.interop.formats import INDEX_NAME, TORCH_NAME, SafetensorsWriter, Spec, TorchWriter
 from s3ckpt.interop.output import LocalOutput
 
@@ -62,6 +63,35 @@ def test_safetensors_shards_and_index(tmp_path: Path) -> None:
     loaded = {k: v for shard in shards for k, v in load_file(tmp_path / shard).items()}
     assert_bit_exact(loaded, state)
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in state.values())
+
+
+def test_safetensors_shards_a_model_index_assigns(tmp_path: Path) -> None:
+    """Shards as a Hugging Face index numbers them (from 1; one left empty), each in the
+    order given; a tensor the assignment does not place is refused before any write."""
+    state = tensors()
+    shard_of = {"a.weight": 3, "ids": 3, "a.bias": 1, "empty": 1, "flags": 1, "scalar": 1}
+    writer = SafetensorsWriter(output(tmp_path), specs_of(state), 10**9, shard_of)
+    for spec in writer.order:
+        writer.write(spec.name, state[spec.name])
+    writer.close()
+    names = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    index = json.loads((tmp_path / INDEX_NAME).read_text())
+    assert index["weight_map"] == {k: names[i - 1] for k, i in sorted(shard_of.items())}
+    assert list(load_file(tmp_path / names[1])) == []  # a valid, empty shard
+    assert list(load_file(tmp_path / names[2])) == ["a.weight", "ids"]
+    loaded = {k: v for name in names for k, v in load_file(tmp_path / name).items()}
+    assert_bit_exact(loaded, state)
+    with pytest.raises(ConfigError, match=r"places no shard for 1 tensor\(s\): ids"):
+        SafetensorsWriter(
+            output(tmp_path / "other"), specs_of(state), 10**9, {**shard_of, "ids": 0}
+        )
+    assert not (tmp_path / "other").joinpath(INDEX_NAME).exists()
+
+
+def test_files_along_an_export_are_plain_names_of_their_own() -> None:
+    for name in ("a/config.json", "..", "", INDEX_NAME, "model-00001-of-00002.safetensors"):
+        with pytest.raises(ConfigError, match="along with an export"):
+            export_checkpoint("s3://bucket/ckpt", "out", files={name: b"{}"})
 
 
 def test_safetensors_header_is_padded_to_eight_bytes(tmp_path: Path) -> None:

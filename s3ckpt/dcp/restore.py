@@ -90,6 +90,13 @@ class PendingRead:
     def compressed(self) -> bool:
         return self.stored.codec != RAW
 
+    def allocate_scratch(self) -> None:
+        """Give a compressed item its raw scratch buffer now, if it waits for one."""
+        if self.scratch_at_decode:
+            self.raw = byte_buffer(self.span[1] - self.span[0])
+            self.raw_view = tensor_view(self.raw)
+            self.scratch_at_decode = False
+
     def frames_buffer(self, pool: FramePool, returned: Callable[[int], None]) -> memoryview:
         """Memory for a compressed item's frames, from ``pool`` (called as bytes arrive).
 
@@ -228,10 +235,7 @@ def decode(pending: PendingRead) -> PendingRead:
     checksum in the same pass. The frame memory goes back as soon as decoding ends, even
     when it fails: downloads waiting for the frames budget depend on it.
     """
-    if pending.scratch_at_decode:
-        pending.raw = byte_buffer(pending.span[1] - pending.span[0])
-        pending.raw_view = tensor_view(pending.raw)
-        pending.scratch_at_decode = False
+    pending.allocate_scratch()
     stored, raw, size = pending.stored, pending.raw_view, pending.stored.block_size
     first_block = pending.span[0] // size
     position = 0

@@ -15,8 +15,11 @@ the one all-gather and then reads as it would alone.
 
 Failures never leave a rank waiting: a rank that cannot plan or fetch its share says so
 in the next collective, and every rank then raises that rank's error (its own first).
-Compressed items are read by each rank that needs them (their frames are decoded into
-the destination as they arrive, so there is no verified raw range to pass on).
+A compressed item is fetched and decoded (and so verified) by its owner, which passes on
+the decoded bytes: the store is read once, and the receivers check those bytes against
+the same block CRC32Cs (which are of the raw bytes) without decoding anything.
+Destinations in device memory get a host buffer for the load here (``stage=False``), the
+memory that gloo sends from and receives into.
 """
 
 from __future__ import annotations
@@ -86,6 +89,8 @@ class SharedRead:
             (kept[id(primaries[span])].raw, peer, shares.tags[span])
             for span, peer in shares.sends(self.rank)
         ]
+        for span, _ in receives:
+            primaries[span].allocate_scratch()  # a compressed item decodes nothing here
         arriving = [(primaries[span].raw, owner, shares.tags[span]) for span, owner in receives]
         self.group.exchange(sends, arriving)
         trust = self.reader.trust_pickles
@@ -94,7 +99,7 @@ class SharedRead:
         for span, owner in receives:
             item = primaries[span]
             verify_blocks(
-                item.view,
+                item.raw_view,
                 item.stored.crc32c,
                 block_size=item.stored.block_size,
                 first_block=item.span[0] // item.stored.block_size,
@@ -104,11 +109,11 @@ class SharedRead:
 
 
 def _primaries(pending: list[PendingRead]) -> dict[Span, PendingRead]:
-    """The stored range of every raw item, each range's first item; the others (the same
-    range read twice by one rank, rare) and compressed items are fetched as they are."""
+    """The stored range of every item, each range's first item; the others (the same range
+    read twice by one rank, rare) are fetched as they are."""
     primaries: dict[Span, PendingRead] = {}
     for item in pending:
-        if item.compressed or item.stored_span[1] == item.stored_span[0]:
+        if item.stored_span[1] == item.stored_span[0]:
             continue
         start = item.stored.offset + item.stored_span[0]
         span = (item.stored.key, start, start + item.stored_span[1] - item.stored_span[0])

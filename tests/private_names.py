@@ -35,6 +35,7 @@ PACKAGE = ROOT / "s3ckpt"
 # Each one's docstring lists what it touches and why; keep this list short.
 COMPAT_MODULES: dict[str, tuple[str, ...]] = {
     "torch": ("s3ckpt/dcp/compat.py",),
+    "lightning": ("s3ckpt/integrations/lightning/compat.py",),
     "botocore": ("s3ckpt/s3/compat_botocore.py",),
     "aiobotocore": ("s3ckpt/s3/compat_aiobotocore.py",),
     "aiohttp": ("s3ckpt/s3/compat_aiohttp.py",),

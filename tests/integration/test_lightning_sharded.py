@@ -20,6 +20,7 @@ import copy
 import importlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from typing import Any
 from unittest import mock
 
 import fsspec.config
+import private_names
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -59,10 +61,12 @@ from s3ckpt.integrations.lightning import (
 )
 from s3ckpt.integrations.lightning import compat as lightning_compat
 from s3ckpt.integrations.lightning.sharded import META_KEY, ShardedCheckpoints
+from s3ckpt.testing.local_s3 import LocalS3Server
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 WORKER = HERE / "_lightning_worker.py"
+QUICKSTART = ROOT / "docs" / "quickstart.md"
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -298,19 +302,23 @@ def trained(seed: int) -> tuple[FSDPModule, torch.optim.Optimizer]:
     return module, optimizer
 
 
-def fsdp_strategy(s3_options: dict[str, Any], module: LightningModule, optimizer: Any) -> Any:
+def fsdp_strategy(
+    s3_options: dict[str, Any], module: LightningModule, optimizer: Any, async_save: bool = False
+) -> Any:
     options = dict(s3_options)
     strategy = S3FSDPStrategy(
-        endpoint_url=options.pop("endpoint_url"), s3_options=options, configure_fsspec=False
-    )
+        endpoint_url=options.pop("endpoint_url"), s3_options=options, configure_fsspec=False,
+        async_save=async_save,
+    )  # fmt: skip
     strategy.connect(module)
     strategy.optimizers = [optimizer]
     module.trainer = mock.Mock(state=mock.Mock(fn=TrainerFn.FITTING))
     return strategy
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["in-the-loop", "async"])
 def test_fsdp_strategy_saves_and_loads_one_sharded_checkpoint_without_an_accelerator(
-    s3_prefix: str, s3_options: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    s3_prefix: str, s3_options: dict[str, Any], monkeypatch: pytest.MonkeyPatch, async_save: bool
 ) -> None:
     """S3FSDPStrategy's own save_checkpoint and load_checkpoint on one process. Not run
     here: FSDP (version 1) itself, which needs an accelerator; its sharded state-dict
@@ -334,7 +342,9 @@ def test_fsdp_strategy_saves_and_loads_one_sharded_checkpoint_without_an_acceler
         **copy.deepcopy(metadata),
     }
     uri = f"{s3_prefix}/epoch=1-step=4.ckpt"
-    fsdp_strategy(s3_options, module, optimizer).save_checkpoint(checkpoint, uri)
+    saver = fsdp_strategy(s3_options, module, optimizer, async_save)
+    saver.save_checkpoint(checkpoint, uri)
+    saver.checkpoints.close()  # what teardown does first: wait for an async save
     items = S3StorageReader(uri, **s3_options).read_metadata().state_dict_metadata
     assert {"model.net.0.weight", "optimizer_0.state.0.exp_avg", META_KEY} <= set(items)
 
@@ -427,3 +437,51 @@ def test_the_compat_names_exist_in_the_installed_lightning() -> None:
     with pytest.raises(KeyError, match="'c'"):
         lightning_compat.check_requested_keys(["c"], ["a"], strict=True)
     assert callable(lightning_compat.sharded_state_dict_context)
+
+
+@pytest.mark.distributed
+@pytest.mark.subprocess
+def test_the_quickstart_script_runs_as_written_on_two_ranks(tmp_path: Path) -> None:
+    """docs/quickstart.md's sharded-strategy script (a ``py`` block, which
+    test_quickstart.py does not run: it needs two processes), under torchrun."""
+    blocks = re.findall(r"^```py\n(.*?)^```", QUICKSTART.read_text(), re.S | re.M)
+    [script] = [block for block in blocks if "S3ModelParallelStrategy(" in block]
+    (tmp_path / "train.py").write_text(script)
+    with LocalS3Server(["ckpt"]) as server:
+        env = {
+            **os.environ,
+            **server.env(),
+            "AWS_CONFIG_FILE": str(tmp_path / "none"),
+            "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+            "PYTHONPATH": str(ROOT),
+        }
+        command = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        done = subprocess.run(
+            [sys.executable, *command, "train.py"],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-4000:]
+        options = {
+            "endpoint_url": server.endpoint_url,
+            "access_key_id": server.access_key,
+            "secret_access_key": server.secret_key,
+            "region": server.region,
+        }
+        # 64 samples, 8 a batch, 2 ranks: 4 steps an epoch; save_top_k=1 kept the newest.
+        assert committed_names("s3://ckpt/sharded", options) == ["epoch=1-step=8.ckpt", "last.ckpt"]
+        stored = S3StorageReader("s3://ckpt/sharded/last.ckpt", **options).read_metadata()
+        assert META_KEY in stored.state_dict_metadata
+
+
+def test_lightning_internals_are_allowed_in_its_compat_module_only() -> None:
+    source = (
+        "from lightning.fabric.strategies.fsdp import _get_sharded_state_dict_context\n"
+        "from lightning.pytorch.core.optimizer import LightningOptimizer\n"
+        "def inner(o: LightningOptimizer):\n    return o._optimizer\n"
+    )
+    outside = private_names.module_violations(source, "s3ckpt/integrations/lightning/sharded.py")
+    assert [v.name for v in outside] == [
+        "lightning.fabric.strategies.fsdp._get_sharded_state_dict_context"
+    ]
+    inside = private_names.module_violations(source, "s3ckpt/integrations/lightning/compat.py")
+    assert list(inside) == []

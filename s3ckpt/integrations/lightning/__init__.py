@@ -2,8 +2,8 @@
 
 Two ways in, depending on who writes the checkpoint:
 
-* strategies that save replicated state from rank 0 (single device, DDP, FSDP with full
-  state dicts, and Fabric's) hand every checkpoint to a ``CheckpointIO`` plugin:
+* strategies that save replicated state from rank 0 (single device, DDP; Fabric's too)
+  hand every checkpoint to a ``CheckpointIO`` plugin:
   :class:`S3CheckpointIO` (:mod:`~s3ckpt.integrations.lightning.checkpoint_io`), one
   s3ckpt checkpoint per path, optionally wrapped in Lightning's ``AsyncCheckpointIO``;
 * sharded strategies bypass ``CheckpointIO`` (every rank calls ``dcp.save`` into a folder,

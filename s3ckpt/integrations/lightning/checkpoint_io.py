@@ -37,9 +37,8 @@ What Lightning does around the plugin, and how it is covered:
   drops the scheme from what s3fs lists, warns and starts from scratch);
   :func:`last_checkpoint` finds the newest committed checkpoint under a prefix instead.
 
-Lightning saves from global rank 0 only (replicated state: single device, DDP, and
-``FSDPStrategy(state_dict_type="full")``); the plugin saves and loads on the calling
-process alone. Fabric saves through it too: ``Fabric(plugins=[S3CheckpointIO()])``, then
+Lightning saves from global rank 0 only (replicated state: single device, DDP); the
+plugin saves and loads on the calling process alone. Fabric saves through it too: ``Fabric(plugins=[S3CheckpointIO()])``, then
 ``fabric.save("s3://...", state)`` and ``fabric.load("s3://...", state)``. Strategies that
 shard the state themselves bypass any ``CheckpointIO``; their S3 variants are in
 :mod:`s3ckpt.integrations.lightning.strategies` and :mod:`~s3ckpt.integrations.lightning.fabric`.

@@ -191,8 +191,7 @@ class S3FSDPStrategy(_S3Sharded, FSDPStrategy):
         if state_dict_type != "sharded":
             raise ConfigError(
                 f"S3FSDPStrategy saves sharded checkpoints only, got state_dict_type="
-                f"{state_dict_type!r}: a full state dict is gathered on rank 0 and saved "
-                "through a CheckpointIO (FSDPStrategy with plugins=[S3CheckpointIO()])"
+                f"{state_dict_type!r} (the full state gathered on rank 0) is not supported"
             )
         super().__init__(**kwargs)
         self._set_up_s3(

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from lightning.fabric import Fabric
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -30,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from s3ckpt import catalog
+from s3ckpt.dcp.reader import S3StorageReader
 from s3ckpt.dcp.writer import S3StorageWriter
 from s3ckpt.integrations.lightning import (
     S3CheckpointIO,
@@ -37,6 +39,7 @@ from s3ckpt.integrations.lightning import (
     S3ModelParallelStrategy,
     last_checkpoint,
 )
+from s3ckpt.integrations.lightning.sharded import META_KEY, unpack_metadata
 
 BATCHES_PER_EPOCH = 2  # per rank: 4 samples a batch, 2 ranks
 
@@ -171,14 +174,22 @@ def resume(run: Run, async_save: bool) -> None:
     prefix = f"{run.prefix}/{name}"
     uninterrupted = run.fit(f"{prefix}-uninterrupted", 3, seed=1, async_save=async_save)
     first = run.fit(prefix, 2, seed=1, async_save=async_save)
+    last_step = saved_step(run, f"{prefix}/last.ckpt")  # fit returned: its last save is in
     after_first = run.committed(prefix)
     resume_from = last_checkpoint(prefix, **run.s3)
     resumed = run.fit(prefix, 3, seed=2, ckpt_path=resume_from, async_save=async_save)
     run.report(
         name, uninterrupted=uninterrupted.end, first=first.end, resumed_start=resumed.start,
         resumed_end=resumed.end, after_first=after_first, after_resume=run.committed(prefix),
-        resume_from=resume_from,
+        resume_from=resume_from, last_step=last_step,
     )  # fmt: skip
+
+
+def saved_step(run: Run, uri: str) -> int:
+    """The global step Lightning's metadata records in the checkpoint at ``uri``."""
+    items: dict[str, Any] = {META_KEY: None}
+    dcp.load(items, storage_reader=S3StorageReader(uri, **run.s3), no_dist=True)
+    return unpack_metadata(items[META_KEY], weights_only=True)["global_step"]
 
 
 def killed(run: Run) -> None:

@@ -185,6 +185,7 @@ def test_model_parallel_saves_resumes_bit_exact_and_fabric_round_trips(
             where = f"{mode}, rank {rank}"
             # save_top_k=1 removed epoch 0's checkpoint once epoch 1's committed.
             assert got["after_first"] == ["epoch=1-step=4.ckpt", "last.ckpt"], where
+            assert got["last_step"] == 4, where  # the end of fit waited for the last save
             assert got["resume_from"].startswith(f"{s3_prefix}/{mode}/")
             assert got["resumed_start"]["global_step"] == 2 * 2
             for part in ("model", "optimizer", "scheduler"):

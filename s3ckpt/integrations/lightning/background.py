@@ -85,9 +85,13 @@ class BackgroundSaves:
 
     def wait(self) -> None:
         """Wait for the save in flight to commit; raises its failure."""
-        save, self._pending = self._pending, None
-        if save is not None and save.future is not None:
+        save = self._pending
+        if save is None or save.future is None:
+            return
+        try:
             save.future.result()
+        finally:
+            self._pending = None
 
     def close(self) -> None:
         """Wait for the save in flight (raising its failure), then release everything."""

@@ -38,9 +38,10 @@ What Lightning does around the plugin, and how it is covered:
   :func:`last_checkpoint` finds the newest committed checkpoint under a prefix instead.
 
 Lightning saves from global rank 0 only (replicated state: single device, DDP); the
-plugin saves and loads on the calling process alone. Strategies that shard the state
-themselves (FSDP's sharded state dicts, ``ModelParallelStrategy``) write their own files
-and do not go through a ``CheckpointIO``.
+plugin saves and loads on the calling process alone. Fabric saves through it too: ``Fabric(plugins=[S3CheckpointIO()])``, then
+``fabric.save("s3://...", state)`` and ``fabric.load("s3://...", state)``. Strategies that
+shard the state themselves bypass any ``CheckpointIO``; their S3 variants are in
+:mod:`s3ckpt.integrations.lightning.strategies` and :mod:`~s3ckpt.integrations.lightning.fabric`.
 """
 
 from __future__ import annotations

@@ -60,13 +60,13 @@ import dataclasses
 import functools
 import logging
 import os
-import queue
+import pickle
+import tempfile
 import uuid
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import multiprocessing as mp
 
 from s3ckpt.config import S3Config, make_config
 from s3ckpt.dcp.compat import (
@@ -226,19 +226,6 @@ class S3LoadShardedStrategy(compat.TorchDistLoadShardedStrategy):
 
 # -- the writer ---------------------------------------------------------------------------------
 
-_results_queue: Any = None
-
-
-def _results() -> Any:
-    """The queue a background write hands its results to the trainer process through
-    (one per process, created on first use, as Megatron's writer does: a manager queue
-    passes both a fork and a spawned persistent worker)."""
-    global _results_queue
-    if _results_queue is None:
-        _results_queue = mp.get_context("spawn").Manager().Queue()
-    return _results_queue
-
-
 class _StagedPlanner:
     """What ``write_assigned`` resolves items with in the worker: the staged values."""
 
@@ -261,10 +248,12 @@ def _stage(values: dict[MetadataIndex, Any]) -> dict[MetadataIndex, Any]:
 
 
 def _write_staged(
-    writer: MegatronS3Writer, rank: int, values: dict[MetadataIndex, Any], results: Any
+    writer: MegatronS3Writer, rank: int, values: dict[MetadataIndex, Any], results: str
 ) -> None:
-    """Megatron's ``async_fn``: the rank's items written; results (or the failure) handed
-    back to the trainer's writer, directly when run in its process."""
+    """Megatron's ``async_fn``: the rank's items written; the results (or the failure)
+    handed back to the trainer's writer: directly when run in its process, else through
+    the file ``results`` (Megatron runs it in a forked process, or in a persistent worker
+    it pickles the call to; a file serves both, and no pipe can fill up and block)."""
     try:
         outcome: Any = writer.write_assigned(writer.plan, _StagedPlanner(values), writer.assigned)
     except Exception as exc:
@@ -274,9 +263,12 @@ def _write_staged(
         writer.outcome = outcome
         return
     try:
-        results.put((writer.token, outcome))
+        body = pickle.dumps(outcome)
     except Exception:  # an exception that does not pickle
-        results.put((writer.token, RuntimeError(repr(outcome))))
+        body = pickle.dumps(RuntimeError(repr(outcome)))
+    with open(results + ".part", "wb") as f:
+        f.write(body)
+    os.replace(results + ".part", results)
 
 
 class MegatronS3Writer(S3StorageWriter):
@@ -304,7 +296,7 @@ class MegatronS3Writer(S3StorageWriter):
         self.assigned: Any = None
         self.values: dict[MetadataIndex, Any] = {}
         self.outcome: Any = None
-        self.results_queue: Any = None
+        self.results = os.path.join(tempfile.gettempdir(), f"s3ckpt-megatron-{self.token}.pkl")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         plan = super().prepare_local_plan(plan)
@@ -338,35 +330,34 @@ class MegatronS3Writer(S3StorageWriter):
     def get_save_function_and_args(self) -> tuple[Any, Any, list[Any]]:
         if self.plan is None or not self.plan.items:
             return None, None, []
-        self.results_queue = _results()
         return (
             functools.partial(_write_staged, self),
             functools.partial(_stage, self.values),
-            [dist.get_rank(), self.values, self.results_queue],
+            [dist.get_rank(), self.values, self.results],
         )
 
     def retrieve_write_results(self) -> Any:
         if self.plan is None or not self.plan.items:
             return []
-        outcome = self.outcome if self.outcome is not None else self._queued_outcome()
+        outcome = self.outcome if self.outcome is not None else self._handed_back()
         self.values = {}
         if isinstance(outcome, BaseException):
             return wrap_exception(outcome)
         results: list[WriteResult] = outcome
         return results
 
-    def _queued_outcome(self) -> Any:
-        """This save's outcome from the results queue (older saves' are dropped)."""
-        while True:
-            try:
-                token, outcome = self.results_queue.get_nowait()
-            except queue.Empty:
-                return RuntimeError(
-                    f"no write results for {self.checkpoint_id}: the background write of "
-                    "this rank did not finish (killed?)"
-                )
-            if token == self.token:
-                return outcome
+    def _handed_back(self) -> Any:
+        """This save's outcome, as the background write left it."""
+        try:
+            with open(self.results, "rb") as f:
+                outcome = pickle.load(f)  # noqa: S301 (written by this rank's own worker)
+        except FileNotFoundError:
+            return RuntimeError(
+                f"no write results for {self.checkpoint_id}: the background write of "
+                "this rank did not finish (killed?)"
+            )
+        os.unlink(self.results)
+        return outcome
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled into a persistent worker: its values travel as the call's arguments."""

@@ -129,9 +129,7 @@ def _start(rank: int, world_size: int, port: int, workdir: str) -> None:
 # -- the scenarios ------------------------------------------------------------------------------
 
 
-def sync_main(
-    rank: int, world_size: int, port: int, s3: dict[str, Any], run: str, out_dir: str, mode: str
-) -> None:
+def sync_scenario(rank: int, world_size: int, s3: dict[str, Any], run: str, mode: str) -> Any:
     """Save step 1 (``dist_checkpointing.save``), write the tracker, load it back.
 
     ``mode``: ``plain``, or ``fully_parallel`` (the strategy in Megatron's
@@ -144,34 +142,28 @@ def sync_main(
 
     from s3ckpt.integrations.megatron import S3SaveShardedStrategy
 
-    _start(rank, world_size, port, out_dir)
-    try:
-        context: dict[str, Any] = {"save_strategy": S3SaveShardedStrategy(**s3)}
-        if mode == "fully_parallel":
-            context["save_strategy"] = FullyParallelSaveStrategyWrapper(
-                context["save_strategy"], dist.group.WORLD
-            )
-        steps = (1, 2) if mode == "context" else (1,)
-        for step in steps:
-            values = state_values(rank, world_size, step)
-            dist_checkpointing.save(
-                sharded_state_dict(values, rank, world_size),
-                step_dir(run, step),
-                context["save_strategy"],
-            )
-            dist.barrier()
-            write_tracker(run, step)
+    context: dict[str, Any] = {"save_strategy": S3SaveShardedStrategy(**s3)}
+    if mode == "fully_parallel":
+        context["save_strategy"] = FullyParallelSaveStrategyWrapper(
+            context["save_strategy"], dist.group.WORLD
+        )
+    steps = (1, 2) if mode == "context" else (1,)
+    for step in steps:
+        values = state_values(rank, world_size, step)
+        dist_checkpointing.save(
+            sharded_state_dict(values, rank, world_size),
+            step_dir(run, step),
+            context["save_strategy"],
+        )
         dist.barrier()
-        report = {"tracker": read_tracker(run)}
-        report["loaded"] = {step: load_step(run, step, rank, world_size, s3) for step in steps}
-        _report(out_dir, rank, report)
-    finally:
-        dist.destroy_process_group()
+        write_tracker(run, step)
+    dist.barrier()
+    report = {"tracker": read_tracker(run)}
+    report["loaded"] = {step: load_step(run, step, rank, world_size, s3) for step in steps}
+    return report
 
 
-def async_main(
-    rank: int, world_size: int, port: int, s3: dict[str, Any], run: str, out_dir: str
-) -> None:
+def async_scenario(rank: int, world_size: int, s3: dict[str, Any], run: str) -> Any:
     """Step 1 saved asynchronously through Megatron's AsyncCallsQueue while training
     changes the tensors; the tracker written in the request's finalization."""
     from megatron.core import dist_checkpointing
@@ -179,71 +171,69 @@ def async_main(
 
     from s3ckpt.integrations.megatron import S3SaveShardedStrategy
 
-    _start(rank, world_size, port, out_dir)
-    try:
-        calls = AsyncCallsQueue()
-        values = state_values(rank, world_size, 1)
-        request = dist_checkpointing.save(
-            sharded_state_dict(values, rank, world_size),
-            step_dir(run, 1),
-            S3SaveShardedStrategy(**s3),
-            async_sharded_save=True,
-        )
-        committed_when_finalized = []
-        request.add_finalize_fn(lambda: write_tracker(run, 1))
+    calls = AsyncCallsQueue()
+    values = state_values(rank, world_size, 1)
+    request = dist_checkpointing.save(
+        sharded_state_dict(values, rank, world_size),
+        step_dir(run, 1),
+        S3SaveShardedStrategy(**s3),
+        async_sharded_save=True,
+    )
+    committed_when_finalized: list[int] = []
+    request.add_finalize_fn(lambda: write_tracker(run, 1))
+    if rank == 0:  # the rank that wrote the tracker, right after it
         request.add_finalize_fn(lambda: committed_when_finalized.append(read_tracker(run)))
-        calls.schedule_async_request(request)
-        values["weight"].add_(1000.0)  # training goes on: the save holds the state of step 1
-        values["bias"].mul_(-1)
-        calls.maybe_finalize_async_calls(blocking=True)
-        calls.close()
-        report = {
-            "tracker": read_tracker(run),
-            "finalized": committed_when_finalized,
-            "loaded": {1: load_step(run, 1, rank, world_size, s3)},
-        }
-        _report(out_dir, rank, report)
-    finally:
-        dist.destroy_process_group()
+    calls.schedule_async_request(request)
+    values["weight"].add_(1000.0)  # training goes on: the save holds the state of step 1
+    values["bias"].mul_(-1)
+    calls.maybe_finalize_async_calls(blocking=True)
+    calls.close()
+    return {
+        "tracker": read_tracker(run),
+        "finalized": committed_when_finalized,
+        "loaded": {1: load_step(run, 1, rank, world_size, s3)},
+    }
 
 
-def constant_structure_main(
-    rank: int, world_size: int, port: int, s3: dict[str, Any], run: str, out_dir: str
-) -> None:
+def constant_structure_scenario(rank: int, world_size: int, s3: dict[str, Any], run: str) -> Any:
     """``--ckpt-assume-constant-structure``: one strategy with cached plans saves steps 1,
-    2, 3 and step 3 again (over the committed one), asynchronously; after each save every
-    committed step still loads with its own values."""
+    2, 3 and step 3 again (over the committed one), asynchronously. Reports whether
+    Megatron reused its plans, the objects committed step 3 held before it was saved
+    again (with their ETags), and the loads: step 3 after the first replayed save, every
+    step at the end."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
+    from s3ckpt import catalog
     from s3ckpt.integrations.megatron import S3SaveShardedStrategy
 
-    _start(rank, world_size, port, out_dir)
-    try:
-        strategy = S3SaveShardedStrategy(**s3)
-        strategy.use_cached_ckpt_structure = True  # what Megatron-LM sets for the flag
-        calls = AsyncCallsQueue()
-        saved: dict[int, int] = {}  # step -> the version of the values it holds
-        reuse, loaded = [], []
-        for step, version in ((1, 1), (2, 2), (3, 3), (3, 4)):
-            values = state_values(rank, world_size, version)
-            request = dist_checkpointing.save(
-                sharded_state_dict(values, rank, world_size),
-                step_dir(run, step),
-                strategy,
-                async_sharded_save=True,
-                validate_access_integrity=step == 1,  # as Megatron-LM after the first save
-            )
-            request.add_finalize_fn(lambda step=step: write_tracker(run, step))
-            calls.schedule_async_request(request)
-            calls.maybe_finalize_async_calls(blocking=True)
-            saved[step] = version
-            reuse.append(bool(strategy.validated_cache_reuse))
-            loaded.append({s: (v, load_step(run, s, rank, world_size, s3)) for s, v in saved.items()})
-        calls.close()
-        _report(out_dir, rank, {"reuse": reuse, "loaded": loaded, "tracker": read_tracker(run)})
-    finally:
-        dist.destroy_process_group()
+    strategy = S3SaveShardedStrategy(**s3)
+    strategy.use_cached_ckpt_structure = True  # what Megatron-LM sets for the flag
+    calls = AsyncCallsQueue()
+    reuse: list[bool] = []
+    report: dict[str, Any] = {}
+    for step, version in ((1, 1), (2, 2), (3, 3), (3, 4)):
+        if (step, version) == (3, 4):
+            manifest = catalog.show_checkpoint(step_dir(run, 3), **s3)
+            report["replaced"] = {o.key: o.etag for o in manifest.objects}
+            report["loaded_3_before"] = load_step(run, 3, rank, world_size, s3)
+        values = state_values(rank, world_size, version)
+        request = dist_checkpointing.save(
+            sharded_state_dict(values, rank, world_size),
+            step_dir(run, step),
+            strategy,
+            async_sharded_save=True,
+            validate_access_integrity=step == 1,  # as Megatron-LM after the first save
+        )
+        request.add_finalize_fn(lambda step=step: write_tracker(run, step))
+        calls.schedule_async_request(request)
+        calls.maybe_finalize_async_calls(blocking=True)
+        reuse.append(bool(strategy.validated_cache_reuse))
+    calls.close()
+    report["reuse"] = reuse
+    report["loaded"] = {s: load_step(run, s, rank, world_size, s3) for s in (1, 2, 3)}
+    report["tracker"] = read_tracker(run)
+    return report
 
 
 def crash_main(
@@ -291,15 +281,16 @@ def crash_main(
     time.sleep(600)  # the test kills this process, its writer and the whole group
 
 
-def bad_input_main(rank: int, world_size: int, port: int, s3: dict[str, Any], run: str, out_dir: str) -> None:
-    """One rank: each wrong use gets one clear error and leaves no local folder."""
+def bad_input_scenario(
+    rank: int, world_size: int, s3: dict[str, Any], run: str, workdir: str
+) -> Any:
+    """Each wrong use gets one clear error and leaves no local folder."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
     from megatron.core.msc_utils import open_file
 
     from s3ckpt.integrations.megatron import S3SaveShardedStrategy
 
-    _start(rank, world_size, port, out_dir)
     errors: dict[str, str] = {}
 
     def attempt(name: str, call: Any) -> None:
@@ -310,31 +301,52 @@ def bad_input_main(rank: int, world_size: int, port: int, s3: dict[str, Any], ru
         else:
             errors[name] = "no error"
 
+    strategy = S3SaveShardedStrategy(**s3)
+    values = state_values(rank, world_size, 1)
+    attempt(
+        "plain_strategy",
+        lambda: dist_checkpointing.save(
+            sharded_state_dict(values, rank, world_size),
+            step_dir(run, 1),
+            TorchDistSaveShardedStrategy("torch_dist", 1),
+        ),
+    )
+    local = str(Path(workdir, f"local-ckpt-{rank}"))
+    os.makedirs(local)
+    attempt(
+        "local_path",
+        lambda: dist_checkpointing.save(
+            sharded_state_dict(values, rank, world_size), local, strategy
+        ),
+    )
+    attempt("tracker_uncommitted", lambda: write_tracker(run, 7))
+    attempt("other_file", lambda: open_file(os.path.join(run, "notes.txt"), "w").close())
+    attempt(
+        "load_uncommitted",
+        lambda: load_step(run, 1, rank, world_size, s3),
+    )
+    return {"errors": errors}
+
+
+def all_main(
+    rank: int, world_size: int, port: int, s3: dict[str, Any], runs: dict[str, str], out_dir: str
+) -> None:
+    """Every scenario but the crash, one after the other in one job (each rank imports
+    Megatron once): a report per scenario and rank under ``out_dir/<scenario>/``."""
+    _start(rank, world_size, port, out_dir)
+    scenarios = {
+        "sync": lambda run: sync_scenario(rank, world_size, s3, run, "plain"),
+        "fully_parallel": lambda run: sync_scenario(rank, world_size, s3, run, "fully_parallel"),
+        "context": lambda run: sync_scenario(rank, world_size, s3, run, "context"),
+        "async": lambda run: async_scenario(rank, world_size, s3, run),
+        "constant": lambda run: constant_structure_scenario(rank, world_size, s3, run),
+        "bad_input": lambda run: bad_input_scenario(rank, world_size, s3, run, out_dir),
+    }
     try:
-        strategy = S3SaveShardedStrategy(**s3)
-        values = state_values(rank, world_size, 1)
-        attempt(
-            "plain_strategy",
-            lambda: dist_checkpointing.save(
-                sharded_state_dict(values, rank, world_size),
-                step_dir(run, 1),
-                TorchDistSaveShardedStrategy("torch_dist", 1),
-            ),
-        )
-        local = str(Path(out_dir, "local-ckpt"))
-        os.makedirs(local)
-        attempt(
-            "local_path",
-            lambda: dist_checkpointing.save(
-                sharded_state_dict(values, rank, world_size), local, strategy
-            ),
-        )
-        attempt("tracker_uncommitted", lambda: write_tracker(run, 7))
-        attempt("other_file", lambda: open_file(os.path.join(run, "notes.txt"), "w").close())
-        attempt(
-            "load_uncommitted",
-            lambda: load_step(run, 1, rank, world_size, s3),
-        )
-        _report(out_dir, rank, {"errors": errors})
+        for name, scenario in scenarios.items():
+            report = scenario(runs[name])
+            Path(out_dir, name).mkdir(exist_ok=True)
+            _report(str(Path(out_dir, name)), rank, report)
+            dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -1,4 +1,5 @@
-"""The internals of torch, aiobotocore, botocore and aiohttp are touched in one module each.
+"""The internals of torch, aiobotocore, botocore, aiohttp and megatron-core are touched in one
+module each.
 
 Every module of ``s3ckpt/`` is read with ``ast``; outside the compat module(s) allowed for
 a dependency (:data:`COMPAT_MODULES`), each of these is reported as ``path:line: name``:
@@ -38,6 +39,7 @@ COMPAT_MODULES: dict[str, tuple[str, ...]] = {
     "botocore": ("s3ckpt/s3/compat_botocore.py",),
     "aiobotocore": ("s3ckpt/s3/compat_aiobotocore.py",),
     "aiohttp": ("s3ckpt/s3/compat_aiohttp.py",),
+    "megatron": ("s3ckpt/integrations/compat_megatron.py",),
 }
 
 # Modules and names that are internals though not marked private: the HTTP machinery under
@@ -254,11 +256,11 @@ def main() -> int:
         print(violation)
     if found:
         print(
-            f"{len(found)} use(s) of torch/aiobotocore/botocore/aiohttp internals outside "
+            f"{len(found)} use(s) of {'/'.join(COMPAT_MODULES)} internals outside "
             "their compat modules (tests/private_names.py says which modules may)"
         )
         return 1
-    print("torch/aiobotocore/botocore/aiohttp internals: only in their compat modules")
+    print(f"{'/'.join(COMPAT_MODULES)} internals: only in their compat modules")
     return 0
 
 

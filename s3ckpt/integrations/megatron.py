@@ -226,6 +226,7 @@ class S3LoadShardedStrategy(compat.TorchDistLoadShardedStrategy):
 
 # -- the writer ---------------------------------------------------------------------------------
 
+
 class _StagedPlanner:
     """What ``write_assigned`` resolves items with in the worker: the staged values."""
 
@@ -350,7 +351,7 @@ class MegatronS3Writer(S3StorageWriter):
         """This save's outcome, as the background write left it."""
         try:
             with open(self.results, "rb") as f:
-                outcome = pickle.load(f)  # noqa: S301 (written by this rank's own worker)
+                outcome = pickle.load(f)
         except FileNotFoundError:
             return RuntimeError(
                 f"no write results for {self.checkpoint_id}: the background write of "

@@ -139,7 +139,7 @@ class S3Files:
         data = self.read(uri)
         return io.BytesIO(data) if "b" in mode else io.StringIO(data.decode())
 
-    def Path(self, path: Any, *args: Any) -> Any:  # noqa: N802 (MSC's name)
+    def Path(self, path: Any, *args: Any) -> Any:
         if not is_s3(path):
             return (self.previous.Path if self.previous else pathlib.Path)(path, *args)
         return S3Path(self, s3_uri(os.path.join(os.fspath(path), *map(os.fspath, args))))
@@ -155,7 +155,9 @@ class S3Files:
         if name in MEMBERS:
             data = self.read_member(parent, name)
             if data is None:
-                raise FileNotFoundError(f"{uri}: {parent} is not a committed checkpoint with {name}")
+                raise FileNotFoundError(
+                    f"{uri}: {parent} is not a committed checkpoint with {name}"
+                )
             return data
         if name == TRACKER:
             return io_loop().run(self.store(uri).get(uri.prefix))
@@ -390,7 +392,7 @@ class _Torch:
             )
         return torch.load(io.BytesIO(self.files.read(s3_uri(f))), *args, **kwargs)
 
-    def MultiStorageFileSystemReader(self, path: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N802
+    def MultiStorageFileSystemReader(self, path: Any, *args: Any, **kwargs: Any) -> Any:
         return self.files.reader(path, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from _dist_worker import _init, _report
 
 ROWS, COLS = 6, 40  # each rank's shard of "layer.weight"; kept small: these tests check logic
@@ -250,7 +249,9 @@ def crash_main(
     _start(rank, world_size, port, out_dir)
     strategy = S3SaveShardedStrategy(**s3, part_size=5 * 1024 * 1024)
     values = state_values(rank, world_size, 1)
-    dist_checkpointing.save(sharded_state_dict(values, rank, world_size), step_dir(run, 1), strategy)
+    dist_checkpointing.save(
+        sharded_state_dict(values, rank, world_size), step_dir(run, 1), strategy
+    )
     dist.barrier()
     write_tracker(run, 1)
     dist.barrier()

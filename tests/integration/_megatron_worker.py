@@ -329,8 +329,53 @@ def bad_input_scenario(
     return {"errors": errors}
 
 
+class QuickstartModel:
+    """What the quickstart's Megatron block leaves to the reader: a model with Megatron's
+    ``sharded_state_dict()`` and ``load_state_dict``; it keeps a copy of its values at
+    every ``sharded_state_dict()`` call (each save's, then the load's target)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.values = state_values(rank, world_size, 1)
+        self.snapshots: list[dict[str, Any]] = []
+        self.loaded: dict[str, Any] | None = None
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        self.snapshots.append(
+            {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.values.items()}
+        )
+        return sharded_state_dict(self.values, self.rank, self.world_size)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded = flat(state)
+
+
+def quickstart_scenario(rank: int, world_size: int, s3: dict[str, Any], code: str) -> Any:
+    """docs/quickstart.md's Megatron block, as written (its store through ``AWS_*``)."""
+    os.environ.update(
+        AWS_ENDPOINT_URL=s3["endpoint_url"],
+        AWS_ACCESS_KEY_ID=s3["access_key_id"],
+        AWS_SECRET_ACCESS_KEY=s3["secret_access_key"],
+        AWS_REGION=s3["region"],
+    )
+    model = QuickstartModel(rank, world_size)
+
+    def train_step(iteration: int) -> None:
+        model.values["weight"].add_(1.0)
+        model.values["bias"].mul_(0.5)
+
+    exec(compile(code, "docs/quickstart.md", "exec"), {"model": model, "train_step": train_step})
+    return {"saved": model.snapshots[1], "loaded": model.loaded}
+
+
 def all_main(
-    rank: int, world_size: int, port: int, s3: dict[str, Any], runs: dict[str, str], out_dir: str
+    rank: int,
+    world_size: int,
+    port: int,
+    s3: dict[str, Any],
+    runs: dict[str, str],
+    out_dir: str,
+    quickstart: str,
 ) -> None:
     """Every scenario but the crash, one after the other in one job (each rank imports
     Megatron once): a report per scenario and rank under ``out_dir/<scenario>/``."""
@@ -342,6 +387,7 @@ def all_main(
         "async": lambda run: async_scenario(rank, world_size, s3, run),
         "constant": lambda run: constant_structure_scenario(rank, world_size, s3, run),
         "bad_input": lambda run: bad_input_scenario(rank, world_size, s3, run, out_dir),
+        "quickstart": lambda run: quickstart_scenario(rank, world_size, s3, quickstart),
     }
     try:
         for name, scenario in scenarios.items():

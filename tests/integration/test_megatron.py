@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -104,7 +105,16 @@ def no_local_s3_folder(workdir: Path) -> None:
     assert not [p for p in workdir.rglob("s3*") if p.is_dir()], list(workdir.rglob("*"))
 
 
-SCENARIOS = ("sync", "fully_parallel", "context", "async", "constant", "bad_input")
+SCENARIOS = ("sync", "fully_parallel", "context", "async", "constant", "bad_input", "quickstart")
+QUICKSTART = Path(__file__).resolve().parents[2] / "docs" / "quickstart.md"
+
+
+def quickstart_block(run: str) -> str:
+    """The ``py`` block of the quickstart's Megatron section, its bucket ``ckpt`` moved to
+    ``run``'s place on the test server."""
+    section = QUICKSTART.read_text().split("## 12. Megatron-core", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"^```py\n(.*?)^```", section, re.S | re.M)
+    return block.replace("s3://ckpt/", run.rsplit("gpt", 1)[0])
 
 
 @dataclass
@@ -124,7 +134,8 @@ def job(seaweedfs_s3: LocalS3Server, tmp_path_factory: pytest.TempPathFactory) -
     runs = {name: f"{base}/{name}/gpt" for name in SCENARIOS}
     out = tmp_path_factory.mktemp("megatron")
     s3 = dist_worker.server_options(seaweedfs_s3)
-    dist_worker.run_ranks(worker.all_main, WORLD, s3, runs, str(out), timeout=280)
+    code = quickstart_block(runs["quickstart"])
+    dist_worker.run_ranks(worker.all_main, WORLD, s3, runs, str(out), code, timeout=280)
     return Job(runs, out, s3)
 
 
@@ -198,6 +209,21 @@ def test_bad_input_gets_one_clear_error(job: Job, seaweedfs_s3: LocalS3Server) -
     assert "does not exist" in errors["load_uncommitted"]
     no_local_s3_folder(job.out)
     assert keys_under(seaweedfs_s3, job.runs["bad_input"]) == []  # the refused saves wrote nothing
+
+
+def test_quickstart_block_runs_as_written(job: Job, seaweedfs_s3: LocalS3Server) -> None:
+    """docs/quickstart.md's Megatron block (a ``py`` block: the quickstart's own test does
+    not install Megatron), run on the job's ranks: the load gives the second save's state."""
+    run = job.runs["quickstart"]
+    for rank, report in enumerate(job.reports("quickstart")):
+        saved, loaded = report["saved"], report["loaded"]
+        # train_step ran between the saves: the second save's state is not the first's.
+        assert not torch.equal(saved["weight"], worker.state_values(rank, WORLD, 1)["weight"])
+        assert torch.equal(loaded["weight"], saved["weight"])
+        assert torch.equal(loaded["bias"], saved["bias"])
+        assert loaded["common"] == saved["common"]
+    for iteration in (100, 200):
+        assert catalog.is_committed(worker.step_dir(run, iteration), **job.s3)
 
 
 def _wait_for(paths: list[Path], timeout: float) -> None:

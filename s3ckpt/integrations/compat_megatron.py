@@ -108,6 +108,9 @@ class _WriterSwitch(FileSystemWriterAsync):
         if factory is not None:
             return factory(path)
         if str(path).startswith("s3:/"):
+            files = installed_files()
+            if files is not None:
+                files.forget(path)  # the common.pt Megatron wrote for this save
             raise ConfigError(
                 f"{path} is an s3:// location: Megatron's own TorchDistSaveShardedStrategy "
                 "writes local files only; save with "

@@ -37,6 +37,7 @@ import logging
 import os
 import pathlib
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -225,7 +226,9 @@ class S3Files:
         if key not in metadata.state_dict_metadata:
             return None
         target: dict[str, Any] = {key: io.BytesIO()}
-        dcp.load(target, storage_reader=reader, no_dist=True)
+        with warnings.catch_warnings():  # DCP's note that no_dist loads in one process
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(target, storage_reader=reader, no_dist=True)
         return target[key]
 
     # -- what a save strategy and a load strategy ask ---------------------------------------
@@ -233,6 +236,11 @@ class S3Files:
     def hold(self, uri: S3URI, name: str, data: bytes) -> None:
         with self._lock:
             self._pending.setdefault(str(uri), {})[name] = data
+
+    def forget(self, path: Any) -> None:
+        """Drop what Megatron wrote for a save at ``path`` that was refused."""
+        if is_s3(path):
+            self.take_pending(s3_uri(path))
 
     def take_pending(self, uri: S3URI) -> dict[str, bytes]:
         """The files Megatron wrote for the checkpoint at ``uri`` before its save started."""

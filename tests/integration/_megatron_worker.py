@@ -329,6 +329,51 @@ def bad_input_scenario(
     return {"errors": errors}
 
 
+def failing_write_scenario(rank: int, world_size: int, s3: dict[str, Any], run: str) -> Any:
+    """Step 1 committed; step 2's background write fails on rank 1: Megatron's
+    finalization raises on every rank, nothing commits, the tracker keeps naming step 1."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    from s3ckpt.integrations.megatron import MegatronS3Writer, S3SaveShardedStrategy
+
+    strategy = S3SaveShardedStrategy(**s3)
+    values = state_values(rank, world_size, 1)
+    dist_checkpointing.save(
+        sharded_state_dict(values, rank, world_size), step_dir(run, 1), strategy
+    )
+    dist.barrier()
+    write_tracker(run, 1)
+    write = MegatronS3Writer.write_assigned
+
+    def fail_on_rank_1(self: Any, *args: Any) -> Any:
+        if rank == 1:
+            raise RuntimeError("the disk under rank 1 is on fire")
+        return write(self, *args)
+
+    MegatronS3Writer.write_assigned = fail_on_rank_1  # type: ignore[method-assign]
+    calls = AsyncCallsQueue()
+    try:
+        request = dist_checkpointing.save(
+            sharded_state_dict(state_values(rank, world_size, 2), rank, world_size),
+            step_dir(run, 2),
+            strategy,
+            async_sharded_save=True,
+        )
+        request.add_finalize_fn(lambda: write_tracker(run, 2))
+        calls.schedule_async_request(request)
+        try:
+            calls.maybe_finalize_async_calls(blocking=True)
+            raised = "no error"
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            raised = f"{type(exc).__name__}: {exc}"
+    finally:
+        MegatronS3Writer.write_assigned = write  # type: ignore[method-assign]
+        calls.close()
+    dist.barrier()
+    return {"raised": raised, "tracker": read_tracker(run)}
+
+
 class QuickstartModel:
     """What the quickstart's Megatron block leaves to the reader: a model with Megatron's
     ``sharded_state_dict()`` and ``load_state_dict``; it keeps a copy of its values at
@@ -387,6 +432,7 @@ def all_main(
         "async": lambda run: async_scenario(rank, world_size, s3, run),
         "constant": lambda run: constant_structure_scenario(rank, world_size, s3, run),
         "bad_input": lambda run: bad_input_scenario(rank, world_size, s3, run, out_dir),
+        "failing_write": lambda run: failing_write_scenario(rank, world_size, s3, run),
         "quickstart": lambda run: quickstart_scenario(rank, world_size, s3, quickstart),
     }
     try:

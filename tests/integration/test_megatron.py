@@ -105,7 +105,16 @@ def no_local_s3_folder(workdir: Path) -> None:
     assert not [p for p in workdir.rglob("s3*") if p.is_dir()], list(workdir.rglob("*"))
 
 
-SCENARIOS = ("sync", "fully_parallel", "context", "async", "constant", "bad_input", "quickstart")
+SCENARIOS = (
+    "failing_write",
+    "sync",
+    "fully_parallel",
+    "context",
+    "async",
+    "constant",
+    "bad_input",
+    "quickstart",
+)
 QUICKSTART = Path(__file__).resolve().parents[2] / "docs" / "quickstart.md"
 
 
@@ -209,6 +218,22 @@ def test_bad_input_gets_one_clear_error(job: Job, seaweedfs_s3: LocalS3Server) -
     assert "does not exist" in errors["load_uncommitted"]
     no_local_s3_folder(job.out)
     assert keys_under(seaweedfs_s3, job.runs["bad_input"]) == []  # the refused saves wrote nothing
+
+
+def test_a_failed_background_write_commits_nothing(job: Job, seaweedfs_s3: LocalS3Server) -> None:
+    """Rank 1's background write fails: Megatron's finalization raises on every rank (its
+    failure travels as DCP carries one), no manifest, the tracker still names step 1."""
+    run = job.runs["failing_write"]
+    for report in job.reports("failing_write"):
+        assert report["raised"].startswith("CheckpointException"), report["raised"]
+        assert report["tracker"] == 1
+    assert "on fire" in job.reports("failing_write")[0]["raised"]  # the coordinator's report
+    assert not catalog.is_committed(worker.step_dir(run, 2), **job.s3)
+    assert tracker_text(seaweedfs_s3, run) == "1"
+    # What rank 0 uploaded is gc's; rank 1 removed its own (nothing of it is left open).
+    catalog.collect_garbage(run, grace=0, lease=0, **job.s3)
+    assert keys_under(seaweedfs_s3, worker.step_dir(run, 2)) == []
+    assert open_uploads(seaweedfs_s3, worker.step_dir(run, 2)) == []
 
 
 def test_quickstart_block_runs_as_written(job: Job, seaweedfs_s3: LocalS3Server) -> None:

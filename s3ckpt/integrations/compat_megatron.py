@@ -78,9 +78,10 @@ def install_files(make_files: Callable[[Any, bool], Any]) -> Any:
     """
     with _lock:
         current = msc_utils.msc
-        if getattr(current, "is_s3ckpt_files", False):
-            return current
         feature = msc_utils.MultiStorageClientFeature
+        if getattr(current, "is_s3ckpt_files", False):
+            feature.enable()  # again: Megatron-LM's argument parsing may have turned it off
+            return current
         previous_enabled = current is not None and feature.is_enabled()
         files = make_files(current, previous_enabled)
         msc_utils.msc = files

@@ -21,7 +21,10 @@ persistent worker, the commit in the finalization on the trainer) and
     state = dist_checkpointing.load(sharded_state_dict, "s3://ckpt/gpt/iter_0000100",
                                     sharded_strategy=S3LoadShardedStrategy())
 
-In Megatron-LM, set ``checkpointing_context["save_strategy"]`` before the first save
+In Megatron-LM, create the strategies after it has parsed its arguments (it turns
+Megatron's Multi-Storage Client feature off then, unless ``--enable-msc``; a save or load
+that finds it off raises :class:`~s3ckpt.errors.ConfigError`), set
+``checkpointing_context["save_strategy"]`` before the first save
 (``--ckpt-assume-constant-structure`` then applies as to its own strategy:
 ``strategy.use_cached_ckpt_structure = True``) and point ``--save``/``--load`` at an
 ``s3://`` prefix.
@@ -116,6 +119,18 @@ def enable(config: S3Config | None = None, **options: Any) -> S3Files:
     return files
 
 
+def _require_hook() -> None:
+    """Refuse to go on when Megatron's MSC hook was turned off after the strategy enabled
+    it: Megatron's own files of this save or load went to the local file system."""
+    if compat.installed_files() is None:
+        raise ConfigError(
+            "Megatron's Multi-Storage Client feature was turned off after s3ckpt turned it "
+            "on (Megatron-LM does so when it parses its arguments, unless --enable-msc): "
+            "create the S3 strategies after that, or call "
+            "s3ckpt.integrations.megatron.enable() again before saving or loading"
+        )
+
+
 class S3SaveShardedStrategy(compat.TorchDistSaveShardedStrategy):
     """Megatron's torch_dist save strategy writing ``s3://`` checkpoints with s3ckpt.
 
@@ -164,6 +179,7 @@ class S3SaveShardedStrategy(compat.TorchDistSaveShardedStrategy):
             raise ConfigError(
                 f"S3SaveShardedStrategy saves to s3://bucket/prefix paths, got {checkpoint_dir!r}"
             )
+        _require_hook()
         self.files.config = self.s3_config
         uri = s3_uri(checkpoint_dir)
         members: dict[str, bytes] = {}
@@ -212,6 +228,8 @@ class S3LoadShardedStrategy(compat.TorchDistLoadShardedStrategy):
         self.files = enable(self.s3_config)
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: Any) -> Any:
+        if is_s3(checkpoint_dir):
+            _require_hook()
         self.files.config = self.s3_config
         group = self.process_group
         if group is None and dist.is_initialized() and dist.get_world_size() > 1:

@@ -1,12 +1,14 @@
 """Megatron-core ``dist_checkpointing`` through s3ckpt on 2 gloo CPU ranks, against the
 embedded SeaweedFS server (megatron-core 0.16.1).
 
-Each test runs one spawned job (``_megatron_worker.py``; Megatron's CUDA calls stood in
-for there) and checks the ranks' reports and the store: saves and loads bit-exact (sync,
-async through Megatron's ``AsyncCallsQueue``, ``FullyParallelSaveStrategyWrapper``,
-``checkpointing_context`` reuse), plan reuse (``--ckpt-assume-constant-structure``) over
-new steps and over a committed one, a SIGKILL mid-upload, Megatron's files in S3 and no
-``s3:/`` folder on disk, and wrong uses refused clearly.
+One spawned 2-rank job (``_megatron_worker.all_main``; Megatron's CUDA calls stood in for
+there) runs the scenarios one after the other, each rank importing Megatron once; the
+tests check the ranks' reports and the store: saves and loads bit-exact (sync, async
+through Megatron's ``AsyncCallsQueue``, ``FullyParallelSaveStrategyWrapper``,
+``checkpointing_context`` reuse, the quickstart's block as written), plan reuse
+(``--ckpt-assume-constant-structure``) over new steps and over a committed one, a failed
+background write, Megatron's files in S3 and no ``s3:/`` folder on disk, and wrong uses
+refused clearly. A second job is SIGKILLed mid-upload.
 
 Not run here, for want of a GPU: tensors on CUDA devices (their copy to host memory in
 ``preload_fn`` and the ``torch.cuda.synchronize`` after it), NCCL collectives, and

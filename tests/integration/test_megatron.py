@@ -232,7 +232,7 @@ def test_a_failed_background_write_commits_nothing(job: Job, seaweedfs_s3: Local
     assert "on fire" in job.reports("failing_write")[0]["raised"]  # the coordinator's report
     assert not catalog.is_committed(worker.step_dir(run, 2), **job.s3)
     assert tracker_text(seaweedfs_s3, run) == "1"
-    # What rank 0 uploaded is gc's; rank 1 removed its own (nothing of it is left open).
+    # Rank 1 failed before uploading; what rank 0 uploaded for the failed save is gc's.
     catalog.collect_garbage(run, grace=0, lease=0, **job.s3)
     assert keys_under(seaweedfs_s3, worker.step_dir(run, 2)) == []
     assert open_uploads(seaweedfs_s3, worker.step_dir(run, 2)) == []

@@ -5,7 +5,9 @@ how DCP's ``Metadata`` pickles (the globals its pickle refers to,
 :func:`metadata_global`, and how ``TensorProperties`` grew between releases), how to stop DCP's process-mode ``async_save``
 background process (:func:`stop_async_save_process`), how to lay out a ``torch.save``
 file without its tensors' bytes (:func:`save_skeleton`, for export), and DCP's storage
-copier that keeps staging buffers (:func:`storage_copier`, for :mod:`s3ckpt.dcp.staging`).
+copier that keeps staging buffers (:func:`storage_copier`, for :mod:`s3ckpt.dcp.staging`),
+and how a rank's failure travels among gathered results (:func:`wrap_exception`, for the
+Megatron integration).
 ``tests/unit/test_compat.py`` and ``tests/unit/test_export_formats.py`` fail loudly when a
 torch release changes any of them.
 """
@@ -125,6 +127,15 @@ def unwrap(exc: BaseException) -> BaseException:
 
 
 _metadata_failures: dict[int, BaseException] = {}
+
+
+def wrap_exception(exc: BaseException) -> Any:
+    """``exc`` as DCP carries a rank's failure among gathered results (its private
+    ``_wrap_exception``): what Megatron's async save finalization looks for in the write
+    results of each rank (``_get_failure_dict``)."""
+    from torch.distributed.checkpoint.api import _wrap_exception
+
+    return _wrap_exception(exc)
 
 
 def remember_metadata_failure(error: BaseException | None) -> None:
@@ -273,4 +284,5 @@ __all__ = [
     "save_skeleton",
     "stop_async_save_process",
     "unwrap",
+    "wrap_exception",
 ]

@@ -165,8 +165,26 @@ class S3StorageWriter(S3Location, StorageWriter):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        assignment = self.assignment(plan)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(self.write_assigned(plan, planner, assignment))
+        return future
+
+    def assignment(self, plan: SavePlan) -> RankAssignment:
+        """The rank and save id ``write_data`` writes ``plan`` under (:mod:`.save_identity`).
+
+        Callers that write in another process than the one that planned (Megatron's
+        async saves fork or hand the write to a worker) take it here, in the planning
+        process, where the replays of cached plans are remembered, then call
+        :meth:`write_assigned` wherever the bytes are written.
+        """
+        return self._assignment(plan, self._store(), self._require_location())
+
+    def write_assigned(
+        self, plan: SavePlan, planner: SavePlanner, assignment: RankAssignment
+    ) -> list[WriteResult]:
+        """Write ``plan``'s items under ``assignment``: ``write_data`` after its assignment."""
         store, location = self._store(), self._require_location()
-        assignment = self._assignment(plan, store, location)
         try:
             with Heartbeat(store, location, assignment.save_id):
                 results = RankSave(self, assignment).run(plan.items, planner)
@@ -181,9 +199,7 @@ class S3StorageWriter(S3Location, StorageWriter):
                 rank_name(self.rank),
                 self.retries,
             )
-        future: Future[list[WriteResult]] = Future()
-        future.set_result(results)
-        return future
+        return results
 
     def _assignment(self, plan: SavePlan, store: ObjectStore, location: S3URI) -> RankAssignment:
         """The rank and save id this ``write_data`` writes under (:mod:`.save_identity`).

@@ -6,6 +6,10 @@ when it is imported itself, so ``import s3ckpt`` never needs one:
 * :mod:`~s3ckpt.integrations.torchtitan`: ``S3CheckpointManager``, torchtitan's checkpoint
   manager saving, discovering, retaining and loading ``step-N`` through s3ckpt
   (``pip install 's3ckpt[torchtitan]'``);
+* :mod:`~s3ckpt.integrations.megatron`: ``S3SaveShardedStrategy`` and
+  ``S3LoadShardedStrategy``, Megatron-core's ``dist_checkpointing`` strategies over s3ckpt,
+  with Megatron's own files through :mod:`~s3ckpt.integrations.megatron_files`
+  (``pip install 's3ckpt[megatron]'``);
 * :mod:`~s3ckpt.integrations.nested`: a trainer's nested checkpoint dict as one DCP
   checkpoint and back, unchanged;
 * :mod:`~s3ckpt.integrations.fsspec_s3`: fsspec's ``s3://`` filesystem (s3fs) pointed at

@@ -60,11 +60,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from deepspeed import comm as ds_comm
-from deepspeed.runtime.checkpoint_engine import (
+
+try:
+    from deepspeed import comm as ds_comm
+except ImportError as exc:
+    raise ImportError(
+        "s3ckpt.integrations.deepspeed needs DeepSpeed: pip install 's3ckpt[deepspeed]' "
+        "(DeepSpeed 0.19 is an sdist; on a CPU-only host: DS_BUILD_OPS=0 pip install "
+        "--no-build-isolation deepspeed)"
+    ) from exc
+from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointCommitInfo,
     CheckpointEngine,
-    TorchCheckpointEngine,
 )
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler

@@ -6,6 +6,9 @@ when it is imported itself, so ``import s3ckpt`` never needs one:
 * :mod:`~s3ckpt.integrations.torchtitan`: ``S3CheckpointManager``, torchtitan's checkpoint
   manager saving, discovering, retaining and loading ``step-N`` through s3ckpt
   (``pip install 's3ckpt[torchtitan]'``);
+* :mod:`~s3ckpt.integrations.deepspeed`: ``S3CheckpointEngine``, DeepSpeed's checkpoint
+  engine, one s3ckpt checkpoint per tag with ``latest`` in S3 (``pip install
+  's3ckpt[deepspeed]'``; DeepSpeed's internals in :mod:`~s3ckpt.integrations.compat_deepspeed`);
 * :mod:`~s3ckpt.integrations.nested`: a trainer's nested checkpoint dict as one DCP
   checkpoint and back, unchanged;
 * :mod:`~s3ckpt.integrations.fsspec_s3`: fsspec's ``s3://`` filesystem (s3fs) pointed at

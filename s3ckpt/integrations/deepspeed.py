@@ -21,9 +21,10 @@ How a save becomes one s3ckpt checkpoint per tag, ``s3://ckpt/run1/<tag>``:
 
 * ``save`` keeps the state dict it is given (references, no copy: DeepSpeed changes no
   state between its saves and the commit) under the file's name;
-* ``commit``, on every rank: the ranks first agree (one ``all_gather_object``: every
-  rank's folder, files and errors), then save all files of all ranks in one ``dcp.save``
-  over the group, each file's tensors as DCP items named ``<file>/<path>`` plus its
+* ``commit``, on every rank: the ranks first agree (one ``all_gather_object`` of every
+  rank's folder, files and errors: the barrier DeepSpeed has not before ``commit``, so no
+  rank uploads before every rank's ``save`` calls are done, and a bad save fails every
+  rank alike), then save all files of all ranks in one ``dcp.save`` over the group, each file's tensors as DCP items named ``<file>/<path>`` plus its
   pickled skeleton (:func:`~s3ckpt.integrations.nested.nested_items`). The manifest is
   written last, by the coordinator, once every rank's data is in: a crash before it
   leaves nothing visible, and the tag saved before stays whole. Saving a tag again

@@ -198,3 +198,21 @@ def test_bad_input_gets_one_clear_error(
         S3CheckpointEngine(group=None, **s3).commit(None)
     no_local_s3_folder(tmp_path)
     assert not (tmp_path / "local").exists()
+
+
+def test_local_paths_keep_deepspeeds_own_code(
+    one_rank_engine: Any, s3: dict[str, Any], tmp_path: Path
+) -> None:
+    """What compat_deepspeed redirects for s3:// folders is DeepSpeed's own elsewhere."""
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.state_dict_factory import MegatronSDLoader, SDLoaderFactory
+
+    engine = one_rank_engine
+    attach(engine, **s3)
+    assert engine._get_all_ckpt_names(str(tmp_path), "t") == []  # glob, nothing there
+    engine._copy_recovery_script(str(tmp_path))
+    assert (tmp_path / "zero_to_fp32.py").is_file()
+    torch.save({"module": {"w": torch.ones(1)}}, tmp_path / "m.pt")
+    loader = SDLoaderFactory.get_sd_loader([str(tmp_path / "m.pt")], TorchCheckpointEngine())
+    assert type(loader) is MegatronSDLoader
+    assert torch.equal(loader.load(1, 0)[1]["module"]["w"], torch.ones(1))

@@ -200,22 +200,20 @@ class S3CheckpointEngine(CheckpointEngine):
         CPU or ``map_location``."""
         folder, _, name = file_uri(path).rpartition("/")
         reader = S3StorageReader(folder, config=self.config, **self.reader_options)
-        try:
-            with torch.serialization.safe_globals(list(DEEPSPEED_GLOBALS)):
-                return load_nested(
-                    reader,
-                    weights_only=False if self.trust_pickles else None,
-                    map_location=map_location,
-                    prefix=name + "/",
-                )
-        except CheckpointNotFoundError:
-            raise
-        except CheckpointError as exc:
-            if SKELETON_KEY not in str(exc):
-                raise
+        metadata = reader.read_metadata()
+        held = _file_names(metadata)
+        if name not in held:
             raise CheckpointNotFoundError(
-                f"{folder} holds no file {name} (it holds: {', '.join(self.files(folder))})"
-            ) from exc
+                f"{folder} holds no file {name} (it holds: {', '.join(held) or 'none'})"
+            )
+        with torch.serialization.safe_globals(list(DEEPSPEED_GLOBALS)):
+            return load_nested(
+                reader,
+                weights_only=False if self.trust_pickles else None,
+                map_location=map_location,
+                prefix=name + "/",
+                metadata=metadata,
+            )
 
     def is_decoupled(self) -> bool:
         return False
@@ -230,9 +228,7 @@ class S3CheckpointEngine(CheckpointEngine):
     def files(self, folder: str) -> list[str]:
         """The names of the files in the committed checkpoint ``folder``."""
         reader = S3StorageReader(folder_uri(folder), config=self.config, **self.reader_options)
-        suffix = "/" + SKELETON_KEY
-        names = reader.read_metadata().state_dict_metadata
-        return sorted(name[: -len(suffix)] for name in names if name.endswith(suffix))
+        return _file_names(reader.read_metadata())
 
     def latest_tag(self, save_dir: str) -> str | None:
         """The tag ``<save_dir>/latest`` names (written after its commit), or ``None``."""
@@ -425,6 +421,13 @@ def file_uri(path: str | os.PathLike[str]) -> str:
     if not S3URI.parse(uri, require_prefix=False).prefix.count("/"):
         raise ConfigError(f"{uri}: a checkpoint file lies in a folder below the bucket")
     return uri
+
+
+def _file_names(metadata: Any) -> list[str]:
+    """The files a checkpoint's DCP metadata holds: one skeleton item each."""
+    suffix = "/" + SKELETON_KEY
+    names = metadata.state_dict_metadata
+    return sorted(name[: -len(suffix)] for name in names if name.endswith(suffix))
 
 
 def _shared_latest(checkpoints: S3CheckpointEngine, folder: str) -> str | None:

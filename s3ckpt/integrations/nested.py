@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt.dcp.compat import StorageReader, StorageWriter, TensorStorageMetadata
+from s3ckpt.dcp.compat import Metadata, StorageReader, StorageWriter, TensorStorageMetadata
 from s3ckpt.errors import CheckpointError, ConfigError
 
 SKELETON_KEY = "s3ckpt.nested.skeleton"
@@ -106,10 +106,11 @@ def load_nested(
     weights_only: bool | None = None,
     map_location: str | torch.device | Callable[..., Any] | None = None,
     prefix: str = "",
+    metadata: Metadata | None = None,
 ) -> Any:
     """Load a tree saved by :func:`save_nested` (or as :func:`nested_items` with
     ``prefix``); tensors on the CPU or ``map_location`` (a device, or a callable as
-    ``torch.load`` takes one).
+    ``torch.load`` takes one). ``metadata``: the reader's, if the caller read it already.
 
     ``weights_only`` is passed to ``torch.load`` for the skeleton: ``None`` is torch's
     default (weights-only), ``False`` trusts the bucket with arbitrary pickles.
@@ -119,7 +120,7 @@ def load_nested(
         raise ConfigError(
             f"map_location must be a device, a device name or a callable, got {map_location!r}"
         )
-    metadata = reader.read_metadata()
+    metadata = metadata or reader.read_metadata()
     if prefix + SKELETON_KEY not in metadata.state_dict_metadata:
         raise CheckpointError(
             f"{getattr(reader, 'checkpoint_id', 'this checkpoint')} holds no "

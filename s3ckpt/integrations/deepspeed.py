@@ -177,13 +177,11 @@ class S3CheckpointEngine(CheckpointEngine):
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """Save every rank's files as one checkpoint per tag, then ``latest``."""
         try:
+            items = self._items()
             folder = self._agree_on_folder()
             if folder is None:
                 log.warning("nothing was saved for tag %s: no checkpoint written", info.tag)
                 return True
-            items: dict[str, Any] = {}
-            for uri, state in self.pending.items():
-                items.update(nested_items(state, prefix=uri.rpartition("/")[2] + "/"))
             writer = S3StorageWriter(
                 folder, config=self.config, overwrite=True, **self.writer_options
             )
@@ -239,6 +237,17 @@ class S3CheckpointEngine(CheckpointEngine):
         except ObjectNotFoundError:
             return None
         return body.decode().strip() or None
+
+    def _items(self) -> dict[str, Any]:
+        """This rank's files as DCP items, ``<file>/<path>``; a file that cannot be split
+        (its skeleton does not pickle) is a problem reported to every rank."""
+        items: dict[str, Any] = {}
+        for uri, state in self.pending.items():
+            try:
+                items.update(nested_items(state, prefix=uri.rpartition("/")[2] + "/"))
+            except Exception as exc:
+                self.problems.append(f"{uri} cannot be stored: {type(exc).__name__}: {exc}")
+        return items
 
     def _agree_on_folder(self) -> str | None:
         """The one folder every rank's files lie in (``None``: no rank saved a file);

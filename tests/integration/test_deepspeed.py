@@ -34,6 +34,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from _dist_worker import run_ranks
+from deepspeed.runtime.checkpoint_engine import CheckpointCommitInfo
 from torch.multiprocessing import ProcessExitedException
 
 from s3ckpt import CheckpointNotFoundError, ConfigError, catalog
@@ -196,6 +197,17 @@ def test_bad_input_gets_one_clear_error(
         engine.checkpoint_engine.load(f"{s3_prefix}/t0/nothing.pt")
     with pytest.raises(ConfigError, match="only loads"):
         S3CheckpointEngine(group=None, **s3).commit(None)
+    # saves that cannot form one checkpoint fail at the commit, on every rank, unwritten
+    checkpoints = engine.checkpoint_engine
+    info = CheckpointCommitInfo(tag="t9", save_dir=s3_prefix, save_latest=False)
+    checkpoints.create(info)
+    checkpoints.save({"w": torch.ones(1)}, f"{s3_prefix}/t9/a.pt")
+    checkpoints.save({"w": torch.ones(1)}, f"{s3_prefix}/elsewhere/b.pt")
+    checkpoints.save({"f": lambda: 0}, f"{s3_prefix}/t9/c.pt")
+    with pytest.raises(ConfigError, match="several folders") as failed:
+        checkpoints.commit(info)
+    assert "c.pt cannot be stored" in str(failed.value)
+    assert not catalog.is_committed(f"{s3_prefix}/t9", **s3)
     no_local_s3_folder(tmp_path)
     assert not (tmp_path / "local").exists()
 

@@ -23,7 +23,9 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-exte
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.checkpoint_engine import CheckpointCommitInfo
 
+from s3ckpt import ConfigError
 from s3ckpt.integrations.deepspeed import attach, load_checkpoint, save_checkpoint
 from s3ckpt.s3.store import ObjectStore
 
@@ -187,8 +189,13 @@ def killed_before_commit(
     engine = build(2, seed=0, s3=s3)
     train(engine, range(2))
     save_checkpoint(engine, folder, tag="t1")
+    refused = bad_commit(engine, folder, rank)
     torch.save(
-        {"module": tensors(engine.module.state_dict()), "optimizer": snapshot(engine)["optimizer"]},
+        {
+            "module": tensors(engine.module.state_dict()),
+            "optimizer": snapshot(engine)["optimizer"],
+            "refused": refused,
+        },
         Path(out) / f"rank{rank}.pt",
     )
     train(engine, range(2, 3))
@@ -203,6 +210,21 @@ def killed_before_commit(
 
         ObjectStore.put = dying  # type: ignore[method-assign]
     save_checkpoint(engine, folder, tag="t2")
+
+
+def bad_commit(engine: Any, folder: str, rank: int) -> str:
+    """A commit where rank 1 alone saved a file that cannot be stored: every rank must
+    raise the same error (none may be left waiting in a collective)."""
+    checkpoints = engine.checkpoint_engine
+    info = CheckpointCommitInfo(tag="bad", save_dir=folder, save_latest=False)
+    checkpoints.create(info)
+    if rank == 1:
+        checkpoints.save({"f": lambda: 0}, f"{folder}/bad/x.pt")
+    try:
+        checkpoints.commit(info)
+    except ConfigError as exc:
+        return str(exc)
+    raise AssertionError("a commit with an unstorable file went through")
 
 
 def quickstart(rank: int, world_size: int, port: int, endpoint: str, folder: str, out: str) -> None:

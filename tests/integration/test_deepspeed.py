@@ -113,6 +113,9 @@ def test_a_rank_killed_while_committing_leaves_the_previous_tag(
     with pytest.raises(CheckpointNotFoundError):
         loader.load(f"{s3_prefix}/t2/mp_rank_00_model_states.pt")
     saved = reports(tmp_path)
+    assert [r["refused"] for r in saved] == [saved[0]["refused"]] * 2  # the same on both
+    assert "rank 1: " in saved[0]["refused"] and "x.pt cannot be stored" in saved[0]["refused"]
+    assert not catalog.is_committed(f"{s3_prefix}/bad", **s3)
     model = loader.load(f"{s3_prefix}/t1/mp_rank_00_model_states.pt", map_location="cpu")
     assert worker.tensors(model["module"]).keys() == saved[0]["module"].keys()
     for name, tensor in worker.tensors(model["module"]).items():

@@ -24,8 +24,9 @@ How a save becomes one s3ckpt checkpoint per tag, ``s3://ckpt/run1/<tag>``:
 * ``commit``, on every rank: the ranks first agree (one ``all_gather_object`` of every
   rank's folder, files and errors: the barrier DeepSpeed has not before ``commit``, so no
   rank uploads before every rank's ``save`` calls are done, and a bad save fails every
-  rank alike), then save all files of all ranks in one ``dcp.save`` over the group, each file's tensors as DCP items named ``<file>/<path>`` plus its
-  pickled skeleton (:func:`~s3ckpt.integrations.nested.nested_items`). The manifest is
+  rank alike), then save all files of all ranks in one ``dcp.save`` over the group,
+  each file's tensors as DCP items named ``<file>/<path>`` plus its pickled skeleton
+  (:func:`~s3ckpt.integrations.nested.nested_items`). The manifest is
   written last, by the coordinator, once every rank's data is in: a crash before it
   leaves nothing visible, and the tag saved before stays whole. Saving a tag again
   replaces it atomically;
@@ -35,9 +36,9 @@ How a save becomes one s3ckpt checkpoint per tag, ``s3://ckpt/run1/<tag>``:
   DeepSpeed's file holds it) as an object, after the manifest, from rank 0; every rank
   learns whether that worked. A plain ``engine.save_checkpoint("s3://...")`` (whose
   ``save_latest`` is ``True``) is refused on every rank before anything is written;
-* ``load`` reads one file back (its items only) from the committed tag; :func:`load_checkpoint`
-  resolves ``latest`` from S3 (rank 0 reads it, the group shares it) before DeepSpeed's
-  ``load_checkpoint``, which would look for a local file.
+* ``load`` reads one file back (its items only) from the committed tag;
+  :func:`load_checkpoint` resolves ``latest`` from S3 (rank 0 reads it, the group shares
+  it) before DeepSpeed's ``load_checkpoint``, which would look for a local file.
 
 The group: the world group of ``deepspeed.comm`` (``get_world_group()``, torch's
 ``WORLD``), the group DeepSpeed's own barriers in ``save_checkpoint`` use and whose

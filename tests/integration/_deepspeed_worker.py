@@ -1,24 +1,19 @@
 """The ranks of ``test_deepspeed.py``: DeepSpeed engines on the CPU accelerator over gloo.
 
-Each entry point runs in a process spawned by ``_dist_worker.run_ranks`` and receives the
-S3 connection, the checkpoint folder and a report directory. A rank compares what it can
-compare itself (bit-exact state after a load) and leaves a report (``torch.save``) of what
-it saved and saw for the parent test.
+Each entry point runs in a process spawned by ``_dist_worker.run_ranks`` (with the
+environment ``test_deepspeed.py`` sets up: DeepSpeed's CPU accelerator, its built op) and
+receives the S3 connection, the checkpoint folder and a report directory. A rank compares
+what it can compare itself (bit-exact state after a load) and leaves a report
+(``torch.save``) of what it saved and saw for the parent test.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-# The shared-memory op DeepSpeed builds with ninja on first use, built once per environment
-# (the Makefile's .venv-deepspeed target builds it there).
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))
 
 import deepspeed
 import torch

@@ -22,8 +22,15 @@ from typing import Any
 import pytest
 from s3_servers import free_port
 
+# The environment make test runs DeepSpeed in (inherited by the spawned ranks): its CPU
+# accelerator, and the one op it builds with ninja on first use kept in the environment,
+# where the Makefile's .venv-deepspeed target built it with this environment's ninja first
+# on PATH. Another ninja would not recognise that build and compile the op again (~1 min).
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))
+os.environ["PATH"] = os.pathsep.join(
+    dict.fromkeys([str(Path(sys.executable).parent), *os.environ["PATH"].split(os.pathsep)])
+)
 pytest.importorskip(
     "deepspeed",
     reason="DeepSpeed is not installed here: make test runs this module in .venv-deepspeed",

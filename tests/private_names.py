@@ -1,5 +1,5 @@
-"""The internals of torch, Lightning, megatron-core, aiobotocore, botocore and aiohttp are
-touched in one module each.
+"""The internals of torch, Lightning, megatron-core, DeepSpeed, aiobotocore, botocore and
+aiohttp are touched in one module each.
 
 Every module of ``s3ckpt/`` is read with ``ast``; outside the compat module(s) allowed for
 a dependency (:data:`COMPAT_MODULES`), each of these is reported as ``path:line: name``:
@@ -41,6 +41,7 @@ COMPAT_MODULES: dict[str, tuple[str, ...]] = {
     "aiobotocore": ("s3ckpt/s3/compat_aiobotocore.py",),
     "aiohttp": ("s3ckpt/s3/compat_aiohttp.py",),
     "megatron": ("s3ckpt/integrations/compat_megatron.py",),
+    "deepspeed": ("s3ckpt/integrations/compat_deepspeed.py",),
 }
 
 # Modules and names that are internals though not marked private: the HTTP machinery under

@@ -10,6 +10,9 @@ when it is imported itself, so ``import s3ckpt`` never needs one:
   ``S3LoadShardedStrategy``, Megatron-core's ``dist_checkpointing`` strategies over s3ckpt,
   with Megatron's own files through :mod:`~s3ckpt.integrations.megatron_files`
   (``pip install 's3ckpt[megatron]'``);
+* :mod:`~s3ckpt.integrations.deepspeed`: ``S3CheckpointEngine``, DeepSpeed's checkpoint
+  engine, one s3ckpt checkpoint per tag with ``latest`` in S3 (``pip install
+  's3ckpt[deepspeed]'``; DeepSpeed's internals in :mod:`~s3ckpt.integrations.compat_deepspeed`);
 * :mod:`~s3ckpt.integrations.nested`: a trainer's nested checkpoint dict as one DCP
   checkpoint and back, unchanged;
 * :mod:`~s3ckpt.integrations.fsspec_s3`: fsspec's ``s3://`` filesystem (s3fs) pointed at

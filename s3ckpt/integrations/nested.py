@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt.dcp.compat import StorageReader, StorageWriter, TensorStorageMetadata
+from s3ckpt.dcp.compat import Metadata, StorageReader, StorageWriter, TensorStorageMetadata
 from s3ckpt.errors import CheckpointError, ConfigError
 
 SKELETON_KEY = "s3ckpt.nested.skeleton"
@@ -87,40 +87,73 @@ def join(skeleton: bytes, tensors: dict[str, torch.Tensor], *, weights_only: boo
     return visit(payload["tree"])
 
 
+def nested_items(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """The DCP items that store ``tree``: its tensors and its skeleton, each name
+    prefixed by ``prefix``, so several trees can share one checkpoint (one per file of
+    a DeepSpeed checkpoint, :mod:`s3ckpt.integrations.deepspeed`)."""
+    tensors, skeleton = split(tree)
+    return {prefix + SKELETON_KEY: skeleton, **{prefix + k: v for k, v in tensors.items()}}
+
+
 def save_nested(tree: dict[str, Any], writer: StorageWriter) -> None:
     """Save ``tree`` through ``writer`` (a DCP save on this process alone)."""
-    tensors, skeleton = split(tree)
-    dcp.save({SKELETON_KEY: skeleton, **tensors}, storage_writer=writer, no_dist=True)
+    dcp.save(nested_items(tree), storage_writer=writer, no_dist=True)
 
 
 def load_nested(
     reader: StorageReader,
     *,
     weights_only: bool | None = None,
-    map_location: str | torch.device | None = None,
+    map_location: str | torch.device | Callable[..., Any] | None = None,
+    prefix: str = "",
+    metadata: Metadata | None = None,
 ) -> Any:
-    """Load a tree saved by :func:`save_nested`; tensors on the CPU or ``map_location``.
+    """Load a tree saved by :func:`save_nested` (or as :func:`nested_items` with
+    ``prefix``); tensors on the CPU or ``map_location`` (a device, or a callable as
+    ``torch.load`` takes one). ``metadata``: the reader's, if the caller read it already.
 
     ``weights_only`` is passed to ``torch.load`` for the skeleton: ``None`` is torch's
     default (weights-only), ``False`` trusts the bucket with arbitrary pickles.
     """
-    if map_location is not None and not isinstance(map_location, (str, torch.device)):
-        raise ConfigError(f"map_location must be a device or a device name, got {map_location!r}")
-    metadata = reader.read_metadata()
-    if SKELETON_KEY not in metadata.state_dict_metadata:
-        raise CheckpointError(
-            f"{getattr(reader, 'checkpoint_id', 'this checkpoint')} holds no {SKELETON_KEY} "
-            "item: it was not saved from a nested dict; load it with dcp.load and a state dict"
+    placeable = map_location is None or isinstance(map_location, (str, torch.device))
+    if not (placeable or callable(map_location)):
+        raise ConfigError(
+            f"map_location must be a device, a device name or a callable, got {map_location!r}"
         )
-    state: dict[str, Any] = {SKELETON_KEY: None}
+    metadata = metadata or reader.read_metadata()
+    if prefix + SKELETON_KEY not in metadata.state_dict_metadata:
+        raise CheckpointError(
+            f"{getattr(reader, 'checkpoint_id', 'this checkpoint')} holds no "
+            f"{prefix + SKELETON_KEY} item: it was not saved from a nested dict; load it "
+            "with dcp.load and a state dict"
+        )
+    state: dict[str, Any] = {prefix + SKELETON_KEY: None}
     for name, item in metadata.state_dict_metadata.items():
-        if isinstance(item, TensorStorageMetadata):
+        if name.startswith(prefix) and isinstance(item, TensorStorageMetadata):
             state[name] = torch.empty(item.size, dtype=item.properties.dtype)
     dcp.load(state, storage_reader=reader, no_dist=True)
-    skeleton = state.pop(SKELETON_KEY)
+    skeleton = state.pop(prefix + SKELETON_KEY)
+    state = {name[len(prefix) :]: tensor for name, tensor in state.items()}
     if map_location is not None:
-        state = {name: tensor.to(map_location) for name, tensor in state.items()}
+        state = {name: _placed(tensor, map_location) for name, tensor in state.items()}
     return join(skeleton, state, weights_only=weights_only)
+
+
+def _placed(tensor: torch.Tensor, map_location: Any) -> torch.Tensor:
+    """``tensor`` (loaded on the CPU) where ``map_location`` puts it. A callable is
+    called as ``torch.load`` calls it, with the tensor's storage and its location,
+    ``"cpu"`` (where s3ckpt loads every tensor); ``None`` or the same storage back
+    keeps the tensor where it is."""
+    if isinstance(map_location, (str, torch.device)):
+        return tensor.to(map_location)
+    storage = tensor.untyped_storage()
+    moved = map_location(storage, "cpu")
+    if moved is None or moved is storage:
+        return tensor
+    if isinstance(moved, torch.TypedStorage):
+        moved = moved.untyped()
+    placed = torch.empty(0, dtype=tensor.dtype, device=moved.device)
+    return placed.set_(moved, tensor.storage_offset(), tensor.shape, tensor.stride())
 
 
 def _extractable(tensor: torch.Tensor) -> bool:

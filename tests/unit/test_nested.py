@@ -8,8 +8,8 @@ import io
 import pytest
 import torch
 
-from s3ckpt import CheckpointError
-from s3ckpt.integrations.nested import SKELETON_KEY, join, split
+from s3ckpt import CheckpointError, ConfigError
+from s3ckpt.integrations.nested import SKELETON_KEY, _placed, join, load_nested, nested_items, split
 
 Pair = collections.namedtuple("Pair", "left right")
 
@@ -66,3 +66,33 @@ def test_a_skeleton_of_another_format_is_refused() -> None:
     torch.save({"format": 99}, buffer)
     with pytest.raises(CheckpointError, match="unknown nested checkpoint format"):
         join(buffer.getvalue(), {}, weights_only=True)
+
+
+def test_prefixed_items_keep_several_trees_apart() -> None:
+    one = nested_items({"w": torch.ones(2), "step": 3}, prefix="a.pt/")
+    two = nested_items({"w": torch.zeros(2)}, prefix="b.pt/")
+    assert set(one) == {"a.pt/w", f"a.pt/{SKELETON_KEY}"}
+    assert set(two) == {"b.pt/w", f"b.pt/{SKELETON_KEY}"}
+    back = join(one[f"a.pt/{SKELETON_KEY}"], {"w": one["a.pt/w"]}, weights_only=True)
+    assert back["step"] == 3 and back["w"] is one["a.pt/w"]
+
+
+def test_a_callable_map_location_is_called_as_torch_load_calls_it() -> None:
+    tensor = torch.arange(6.0).reshape(2, 3)[:, 1:]  # a view: offset and strides kept
+    calls = []
+
+    def keep(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+        calls.append(location)
+        return storage
+
+    assert _placed(tensor, keep) is tensor and calls == ["cpu"]
+    assert _placed(tensor, lambda storage, location: None) is tensor
+    copied = _placed(tensor, lambda storage, location: storage.clone())
+    assert torch.equal(copied, tensor) and copied.stride() == tensor.stride()
+    assert copied.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
+    assert _placed(tensor, "cpu") is tensor
+
+
+def test_a_map_location_that_is_no_device_is_refused() -> None:
+    with pytest.raises(ConfigError, match="map_location must be a device"):
+        load_nested(None, map_location=5)  # type: ignore[arg-type]

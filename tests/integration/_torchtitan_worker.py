@@ -27,6 +27,8 @@ __all__ = [
     "TinyAdapter",
     "fsdp_hf_main",
     "hf_assets",
+    "killed_async_save_main",
+    "one_rank_parts",
     "run_ranks",
 ]
 
@@ -156,3 +158,64 @@ def fsdp_hf_main(
     manager.close()
     _report(out_dir, rank, report)
     dist.destroy_process_group()
+
+
+def one_rank_parts(folder: str, endpoint: str, region: str, async_mode: str) -> Any:
+    """The test model, its optimizer and a manager saving every second step, on one rank."""
+    from torchtitan.components.optimizer import OptimizersContainer
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+
+    from s3ckpt.integrations.torchtitan import S3CheckpointManager
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    optimizers = OptimizersContainer.Config(
+        param_groups=[
+            ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})
+        ],
+        implementation="for-loop",
+    ).build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config().build(optimizers=optimizers, training_steps=8)
+    manager = S3CheckpointManager.Config(
+        enable=True, folder=folder, interval=2, keep_latest_k=0, async_mode=async_mode,
+        last_save_model_only=False, endpoint_url=endpoint, s3_options={"region": region},
+    ).build(dataloader=None, model_parts=[model], optimizers=optimizers,
+            lr_schedulers=schedulers, states={}, sd_adapter=None,
+            base_folder="/unused")  # fmt: skip
+    return model, optimizers, manager
+
+
+def killed_async_save_main(folder: str, out_dir: str) -> None:
+    """A one-rank trainer in torchtitan's ``async`` mode (run as its own process, which the
+    test SIGKILLs): step 2 saved and committed, its state left in ``out_dir``; step 4's
+    save uploads everything, announces it, and is killed before its manifest is written."""
+    import time
+
+    from s3ckpt.dcp.writer import S3StorageWriter
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['PORT']}",
+                            rank=0, world_size=1)  # fmt: skip
+    model, optimizers, manager = one_rank_parts(
+        folder, os.environ["ENDPOINT"], os.environ["REGION"], "async"
+    )
+    finish = S3StorageWriter.finish
+
+    def stalled(self: Any, metadata: Any, results: Any) -> None:
+        if self.location is not None and "step-4" in str(self.location):
+            (Path(out_dir) / "uploaded").touch()  # every data object is in; no manifest yet
+            time.sleep(600)
+        finish(self, metadata, results)
+
+    S3StorageWriter.finish = stalled  # type: ignore[method-assign]
+    for step in range(1, 5):
+        loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)))
+        loss.square().mean().backward()
+        optimizers.step()
+        optimizers.zero_grad()
+        manager.save(step)
+        if step == 2:
+            manager.maybe_wait_for_saving()
+            state = {"model": model.state_dict(), "optimizer": optimizers.state_dict()}
+            torch.save(state, Path(out_dir) / "step2.pt")
+    time.sleep(600)  # training goes on while step 4 uploads, until the kill

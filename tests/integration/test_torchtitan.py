@@ -3,7 +3,8 @@ server, on CPU with a one-rank gloo group: saves at an interval, keep_latest_k t
 catalog, discovery of the latest committed step-N, and a bit-exact load into a fresh model,
 optimizer and schedule; synchronous and in torchtitan's "async" mode. The last step saved
 model-only, and in Hugging Face safetensors (``last_save_in_hf``), checked bit for bit
-against the adapter's names and values, and skipped by discovery.
+against the adapter's names and values, and skipped by discovery. A trainer SIGKILLed
+during an async save resumes from the step before.
 
 The Hugging Face tests use a state-dict adapter of their own (``_torchtitan_worker``,
 which says why), also on two FSDP ranks.
@@ -36,7 +37,15 @@ pytest.importorskip(
 )
 
 import safetensors.torch
-from _torchtitan_worker import HF_CONFIG, HF_SHARDS, TinyAdapter, fsdp_hf_main, hf_assets, run_ranks
+from _torchtitan_worker import (
+    HF_CONFIG,
+    HF_SHARDS,
+    TinyAdapter,
+    fsdp_hf_main,
+    hf_assets,
+    one_rank_parts,
+    run_ranks,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
@@ -378,3 +387,62 @@ def test_the_quickstart_configurations_are_accepted() -> None:
         assert isinstance(checkpoint, S3CheckpointManager.Config)
         seen.append((checkpoint.last_save_model_only, checkpoint.last_save_in_hf))
     assert seen == [(True, False), (True, True)]
+
+
+def test_a_trainer_killed_during_an_async_save_resumes_from_the_step_before(
+    s3_prefix: str, aws_environment: dict[str, Any], local_s3: Any, tmp_path: Path
+) -> None:
+    """SIGKILL while torchtitan's ``async`` save of step 4 has uploaded its objects but not
+    committed: step 4 is not discovered, step 2 loads bit-exact, and ``gc`` removes every
+    object and upload the killed save left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import _torchtitan_worker as w; "
+        "w.killed_async_save_main(sys.argv[2], sys.argv[3])"
+    )
+    env = {**os.environ, "PORT": str(free_port()), "ENDPOINT": local_s3.endpoint_url,
+           "REGION": local_s3.region}  # fmt: skip
+    here = str(Path(__file__).parent)
+    child = subprocess.Popen([sys.executable, "-c", code, here, s3_prefix, str(tmp_path)], env=env)
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "uploaded").exists():
+            assert child.poll() is None, f"the trainer exited ({child.returncode}) before the kill"
+            assert time.monotonic() < deadline, "step 4's save never finished uploading"
+            time.sleep(0.1)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    bucket, prefix = s3_prefix[len("s3://") :].split("/", 1)
+    client = local_s3.client()
+    left = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/step-4/").get("Contents", [])
+    assert left, "the kill came before step 4 uploaded anything"
+    assert not catalog.is_committed(f"{s3_prefix}/step-4", **aws_environment["s3_options"],
+                                    endpoint_url=local_s3.endpoint_url)  # fmt: skip
+
+    model, optimizers, manager = one_rank_parts(
+        s3_prefix, local_s3.endpoint_url, local_s3.region, "disabled"
+    )
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+    assert manager._find_load_step() == 2
+    assert manager.load() is True
+    manager.close()
+    saved = torch.load(tmp_path / "step2.pt", weights_only=True)
+    assert_same(model.state_dict(), saved["model"])
+    assert_same(optimizers.state_dict(), saved["optimizer"])
+    time.sleep(1)  # the killed save's in-flight record was refreshed up to the kill
+    catalog.collect_garbage(s3_prefix, grace=0, lease=0, endpoint_url=local_s3.endpoint_url,
+                            **aws_environment["s3_options"])  # fmt: skip
+    assert not client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/step-4/").get("Contents")
+    uploads = client.list_multipart_uploads(Bucket=bucket, Prefix=f"{prefix}/step-4/")
+    assert not uploads.get("Uploads")
+    assert catalog.is_committed(f"{s3_prefix}/step-2", endpoint_url=local_s3.endpoint_url,
+                                **aws_environment["s3_options"])  # fmt: skip

@@ -4,8 +4,10 @@ Every ``python`` block runs in a fresh interpreter, in order, after a preamble t
 defines what the text leaves to the reader (a model, an optimizer, a training step) and
 the imports of the blocks before it;
 every ``s3ckpt`` command of the ``sh`` blocks runs as typed. A ``py`` block is shown
-only: it needs a package ``make test`` does not install (torchtitan; its own test,
-``test_torchtitan.py``, runs the same configuration where it is installed). The store is
+only here: it needs an environment of its own or several ranks, and its trainer's own test
+runs it (torchtitan: ``test_torchtitan.py``; Megatron-core: ``test_megatron.py``;
+DeepSpeed: ``test_deepspeed.py``; Lightning's sharded strategies under torchrun:
+``test_lightning_sharded.py``). The store is
 ``s3ckpt local-s3 --bucket ckpt``'s: its ``AWS_*`` variables stand in for the
 FlashBlade ``export`` lines, and installing is the test run's own.
 """

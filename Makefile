@@ -24,7 +24,7 @@ NEWEST_TESTS := tests/unit \
 	tests/integration/test_legacy_format.py tests/integration/test_compression.py \
 	tests/integration/test_torch_releases.py tests/integration/test_replaced_during_load.py
 
-.PHONY: install test test-fast demo bench bench-scale lint reliability-report clean
+.PHONY: install test test-fast demo bench bench-dataplane bench-scale lint reliability-report clean
 
 install: $(STAMP)
 
@@ -71,6 +71,13 @@ demo: $(STAMP)
 
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks.run
+	$(BIN)/python -m benchmarks.zero_cost
+
+# s3ckpt and its peers (s3torchconnector, s5cmd, s3transfer, raw aiobotocore) on an
+# in-memory S3 server that costs next to no CPU (benchmarks/zero_s3.c, built with cc):
+# the clients' own throughput and CPU per GiB (docs/performance.md, "Data plane").
+bench-dataplane: $(BENCH_STAMP)
+	$(BIN)/python -m benchmarks.zero_cost
 
 # The commit and metadata path at 4 to 4,096 simulated ranks, and replicated loads read
 # once or by every replica (docs/scale.md).

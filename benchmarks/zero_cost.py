@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.tls import aes_gcm_report
 from benchmarks.zero_server import ZeroS3
 
 GiB = 1024**3
@@ -34,14 +35,17 @@ RESULTS = Path(__file__).resolve().parent / "results"
 PAIRS = [
     ("raw aiobotocore (ceiling)", "raw_upload", "raw_download"),
     ("s3ckpt", "s3ckpt_save", "s3ckpt_load"),
+    ("s3ckpt over HTTPS", "s3ckpt_save_https", "s3ckpt_load_https"),
     ("s3torchconnector", "s3torch_save", "s3torch_load"),
     ("s5cmd", "s5cmd_upload", "s5cmd_download"),
     ("boto3 s3transfer", "s3transfer_upload", "s3transfer_download"),
 ]
 LOOP = "train_loop"
+SINGLE_ONLY = {"s3ckpt_save_https", "s3ckpt_load_https"}  # not run as 2 processes
 ALL = [c for _, up, down in PAIRS for c in (up, down)] + [LOOP]
 # The targets (docs/performance.md): (name, kind, operands, goal).
 SAVE_CPU_MAX, LOAD_CPU_MAX, LOOP_SLOWDOWN_MAX, SERVER_CPU_MAX = 0.35, 0.30, 0.10, 0.2
+TLS_OVER_AES_MAX = 1.5
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,13 +76,19 @@ def measure(size_mib: int, reps: int, chosen: set[str], *, parallel: bool) -> di
     files = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
     runs: dict[str, Any] = {}
     twin: dict[str, Any] = {}
+    tls = bool(chosen & SINGLE_ONLY) and tls_available()
     with (
-        ZeroS3(pool_mib=pool) as server,
+        ZeroS3(pool_mib=pool, tls=tls) as server,
         tempfile.TemporaryDirectory(prefix="s3ckpt-dataplane-") as tmp,
         tempfile.TemporaryDirectory(prefix="s3ckpt-dataplane-", dir=files) as shm,
     ):
         env = {**os.environ, **server.env(), "BENCH_BUCKET": server.bucket,
                "BENCH_SIZE_MIB": str(size_mib), "BENCH_TMP": tmp, "BENCH_FILES": shm}  # fmt: skip
+        if tls:
+            env |= {
+                "BENCH_HTTPS_ENDPOINT": server.https_endpoint_url,
+                "BENCH_CA_FILE": server.ca_file,
+            }
         prefix = f"dataplane-{int(time.time())}"
         for _, up, down in PAIRS:
             for case in (c for c in (up, down) if c in chosen):
@@ -86,14 +96,45 @@ def measure(size_mib: int, reps: int, chosen: set[str], *, parallel: bool) -> di
             _delete_prefix(server, prefix + "/")
         if parallel:
             for _, up, down in PAIRS:
-                for case in (c for c in (up, down) if c in chosen):
+                for case in (c for c in (up, down) if c in chosen - SINGLE_ONLY):
                     twin[case] = _timed(server, [case, case], env, prefix, 1)
                 _delete_prefix(server, prefix)
         if LOOP in chosen:
             runs[LOOP] = _timed(server, [LOOP], env, prefix, reps)[0]
             _delete_prefix(server, prefix)
         idle = _idle_cost(server)
-    return summarize(runs, twin, size_mib=size_mib, reps=reps, server_idle_cpu_s=idle)
+        aes = aes_gcm_report(server.https_endpoint_url, server.ca_file) if tls else None
+    report = summarize(runs, twin, size_mib=size_mib, reps=reps, server_idle_cpu_s=idle)
+    if aes is not None:
+        report["tls"] = tls_summary(report, aes)
+    report["targets"] = targets(report)
+    return report
+
+
+def tls_available() -> bool:
+    """Whether the server binary speaks HTTPS (built against OpenSSL)."""
+    try:
+        with ZeroS3(tls=True):
+            return True
+    except RuntimeError:
+        return False
+
+
+def tls_summary(report: dict[str, Any], aes: dict[str, Any]) -> dict[str, Any]:
+    """What HTTPS adds to s3ckpt's client CPU per GiB over HTTP, against the AES-GCM cost of
+    the same bytes (the negotiated cipher's key size, ``openssl speed``, same OpenSSL)."""
+    bits = 256 if "AES_256" in aes.get("negotiated_cipher", "") else 128
+    floor = aes.get(f"openssl_aes{bits}_cpu_s_per_gib") or aes.get("cryptography_cpu_s_per_gib")
+    summary: dict[str, Any] = {"aes_gcm": aes, "aes_cpu_s_per_gib": floor, "aes_bits": bits}
+    for op, plain, secure in (("save", "s3ckpt_save", "s3ckpt_save_https"),
+                              ("load", "s3ckpt_load", "s3ckpt_load_https")):  # fmt: skip
+        a, b = (
+            _field(report, plain, "cpu_s_per_gib_best"),
+            _field(report, secure, "cpu_s_per_gib_best"),
+        )
+        if a is not None and b is not None and floor:
+            summary[op] = {"added_cpu_s_per_gib": b - a, "over_aes": (b - a) / floor}
+    return summary
 
 
 def _timed(
@@ -209,7 +250,6 @@ def summarize(
     }
     if LOOP in runs:
         report["train_loop"] = _loop(runs[LOOP])
-    report["targets"] = targets(report)
     return report
 
 
@@ -242,6 +282,14 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         "training loop slowdown, thread-mode async_save": (loop, "<=", LOOP_SLOWDOWN_MAX),
         "server CPU-s/GiB, worst case": (max(server) if server else None, "<=", SERVER_CPU_MAX),
     }
+    tls = report.get("tls", {})
+    for op in ("save", "load"):
+        if op in tls:
+            checks[f"HTTPS {op}: CPU added / AES-GCM cost"] = (
+                tls[op]["over_aes"],
+                "<=",
+                TLS_OVER_AES_MAX,
+            )
     rows = []
     for name, (value, op, goal) in checks.items():
         met = None if value is None else (value >= goal if op == ">=" else value <= goal)
@@ -277,6 +325,14 @@ def table(report: dict[str, Any]) -> str:
             lines.append(f"  step alone {run['step_alone_us']:.0f} us, during upload "
                          f"{run['step_during_us']:.0f} us: slowdown {run['slowdown'] * 100:+.1f} %"
                          f" (upload {run['upload_s']:.2f} s, blocked {run['blocked']:.2f} s)")  # fmt: skip
+    tls = report.get("tls")
+    if tls:
+        lines += ["", f"HTTPS ({tls['aes_gcm'].get('negotiated_cipher', '?')}): AES-{tls['aes_bits']}-GCM "
+                  f"costs {tls['aes_cpu_s_per_gib']:.3f} CPU-s/GiB ({tls['aes_gcm']['ssl_module_openssl']})"]  # fmt: skip
+        for op in ("save", "load"):
+            if op in tls:
+                lines.append(f"  {op}: HTTPS adds {tls[op]['added_cpu_s_per_gib']:+.2f} CPU-s/GiB"
+                             f" = {tls[op]['over_aes']:.2f}x the AES cost")  # fmt: skip
     lines += ["", f"{'target':<50}{'goal':>9}{'value':>9}  status"]
     for row in report["targets"]:
         value = "-" if row["value"] is None else f"{row['value']:.3g}"

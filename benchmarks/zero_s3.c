@@ -17,6 +17,11 @@
  * segments: completing copies nothing.
  *
  *     zero_s3 [port]      prints "PORT <n>" on stdout once listening
+ *
+ * Built with -DZERO_S3_TLS (and -lssl -lcrypto), ZERO_S3_TLS_CERT and ZERO_S3_TLS_KEY (PEM
+ * files) also serve the same objects over HTTPS on a second port, printed first as
+ * "TLSPORT <n>": OpenSSL's SSL_read/SSL_write, the same one copy in, and one
+ * encryption, out.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -40,6 +45,10 @@
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef ZERO_S3_TLS
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#endif
 
 #define HEAD_MAX (256 * 1024)
 #define TABLE_SIZE 65536
@@ -217,9 +226,47 @@ static void new_etag(char *out, size_t size, int parts) {
 
 typedef struct conn {
     int fd;
+#ifdef ZERO_S3_TLS
+    SSL *ssl;               /* NULL on plain HTTP */
+#endif
     char *buf;
     size_t start, end;      /* unread bytes buf[start:end] */
 } conn;
+
+/* one read from the connection (TLS or plain); waitall: until len or EOF */
+static ssize_t conn_recv(conn *c, char *dst, size_t len, int waitall) {
+#ifdef ZERO_S3_TLS
+    if (c->ssl) {
+        size_t got = 0;
+        do {
+            int n = SSL_read(c->ssl, dst + got, len - got > (1 << 30) ? (1 << 30) : (int)(len - got));
+            if (n <= 0) return got ? (ssize_t)got : -1;
+            got += (size_t)n;
+        } while (waitall && got < len);
+        return (ssize_t)got;
+    }
+#endif
+    ssize_t n;
+    do n = recv(c->fd, dst, len, waitall ? MSG_WAITALL : 0); while (n < 0 && errno == EINTR);
+    return n;
+}
+
+static int send_all(int fd, const char *p, size_t len);
+
+static int conn_send(conn *c, const char *p, size_t len) {
+#ifdef ZERO_S3_TLS
+    if (c->ssl) {
+        while (len) {
+            int n = SSL_write(c->ssl, p, len > (1 << 20) ? (1 << 20) : (int)len);
+            if (n <= 0) return 0;
+            p += n;
+            len -= (size_t)n;
+        }
+        return 1;
+    }
+#endif
+    return send_all(c->fd, p, len);
+}
 
 static int fill(conn *c) { /* more bytes into buf; 0 on EOF/error */
     if (c->start == c->end) c->start = c->end = 0;
@@ -229,8 +276,7 @@ static int fill(conn *c) { /* more bytes into buf; 0 on EOF/error */
         c->end -= c->start;
         c->start = 0;
     }
-    ssize_t n;
-    do n = recv(c->fd, c->buf + c->end, HEAD_MAX - c->end, 0); while (n < 0 && errno == EINTR);
+    ssize_t n = c->fd < 0 ? 0 : conn_recv(c, c->buf + c->end, HEAD_MAX - c->end, 0);
     if (n <= 0) return 0;
     c->end += (size_t)n;
     return 1;
@@ -245,8 +291,7 @@ static int read_exact(conn *c, char *dst, size_t len) {
     dst += take;
     len -= take;
     while (len) {
-        ssize_t n = recv(c->fd, dst, len, MSG_WAITALL);
-        if (n < 0 && errno == EINTR) continue;
+        ssize_t n = c->fd < 0 ? 0 : conn_recv(c, dst, len, 1);
         if (n <= 0) return 0;
         dst += n;
         len -= (size_t)n;
@@ -407,7 +452,10 @@ static int respond(conn *c, request *r, int status, const char *reason, const ch
                      "x-amz-request-id: %llx\r\nContent-Length: %zu\r\n%s%s\r\n",
                      status, reason, date, __atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED),
                      body_len, headers ? headers : "", r->close ? "Connection: close\r\n" : "");
-    if (head_only || !body_len) return send_all(c->fd, head, (size_t)n);
+    if (head_only || !body_len) return conn_send(c, head, (size_t)n);
+#ifdef ZERO_S3_TLS
+    if (c->ssl) return conn_send(c, head, (size_t)n) && conn_send(c, body, body_len);
+#endif
     struct iovec iov[2] = {{head, (size_t)n}, {(void *)body, body_len}};
     size_t total = (size_t)n + body_len;
     ssize_t sent = writev(c->fd, iov, 2);
@@ -474,7 +522,7 @@ static int read_chunked(conn *c, char **out, size_t *len, size_t *cap) {
 static int read_body(conn *c, request *r, char **out, size_t *len) {
     *out = NULL;
     *len = 0;
-    if (r->expect_continue && !send_all(c->fd, "HTTP/1.1 100 Continue\r\n\r\n", 25)) return 0;
+    if (r->expect_continue && !conn_send(c, "HTTP/1.1 100 Continue\r\n\r\n", 25)) return 0;
     if (!r->chunked && !r->aws_chunked) {
         size_t n = r->content_length > 0 ? (size_t)r->content_length : 0;
         *out = malloc(n ? n : 1);
@@ -515,7 +563,7 @@ static int read_body_blob(conn *c, request *r, blob *b) {
         b->len = b->segs[0].len;
         return 1;
     }
-    if (r->expect_continue && !send_all(c->fd, "HTTP/1.1 100 Continue\r\n\r\n", 25)) return 0;
+    if (r->expect_continue && !conn_send(c, "HTTP/1.1 100 Continue\r\n\r\n", 25)) return 0;
     size_t n = r->content_length > 0 ? (size_t)r->content_length : 0;
     b->len = n;
     if (n < BIG) {
@@ -540,7 +588,11 @@ static __thread int pipe_fds[2] = {-1, -1};
 
 /* len bytes at p to the socket: vmsplice maps the pages into a pipe, splice hands them
  * to TCP; nothing is copied on this side. Small or unaligned sends use send. */
-static int send_pages(int fd, const char *p, size_t len) {
+static int send_pages(conn *c, const char *p, size_t len) {
+    int fd = c->fd;
+#ifdef ZERO_S3_TLS
+    if (c->ssl) return conn_send(c, p, len);
+#endif
     if (len < BIG) return send_all(fd, p, len);
     if (pipe_fds[0] < 0) {
         if (pipe2(pipe_fds, O_CLOEXEC)) return send_all(fd, p, len);
@@ -688,7 +740,7 @@ static int handle_get_object(conn *c, request *r, int head_only) {
                      r->close ? "Connection: close\r\n" : "");
     if (ranged) n += snprintf(head + n, sizeof head - n, "Content-Range: bytes %zu-%zu/%zu\r\n", first, last, o->size);
     n += snprintf(head + n, sizeof head - n, "\r\n");
-    int ok = send_all(c->fd, head, (size_t)n);
+    int ok = conn_send(c, head, (size_t)n);
     if (ok && !head_only && count) {
         size_t at = 0, want_end = first + count;
         for (int i = 0; ok && i < o->nseg && at < want_end; i++) {
@@ -697,7 +749,7 @@ static int handle_get_object(conn *c, request *r, int head_only) {
             if (s1 <= first) continue;
             size_t from = first > s0 ? first - s0 : 0;
             size_t to = (want_end < s1 ? want_end : s1) - s0;
-            ok = send_pages(c->fd, o->segs[i].p + from, to - from);
+            ok = send_pages(c, o->segs[i].p + from, to - from);
         }
     }
     pthread_mutex_lock(&lock);
@@ -1205,8 +1257,35 @@ static int parse_head(conn *c, request *r, char *target) {
     return 1;
 }
 
+#ifdef ZERO_S3_TLS
+static SSL_CTX *tls_ctx;
+#endif
+
+static void serve_conn(conn c);
+
 static void *serve(void *arg) {
-    conn c = {.fd = (int)(intptr_t)arg, .buf = malloc(HEAD_MAX)};
+    conn c = {.fd = (int)(intptr_t)arg};
+    serve_conn(c);
+    return NULL;
+}
+
+#ifdef ZERO_S3_TLS
+/* a connection on the TLS port: the handshake, then HTTP as on the plain one */
+static void *serve_tls(void *arg) {
+    conn c = {.fd = (int)(intptr_t)arg, .ssl = SSL_new(tls_ctx)};
+    SSL_set_fd(c.ssl, c.fd);
+    if (SSL_accept(c.ssl) == 1) {
+        serve_conn(c);
+    } else {
+        close(c.fd);
+    }
+    SSL_free(c.ssl);
+    return NULL;
+}
+#endif
+
+static void serve_conn(conn c) {
+    c.buf = malloc(HEAD_MAX);
     char *target = malloc(HEAD_MAX);
     int one = 1;
     setsockopt(c.fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -1216,9 +1295,46 @@ static void *serve(void *arg) {
         if (!parse_head(&c, &r, target)) break;
         if (!dispatch(&c, &r) || r.close) break;
     }
+#ifdef ZERO_S3_TLS
+    if (c.ssl) SSL_shutdown(c.ssl);
+#endif
     close(c.fd);
     free(c.buf);
     free(target);
+}
+
+static int listen_on(int port) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0), one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    struct sockaddr_in addr = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (bind(fd, (struct sockaddr *)&addr, sizeof addr) || listen(fd, 1024)) { perror("zero_s3"); exit(1); }
+    return fd;
+}
+
+static int port_of(int fd) {
+    struct sockaddr_in addr;
+    socklen_t al = sizeof addr;
+    getsockname(fd, (struct sockaddr *)&addr, &al);
+    return ntohs(addr.sin_port);
+}
+
+static pthread_attr_t attr;
+
+static void *accept_loop(void *arg) {
+    int fd = (int)(intptr_t)arg & 0xffffff, tls = (int)((intptr_t)arg >> 24);
+    for (;;) {
+        int client = accept(fd, NULL, NULL);
+        if (client < 0) { if (errno == EINTR || errno == ECONNABORTED) continue; perror("accept"); exit(1); }
+        pthread_t t;
+#ifdef ZERO_S3_TLS
+        void *(*handler)(void *) = tls ? serve_tls : serve;
+#else
+        void *(*handler)(void *) = serve;
+        (void)tls;
+#endif
+        if (pthread_create(&t, &attr, handler, (void *)(intptr_t)client)) close(client);
+    }
     return NULL;
 }
 
@@ -1229,23 +1345,27 @@ int main(int argc, char **argv) {
     struct rlimit files;
     if (!getrlimit(RLIMIT_NOFILE, &files)) { files.rlim_cur = files.rlim_max; setrlimit(RLIMIT_NOFILE, &files); }
     int port = argc > 1 ? atoi(argv[1]) : 0;
-    int fd = socket(AF_INET, SOCK_STREAM, 0), one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    struct sockaddr_in addr = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (bind(fd, (struct sockaddr *)&addr, sizeof addr) || listen(fd, 1024)) { perror("zero_s3"); return 1; }
-    socklen_t al = sizeof addr;
-    getsockname(fd, (struct sockaddr *)&addr, &al);
-    printf("PORT %d\n", ntohs(addr.sin_port));
-    fflush(stdout);
-    pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     pthread_attr_setstacksize(&attr, 1 << 20);
-    for (;;) {
-        int client = accept(fd, NULL, NULL);
-        if (client < 0) { if (errno == EINTR || errno == ECONNABORTED) continue; perror("accept"); return 1; }
+    int fd = listen_on(port);
+#ifdef ZERO_S3_TLS
+    const char *cert = getenv("ZERO_S3_TLS_CERT"), *key = getenv("ZERO_S3_TLS_KEY");
+    if (cert && key) {
+        tls_ctx = SSL_CTX_new(TLS_server_method());
+        if (!tls_ctx || SSL_CTX_use_certificate_chain_file(tls_ctx, cert) != 1 ||
+            SSL_CTX_use_PrivateKey_file(tls_ctx, key, SSL_FILETYPE_PEM) != 1) {
+            ERR_print_errors_fp(stderr);
+            return 1;
+        }
+        int tls_fd = listen_on(0);
+        printf("TLSPORT %d\n", port_of(tls_fd));
         pthread_t t;
-        if (pthread_create(&t, &attr, serve, (void *)(intptr_t)client)) close(client);
+        pthread_create(&t, &attr, accept_loop, (void *)(((intptr_t)1 << 24) | tls_fd));
     }
+#endif
+    printf("PORT %d\n", port_of(fd));
+    fflush(stdout);
+    accept_loop((void *)(intptr_t)fd);
+    return 0;
 }

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,8 @@ def compiler() -> str | None:
 
 
 def build() -> Path:
-    """The server binary for the current source, compiled if not cached yet."""
+    """The server binary for the current source, compiled if not cached yet: with HTTPS
+    where OpenSSL's headers and libraries are there, without it otherwise."""
     tool = compiler()
     if tool is None:
         raise RuntimeError("no C compiler (cc) to build the zero-cost S3 server")
@@ -40,7 +42,10 @@ def build() -> Path:
     if not binary.exists():
         BUILD.mkdir(parents=True, exist_ok=True)
         partial = binary.with_suffix(f".{os.getpid()}.tmp")
-        subprocess.run([tool, "-O2", "-pthread", "-o", str(partial), str(SOURCE)], check=True)
+        base = [tool, "-O2", "-pthread", "-o", str(partial), str(SOURCE)]
+        tls = subprocess.run([*base, "-DZERO_S3_TLS", "-lssl", "-lcrypto"], capture_output=True)
+        if tls.returncode != 0:
+            subprocess.run(base, check=True)
         partial.replace(binary)  # atomic: two builds at once leave one good binary
     return binary
 
@@ -49,11 +54,15 @@ class ZeroS3:
     """The server as a context manager: ``endpoint_url``, ``env()`` for client processes,
     ``client()`` (boto3) and ``cpu_seconds()``, the server process's CPU time so far."""
 
-    def __init__(self, pool_mib: int = 0) -> None:
+    def __init__(self, pool_mib: int = 0, *, tls: bool = False) -> None:
         self.pool_mib = pool_mib  # memory mapped and touched for bodies before it listens
+        self.tls = tls  # also serve HTTPS (a CA and a localhost certificate made at start)
         self.process: subprocess.Popen[str] | None = None
         self.port = 0
+        self.tls_port = 0
         self.bucket = BUCKET
+        self._tls_dir: tempfile.TemporaryDirectory[str] | None = None
+        self.ca_file = ""
 
     def __enter__(self) -> ZeroS3:
         self.start()
@@ -63,14 +72,27 @@ class ZeroS3:
         self.stop()
 
     def start(self) -> None:
+        env = {**os.environ, "ZERO_S3_POOL_MIB": str(self.pool_mib)}
+        if self.tls:
+            from s3ckpt.testing.tls_cert import write_tls_files
+
+            self._tls_dir = tempfile.TemporaryDirectory(prefix="zero-s3-tls-")
+            files = write_tls_files(Path(self._tls_dir.name))
+            self.ca_file = str(files.ca_file)
+            env |= {
+                "ZERO_S3_TLS_CERT": str(files.cert_file),
+                "ZERO_S3_TLS_KEY": str(files.key_file),
+            }
         self.process = subprocess.Popen(
-            [str(build())],
-            stdout=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-            env={**os.environ, "ZERO_S3_POOL_MIB": str(self.pool_mib)},
+            [str(build())], stdout=subprocess.PIPE, text=True, start_new_session=True, env=env
         )
         line = self.process.stdout.readline() if self.process.stdout else ""
+        if self.tls and line.startswith("TLSPORT "):
+            self.tls_port = int(line.split()[1])
+            line = self.process.stdout.readline() if self.process.stdout else ""
+        elif self.tls:
+            self.stop()
+            raise RuntimeError("the zero-cost S3 server was built without OpenSSL: no HTTPS")
         if not line.startswith("PORT "):
             self.stop()
             raise RuntimeError(f"zero-cost S3 server did not start: {line!r}")
@@ -82,10 +104,17 @@ class ZeroS3:
             self.process.terminate()
             self.process.wait(timeout=10)
         self.process = None
+        if self._tls_dir is not None:
+            self._tls_dir.cleanup()
+            self._tls_dir = None
 
     @property
     def endpoint_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def https_endpoint_url(self) -> str:
+        return f"https://localhost:{self.tls_port}"
 
     def env(self) -> dict[str, str]:
         """What a client process needs: endpoint, region, and credentials nobody checks."""

@@ -192,3 +192,24 @@ def test_s3ckpt_saves_and_loads_through_it(server):
     s3 = server.client()
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket=server.bucket, Prefix="ckpt/")["Contents"]]
     assert keys and not any(".s3ckpt-probe" in k for k in keys)  # the probe cleaned up after itself
+
+
+def test_https_port_serves_the_same_objects():
+    """Built with OpenSSL, it also speaks HTTPS (what TLS costs a client is measured there)."""
+    import boto3
+
+    try:
+        running = ZeroS3(tls=True)
+        running.start()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))  # built without OpenSSL's headers: plain HTTP only
+    try:
+        plain = running.client()
+        plain.put_object(Bucket=running.bucket, Key="t", Body=b"x" * 3_000_000)
+        secure = boto3.client("s3", endpoint_url=running.https_endpoint_url, verify=running.ca_file,
+                              aws_access_key_id="a", aws_secret_access_key="b", region_name="us-east-1")  # fmt: skip
+        assert secure.get_object(Bucket=running.bucket, Key="t")["Body"].read() == b"x" * 3_000_000
+        secure.put_object(Bucket=running.bucket, Key="u", Body=b"y" * 2_000_000)
+        assert plain.get_object(Bucket=running.bucket, Key="u")["Body"].read() == b"y" * 2_000_000
+    finally:
+        running.stop()

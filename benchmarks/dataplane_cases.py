@@ -17,6 +17,7 @@ import json
 import os
 import resource
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -139,6 +140,56 @@ def _s3transfer_case(upload: bool) -> Callable[[Env, dict], Rep]:
     return case
 
 
+def _socket_case(upload: bool) -> Callable[[Env, dict], Rep]:
+    """The floor for any Python client: the same bytes as 16 MiB PUTs (``sendall`` of a
+    memoryview) or GETs (``recv_into`` the destination), on one kept-alive plain socket,
+    with no HTTP library, signing or checksums: what the kernel charges the client for
+    moving a GiB over loopback TCP."""
+
+    def case(env: Env, state: dict) -> Rep:
+        from urllib.parse import urlsplit
+
+        from benchmarks.raw import concat_bytes
+
+        payload = concat_bytes(state)
+        target = memoryview(torch.zeros(len(payload), dtype=torch.uint8).numpy()).cast("B")
+        url = urlsplit(env.endpoint)
+        connection = socket.create_connection((url.hostname or "127.0.0.1", url.port or 80))
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def head() -> int:
+            """The response's head off the socket; its Content-Length."""
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += connection.recv(1)
+            length = [
+                line for line in data.split(b"\r\n") if line.lower().startswith(b"content-length:")
+            ]
+            return int(length[0].split(b":")[1]) if length else 0
+
+        def rep(i: int) -> dict:
+            for number, start in enumerate(range(0, len(payload), PART)):
+                path = f"/{env.bucket}/{env.prefix}/socket/rep{i}/part{number}"
+                size = min(PART, len(payload) - start)
+                if upload:
+                    request = f"PUT {path} HTTP/1.1\r\nHost: s3\r\nContent-Length: {size}\r\n\r\n"
+                    connection.sendall(request.encode())
+                    connection.sendall(payload[start : start + size])
+                    head()
+                else:
+                    connection.sendall(f"GET {path} HTTP/1.1\r\nHost: s3\r\n\r\n".encode())
+                    left, at = head(), start
+                    while left:
+                        got = connection.recv_into(target[at : at + left])
+                        at, left = at + got, left - got
+            return {}
+
+        return rep
+
+    return case
+
+
+socket_upload, socket_download = _socket_case(True), _socket_case(False)
 s5cmd_upload, s5cmd_download = _s5cmd_case(True), _s5cmd_case(False)
 s3transfer_upload, s3transfer_download = _s3transfer_case(True), _s3transfer_case(False)
 
@@ -225,7 +276,7 @@ CASES: dict[str, Callable[[Env, dict], Rep]] = {
 } | {
     "s5cmd_upload": s5cmd_upload, "s5cmd_download": s5cmd_download,
     "s3transfer_upload": s3transfer_upload, "s3transfer_download": s3transfer_download,
-    "train_loop": train_loop,
+    "train_loop": train_loop, "socket_upload": socket_upload, "socket_download": socket_download,
 }  # fmt: skip
 
 

@@ -4,7 +4,8 @@ On a real server sharing the machine's two cores, the server takes most of the C
 the clients' differences drown in it. Here the server (:mod:`benchmarks.zero_server`)
 costs a small fraction of a CPU-second per GiB, so throughput and CPU per GiB are the
 clients' own. In one run, each case in its own process (:mod:`benchmarks.dataplane_cases`):
-s3ckpt ``dcp.save``/``dcp.load``, raw aiobotocore (the ceilings), s3torchconnector's DCP
+the same bytes on a bare socket (the kernel's share, which no client avoids), s3ckpt
+``dcp.save``/``dcp.load``, raw aiobotocore (the ceilings), s3torchconnector's DCP
 writer and reader, s5cmd and boto3's s3transfer moving the same bytes up and down; then
 every pair again with two processes at once; then the slowdown of a CPU-bound Python
 loop while a thread-mode ``dcp.async_save`` runs beside it. The server's own CPU is read
@@ -33,6 +34,7 @@ GiB = 1024**3
 RESULTS = Path(__file__).resolve().parent / "results"
 # (label, save/upload case, load/download case): a load reads what its save wrote.
 PAIRS = [
+    ("Python socket, no HTTP library (floor)", "socket_upload", "socket_download"),
     ("raw aiobotocore (ceiling)", "raw_upload", "raw_download"),
     ("s3ckpt", "s3ckpt_save", "s3ckpt_load"),
     ("s3ckpt over HTTPS", "s3ckpt_save_https", "s3ckpt_load_https"),

@@ -212,12 +212,13 @@ def _loop_step(tensors: tuple[torch.Tensor, torch.Tensor], table: dict[int, int]
         total += int(b[0, 0].item())
 
 
-def _steps_while(until: Callable[[], bool], tensors: Any, table: dict) -> tuple[int, float]:
-    count, started = 0, time.perf_counter()
+def _steps_while(until: Callable[[], bool], tensors: Any, table: dict) -> tuple[int, float, float]:
+    """Steps run until ``until()``: their count, the wall time and the loop thread's CPU."""
+    count, started, thread = 0, time.perf_counter(), time.thread_time()
     while not until():
         _loop_step(tensors, table)
         count += 1
-    return count, time.perf_counter() - started
+    return count, time.perf_counter() - started, time.thread_time() - thread
 
 
 def train_loop(env: Env, state: dict) -> Rep:
@@ -225,7 +226,8 @@ def train_loop(env: Env, state: dict) -> Rep:
     thread mode, a persistent HostStager) uploads the state beside it, then alone again:
     the slowdown is the loop's time per step during the upload over the mean of the two
     alone. The staging copy, during which ``async_save`` blocks the caller, is timed
-    apart (``blocked``)."""
+    apart (``blocked``). ``loop_on_cpu`` is the loop thread's CPU time over the upload's
+    wall time: below 1, it waited (for the GIL or a core), which is the slowdown."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -237,7 +239,7 @@ def train_loop(env: Env, state: dict) -> Rep:
 
     def alone() -> float:
         deadline = time.perf_counter() + LOOP_ALONE_S
-        count, elapsed = _steps_while(lambda: time.perf_counter() >= deadline, tensors, table)
+        count, elapsed, _ = _steps_while(lambda: time.perf_counter() >= deadline, tensors, table)
         return elapsed / count
 
     def rep(i: int) -> dict:
@@ -251,7 +253,9 @@ def train_loop(env: Env, state: dict) -> Rep:
         )
         blocked = time.perf_counter() - started
         upload = response.upload_completion if hasattr(response, "upload_completion") else response
-        count, elapsed = _steps_while(upload.done, tensors, table)
+        process = _cpu()
+        count, elapsed, thread = _steps_while(upload.done, tensors, table)
+        process = _cpu() - process
         upload.result()
         after = alone()
         step_alone = (before + after) / 2
@@ -262,6 +266,10 @@ def train_loop(env: Env, state: dict) -> Rep:
             "step_alone_us": step_alone * 1e6,
             "step_during_us": elapsed / max(count, 1) * 1e6,
             "slowdown": (elapsed / max(count, 1)) / step_alone - 1,
+            # where the time went: the share of the upload the loop's thread was on a
+            # core, and the CPU the save's threads took meanwhile
+            "loop_on_cpu": thread / elapsed,
+            "save_threads_cpu_s": process - thread,
         }
 
     return rep

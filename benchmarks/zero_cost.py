@@ -227,7 +227,15 @@ def _loop(result: dict[str, Any]) -> dict[str, Any]:
     if "samples" not in result:
         return {k: v for k, v in result.items() if k in ("skipped", "error")}
     samples = result["samples"]
-    keep = ("slowdown", "step_alone_us", "step_during_us", "upload_s", "blocked")
+    keep = (
+        "slowdown",
+        "step_alone_us",
+        "step_during_us",
+        "upload_s",
+        "blocked",
+        "loop_on_cpu",
+        "save_threads_cpu_s",
+    )
     return {
         "slowdown_best": min(s["slowdown"] for s in samples),
         "runs": [{k: s[k] for k in keep} for s in samples],
@@ -271,9 +279,8 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         return _field(report, case, "cpu_s_per_gib_best"), "<=", goal
 
     loop = report.get("train_loop", {}).get("slowdown_best")
-    server = [
-        v["server_cpu_s_per_gib"] for v in report["cases"].values() if "server_cpu_s_per_gib" in v
-    ]
+    server = [v["server_cpu_s_per_gib"] for c, v in report["cases"].items()
+              if "server_cpu_s_per_gib" in v and not c.endswith("_https")]  # fmt: skip
     checks = {
         "save MB/s / s5cmd upload": ratio("s3ckpt_save", "s5cmd_upload", 1.0),
         "save MB/s / s3torchconnector": ratio("s3ckpt_save", "s3torch_save", 2.0),
@@ -282,7 +289,11 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         "save client CPU-s/GiB": bound("s3ckpt_save", SAVE_CPU_MAX),
         "load client CPU-s/GiB": bound("s3ckpt_load", LOAD_CPU_MAX),
         "training loop slowdown, thread-mode async_save": (loop, "<=", LOOP_SLOWDOWN_MAX),
-        "server CPU-s/GiB, worst case": (max(server) if server else None, "<=", SERVER_CPU_MAX),
+        "server CPU-s/GiB, worst HTTP case": (
+            max(server) if server else None,
+            "<=",
+            SERVER_CPU_MAX,
+        ),
     }
     tls = report.get("tls", {})
     for op in ("save", "load"):
@@ -326,7 +337,9 @@ def table(report: dict[str, Any]) -> str:
         for run in loop["runs"]:
             lines.append(f"  step alone {run['step_alone_us']:.0f} us, during upload "
                          f"{run['step_during_us']:.0f} us: slowdown {run['slowdown'] * 100:+.1f} %"
-                         f" (upload {run['upload_s']:.2f} s, blocked {run['blocked']:.2f} s)")  # fmt: skip
+                         f" (upload {run['upload_s']:.2f} s, blocked {run['blocked']:.2f} s; loop on a"
+                         f" core {run['loop_on_cpu'] * 100:.0f} % of it, save threads"
+                         f" {run['save_threads_cpu_s']:.2f} CPU-s)")  # fmt: skip
     tls = report.get("tls")
     if tls:
         lines += ["", f"HTTPS ({tls['aes_gcm'].get('negotiated_cipher', '?')}): AES-{tls['aes_bits']}-GCM "

@@ -213,3 +213,33 @@ def test_https_port_serves_the_same_objects():
         assert plain.get_object(Bucket=running.bucket, Key="u")["Body"].read() == b"y" * 2_000_000
     finally:
         running.stop()
+
+
+def test_dataplane_benchmark_runs_end_to_end(tmp_path):
+    """``python -m benchmarks.zero_cost`` at a tiny size: the floor and s3ckpt's cases run
+    in their own processes, and the report carries throughput, client and server CPU and
+    the targets (timings are not asserted)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cases = "socket_upload,socket_download,s3ckpt_save,s3ckpt_load"
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.zero_cost", "--size-mib", "8", "--reps", "1",
+         "--no-parallel", "--cases", cases, "--out", str(tmp_path)],
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    report = json.loads((tmp_path / "dataplane.json").read_text())
+    for case in cases.split(","):
+        entry = report["cases"][case]
+        assert entry["mbps_best"] > 0 and entry["cpu_s_per_gib_best"] > 0, entry
+        assert entry["server_cpu_s_per_gib"] >= 0
+    rows = {row["target"]: row for row in report["targets"]}
+    assert (
+        rows["save client CPU-s/GiB"]["value"]
+        == report["cases"]["s3ckpt_save"]["cpu_s_per_gib_best"]
+    )
+    assert rows["save MB/s / s5cmd upload"]["met"] is None  # not run here: not measured
+    assert "save client CPU-s/GiB" in completed.stdout

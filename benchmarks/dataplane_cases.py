@@ -198,32 +198,62 @@ s3transfer_upload, s3transfer_download = _s3transfer_case(True), _s3transfer_cas
 LOOP_ALONE_S = 3.0
 
 
-def _loop_step(tensors: tuple[torch.Tensor, torch.Tensor], table: dict[int, int]) -> None:
-    """One step of CPU-bound Python: interpreter work and small torch ops, the kind a
-    training loop's host side does between kernels (data wrangling, logging, optimizer
-    bookkeeping), each holding the GIL."""
+def _python_work(table: dict[int, int], rounds: int) -> int:
     total = 0
-    for i in range(400):
+    for i in range(rounds):
         total += i * i
         table[i & 63] = total
+    return total
+
+
+def _torch_work(tensors: tuple[torch.Tensor, torch.Tensor], rounds: int) -> int:
     a, b = tensors
-    for _ in range(8):
+    total = 0
+    for _ in range(rounds):
         b.copy_(a).mul_(1.0001).add_(0.5)
         total += int(b[0, 0].item())
+    return total
 
 
-def _steps_while(until: Callable[[], bool], tensors: Any, table: dict) -> tuple[int, float, float]:
+def _mixed_step(tensors: tuple[torch.Tensor, torch.Tensor], table: dict[int, int]) -> None:
+    """One step of CPU-bound Python: interpreter work and small torch ops, the kind a
+    training loop's host side does between kernels (data wrangling, logging, optimizer
+    bookkeeping). The interpreter holds the GIL throughout; every torch op lets it go
+    and takes it back."""
+    _python_work(table, 400)
+    _torch_work(tensors, 8)
+
+
+LOOP_STEPS: dict[str, Callable[[Any, dict[int, int]], Any]] = {
+    "train_loop": _mixed_step,
+    "train_loop_python": lambda tensors, table: _python_work(table, 1200),
+    "train_loop_torch": lambda tensors, table: _torch_work(tensors, 12),
+}
+
+
+def _steps_while(
+    step: Callable[[Any, dict[int, int]], Any], until: Callable[[], bool], tensors: Any, table: dict
+) -> tuple[int, float, float]:
     """Steps run until ``until()``: their count, the wall time and the loop thread's CPU."""
     count, started, thread = 0, time.perf_counter(), time.thread_time()
     while not until():
-        _loop_step(tensors, table)
+        step(tensors, table)
         count += 1
     return count, time.perf_counter() - started, time.thread_time() - thread
 
 
-def train_loop(env: Env, state: dict) -> Rep:
+def _train_loop(kind: str) -> Callable[[Env, dict], Rep]:
+    def case(env: Env, state: dict) -> Rep:
+        return _loop_beside_save(LOOP_STEPS[kind], env, state)
+
+    return case
+
+
+def _loop_beside_save(step: Callable[[Any, dict[int, int]], Any], env: Env, state: dict) -> Rep:
     """Steps per second of the loop alone, then while ``dcp.async_save`` (s3ckpt's writer,
-    thread mode, a persistent HostStager) uploads the state beside it, then alone again:
+    thread mode, a persistent HostStager) uploads the state beside it, then alone again
+    (``train_loop``: Python and small torch ops mixed; ``train_loop_python``,
+    ``train_loop_torch``: either alone):
     the slowdown is the loop's time per step during the upload over the mean of the two
     alone. The staging copy, during which ``async_save`` blocks the caller, is timed
     apart (``blocked``). ``loop_on_cpu`` is the loop thread's CPU time over the upload's
@@ -239,7 +269,9 @@ def train_loop(env: Env, state: dict) -> Rep:
 
     def alone() -> float:
         deadline = time.perf_counter() + LOOP_ALONE_S
-        count, elapsed, _ = _steps_while(lambda: time.perf_counter() >= deadline, tensors, table)
+        count, elapsed, _ = _steps_while(
+            step, lambda: time.perf_counter() >= deadline, tensors, table
+        )
         return elapsed / count
 
     def rep(i: int) -> dict:
@@ -254,7 +286,7 @@ def train_loop(env: Env, state: dict) -> Rep:
         blocked = time.perf_counter() - started
         upload = response.upload_completion if hasattr(response, "upload_completion") else response
         process = _cpu()
-        count, elapsed, thread = _steps_while(upload.done, tensors, table)
+        count, elapsed, thread = _steps_while(step, upload.done, tensors, table)
         process = _cpu() - process
         upload.result()
         after = alone()
@@ -284,7 +316,7 @@ CASES: dict[str, Callable[[Env, dict], Rep]] = {
 } | {
     "s5cmd_upload": s5cmd_upload, "s5cmd_download": s5cmd_download,
     "s3transfer_upload": s3transfer_upload, "s3transfer_download": s3transfer_download,
-    "train_loop": train_loop, "socket_upload": socket_upload, "socket_download": socket_download,
+    **{kind: _train_loop(kind) for kind in LOOP_STEPS}, "socket_upload": socket_upload, "socket_download": socket_download,
 }  # fmt: skip
 
 

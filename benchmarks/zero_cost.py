@@ -43,8 +43,10 @@ PAIRS = [
     ("boto3 s3transfer", "s3transfer_upload", "s3transfer_download"),
 ]
 LOOP = "train_loop"
+LOOP_PARTS = ["train_loop_python", "train_loop_torch"]  # on demand: --cases
 SINGLE_ONLY = {"s3ckpt_save_https", "s3ckpt_load_https"}  # not run as 2 processes
 ALL = [c for _, up, down in PAIRS for c in (up, down)] + [LOOP]
+KNOWN = [*ALL, *LOOP_PARTS]
 # The targets (docs/performance.md): (name, kind, operands, goal).
 SAVE_CPU_MAX, LOAD_CPU_MAX, LOOP_SLOWDOWN_MAX, SERVER_CPU_MAX = 0.35, 0.30, 0.10, 0.2
 TLS_OVER_AES_MAX = 1.5
@@ -56,12 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=2, help="runs per case process (default 2)")
-    parser.add_argument("--cases", default=",".join(ALL), help="subset of: " + ", ".join(ALL))
+    parser.add_argument("--cases", default=",".join(ALL), help="subset of: " + ", ".join(KNOWN))
     parser.add_argument("--no-parallel", action="store_true", help="skip the 2-process runs")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     chosen = set(args.cases.split(","))
-    if not chosen <= set(ALL) or args.reps < 1 or args.size_mib < 1:
+    if not chosen <= set(KNOWN) or args.reps < 1 or args.size_mib < 1:
         parser.error("unknown case, or reps/size below 1")
     report = measure(args.size_mib, args.reps, chosen, parallel=not args.no_parallel)
     print(table(report))
@@ -101,8 +103,8 @@ def measure(size_mib: int, reps: int, chosen: set[str], *, parallel: bool) -> di
                 for case in (c for c in (up, down) if c in chosen - SINGLE_ONLY):
                     twin[case] = _timed(server, [case, case], env, prefix, 1)
                 _delete_prefix(server, prefix)
-        if LOOP in chosen:
-            runs[LOOP] = _timed(server, [LOOP], env, prefix, reps)[0]
+        for loop in (c for c in (LOOP, *LOOP_PARTS) if c in chosen):
+            runs[loop] = _timed(server, [loop], env, prefix, reps)[0]
             _delete_prefix(server, prefix)
         idle = _idle_cost(server)
         aes = aes_gcm_report(server.https_endpoint_url, server.ca_file) if tls else None
@@ -250,7 +252,8 @@ def summarize(
     reps: int,
     server_idle_cpu_s: float,
 ) -> dict[str, Any]:
-    cases = {c: _single(r) for c, r in runs.items() if c != LOOP}
+    loops = (LOOP, *LOOP_PARTS)
+    cases = {c: _single(r) for c, r in runs.items() if c not in loops}
     report: dict[str, Any] = {
         "size_mib": size_mib,
         "reps": reps,
@@ -258,8 +261,8 @@ def summarize(
         "cases": cases,
         "two_processes": {c: _pair(r) for c, r in twin.items()},
     }
-    if LOOP in runs:
-        report["train_loop"] = _loop(runs[LOOP])
+    for loop in (c for c in loops if c in runs):
+        report[loop] = _loop(runs[loop])
     return report
 
 
@@ -331,15 +334,17 @@ def table(report: dict[str, Any]) -> str:
         )
         lines.append(f"{case:<22}{one['mbps_best']:>9.0f}{one['cpu_s_per_gib_best']:>18.2f}"
                      f"{one['server_cpu_s_per_gib']:>18.3f}{pair}")  # fmt: skip
-    loop = report.get("train_loop")
-    if loop and "runs" in loop:
-        lines += ["", "training loop beside a thread-mode dcp.async_save (per run):"]
+    for name in (LOOP, *LOOP_PARTS):
+        loop = report.get(name)
+        if not loop or "runs" not in loop:
+            continue
+        lines += ["", f"{name}: the loop beside a thread-mode dcp.async_save (per run):"]
         for run in loop["runs"]:
             lines.append(f"  step alone {run['step_alone_us']:.0f} us, during upload "
-                         f"{run['step_during_us']:.0f} us: slowdown {run['slowdown'] * 100:+.1f} %"
-                         f" (upload {run['upload_s']:.2f} s, blocked {run['blocked']:.2f} s; loop on a"
-                         f" core {run['loop_on_cpu'] * 100:.0f} % of it, save threads"
-                         f" {run['save_threads_cpu_s']:.2f} CPU-s)")  # fmt: skip
+                             f"{run['step_during_us']:.0f} us: slowdown {run['slowdown'] * 100:+.1f} %"
+                             f" (upload {run['upload_s']:.2f} s, blocked {run['blocked']:.2f} s; loop on a"
+                             f" core {run['loop_on_cpu'] * 100:.0f} % of it, save threads"
+                             f" {run['save_threads_cpu_s']:.2f} CPU-s)")  # fmt: skip
     tls = report.get("tls")
     if tls:
         lines += ["", f"HTTPS ({tls['aes_gcm'].get('negotiated_cipher', '?')}): AES-{tls['aes_bits']}-GCM "

@@ -34,7 +34,7 @@ DS_SPEC ?= deepspeed==0.19.8
 DS_BUILD_ENV = DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(abspath $(DS_VENV))/torch-extensions \
 	PATH=$(abspath $(DS_VENV))/bin:$$PATH
 
-.PHONY: install test test-fast demo bench bench-scale lint reliability-report clean
+.PHONY: install test test-fast demo bench bench-dataplane bench-scale lint reliability-report clean
 
 install: $(STAMP)
 
@@ -93,6 +93,13 @@ demo: $(STAMP)
 
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks.run
+	$(BIN)/python -m benchmarks.zero_cost
+
+# s3ckpt and its peers (s3torchconnector, s5cmd, s3transfer, raw aiobotocore) on an
+# in-memory S3 server that costs next to no CPU (benchmarks/zero_s3.c, built with cc):
+# the clients' own throughput and CPU per GiB (docs/performance.md, "Data plane").
+bench-dataplane: $(BENCH_STAMP)
+	$(BIN)/python -m benchmarks.zero_cost
 
 # The commit and metadata path at 4 to 4,096 simulated ranks, and replicated loads read
 # once or by every replica (docs/scale.md).

@@ -26,7 +26,7 @@ def _stall_first_fetch(signals: Path, round_: int) -> None:
 
     original = RangeReader.fetch
 
-    def fetch(self: Any, targets: Any) -> Any:
+    def fetch(self: Any, targets: Any, idle: Any = None) -> Any:
         RangeReader.fetch = original  # type: ignore[method-assign]
         (signals / f"stalled-{round_}").touch()
         deadline = time.monotonic() + 90
@@ -34,7 +34,7 @@ def _stall_first_fetch(signals: Path, round_: int) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"round {round_}: the parent never overwrote")
             time.sleep(0.05)
-        return original(self, targets)
+        return original(self, targets, idle)
 
     RangeReader.fetch = fetch  # type: ignore[method-assign]
 

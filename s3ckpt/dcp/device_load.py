@@ -37,10 +37,10 @@ from dataclasses import dataclass
 
 import torch
 
-from s3ckpt.dcp.restore import PendingRead
+from s3ckpt.dcp.restore import PendingRead, verify_received
 from s3ckpt.dcp.tensor_bytes import tensor_view
 from s3ckpt.errors import CorruptCheckpointError
-from s3ckpt.format.checksums import StreamingCheck, verify_blocks
+from s3ckpt.format.checksums import StreamingCheck
 from s3ckpt.transfer.download import REREADS, ReadTarget
 
 MiB = 1024 * 1024
@@ -187,7 +187,7 @@ class DeviceFeed:
         view = self.slabs.views[piece.slab][: piece.nbytes]
         for attempt in range(REREADS + 1):
             try:
-                _check(piece, view)
+                verify_received(piece.check, view, piece.item.stored, piece.item.what)
                 return
             except CorruptCheckpointError as damage:
                 if attempt == REREADS:
@@ -242,15 +242,3 @@ class DeviceFeed:
             if event is not None:
                 event.synchronize()
         self._copying.clear()
-
-
-def _check(piece: Piece, view: memoryview) -> None:
-    """Raise if a piece's bytes failed their check (checked now if they could not stream)."""
-    check, stored = piece.check, piece.item.stored
-    if not check.active:
-        verify_blocks(view, stored.crc32c, block_size=stored.block_size,
-                      first_block=check.first_block, what=piece.item.what)  # fmt: skip
-    elif check.bad_block is not None:
-        raise CorruptCheckpointError(
-            f"checksum mismatch in {piece.item.what} (block {check.bad_block})"
-        )

@@ -19,7 +19,7 @@ Lifecycle of a load (the order DCP calls in):
    (:mod:`s3ckpt.format.rank_index`; which rank stored what is in DCP's metadata), in
    format 1 from DCP's metadata itself. Then turns every read item into a byte range,
    widened to whole checksum blocks, and fetches all of them with coalesced parallel
-   ranged GETs (:mod:`s3ckpt.transfer.download`). Bytes go straight into the destination tensor
+   ranged GETs (:mod:`s3ckpt.dcp.fetch` over :mod:`s3ckpt.transfer.download`). Bytes go straight into the destination tensor
    when it is a contiguous CPU tensor of the stored shape; otherwise into a scratch buffer
    that is then copied (narrowed, moved to the device). Every block is verified against
    its CRC32C before the item is committed; a mismatch raises
@@ -37,12 +37,8 @@ Lifecycle of a load (the order DCP calls in):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
-import queue
-from concurrent.futures import Future as ThreadFuture
-from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import torch
@@ -61,7 +57,7 @@ from s3ckpt.dcp.compat import (
     chunk_shapes,
     remember_metadata_failure,
 )
-from s3ckpt.dcp.device_load import DeviceFeed, Piece
+from s3ckpt.dcp.fetch import ItemFetch
 from s3ckpt.dcp.location import S3Location
 from s3ckpt.dcp.overwrites import (
     LoadAgreement,
@@ -73,13 +69,8 @@ from s3ckpt.dcp.overwrites import (
 from s3ckpt.dcp.owners import ChunkPositions
 from s3ckpt.dcp.process_group import GroupBroadcast, SharedReads, shared_reads
 from s3ckpt.dcp.restore import (
-    FramePool,
     PendingRead,
-    decode,
-    decode_pool,
-    hand_to_planner,
     prepare,
-    verify_streamed,
 )
 from s3ckpt.dcp.shared_read import SharedRead
 from s3ckpt.errors import (
@@ -95,12 +86,8 @@ from s3ckpt.format.manifest import Manifest
 from s3ckpt.format.rank_index import ItemOwners
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
-from s3ckpt.transfer.download import REREADS, RangeReader, ReadTarget
 from s3ckpt.transfer.rank_index import read_indexes
 
-INLINE_DECODE_BYTES = 64 * 1024
-# Compressed frames received but not yet decoded, at most (see download.RangeReader).
-FRAMES_BUDGET = 64 * 1024 * 1024
 log = logging.getLogger(__name__)
 
 
@@ -264,88 +251,8 @@ class S3StorageReader(S3Location, StorageReader):
     def _fetch(
         self, pending: list[PendingRead], planner: LoadPlanner, keep: frozenset[int] = frozenset()
     ) -> dict[int, PendingRead]:
-        """Fetch, verify (reading damaged items again) and hand over every item; those
-        whose ``id`` is in ``keep`` are verified but kept, returned by that ``id``."""
-        staged = [p for p in pending if p.staged]
-        slabs = self._slabs(staged) if staged else None
-        ranges = self._range_reader(None if slabs is None else slabs.budget)
-        feed = None if slabs is None else DeviceFeed(slabs, ranges.release, self._reread)
-        frames = FramePool()
-        targets: list[ReadTarget] = []
-        for p in pending:
-            if feed is not None and p.staged:
-                targets += feed.targets(p, self._require_location().key(p.stored.key))
-            else:
-                targets.append(self._target(p, frames, ranges))
-        decoded: queue.SimpleQueue[ThreadFuture[Checked]] = queue.SimpleQueue()
-        submitted: list[ThreadFuture[Checked]] = []
-        pool = decode_pool(self.decode_threads)
-        kept: dict[int, PendingRead] = {}
-
-        def settle(checked: Checked) -> None:
-            item = self._settled(checked, planner)
-            if id(checked[0]) in keep:
-                kept[id(checked[0])] = item
-            else:
-                hand_to_planner(item, planner, trust_pickles=self.trust_pickles)
-
-        handed_over = 0
-        idle = None if feed is None else functools.partial(feed.give_back_copied, wait=True)
-        try:
-            for token in ranges.fetch(targets, idle):
-                if isinstance(token, Piece):  # verified and copied to the device here
-                    landed = feed.land(token) if feed is not None else None
-                    if landed is not None:
-                        settle((landed, None))
-                    continue
-                item: PendingRead = token  # type: ignore[assignment]
-                if item.compressed and len(item.view) > INLINE_DECODE_BYTES:
-                    submitted.append(pool.submit(_checked, item))
-                    submitted[-1].add_done_callback(decoded.put)
-                else:  # small compressed items: a worker costs more than decoding here
-                    settle(_checked(item))
-                while not decoded.empty():
-                    settle(decoded.get().result())
-                    handed_over += 1
-            for _ in range(len(submitted) - handed_over):
-                settle(decoded.get().result())
-        finally:
-            for waiting in submitted:
-                waiting.cancel()
-            futures_wait(submitted)  # no worker may write into a destination after this returns
-            if feed is not None and slabs is not None:
-                feed.close()  # nor a copy from a slab still run
-                device_load.give_back(slabs)
-        return kept
-
-    def _slabs(self, staged: list[PendingRead]) -> device_load.Slabs:
-        size = device_load.slab_size(staged, self.request_size)
-        return device_load.checkout(size, self.bounce_bytes, torch.cuda.is_available())
-
-    def _range_reader(self, budget: int | None = None) -> RangeReader:
-        return RangeReader(
-            self._store(),
-            max_request_size=self.request_size,
-            lazy_budget=budget or max(FRAMES_BUDGET, 4 * self.request_size),
-        )
-
-    def _reread(self, target: ReadTarget) -> None:
-        """Fetch one target again, on fresh connections (a piece whose bytes were damaged)."""
-        RangeReader(self._store(), max_request_size=self.request_size).fetch_again([target])
-
-    def _target(self, item: PendingRead, frames: FramePool, ranges: RangeReader) -> ReadTarget:
-        location = self._require_location()
-        return ReadTarget(
-            location.key(item.stored.key),
-            item.stored.offset + item.stored_span[0],
-            item.stored.offset + item.stored_span[1],
-            None if item.compressed else item.view,
-            item,
-            item.check,
-            functools.partial(item.frames_buffer, frames, ranges.release)
-            if item.compressed
-            else None,
-        )
+        """Fetch, verify and hand over every item (:class:`~s3ckpt.dcp.fetch.ItemFetch`)."""
+        return ItemFetch(self).run(pending, planner, keep)
 
     def _check_agreement(self, agreed: LoadAgreement | None) -> None:
         check_agreement(self.location, self._manifest().save_id, agreed)
@@ -380,27 +287,6 @@ class S3StorageReader(S3Location, StorageReader):
         self.set_up_storage_reader(metadata, is_coordinator=False)
         log.info("%s was overwritten during the load; reading save %s", location, manifest.save_id)
 
-    def _settled(self, checked: Checked, planner: LoadPlanner) -> PendingRead:
-        """A fetched item whose bytes passed their check (read again if they did not)."""
-        item, damage = checked
-        return item if damage is None else self._read_again(item, damage, planner)
-
-    def _read_again(
-        self, item: PendingRead, damage: CorruptCheckpointError, planner: LoadPlanner
-    ) -> PendingRead:
-        """Read an item whose bytes failed their checksum again, up to :data:`REREADS`
-        times, each on fresh connections: a mismatch in a GET body is most often damage in
-        transit. An item that stays damaged is a damaged object: ``damage`` is raised."""
-        for attempt in range(1, REREADS + 1):
-            log.warning("%s; reading it again (%d of %d)", damage, attempt, REREADS)
-            fresh = self._prepare(item.request, planner)
-            ranges = self._range_reader()
-            ranges.fetch_again([self._target(fresh, FramePool(), ranges)])
-            fresh, again = _checked(fresh)
-            if again is None:
-                return fresh
-        raise damage
-
     # -- helpers ---------------------------------------------------------------------------
 
     async def _fetch_metadata(self, location: S3URI) -> tuple[Manifest, bytes]:
@@ -417,9 +303,6 @@ class S3StorageReader(S3Location, StorageReader):
         what = f"{self.location}/{stored.key} item {request.storage_index.fqn!r}"
         shape = self._shapes.get(request.storage_index)
         return prepare(request, stored, shape, planner, what, stage=stage)
-
-
-Checked = tuple[PendingRead, CorruptCheckpointError | None]
 
 
 async def _stored_items(
@@ -450,16 +333,3 @@ async def _stored_items(
             )
         found[index] = entry.stored
     return found
-
-
-def _checked(item: PendingRead) -> Checked:
-    """A fetched item verified (compressed ones decoded and verified); the damage found,
-    if any, instead of raising it, so that the caller can read the item again."""
-    try:
-        if item.compressed:
-            decode(item)
-        else:
-            verify_streamed(item)
-    except CorruptCheckpointError as exc:
-        return item, exc
-    return item, None

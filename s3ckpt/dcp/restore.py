@@ -270,15 +270,18 @@ def decode_pool(threads: int) -> ThreadPoolExecutor:
 
 def verify_streamed(pending: PendingRead) -> None:
     """Raise if a raw item's in-flight check failed; check it now if it could not stream."""
-    stored, check = pending.stored, pending.check
-    assert check is not None
+    assert pending.check is not None
+    verify_received(pending.check, pending.view, pending.stored, pending.what)
+
+
+def verify_received(check: StreamingCheck, data: memoryview, stored: StoredItem, what: str) -> None:
+    """Raise if ``check`` (over the bytes received into ``data``) failed; check ``data``
+    now if the check could not follow the bytes as they streamed."""
     if not check.active:
-        verify_blocks(pending.view, stored.crc32c, block_size=stored.block_size,
-                      first_block=check.first_block, what=pending.what)  # fmt: skip
+        verify_blocks(data, stored.crc32c, block_size=stored.block_size,
+                      first_block=check.first_block, what=what)  # fmt: skip
     elif check.bad_block is not None:
-        raise CorruptCheckpointError(
-            f"checksum mismatch in {pending.what} (block {check.bad_block})"
-        )
+        raise CorruptCheckpointError(f"checksum mismatch in {what} (block {check.bad_block})")
 
 
 def hand_to_planner(

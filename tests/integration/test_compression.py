@@ -166,10 +166,10 @@ def _many_items() -> dict:
 @pytest.fixture
 def tight_frames_budget(monkeypatch):
     """A 1 MiB budget for frames awaiting decoding (4 requests of 256 KiB), and its peak."""
-    from s3ckpt.dcp import reader
+    from s3ckpt.dcp import fetch
     from s3ckpt.transfer import download
 
-    monkeypatch.setattr(reader, "FRAMES_BUDGET", 0)
+    monkeypatch.setattr(fetch, "FRAMES_BUDGET", 0)
     peak = [0]
     enter = download._Admission.enter
 

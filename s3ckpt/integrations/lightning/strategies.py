@@ -82,6 +82,19 @@ class _S3Sharded:
             return
         self.checkpoints.remove(filepath)
 
+    def _save_shards(
+        self, model_key: str, checkpoint: dict[str, Any], filepath: _Path, storage_options: Any
+    ) -> None:
+        """Lightning's checkpoint dict as one checkpoint: the model's shards under
+        ``model_key``, each optimizer's as ``optimizer_<i>``, the rest (``meta.pt``'s
+        content) from rank 0; every rank saves at rank 0's path."""
+        path = self.broadcast(os.fspath(filepath))  # type: ignore[attr-defined]
+        shards = {model_key: checkpoint.pop("state_dict")}
+        for index, state in enumerate(checkpoint.pop("optimizer_states", [])):
+            shards[f"optimizer_{index}"] = state
+        metadata = checkpoint if self.is_global_zero else None  # type: ignore[attr-defined]
+        self.checkpoints.save(shards, metadata, path, storage_options)
+
     def teardown(self) -> None:
         """Wait for the save in flight; its failure is raised unless another error is."""
         handling = sys.exc_info()[1]
@@ -142,12 +155,7 @@ class S3ModelParallelStrategy(_S3Sharded, ModelParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _Path, storage_options: Any | None = None
     ) -> None:
-        path = self.broadcast(os.fspath(filepath))  # every rank saves at rank 0's path
-        shards = {"state_dict": checkpoint.pop("state_dict")}
-        for index, state in enumerate(checkpoint.pop("optimizer_states", [])):
-            shards[f"optimizer_{index}"] = state
-        metadata = checkpoint if self.is_global_zero else None
-        self.checkpoints.save(shards, metadata, path, storage_options)
+        self._save_shards("state_dict", checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: _Path, weights_only: bool | None = None) -> Any:
         if not is_s3(checkpoint_path):
@@ -203,12 +211,7 @@ class S3FSDPStrategy(_S3Sharded, FSDPStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _Path, storage_options: Any | None = None
     ) -> None:
-        path = self.broadcast(os.fspath(filepath))
-        shards = {"model": checkpoint.pop("state_dict")}
-        for index, state in enumerate(checkpoint.pop("optimizer_states", [])):
-            shards[f"optimizer_{index}"] = state
-        metadata = checkpoint if self.is_global_zero else None
-        self.checkpoints.save(shards, metadata, path, storage_options)
+        self._save_shards("model", checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: _Path, weights_only: bool | None = None) -> Any:
         if not is_s3(checkpoint_path):

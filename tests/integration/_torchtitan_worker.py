@@ -25,6 +25,7 @@ __all__ = [
     "HF_NAMES",
     "HF_SHARDS",
     "TinyAdapter",
+    "adamw",
     "fsdp_hf_main",
     "hf_assets",
     "killed_async_save_main",
@@ -76,25 +77,31 @@ def hf_assets(folder: Path) -> str:
     return str(folder)
 
 
+def adamw(model: torch.nn.Module) -> Any:
+    """torchtitan's optimizers container over ``model``: AdamW, lr 1e-2, every parameter."""
+    from torchtitan.components.optimizer import OptimizersContainer
+    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+
+    return OptimizersContainer.Config(
+        param_groups=[
+            ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})
+        ],
+        implementation="for-loop",
+    ).build(model_parts=[model])
+
+
 def _fsdp_parts(rank: int, world_size: int, folder: str, s3: dict[str, Any], assets: str) -> Any:
     """The test model sharded by FSDP2 over the CPU ranks, its optimizer and a manager."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torchtitan.components.optimizer import OptimizersContainer
     from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
-    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
     from s3ckpt.integrations.torchtitan import S3CheckpointManager
 
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
     fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
-    optimizers = OptimizersContainer.Config(
-        param_groups=[
-            ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})
-        ],
-        implementation="for-loop",
-    ).build(model_parts=[model])
+    optimizers = adamw(model)
     schedulers = LRSchedulersContainer.Config(warmup_steps=1).build(
         optimizers=optimizers, training_steps=2
     )
@@ -162,20 +169,13 @@ def fsdp_hf_main(
 
 def one_rank_parts(folder: str, endpoint: str, region: str, async_mode: str) -> Any:
     """The test model, its optimizer and a manager saving every second step, on one rank."""
-    from torchtitan.components.optimizer import OptimizersContainer
     from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
-    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
     from s3ckpt.integrations.torchtitan import S3CheckpointManager
 
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-    optimizers = OptimizersContainer.Config(
-        param_groups=[
-            ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})
-        ],
-        implementation="for-loop",
-    ).build(model_parts=[model])
+    optimizers = adamw(model)
     schedulers = LRSchedulersContainer.Config().build(optimizers=optimizers, training_steps=8)
     manager = S3CheckpointManager.Config(
         enable=True, folder=folder, interval=2, keep_latest_k=0, async_mode=async_mode,

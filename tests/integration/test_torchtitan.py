@@ -41,15 +41,14 @@ from _torchtitan_worker import (
     HF_CONFIG,
     HF_SHARDS,
     TinyAdapter,
+    adamw,
     fsdp_hf_main,
     hf_assets,
     one_rank_parts,
     run_ranks,
 )
 from torch.distributed.checkpoint.stateful import Stateful
-from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
-from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from s3ckpt import CheckpointError, ConfigError, catalog
@@ -108,12 +107,7 @@ def build(
 ) -> Any:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-    optimizers = OptimizersContainer.Config(
-        param_groups=[
-            ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})
-        ],
-        implementation="for-loop",
-    ).build(model_parts=[model])
+    optimizers = adamw(model)
     schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(
         optimizers=optimizers, training_steps=STEPS
     )

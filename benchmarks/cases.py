@@ -139,8 +139,8 @@ s3ckpt_save, s3ckpt_load = _save_case("s3ckpt", False), _load_case("s3ckpt", Fal
 s3ckpt_save_https = _save_case("s3ckpt-https", True)
 s3ckpt_load_https = _load_case("s3ckpt-https", True)
 # The same save with upload bodies left to aiohttp and the event loop's TLS: what the
-# blocking TLS sockets (s3ckpt.s3.tls_socket) are measured against.
-s3ckpt_save_https_aiohttp = _save_case("s3ckpt-https-aiohttp", True, tls_threads=False)
+# data plane's blocking TLS sockets (s3ckpt.s3.wire) are measured against.
+s3ckpt_save_https_aiohttp = _save_case("s3ckpt-https-aiohttp", True, direct_uploads=False)
 
 
 def s3ckpt_async(env: Env, state: dict) -> Callable[[int], dict]:

@@ -30,8 +30,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 STAGES = [
     ("CRC32C of blocks", ("format/checksums.py",)),
     ("socket writes and reads (kernel copies, loopback TCP)",
-     ("http_writer.py", "StreamWriter._write", "sock_sendall", "tls_socket.py", "tls_exchange.py",
-      "http_response.py", "EventLoopThread._run")),
+     ("http_writer.py", "StreamWriter._write", "sock_sendall", "s3/wire/exchange.py",
+      "s3/wire/range_body.py", "s3/wire/pool.py", "EventLoopThread._run")),
     ("botocore/aiobotocore: build, sign, parse requests", ("botocore/",)),
     ("DCP planning and metadata (torch)", ("torch/distributed/checkpoint",)),
     ("s3ckpt transfer and bookkeeping", ("s3ckpt/",)),

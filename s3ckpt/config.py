@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlparse
@@ -68,14 +69,14 @@ class S3Config:
             without conditional writes (``docs/format.md``).
         connect_timeout, read_timeout: seconds; a connection that stalls for longer than
             ``read_timeout`` counts as failed and is retried.
-        direct_reads: receive ranged GETs of checkpoint data with s3ckpt's own HTTP/1.1
-            reader, straight into the destination memory (:mod:`s3ckpt.s3.http_range`);
-            ``False`` sends them through aiobotocore like every other request. Endpoints
-            reached through a proxy (``proxies`` or the environment) always use aiobotocore.
-        tls_threads: over HTTPS, send upload bodies with blocking TLS sockets in worker
-            threads, which encrypt straight from tensor memory (:mod:`s3ckpt.s3.tls_socket`);
-            ``False`` leaves them to aiohttp and the event loop's TLS. Same verification
-            either way; no effect on plain HTTP or on reads.
+        direct_reads: receive ranged GETs of checkpoint data with s3ckpt's own transport,
+            straight into the destination memory (:mod:`s3ckpt.s3.wire`); ``False`` sends
+            them through aiobotocore like every other request.
+        direct_uploads: send upload bodies (parts and PUTs) from memory with s3ckpt's own
+            transport, over HTTP and HTTPS (:mod:`s3ckpt.s3.wire`); ``False`` leaves them to
+            aiohttp. Same signing and verification either way. Endpoints reached through a
+            proxy (``proxies`` or the environment) always use aiobotocore for both.
+        tls_threads: deprecated name of ``direct_uploads`` (set, it wins, with a warning).
     Retries (:mod:`s3ckpt.s3.retry`):
         deadline_s: time budget of one save's (or load's) requests, all phases together:
             failures a retry can fix (throttling, 5xx, dropped connections, timeouts) are
@@ -104,7 +105,8 @@ class S3Config:
     connect_timeout: float = 10.0
     read_timeout: float = 120.0
     direct_reads: bool = True
-    tls_threads: bool = True
+    direct_uploads: bool = True
+    tls_threads: bool | None = None
     max_attempts: int | None = None
     deadline_s: float | None = 900.0
 
@@ -131,6 +133,18 @@ class S3Config:
             raise ConfigError("timeouts must be positive")
         if self.deadline_s is not None and not self.deadline_s > 0:
             raise ConfigError(f"deadline_s must be positive or None, got {self.deadline_s}")
+        if self.tls_threads is not None:
+            warnings.warn(
+                "S3Config(tls_threads=...) is deprecated: use direct_uploads, which also "
+                "covers plain HTTP",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+
+    def uploads_on_data_plane(self) -> bool:
+        """Whether upload bodies go through s3ckpt's transport (``direct_uploads``, or the
+        deprecated ``tls_threads`` where it is set)."""
+        return self.direct_uploads if self.tls_threads is None else self.tls_threads
 
     def replace(self, **changes: object) -> S3Config:
         """A copy with some fields changed (validated again)."""
@@ -152,7 +166,7 @@ class S3Config:
             self.connect_timeout,
             self.read_timeout,
             self.direct_reads,
-            self.tls_threads,
+            self.uploads_on_data_plane(),
         )
 
 

@@ -39,7 +39,7 @@ COMPAT_MODULES: dict[str, tuple[str, ...]] = {
     "lightning": ("s3ckpt/integrations/lightning/compat.py",),
     "botocore": ("s3ckpt/s3/compat_botocore.py",),
     "aiobotocore": ("s3ckpt/s3/compat_aiobotocore.py",),
-    "aiohttp": ("s3ckpt/s3/compat_aiohttp.py",),
+    "aiohttp": (),  # s3ckpt touches none of aiohttp's internals (it reads aiobotocore's bodies)
     "megatron": ("s3ckpt/integrations/compat_megatron.py",),
     "deepspeed": ("s3ckpt/integrations/compat_deepspeed.py",),
 }

@@ -6,10 +6,8 @@
 * :mod:`~s3ckpt.s3.range_get`: one attempt of a ranged GET (the store retries);
 * :mod:`~s3ckpt.s3.retry`: what is retried, backoff, deadlines;
 * :mod:`~s3ckpt.s3.error_mapping`: the one place S3 and HTTP errors become ``s3ckpt.errors``;
-* :mod:`~s3ckpt.s3.http_body`, :mod:`~s3ckpt.s3.http_range`, :mod:`~s3ckpt.s3.http_response`:
-  request bodies sent from memory, and the direct ranged-GET reader that receives
-  response bodies straight into destination memory;
-* :mod:`~s3ckpt.s3.compat_botocore`, :mod:`~s3ckpt.s3.compat_aiobotocore`,
-  :mod:`~s3ckpt.s3.compat_aiohttp`: the one place each of those libraries' internals is
-  touched.
+* :mod:`~s3ckpt.s3.wire`: the data plane, one transport for every upload body and every
+  ranged-GET body, HTTP and HTTPS, sent from and received into tensor memory;
+* :mod:`~s3ckpt.s3.compat_botocore`, :mod:`~s3ckpt.s3.compat_aiobotocore`: the one place
+  each of those libraries' internals is touched.
 """

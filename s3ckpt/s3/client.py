@@ -10,11 +10,10 @@ Clients live in the resources of the process's I/O loop (:mod:`s3ckpt.s3.loop`),
 configuration: every store with the same settings shares one connection pool and one
 request bound, and a forked child, which gets a new loop, creates its own.
 
-Over HTTPS (not through a proxy) the client also owns a :class:`~s3ckpt.s3.tls_socket.TlsTransport`:
-upload bodies (:mod:`s3ckpt.s3.tls_send`) travel over its blocking TLS sockets, encrypted
-straight from tensor memory. Ranged GETs keep the direct reader on the event loop's TLS
-(:mod:`s3ckpt.s3.http_range` says why); everything else, and every request over plain
-HTTP, goes through aiobotocore as before.
+Unless the endpoint is reached through a proxy, the client also owns a
+:class:`~s3ckpt.s3.wire.DataPlane`: upload bodies and ranged GETs, over HTTP and HTTPS,
+travel on its connections (:mod:`s3ckpt.s3.wire` says why); every other request goes
+through aiobotocore.
 """
 
 from __future__ import annotations
@@ -30,17 +29,16 @@ from aiobotocore.session import AioSession
 
 from s3ckpt.config import S3Config, client_environment
 from s3ckpt.s3.compat_botocore import on_before_sign
-from s3ckpt.s3.http_range import DirectRangeReader, proxied, tls_context
 from s3ckpt.s3.loop import io_loop
-from s3ckpt.s3.tls_send import TlsSender
-from s3ckpt.s3.tls_socket import TlsTransport
+from s3ckpt.s3.wire import DataPlane, proxied
+from s3ckpt.s3.wire.ranged_get import DirectRangeReader
 
 log = logging.getLogger(__name__)
 
 
 class ClientHandle:
-    """An entered aiobotocore client, the semaphore bounding its requests, and the
-    direct ranged-GET reader (:mod:`s3ckpt.s3.http_range`) that shares both."""
+    """An entered aiobotocore client, the semaphore bounding its requests, and the data
+    plane (:mod:`s3ckpt.s3.wire`) that shares both."""
 
     def __init__(self, config: S3Config, environment: tuple[str | None, ...] = ()) -> None:
         self.config = config
@@ -49,9 +47,7 @@ class ClientHandle:
         self.slots = asyncio.Semaphore(config.max_concurrency)
         self._ctx: Any = None
         self._lock = asyncio.Lock()
-        self._direct: DirectRangeReader | None = None
-        self._direct_allowed = config.direct_reads
-        self.tls: TlsTransport | None = None
+        self.plane: DataPlane | None = None
         # Whether the endpoint has answered a request of this process: until it has, a
         # connection it refuses is more likely a wrong endpoint than a blip (retry.py).
         self.answered = False
@@ -63,66 +59,46 @@ class ClientHandle:
                     self._ctx = create_client(self.config)
                     client = await self._ctx.__aenter__()
                     on_before_sign(client, "DeleteObjects", add_content_md5)
-                    self.tls = await self._tls_transport(client)
-                    if self.tls is not None:
-                        TlsSender(self.tls).register(client)
+                    self.plane = self._data_plane(client)
                     self.client = client
         return self.client
 
-    async def _tls_transport(self, client: Any) -> TlsTransport | None:
-        """Blocking TLS sockets for the bodies, where the endpoint is HTTPS and not proxied."""
-        endpoint = client.meta.endpoint_url
-        if not self.config.tls_threads or not endpoint.lower().startswith("https:"):
+    def _data_plane(self, client: Any) -> DataPlane | None:
+        """The data plane, where s3ckpt's transport serves the endpoint and is wanted."""
+        config = self.config
+        uploads, reads = config.uploads_on_data_plane(), config.direct_reads
+        if not (uploads or reads) or proxied(client.meta.endpoint_url, config.proxies):
             return None
-        if proxied(endpoint, self.config.proxies):
-            return None
-        context = await asyncio.to_thread(tls_context, tls_verify(self.config))
-        return TlsTransport(
-            context,
-            connect_timeout=self.config.connect_timeout,
-            read_timeout=self.config.read_timeout,
-            max_idle=self.config.max_concurrency,
+        return DataPlane(
+            client,
+            verify=tls_verify(config),
+            connect_timeout=config.connect_timeout,
+            read_timeout=config.read_timeout,
+            max_concurrency=config.max_concurrency,
+            uploads=uploads,
+            reads=reads,
         )
 
     async def range_reader(self) -> DirectRangeReader | None:
         """The direct ranged-GET reader, or None where aiobotocore must read."""
-        if self._direct is None and self._direct_allowed:
-            client = await self.get()
-            if proxied(client.meta.endpoint_url, self.config.proxies):
-                self._direct_allowed = False
-                return None
-            self._direct = DirectRangeReader(
-                client,
-                verify=tls_verify(self.config),
-                connect_timeout=self.config.connect_timeout,
-                read_timeout=self.config.read_timeout,
-                max_idle=self.config.max_concurrency,
-            )
-        return self._direct
+        await self.get()
+        return None if self.plane is None else self.plane.reader
 
     def disable_range_reader(self, reason: str) -> None:
         """Send every later ranged GET through aiobotocore (the endpoint answered oddly)."""
-        if self._direct_allowed:
+        if self.plane is not None and self.plane.reader is not None:
             log.warning("ranged GETs fall back to aiobotocore: %s", reason)
-        self._direct_allowed = False
-        if self._direct is not None:
-            self._direct.close_idle()
-            self._direct = None
+            self.plane.stop_reads()
 
     def close_idle(self) -> None:
-        """Close the direct reader's kept-alive connections, so the next reads open new ones."""
-        if self._direct is not None:
-            self._direct.close_idle()
-        if self.tls is not None:
-            self.tls.close_idle()
+        """Close the data plane's kept-alive connections, so the next requests open new ones."""
+        if self.plane is not None:
+            self.plane.close_idle()
 
     async def aclose(self) -> None:
-        if self._direct is not None:
-            await self._direct.aclose()
-            self._direct = None
-        if self.tls is not None:
-            await self.tls.aclose()
-            self.tls = None
+        if self.plane is not None:
+            await self.plane.aclose()
+            self.plane = None
         if self._ctx is not None:
             await self._ctx.__aexit__(None, None, None)
             self._ctx = self.client = None

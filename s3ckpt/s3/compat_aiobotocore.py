@@ -7,7 +7,7 @@ The internals s3ckpt relies on, each behind a function here:
   is a coroutine function, and uses the first response returned, an
   ``aiobotocore.awsrequest.AioAWSResponse(url, status_code, headers, raw)`` whose body it
   reads with ``await raw.read()``, as if its HTTP session had received it
-  (:func:`response`, for :mod:`s3ckpt.s3.tls_send`);
+  (:func:`response`, for :mod:`s3ckpt.s3.wire.uploads`);
 * what lies under the body of a streamed response (``response["Body"]``): its
   ``raw_stream`` is aiohttp's ``ClientResponse``, whose ``content``, an aiohttp
   ``StreamReader``, hands over each received buffer as is with ``readchunk()``

@@ -8,14 +8,14 @@ The internals s3ckpt relies on, each behind a function here:
   ``Content-MD5`` of DeleteObjects, :mod:`s3ckpt.s3.client`), and
   ``before-send.s3.<Operation>``, whose handler gets the signed request (``.method``,
   ``.url``, ``.headers``, ``.body``) and may answer it itself by returning a response
-  (:func:`on_before_send`: the TLS upload path, :mod:`s3ckpt.s3.tls_send`; the response
+  (:func:`on_before_send`: upload bodies on the data plane, :mod:`s3ckpt.s3.wire.uploads`; the response
   it returns is aiobotocore's, :mod:`s3ckpt.s3.compat_aiobotocore`);
 * ``botocore.xform_name``, the client method of an API operation (``HeadObject`` ->
   ``head_object``; :func:`operation_method`, :mod:`s3ckpt.s3.requests`);
 * ``botocore.httpsession``'s ``create_urllib3_context`` and ``get_cert_path``, from which
   botocore's HTTP session, and aiobotocore's, derive their TLS context and CA bundle
   (:func:`default_tls_context`, :func:`ca_bundle`: the direct reader and the TLS upload
-  path verify as aiobotocore does, :mod:`s3ckpt.s3.http_range`);
+  path verify as aiobotocore does, :mod:`s3ckpt.s3.wire.tls`);
 * the keyword arguments botocore's connection errors are built with and keep in
   ``.kwargs`` (``endpoint_url``, ``error``; aiobotocore raises ``SSLError`` with aiohttp's
   exception as ``error``): s3ckpt's own transports raise the errors botocore would

@@ -16,9 +16,8 @@ from botocore.exceptions import ClientError
 
 from s3ckpt.errors import StorageError
 from s3ckpt.s3.error_mapping import error_code
-from s3ckpt.s3.http_body import MemoryBody
 from s3ckpt.s3.listing import Listings
-from s3ckpt.s3.requests import Body
+from s3ckpt.s3.requests import Body, flat
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +76,7 @@ class MultipartUploads(Listings):
             "Key": key,
             "UploadId": upload_id,
             "PartNumber": part_number,
-            "Body": MemoryBody(body),
+            "Body": flat(body),
         }
         checksum = crc32c_header(crc32c) if crc32c is not None and self.config.checksums else None
         if checksum:

@@ -2,7 +2,7 @@
 
 :meth:`s3ckpt.s3.store.ObjectStore.read_range` retries; this module makes one attempt.
 Both paths deliver the bytes of ``[start, end)`` to the sink in offset order, each once:
-the direct reader (:mod:`s3ckpt.s3.http_range`) lets the socket write into the sink's
+the data plane's reader (:mod:`s3ckpt.s3.wire`) lets the socket write into the sink's
 memory; the aiobotocore path copies each received buffer in. A server that ignores
 ``Range`` and sends the whole object is cut to the range on both.
 """
@@ -16,12 +16,7 @@ from s3ckpt.errors import StorageError
 from s3ckpt.s3 import retry
 from s3ckpt.s3.client import client_handle
 from s3ckpt.s3.compat_aiobotocore import received_chunks
-from s3ckpt.s3.http_response import (
-    RangeSink,
-    UnsupportedResponse,
-    copy_into,
-    warn_range_ignored,
-)
+from s3ckpt.s3.wire import RangeSink, UnsupportedResponse, copy_into, warn_range_ignored
 
 
 class ResumingSink:

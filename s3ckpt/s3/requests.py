@@ -17,6 +17,15 @@ from s3ckpt.s3.compat_botocore import operation_method
 from s3ckpt.s3.error_mapping import error_code, translate_final, translated
 
 Body = bytes | bytearray | memoryview
+
+
+def flat(body: Body) -> memoryview:
+    """``body`` as one flat ``memoryview`` of bytes, its memory shared: what upload
+    requests carry, so the data plane (:mod:`s3ckpt.s3.wire`) sends it from where it is."""
+    view = memoryview(body)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
 T = TypeVar("T")
 
 

@@ -31,12 +31,11 @@ from s3ckpt.errors import PreconditionFailedError, StorageError
 from s3ckpt.s3 import range_get
 from s3ckpt.s3.client import client_handle
 from s3ckpt.s3.error_mapping import PRECONDITION_CODES, error_code
-from s3ckpt.s3.http_body import MemoryBody
-from s3ckpt.s3.http_response import RangeSink
 from s3ckpt.s3.listing import ObjectMeta, PendingUpload
 from s3ckpt.s3.multipart import MultipartUploads, PartResult, crc32c_header
 from s3ckpt.s3.range_get import ResumingSink
-from s3ckpt.s3.requests import Body
+from s3ckpt.s3.requests import Body, flat
+from s3ckpt.s3.wire import RangeSink
 
 
 class ObjectStore(MultipartUploads):
@@ -79,7 +78,7 @@ class ObjectStore(MultipartUploads):
         write from a try whose response was lost (by s3ckpt's retry or aiohttp's silent
         resend of an idempotent request), so the put succeeded.
         """
-        params: dict[str, Any] = {"Key": key, "Body": MemoryBody(body)}
+        params: dict[str, Any] = {"Key": key, "Body": flat(body)}
         if mode == "create":
             params["IfNoneMatch"] = "*"
         if crc32c is not None and self.config.checksums:
@@ -128,7 +127,7 @@ class ObjectStore(MultipartUploads):
         """Receive bytes ``[start, end)`` of ``key`` into ``sink`` as they arrive.
 
         The sink names the memory each byte goes to (usually a tensor), so the range is
-        never held twice; with :mod:`s3ckpt.s3.http_range` the socket writes into it directly.
+        never held twice; on the data plane (:mod:`s3ckpt.s3.wire`) the socket writes into it directly.
         Bytes arrive in offset order and each exactly once: a retry asks only for the
         bytes not yet delivered.
         """

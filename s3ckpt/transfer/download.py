@@ -5,7 +5,7 @@ object and the buffer they must land in (often the destination tensor itself). T
 of the same object that are adjacent, or separated by a small gap, are coalesced into
 one range; ranges are then cut into requests of at most ``max_request_size`` so that one
 large tensor is also fetched in parallel. Each response is received straight into the
-buffers it covers (:mod:`s3ckpt.s3.http_response`: the socket writes into the tensor), so no
+buffers it covers (:mod:`s3ckpt.s3.wire`: the socket writes into the tensor), so no
 range is ever held twice.
 
 A target may carry a :class:`~s3ckpt.format.checksums.StreamingCheck`: ranges are then cut at
@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import queue
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -60,6 +61,8 @@ class ReadTarget:
     allocate: Callable[[], memoryview] | None = None
     reserve: int | None = None
     remaining: int = field(init=False)
+    # Requests that split a target deliver its bytes from several worker threads at once.
+    lock: threading.RLock = field(init=False, repr=False, default_factory=threading.RLock)
 
     def __post_init__(self) -> None:
         if self.buffer is None and self.allocate is None:
@@ -76,8 +79,10 @@ class ReadTarget:
     def memory(self) -> memoryview:
         """The buffer, allocated now if it was given lazily."""
         if self.buffer is None:
-            assert self.allocate is not None
-            self.buffer = self._check_length(self.allocate())
+            with self.lock:
+                if self.buffer is None:
+                    assert self.allocate is not None
+                    self.buffer = self._check_length(self.allocate())
         return self.buffer
 
     def _check_length(self, buffer: memoryview) -> memoryview:
@@ -186,7 +191,7 @@ def _coalesce(group: list[ReadTarget], max_gap: int) -> Iterator[tuple[int, int,
 
 
 class _Scatter:
-    """The :class:`~s3ckpt.s3.http_response.RangeSink` of one request: bytes land in their targets.
+    """The :class:`~s3ckpt.s3.wire.RangeSink` of one request: bytes land in their targets.
 
     Bytes arrive in offset order and targets are sorted by start, so a cursor skips the
     targets already filled. :meth:`buffer` hands out the target's own memory, so a
@@ -227,11 +232,14 @@ class _Scatter:
         return targets[self.first] if self.first < len(targets) else None
 
     def _landed(self, target: ReadTarget, within: int, nbytes: int) -> None:
-        if target.check is not None:
-            target.check.feed(within, target.memory()[within : within + nbytes])
-        target.remaining -= nbytes
-        if target.remaining == 0:
-            target.buffer = _RELEASED  # the caller holds its own reference until it is done
+        with target.lock:  # other requests of the same target may land bytes at once
+            if target.check is not None:
+                target.check.feed(within, target.memory()[within : within + nbytes])
+            target.remaining -= nbytes
+            finished = target.remaining == 0
+            if finished:
+                target.buffer = _RELEASED  # the caller holds its own reference until done
+        if finished:
             self.done(target)
 
     def _copy(self, offset: int, chunk: memoryview) -> None:

@@ -127,7 +127,7 @@ def test_an_unverifiable_certificate_fails_at_once_naming_tls(
 def test_direct_ranged_gets_refuse_an_unverifiable_certificate_at_once(
     tls_endpoint, local_s3, s3_prefix, s3_options, retries
 ):
-    """The direct reader (s3ckpt.s3.http_range) checks certificates like aiobotocore does."""
+    """The data plane (s3ckpt.s3.wire) checks certificates like aiobotocore does."""
     endpoint, cert = tls_endpoint
     key = f"{s3_prefix.split('/', 3)[3]}/blob"
     local_s3.client().put_object(Bucket=local_s3.bucket, Key=key, Body=b"x" * 100)
@@ -231,7 +231,7 @@ def test_the_cli_takes_a_ca_bundle(tls_endpoint, s3_prefix, s3_options, monkeypa
 
 
 def test_a_configured_proxy_is_used_by_every_request(s3_prefix, s3_options):
-    from s3ckpt.s3.http_range import proxied
+    from s3ckpt.s3.wire import proxied
 
     proxies = {"http": f"http://127.0.0.1:{free_port()}"}
     options = {**s3_options, "proxies": proxies, "max_attempts": 1}

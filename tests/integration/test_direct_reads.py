@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt.s3.http_range import DirectRangeReader
-from s3ckpt.s3.http_response import UnsupportedResponse
+from s3ckpt.s3.wire import UnsupportedResponse
+from s3ckpt.s3.wire.ranged_get import DirectRangeReader
 
 pytestmark = [
     pytest.mark.integration,

@@ -1,7 +1,8 @@
 """HTTPS against SeaweedFS serving TLS with a generated CA (``LocalS3Server(tls=True)``).
 
-Saves and loads round trip over HTTPS with upload bodies on blocking TLS sockets
-(:mod:`s3ckpt.s3.tls_send`) and with them left to aiohttp (``tls_threads=False``);
+Saves and loads round trip over HTTPS with upload bodies on the data plane's blocking
+TLS sockets (:mod:`s3ckpt.s3.wire.uploads`) and with them left to aiohttp
+(``direct_uploads=False``); plain HTTP bodies take the same transport;
 verification is as strict as aiobotocore's: a host name the certificate does not name and
 a CA the client was not told about each fail at once, with one ``EndpointError`` naming
 TLS and the reason, and no credentials in it. The CA is found through ``verify=`` and
@@ -24,9 +25,9 @@ from faultproxy import FaultProxy, Rule
 
 from s3ckpt import EndpointError, S3StorageReader, S3StorageWriter, unwrap
 from s3ckpt.config import make_config
-from s3ckpt.s3 import tls_send
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
+from s3ckpt.s3.wire import uploads
 from s3ckpt.testing.local_s3 import LocalS3Server
 
 pytestmark = [
@@ -62,15 +63,15 @@ def uri(tls_s3: LocalS3Server, request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def tls_sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The body sizes sent over the blocking TLS path."""
+    """The body sizes sent on the data plane."""
     sizes: list[int] = []
-    send = tls_send.send_request
+    send = uploads.send_request
 
     def counting(connection: Any, head: bytes, body: memoryview) -> Any:
         sizes.append(len(body))
         return send(connection, head, body)
 
-    monkeypatch.setattr(tls_send, "send_request", counting)
+    monkeypatch.setattr(uploads, "send_request", counting)
     return sizes
 
 
@@ -125,14 +126,20 @@ def test_a_multipart_upload_over_tls_sockets(tls_s3, options, tls_sends):
 
 
 def test_save_and_load_over_https_through_aiohttp(uri, options, tls_sends):
-    _round_trip(uri, {**options, "tls_threads": False})
+    _round_trip(uri, {**options, "direct_uploads": False})
     assert tls_sends == []
 
 
-def test_plain_http_keeps_its_own_path(tls_s3, uri, options, tls_sends):
-    """The same server's HTTP port: nothing goes through the TLS sockets."""
+def test_the_deprecated_tls_threads_still_turns_the_data_plane_off(uri, options, tls_sends):
+    with pytest.warns(DeprecationWarning, match="direct_uploads"):
+        _round_trip(uri, {**options, "tls_threads": False})
+    assert tls_sends == []
+
+
+def test_plain_http_bodies_take_the_same_transport(tls_s3, uri, options, tls_sends):
+    """The same server's HTTP port: the bodies go through the same data plane."""
     _round_trip(uri, {**options, "endpoint_url": tls_s3.endpoint_url})
-    assert tls_sends == []
+    assert sum(tls_sends) >= 12 * MiB
 
 
 def test_the_aws_ca_bundle_variable_is_honoured(uri, options, tls_sends, monkeypatch):

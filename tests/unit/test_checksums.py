@@ -4,7 +4,7 @@ import pytest
 from crc32c import crc32c
 
 from s3ckpt.format.checksums import StreamingCheck, block_crcs, combine, range_crc
-from s3ckpt.s3.http_response import copy_into
+from s3ckpt.s3.wire import copy_into
 from s3ckpt.transfer.download import ReadTarget, _Scatter, plan_requests
 
 MiB = 1024 * 1024

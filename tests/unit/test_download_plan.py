@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from s3ckpt.s3.http_response import copy_into
+from s3ckpt.s3.wire import copy_into
 from s3ckpt.transfer.download import ReadTarget, _Admission, _Scatter, plan_requests
 
 

@@ -1,4 +1,4 @@
-"""s3ckpt.s3.http_range against a scripted HTTP server on loopback: every odd answer a server
+"""s3ckpt.s3.wire's ranged GETs against a scripted HTTP server on loopback: every odd answer a server
 can give to a ranged GET, and what the reader makes of it."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from botocore import exceptions as bce
 from botocore.exceptions import ClientError
 
-from s3ckpt.s3.http_range import DirectRangeReader, proxied
-from s3ckpt.s3.http_response import UnsupportedResponse, copy_into
 from s3ckpt.s3.retry import ShortReadError
+from s3ckpt.s3.wire import UnsupportedResponse, copy_into, proxied
+from s3ckpt.s3.wire.ranged_get import DirectRangeReader
 
 OBJECT = bytes(range(256)) * 4096  # 1 MiB
 Reply = Callable[[asyncio.StreamWriter, str], Awaitable[bool]]  # returns: keep the connection

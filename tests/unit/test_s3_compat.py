@@ -1,4 +1,4 @@
-"""The internals of botocore, aiobotocore and aiohttp that the S3 transport relies on are
+"""The internals of botocore and aiobotocore that the S3 transport relies on are
 still there and still behave as its compat modules say (``s3ckpt/s3/compat_*.py``): a
 release that changes one fails here, by name, rather than somewhere in a save."""
 
@@ -17,9 +17,8 @@ from botocore import exceptions as bce
 from botocore.awsrequest import AWSResponse
 
 from s3ckpt.config import make_config
-from s3ckpt.s3 import compat_aiobotocore, compat_aiohttp, compat_botocore, retry
+from s3ckpt.s3 import compat_aiobotocore, compat_botocore, retry
 from s3ckpt.s3.client import create_client
-from s3ckpt.s3.http_body import MemoryBody
 
 # -- botocore ---------------------------------------------------------------------------
 
@@ -95,7 +94,7 @@ def test_botocore_hooks_and_aiobotocore_answers_from_a_handler() -> None:
     ``before-send`` handler sees the signed request and answers it: aiobotocore parses the
     response as one it had received (status, headers, an error document's code)."""
     seen: list[Any] = []
-    body = MemoryBody(b"data")  # the TLS upload path sends from the body botocore was given
+    body = memoryview(b"data")  # the data plane sends from the body botocore was given
 
     def before_sign(request: Any, **_: Any) -> None:
         request.headers["x-amz-meta-hooked"] = "yes"
@@ -121,7 +120,7 @@ def test_botocore_hooks_and_aiobotocore_answers_from_a_handler() -> None:
     _run(test)
     put, get = seen
     assert (put.method, put.url) == ("PUT", "http://127.0.0.1:9/b/k")
-    assert put.headers["x-amz-meta-hooked"] in (b"yes", "yes")  # tls_send takes either
+    assert put.headers["x-amz-meta-hooked"] in (b"yes", "yes")  # the data plane takes either
     assert "x-amz-meta-hooked" in str(put.headers["Authorization"])  # signed after the hook
     assert put.body is body and get.method == "GET"
 
@@ -179,85 +178,3 @@ def test_aiobotocore_streamed_bodies_sit_on_aiohttps_stream_reader() -> None:
             await runner.cleanup()
 
     asyncio.run(main())
-
-
-# -- aiohttp ------------------------------------------------------------------------------
-
-
-def test_aiohttp_payload_keeps_its_memory_by_reference() -> None:
-    view = memoryview(bytearray(b"tensor bytes"))
-    payload = aiohttp.payload.BytesPayload(view)
-    assert compat_aiohttp.payload_memory(payload) is view
-    body = MemoryBody(bytearray(b"abcd"))
-    assert len(body) == 4 and body.view.obj == bytearray(b"abcd")
-
-
-class _Transport:
-    def __init__(self) -> None:
-        self.writes: list[Any] = []
-
-    def write(self, data: Any) -> None:
-        self.writes.append(data)
-
-    def writelines(self, chunks: Any) -> None:
-        self.writes.append(b"".join(chunks))
-
-    def is_closing(self) -> bool:
-        return False
-
-
-def test_aiohttp_writer_sends_the_head_alone_then_the_memory_itself() -> None:
-    """The request head is held back until the body's first write; an empty write sends
-    it on its own, and a flat ``memoryview`` then reaches the transport by reference."""
-    from aiohttp.http_writer import StreamWriter
-    from multidict import CIMultiDict
-
-    async def main() -> None:
-        transport = _Transport()
-        protocol = type("Protocol", (), {"transport": transport})()
-        writer = StreamWriter(protocol, asyncio.get_running_loop())  # type: ignore[arg-type]
-        await writer.write_headers("PUT /b/k HTTP/1.1", CIMultiDict({"Content-Length": "4096"}))
-        assert transport.writes == []  # held back
-        await compat_aiohttp.send_head(writer)
-        assert len(transport.writes) == 1 and bytes(transport.writes[0]).startswith(b"PUT /b/k")
-        body = memoryview(bytearray(4096))
-        await writer.write(body)
-        assert transport.writes[1] is body
-
-    asyncio.run(main())
-
-
-@pytest.fixture
-def spy_writes(monkeypatch: pytest.MonkeyPatch) -> list[int | None]:
-    lengths: list[int | None] = []
-    write = MemoryBody.write_with_length
-
-    async def spying(self: MemoryBody, writer: Any, content_length: int | None) -> None:
-        lengths.append(content_length)
-        await write(self, writer, content_length)
-
-    monkeypatch.setattr(MemoryBody, "write_with_length", spying)
-    return lengths
-
-
-def test_aiohttp_writes_a_body_through_write_with_length(spy_writes: list[int | None]) -> None:
-    data = bytes(range(256)) * 300
-    received: list[bytes] = []
-
-    async def handler(request: web.Request) -> web.Response:
-        received.append(await request.read())
-        return web.Response(text="ok")
-
-    async def main() -> None:
-        runner, url = await _serve(handler)
-        try:
-            async with aiohttp.ClientSession() as session:
-                body = MemoryBody(memoryview(data))
-                async with session.put(f"{url}/b/k", data=body) as response:
-                    assert response.status == 200
-        finally:
-            await runner.cleanup()
-
-    asyncio.run(main())
-    assert received == [data]
-    assert spy_writes == [len(data)]

@@ -1,5 +1,6 @@
-"""The blocking TLS path's pieces on their own: request heads as signed, cancellation,
-stale kept-alive connections, answers that arrive before the whole body was taken."""
+"""The data plane's upload pieces on their own, over TLS: request heads as signed,
+cancellation, stale kept-alive connections, answers that arrive before the whole body was
+taken."""
 
 from __future__ import annotations
 
@@ -16,10 +17,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from s3ckpt.s3.http_range import tls_context
-from s3ckpt.s3.tls_exchange import send_request
-from s3ckpt.s3.tls_send import TlsSender, _request_head
-from s3ckpt.s3.tls_socket import TlsTransport
+from s3ckpt.s3.wire.exchange import send_request
+from s3ckpt.s3.wire.pool import ConnectionPool
+from s3ckpt.s3.wire.uploads import BodySender, request_head
 from s3ckpt.testing.tls_cert import write_tls_files
 
 
@@ -32,7 +32,7 @@ def test_the_request_head_keeps_signed_headers_and_drops_expect():
         "Content-Length": "999",
         "User-Agent": "aiobotocore",
     }
-    head = _request_head("PUT", url, headers, 1234).decode("latin-1")
+    head = request_head("PUT", url, headers, 1234).decode("latin-1")
     lines = head.split("\r\n")
     assert lines[0] == "PUT /bucket/key?partNumber=2&uploadId=abc HTTP/1.1"
     assert "Host: s3.example.com" in lines  # the default port is not part of the signed host
@@ -40,7 +40,7 @@ def test_the_request_head_keeps_signed_headers_and_drops_expect():
     assert "X-Amz-Date: 20260101T000000Z" in lines
     assert not any(line.lower().startswith("expect") for line in lines)
     assert head.endswith("\r\n\r\n")
-    other = _request_head("PUT", urlsplit("https://localhost:9000/b/k"), {}, 0).decode()
+    other = request_head("PUT", urlsplit("https://localhost:9000/b/k"), {}, 0).decode()
     assert "Host: localhost:9000" in other and "User-Agent: s3ckpt/" in other
 
 
@@ -98,9 +98,9 @@ def serve(tmp_path: Path) -> Iterator[Callable[[Callable[[ssl.SSLSocket], None]]
         server.close()
 
 
-def _transport(ca_file: Path, read_timeout: float = 5.0) -> TlsTransport:
-    return TlsTransport(
-        tls_context(str(ca_file)), connect_timeout=5.0, read_timeout=read_timeout, max_idle=4
+def _transport(ca_file: Path, read_timeout: float = 5.0) -> ConnectionPool:
+    return ConnectionPool(
+        verify=str(ca_file), connect_timeout=5.0, read_timeout=read_timeout, max_idle=4
     )
 
 
@@ -142,7 +142,8 @@ def test_a_cancelled_request_stops_its_thread_at_once(serve):
     async def cancelled() -> float:
         task = asyncio.ensure_future(
             transport.run(
-                "localhost", server.port, lambda c: send_request(c, head, memoryview(b"data"))
+                ("https", "localhost", server.port),
+                lambda c: send_request(c, head, memoryview(b"data")),
             )
         )
         # The request is sent and its thread waits for the answer.
@@ -178,7 +179,8 @@ def test_a_kept_alive_connection_the_server_closed_is_replaced(serve):
         statuses = []
         for _ in range(2):
             status, headers, _ = await transport.run(
-                "localhost", server.port, lambda c: send_request(c, head, memoryview(b"data"))
+                ("https", "localhost", server.port),
+                lambda c: send_request(c, head, memoryview(b"data")),
             )
             statuses.append(status)
             assert headers["etag"] == '"e"'
@@ -213,7 +215,7 @@ def test_an_answer_before_the_whole_body_is_what_the_caller_gets(serve):
 
     async def put() -> tuple[int, bytes]:
         status, _, content = await transport.run(
-            "localhost", server.port, lambda c: send_request(c, head, body)
+            ("https", "localhost", server.port), lambda c: send_request(c, head, body)
         )
         return status, content
 
@@ -223,28 +225,46 @@ def test_an_answer_before_the_whole_body_is_what_the_caller_gets(serve):
         transport.executor.shutdown(wait=True)
 
 
-def test_requests_the_tls_path_does_not_take_are_left_to_aiohttp():
-    """Plain HTTP, and bodies that are not memory (a file, say), go the usual way."""
-    sender = TlsSender(transport=None)  # type: ignore[arg-type]  # never reached
-    plain = SimpleNamespace(method="PUT", url="http://h/b/k", headers={}, body=b"x")
+def test_bodies_that_are_not_memory_are_left_to_aiohttp():
+    """Bodies that are not memory (a file, say), and schemes other than HTTP(S), go the
+    usual way; plain HTTP memory bodies are the data plane's as HTTPS ones are."""
+    sender = BodySender(pool=None)  # type: ignore[arg-type]  # never reached
     stream = SimpleNamespace(method="PUT", url="https://h/b/k", headers={}, body=io.BytesIO())
-    assert asyncio.run(sender(plain)) is None
+    other = SimpleNamespace(method="PUT", url="ftp://h/b/k", headers={}, body=b"x")
     assert asyncio.run(sender(stream)) is None
+    assert asyncio.run(sender(other)) is None
 
 
-def test_a_send_that_times_out_is_a_retryable_read_timeout():
-    """A server that stops reading the body: the stalled ``sendall`` becomes botocore's
-    timeout, which the retry policy and the error mapping know."""
+def test_a_send_that_stalls_is_a_retryable_read_timeout(serve):
+    """A server that stops reading the body: once no byte has moved for ``read_timeout``
+    the stall timer aborts the send, which becomes botocore's timeout, which the retry
+    policy and the error mapping know."""
     from botocore import exceptions as bce
 
     from s3ckpt.s3.retry import is_retryable
-    from s3ckpt.s3.tls_exchange import _Exchange
 
-    class Stalled:
-        def sendall(self, data: bytes) -> None:
-            raise TimeoutError("timed out")
+    stop = threading.Event()
 
-    connection = type("Connection", (), {"sock": Stalled(), "endpoint": "https://127.0.0.1:1"})()
-    with pytest.raises(bce.ReadTimeoutError) as info:
-        _Exchange(connection).send(b"body")  # type: ignore[arg-type]
+    def stop_reading(sock: ssl.SSLSocket) -> None:
+        sock.recv(65536)  # the head, and then nothing more
+        stop.wait(30)
+
+    server = serve(stop_reading)
+    transport = _transport(server.ca_file, read_timeout=1.0)
+    body = memoryview(bytes(256 * 1024 * 1024))  # far more than the socket buffers hold
+    head = f"PUT /b/k HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(body)}\r\n\r\n"
+
+    async def put() -> None:
+        await transport.run(
+            ("https", "localhost", server.port), lambda c: send_request(c, head.encode(), body)
+        )
+
+    started = time.monotonic()
+    try:
+        with pytest.raises(bce.ReadTimeoutError) as info:
+            asyncio.run(put())
+    finally:
+        stop.set()
+        transport.executor.shutdown(wait=True)
     assert is_retryable(info.value)
+    assert 1.0 <= time.monotonic() - started < 10

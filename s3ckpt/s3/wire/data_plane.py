@@ -1,0 +1,54 @@
+"""The data plane of one client: one connection pool, the upload sender, the range reader."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from s3ckpt.s3.wire.pool import ConnectionPool
+from s3ckpt.s3.wire.ranged_get import DirectRangeReader
+from s3ckpt.s3.wire.uploads import BodySender
+
+
+class DataPlane:
+    """Upload bodies (``uploads``) and ranged GETs (``reads``) of ``client``, on one pool."""
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        verify: bool | str,
+        connect_timeout: float,
+        read_timeout: float,
+        max_concurrency: int,
+        uploads: bool,
+        reads: bool,
+    ) -> None:
+        self.pool = ConnectionPool(
+            verify=verify,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            max_idle=max_concurrency,
+        )
+        self.reader: DirectRangeReader | None = None
+        if reads:
+            self.reader = DirectRangeReader(
+                client,
+                verify=verify,
+                connect_timeout=connect_timeout,
+                read_timeout=read_timeout,
+                max_idle=max_concurrency,
+                pool=self.pool,
+            )
+        if uploads:
+            BodySender(self.pool).register(client)
+
+    def stop_reads(self) -> None:
+        """Leave every later ranged GET to aiobotocore (the endpoint answered one oddly)."""
+        self.reader = None
+
+    def close_idle(self) -> None:
+        """Close the kept-alive connections, so the next requests open new ones."""
+        self.pool.close_idle()
+
+    async def aclose(self) -> None:
+        await self.pool.aclose()

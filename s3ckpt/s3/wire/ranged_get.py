@@ -1,0 +1,103 @@
+"""Ranged GETs signed by the aiobotocore client, sent on the pool's connections.
+
+The request is signed as a presigned URL (SigV4 query authentication), so credentials,
+regions, session tokens and addressing style are handled by the client in one place and
+never appear in a header built here. A presigned URL is reused for every range of its
+object for a few minutes (``Range`` is not signed), and signed anew when a reused one is
+refused. Error responses come back as the ``ClientError`` s aiobotocore would raise, so
+:mod:`s3ckpt.s3.retry` and :mod:`s3ckpt.s3.error_mapping` treat them like any other.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+from urllib.parse import SplitResult, urlsplit
+
+from botocore.exceptions import ClientError
+
+from s3ckpt._version import __version__
+from s3ckpt.s3.wire.pool import ConnectionPool
+from s3ckpt.s3.wire.range_body import receive_range
+from s3ckpt.s3.wire.sink import RangeSink
+
+PRESIGN_EXPIRES_S = 3600
+REUSE_SIGNATURE_S = 300.0
+MAX_CACHED_URLS = 4096
+
+
+class DirectRangeReader:
+    """Ranged GETs over the pool's kept-alive connections, signed by an aiobotocore client.
+
+    Without a ``pool`` the reader makes its own (the configuration's ``verify`` and
+    timeouts); the client's data plane shares one with the upload path.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        verify: bool | str,
+        connect_timeout: float,
+        read_timeout: float,
+        max_idle: int,
+        pool: ConnectionPool | None = None,
+    ) -> None:
+        self.client = client
+        self.owns_pool = pool is None
+        self.pool = pool or ConnectionPool(
+            verify=verify,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            max_idle=max_idle,
+        )
+        self._urls: dict[tuple[str, str], tuple[float, SplitResult]] = {}
+
+    async def read(self, bucket: str, key: str, start: int, end: int, sink: RangeSink) -> None:
+        """Receive bytes ``[start, end)`` of ``bucket/key`` into ``sink``, in offset order."""
+        url, reused = await self._signed(bucket, key)
+        try:
+            await self._get(url, start, end, sink)
+        except ClientError as exc:
+            if not reused or exc.response["ResponseMetadata"]["HTTPStatusCode"] != 403:
+                raise
+            # A reused signature may have outlived the credentials that made it: sign anew.
+            url, _ = await self._signed(bucket, key, fresh=True)
+            await self._get(url, start, end, sink)
+
+    async def _signed(
+        self, bucket: str, key: str, *, fresh: bool = False
+    ) -> tuple[SplitResult, bool]:
+        """A presigned GET URL for the object and whether it was reused."""
+        now = time.monotonic()
+        cached = self._urls.get((bucket, key))
+        if cached is not None and not fresh and now - cached[0] < REUSE_SIGNATURE_S:
+            return cached[1], True
+        url = await self.client.generate_presigned_url(
+            "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=PRESIGN_EXPIRES_S
+        )
+        if len(self._urls) >= MAX_CACHED_URLS:
+            self._urls.clear()
+        self._urls[(bucket, key)] = (now, urlsplit(url))
+        return self._urls[(bucket, key)][1], False
+
+    async def _get(self, url: SplitResult, start: int, end: int, sink: RangeSink) -> None:
+        origin = (
+            url.scheme,
+            url.hostname or "",
+            url.port or (443 if url.scheme == "https" else 80),
+        )
+        request = (
+            f"GET {url.path}?{url.query} HTTP/1.1\r\nHost: {url.netloc}\r\n"
+            f"Range: bytes={start}-{end - 1}\r\nAccept-Encoding: identity\r\n"
+            f"User-Agent: s3ckpt/{__version__}\r\n\r\n"
+        ).encode("ascii")
+        await receive_range(self.pool, origin, request, start, end, sink)
+
+    async def aclose(self) -> None:
+        if self.owns_pool:
+            await self.pool.aclose()
+
+    def close_idle(self) -> None:
+        """Close the kept-alive connections (those in use close when their request ends)."""
+        self.pool.close_idle()

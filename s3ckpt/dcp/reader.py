@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -249,10 +250,14 @@ class S3StorageReader(S3Location, StorageReader):
         self._fetch([self._prepare(request, planner) for request in plan.items], planner)
 
     def _fetch(
-        self, pending: list[PendingRead], planner: LoadPlanner, keep: frozenset[int] = frozenset()
+        self,
+        pending: list[PendingRead],
+        planner: LoadPlanner,
+        keep: frozenset[int] = frozenset(),
+        kept_hook: Callable[[PendingRead], None] | None = None,
     ) -> dict[int, PendingRead]:
         """Fetch, verify and hand over every item (:class:`~s3ckpt.dcp.fetch.ItemFetch`)."""
-        return ItemFetch(self).run(pending, planner, keep)
+        return ItemFetch(self).run(pending, planner, keep, kept_hook)
 
     def _check_agreement(self, agreed: LoadAgreement | None) -> None:
         check_agreement(self.location, self._manifest().save_id, agreed)
@@ -297,7 +302,11 @@ class S3StorageReader(S3Location, StorageReader):
         return await metadata_read.committed_manifest(store, location)
 
     def _prepare(
-        self, request: ReadItem, planner: LoadPlanner, *, stage: bool = True
+        self,
+        request: ReadItem,
+        planner: LoadPlanner,
+        *,
+        stage: bool | Callable[[torch.device], bool] = True,
     ) -> PendingRead:
         stored = self.storage_data[request.storage_index]
         what = f"{self.location}/{stored.key} item {request.storage_index.fqn!r}"

@@ -15,6 +15,7 @@ every rank of a load decides alike.
 from __future__ import annotations
 
 import enum
+import functools
 import pickle
 from typing import Protocol, TypeVar
 
@@ -90,7 +91,11 @@ class GroupBroadcast:
         self.group = group
         self.is_coordinator = rank == 0
         self._source = dist.get_global_rank(group, 0)
-        self.backend = dist.get_backend_config(group)
+
+    @functools.cached_property
+    def backend(self) -> str:
+        """The group's backend for each device type, ``"cpu:gloo,cuda:nccl"``."""
+        return dist.get_backend_config(self.group)
 
     def carries(self, device_type: str) -> Carry | None:
         """How this group carries bytes bound for ``device_type`` memory (:func:`carriage`)."""

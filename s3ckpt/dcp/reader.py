@@ -105,7 +105,9 @@ class S3StorageReader(S3Location, StorageReader):
             ``dcp.load(process_group=...)``, or ``torch.distributed.group.WORLD``): their
             rank 0 reads the metadata once and broadcasts it over this group, which every
             one of them must therefore pass. ``None`` (the default): each rank reads it
-            itself, with no collective.
+            itself, with no collective. The ranks also read each stored range that several
+            of them need once, passing it on over this group (:mod:`s3ckpt.dcp.shared_read`;
+            in device memory for CUDA destinations where its backend for CUDA is NCCL).
         trust_pickles: load non-tensor items even if they hold objects outside torch's
             weights-only allowlist (custom classes), and metadata naming globals outside
             s3ckpt's allowlist. Only for buckets you trust: such pickles can run code.

@@ -142,11 +142,20 @@ def _damaged(tensor: torch.Tensor) -> torch.Tensor:
     return copy
 
 
+FORCED = {"device": True}  # False: the group's own decision (gloo: host tensors)
+
+
 def _force_device_carriage() -> None:
-    """CPU destinations travel as device tensors do, through the slabs when large."""
+    """CPU destinations travel as device tensors do (while ``FORCED``), and take the
+    slabs when large, as device destinations do."""
     from s3ckpt.dcp import process_group, restore
 
-    process_group.carriage = lambda backend, device_type: process_group.Carry.DEVICE  # type: ignore[assignment]
+    decide = process_group.carriage
+
+    def forced(backend: str, device_type: str) -> Any:
+        return process_group.Carry.DEVICE if FORCED["device"] else decide(backend, device_type)
+
+    process_group.carriage = forced  # type: ignore[assignment]
     restore.through_slabs = lambda destination, nbytes: nbytes >= restore.SLAB_MIN_ITEM  # type: ignore[assignment]
 
 
@@ -172,7 +181,9 @@ def forced_main(
     uris: dict[str, str], out_dir: str,
 ) -> None:  # fmt: skip
     """Four loads on the forced path: raw and zstd checkpoints (GETs counted by the
-    parent's proxies, ``through``), bytes damaged between ranks, a rank whose GETs fail."""
+    parent's proxies, ``through``), bytes damaged between ranks, a rank whose GETs fail;
+    before them, one in host memory whose GETs the parent damages once ("reread"), by
+    destinations that would take the slabs in an unshared load."""
     from _shared_read_worker import _fail_fetches
 
     _init(rank, world_size, port)
@@ -181,6 +192,11 @@ def forced_main(
         recorder = Recorder()
         recorder.install()
         report: dict[str, Any] = {}
+        FORCED["device"] = False
+        targets = targets_for(raw_state(), "cpu")
+        error = _load(uris["raw"], through["reread"], targets)
+        report["reread"] = {"error": error, "exact": exact(targets, raw_state())}
+        FORCED["device"] = True
         for case, state in (("raw", raw_state()), ("zstd", zstd_state())):
             recorder.clear()
             targets = targets_for(state, "cpu")
@@ -198,9 +214,11 @@ def forced_main(
 
 
 def nccl_main(
-    rank: int, world_size: int, port: int, s3: dict[str, Any], uri: str, out_dir: str
-) -> None:
-    """One GPU per rank, a "cpu:gloo,cuda:nccl" group: CUDA destinations over NCCL."""
+    rank: int, world_size: int, port: int, s3: dict[str, Any], through: dict[str, Any], uri: str,
+    out_dir: str,
+) -> None:  # fmt: skip
+    """One GPU per rank, a "cpu:gloo,cuda:nccl" group: CUDA destinations over NCCL, GETs
+    counted by the parent's proxy (``through``); then bytes damaged between the ranks."""
     import os
     from datetime import timedelta
 
@@ -216,13 +234,16 @@ def nccl_main(
         recorder.install()
         state = raw_state()
         targets = targets_for(state, f"cuda:{rank}")
-        error = _load(uri, s3, targets)
-        _report(out_dir, rank, {
+        error = _load(uri, through, targets)
+        report = {
             "error": error,
             "exact": exact(targets, state),
             "on_device": all(t.is_cuda for t in targets.values() if isinstance(t, torch.Tensor)),
             "carriage": process_group.carriage(dist.get_backend_config(), "cuda").value,
             **recorder.report(),
-        })  # fmt: skip
+        }
+        recorder.damage_sends = True
+        report["damaged"] = _load(uri, s3, targets_for(state, f"cuda:{rank}"))
+        _report(out_dir, rank, report)
     finally:
         dist.destroy_process_group()

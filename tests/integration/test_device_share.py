@@ -18,7 +18,7 @@ import _dist_worker as worker
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from faultproxy import FaultProxy
+from faultproxy import FaultProxy, Rule
 
 from s3ckpt import S3StorageWriter
 from s3ckpt.dcp.restore import SLAB_MIN_ITEM
@@ -45,15 +45,14 @@ def reports(seaweedfs_s3: LocalS3Server, tmp_path_factory: pytest.TempPathFactor
     writer = S3StorageWriter(uris["zstd"], compression="zstd", **s3)
     dcp.save(share_worker.zstd_state(), storage_writer=writer, no_dist=True)
     out = tmp_path_factory.mktemp("device-share")
-    with FaultProxy(s3["endpoint_url"]) as raw, FaultProxy(s3["endpoint_url"]) as zstd:
-        through = {
-            "raw": {**s3, "endpoint_url": raw.endpoint_url},
-            "zstd": {**s3, "endpoint_url": zstd.endpoint_url},
-        }
+    proxies = {case: FaultProxy(s3["endpoint_url"]) for case in ("raw", "zstd", "reread")}
+    proxies["reread"].add(Rule("corrupt", methods=("GET",), match="/data", after=5 * MiB, limit=1))
+    with proxies["raw"], proxies["zstd"], proxies["reread"]:
+        through = {case: {**s3, "endpoint_url": p.endpoint_url} for case, p in proxies.items()}
         worker.run_ranks(share_worker.forced_main, 2, s3, through, uris, str(out), timeout=240)
-        fetched = {"raw": raw.body_bytes["GET"], "zstd": zstd.body_bytes["GET"]}
+    fetched = {case: proxies[case].body_bytes["GET"] for case in ("raw", "zstd")}
     ranks = [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    return {"ranks": ranks, "fetched": fetched}
+    return {"ranks": ranks, "fetched": fetched, "corrupted": proxies["reread"].counts["corrupt"]}
 
 
 def test_device_ranges_are_read_once_and_arrive_bit_exact_in_device_memory(reports):
@@ -113,3 +112,12 @@ def test_a_rank_that_cannot_fetch_fails_every_rank_with_its_error(reports):
     for report in reports["ranks"]:
         error = report["failing"]["error"]
         assert error is not None and "injected: rank 1 cannot read its share" in error, error
+
+
+def test_a_damaged_range_shared_in_host_memory_is_read_again_as_it_was_prepared(reports):
+    """Destinations that would take the slabs alone, shared in host memory: a damaged GET
+    is read again into the host buffer the item was given, not through slabs."""
+    assert reports["corrupted"] == 1
+    for rank, report in enumerate(reports["ranks"]):
+        assert report["reread"]["error"] is None, (rank, report["reread"]["error"])
+        assert all(report["reread"]["exact"].values()), (rank, report["reread"]["exact"])

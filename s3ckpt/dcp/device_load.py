@@ -106,6 +106,11 @@ def slab_size(items: list[PendingRead], request_size: int) -> int:
     return max(block, request_size // block * block)
 
 
+def device_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """Bytes in ``device`` memory for an item that cannot land in its destination."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
 @dataclass(eq=False)
 class Piece:
     """Bytes ``[within, within + nbytes)`` of an item's raw span, on their way to the device."""
@@ -204,9 +209,7 @@ class DeviceFeed:
         item = piece.item
         if item.raw.numel() == 0:  # not direct: a device buffer for the item while in flight
             assert item.destination is not None
-            item.raw = torch.empty(
-                item.span[1] - item.span[0], dtype=torch.uint8, device=item.destination.device
-            )
+            item.raw = device_buffer(item.span[1] - item.span[0], item.destination.device)
         source = self.slabs.tensors[piece.slab][: piece.nbytes]
         item.raw[piece.within : piece.within + piece.nbytes].copy_(
             source, non_blocking=self.slabs.pinned

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import queue
+from collections.abc import Callable
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import wait as futures_wait
 from typing import TYPE_CHECKING
@@ -59,10 +60,15 @@ class ItemFetch:
         self.reader = reader
 
     def run(
-        self, pending: list[PendingRead], planner: LoadPlanner, keep: frozenset[int] = frozenset()
+        self,
+        pending: list[PendingRead],
+        planner: LoadPlanner,
+        keep: frozenset[int] = frozenset(),
+        kept_hook: Callable[[PendingRead], None] | None = None,
     ) -> dict[int, PendingRead]:
         """Fetch, verify (reading damaged items again) and hand over every item; those
-        whose ``id`` is in ``keep`` are verified but kept, returned by that ``id``."""
+        whose ``id`` is in ``keep`` are verified but kept, returned by that ``id``, each
+        given to ``kept_hook`` as it is (on this thread) first."""
         staged = [p for p in pending if p.staged]
         slabs = self._slabs(staged) if staged else None
         ranges = self._range_reader(None if slabs is None else slabs.budget)
@@ -82,6 +88,8 @@ class ItemFetch:
         def settle(checked: Checked) -> None:
             item = self._settled(checked, planner)
             if id(checked[0]) in keep:
+                if kept_hook is not None:
+                    kept_hook(item)
                 kept[id(checked[0])] = item
             else:
                 hand_to_planner(item, planner, trust_pickles=self.reader.trust_pickles)
@@ -161,7 +169,8 @@ class ItemFetch:
         transit. An item that stays damaged is a damaged object: ``damage`` is raised."""
         for attempt in range(1, REREADS + 1):
             log.warning("%s; reading it again (%d of %d)", damage, attempt, REREADS)
-            fresh = self.reader._prepare(item.request, planner)
+            # Staged items are read again piece by piece (DeviceFeed): this one was not.
+            fresh = self.reader._prepare(item.request, planner, stage=False)
             ranges = self._range_reader()
             ranges.fetch_again([self._target(fresh, FramePool(), ranges)])
             fresh, again = _checked(fresh)

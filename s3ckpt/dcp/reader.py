@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -104,7 +105,9 @@ class S3StorageReader(S3Location, StorageReader):
             ``dcp.load(process_group=...)``, or ``torch.distributed.group.WORLD``): their
             rank 0 reads the metadata once and broadcasts it over this group, which every
             one of them must therefore pass. ``None`` (the default): each rank reads it
-            itself, with no collective.
+            itself, with no collective. The ranks also read each stored range that several
+            of them need once, passing it on over this group (:mod:`s3ckpt.dcp.shared_read`;
+            in device memory for CUDA destinations where its backend for CUDA is NCCL).
         trust_pickles: load non-tensor items even if they hold objects outside torch's
             weights-only allowlist (custom classes), and metadata naming globals outside
             s3ckpt's allowlist. Only for buckets you trust: such pickles can run code.
@@ -249,10 +252,14 @@ class S3StorageReader(S3Location, StorageReader):
         self._fetch([self._prepare(request, planner) for request in plan.items], planner)
 
     def _fetch(
-        self, pending: list[PendingRead], planner: LoadPlanner, keep: frozenset[int] = frozenset()
+        self,
+        pending: list[PendingRead],
+        planner: LoadPlanner,
+        keep: frozenset[int] = frozenset(),
+        kept_hook: Callable[[PendingRead], None] | None = None,
     ) -> dict[int, PendingRead]:
         """Fetch, verify and hand over every item (:class:`~s3ckpt.dcp.fetch.ItemFetch`)."""
-        return ItemFetch(self).run(pending, planner, keep)
+        return ItemFetch(self).run(pending, planner, keep, kept_hook)
 
     def _check_agreement(self, agreed: LoadAgreement | None) -> None:
         check_agreement(self.location, self._manifest().save_id, agreed)
@@ -297,7 +304,11 @@ class S3StorageReader(S3Location, StorageReader):
         return await metadata_read.committed_manifest(store, location)
 
     def _prepare(
-        self, request: ReadItem, planner: LoadPlanner, *, stage: bool = True
+        self,
+        request: ReadItem,
+        planner: LoadPlanner,
+        *,
+        stage: bool | Callable[[torch.device], bool] = True,
     ) -> PendingRead:
         stored = self.storage_data[request.storage_index]
         what = f"{self.location}/{stored.key} item {request.storage_index.fqn!r}"

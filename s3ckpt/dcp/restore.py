@@ -62,6 +62,9 @@ class PendingRead:
     # bytes (direct) or a device scratch buffer made when the first piece lands.
     staged: bool = False
     scratch_at_decode: bool = False  # compressed, not direct: ``raw`` is allocated by decode
+    # The destination's own memory, as bytes, is the span (on any device): bytes carried
+    # in device memory may land there (``dcp.device_share``).
+    in_place: bool = False
     stored_span: tuple[int, int] = field(init=False)  # stored bytes fetched, relative to the item
     raw_view: memoryview = field(init=False)  # over ``raw``
     view: memoryview = field(init=False)  # receives the stored bytes
@@ -182,9 +185,11 @@ def _size_class(nbytes: int) -> int:
 
 
 def prepare(request: ReadItem, stored: StoredItem, chunk: tuple[torch.dtype, torch.Size] | None,
-            planner: LoadPlanner, what: str, *, stage: bool = True) -> PendingRead:  # fmt: skip
-    """Where ``request``'s bytes will land. ``stage=False``: device destinations get a host
-    scratch buffer now instead of bounce slabs (a shared read passes that buffer on)."""
+            planner: LoadPlanner, what: str, *,
+            stage: bool | Callable[[torch.device], bool] = True) -> PendingRead:  # fmt: skip
+    """Where ``request``'s bytes will land. ``stage`` false (or false for the destination's
+    device): device destinations get a host scratch buffer now instead of bounce slabs (a
+    shared read passes that buffer on over host memory)."""
     if request.type == LoadItemType.BYTE_IO or chunk is None:
         return PendingRead(
             request,
@@ -205,15 +210,16 @@ def prepare(request: ReadItem, stored: StoredItem, chunk: tuple[torch.dtype, tor
         wanted is None and tuple(request.lengths) == tuple(shape)
     )
     takes_bytes = whole and takes_stored_bytes(destination, dtype, stored.size)
-    if stage and stored.codec == RAW and through_slabs(destination, last - first):
+    staged = stage(destination.device) if callable(stage) else stage
+    if staged and stored.codec == RAW and through_slabs(destination, last - first):
         raw = as_bytes_tensor(destination) if takes_bytes else _EMPTY
         return PendingRead(request, stored, chunk, (first, last), wanted, raw, destination,
-                           takes_bytes, what, staged=True)  # fmt: skip
+                           takes_bytes, what, staged=True, in_place=takes_bytes)  # fmt: skip
     direct = takes_bytes and destination.device.type == "cpu"
     later = stored.codec != RAW and not direct
     raw = as_bytes_tensor(destination) if direct else _EMPTY if later else byte_buffer(last - first)
     return PendingRead(request, stored, chunk, (first, last), wanted, raw, destination, direct,
-                       what, scratch_at_decode=later)  # fmt: skip
+                       what, scratch_at_decode=later, in_place=takes_bytes)  # fmt: skip
 
 
 # Device destinations smaller than this keep a host scratch buffer of their own: their

@@ -1,39 +1,93 @@
 """A multi-rank load that reads each stored byte range once across its process group.
 
 Given ``S3StorageReader(process_group=...)``, the ranks of a load tell each other, in one
-small all-gather, which stored ranges their read items need; :func:`~s3ckpt.transfer.shares.
-plan_shares` gives every range that several ranks need to one of them. Each rank then
-fetches what only it needs and the shared ranges it was given, with the usual parallel
-ranged GETs, CRC32C checks and re-reads of damage, and passes each shared range to the
-ranks that need it with point-to-point sends over the group (gloo carries CPU tensors).
-Receivers verify the bytes against their block CRC32Cs before the planner sees them.
+small all-gather, which stored ranges their read items need and how each would travel;
+:func:`~s3ckpt.transfer.shares.plan_shares` gives every range that several ranks need to
+one of them. Each rank then fetches what only it needs and the shared ranges it was
+given, with the usual parallel ranged GETs, CRC32C checks and re-reads of damage, and
+passes each shared range to the ranks that need it with point-to-point sends over the
+group. Receivers verify the bytes against their block CRC32Cs before the planner sees them.
 
-Bytes land where an unshared load would put them (the destination tensor, or the scratch
-buffer the item has anyway), so sharing adds no host memory. A range needed by one rank
-only costs no traffic between ranks; a load with nothing replicated (pure FSDP) makes
-the one all-gather and then reads as it would alone.
+How a range travels (:func:`~s3ckpt.dcp.process_group.carriage`, from the group's
+backend and the destination's device type, the same on every rank):
 
-Failures never leave a rank waiting: a rank that cannot plan or fetch its share says so
-in the next collective, and every rank then raises that rank's error (its own first).
-A compressed item is fetched and decoded (and so verified) by its owner, which passes on
-the decoded bytes: the store is read once, and the receivers check those bytes against
-the same block CRC32Cs (which are of the raw bytes) without decoding anything.
-Destinations in device memory get a host buffer for the load here (``stage=False``), the
-memory that gloo sends from and receives into.
+* as host tensors (gloo), for CPU destinations, and for device destinations where the
+  group cannot carry device memory: bytes land where an unshared load of a CPU tensor
+  would put them (the destination, or the scratch buffer the item has anyway), so sharing
+  adds no host memory for CPU destinations; a device destination gets a host buffer for
+  the load here (``stage=False``), the memory gloo sends from and receives into;
+* in device memory, where the group carries it (NCCL for CUDA destinations):
+  :mod:`s3ckpt.dcp.device_share`, host memory held to the bounce slabs;
+* not at all where the group carries neither (an NCCL-only group, CPU destinations):
+  each rank needing the range reads it itself.
+
+A range needed by one rank only costs no traffic between ranks; a load with nothing
+replicated (pure FSDP) makes the one all-gather and then reads as it would alone.
+
+Failures never leave a rank waiting: a rank that cannot plan, fetch its share or make
+room for what it will receive says so in the next collective, and every rank then raises
+that rank's error (its own first); no rank enters a transfer before every rank has said
+it is ready. A compressed item is fetched and decoded (and so verified) by its owner,
+which passes on the decoded bytes: the store is read once, and the receivers check those
+bytes against the same block CRC32Cs (which are of the raw bytes) without decoding.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from s3ckpt.dcp import device_load, device_share
 from s3ckpt.dcp.compat import LoadPlan, LoadPlanner
-from s3ckpt.dcp.process_group import GroupBroadcast, portable
+from s3ckpt.dcp.process_group import Carry, GroupBroadcast, Transfer, portable
 from s3ckpt.dcp.restore import PendingRead, hand_to_planner
 from s3ckpt.format.checksums import verify_blocks
 from s3ckpt.transfer.shares import SharePlan, Span, plan_shares
 
 if TYPE_CHECKING:
     from s3ckpt.dcp.reader import S3StorageReader
+
+# How a range travels: ("host", "cpu"), or ("device", the destination's device type).
+Route = tuple[str, str]
+HOST: Route = (Carry.HOST.value, "cpu")
+
+
+@dataclass(frozen=True)
+class Routed:
+    """The shared ranges that travel one way: their plan (the same on every rank) and this
+    rank's item for each range it needs."""
+
+    route: Route
+    plan: SharePlan
+    items: dict[Span, PendingRead]
+
+    @property
+    def in_device(self) -> bool:
+        return self.route != HOST
+
+    def owned(self, rank: int) -> list[PendingRead]:
+        return [self.items[span] for span in self.plan.fetched_by(rank)]
+
+    def receives(self, rank: int) -> list[tuple[PendingRead, int]]:
+        """``(item, sending rank)`` for every range ``rank`` receives, in tag order."""
+        return [(self.items[span], owner) for span, owner in self.plan.receives(rank)]
+
+    def transfers(
+        self, rank: int, kept: dict[int, PendingRead]
+    ) -> tuple[list[Transfer], list[Transfer]]:
+        """What ``rank`` sends (its fetched items, ``kept`` by id) and receives."""
+        tags = self.plan.tags
+        sends = [
+            (kept[id(self.items[span])].raw, peer, tags[span])
+            for span, peer in self.plan.sends(rank)
+        ]
+        receives = [
+            (self.items[span].raw, owner, tags[span]) for span, owner in self.plan.receives(rank)
+        ]
+        return sends, receives
 
 
 class SharedRead:
@@ -46,13 +100,15 @@ class SharedRead:
 
     def run(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         pending: list[PendingRead] = []
+        primaries: dict[Route, dict[Span, PendingRead]] = {}
         try:
             self.reader._locate(plan)
             pending = [
-                self.reader._prepare(request, planner, stage=False) for request in plan.items
+                self.reader._prepare(request, planner, stage=self._in_device)
+                for request in plan.items
             ]
-            primaries = _primaries(pending)
-            outcome: Any = ("needs", sorted(primaries))
+            primaries = _primaries(pending, self._route)
+            outcome: Any = ("needs", {r: sorted(spans) for r, spans in primaries.items()})
         except Exception as exc:
             outcome = ("failed", portable(exc))
             failure: Exception | None = exc
@@ -60,64 +116,111 @@ class SharedRead:
             failure = None
         gathered = self.group.all_gather(outcome)
         _raise_first(failure, [o[1] for o in gathered if o[0] == "failed"])
-        shares = plan_shares([o[1] for o in gathered])
-        if not shares.shared:
+        routes = _routes([o[1] for o in gathered], primaries)
+        if not any(routed.plan.shared for routed in routes):
             self.reader._fetch(pending, planner)
             return
-        self._share(shares, pending, primaries, planner)
+        self._share(routes, pending, planner)
+
+    def _in_device(self, device: torch.device) -> bool:
+        """Whether a destination on ``device`` receives its shared bytes in device memory."""
+        return self.group.carries(device.type) is Carry.DEVICE
+
+    def _route(self, item: PendingRead) -> Route | None:
+        """How ``item``'s range travels; ``None``: it does not, each rank reads it."""
+        if item.destination is None:  # bytes for the planner: host memory
+            return HOST if self.group.carries("cpu") is not None else None
+        device = item.destination.device.type
+        carry = self.group.carries(device)
+        return None if carry is None else HOST if carry is Carry.HOST else ("device", device)
 
     def _share(
-        self,
-        shares: SharePlan,
-        pending: list[PendingRead],
-        primaries: dict[Span, PendingRead],
-        planner: LoadPlanner,
+        self, routes: list[Routed], pending: list[PendingRead], planner: LoadPlanner
     ) -> None:
-        receives = shares.receives(self.rank)
-        received = {id(primaries[span]) for span, _ in receives}
-        owned = frozenset(id(primaries[span]) for span in shares.fetched_by(self.rank))
+        rank = self.rank
+        receiving = [(r, item, owner) for r in routes for item, owner in r.receives(rank)]
+        received = {id(item) for _, item, _ in receiving}
+        owned = frozenset(id(item) for r in routes for item in r.owned(rank))
         failure: Exception | None = None
         kept: dict[int, PendingRead] = {}
         try:
             here = [p for p in pending if id(p) not in received]
-            kept = self.reader._fetch(here, planner, keep=owned)
+            kept = self.reader._fetch(here, planner, keep=owned, kept_hook=self._onto_carrier)
+            for routed, item, _ in receiving:  # room for what arrives, before anyone sends
+                if routed.in_device:
+                    device_share.receive_into(item)
+                else:
+                    item.allocate_scratch()  # a compressed item decodes nothing here
         except Exception as exc:
             failure = exc
         statuses = self.group.all_gather(None if failure is None else portable(failure))
         _raise_first(failure, [s for s in statuses if s is not None])
-        sends = [
-            (kept[id(primaries[span])].raw, peer, shares.tags[span])
-            for span, peer in shares.sends(self.rank)
-        ]
-        for span, _ in receives:
-            primaries[span].allocate_scratch()  # a compressed item decodes nothing here
-        arriving = [(primaries[span].raw, owner, shares.tags[span]) for span, owner in receives]
-        self.group.exchange(sends, arriving)
+        for routed in routes:
+            if routed.in_device and routed.plan.shared:
+                self.group.ready(routed.route[1])  # every rank, before any device transfer
+        self.group.exchange([routed.transfers(rank, kept) for routed in routes])
         trust = self.reader.trust_pickles
         for item in kept.values():
             hand_to_planner(item, planner, trust_pickles=trust)
-        for span, owner in receives:
-            item = primaries[span]
-            verify_blocks(
-                item.raw_view,
-                item.stored.crc32c,
-                block_size=item.stored.block_size,
-                first_block=item.span[0] // item.stored.block_size,
-                what=f"{item.what} (passed on by rank {owner})",
-            )
+        self._check([(item, owner) for r, item, owner in receiving if not r.in_device], False)
+        self._check([(item, owner) for r, item, owner in receiving if r.in_device], True)
+        for _, item, _ in receiving:
             hand_to_planner(item, planner, trust_pickles=trust)
 
+    def _onto_carrier(self, item: PendingRead) -> None:
+        """A fetched item this rank sends: into device memory, if it travels there."""
+        route = self._route(item)
+        if route is not None and route != HOST:
+            device_share.onto_device(item)
 
-def _primaries(pending: list[PendingRead]) -> dict[Span, PendingRead]:
-    """The stored range of every item, each range's first item; the others (the same range
-    read twice by one rank, rare) are fetched as they are."""
-    primaries: dict[Span, PendingRead] = {}
+    def _check(self, received: list[tuple[PendingRead, int]], in_device: bool) -> None:
+        """Verify what arrived: in host memory where it is, in device memory through slabs."""
+        if not in_device:
+            for item, owner in received:
+                verify_blocks(
+                    item.raw_view,
+                    item.stored.crc32c,
+                    block_size=item.stored.block_size,
+                    first_block=item.span[0] // item.stored.block_size,
+                    what=f"{item.what} (passed on by rank {owner})",
+                )
+            return
+        if not received:
+            return
+        size = device_load.slab_size([item for item, _ in received], self.reader.request_size)
+        slabs = device_load.checkout(size, self.reader.bounce_bytes, torch.cuda.is_available())
+        try:
+            device_share.check_received(received, slabs)
+        finally:
+            device_load.give_back(slabs)
+
+
+def _routes(
+    needs: list[dict[Route, list[Span]]], primaries: dict[Route, dict[Span, PendingRead]]
+) -> list[Routed]:
+    """One plan per route, in the same order and with tags of their own on every rank."""
+    routes: list[Routed] = []
+    tags = 0
+    for route in sorted({r for rank in needs for r in rank}):
+        plan = plan_shares([rank.get(route, []) for rank in needs], first_tag=tags)
+        routes.append(Routed(route, plan, primaries.get(route, {})))
+        tags += len(plan.owners)
+    return routes
+
+
+def _primaries(
+    pending: list[PendingRead], route_of: Callable[[PendingRead], Route | None]
+) -> dict[Route, dict[Span, PendingRead]]:
+    """The stored range of every item that can travel, each range's first item, by route;
+    the others (the same range read twice by one rank, rare) are fetched as they are."""
+    primaries: dict[Route, dict[Span, PendingRead]] = {}
     for item in pending:
-        if item.stored_span[1] == item.stored_span[0]:
+        route = route_of(item)
+        if item.stored_span[1] == item.stored_span[0] or route is None:
             continue
         start = item.stored.offset + item.stored_span[0]
         span = (item.stored.key, start, start + item.stored_span[1] - item.stored_span[0])
-        primaries.setdefault(span, item)
+        primaries.setdefault(route, {}).setdefault(span, item)
     return primaries
 
 

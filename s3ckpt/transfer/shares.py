@@ -57,8 +57,10 @@ class SharePlan:
         return sum(self.fetched_by(rank).values())
 
 
-def plan_shares(needs: Sequence[Sequence[Span]]) -> SharePlan:
-    """The plan for ranks whose needs are ``needs[rank]`` (ranges, each listed once)."""
+def plan_shares(needs: Sequence[Sequence[Span]], first_tag: int = 0) -> SharePlan:
+    """The plan for ranks whose needs are ``needs[rank]`` (ranges, each listed once), its
+    tags numbered from ``first_tag`` (plans of one load that travel together need tags of
+    their own)."""
     needers: dict[Span, list[int]] = {}
     for rank, spans in enumerate(needs):
         for span in dict.fromkeys(spans):
@@ -77,5 +79,5 @@ def plan_shares(needs: Sequence[Sequence[Span]]) -> SharePlan:
         owners[span] = owner
         load[owner] += span[2] - span[1]
     receivers = {s: tuple(r for r in needers[s] if r != owners[s]) for s in owners}
-    tags = {span: number for number, span in enumerate(sorted(owners))}
+    tags = {span: number for number, span in enumerate(sorted(owners), first_tag)}
     return SharePlan(owners, receivers, tags)

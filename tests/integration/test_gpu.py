@@ -188,3 +188,70 @@ def test_a_resharded_load_into_cuda_regions_is_bit_exact(s3_prefix, s3_options):
     reader = S3StorageReader(s3_prefix, bounce_bytes=16 * MIB, request_size=8 * MIB, **s3_options)
     dcp.load(target, storage_reader=reader)
     assert torch.equal(target["m"].cpu(), full.cpu())
+
+
+def _arrived_on_cuda(nbytes: int) -> Any:
+    """An item of ``nbytes`` random stored bytes, all of them received into CUDA memory."""
+    from types import SimpleNamespace
+
+    from s3ckpt.dcp.tensor_bytes import tensor_view
+    from s3ckpt.format.checksums import block_crcs
+
+    stored = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    crcs = block_crcs(tensor_view(stored), MIB)
+    return SimpleNamespace(raw=stored.cuda(), span=(0, nbytes), what="item 'w'",
+                           stored=SimpleNamespace(block_size=MIB, crc32c=crcs))  # fmt: skip
+
+
+def test_bytes_received_into_cuda_are_checked_through_pinned_slabs():
+    """What a rank received over NCCL is copied back through pinned slabs and checked:
+    intact bytes pass (more pieces than slabs), one flipped byte is found."""
+    from s3ckpt.dcp.device_load import Slabs
+    from s3ckpt.dcp.device_share import check_received
+    from s3ckpt.errors import CorruptCheckpointError
+
+    slabs = Slabs(2 * MIB, 2, pinned=True)
+    items = [_arrived_on_cuda(9 * MIB + 5), _arrived_on_cuda(3 * MIB)]
+    check_received([(item, 1) for item in items], slabs)
+    items[0].raw[7 * MIB + 3] ^= 0xFF
+    with pytest.raises(CorruptCheckpointError, match=r"passed on by rank 1\) \(block 7,"):
+        check_received([(item, 1) for item in items], slabs)
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: 2 CUDA devices"
+)
+def test_shared_reads_carry_cuda_destinations_over_nccl(seaweedfs_s3, tmp_path):
+    """Two ranks, one GPU each, a "cpu:gloo,cuda:nccl" group, DDP copies of the state in
+    CUDA memory: read once from the store, sent and received in device memory over NCCL,
+    no host buffer of an item's size, pinned slabs within the budget, bit-exact; damage
+    between the ranks fails the load on both."""
+    import secrets
+
+    import _device_share_worker as share_worker
+    import _dist_worker as worker
+    from faultproxy import FaultProxy
+
+    from s3ckpt.dcp.restore import SLAB_MIN_ITEM
+
+    s3 = worker.server_options(seaweedfs_s3)
+    uri = f"s3://{seaweedfs_s3.bucket}/nccl-share-{secrets.token_hex(4)}"
+    dcp.save(share_worker.raw_state(), storage_writer=S3StorageWriter(uri, **s3), no_dist=True)
+    with FaultProxy(s3["endpoint_url"]) as proxy:
+        through = {**s3, "endpoint_url": proxy.endpoint_url}
+        worker.run_ranks(share_worker.nccl_main, 2, s3, through, uri, str(tmp_path), timeout=300)
+        fetched = proxy.body_bytes["GET"]
+    reports = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    stored = share_worker.tensor_bytes(share_worker.raw_state())
+    for rank, report in enumerate(reports):
+        assert report["error"] is None, (rank, report["error"])
+        assert report["carriage"] == "device" and report["on_device"], rank
+        assert all(report["exact"].values()), (rank, report["exact"])
+        assert report["sent_from_device"] and all(report["sent_from_device"]), rank
+        assert all(n < SLAB_MIN_ITEM for n in report["host_buffers"]), report["host_buffers"]
+        assert report["checkouts"] and all(pinned for _, _, pinned in report["checkouts"])
+        assert all(size * count <= share_worker.BOUNCE for size, count, _ in report["checkouts"])
+        assert "passed on by rank" in (report["damaged"] or ""), (rank, report["damaged"])
+    assert sum(r["received"].get("device:cuda", 0) for r in reports) == stored
+    assert fetched <= stored + 256 * 1024, (fetched, stored)

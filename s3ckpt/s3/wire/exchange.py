@@ -15,8 +15,6 @@ error it decided on from the headers), that answer is returned, not the failed s
 
 from __future__ import annotations
 
-import socket
-import ssl
 import time
 
 import h11
@@ -47,33 +45,17 @@ class Exchange:
         connection = self.connection
         try:
             for start in range(0, len(view), SEND_CHUNK):
-                connection.sock.sendall(view[start : start + SEND_CHUNK])
+                connection.send_all(view[start : start + SEND_CHUNK])
                 connection.progress = time.monotonic()
         except OSError as exc:
             raise self._failed(exc) from exc
 
     def recv_into(self, view: memoryview, *, whole: bool = False) -> int:
         """Receive into ``view``; 0 at the end of the stream. ``whole``: wait until all of
-        ``view`` is filled or the stream ends, so the caller handles one large piece (one
-        call over plain TCP; over TLS, OpenSSL hands over one 16 KiB record per call)."""
-        if not whole:
-            return self._recv_into(view)
-        if not self.connection.tls:
-            return self._recv_into(view, socket.MSG_WAITALL)
-        done = 0
-        while done < len(view) and (count := self._recv_into(view[done:])):
-            done += count
-        return done
-
-    def _recv_into(self, view: memoryview, flags: int = 0) -> int:
+        ``view`` is filled or the stream ends, so the caller handles one large piece."""
         connection = self.connection
         try:
-            if flags:
-                count = connection.sock.recv_into(view, len(view), flags)
-            else:
-                count = connection.sock.recv_into(view)
-        except ssl.SSLZeroReturnError:
-            count = 0
+            count = connection.recv_into(view, whole=whole)
         except OSError as exc:
             raise self._failed(exc) from exc
         if connection.timed_out:

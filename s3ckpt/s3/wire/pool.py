@@ -51,26 +51,126 @@ class StaleConnection(Exception):
 
 
 class Connection:
-    """One blocking connection (plain or TLS) to an origin, used by one thread at a time."""
+    """One connection (plain or TLS) to an origin, used by one thread at a time: blocking
+    in a worker thread, non-blocking on the event loop (``setblocking``).
 
-    def __init__(self, sock: socket.socket, origin: Origin) -> None:
+    TLS runs on memory BIOs over the raw socket: ciphertext moves in large socket calls
+    (:data:`CIPHER_CHUNK`), and OpenSSL encrypts from, and decrypts into, the caller's
+    memory. An ``SSLSocket`` instead reads every 16 KiB record with two system calls of
+    its own; on the loop that cost 0.85-0.91 client CPU-s/GiB for ranged GETs, against
+    0.75-0.82 for uvloop's TLS transport, which also decrypts from memory.
+    """
+
+    def __init__(
+        self, sock: socket.socket, origin: Origin, tls: ssl.SSLObject | None = None
+    ) -> None:
         self.sock = sock
         self.origin = origin
         self.endpoint = f"{origin[0]}://{origin[1]}:{origin[2]}"
-        self.tls = isinstance(sock, ssl.SSLSocket)
+        self.session = tls
+        self.tls = tls is not None
         self.used = False  # carried a request before (a failure may just mean it went stale)
         self.closed = False
-        self.timed_out = False  # aborted by the stall timer
+        self.timed_out = False  # stopped by the stall timer
         self.progress = time.monotonic()  # when a byte last moved
+        self._incoming = ssl.MemoryBIO()
+        self._outgoing = ssl.MemoryBIO()
+        self._cipher = memoryview(bytearray(CIPHER_CHUNK)) if tls is not None else None
+        self._unsent = b""  # ciphertext the non-blocking socket did not take yet
+
+    @classmethod
+    def over_tls(cls, sock: socket.socket, origin: Origin, context: ssl.SSLContext) -> Connection:
+        """A TLS connection, its handshake done on the (blocking) socket."""
+        connection = cls(sock, origin)
+        session = context.wrap_bio(
+            connection._incoming, connection._outgoing, server_hostname=origin[1]
+        )  # SNI and host name check
+        connection.session, connection.tls = session, True
+        connection._cipher = memoryview(bytearray(CIPHER_CHUNK))
+        while True:
+            try:
+                session.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                connection._send_outgoing()
+                if not connection._take_ciphertext():
+                    raise ConnectionResetError("closed during the TLS handshake") from None
+        connection._send_outgoing()
+        return connection
+
+    # -- blocking (worker threads) --------------------------------------------------------
+
+    def send_all(self, data: bytes | memoryview) -> None:
+        """Send all of ``data`` (blocking mode)."""
+        if self.session is None:
+            self.sock.sendall(data)
+            return
+        view = memoryview(data)
+        for start in range(0, len(view), CIPHER_CHUNK):
+            self.session.write(view[start : start + CIPHER_CHUNK])
+            self._send_outgoing()
+
+    def recv_into(self, view: memoryview, *, whole: bool = False) -> int:
+        """Receive into ``view`` (blocking mode); 0 at the end of the stream. ``whole``:
+        until ``view`` is full or the stream ends."""
+        if self.session is None:
+            return self.sock.recv_into(view, len(view), socket.MSG_WAITALL if whole else 0)
+        done = 0
+        while done < len(view):
+            count = self._decrypt(view[done:])
+            if count is None:  # nothing decrypted is waiting
+                if done and not whole:
+                    break
+                if not self._take_ciphertext():
+                    self._incoming.write_eof()
+            elif count == 0:
+                break
+            else:
+                done += count
+                if not whole:
+                    break
+        return done
+
+    # -- non-blocking (the event loop) ----------------------------------------------------
+
+    def recv_ready(self, view: memoryview) -> int:
+        """Receive what is there into ``view`` (non-blocking mode); 0 at the end of the
+        stream; ``BlockingIOError`` when nothing is."""
+        if self.session is None:
+            return self.sock.recv_into(view)
+        while True:
+            count = self._decrypt(view)
+            if count is not None:
+                return count
+            if not self._take_ciphertext():  # raises BlockingIOError when nothing came
+                self._incoming.write_eof()
+
+    def send_ready(self, data: bytes) -> bool:
+        """Queue ``data`` and send what the socket takes now (non-blocking mode); whether
+        everything queued has gone (else call again once writable, with ``b""``)."""
+        if self.session is not None:
+            if data:
+                self.session.write(data)
+            data = self._outgoing.read()
+        self._unsent += data
+        while self._unsent:
+            try:
+                sent = self.sock.send(self._unsent)
+            except BlockingIOError:
+                return False
+            self._unsent = self._unsent[sent:]
+        return True
+
+    # -- both -----------------------------------------------------------------------------
 
     def idle_and_sound(self) -> bool:
         """Whether a kept-alive connection can take a request: nothing is waiting on it
         (an end of stream, or bytes nobody asked for, mean it cannot)."""
-        if self.closed:
+        if self.closed or self._unsent:
+            return False
+        if self.session is not None and (self.session.pending() or self._incoming.pending):
             return False
         try:
-            if self.tls and self.sock.pending():  # type: ignore[attr-defined]
-                return False
             poller = select.poll()  # not select.select: file numbers past 1024 are fine
             poller.register(self.sock, select.POLLIN)
             return not poller.poll(0)
@@ -81,14 +181,46 @@ class Connection:
         """Stop any blocking call on this connection now (from any thread)."""
         self.closed = True
         with contextlib.suppress(OSError):
-            # socket.socket's shutdown, not SSLSocket's, which would drop the SSL object
-            # from under a thread still reading.
-            socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
+            self.sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         self.closed = True
         with contextlib.suppress(OSError):
             self.sock.close()
+
+    def _decrypt(self, view: memoryview) -> int | None:
+        """Plaintext already received, into ``view``: its length, 0 at the end of the
+        stream, None when more ciphertext is needed."""
+        assert self.session is not None
+        try:
+            count = self.session.read(len(view), view)
+        except ssl.SSLWantReadError:
+            count = None
+        except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+            count = 0
+        if self._outgoing.pending:  # a TLS message of its own to send back (a key update)
+            if self.sock.getblocking():
+                self._send_outgoing()
+            else:
+                self.send_ready(b"")
+        return count
+
+    def _take_ciphertext(self) -> int:
+        """Receive ciphertext into the incoming BIO; 0 at the end of the stream."""
+        assert self._cipher is not None
+        count = self.sock.recv_into(self._cipher)
+        if count:
+            self._incoming.write(self._cipher[:count])
+        return count
+
+    def _send_outgoing(self) -> None:
+        data = self._outgoing.read()
+        if data:
+            self.sock.sendall(data)
+
+
+# Ciphertext moved per socket call, and plaintext encrypted per call of OpenSSL's write.
+CIPHER_CHUNK = 256 * 1024
 
 
 class ConnectionPool:
@@ -178,28 +310,29 @@ class ConnectionPool:
         scheme, host, port = origin
         endpoint = f"{scheme}://{host}:{port}"
         try:
-            raw = socket.create_connection((host, port), timeout=self.connect_timeout)
+            sock = socket.create_connection((host, port), timeout=self.connect_timeout)
         except TimeoutError as exc:
             raise connect_timeout(endpoint) from exc
         except OSError as exc:
             raise connection_failed(endpoint, exc) from exc
         try:
-            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            raw.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            sock = raw
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             if scheme == "https":
-                sock = self._tls_context().wrap_socket(raw, server_hostname=host)  # SNI, host check
+                connection = Connection.over_tls(sock, origin, self._tls_context())
+            else:
+                connection = Connection(sock, origin)
         except ssl.SSLError as exc:
-            raw.close()
+            sock.close()
             raise tls_failed(endpoint, exc) from exc
         except TimeoutError as exc:
-            raw.close()
+            sock.close()
             raise connect_timeout(endpoint) from exc
         except OSError as exc:
-            raw.close()
+            sock.close()
             raise connection_failed(endpoint, exc) from exc
         sock.settimeout(None)  # stalls are the loop's timer's to catch (see the module docstring)
-        return Connection(sock, origin)
+        return connection
 
     def _tls_context(self) -> ssl.SSLContext:
         with self._lock:
@@ -212,7 +345,7 @@ class ConnectionPool:
     ) -> T:
         connection = attempt.hold(self.connection(origin))
         try:
-            connection.sock.setblocking(True)
+            connection.sock.setblocking(True)  # a worker thread's
             result, keep_alive = exchange(connection)
         except BaseException:
             connection.close()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import ssl
 import time
 import xml.etree.ElementTree as ElementTree
 
@@ -122,56 +121,64 @@ class _RangeResponse:
 
     async def _send(self, data: bytes) -> None:
         """Write the (small) request on the non-blocking socket."""
-        view = memoryview(data)
-        while view:
-            try:
-                view = view[self.connection.sock.send(view) :]
-            except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+        try:
+            while not self.connection.send_ready(data):
+                data = b""
                 await _writable(self.loop, self.connection)
-            except OSError as exc:
-                raise _dropped(exc) from exc
+        except OSError as exc:
+            raise _dropped(exc) from exc
 
     # -- the reader callback ------------------------------------------------------------
 
     def _readable(self) -> None:
-        sock = self.connection.sock
-        while not self.future.done():
-            view = self._buffer()
-            try:
-                count = sock.recv_into(view)
-            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
-                self._flush()
-                return
-            except ssl.SSLZeroReturnError:
-                count = 0
-            except OSError as exc:
-                self._fail(_dropped(exc))
-                return
-            if count == 0:
+        """Read everything the socket has (over TLS, record by record) until it would block;
+        the body's loop is kept short, as it runs once per 16 KiB record over TLS."""
+        connection = self.connection
+        received = 0
+        try:
+            while not self.future.done():
+                if self.in_body:
+                    piece = self.piece if self.piece is not None else self._next_piece()
+                    count = connection.recv_ready(piece[self.piece_filled :])
+                    if count:
+                        received += count
+                        self.piece_filled += count
+                        if self.piece_filled == len(piece):
+                            self._flush()
+                        continue
+                else:
+                    count = connection.recv_ready(self._head_buffer())
+                    if count:
+                        received += count
+                        self.received = True
+                        self._data(count)
+                        continue
                 self._flush()
                 self._closed()
                 return
-            self.received = True
-            self.connection.progress = time.monotonic()
-            self._data(count)
+        except (BlockingIOError, InterruptedError):
+            self._flush()
+        except OSError as exc:
+            self._fail(_dropped(exc))
+        finally:
+            if received:
+                self.received = True
+                connection.progress = time.monotonic()
 
-    def _buffer(self) -> memoryview:
-        if self.in_body:
-            if self.piece is None:
-                view = self.sink.buffer(self.position)
-                self.piece = view[: min(len(view), self.end - self.position, MAX_RECEIVE)]
-                self.piece_filled = 0
-            return self.piece[self.piece_filled :]
+    def _next_piece(self) -> memoryview:
+        """The sink's memory for the next bytes, at most :data:`MAX_RECEIVE` of them."""
+        view = self.sink.buffer(self.position)
+        self.piece = view[: min(len(view), self.end - self.position, MAX_RECEIVE)]
+        self.piece_filled = 0
+        return self.piece
+
+    def _head_buffer(self) -> memoryview:
         if self.skip:
             return self.scratch[: min(self.skip, len(self.scratch))]
         return self.scratch
 
     def _data(self, count: int) -> None:
-        if self.in_body:
-            self.piece_filled += count
-            if self.piece is not None and self.piece_filled == len(self.piece):
-                self._flush()
-        elif self.skip:
+        if self.skip:
             self.skip -= count
             if not self.skip:
                 self._start_body()

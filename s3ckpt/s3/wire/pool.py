@@ -77,6 +77,7 @@ class Connection:
         self._outgoing = ssl.MemoryBIO()
         self._cipher = memoryview(bytearray(CIPHER_CHUNK)) if tls is not None else None
         self._unsent = b""  # ciphertext the non-blocking socket did not take yet
+        self._raw_drained = False  # the last non-blocking socket read came back short
 
     @classmethod
     def over_tls(cls, sock: socket.socket, origin: Origin, context: ssl.SSLContext) -> Connection:
@@ -134,16 +135,31 @@ class Connection:
     # -- non-blocking (the event loop) ----------------------------------------------------
 
     def recv_ready(self, view: memoryview) -> int:
-        """Receive what is there into ``view`` (non-blocking mode); 0 at the end of the
-        stream; ``BlockingIOError`` when nothing is."""
+        """Receive what is there into ``view`` (non-blocking mode): its length, 0 at the
+        end of the stream, :data:`DRAINED` once the socket has nothing more for now.
+
+        A socket read that came back short means the socket is empty: the next call says
+        so without the system call (and the exception) that would find out, once per
+        wake-up of the reader; the loop's level-triggered readiness calls again when
+        more arrives."""
         if self.session is None:
-            return self.sock.recv_into(view)
+            if self._raw_drained:
+                self._raw_drained = False
+                return DRAINED
+            count = self.sock.recv_into(view)
+            self._raw_drained = 0 < count < len(view)
+            return count
         while True:
             count = self._decrypt(view)
             if count is not None:
                 return count
-            if not self._take_ciphertext():  # raises BlockingIOError when nothing came
+            if self._raw_drained:
+                self._raw_drained = False
+                return DRAINED
+            received = self._take_ciphertext()  # BlockingIOError when nothing came
+            if not received:
                 self._incoming.write_eof()
+            self._raw_drained = 0 < received < CIPHER_CHUNK
 
     def send_ready(self, data: bytes) -> bool:
         """Queue ``data`` and send what the socket takes now (non-blocking mode); whether
@@ -221,6 +237,7 @@ class Connection:
 
 # Ciphertext moved per socket call, and plaintext encrypted per call of OpenSSL's write.
 CIPHER_CHUNK = 256 * 1024
+DRAINED = -1  # recv_ready: nothing more to read for now
 
 
 class ConnectionPool:
@@ -268,6 +285,7 @@ class ConnectionPool:
             connection = await loop.run_in_executor(self.executor, self._connect, origin)
         connection.sock.setblocking(False)
         connection.progress = time.monotonic()
+        connection._raw_drained = False
         return connection
 
     def _idle_connection(self, origin: Origin) -> Connection | None:

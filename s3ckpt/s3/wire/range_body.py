@@ -140,7 +140,7 @@ class _RangeResponse:
                 if self.in_body:
                     piece = self.piece if self.piece is not None else self._next_piece()
                     count = connection.recv_ready(piece[self.piece_filled :])
-                    if count:
+                    if count > 0:
                         received += count
                         self.piece_filled += count
                         if self.piece_filled == len(piece):
@@ -148,13 +148,14 @@ class _RangeResponse:
                         continue
                 else:
                     count = connection.recv_ready(self._head_buffer())
-                    if count:
+                    if count > 0:
                         received += count
                         self.received = True
                         self._data(count)
                         continue
                 self._flush()
-                self._closed()
+                if count == 0:
+                    self._closed()
                 return
         except (BlockingIOError, InterruptedError):
             self._flush()

@@ -63,15 +63,20 @@ def uri(tls_s3: LocalS3Server, request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def tls_sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The body sizes sent on the data plane."""
+    """The body sizes sent on the data plane (HTTPS in worker threads, HTTP on the loop)."""
     sizes: list[int] = []
-    send = uploads.send_request
+    send, send_on_loop = uploads.send_request, uploads.on_loop.send_request
 
     def counting(connection: Any, head: bytes, body: memoryview) -> Any:
         sizes.append(len(body))
         return send(connection, head, body)
 
+    async def counting_on_loop(pool: Any, origin: Any, head: bytes, body: memoryview) -> Any:
+        sizes.append(len(body))
+        return await send_on_loop(pool, origin, head, body)
+
     monkeypatch.setattr(uploads, "send_request", counting)
+    monkeypatch.setattr(uploads.on_loop, "send_request", counting_on_loop)
     return sizes
 
 

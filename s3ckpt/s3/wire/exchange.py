@@ -28,8 +28,6 @@ MAX_ERROR_BODY = 1024 * 1024
 # Bytes per sendall: each one marks progress for the stall timer, and costs one call.
 SEND_CHUNK = 8 * 1024 * 1024
 
-Head = tuple[int, dict[str, str]]
-
 
 class Exchange:
     """One request and its response on ``connection``."""
@@ -67,40 +65,15 @@ class Exchange:
             raise StaleConnection
         return count
 
-    def head(self) -> tuple[h11.Response, Head]:
-        """The final response head (interim ``1xx`` skipped), as h11 parsed it."""
+    def response(self) -> SmallResponse:
+        """The whole response, its (small) body included."""
+        response = SmallResponse()
         while True:
-            event = self._next()
-            if isinstance(event, h11.Response):
-                headers = {
-                    k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers
-                }
-                return event, (event.status_code, headers)
-            if not isinstance(event, h11.InformationalResponse):
-                raise ConnectionResetError("the connection closed before a response")
-
-    def small_body(self) -> tuple[bytes, bool]:
-        """A whole (small) body through h11, and whether the connection may be kept."""
-        body = bytearray()
-        while True:
-            event = self._next()
-            if isinstance(event, h11.Data):
-                body += event.data
-                if len(body) > MAX_ERROR_BODY:  # not an S3 document: stop reading here
-                    return bytes(body), False
-            elif isinstance(event, h11.EndOfMessage):
-                return bytes(body), self.parser.their_state is h11.DONE
-            else:  # the end of a close-delimited body
-                return bytes(body), False
-
-    def _next(self) -> h11.Event | type[h11.NEED_DATA]:
-        try:
-            while (event := self.parser.next_event()) is h11.NEED_DATA:
-                count = self.recv_into(self.scratch)
-                self.parser.receive_data(bytes(self.scratch[:count]))
-        except h11.RemoteProtocolError as exc:
-            raise ConnectionResetError(f"malformed HTTP response: {exc}") from exc
-        return event
+            count = self.recv_into(self.scratch)
+            if response.feed(bytes(self.scratch[:count])):
+                return response
+            if not count:
+                raise ConnectionResetError("the connection closed before a whole response")
 
     def _failed(self, exc: OSError) -> Exception:
         connection = self.connection
@@ -114,8 +87,8 @@ class Exchange:
 def send_request(
     connection: Connection, head: bytes, body: memoryview
 ) -> tuple[tuple[int, dict[str, str], bytes], bool]:
-    """Send a request with ``body`` (from its own memory); the response's status, headers
-    and (small) body, and whether the connection may be kept."""
+    """Send a request with ``body`` (from its own memory; blocking mode); the response's
+    status, headers and (small) body, and whether the connection may be kept."""
     exchange = Exchange(connection)
     try:
         exchange.send(head)
@@ -124,11 +97,55 @@ def send_request(
     except (ConnectionError, bce.ConnectionClosedError):
         # The server may have answered (an error) and closed before taking the whole body:
         # that answer is the one worth reporting.
-        if not _answered(connection):
+        if not answered(connection):
             raise
-    _, (status, headers) = exchange.head()
-    content, keep_alive = exchange.small_body()
-    return (status, headers, content), keep_alive and headers.get("connection") != "close"
+    response = exchange.response()
+    return response.result(), response.keep_alive
+
+
+class SmallResponse:
+    """A response head and its small body (an upload's answer, an error document), read by
+    h11 from the bytes whoever receives them feeds in: the one response parser of the
+    data plane, for blocking exchanges and the event loop's alike."""
+
+    def __init__(self) -> None:
+        self.parser = response_parser()
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.body = bytearray()
+        self.keep_alive = False
+
+    def feed(self, data: bytes) -> bool:
+        """Bytes received (``b""``: the end of the stream); whether the response is whole."""
+        try:
+            self.parser.receive_data(data)
+            while True:
+                event = self.parser.next_event()
+                if event is h11.NEED_DATA:
+                    return False
+                if isinstance(event, h11.Response):
+                    self.status = event.status_code
+                    self.headers = {
+                        k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers
+                    }
+                elif isinstance(event, h11.Data):
+                    self.body += event.data
+                    if len(self.body) > MAX_ERROR_BODY:  # not an S3 document: stop here
+                        return True
+                elif isinstance(event, h11.EndOfMessage):
+                    self.keep_alive = self.parser.their_state is h11.DONE and (
+                        self.headers.get("connection", "").lower() != "close"
+                    )
+                    return True
+                elif isinstance(event, h11.ConnectionClosed):
+                    if not self.status:
+                        raise ConnectionResetError("the connection closed before a response")
+                    return True  # the end of a close-delimited body
+        except h11.RemoteProtocolError as exc:
+            raise ConnectionResetError(f"malformed HTTP response: {exc}") from exc
+
+    def result(self) -> tuple[int, dict[str, str], bytes]:
+        return self.status, self.headers, bytes(self.body)
 
 
 def response_parser() -> h11.Connection:
@@ -140,7 +157,7 @@ def response_parser() -> h11.Connection:
     return parser
 
 
-def _answered(connection: Connection) -> bool:
+def answered(connection: Connection) -> bool:
     """Whether response bytes are waiting on a connection whose send just failed."""
     return not connection.timed_out and not connection.idle_and_sound()
 

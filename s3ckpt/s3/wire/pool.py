@@ -377,7 +377,7 @@ class ConnectionPool:
         awaited before the cancellation goes on."""
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self.executor, call)
-        watch = StallTimer(loop, lambda: attempt.connection, self.read_timeout, _abort_stalled)
+        watch = StallTimer(loop, lambda: attempt.connection, self.read_timeout, abort_stalled)
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -448,7 +448,7 @@ class StallTimer:
             self.handle = None
 
 
-def _abort_stalled(connection: Connection) -> None:
+def abort_stalled(connection: Connection) -> None:
     """A blocking exchange that stalled: its call ends, and it raises the read timeout."""
     connection.timed_out = True
     connection.abort()

@@ -27,6 +27,7 @@ from botocore.exceptions import ClientError
 from s3ckpt.s3.compat_botocore import read_timeout
 from s3ckpt.s3.retry import ShortReadError
 from s3ckpt.s3.wire.exchange import MAX_ERROR_BODY, MAX_HEADER_BYTES, _dropped, response_parser
+from s3ckpt.s3.wire.on_loop import ready
 from s3ckpt.s3.wire.pool import (
     Connection,
     ConnectionPool,
@@ -124,7 +125,7 @@ class _RangeResponse:
         try:
             while not self.connection.send_ready(data):
                 data = b""
-                await _writable(self.loop, self.connection)
+                await ready(self.connection, writable=True)
         except OSError as exc:
             raise _dropped(exc) from exc
 
@@ -302,16 +303,6 @@ class _RangeResponse:
     def _stalled(self, connection: Connection) -> None:
         connection.timed_out = True
         self._fail(read_timeout(connection.endpoint))
-
-
-async def _writable(loop: asyncio.AbstractEventLoop, connection: Connection) -> None:
-    ready: asyncio.Future[None] = loop.create_future()
-    fd = connection.sock.fileno()
-    loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
-    try:
-        await ready
-    finally:
-        loop.remove_writer(fd)
 
 
 def in_place_length(status: int, headers: dict[str, str], start: int, end: int) -> int:

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 from s3ckpt._version import __version__
 from s3ckpt.s3.compat_aiobotocore import Response, response
 from s3ckpt.s3.compat_botocore import on_before_send
+from s3ckpt.s3.wire import on_loop
 from s3ckpt.s3.wire.exchange import send_request
 from s3ckpt.s3.wire.pool import ConnectionPool
 
@@ -47,9 +48,12 @@ class BodySender:
             return None  # aiohttp sends it
         head = request_head(request.method, url, request.headers, len(body))
         origin = (url.scheme, url.hostname, url.port or _DEFAULT_PORTS[url.scheme])
-        status, headers, content = await self.pool.run(
-            origin, lambda connection: send_request(connection, head, body)
-        )
+        if url.scheme == "https":  # encrypted in a worker thread, the GIL released
+            status, headers, content = await self.pool.run(
+                origin, lambda connection: send_request(connection, head, body)
+            )
+        else:
+            status, headers, content = await on_loop.send_request(self.pool, origin, head, body)
         return response(request.url, status, headers, content)
 
 

@@ -1,0 +1,141 @@
+"""Exchanges on the event loop: waits for a socket's readiness, whole sends, and a plain
+HTTP upload's request and answer.
+
+Plain-HTTP upload bodies are sent from the loop thread: a non-blocking ``send`` of the
+body's memory hands the kernel as much as its socket buffer takes, a few calls per part,
+with no thread hand-over and no GIL contention. In worker threads the same sends cost
+1.1-1.2x the client CPU of a save on the zero-cost server (``benchmarks/zero_cost.py``),
+the threads re-taking the GIL against the loop after every call; over TLS the threads
+win, because encryption runs with the GIL released (:mod:`s3ckpt.s3.wire.uploads`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from s3ckpt.s3.compat_botocore import read_timeout
+from s3ckpt.s3.wire.exchange import MAX_HEADER_BYTES, SmallResponse, _dropped, answered
+from s3ckpt.s3.wire.pool import (
+    DRAINED,
+    Connection,
+    ConnectionPool,
+    Origin,
+    StaleConnection,
+    StallTimer,
+    abort_stalled,
+)
+
+
+async def send_request(
+    pool: ConnectionPool, origin: Origin, head: bytes, body: memoryview
+) -> tuple[int, dict[str, str], bytes]:
+    """Send a request with ``body`` on a connection to ``origin`` (non-blocking, on the
+    loop); the response's status, headers and (small) body. A kept-alive connection the
+    server had closed is replaced silently."""
+    while True:
+        connection = await pool.checkout(origin)
+        try:
+            response = await _exchange(connection, head, body, pool.read_timeout)
+        except StaleConnection:
+            connection.close()
+            continue
+        except BaseException:
+            connection.close()
+            raise
+        pool.release(connection, keep_alive=response.keep_alive)
+        return response.result()
+
+
+async def _exchange(
+    connection: Connection, head: bytes, body: memoryview, timeout: float
+) -> SmallResponse:
+    loop = asyncio.get_running_loop()
+    reused, connection.used = connection.used, True
+    watch = StallTimer(loop, lambda: connection, timeout, abort_stalled)
+    try:
+        try:
+            await send_all(connection, head)
+            await send_all(connection, body)
+        except OSError as exc:
+            if connection.timed_out:
+                raise read_timeout(connection.endpoint) from exc
+            if reused:
+                raise StaleConnection from exc
+            # The server may have answered (an error) and closed before taking the whole
+            # body: that answer is the one worth reporting.
+            if not answered(connection):
+                raise _dropped(exc) from exc
+        return await _response(connection, reused)
+    finally:
+        watch.stop()
+
+
+async def _response(connection: Connection, reused: bool) -> SmallResponse:
+    response = SmallResponse()
+    scratch = memoryview(bytearray(MAX_HEADER_BYTES))
+    received = False
+    while True:
+        try:
+            count = await receive_some(connection, scratch)
+        except OSError as exc:
+            if connection.timed_out:
+                raise read_timeout(connection.endpoint) from exc
+            if reused and not received:
+                raise StaleConnection from exc
+            raise _dropped(exc) from exc
+        if connection.timed_out:
+            raise read_timeout(connection.endpoint)
+        if not count and reused and not received:
+            raise StaleConnection
+        received = received or count > 0
+        if response.feed(bytes(scratch[:count])):
+            return response
+        if not count:
+            raise ConnectionResetError("the connection closed before a whole response")
+
+
+async def send_all(connection: Connection, data: bytes | memoryview) -> None:
+    """Send all of ``data`` on the non-blocking plain socket, waiting while it is full."""
+    view = memoryview(data)
+    sent = 0
+    while sent < len(view):
+        try:
+            sent += connection.sock.send(view[sent:])
+        except BlockingIOError:
+            await ready(connection, writable=True)
+            continue
+        connection.progress = time.monotonic()
+
+
+async def receive_some(connection: Connection, view: memoryview) -> int:
+    """Receive what arrives next into ``view``, waiting until something does; 0 at the
+    end of the stream."""
+    while True:
+        try:
+            count = connection.recv_ready(view)
+        except BlockingIOError:
+            count = DRAINED
+        if count != DRAINED:
+            if count:
+                connection.progress = time.monotonic()
+            return count
+        await ready(connection, writable=False)
+
+
+async def ready(connection: Connection, *, writable: bool) -> None:
+    """Wait until the socket can be written to (or read from). A socket the stall timer
+    shut down is ready at once, and the next call on it fails."""
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[None] = loop.create_future()
+    fd = connection.sock.fileno()
+
+    def wake() -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    (loop.add_writer if writable else loop.add_reader)(fd, wake)
+    try:
+        await waiter
+    finally:
+        (loop.remove_writer if writable else loop.remove_reader)(fd)

@@ -4,26 +4,28 @@ aiobotocore keeps signing and every control request (create, complete and abort 
 multipart uploads, listings, HEADs, deletes, small GETs). The bytes of checkpoints,
 upload bodies (``UploadPart``, ``PutObject``) and ranged GETs, plain HTTP and HTTPS, go
 through this package alone: one connection pool per client (:mod:`~.pool`: keep-alive,
-stale connections, timeouts, cancellation, TLS), one response parser
-(:mod:`~.exchange`, h11 for heads and small bodies), bodies sent from the tensor's
-memory (:mod:`~.uploads`, answering botocore's ``before-send``) and received straight
-into it (:mod:`~.range_body`, :mod:`~.ranged_get`).
+stale connections, stalls, cancellation, TLS as aiobotocore verifies it), one response
+parser (h11, :mod:`~.exchange`), bodies sent from the tensor's memory (:mod:`~.uploads`,
+answering botocore's ``before-send``; :mod:`~.on_loop`) and received straight into it
+(:mod:`~.range_body`, :mod:`~.ranged_get`).
 
-Why blocking sockets in worker threads, measured on this kind of machine (2 cores, the
-zero-cost S3 server of ``benchmarks/``, 16 concurrent requests, client CPU per GiB):
+Where each exchange runs was measured on this kind of machine (2 cores, the zero-cost S3
+server of ``benchmarks/``, 16 requests at once, client CPU per GiB):
 
-* plain-HTTP upload bodies: ``sendall`` of the part's memory 0.36-0.45 CPU-s/GiB, against
-  0.72-1.03 for aiohttp with the zero-copy body it replaced (uvloop's transport);
-* ranged GETs: ``recv_into`` with ``MSG_WAITALL`` of 1 MiB into the tensor 0.37, against
-  0.46-0.50 for an ``asyncio.BufferedProtocol`` on the event loop;
-* TLS: ``SSLSocket.sendall`` encrypts from the tensor's memory straight into the
-  kernel, and ``recv_into`` decrypts straight into the tensor, both with the GIL
-  released: GETs 0.86 (0.95 with a socket timeout, which polls before every record)
-  against 0.78-0.93 on asyncio's TLS transport, which copies through memory BIOs;
-* the loop thread runs no per-byte Python, so a CPU-bound training loop beside a
-  background save competes for the GIL only at call boundaries.
+* **on the event loop**, everything but one case: ranged GETs, their responses read by a
+  reader callback that receives the body into the tensor (plain TCP), or decrypts it
+  into the tensor from ciphertext taken off the socket 256 KiB at a time (TLS on memory
+  BIOs); and plain-HTTP upload bodies, sent by non-blocking ``send`` calls of the body's
+  memory. In worker threads the same work cost more (GETs over TLS 1.10-1.20 against
+  0.83-1.02; plain uploads 1.1-1.2x): every call that releases the GIL has to take it
+  back against the loop and the other requests' threads;
+* **in worker threads**: upload bodies over TLS, on blocking ``SSLSocket`` connections,
+  whose ``sendall`` encrypts the body straight from the tensor into the kernel's socket
+  buffer with the GIL released (a save over HTTPS through aiohttp and asyncio's TLS
+  transport cost 1.99 client CPU-s/GiB against 1.12).
 
-Endpoints reached through an HTTP proxy are left to aiobotocore entirely.
+Endpoints reached through an HTTP proxy are left to aiobotocore entirely, and so are
+responses the transport cannot receive in place (chunked, redirects).
 """
 
 from s3ckpt.s3.wire.data_plane import DataPlane

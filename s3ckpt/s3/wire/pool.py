@@ -1,11 +1,10 @@
-"""Kept-alive connections to an endpoint, and the worker threads that drive uploads.
+"""Kept-alive connections to an endpoint, and the worker threads that drive TLS uploads.
 
 Every data-plane request (an upload body, a ranged GET) is an asyncio task under the
-client's request bound. An upload's exchange runs in a thread of a pool as large as that
-bound, on the connection in blocking mode, so its body goes to the kernel (through
-OpenSSL, over TLS) in a few large calls that release the GIL; a ranged GET runs on the
-event loop, on the same kind of connection in non-blocking mode
-(:mod:`s3ckpt.s3.wire` has the figures).
+client's request bound. Most run on the event loop, on non-blocking connections; an
+upload over TLS runs in a thread of a pool as large as that bound, on a blocking
+``SSLSocket``, so OpenSSL encrypts its body into the kernel in a few large calls that
+release the GIL (:mod:`s3ckpt.s3.wire` has the figures).
 
 One policy for every connection, plain or TLS:
 
@@ -60,8 +59,8 @@ class Connection:
     loop that cost 0.85-0.91 client CPU-s/GiB for ranged GETs, against 0.75-0.82 for
     uvloop's TLS transport, which also decrypts from memory. TLS in worker threads (upload
     bodies) is an ``SSLSocket``, whose ``sendall`` encrypts straight into the kernel's
-    buffer: through the BIOs, the ciphertext's extra copy cost saves 1.18-1.21x the client
-    CPU on the zero-cost server.
+    buffer: through the BIOs (the ciphertext copied once more) a save cost 1.18-1.21x
+    the client CPU on the zero-cost server.
     """
 
     def __init__(

@@ -12,6 +12,7 @@ from botocore.exceptions import ClientError
 
 from s3ckpt.s3.retry import ShortReadError
 from s3ckpt.s3.wire import UnsupportedResponse, copy_into, proxied
+from s3ckpt.s3.wire.pool import ConnectionPool
 from s3ckpt.s3.wire.ranged_get import DirectRangeReader
 
 OBJECT = bytes(range(256)) * 4096  # 1 MiB
@@ -130,9 +131,8 @@ class Buffer:
 
 
 def reader(url: str, *, read_timeout: float = 5.0) -> DirectRangeReader:
-    return DirectRangeReader(
-        FakeClient(url), verify=True, connect_timeout=5.0, read_timeout=read_timeout, max_idle=4
-    )
+    pool = ConnectionPool(verify=True, connect_timeout=5.0, read_timeout=read_timeout, max_idle=4)
+    return DirectRangeReader(FakeClient(url), pool)
 
 
 def run(coro: Awaitable[object]) -> object:
@@ -150,7 +150,7 @@ def test_receives_ranges_into_the_sink_and_reuses_the_connection() -> None:
                 assert sum(n for _, n in sink.filled_at) == end - start
             assert server.connections == 1
             assert "Range: bytes=100-299999" in server.requests[0]
-            await direct.aclose()
+            await direct.pool.aclose()
 
     run(main())
 

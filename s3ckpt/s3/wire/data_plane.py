@@ -31,14 +31,7 @@ class DataPlane:
         )
         self.reader: DirectRangeReader | None = None
         if reads:
-            self.reader = DirectRangeReader(
-                client,
-                verify=verify,
-                connect_timeout=connect_timeout,
-                read_timeout=read_timeout,
-                max_idle=max_concurrency,
-                pool=self.pool,
-            )
+            self.reader = DirectRangeReader(client, self.pool)
         if uploads:
             BodySender(self.pool).register(client)
 

@@ -21,7 +21,7 @@ import h11
 from botocore import exceptions as bce
 
 from s3ckpt.s3.compat_botocore import read_timeout
-from s3ckpt.s3.wire.pool import Connection, StaleConnection
+from s3ckpt.s3.wire.connection import Connection, StaleConnection
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_ERROR_BODY = 1024 * 1024
@@ -34,7 +34,6 @@ class Exchange:
 
     def __init__(self, connection: Connection) -> None:
         self.connection = connection
-        self.parser = response_parser()
         self.scratch = memoryview(bytearray(MAX_HEADER_BYTES))
         self.received = False  # any byte of the response arrived
 
@@ -48,12 +47,11 @@ class Exchange:
         except OSError as exc:
             raise self._failed(exc) from exc
 
-    def recv_into(self, view: memoryview, *, whole: bool = False) -> int:
-        """Receive into ``view``; 0 at the end of the stream. ``whole``: wait until all of
-        ``view`` is filled or the stream ends, so the caller handles one large piece."""
+    def recv_into(self, view: memoryview) -> int:
+        """Receive into ``view``; 0 at the end of the stream."""
         connection = self.connection
         try:
-            count = connection.recv_into(view, whole=whole)
+            count = connection.recv_into(view)
         except OSError as exc:
             raise self._failed(exc) from exc
         if connection.timed_out:
@@ -106,9 +104,15 @@ def send_request(
 class SmallResponse:
     """A response head and its small body (an upload's answer, an error document), read by
     h11 from the bytes whoever receives them feeds in: the one response parser of the
-    data plane, for blocking exchanges and the event loop's alike."""
+    data plane, for blocking exchanges and the event loop's alike.
 
-    def __init__(self) -> None:
+    ``body_in_place``: a successful (``2xx``) response is whole once its head is: its body
+    is the caller's to receive (:mod:`s3ckpt.s3.wire.range_body`), the bytes that came
+    with the head in :meth:`leftover`.
+    """
+
+    def __init__(self, *, body_in_place: bool = False) -> None:
+        self.body_in_place = body_in_place
         self.parser = response_parser()
         self.status = 0
         self.headers: dict[str, str] = {}
@@ -128,6 +132,11 @@ class SmallResponse:
                     self.headers = {
                         k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers
                     }
+                    if self.body_in_place and 200 <= self.status < 300:
+                        self.keep_alive = event.http_version == b"1.1" and (
+                            self.headers.get("connection", "").lower() != "close"
+                        )
+                        return True
                 elif isinstance(event, h11.Data):
                     self.body += event.data
                     if len(self.body) > MAX_ERROR_BODY:  # not an S3 document: stop here
@@ -143,6 +152,11 @@ class SmallResponse:
                     return True  # the end of a close-delimited body
         except h11.RemoteProtocolError as exc:
             raise ConnectionResetError(f"malformed HTTP response: {exc}") from exc
+
+    def leftover(self) -> bytes:
+        """The body bytes received with the head (``body_in_place``)."""
+        data: bytes = self.parser.trailing_data[0]
+        return data
 
     def result(self) -> tuple[int, dict[str, str], bytes]:
         return self.status, self.headers, bytes(self.body)

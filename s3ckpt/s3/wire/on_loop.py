@@ -15,16 +15,10 @@ import asyncio
 import time
 
 from s3ckpt.s3.compat_botocore import read_timeout
+from s3ckpt.s3.wire.connection import DRAINED, Connection, Origin, StaleConnection
 from s3ckpt.s3.wire.exchange import MAX_HEADER_BYTES, SmallResponse, _dropped, answered
-from s3ckpt.s3.wire.pool import (
-    DRAINED,
-    Connection,
-    ConnectionPool,
-    Origin,
-    StaleConnection,
-    StallTimer,
-    abort_stalled,
-)
+from s3ckpt.s3.wire.pool import ConnectionPool
+from s3ckpt.s3.wire.stall import StallTimer, abort_stalled
 
 
 async def send_request(

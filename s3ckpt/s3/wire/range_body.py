@@ -21,21 +21,16 @@ import logging
 import time
 import xml.etree.ElementTree as ElementTree
 
-import h11
 from botocore.exceptions import ClientError
 
 from s3ckpt.s3.compat_botocore import read_timeout
 from s3ckpt.s3.retry import ShortReadError
-from s3ckpt.s3.wire.exchange import MAX_ERROR_BODY, MAX_HEADER_BYTES, _dropped, response_parser
+from s3ckpt.s3.wire.connection import Connection, Origin, StaleConnection
+from s3ckpt.s3.wire.exchange import MAX_HEADER_BYTES, SmallResponse, _dropped
 from s3ckpt.s3.wire.on_loop import ready
-from s3ckpt.s3.wire.pool import (
-    Connection,
-    ConnectionPool,
-    Origin,
-    StaleConnection,
-    StallTimer,
-)
+from s3ckpt.s3.wire.pool import ConnectionPool
 from s3ckpt.s3.wire.sink import RangeSink, copy_into
+from s3ckpt.s3.wire.stall import StallTimer
 
 log = logging.getLogger(__name__)
 
@@ -87,15 +82,13 @@ class _RangeResponse:
         self.sink = sink
         self.read_timeout = read_timeout
         self.future: asyncio.Future[None] = self.loop.create_future()
-        self.parser = response_parser()
+        self.answer = SmallResponse(body_in_place=True)  # the head, or an error and its body
         self.scratch = memoryview(bytearray(MAX_HEADER_BYTES))
         self.received = False  # any byte of a response arrived
         self.in_body = False  # the expected body is being received into the sink
         self.keep_alive = True
         self.position = start  # next body byte expected
         self.skip = 0  # body bytes before the range, from a server that ignored Range
-        self.error: tuple[int, dict[str, str]] | None = None
-        self.error_body = bytearray()
         self.piece: memoryview | None = None  # the sink memory being filled
         self.piece_filled = 0
 
@@ -214,43 +207,29 @@ class _RangeResponse:
             self._fail(ConnectionResetError("the connection closed before a whole response"))
 
     def _parse(self, chunk: bytes) -> None:
-        """Feed h11 and act on what it recognises, until it needs more bytes."""
+        """Feed the response reader; act once the head (or an error, whole) is in."""
         try:
-            self.parser.receive_data(chunk)
-            while not self.future.done() and not self.in_body and not self.skip:
-                event = self.parser.next_event()
-                if event is h11.NEED_DATA:
-                    return
-                if isinstance(event, h11.InformationalResponse):
-                    continue
-                if isinstance(event, h11.Response):
-                    self._response(event)
-                elif isinstance(event, h11.Data):
-                    self._error_bytes(event.data)
-                elif isinstance(event, h11.EndOfMessage):
-                    self.keep_alive = self.keep_alive and self.parser.their_state is h11.DONE
-                    self._finish()
-                else:  # ConnectionClosed: the end of a close-delimited error body, or early
-                    self.keep_alive = False
-                    if self.error is None:
-                        self._fail(ConnectionResetError("the connection closed before a response"))
-                    self._finish()
-        except h11.RemoteProtocolError as exc:
-            self._fail(ConnectionResetError(f"malformed HTTP response: {exc}"))
-        except (UnsupportedResponse, ValueError) as exc:  # not receivable in place
-            self._fail(exc if isinstance(exc, UnsupportedResponse) else UnsupportedResponse(exc))
-
-    def _response(self, event: h11.Response) -> None:
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
-        self.keep_alive = event.http_version == b"1.1" and (
-            headers.get("connection", "").lower() != "close"
-        )
-        if not 200 <= event.status_code < 300:
-            self.error = (event.status_code, headers)
+            if not self.answer.feed(chunk):
+                return
+            if 200 <= self.answer.status < 300:
+                self._response()
+                return
+        except (ConnectionResetError, UnsupportedResponse) as exc:
+            self._fail(exc)
             return
-        length = in_place_length(event.status_code, headers, self.start, self.end)
-        leftover = memoryview(self.parser.trailing_data[0])  # body bytes that came with the head
-        if (event.status_code == 200 and self.start != 0) or length > self.end - self.start:
+        except ValueError as exc:  # a head not receivable in place (a bad Content-Length)
+            self._fail(UnsupportedResponse(exc))
+            return
+        self.keep_alive = self.answer.keep_alive
+        self._finish()
+
+    def _response(self) -> None:
+        """A successful head: its body goes into the sink, or is skipped up to the range."""
+        status, headers = self.answer.status, self.answer.headers
+        self.keep_alive = self.answer.keep_alive
+        length = in_place_length(status, headers, self.start, self.end)
+        leftover = memoryview(self.answer.leftover())  # body bytes that came with the head
+        if (status == 200 and self.start != 0) or length > self.end - self.start:
             # The whole object for a ranged GET: skip to the range, and close the
             # connection once it is in rather than read the rest.
             warn_range_ignored(self.connection.endpoint)
@@ -275,25 +254,17 @@ class _RangeResponse:
         if self.position == self.end:
             self._finish()
 
-    def _error_bytes(self, chunk: bytes) -> None:
-        self.error_body += chunk
-        if len(self.error_body) > MAX_ERROR_BODY:  # not an S3 error document: stop here
-            self.keep_alive = False
-            self._finish()
-
     def _finish(self) -> None:
         if self.future.done():
             return
-        if self.error is None:
+        status = self.answer.status
+        if 200 <= status < 300:
             self.future.set_result(None)
-            return
-        status, headers = self.error
-        if 300 <= status < 400:
-            self.future.set_exception(
-                UnsupportedResponse(f"redirect {status} to {headers.get('location', '?')}")
-            )
-            return
-        self.future.set_exception(client_error(status, headers, bytes(self.error_body)))
+        elif 300 <= status < 400:
+            location = self.answer.headers.get("location", "?")
+            self.future.set_exception(UnsupportedResponse(f"redirect {status} to {location}"))
+        else:
+            self.future.set_exception(client_error(*self.answer.result()))
 
     def _fail(self, exc: BaseException) -> None:
         self.keep_alive = False

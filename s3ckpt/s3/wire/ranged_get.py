@@ -27,30 +27,11 @@ MAX_CACHED_URLS = 4096
 
 
 class DirectRangeReader:
-    """Ranged GETs over the pool's kept-alive connections, signed by an aiobotocore client.
+    """Ranged GETs over the pool's kept-alive connections, signed by an aiobotocore client."""
 
-    Without a ``pool`` the reader makes its own (the configuration's ``verify`` and
-    timeouts); the client's data plane shares one with the upload path.
-    """
-
-    def __init__(
-        self,
-        client: Any,
-        *,
-        verify: bool | str,
-        connect_timeout: float,
-        read_timeout: float,
-        max_idle: int,
-        pool: ConnectionPool | None = None,
-    ) -> None:
+    def __init__(self, client: Any, pool: ConnectionPool) -> None:
         self.client = client
-        self.owns_pool = pool is None
-        self.pool = pool or ConnectionPool(
-            verify=verify,
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            max_idle=max_idle,
-        )
+        self.pool = pool
         self._urls: dict[tuple[str, str], tuple[float, SplitResult]] = {}
 
     async def read(self, bucket: str, key: str, start: int, end: int, sink: RangeSink) -> None:
@@ -93,11 +74,3 @@ class DirectRangeReader:
             f"User-Agent: s3ckpt/{__version__}\r\n\r\n"
         ).encode("ascii")
         await receive_range(self.pool, origin, request, start, end, sink)
-
-    async def aclose(self) -> None:
-        if self.owns_pool:
-            await self.pool.aclose()
-
-    def close_idle(self) -> None:
-        """Close the kept-alive connections (those in use close when their request ends)."""
-        self.pool.close_idle()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -79,3 +81,16 @@ def retries(caplog: pytest.LogCaptureFixture):
         return [r.getMessage() for r in caplog.records if r.name == "s3ckpt.s3.retry"]
 
     return logged
+
+
+@pytest.fixture
+def fsspec_defaults() -> Iterator[None]:
+    """fsspec's s3 defaults as they were: the Lightning integrations set them process-wide."""
+    import fsspec.config
+
+    saved = copy.deepcopy(fsspec.config.conf.get("s3"))
+    yield
+    if saved is None:
+        fsspec.config.conf.pop("s3", None)
+    else:
+        fsspec.config.conf["s3"] = saved

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import pickle
-from collections.abc import Iterator
 from typing import Any
 
 import fsspec
@@ -17,6 +16,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from same_state import assert_same
 from torch.utils.data import DataLoader, TensorDataset
 
 from s3ckpt import CheckpointNotFoundError, S3StorageReader, catalog
@@ -26,6 +26,7 @@ pytestmark = [
     pytest.mark.integration,
     pytest.mark.filterwarnings("ignore::UserWarning"),  # Lightning's CPU/num_workers advice
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.usefixtures("fsspec_defaults"),
 ]
 
 BATCHES_PER_EPOCH = 2
@@ -81,34 +82,6 @@ def _state(trainer: Trainer, module: LightningModule) -> dict[str, Any]:
     )
 
 
-def assert_same(got: Any, want: Any, where: str = "state") -> None:
-    """Equal bit for bit, with the same container types and key types all the way down."""
-    assert type(got) is type(want), where
-    if isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype and torch.equal(got, want), where
-    elif isinstance(want, dict):
-        assert list(got) == list(want), where
-        for key in want:
-            assert_same(got[key], want[key], f"{where}[{key!r}]")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), where
-        for index, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert_same(g, w, f"{where}[{index}]")
-    else:
-        assert got == want, where
-
-
-@pytest.fixture(autouse=True)
-def fsspec_defaults() -> Iterator[None]:
-    """S3CheckpointIO sets fsspec's s3 defaults process-wide; restore them afterwards."""
-    saved = copy.deepcopy(fsspec.config.conf.get("s3"))
-    yield
-    if saved is None:
-        fsspec.config.conf.pop("s3", None)
-    else:
-        fsspec.config.conf["s3"] = saved
-
-
 def make_trainer(tmp_path, plugin: Any, dirpath: str, epochs: int, snapshot: Snapshot) -> Trainer:
     checkpoints = ModelCheckpoint(
         dirpath=dirpath, every_n_epochs=1, save_top_k=1, save_last=True, enable_version_counter=True
@@ -158,10 +131,10 @@ def test_trainer_saves_to_s3_and_a_new_trainer_resumes_bit_exact(
     )
 
     assert resumed.start["global_step"] == first.end["global_step"] == 2 * BATCHES_PER_EPOCH
-    assert_same(resumed.start["model"], first.end["model"], "model")
-    assert_same(resumed.start["optimizer"], first.end["optimizer"], "optimizer")
-    assert_same(resumed.start["scheduler"], first.end["scheduler"], "scheduler")
-    assert_same(resumed.end, uninterrupted.end, "after resuming")
+    assert_same(resumed.start["model"], first.end["model"], "model", key_order=True)
+    assert_same(resumed.start["optimizer"], first.end["optimizer"], "optimizer", key_order=True)
+    assert_same(resumed.start["scheduler"], first.end["scheduler"], "scheduler", key_order=True)
+    assert_same(resumed.end, uninterrupted.end, "after resuming", key_order=True)
     assert committed_names(s3_prefix, s3_options) == ["epoch=2-step=6.ckpt", "last.ckpt"]
 
 
@@ -193,9 +166,9 @@ def test_ddp_spawn_saves_from_rank_zero_and_every_rank_resumes(
     saved = S3CheckpointIO(configure_fsspec=False, **s3_options).load_checkpoint(
         f"{s3_prefix}/last.ckpt"
     )
-    assert_same(saved["state_dict"], first)
+    assert_same(saved["state_dict"], first, key_order=True)
     resumed = fit(s3_prefix, 3, seed=2, ckpt_path=f"{s3_prefix}/last.ckpt")
-    assert_same(resumed, uninterrupted)
+    assert_same(resumed, uninterrupted, key_order=True)
 
 
 def test_a_checkpoint_dict_comes_back_with_its_types(
@@ -219,7 +192,7 @@ def test_a_checkpoint_dict_comes_back_with_its_types(
     }
     uri = f"{s3_prefix}/epoch=3-step=12.ckpt"
     io.save_checkpoint(checkpoint, uri)
-    assert_same(io.load_checkpoint(uri), checkpoint)
+    assert_same(io.load_checkpoint(uri), checkpoint, key_order=True)
 
     io.save_checkpoint({**checkpoint, "epoch": 4}, uri)  # saving again replaces it
     assert io.load_checkpoint(uri)["epoch"] == 4
@@ -285,7 +258,9 @@ def test_local_paths_are_lightnings_own_files(tmp_path, s3_options: dict[str, An
     path = tmp_path / "weights" / "model.ckpt"
     io.save_checkpoint({"state_dict": {"w": torch.arange(3)}, "epoch": 1}, path)
     assert path.is_file()  # a torch.save file, as TorchCheckpointIO writes it
-    assert_same(io.load_checkpoint(path), {"state_dict": {"w": torch.arange(3)}, "epoch": 1})
+    assert_same(
+        io.load_checkpoint(path), {"state_dict": {"w": torch.arange(3)}, "epoch": 1}, key_order=True
+    )
     io.remove_checkpoint(path)
     assert not path.exists()
 

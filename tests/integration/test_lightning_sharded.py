@@ -26,12 +26,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
-import fsspec.config
 import private_names
 import pytest
 import torch
@@ -41,6 +39,7 @@ from lightning.fabric import Fabric
 from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
+from same_state import assert_same
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from s3ckpt import (
@@ -71,18 +70,8 @@ pytestmark = [
     pytest.mark.integration,
     pytest.mark.filterwarnings("ignore::UserWarning"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.usefixtures("fsspec_defaults"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def fsspec_defaults() -> Iterator[None]:
-    """The strategies set fsspec's s3 defaults process-wide; restore them afterwards."""
-    saved = copy.deepcopy(fsspec.config.conf.get("s3"))
-    yield
-    if saved is None:
-        fsspec.config.conf.pop("s3", None)
-    else:
-        fsspec.config.conf["s3"] = saved
 
 
 class Ranks:
@@ -141,23 +130,6 @@ class Ranks:
 
     def report(self, name: str, rank: int) -> dict[str, Any]:
         return torch.load(self.out / f"{name}-rank{rank}.pt", weights_only=False)
-
-
-def assert_same(got: Any, want: Any, where: str = "state") -> None:
-    """Equal bit for bit, with the same container types all the way down."""
-    assert type(got) is type(want), where
-    if isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype and torch.equal(got, want), where
-    elif isinstance(want, dict):
-        assert sorted(map(str, got)) == sorted(map(str, want)), where
-        for key in want:
-            assert_same(got[key], want[key], f"{where}[{key!r}]")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), where
-        for index, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert_same(g, w, f"{where}[{index}]")
-    else:
-        assert got == want, where
 
 
 @pytest.fixture

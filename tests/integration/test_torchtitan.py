@@ -47,6 +47,7 @@ from _torchtitan_worker import (
     one_rank_parts,
     run_ranks,
 )
+from same_state import assert_same
 from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
@@ -140,22 +141,6 @@ def snapshot(model: Any, optimizers: Any, schedulers: Any, train_state: TrainSta
             "step": train_state.step,
         }
     )
-
-
-def assert_same(got: Any, want: Any, where: str = "state") -> None:
-    assert type(got) is type(want), where
-    if isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype and torch.equal(got, want), where
-    elif isinstance(want, dict):
-        assert sorted(map(str, got)) == sorted(map(str, want)), where
-        for key in want:
-            assert_same(got[key], want[key], f"{where}[{key!r}]")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), where
-        for index, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert_same(g, w, f"{where}[{index}]")
-    else:
-        assert got == want, where
 
 
 def train(parts: Any, steps: int, snapshot_at: int = 0) -> Any:

@@ -5,7 +5,6 @@ arrives before the whole body was taken, a server that stops reading, a cancella
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 import threading
 import time
@@ -13,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from botocore import exceptions as bce
+from scripted_servers import ThreadedServer, read_request
 
 from s3ckpt.s3.retry import is_retryable
 from s3ckpt.s3.wire import on_loop
@@ -21,68 +21,17 @@ from s3ckpt.s3.wire.pool import ConnectionPool
 _OK = b'HTTP/1.1 200 OK\r\nETag: "e"\r\nContent-Length: 0\r\n\r\n'
 
 
-class _Server:
-    """A TCP server on 127.0.0.1 whose connections run ``handle(sock)`` in a thread."""
-
-    def __init__(self, handle: Callable[[socket.socket], None]) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.handle = handle
-        self.accepted = 0
-        self.threads: list[threading.Thread] = []
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                sock, _ = self.listener.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            thread = threading.Thread(target=self._one, args=(sock,), daemon=True)
-            thread.start()
-            self.threads.append(thread)
-
-    def _one(self, sock: socket.socket) -> None:
-        with sock, contextlib.suppress(OSError):
-            self.handle(sock)
-
-    def close(self) -> None:
-        self.listener.close()
-        for thread in self.threads:
-            thread.join(timeout=5)
-
-
 @pytest.fixture
-def serve() -> Iterator[Callable[[Callable[[socket.socket], None]], _Server]]:
-    servers: list[_Server] = []
+def serve() -> Iterator[Callable[[Callable[[socket.socket], None]], ThreadedServer]]:
+    servers: list[ThreadedServer] = []
 
-    def start(handle: Callable[[socket.socket], None]) -> _Server:
-        servers.append(_Server(handle))
+    def start(handle: Callable[[socket.socket], None]) -> ThreadedServer:
+        servers.append(ThreadedServer(handle))
         return servers[-1]
 
     yield start
     for server in servers:
         server.close()
-
-
-def _read_request(sock: socket.socket) -> int:
-    """Read one request (head and Content-Length body); the body's length, -1 at the end."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            return -1
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = next(
-        int(line.split(b":")[1])
-        for line in head.split(b"\r\n")
-        if line.lower().startswith(b"content-length")
-    )
-    while len(body) < length:
-        body += sock.recv(65536)
-    return length
 
 
 def _head(length: int) -> bytes:
@@ -97,7 +46,7 @@ def test_a_body_is_sent_whole_and_the_connection_kept(serve):
     lengths: list[int] = []
 
     def answer(sock: socket.socket) -> None:
-        while (length := _read_request(sock)) >= 0:
+        while (length := read_request(sock)) >= 0:
             lengths.append(length)
             sock.sendall(_OK)
 
@@ -122,7 +71,7 @@ def test_a_body_is_sent_whole_and_the_connection_kept(serve):
 
 def test_a_kept_alive_connection_the_server_closed_is_replaced(serve):
     def answer_once(sock: socket.socket) -> None:
-        _read_request(sock)
+        read_request(sock)
         sock.sendall(_OK)  # keep-alive by default, but closed right after
 
     server = serve(answer_once)
@@ -204,7 +153,7 @@ def test_a_cancelled_upload_stops_at_once(serve):
     received, release = threading.Event(), threading.Event()
 
     def hold(sock: socket.socket) -> None:
-        _read_request(sock)
+        read_request(sock)
         received.set()
         release.wait(30)  # answer nothing
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import socket
 import ssl
 import threading
 import time
@@ -16,6 +15,7 @@ from types import SimpleNamespace
 from urllib.parse import urlsplit
 
 import pytest
+from scripted_servers import ThreadedServer, read_request
 
 from s3ckpt.s3.wire.exchange import send_request
 from s3ckpt.s3.wire.pool import ConnectionPool
@@ -44,45 +44,6 @@ def test_the_request_head_keeps_signed_headers_and_drops_expect():
     assert "Host: localhost:9000" in other and "User-Agent: s3ckpt/" in other
 
 
-class _TlsServer:
-    """A TLS server on 127.0.0.1 whose connections run ``handle(sock)`` in a thread."""
-
-    def __init__(self, directory: Path, handle: Callable[[ssl.SSLSocket], None]) -> None:
-        files = write_tls_files(directory)
-        self.ca_file = files.ca_file
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.load_cert_chain(files.cert_file, files.key_file)
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.context, self.handle = context, handle
-        self.accepted = 0
-        self.threads: list[threading.Thread] = []
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                raw, _ = self.listener.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            thread = threading.Thread(target=self._one, args=(raw,), daemon=True)
-            thread.start()
-            self.threads.append(thread)
-
-    def _one(self, raw: socket.socket) -> None:
-        try:
-            with self.context.wrap_socket(raw, server_side=True) as sock:
-                self.handle(sock)
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        self.listener.close()
-        for thread in self.threads:
-            thread.join(timeout=5)
-
-
 @pytest.fixture
 def serve(tmp_path: Path) -> Iterator[Callable[[Callable[[ssl.SSLSocket], None]], _TlsServer]]:
     servers: list[_TlsServer] = []
@@ -98,29 +59,21 @@ def serve(tmp_path: Path) -> Iterator[Callable[[Callable[[ssl.SSLSocket], None]]
         server.close()
 
 
+class _TlsServer(ThreadedServer):
+    """A :class:`ThreadedServer` over TLS, with a CA and certificate made in ``directory``."""
+
+    def __init__(self, directory: Path, handle: Callable[[ssl.SSLSocket], None]) -> None:
+        files = write_tls_files(directory)
+        self.ca_file = files.ca_file
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(files.cert_file, files.key_file)
+        super().__init__(handle, context)  # type: ignore[arg-type]
+
+
 def _transport(ca_file: Path, read_timeout: float = 5.0) -> ConnectionPool:
     return ConnectionPool(
         verify=str(ca_file), connect_timeout=5.0, read_timeout=read_timeout, max_idle=4
     )
-
-
-def _read_request(sock: ssl.SSLSocket) -> int:
-    """Read one request (head and Content-Length body); returns the body length."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            return -1
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = next(
-        int(line.split(b":")[1])
-        for line in head.split(b"\r\n")
-        if line.lower().startswith(b"content-length")
-    )
-    while len(body) < length:
-        body += sock.recv(65536)
-    return length
 
 
 _OK = b'HTTP/1.1 200 OK\r\nETag: "e"\r\nContent-Length: 0\r\n\r\n'
@@ -131,7 +84,7 @@ def test_a_cancelled_request_stops_its_thread_at_once(serve):
     received, release = threading.Event(), threading.Event()
 
     def hold(sock: ssl.SSLSocket) -> None:
-        _read_request(sock)
+        read_request(sock)
         received.set()
         release.wait(2 * read_timeout)  # answer nothing
 
@@ -166,7 +119,7 @@ def test_a_kept_alive_connection_the_server_closed_is_replaced(serve):
     closed = threading.Event()
 
     def answer_once(sock: ssl.SSLSocket) -> None:
-        _read_request(sock)
+        read_request(sock)
         sock.sendall(_OK)  # keep-alive by default, but close it right after
         sock.close()
         closed.set()

@@ -1,0 +1,70 @@
+"""Threaded servers on loopback that answer each connection with a scripted handler, for
+the data plane's exchanges (``tests/unit/test_tls_transport.py``, ``test_loop_uploads.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+import threading
+from collections.abc import Callable
+
+
+class ThreadedServer:
+    """A server on 127.0.0.1 whose connections run ``handle(sock)`` in a thread each,
+    over TLS where a server ``context`` is given."""
+
+    def __init__(
+        self, handle: Callable[[socket.socket], None], context: ssl.SSLContext | None = None
+    ) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.handle = handle
+        self.context = context
+        self.accepted = 0
+        self.threads: list[threading.Thread] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                raw, _ = self.listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            thread = threading.Thread(target=self._one, args=(raw,), daemon=True)
+            thread.start()
+            self.threads.append(thread)
+
+    def _one(self, raw: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            if self.context is None:
+                with raw:
+                    self.handle(raw)
+                return
+            with self.context.wrap_socket(raw, server_side=True) as sock:
+                self.handle(sock)
+
+    def close(self) -> None:
+        self.listener.close()
+        for thread in self.threads:
+            thread.join(timeout=5)
+
+
+def read_request(sock: socket.socket) -> int:
+    """Read one request (head and Content-Length body); the body's length, -1 at the end."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return -1
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":")[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length")
+    )
+    while len(body) < length:
+        body += sock.recv(65536)
+    return length

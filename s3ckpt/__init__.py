@@ -9,6 +9,9 @@ One subpackage per part of the architecture (``docs/architecture.md``)::
     catalog/   list, show, verify, prune, gc, rm (no torch)
     cli/       the s3ckpt command over the catalog (no torch)
     manager/   CheckpointManager for training loops
+    background/  the background saver: the checkpoint process (shared staging memory,
+               one persistent process per rank) and thread mode, for the manager and
+               the integrations; CheckpointProcess for dcp.async_save users
     interop/   export to safetensors/torch files, import, copy between stores
     testing/   the embedded S3 server (the engine never imports it)
 
@@ -46,6 +49,7 @@ from s3ckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CheckpointProcessError,
     CheckpointReplacedError,
     CommitConflictError,
     ConfigError,
@@ -66,6 +70,7 @@ from s3ckpt.errors import (
 )
 
 if TYPE_CHECKING:
+    from s3ckpt.background.process import CheckpointProcess
     from s3ckpt.dcp.compat import unwrap
     from s3ckpt.dcp.reader import S3StorageReader
     from s3ckpt.dcp.staging import HostStager
@@ -78,6 +83,7 @@ if TYPE_CHECKING:
 # The DCP adapters import torch (seconds); the CLI and catalog do not need it.
 _LAZY = {
     "CheckpointManager": "s3ckpt.manager",
+    "CheckpointProcess": "s3ckpt.background.process",
     "HostStager": "s3ckpt.dcp.staging",
     "S3StorageReader": "s3ckpt.dcp.reader",
     "S3StorageWriter": "s3ckpt.dcp.writer",
@@ -100,6 +106,8 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "CheckpointProcess",
+    "CheckpointProcessError",
     "CheckpointReplacedError",
     "CommitConflictError",
     "ConfigError",

@@ -22,6 +22,7 @@
     │   ├── CheckpointReplacedError            overwritten while a multi-rank load read it
     │   ├── CorruptCheckpointError             checksum or size mismatch, unreadable manifest
     │   ├── UntrustedPickleError               a pickle names a Python global loads refuse
+    │   ├── CheckpointProcessError             the checkpoint process died or could not start
     │   └── NotACheckpointError                an import source in no format s3ckpt reads
     └── LocalServerError                       the embedded S3 server could not start
 
@@ -141,6 +142,11 @@ class UntrustedPickleError(CheckpointError):
     def __init__(self, message: str, refused: str | None = None) -> None:
         super().__init__(message)
         self.refused = refused
+
+
+class CheckpointProcessError(CheckpointError):
+    """The checkpoint process died (killed, out of memory) or could not start; the save it
+    was running is not committed, and the next save starts a fresh process."""
 
 
 class NotACheckpointError(CheckpointError):

@@ -212,6 +212,59 @@ def storage_copier(*, pin_memory: bool, share_memory: bool) -> StorageCopier:
     return RecordingCopier()
 
 
+def shard_write_items(obj: Any) -> list[tuple[WriteItem, torch.Tensor]]:
+    """The write items DCP's default planner makes for a sharded tensor (a ``DTensor``, a
+    ``ShardedTensor``, any object with DCP's ``__create_write_items__``), each with the
+    local tensor that holds its bytes; the items' FQN is left empty, for the planner to
+    fill in. A ``DTensor`` whose mesh leaves this rank out has none, as in DCP's
+    ``create_default_local_save_plan``. Uses DCP's private ``_create_write_items``.
+    """
+    from torch.distributed.checkpoint.planner_helpers import _create_write_items
+    from torch.distributed.checkpoint.utils import find_tensor_shard
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
+        return []
+    return [(item, find_tensor_shard(obj, item.index)) for item in _create_write_items("", obj)]
+
+
+def is_sharded_tensor(obj: Any) -> bool:
+    """Whether DCP saves ``obj`` as shards with their own offsets (``DTensor``,
+    ``ShardedTensor``, or an object of DCP's ``_Checkpointable`` protocol)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(obj, ShardedTensor) or hasattr(obj, "__create_write_items__")
+
+
+def pin_host_memory(tensor: torch.Tensor) -> bool:
+    """Page-lock the host memory under ``tensor`` for CUDA (``cudaHostRegister``), so that
+    device-to-host copies into it run without a bounce and without blocking; False where
+    there is no CUDA (or it refuses)."""
+    if not torch.cuda.is_available() or tensor.numel() == 0:
+        return False
+    status = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
+    return int(status) == 0
+
+
+def unpin_host_memory(tensor: torch.Tensor) -> None:
+    """Undo :func:`pin_host_memory`."""
+    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
+
+def default_store_host() -> str | None:
+    """The host the default process group met at, when it met through a ``TCPStore``
+    (DCP's private ``_get_default_store``): where ranks on other nodes reach rank 0."""
+    import torch.distributed as dist
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+    while not isinstance(store, dist.TCPStore) and hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store.host if isinstance(store, dist.TCPStore) else None
+
+
 def save_skeleton(tensors: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], path: str) -> None:
     """A ``torch.save`` file of ``{name: tensor}`` with every tensor's bytes left out.
 
@@ -277,12 +330,17 @@ __all__ = [
     "WriteItemType",
     "WriteResult",
     "chunk_shapes",
+    "default_store_host",
+    "is_sharded_tensor",
     "item_nbytes",
     "metadata_global",
     "narrow",
+    "pin_host_memory",
     "remember_metadata_failure",
     "save_skeleton",
+    "shard_write_items",
     "stop_async_save_process",
+    "unpin_host_memory",
     "unwrap",
     "wrap_exception",
 ]

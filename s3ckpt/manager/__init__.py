@@ -3,7 +3,10 @@
 * :mod:`~s3ckpt.manager.checkpoint_manager`: saves in the background, one in flight,
   failures raised on the next call, loading the latest;
 * :mod:`~s3ckpt.manager.policy`: checkpoint names, retention after each commit, metrics;
-* :mod:`~s3ckpt.manager.main_guard`: process mode needs the main script's guard.
+* :mod:`~s3ckpt.manager.committed`: which steps are committed, at little cost;
+* :mod:`~s3ckpt.manager.ranks`: the few collectives the manager's decisions need.
+
+The upload itself runs in :mod:`s3ckpt.background` (the checkpoint process by default).
 """
 
 from s3ckpt.manager.checkpoint_manager import CheckpointManager

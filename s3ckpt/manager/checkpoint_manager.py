@@ -2,19 +2,23 @@
 
 The loop blocks only while the state is copied to host memory (with CUDA, into pinned
 buffers: non-blocking copies, then a synchronize); the upload and the commit run while
-training goes on: ``dcp.save`` of that copy on the manager's worker thread (thread mode),
-or DCP's ``async_save`` process (process mode), started by
-:class:`~s3ckpt.manager.background.BackgroundSaves`. The rules:
+training goes on, by default in the rank's persistent checkpoint process, which reads the
+copy from memory it shares with the loop (process mode: the loop's interpreter does
+nothing for the upload), or on a worker thread (thread mode), both run by
+:class:`~s3ckpt.background.saver.BackgroundSaver`. Neither asks anything of the script:
+no ``if __name__ == "__main__":`` guard, no process group for a single process. The
+rules:
 
 * **Names.** Step ``N`` lives at ``<uri>/step-<N:010d>``, zero-padded so that plain LIST
   order is step order. ``steps()`` lists the committed ones (one LIST, on rank 0).
-* **At most one save in flight.** One persistent :class:`~s3ckpt.dcp.staging.HostStager`
-  reuses its host buffers from save to save, so a save cannot stage before the previous
-  upload is done:
+* **At most one save in flight.** The host memory of the copy is kept and reused from
+  save to save, so a save cannot stage before the previous upload is done:
   ``if_busy="wait"`` (default) waits for it, ``"skip"`` skips the new save. With several
   ranks the skip decision is agreed (one all-gather), so no rank starts a save alone.
 * **Failures are never lost.** A failed background save is logged when it fails and raised,
   as the s3ckpt error (:func:`s3ckpt.unwrap`), by the next ``save``/``wait``/``close``/``load``.
+  A checkpoint process that dies (killed, out of memory) fails its save with
+  :class:`~s3ckpt.errors.CheckpointProcessError`; the next save starts a fresh one.
   A rank whose copy to host memory fails raises at once and still starts its save, which
   fails in planning, so every rank raises at its next call and none waits in a collective.
 * **Existing steps are kept**: re-saving a committed step (a resumed loop re-running it,
@@ -37,7 +41,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 import warnings
@@ -50,14 +53,13 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from s3ckpt.background.saver import BackgroundSaver
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.dcp.compat import unwrap
 from s3ckpt.dcp.reader import S3StorageReader
 from s3ckpt.dcp.writer import S3StorageWriter
 from s3ckpt.errors import CheckpointError, CheckpointExistsError
-from s3ckpt.manager.background import BackgroundSaves
 from s3ckpt.manager.committed import CommittedSteps
-from s3ckpt.manager.main_guard import require_main_guard
 from s3ckpt.manager.policy import (
     AsyncMode,
     IfBusy,
@@ -95,13 +97,14 @@ class CheckpointManager:
             the same as ``s3ckpt prune``'s; ``keep_last=0`` keeps only the newest and the
             ``keep_every`` steps); ``None`` for both keeps everything.
         if_busy: ``"wait"`` for the previous upload (default), or ``"skip"`` this save.
-        async_mode: ``"thread"`` (default), ``"process"`` (DCP's background process; needs an
-            initialized process group with a gloo backend) or ``"sync"`` (plain ``dcp.save``).
+        async_mode: ``"process"`` (default: the rank's checkpoint process, started with the
+            manager), ``"thread"`` (a worker thread of this process) or ``"sync"`` (plain
+            ``dcp.save``).
         overwrite: replace an already committed step instead of skipping the save.
         process_group: the ranks that checkpoint together (default: the default group). With
-            several ranks, every rank of the default group constructs the manager at the same
-            point: thread mode creates a dedicated gloo group there, so background saves never
-            interleave their collectives with the training loop's.
+            several ranks, every rank of the group constructs the manager at the same point:
+            the checkpoint processes meet there (thread mode creates a gloo group there), so
+            background saves never interleave their collectives with the training loop's.
         on_saved: called with each commit's :class:`SaveMetrics` (on a background thread).
         max_metrics: how many recent :class:`SaveMetrics` ``metrics`` keeps.
         writer_options: more keywords for every :class:`~s3ckpt.S3StorageWriter`
@@ -119,7 +122,7 @@ class CheckpointManager:
         keep_last: int | None = None,
         keep_every: int | None = None,
         if_busy: IfBusy = "wait",
-        async_mode: AsyncMode = "thread",
+        async_mode: AsyncMode = "process",
         overwrite: bool = False,
         process_group: dist.ProcessGroup | None = None,
         on_saved: Callable[[SaveMetrics], None] | None = None,
@@ -129,8 +132,6 @@ class CheckpointManager:
         **options: Any,
     ) -> None:
         validate_options(keep_last, keep_every, if_busy, async_mode)
-        if async_mode == "process":
-            require_main_guard(sys._getframe(1))
         self.location = S3URI.parse(uri, require_prefix=False)
         self.config = make_config(config, endpoint_url=endpoint_url, **options)
         self.if_busy, self.async_mode, self.overwrite = if_busy, async_mode, overwrite
@@ -142,7 +143,7 @@ class CheckpointManager:
         self._no_dist = not self._ranks.distributed
         if self._ranks.world == 1:  # DCP warns on each single-process call; here it is meant
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        self._saves = BackgroundSaves(self._ranks, async_mode)
+        self._saves = None if async_mode == "sync" else BackgroundSaver(async_mode, process_group)
         self._retention = Retention(self.location, self.config, keep_last, keep_every)
         self._lock = threading.Lock()
         self._inflight: _InFlight | None = None
@@ -256,10 +257,10 @@ class CheckpointManager:
             log.info("%s is already committed; not saved again", name)
             return False
         writer = self._writer(step, replace)
-        if self.async_mode == "sync":
+        if self._saves is None:
             return self._save_sync(step, state_dict, writer, started, waited)
         try:
-            future, failure = self._saves.start(step, state_dict, writer)
+            future, failure = self._saves.start(state_dict, writer, name)
         except BaseException as exc:
             _reraise(exc)
         now = time.perf_counter()
@@ -316,11 +317,12 @@ class CheckpointManager:
             self.wait()
         finally:
             try:
-                self._saves.close()  # first: its worker's bookkeeping may start a retention
+                if self._saves is not None:  # first: its bookkeeping may start a retention
+                    self._saves.close()
             finally:
                 self._retention.close()
 
-    # -- background bookkeeping (the worker thread, or DCP's) ----------------------------
+    # -- background bookkeeping (the thread that resolves the save's future) -------------
 
     def _finished(self, inflight: _InFlight) -> None:
         try:

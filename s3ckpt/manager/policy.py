@@ -27,7 +27,8 @@ log = logging.getLogger("s3ckpt.manager")
 IfBusy = Literal["wait", "skip"]
 """What ``save`` does while the previous upload runs: wait for it, or skip this save."""
 AsyncMode = Literal["thread", "process", "sync"]
-"""Where the upload runs: DCP's background thread or process, or the caller (``dcp.save``)."""
+"""Where the upload runs: the rank's checkpoint process, a thread of the training process,
+or the caller (``dcp.save``)."""
 
 _NAME = re.compile(r"^step-(\d+)$")
 

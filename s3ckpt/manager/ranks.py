@@ -5,8 +5,8 @@ committed) is taken once and shared, so that no rank starts a save, or a collect
 alone. Rank 0 asks the store; the others receive its answer, or its error, and raise
 it too rather than hang.
 
-Thread-mode saves run their collectives on a separate gloo group, created here, so
-that the background save never interleaves its collectives with the training loop's.
+Background saves run their collectives on groups of their own
+(:mod:`s3ckpt.background`), so they never interleave with the training loop's.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch.distributed as dist
-
-from s3ckpt.errors import ConfigError
 
 T = TypeVar("T")
 
@@ -29,19 +27,6 @@ class Ranks:
         self.group = group
         self.world = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
-
-    def save_group(self, async_mode: str) -> dist.ProcessGroup | None:
-        """The group thread-mode saves run their collectives on: a new gloo group with the
-        manager's ranks when there are several, else None (a lone rank's save needs no
-        collective, and runs with ``no_dist``). Process mode needs torch.distributed."""
-        if async_mode == "process" and not self.distributed:
-            raise ConfigError(
-                "async_mode='process' needs torch.distributed initialized with a gloo backend"
-            )
-        if async_mode != "thread" or self.world == 1:
-            return None
-        ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
-        return dist.new_group(ranks=ranks, backend="gloo")
 
     def shared(self) -> dist.ProcessGroup | None:
         """The group a load's readers share their metadata read over (every rank of it

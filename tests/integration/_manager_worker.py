@@ -7,6 +7,7 @@ report in ``out_dir`` for the parent test to check.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -123,17 +124,16 @@ def skip_decisions(rank: int, uri: str, s3: dict[str, Any]) -> list[bool]:
 def process_mode(
     model: torch.nn.Module, state: dict[str, Any], uri: str, s3: dict[str, Any]
 ) -> Any:
-    """``async_mode="process"``: the upload runs in DCP's background process (one per rank),
-    which is shut down afterwards so that nothing outlives the test."""
-    from torch.distributed.checkpoint import _async_process_executor as executor
-
+    """``async_mode="process"``: the upload runs in the rank's checkpoint process, which
+    closing the manager stops, so that nothing outlives the test."""
     from s3ckpt import CheckpointManager
 
     with CheckpointManager(uri, async_mode="process", **s3) as manager:
+        pid = manager._saves.process.pid
         manager.save(7, state)
         metrics = manager.wait()
         result = {"steps": manager.steps(), "bytes": metrics.bytes if metrics else None}
-    result["background_stopped"] = executor._CHECKPOINT_PROCESS is None  # close() stopped it
+    result["background_stopped"] = not os.path.exists(f"/proc/{pid}")  # close() stopped it
     return result
 
 
@@ -171,18 +171,18 @@ def failed_staging(rank: int, uri: str, s3: dict[str, Any], mode: str) -> dict[s
     outcome: dict[str, Any] = {}
     state = {f"w{rank}": torch.full((1000,), float(rank))}
     with CheckpointManager(uri, async_mode=mode, **s3) as manager:
-        stage = manager._saves._stager.stage
+        stage = manager._saves._stage
         if rank == 1:
 
             def broken(state_dict: Any) -> Any:
                 raise RuntimeError("cannot pin memory")
 
-            manager._saves._stager.stage = broken  # type: ignore[method-assign]
+            manager._saves._stage = broken  # type: ignore[method-assign]
         try:
             outcome["first"] = manager.save(1, state)
         except RuntimeError as exc:
             outcome["first"] = f"raised: {exc}"
-        manager._saves._stager.stage = stage  # type: ignore[method-assign]
+        manager._saves._stage = stage  # type: ignore[method-assign]
         try:
             outcome["second"] = manager.save(2, state)
         except CheckpointError as exc:

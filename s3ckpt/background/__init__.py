@@ -1,0 +1,14 @@
+"""The background saver: what runs a save's upload while the training loop goes on.
+
+* :mod:`~s3ckpt.background.saver`: ``BackgroundSaver``, the one saver under
+  :class:`~s3ckpt.CheckpointManager` and the integrations: one save in flight, the copy's
+  memory kept from save to save, the upload in the checkpoint process or on a thread;
+* :mod:`~s3ckpt.background.process`: ``CheckpointProcess``, the persistent checkpoint
+  process of one rank (also what ``dcp.async_save`` users pass their saves to);
+* :mod:`~s3ckpt.background.worker`: the checkpoint process's own side;
+* :mod:`~s3ckpt.background.arena`, :mod:`~s3ckpt.background.stage`,
+  :mod:`~s3ckpt.background.shards`: the shared staging memory, the copy into it, and
+  sharded tensors saved without their mesh;
+* :mod:`~s3ckpt.background.channel`: messages, descriptors and staged state between the
+  two processes.
+"""

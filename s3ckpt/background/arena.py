@@ -1,0 +1,139 @@
+"""``StagingArena``: host memory shared with the checkpoint process, kept from save to save.
+
+A save's state is copied into a few large anonymous shared-memory segments
+(``memfd_create``), not into one allocation per tensor: the trainer and the checkpoint
+process map each segment once, and a steady-state save allocates, maps, pins and sends
+nothing but a small description of where each tensor lies. The segments have no name in
+any file system, so nothing is left behind when either process ends, however it ends: the
+kernel frees a segment when its last mapping and descriptor are gone.
+
+Each save lays its storages out from the arena's first byte. The same state in the same
+order (a training loop's) gets the same regions each time; a state that outgrows the
+arena gets one more segment, sized for what did not fit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from dataclasses import dataclass
+
+import torch
+
+from s3ckpt.dcp.compat import pin_host_memory, unpin_host_memory
+
+ALIGN = 4096  # page-aligned regions: copies and socket sends start on a page
+_MIN_SEGMENT = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Region:
+    """Where one staged storage lies: a segment's index, a byte offset and a length."""
+
+    segment: int
+    offset: int
+    nbytes: int
+
+
+class Segment:
+    """One shared-memory segment, mapped in this process."""
+
+    def __init__(self, size: int, *, fd: int | None = None, pin: bool = False) -> None:
+        self.fd = os.memfd_create("s3ckpt-staging", os.MFD_CLOEXEC) if fd is None else fd
+        try:
+            if fd is None:
+                os.ftruncate(self.fd, size)
+            self.size = size
+            # A new segment's pages are faulted in at once (MAP_POPULATE: 1.04 s for 1 GiB
+            # here, against 1.36 s of faults one page at a time during the first copy).
+            populate = mmap.MAP_POPULATE if fd is None else 0
+            self._map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | populate)
+            self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.pinned = pin and pin_host_memory(self.bytes)
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of the segment from ``offset``, as a uint8 tensor whose storage is
+        exactly those bytes (a slice of :attr:`bytes` would share the whole segment's)."""
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=offset)
+
+    def close(self) -> None:
+        if self.pinned:
+            unpin_host_memory(self.bytes)
+        del self.bytes
+        # BufferError: a tensor still views it; the kernel frees it along with that tensor
+        with contextlib.suppress(BufferError):
+            self._map.close()
+        os.close(self.fd)
+
+
+class StagingArena:
+    """The segments of one trainer (or their mappings in its checkpoint process)."""
+
+    def __init__(self, *, pin: bool = False) -> None:
+        self.segments: list[Segment] = []
+        self._pin = pin
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory held, in bytes."""
+        return sum(segment.size for segment in self.segments)
+
+    def allocate(self, sizes: list[int]) -> tuple[list[Region], list[Segment]]:
+        """Regions for storages of ``sizes`` bytes, in order, from the arena's first byte
+        (the previous save's copy is no longer needed); and the segments added for them.
+
+        The same sizes get the same regions as last time, so the checkpoint process's
+        mappings stay valid; what does not fit in the segments there are goes into one
+        new segment, sized for all of it.
+        """
+        regions: list[Region] = []
+        index, offset = 0, 0
+        for position, nbytes in enumerate(sizes):
+            while index < len(self.segments) and offset + nbytes > self.segments[index].size:
+                index, offset = index + 1, 0
+            if index == len(self.segments):
+                rest = sum(_round_up(n) for n in sizes[position:])
+                added = Segment(max(rest, _MIN_SEGMENT), pin=self._pin)
+                self.segments.append(added)
+                return regions + self._pack(index, sizes[position:]), [added]
+            regions.append(Region(index, offset, nbytes))
+            offset = _round_up(offset + nbytes)
+        return regions, []
+
+    @staticmethod
+    def _pack(index: int, sizes: list[int]) -> list[Region]:
+        regions, offset = [], 0
+        for nbytes in sizes:
+            regions.append(Region(index, offset, nbytes))
+            offset = _round_up(offset + nbytes)
+        return regions
+
+    def view(self, region: Region) -> torch.Tensor:
+        return self.segments[region.segment].view(region.offset, region.nbytes)
+
+    def locate(self, data_ptr: int, nbytes: int) -> Region | None:
+        """The region of the arena a storage at ``data_ptr`` occupies, if it lies in one."""
+        for index, segment in enumerate(self.segments):
+            start = segment.bytes.data_ptr()
+            if start <= data_ptr and data_ptr + nbytes <= start + segment.size:
+                return Region(index, data_ptr - start, nbytes)
+        return None
+
+    def adopt(self, fd: int, size: int) -> None:
+        """Map a segment another process created (the checkpoint process's side)."""
+        self.segments.append(Segment(size, fd=fd))
+
+    def close(self) -> None:
+        segments, self.segments = self.segments, []
+        for segment in segments:
+            segment.close()
+
+
+def _round_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN

@@ -1,0 +1,374 @@
+"""``CheckpointProcess``: one persistent checkpoint process per rank, fed from shared memory.
+
+A background save that runs in the training process shares its interpreter: every Python
+operation of the upload holds the GIL, and every small torch op of the loop waits for it
+(a dispatch-bound loop ran twice as slow beside a thread-mode save). Here the loop's
+process only copies the state into a :class:`~s3ckpt.background.arena.StagingArena` it
+shares with its checkpoint process, and sends it a description of the copy; the process
+runs ``dcp.save`` of it with the given writer. The lifecycle:
+
+1. **Start.** The process is started when this object is constructed (a fresh interpreter
+   running :mod:`s3ckpt.background.worker`; its imports overlap with training). With
+   several ranks, every rank constructs it at the same point: rank 0 opens a store the
+   checkpoint processes meet at (at ``MASTER_ADDR``, else where the default group met),
+   and the processes form a gloo group of their own.
+2. **Save** (:meth:`async_save`): wait for the save in flight (the arena holds its copy),
+   agree across ranks whether the processes must be started afresh, copy the state into
+   the arena (the only part the loop waits for), send it; a future resolves with the
+   save's DCP metadata, or its error.
+3. **Failure.** A process that dies (killed, out of memory) fails its save at once with
+   :class:`~s3ckpt.errors.CheckpointProcessError`; with several ranks, a failed save
+   ends the processes of every rank (see the worker), and the next save starts fresh ones
+   on every rank, together. Nothing of a failed save is committed: the manifest is
+   written last.
+4. **Close** (:meth:`close`, or the interpreter's exit): wait for the save in flight,
+   stop the process, unmap the arena. The memory has no name anywhere, so nothing is left
+   behind, whichever process ends first and however.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import weakref
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from s3ckpt.background.arena import StagingArena
+from s3ckpt.background.channel import Channel, ChannelClosed, dumps_staged
+from s3ckpt.background.stage import Staged, stage
+from s3ckpt.background.worker import Hello, Meeting
+from s3ckpt.dcp.compat import default_store_host
+from s3ckpt.dcp.staging import plain_state_dict
+from s3ckpt.errors import CheckpointProcessError, S3CkptError
+
+log = logging.getLogger("s3ckpt.background")
+
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+class CheckpointProcess:
+    """The checkpoint process of this rank, and the shared memory saves are staged in.
+
+    For ``dcp.async_save`` users, in place of it::
+
+        process = CheckpointProcess()            # once; every rank, at the same point
+        future = process.async_save(state_dict, storage_writer=S3StorageWriter(uri))
+        ...
+        future.result()                          # the DCP Metadata, or the save's error
+        process.close()
+
+    Args:
+        process_group: the ranks that save together (default: the default group, when
+            torch.distributed is initialized; else this process alone). It is used only
+            to meet at construction and to agree, at each save, whether the checkpoint
+            processes start afresh; saves run their collectives on a group of their own.
+        pin_memory: page-lock the staging memory for fast device copies (default: whether
+            CUDA is available).
+        timeout_s: how long the checkpoint processes wait for each other in a collective.
+    """
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        pin_memory: bool | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self._group = process_group
+        distributed = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size(process_group) if distributed else 1
+        self.rank = dist.get_rank(process_group) if distributed else 0
+        self._timeout_s = timeout_s
+        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._arena = StagingArena(pin=pin)
+        self._store, self._address = self._meeting_place()
+        self._generation = 0
+        self._worker: _Worker | None = None
+        self._inflight: Future[Any] | None = None
+        self._closed = False
+        self._pid = os.getpid()
+        self._start()
+        _open.add(self)
+
+    def __repr__(self) -> str:
+        pid = self._worker.pid if self._worker is not None else None
+        return f"CheckpointProcess(rank={self.rank}, pid={pid})"
+
+    @property
+    def pid(self) -> int | None:
+        """The checkpoint process's pid (None once closed)."""
+        return self._worker.pid if self._worker is not None else None
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory held for staging."""
+        return self._arena.nbytes
+
+    # -- saving ----------------------------------------------------------------------------
+
+    def async_save(
+        self, state_dict: dict[str, Any], *, storage_writer: Any, planner: Any = None
+    ) -> Future[Any]:
+        """Copy ``state_dict`` into shared memory, then save it from the checkpoint process
+        with ``storage_writer``; returns once copied. Every rank calls it together."""
+        self.wait_idle()
+        self.refresh()
+        staged = self.stage(state_dict)
+        return self.submit(staged, storage_writer, planner)
+
+    def wait_idle(self) -> None:
+        """Wait for the save in flight to finish (its outcome is its future's)."""
+        inflight = self._inflight
+        if inflight is not None:
+            try:
+                inflight.exception()
+            finally:
+                self._inflight = None
+
+    def refresh(self) -> None:
+        """Start fresh checkpoint processes where one is needed: this rank's died, or (with
+        several ranks) a save failed on any rank. One all-gather with several ranks."""
+        self._check_open()
+        worker = self._worker
+        needed = worker is None or not worker.healthy(self.world)
+        if self.world > 1:
+            flags: list[Any] = [None] * self.world
+            dist.all_gather_object(flags, needed, group=self._group)
+            needed = any(flags)
+        if needed:
+            self._stop_worker()
+            self._generation += 1
+            self._start()
+
+    def stage(self, state_dict: dict[str, Any]) -> Staged:
+        """Copy ``state_dict`` into the arena (the previous save must be finished)."""
+        return stage(self._arena, plain_state_dict(state_dict))
+
+    def submit(self, staged: Staged, writer: Any, planner: Any = None) -> Future[Any]:
+        """Send a staged copy to the checkpoint process; its save's future."""
+        worker = self._worker
+        assert worker is not None
+        future = worker.save(staged, dumps_staged(staged.state_dict, self._arena), writer, planner)
+        self._inflight = future
+        return future
+
+    # -- closing ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for the save in flight, stop the process, release the memory; idempotent."""
+        if self._closed or os.getpid() != self._pid:
+            self._closed = True
+            return
+        self._closed = True
+        _open.discard(self)
+        try:
+            self.wait_idle()
+        finally:
+            self._stop_worker()
+            self._arena.close()
+            if self._store is not None:
+                self._store = None
+
+    def __enter__(self) -> CheckpointProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointProcessError(f"{self!r} is closed")
+        if os.getpid() != self._pid:
+            raise CheckpointProcessError(
+                f"{self!r} belongs to process {self._pid}, not to this one ({os.getpid()})"
+            )
+
+    def _meeting_place(self) -> tuple[Any, tuple[str, int] | None]:
+        """With several ranks: rank 0's store for the checkpoint processes, its address on
+        every rank (one broadcast)."""
+        if self.world == 1:
+            return None, None
+        store, box = None, [None]
+        if self.rank == 0:
+            host = os.environ.get("MASTER_ADDR") or default_store_host() or "127.0.0.1"
+            store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            box = [(host, store.port)]
+        source = 0 if self._group is None else dist.get_global_rank(self._group, 0)
+        dist.broadcast_object_list(box, src=source, group=self._group)
+        return store, box[0]
+
+    def _start(self) -> None:
+        meeting = None
+        if self._address is not None:
+            host, port = self._address
+            prefix = f"s3ckpt-checkpoint-process/{self._generation}"
+            meeting = Meeting(host, port, prefix, self.rank, self.world, self._timeout_s)
+        hello = Hello(list(sys.path), logging.getLogger("s3ckpt").getEffectiveLevel(), meeting)
+        self._worker = _Worker(hello, self._arena, self.rank)
+
+    def _stop_worker(self) -> None:
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.stop()
+
+
+class _Worker:
+    """One started checkpoint process: its pipe, its reader thread, its saves' futures."""
+
+    def __init__(self, hello: Hello, arena: StagingArena, rank: int) -> None:
+        self._arena = arena
+        self._rank = rank
+        self._sent_segments = 0
+        self._lock = threading.Lock()
+        self._pending: dict[int, Future[Any]] = {}
+        self._next_id = 0
+        self.failed = False
+        self.gone = False
+        self._start_error: BaseException | None = None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._popen = subprocess.Popen(
+                [sys.executable, "-m", "s3ckpt.background.worker", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env=_worker_environment(),
+            )
+        finally:
+            theirs.close()
+        self.pid = self._popen.pid
+        self._channel = Channel(ours)
+        self._channel.send(hello)
+        self._reader = threading.Thread(
+            target=self._read, name=f"s3ckpt-checkpoint-process-{self.pid}", daemon=True
+        )
+        self._reader.start()
+
+    def healthy(self, world: int) -> bool:
+        """Alive, and (with several ranks) its last save did not fail."""
+        return not self.gone and not (world > 1 and self.failed)
+
+    def save(self, staged: Staged, data: bytes, writer: Any, planner: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self._lock:
+            if self.gone:
+                future.set_exception(self._died("before the save was sent"))
+                return future
+            save_id, self._next_id = self._next_id, self._next_id + 1
+            self._pending[save_id] = future
+        try:
+            self._send_segments()
+            self._channel.send(("save", save_id, data, writer, planner))
+        except ChannelClosed:
+            pass  # the reader thread fails the future with the process's exit status
+        return future
+
+    def _send_segments(self) -> None:
+        segments = self._arena.segments[self._sent_segments :]
+        if segments:
+            sizes = [segment.size for segment in segments]
+            self._channel.send(("segments", sizes), [segment.fd for segment in segments])
+            self._sent_segments += len(segments)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message, _ = self._channel.receive()
+                self._settle(message)
+        except ChannelClosed:
+            pass
+        except Exception:  # never leave a save's future unresolved
+            log.exception("reading from the checkpoint process %d failed", self.pid)
+        with self._lock:
+            self.gone = True
+            pending, self._pending = self._pending, {}
+        if pending:
+            error = self._died("during the save")
+            for future in pending.values():
+                future.set_exception(error)
+
+    def _settle(self, message: Any) -> None:
+        kind = message[0]
+        if kind == "ready":
+            return
+        with self._lock:
+            future = self._pending.pop(message[1], None) if message[1] is not None else None
+        if kind == "saved" and future is not None:
+            future.set_result(message[2])
+            return
+        self.failed = True
+        error = message[2]
+        if not isinstance(error, S3CkptError):
+            wrapped = CheckpointProcessError(
+                f"the checkpoint process of rank {self._rank} failed: "
+                f"{type(error).__name__}: {error}"
+            )
+            wrapped.__cause__ = error
+            error = wrapped
+        if future is not None:
+            future.set_exception(error)
+        else:  # it could not start: the next save's future gets the reason
+            self._start_error = error
+            log.error("the checkpoint process %d could not start: %s", self.pid, error)
+
+    def _died(self, when: str) -> CheckpointProcessError:
+        try:
+            code = self._popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = (
+            "is unresponsive" if code is None
+            else f"was killed by signal {-code}" if code < 0
+            else f"exited with status {code}"
+        )  # fmt: skip
+        if self._start_error is not None:
+            how, when = "could not start", f"({self._start_error})"
+        return CheckpointProcessError(
+            f"the checkpoint process of rank {self._rank} (pid {self.pid}) {how} {when}; "
+            "the save is not committed, and the next save starts a new process"
+        )
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Ask the process to exit (once its save is done), then make sure it has."""
+        with contextlib.suppress(ChannelClosed, OSError):
+            self._channel.send(("stop",))
+        try:
+            self._popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("the checkpoint process %d did not stop; killing it", self.pid)
+            self._popen.kill()
+            self._popen.wait()
+        self._channel.close()
+        self._reader.join(timeout=timeout)
+
+
+def _worker_environment() -> dict[str, str]:
+    """The trainer's environment, with s3ckpt importable however the trainer found it."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    paths = [package_root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+
+
+_open: weakref.WeakSet[CheckpointProcess] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """The interpreter is exiting: let each save in flight finish, then stop the processes."""
+    for process in list(_open):
+        try:
+            process.close()
+        except Exception:
+            log.exception("closing %r at exit failed", process)

@@ -1,0 +1,136 @@
+"""``BackgroundSaver``: the one background saver under the manager and the integrations.
+
+A save blocks the training loop only while its state is copied to host memory; its upload
+and commit then run in the background, at most one at a time (the copy's memory is kept
+and reused, so the next save waits for the one in flight). Two ways to run the upload:
+
+* ``"process"`` (the default everywhere): the rank's persistent
+  :class:`~s3ckpt.background.process.CheckpointProcess`, fed from shared memory. The
+  loop's interpreter does nothing for the upload, so it loses only the copy.
+* ``"thread"``: ``dcp.save`` of a :class:`~s3ckpt.dcp.staging.HostStager` copy on a
+  worker thread of the loop's process, on a gloo group of its own (so the save's
+  collectives never interleave with the loop's). Costs the loop the GIL the upload's
+  Python holds; kept for those who cannot start a process.
+
+A rank whose copy fails raises its error at once, but first starts its save with a
+:class:`CopyFailed` writer: that save fails in planning, DCP gathers the failure and raises
+it on every rank, so no rank waits for this one in the save's collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Literal
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from s3ckpt.background.process import CheckpointProcess
+from s3ckpt.dcp.staging import HostStager, plain_state_dict
+from s3ckpt.dcp.writer import S3StorageWriter
+from s3ckpt.errors import CheckpointError
+
+log = logging.getLogger("s3ckpt.background")
+
+SaverMode = Literal["process", "thread"]
+
+
+class BackgroundSaver:
+    """The staging memory, the upload's runner and the save group of one manager or
+    strategy. With several ranks, every rank constructs it at the same point."""
+
+    def __init__(self, mode: SaverMode = "process", process_group: Any = None) -> None:
+        self.mode = mode
+        self._group = process_group
+        distributed = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size(process_group) if distributed else 1
+        self.rank = dist.get_rank(process_group) if distributed else 0
+        self._process: CheckpointProcess | None = None
+        self._stager: HostStager | None = None
+        self._thread: ThreadPoolExecutor | None = None
+        self._save_group: Any = None
+        if mode == "process":
+            self._process = CheckpointProcess(process_group)
+        else:
+            self._stager = HostStager()
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s3ckpt-save")
+            if self.world > 1:
+                ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+                self._save_group = dist.new_group(ranks=ranks, backend="gloo")
+
+    @property
+    def process(self) -> CheckpointProcess | None:
+        """The checkpoint process (process mode)."""
+        return self._process
+
+    def start(
+        self, state_dict: dict[str, Any], writer: S3StorageWriter, describe: str
+    ) -> tuple[Future[Any], Exception | None]:
+        """Copy ``state_dict`` to host memory, then start its upload with ``writer``; the
+        upload's future, and this rank's copy failure if it had one (the caller raises it;
+        with one rank it is raised here). ``describe`` names the save in that error. The
+        previous save must be finished."""
+        if self._process is not None:
+            self._process.wait_idle()
+            self._process.refresh()
+        try:
+            staged, failure = self._stage(state_dict), None
+        except Exception as exc:
+            if self.world == 1:
+                raise
+            staged, failure = None, exc
+            reason = (
+                f"{describe} not saved: rank {self.rank} could not copy its state to host "
+                f"memory ({type(exc).__name__}: {exc})"
+            )
+            writer = CopyFailed(writer, reason)
+        return self._upload(staged, writer), failure
+
+    def _stage(self, state_dict: dict[str, Any]) -> Any:
+        if self._process is not None:
+            return self._process.stage(state_dict)
+        assert self._stager is not None
+        return self._stager.stage(plain_state_dict(state_dict))
+
+    def _upload(self, staged: Any, writer: S3StorageWriter) -> Future[Any]:
+        if self._process is not None:
+            if staged is None:
+                staged = self._process.stage({})
+            return self._process.submit(staged, writer)
+        assert self._thread is not None
+        return self._thread.submit(
+            dcp.save, staged if staged is not None else {}, storage_writer=writer,
+            process_group=self._save_group, no_dist=self._save_group is None,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """After the last save: wait for it, then release the process or the thread, the
+        memory and the save group."""
+        try:
+            if self._process is not None:
+                self._process.close()
+            if self._thread is not None:
+                self._thread.shutdown(wait=True)
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+            if self._save_group is not None:
+                try:
+                    dist.destroy_process_group(self._save_group)
+                except Exception:  # the default group may be gone already
+                    log.debug("could not destroy the checkpoint process group", exc_info=True)
+                self._save_group = None
+
+
+class CopyFailed(S3StorageWriter):
+    """The writer of a rank whose copy to host memory failed: its part of the save's
+    planning raises ``reason``, which DCP gathers and raises on every rank. It touches
+    nothing in the store."""
+
+    def __init__(self, writer: S3StorageWriter, reason: str) -> None:
+        super().__init__(str(writer.location), config=writer.config)
+        self.reason = reason
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        raise CheckpointError(self.reason)

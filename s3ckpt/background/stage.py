@@ -1,0 +1,134 @@
+"""Copying a state dict into the :class:`~s3ckpt.background.arena.StagingArena`: the
+part of a background save the training loop waits for.
+
+Containers (dicts, lists, tuples) are walked; every tensor storage is copied once into an
+arena region (tensors that share a storage, tied weights among them, share its copy and
+keep their offsets and strides); a sharded tensor becomes a
+:class:`~s3ckpt.background.shards.StagedShards` over its copied shards; any other value is
+kept as it is and pickled with the save. Copies from an accelerator are queued without
+waiting and the devices synchronized once at the end, so that with pinned segments the
+loop waits for the copy engines, not for one copy after another.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from s3ckpt.background.arena import Region, Segment, StagingArena
+from s3ckpt.background.shards import StagedShards
+from s3ckpt.dcp.compat import is_sharded_tensor, shard_write_items
+
+_StorageKey = tuple[int, str, int]  # data_ptr, device, nbytes
+
+
+@dataclass
+class Staged:
+    """One save's copy: the state with arena tensors, and the segments it added."""
+
+    state_dict: dict[str, Any]
+    new_segments: list[Segment]
+    nbytes: int
+
+
+@dataclass
+class _Copies:
+    """The storages a state holds, in the order they were met, and their copies."""
+
+    storages: dict[_StorageKey, torch.UntypedStorage] = field(default_factory=dict)
+    copies: dict[_StorageKey, torch.UntypedStorage] = field(default_factory=dict)
+
+    def note(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        self.storages.setdefault(_key(storage), storage)
+
+    def copy_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` over the copy of its storage: same dtype, offset, shape, strides."""
+        storage = self.copies[_key(tensor.untyped_storage())]
+        staged = torch.empty(0, dtype=tensor.dtype).set_(
+            storage, tensor.storage_offset(), tensor.size(), tensor.stride()
+        )
+        return staged.requires_grad_() if tensor.requires_grad else staged
+
+
+def stage(arena: StagingArena, state_dict: dict[str, Any]) -> Staged:
+    """Copy ``state_dict`` (values already plain: no ``Stateful``) into ``arena``; returns
+    once every byte has landed. The arena's previous copy is overwritten."""
+    copies = _Copies()
+    sharded: dict[int, list[tuple[Any, torch.Tensor]]] = {}
+
+    def note(value: Any) -> Any:
+        if is_sharded_tensor(value):
+            pieces = sharded[id(value)] = shard_write_items(value)
+            for _, shard in pieces:
+                copies.note(shard)
+        elif _copyable(value):
+            copies.note(value)
+        return value
+
+    _walk(state_dict, note)
+    storages = list(copies.storages.items())
+    regions, added = arena.allocate([storage.nbytes() for _, storage in storages])
+    devices = _copy_all(arena, storages, regions, copies)
+    for device in devices:
+        torch.accelerator.synchronize(device)
+
+    def replace(value: Any) -> Any:
+        if id(value) in sharded:
+            pieces = sharded[id(value)]
+            return StagedShards.of([i for i, _ in pieces], [copies.copy_of(s) for _, s in pieces])
+        if _copyable(value):
+            return copies.copy_of(value)
+        return value
+
+    nbytes = sum(region.nbytes for region in regions)
+    return Staged(_walk(state_dict, replace), added, nbytes)
+
+
+def _copy_all(
+    arena: StagingArena,
+    storages: list[tuple[_StorageKey, torch.UntypedStorage]],
+    regions: list[Region],
+    copies: _Copies,
+) -> set[torch.device]:
+    """Copy each storage into its region; the accelerators copied from (to synchronize)."""
+    devices: set[torch.device] = set()
+    for (key, storage), region in zip(storages, regions, strict=True):
+        target = arena.view(region)
+        source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+        on_device = storage.device.type != "cpu"
+        target.copy_(source, non_blocking=on_device)
+        if on_device:
+            devices.add(storage.device)
+        copies.copies[key] = target.untyped_storage()
+    return devices
+
+
+def _copyable(value: Any) -> bool:
+    """A tensor whose storage is copied as it is: plain, strided, with real memory."""
+    return (
+        isinstance(value, torch.Tensor)
+        and type(value) in (torch.Tensor, torch.nn.Parameter)
+        and value.layout == torch.strided
+        and value.device.type != "meta"
+    )
+
+
+def _walk(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``value`` with every leaf (what is not a dict, list or tuple) replaced by ``leaf``."""
+    if isinstance(value, dict):
+        kind = type(value) if type(value) in (dict, OrderedDict) else dict
+        return kind((k, _walk(v, leaf)) for k, v in value.items())
+    if isinstance(value, list):
+        return [_walk(v, leaf) for v in value]
+    if type(value) is tuple:
+        return tuple(_walk(v, leaf) for v in value)
+    return leaf(value)
+
+
+def _key(storage: torch.UntypedStorage) -> _StorageKey:
+    return storage.data_ptr(), str(storage.device), storage.nbytes()

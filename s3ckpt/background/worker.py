@@ -1,0 +1,168 @@
+"""The checkpoint process: ``python -m s3ckpt.background.worker FD``.
+
+Started by :class:`~s3ckpt.background.process.CheckpointProcess` as a fresh interpreter
+running this module, never the training script: nothing of ``__main__`` runs again here,
+so a script needs no ``if __name__ == "__main__":`` guard. It receives over the socket
+``FD``, in order: a :class:`Hello` (the trainer's ``sys.path``, the log level, and with
+several ranks where the checkpoint processes meet); then any number of ``segments``
+messages (staging memory to map, as descriptors) and ``save`` messages (a staged state by
+reference, a writer, a planner), each answered with ``saved`` (the DCP metadata) or
+``failed`` (the error); and ``stop``, or the end of the socket, to exit.
+
+With several ranks the checkpoint processes form a gloo group of their own (the default
+group of this process), met through the trainer rank 0's store, so a save's collectives
+never touch the training loop's groups. A save that fails there leaves that group in an
+unknown state (a peer may be gone mid-collective), so the process exits after reporting
+the failure: its peers' collectives then fail at once rather than wait for a timeout, and
+the trainers start fresh processes, together, at the next save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from s3ckpt.background.channel import Channel, ChannelClosed, loads_staged
+
+log = logging.getLogger("s3ckpt.background")
+
+
+@dataclass(frozen=True)
+class Meeting:
+    """Where the checkpoint processes of several ranks form their group."""
+
+    host: str
+    port: int
+    prefix: str
+    rank: int
+    world: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The first message: what the process needs before its first save."""
+
+    sys_path: list[str]
+    log_level: int
+    meeting: Meeting | None
+
+
+def main(fd: int) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    channel = Channel(socket.socket(fileno=fd))
+    try:
+        hello, _ = channel.receive()
+    except ChannelClosed:
+        return 0
+    sys.path[:] = [*hello.sys_path, *(p for p in sys.path if p not in hello.sys_path)]
+    logging.basicConfig(level=hello.log_level, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("s3ckpt").setLevel(hello.log_level)
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    try:
+        _join(hello.meeting)
+    except Exception as exc:
+        _answer(channel, ("failed", None, _portable(exc)))
+        return 1
+    _answer(channel, ("ready", os.getpid()))
+    return _serve(channel, distributed=hello.meeting is not None)
+
+
+def _join(meeting: Meeting | None) -> None:
+    if meeting is None:
+        return
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=meeting.timeout_s)
+    store = dist.TCPStore(meeting.host, meeting.port, is_master=False, timeout=timeout)
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(meeting.prefix, store),
+        rank=meeting.rank,
+        world_size=meeting.world,
+        timeout=timeout,
+    )
+
+
+def _serve(channel: Channel, *, distributed: bool) -> int:
+    from s3ckpt.background.arena import StagingArena
+
+    arena = StagingArena()
+    try:
+        while True:
+            try:
+                message, fds = channel.receive()
+            except ChannelClosed:
+                return 0
+            if message[0] == "segments":
+                for descriptor, size in zip(fds, message[1], strict=True):
+                    arena.adopt(descriptor, size)
+            elif message[0] == "save":
+                if not _save(channel, arena, *message[1:]) and distributed:
+                    return 1
+            elif message[0] == "stop":
+                return 0
+    finally:
+        arena.close()
+        _leave(distributed)
+
+
+def _save(
+    channel: Channel, arena: Any, save_id: int, data: bytes, writer: Any, planner: Any
+) -> bool:
+    """Run one save; whether it committed."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        state = loads_staged(data, arena)
+        distributed = dist.is_initialized()
+        metadata = dcp.save(state, storage_writer=writer, planner=planner, no_dist=not distributed)
+    except BaseException as exc:
+        log.debug("save %d failed", save_id, exc_info=True)
+        _answer(channel, ("failed", save_id, _portable(exc)))
+        return False
+    _answer(channel, ("saved", save_id, metadata))
+    return True
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """The s3ckpt error inside ``exc``, in a form that survives pickling."""
+    from s3ckpt.dcp.compat import unwrap
+    from s3ckpt.errors import CheckpointError
+
+    error = unwrap(exc)
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return CheckpointError(f"{type(error).__name__}: {error}")
+
+
+def _answer(channel: Channel, message: Any) -> None:
+    with contextlib.suppress(ChannelClosed):  # the trainer is gone: nobody to tell
+        channel.send(message)
+
+
+def _leave(distributed: bool) -> None:
+    if not distributed:
+        return
+    import torch.distributed as dist
+
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        log.debug("could not destroy the checkpoint processes' group", exc_info=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1])))

@@ -23,9 +23,11 @@ import contextlib
 import logging
 import os
 import pickle
+import select
 import signal
 import socket
 import sys
+import threading
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -60,6 +62,7 @@ class Hello:
 def main(fd: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     channel = Channel(socket.socket(fileno=fd))
+    threading.Thread(target=_die_with_trainer, args=(fd,), daemon=True).start()
     try:
         hello, _ = channel.receive()
     except ChannelClosed:
@@ -75,6 +78,20 @@ def main(fd: int) -> int:
         return 1
     _answer(channel, ("ready", os.getpid()))
     return _serve(channel, distributed=hello.meeting is not None)
+
+
+def _die_with_trainer(fd: int) -> None:
+    """Exit at once when the trainer's end of the socket closes under a save: the trainer
+    was killed (its interpreter's exit waits for the save in flight, then stops this
+    process in order). The save is not committed, as when a thread-mode trainer is
+    killed; ``s3ckpt gc`` removes its objects. Watches for the peer's hang-up alone
+    (``POLLRDHUP``), never reading what the main thread is to read."""
+    poller = select.poll()
+    poller.register(fd, select.POLLRDHUP)
+    while True:
+        for _, events in poller.poll():
+            if events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR):
+                os._exit(1)
 
 
 def _join(meeting: Meeting | None) -> None:

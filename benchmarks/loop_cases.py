@@ -1,0 +1,282 @@
+"""One case of the ``loop`` benchmark: ``python -m benchmarks.loop_cases LOOP MODE PLACEMENT``.
+
+A training loop steps alone, then while a save of the state uploads beside it, then alone
+again; printed as one JSON line. ``LOOP``: ``dispatch`` (small torch ops and a little
+Python per step, one thread: how a GPU trainer's Python thread spends its time launching
+kernels) or ``compute`` (a small MLP's forward and backward). ``MODE``: how the save runs
+(:data:`MODES`). ``PLACEMENT``: ``shared`` (every thread on both cores) or ``pinned``
+(the loop's thread alone on CPU 0; every other thread, child process and the server on
+CPU 1), so that the loop competes for the GIL and not for a core.
+
+Per rep: the loop's time per step alone and during the upload, the time the save call
+blocked, the upload's time, and the loop time lost:
+``blocked + upload x (1 - step alone / step during)``. A warm-up save runs first (a
+training loop's saves after its first are what matter). Environment: that of
+:mod:`benchmarks.cases`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks.data import make_state, state_nbytes
+
+warnings.filterwarnings("ignore")
+GiB = 1024**3
+ALONE_S = float(os.environ.get("BENCH_LOOP_ALONE_S", "2.0"))
+LOOP_CPU, OTHERS_CPU = {0}, {1}
+
+
+# -- the loops ---------------------------------------------------------------------------
+
+
+def dispatch_loop() -> Callable[[], None]:
+    """Ten small torch ops on 32x32 tensors and about two hundred lines' worth of Python:
+    every op lets the GIL go and takes it back."""
+    a, b = torch.randn(32, 32), torch.empty(32, 32)
+    table: dict[int, int] = {}
+
+    def step() -> None:
+        for _ in range(5):
+            b.copy_(a).mul_(1.0001)
+        total = 0
+        for i in range(200):
+            total += i * i
+            table[i & 63] = total
+
+    return step
+
+
+def compute_loop() -> Callable[[], None]:
+    """A small MLP's forward, backward and optimizer step (one intra-op thread)."""
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    batch = torch.randn(64, 256)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(batch).square().mean().backward()
+        optimizer.step()
+
+    return step
+
+
+LOOPS = {"dispatch": dispatch_loop, "compute": compute_loop}
+
+
+# -- the ways a save runs beside the loop: (start a save of ``state``) -> wait-able ------
+
+
+def _uri(name: str, i: int) -> str:
+    return f"s3://{os.environ['BENCH_BUCKET']}/{os.environ['BENCH_PREFIX']}/{name}/{i}"
+
+
+def _endpoint() -> dict[str, Any]:
+    return {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}
+
+
+def manager(async_mode: str) -> Callable[[], Callable[[dict, int], Any]]:
+    def make() -> Callable[[dict, int], Any]:
+        from s3ckpt import CheckpointManager
+
+        m = CheckpointManager(_uri(f"manager-{async_mode}", 0), async_mode=async_mode,
+                              **_endpoint())  # fmt: skip
+
+        def save(state: dict, i: int) -> Any:
+            m.save(i, state)
+            return _Waiter(lambda: not m.busy, m.wait)
+
+        return save
+
+    return make
+
+
+def checkpoint_process() -> Callable[[dict, int], Any]:
+    from s3ckpt import CheckpointProcess, S3StorageWriter
+
+    process = CheckpointProcess()
+
+    def save(state: dict, i: int) -> Any:
+        writer = S3StorageWriter(_uri("checkpoint-process", i), **_endpoint())
+        return process.async_save(state, storage_writer=writer)
+
+    return save
+
+
+def dcp_thread(writer_of: Callable[[int], Any], stager: Any = None) -> Callable[[dict, int], Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    def save(state: dict, i: int) -> Any:
+        response = dcp.async_save(
+            state, storage_writer=writer_of(i), async_stager=stager,
+            async_checkpointer_type=AsyncCheckpointerType.THREAD,
+        )  # fmt: skip
+        return getattr(response, "upload_completion", response)
+
+    return save
+
+
+def s3ckpt_dcp_thread() -> Callable[[dict, int], Any]:
+    from s3ckpt import HostStager, S3StorageWriter
+
+    return dcp_thread(lambda i: S3StorageWriter(_uri("dcp-thread", i), **_endpoint()), HostStager())
+
+
+def s3ckpt_dcp_process() -> Callable[[dict, int], Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from s3ckpt import S3StorageWriter
+
+    port = _free_port()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+    def save(state: dict, i: int) -> Any:
+        response = dcp.async_save(
+            state, storage_writer=S3StorageWriter(_uri("dcp-process", i), **_endpoint()),
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+        )  # fmt: skip
+        return getattr(response, "upload_completion", response)
+
+    return save
+
+
+def fs_shm_thread() -> Callable[[dict, int], Any]:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    root = tempfile.mkdtemp(prefix="s3ckpt-loop-", dir="/dev/shm")
+    return dcp_thread(lambda i: FileSystemWriter(f"{root}/{i}"))
+
+
+def s3torch_thread() -> Callable[[dict, int], Any]:
+    from s3torchconnector import S3ClientConfig
+    from s3torchconnector.dcp import S3StorageWriter
+
+    config = S3ClientConfig(force_path_style=True)
+    return dcp_thread(
+        lambda i: S3StorageWriter("us-east-1", _uri("s3torch", i), s3client_config=config)
+    )
+
+
+MODES: dict[str, Callable[[], Callable[[dict, int], Any]]] = {
+    "manager_default": manager("process"),
+    "manager_thread": manager("thread"),
+    "checkpoint_process": checkpoint_process,
+    "dcp_thread": s3ckpt_dcp_thread,
+    "dcp_process": s3ckpt_dcp_process,
+    "fs_shm_thread": fs_shm_thread,
+    "s3torch_thread": s3torch_thread,
+}
+
+
+class _Waiter:
+    """A save in flight seen as a future: ``done()`` and ``result()``."""
+
+    def __init__(self, done: Callable[[], bool], wait: Callable[[], Any]) -> None:
+        self.done, self.result = done, wait
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- timing ------------------------------------------------------------------------------
+
+
+def _place_loop(pinned: bool, on_loop_core: bool) -> None:
+    """Put this thread on the loop's core, or back with everything else."""
+    if pinned:
+        os.sched_setaffinity(0, LOOP_CPU if on_loop_core else OTHERS_CPU)
+
+
+def _steps(step: Callable[[], None], until: Callable[[], bool]) -> tuple[int, float]:
+    count, started = 0, time.perf_counter()
+    while not until():
+        step()
+        count += 1
+    return count, time.perf_counter() - started
+
+
+def _alone(step: Callable[[], None]) -> float:
+    deadline = time.perf_counter() + ALONE_S
+    count, elapsed = _steps(step, lambda: time.perf_counter() >= deadline)
+    return elapsed / count
+
+
+def bare_copy_s(state: dict[str, torch.Tensor]) -> float:
+    """A copy of the state into buffers allocated (and touched) beforehand: the floor."""
+    buffers = {k: torch.empty_like(v) for k, v in state.items()}
+    best = float("inf")
+    for _ in range(2):
+        started = time.perf_counter()
+        for key, tensor in state.items():
+            buffers[key].copy_(tensor)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def run(loop: str, mode: str, placement: str, size_mib: int, reps: int) -> dict[str, Any]:
+    pinned = placement == "pinned"
+    torch.set_num_threads(1)
+    _place_loop(pinned, on_loop_core=False)  # what starts from here inherits the other core
+    step = LOOPS[loop]()
+    state = make_state(size_mib)
+    gib = state_nbytes(state) / GiB
+    result: dict[str, Any] = {"loop": loop, "mode": mode, "placement": placement,
+                              "gib": gib, "copy_s": bare_copy_s(state)}  # fmt: skip
+    if mode == "alone":
+        _place_loop(pinned, on_loop_core=True)
+        result["step_alone_us"] = _alone(step) * 1e6
+        return result
+    save = MODES[mode]()
+    save(state, 0).result()  # warm-up: processes started, memory allocated
+    samples = []
+    for i in range(1, reps + 1):
+        _place_loop(pinned, on_loop_core=True)
+        before = _alone(step)
+        _place_loop(pinned, on_loop_core=False)
+        started = time.perf_counter()
+        upload = save(state, i)
+        blocked = time.perf_counter() - started
+        _place_loop(pinned, on_loop_core=True)
+        count, elapsed = _steps(step, upload.done)
+        _place_loop(pinned, on_loop_core=False)
+        upload.result()
+        _place_loop(pinned, on_loop_core=True)
+        after = _alone(step)
+        _place_loop(pinned, on_loop_core=False)
+        alone = (before + after) / 2
+        during = elapsed / max(count, 1)
+        lost = blocked + elapsed * max(0.0, 1 - alone / during)
+        samples.append({
+            "blocked_s": blocked, "upload_s": elapsed, "step_alone_us": alone * 1e6,
+            "step_during_us": during * 1e6, "slowdown": during / alone - 1,
+            "lost_s_per_gib": lost / gib,
+        })  # fmt: skip
+    result["reps"] = samples
+    return result
+
+
+if __name__ == "__main__":
+    loop_name, mode_name, where = sys.argv[1:4]
+    size = int(os.environ.get("BENCH_SIZE_MIB", "1024"))
+    count = int(os.environ.get("BENCH_REPS", "2"))
+    print(json.dumps(run(loop_name, mode_name, where, size, count)), flush=True)
+    os._exit(0)  # DCP's process mode leaves its background process to the interpreter's exit

@@ -1,0 +1,161 @@
+"""The checkpoint process's staging, in one process: the shared-memory arena, the copy of
+a state into it, the pickle that sends it by reference, sharded tensors without a mesh,
+and the channel's messages and descriptors."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from s3ckpt.background.arena import ALIGN, StagingArena
+from s3ckpt.background.channel import Channel, ChannelClosed, dumps_staged, loads_staged
+from s3ckpt.background.shards import StagedShards
+from s3ckpt.background.stage import stage
+
+MIB = 1024 * 1024
+
+
+class Marker:
+    """A class object in the state: values the stage does not walk are kept as they are."""
+
+
+def state(step: float) -> dict:
+    weights = torch.full((64, 32), step)
+    return {
+        "model": {"w": weights, "w_t": weights.t(), "b": torch.arange(5) + int(step)},
+        "param": torch.nn.Parameter(torch.ones(3)),
+        "extra": {"cls": Marker, "step": int(step), "names": ("a", "b"), "none": None},
+        "list": [torch.zeros(2, dtype=torch.bfloat16), 7],
+    }
+
+
+def test_the_same_sizes_get_the_same_regions_and_growth_adds_one_segment():
+    arena = StagingArena()
+    try:
+        regions, added = arena.allocate([10, 5000, 0, 3])
+        assert len(added) == 1 and [r.segment for r in regions] == [0, 0, 0, 0]
+        assert all(r.offset % ALIGN == 0 for r in regions)
+        assert regions[1].offset >= 10 and regions[2].offset >= regions[1].offset + 5000
+        again, added_again = arena.allocate([10, 5000, 0, 3])
+        assert again == regions and added_again == []
+        grown, more = arena.allocate([10, 100 * MIB])  # does not fit the first segment
+        assert len(more) == 1 and grown[1].segment == 1 and grown[1].offset == 0
+        assert arena.nbytes == sum(s.size for s in arena.segments)
+    finally:
+        arena.close()
+
+
+def test_a_stage_is_a_copy_with_shared_storages_strides_and_values_kept():
+    arena = StagingArena()
+    try:
+        live = state(1.0)
+        staged = stage(arena, live)
+        copy = staged.state_dict
+        assert torch.equal(copy["model"]["w"], live["model"]["w"])
+        assert copy["model"]["w_t"].stride() == live["model"]["w_t"].stride()
+        # one storage, one copy: the transposed view sees the copied weights
+        assert copy["model"]["w"].untyped_storage().data_ptr() == (
+            copy["model"]["w_t"].untyped_storage().data_ptr()
+        )
+        assert copy["param"].requires_grad and type(copy["param"]) is torch.Tensor
+        assert copy["extra"] == live["extra"] and copy["extra"]["cls"] is Marker
+        assert copy["list"][1] == 7 and copy["list"][0].dtype == torch.bfloat16
+        first_ptr = copy["model"]["w"].data_ptr()
+        live["model"]["w"].fill_(2.0)  # training goes on: the copy does not move
+        assert torch.equal(copy["model"]["w"], torch.full((64, 32), 1.0))
+        second = stage(arena, live).state_dict
+        assert second["model"]["w"].data_ptr() == first_ptr  # the same memory, reused
+        assert torch.equal(second["model"]["w"], torch.full((64, 32), 2.0))
+        assert arena.locate(first_ptr, 64 * 32 * 4) is not None
+    finally:
+        arena.close()
+
+
+def test_staged_state_pickles_by_reference_and_unpickles_over_the_same_memory():
+    arena = StagingArena()
+    try:
+        live = {"big": torch.randn(1024, 1024), "small": torch.arange(3), "n": 1}
+        staged = stage(arena, live).state_dict
+        data = dumps_staged(staged, arena)
+        assert len(data) < 4096  # 4 MiB of tensors described, not copied
+        loaded = loads_staged(data, arena)
+        assert torch.equal(loaded["big"], live["big"]) and loaded["n"] == 1
+        assert loaded["big"].data_ptr() == staged["big"].data_ptr()
+        outside = {"t": torch.randn(100)}  # not in the arena: pickled whole, as torch does
+        assert torch.equal(loads_staged(dumps_staged(outside, arena), arena)["t"], outside["t"])
+    finally:
+        arena.close()
+
+
+def _item(offsets: list[int], sizes: list[int], whole: list[int], like: torch.Tensor) -> WriteItem:
+    return WriteItem(
+        index=MetadataIndex("", torch.Size(offsets)),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+            properties=TensorProperties.create_from_tensor(like),
+            size=torch.Size(whole),
+        ),
+    )
+
+
+def test_staged_shards_save_the_metadata_of_the_sharded_tensor(tmp_path: Path):
+    """The lower half of an 8x8 tensor, saved by a process with no mesh: DCP writes the
+    global shape and the shard's offsets, as it would for the DTensor."""
+    shard = torch.arange(32.0).reshape(4, 8)
+    arena = StagingArena()
+    try:
+        staged = stage(arena, {"shard": shard}).state_dict["shard"]
+        shards = StagedShards.of([_item([4, 0], [4, 8], [8, 8], shard)], [staged])
+        sent = loads_staged(dumps_staged({"w": shards}, arena), arena)["w"]
+        assert isinstance(sent, StagedShards) and torch.equal(sent._s3ckpt_shards[0], shard)
+        metadata = dcp.save({"w": sent}, checkpoint_id=str(tmp_path), no_dist=True)
+    finally:
+        arena.close()
+    stored = metadata.state_dict_metadata["w"]
+    assert stored.size == torch.Size([8, 8])
+    assert [(c.offsets, c.sizes) for c in stored.chunks] == [
+        (torch.Size([4, 0]), torch.Size([4, 8]))
+    ]
+
+
+def test_messages_and_descriptors_cross_the_channel():
+    ours, theirs = socket.socketpair()
+    sender, receiver = Channel(ours), Channel(theirs)
+    arena = StagingArena()
+    try:
+        arena.allocate([100])
+        segment = arena.segments[0]
+        segment.view(0, 4).copy_(torch.tensor([1, 2, 3, 4], dtype=torch.uint8))
+        got: list = []
+        reader = threading.Thread(target=lambda: got.extend([receiver.receive() for _ in range(2)]))
+        reader.start()
+        sender.send(("segments", [segment.size]), [segment.fd])
+        sender.send(("big", b"x" * (3 * MIB)))  # larger than the socket's buffers
+        reader.join(timeout=30)
+        (first, fds), (second, no_fds) = got
+        assert first == ("segments", [segment.size]) and len(fds) == 1 and no_fds == []
+        assert second == ("big", b"x" * (3 * MIB))
+        mapped = StagingArena()
+        mapped.adopt(fds[0], first[1][0])
+        assert mapped.segments[0].view(0, 4).tolist() == [1, 2, 3, 4]  # the same memory
+        mapped.close()
+        sender.close()
+        try:
+            receiver.receive()
+            raise AssertionError("a closed channel must raise ChannelClosed")
+        except ChannelClosed:
+            pass
+    finally:
+        receiver.close()
+        arena.close()

@@ -19,13 +19,18 @@ from typing import Any
 
 import torch
 
-from s3ckpt.dcp.compat import MetadataIndex, WriteItem
+from s3ckpt.dcp.compat import (
+    MetadataIndex,
+    WriteItem,
+    disabled_torch_function,
+    tensor_subclass_of,
+)
 
 
 class StagedShards(torch.Tensor):
     """The staged shards of one sharded tensor, with the write items DCP made for them."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = disabled_torch_function
 
     _s3ckpt_items: list[WriteItem]
     _s3ckpt_shards: list[torch.Tensor]
@@ -33,7 +38,7 @@ class StagedShards(torch.Tensor):
     @staticmethod
     def of(items: list[WriteItem], shards: list[torch.Tensor]) -> StagedShards:
         base = shards[0] if shards else torch.empty(0)
-        staged = torch.Tensor._make_subclass(StagedShards, base.detach())
+        staged = tensor_subclass_of(StagedShards, base.detach())
         staged._s3ckpt_items = items
         staged._s3ckpt_shards = shards
         return staged

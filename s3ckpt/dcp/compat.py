@@ -236,6 +236,17 @@ def is_sharded_tensor(obj: Any) -> bool:
     return isinstance(obj, ShardedTensor) or hasattr(obj, "__create_write_items__")
 
 
+# A tensor subclass with this as its ``__torch_function__`` behaves as a plain tensor
+# under torch functions (torch's own default for subclasses, ``torch._C``'s).
+disabled_torch_function = torch._C._disabled_torch_function_impl
+
+
+def tensor_subclass_of(cls: type, data: torch.Tensor) -> Any:
+    """``data`` seen as an instance of the ``torch.Tensor`` subclass ``cls``, sharing its
+    memory (torch's private ``Tensor._make_subclass``)."""
+    return torch.Tensor._make_subclass(cls, data)
+
+
 def pin_host_memory(tensor: torch.Tensor) -> bool:
     """Page-lock the host memory under ``tensor`` for CUDA (``cudaHostRegister``), so that
     device-to-host copies into it run without a bounce and without blocking; False where
@@ -331,6 +342,7 @@ __all__ = [
     "WriteResult",
     "chunk_shapes",
     "default_store_host",
+    "disabled_torch_function",
     "is_sharded_tensor",
     "item_nbytes",
     "metadata_global",
@@ -340,6 +352,7 @@ __all__ = [
     "save_skeleton",
     "shard_write_items",
     "stop_async_save_process",
+    "tensor_subclass_of",
     "unpin_host_memory",
     "unwrap",
     "wrap_exception",

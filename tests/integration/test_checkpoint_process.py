@@ -200,7 +200,7 @@ def test_two_ranks_save_dtensors_through_their_processes(local_s3, s3_prefix, s3
     run_ranks(rank_side.dtensor_main, 2, s3_options, s3_prefix, str(tmp_path), timeout=300)
     reports = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     full = rank_side.dtensor_full_state()
-    for rank, report in enumerate(reports):
+    for report in reports:
         assert report["steps"] == [1, 2]
         assert report["same_pid"] and report["same_segments"]
         assert report["loaded_step"] == 2

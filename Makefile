@@ -23,7 +23,8 @@ NEWEST_TESTS := tests/unit \
 	tests/integration/test_plan_caching.py tests/integration/test_manager.py \
 	tests/integration/test_legacy_format.py tests/integration/test_compression.py \
 	tests/integration/test_torch_releases.py tests/integration/test_replaced_during_load.py \
-	tests/integration/test_device_load.py tests/integration/test_device_share.py
+	tests/integration/test_device_load.py tests/integration/test_device_share.py \
+	tests/integration/test_checkpoint_process.py
 # DeepSpeed gets an environment of its own: 0.19.8 is an sdist, built without its CUDA ops
 # (DS_BUILD_OPS=0, --no-build-isolation) beside the pinned CPU torch. The one op it builds
 # on first use with the CPU accelerator (its shared-memory collectives, ~45 s of ninja) is

@@ -115,12 +115,14 @@ demo: $(STAMP)
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks.run
 	$(BIN)/python -m benchmarks.zero_cost
+	$(BIN)/python -m benchmarks.loop
 
 # s3ckpt and its peers (s3torchconnector, s5cmd, s3transfer, raw aiobotocore) on an
 # in-memory S3 server that costs next to no CPU (benchmarks/zero_s3.c, built with cc):
 # the clients' own throughput and CPU per GiB (docs/performance.md, "Data plane").
 bench-dataplane: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks.zero_cost
+	$(BIN)/python -m benchmarks.loop
 
 # The commit and metadata path at 4 to 4,096 simulated ranks, and replicated loads read
 # once or by every replica (docs/scale.md).

@@ -129,6 +129,7 @@ def summarize(cases: list[dict[str, Any]], *, size_mib: int, reps: int) -> dict[
         )  # fmt: skip
         if row["lost_s_per_gib"] is not None and row["copy_s_per_gib"]:
             row["lost_over_copy"] = row["lost_s_per_gib"] / row["copy_s_per_gib"]
+            row["blocked_over_copy"] = row["blocked_s"] / (row["copy_s_per_gib"] * case["gib"])
         rows.append(row)
     report = {"size_mib": size_mib, "reps": reps, "cases": rows}
     report["targets"] = targets(rows)
@@ -145,6 +146,8 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             found.append(_target(f"{name}: slowdown", row["slowdown"], DEFAULT_SLOWDOWN_MAX))
             found.append(_target(f"{name}: lost / copy", row.get("lost_over_copy"),
                                  DEFAULT_LOST_OVER_COPY_MAX))  # fmt: skip
+            found.append(_target(f"{name}: blocked / copy", row.get("blocked_over_copy"),
+                                 DEFAULT_LOST_OVER_COPY_MAX))  # fmt: skip
         if row["mode"] in THREAD_MODES:
             found.append(_target(f"{name}: slowdown", row["slowdown"], THREAD_SLOWDOWN_MAX))
     return found
@@ -157,7 +160,7 @@ def _target(name: str, value: float | None, goal: float) -> dict[str, Any]:
 
 def table(report: dict[str, Any]) -> str:
     head = (f"{'loop':<9} {'beside':<19} {'cores':<7} {'step us':>8} {'slowdown':>9} "
-            f"{'upload s':>9} {'blocked s':>10} {'lost s/GiB':>11} {'x copy':>7}")  # fmt: skip
+            f"{'upload s':>9} {'blocked s':>10} {'lost s/GiB':>11} {'x copy':>7} {'blocked x copy':>15}")  # fmt: skip
     lines = [f"The loop beside a save of {report['size_mib']} MiB (median of "
              f"{report['reps']} reps)", head, "-" * len(head)]  # fmt: skip
     for row in report["cases"]:
@@ -168,7 +171,8 @@ def table(report: dict[str, Any]) -> str:
             f"{row['loop']:<9} {row['mode']:<19} {row['placement']:<7} "
             f"{_f(row['step_alone_us'], 1):>8} {_pct(row['slowdown']):>9} "
             f"{_f(row['upload_s'], 2):>9} {_f(row['blocked_s'], 3):>10} "
-            f"{_f(row['lost_s_per_gib'], 3):>11} {_f(row.get('lost_over_copy'), 2):>7}"
+            f"{_f(row['lost_s_per_gib'], 3):>11} {_f(row.get('lost_over_copy'), 2):>7} "
+            f"{_f(row.get('blocked_over_copy'), 2):>15}"
         )
     lines += ["", "Targets (loop alone on a core):"]
     for t in report["targets"]:

@@ -55,3 +55,29 @@ def test_benchmark_smoke_run(tmp_path):
     assert "save throughput / raw upload" in completed.stdout
     assert report["targets"][0]["target"] == "save throughput / raw upload"
     assert report["targets"][0]["ratio"] > 0
+
+
+def test_loop_benchmark_smoke_run(tmp_path):
+    """The loop benchmark's cases run, in both placements, and report each measure."""
+    import os
+
+    modes = "manager_default,checkpoint_process,dcp_thread"
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.loop", "--size-mib", "8", "--reps", "1",
+         "--loops", "dispatch", "--modes", modes, "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "BENCH_LOOP_ALONE_S": "0.2"},
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    report = json.loads((tmp_path / "loop.json").read_text())
+    rows = {(r["mode"], r["placement"]): r for r in report["cases"]}
+    assert set(rows) == {(m, p) for m in ["alone", *modes.split(",")] for p in ("shared", "pinned")}
+    for (mode, _), row in rows.items():
+        assert row["error"] is None, row
+        if mode != "alone":
+            assert row["slowdown"] is not None and row["upload_s"] > 0, row
+            assert row["lost_s_per_gib"] >= 0 and row["blocked_s"] > 0, row
+    assert {t["target"].split(":")[0] for t in report["targets"]} == {
+        "dispatch beside manager_default", "dispatch beside dcp_thread"
+    }  # fmt: skip
+    assert "The loop beside a save" in completed.stdout

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.loop_cases import LOOPS, MODES, OTHERS_CPU
+from benchmarks.zero_cost import _delete_prefix
 from benchmarks.zero_server import ZeroS3
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -103,15 +104,6 @@ def _run(loop: str, mode: str, placement: str, env: dict[str, str]) -> dict[str,
         print(f"  failed:\n{tail}", file=sys.stderr)
         return {"loop": loop, "mode": mode, "placement": placement, "error": tail}
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _delete_prefix(server: ZeroS3, prefix: str) -> None:
-    client = server.client()
-    pages = client.get_paginator("list_objects_v2").paginate(Bucket=server.bucket, Prefix=prefix)
-    for page in pages:
-        keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
-        if keys:
-            client.delete_objects(Bucket=server.bucket, Delete={"Objects": keys, "Quiet": True})
 
 
 def summarize(cases: list[dict[str, Any]], *, size_mib: int, reps: int) -> dict[str, Any]:

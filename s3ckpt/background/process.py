@@ -233,7 +233,7 @@ class _Worker:
         self._rank = rank
         self._sent_segments = 0
         self._lock = threading.Lock()
-        self._pending: dict[int, Future[Any]] = {}
+        self._pending: dict[int, tuple[Future[Any], Any]] = {}  # save id -> (future, writer)
         self._next_id = 0
         self.failed = False
         self.gone = False
@@ -267,7 +267,7 @@ class _Worker:
                 future.set_exception(self._died("before the save was sent"))
                 return future
             save_id, self._next_id = self._next_id, self._next_id + 1
-            self._pending[save_id] = future
+            self._pending[save_id] = (future, writer)
         try:
             self._send_segments()
             self._channel.send(("save", save_id, data, writer, planner))
@@ -296,7 +296,8 @@ class _Worker:
             pending, self._pending = self._pending, {}
         if pending:
             error = self._died("during the save")
-            for future in pending.values():
+            for future, writer in pending.values():
+                _abort_open_uploads(writer, self._rank, error)
                 future.set_exception(error)
 
     def _settle(self, message: Any) -> None:
@@ -304,7 +305,8 @@ class _Worker:
         if kind == "ready":
             return
         with self._lock:
-            future = self._pending.pop(message[1], None) if message[1] is not None else None
+            pending = self._pending.pop(message[1], None) if message[1] is not None else None
+        future = pending[0] if pending is not None else None
         if kind == "saved" and future is not None:
             future.set_result(message[2])
             return
@@ -352,6 +354,29 @@ class _Worker:
             self._popen.wait()
         self._channel.close()
         self._reader.join(timeout=timeout)
+
+
+def _abort_open_uploads(writer: Any, rank: int, error: CheckpointProcessError) -> None:
+    """Abort the multipart uploads a dead checkpoint process left open for ``writer``'s
+    checkpoint (this rank's data objects), before its save's failure is reported; what
+    remains (objects already written, uncommitted) is ``s3ckpt gc``'s, as after any
+    killed save. Noted on ``error``."""
+    location, config = getattr(writer, "location", None), getattr(writer, "config", None)
+    if location is None or config is None:
+        return
+    from s3ckpt.s3.loop import io_loop
+    from s3ckpt.s3.store import ObjectStore
+    from s3ckpt.transfer.upload import abort_rank_uploads
+
+    store = ObjectStore(config, location.bucket)
+    try:
+        aborted = io_loop().run(abort_rank_uploads(store, location.prefix + "/", rank))
+    except Exception as exc:  # a store without ListMultipartUploads, say: gc's job then
+        error.add_note(f"its open uploads under {location} were not aborted ({exc}): s3ckpt gc")
+        log.warning("could not abort the uploads the checkpoint process left: %s", exc)
+        return
+    if aborted:
+        error.add_note(f"{aborted} upload(s) it left open under {location} were aborted")
 
 
 def _worker_environment() -> dict[str, str]:

@@ -81,6 +81,12 @@ def data_key(rank: int, save_id: str, number: int, spread: int = 0) -> str:
     return _spread("data", f"r{rank:05d}-{save_id}-{number:04d}.bin", f"{rank}/{number}", spread)
 
 
+def is_rank_data(key: str, rank: int) -> bool:
+    """Whether ``key`` is one of rank ``rank``'s data objects (of any save, spread or not)."""
+    folder, _, name = key.rpartition("/")
+    return name.startswith(f"r{rank:05d}-") and name.endswith(".bin") and "data" in folder
+
+
 def index_key(rank: int, save_id: str, spread: int = 0) -> str:
     """``index/r<rank>-<save>.json``: the rank's item table (:mod:`s3ckpt.format.rank_index`);
     spread like the data objects, since every rank writes one at the same moment."""

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 from crc32c import crc32c
 
 from s3ckpt.format.checksums import combine, range_crc
-from s3ckpt.format.layout import DEFAULT_BLOCK_SIZE
+from s3ckpt.format.layout import DEFAULT_BLOCK_SIZE, is_rank_data
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import Body, ObjectStore, PartResult
 from s3ckpt.transfer.fanout import settled
@@ -299,6 +299,22 @@ class RankUploader:
             raise CleanUpIncomplete(f"uploads of {key} not listed: {exc}") from exc
         for upload_id in found:
             await self._abort(key, upload_id)
+
+
+async def abort_rank_uploads(store: ObjectStore, prefix: str, rank: int) -> int:
+    """Abort every open multipart upload of rank ``rank``'s data objects under ``prefix``
+    (a checkpoint's keys, ``.../step-N/``): what a save leaves when the process that ran
+    it died with nobody left in it to abort them. Returns how many were aborted."""
+    found = [
+        upload
+        async for upload in store.list_multipart_uploads(prefix)
+        if is_rank_data(upload.key[len(prefix) :], rank)
+    ]
+    aborts = [lambda u=u: store.abort_multipart(u.key, u.upload_id) for u in found]
+    failures = [r for r in await settled(aborts, CLEAN_UP_REQUESTS) if isinstance(r, Exception)]
+    if failures:
+        raise CleanUpIncomplete("; ".join(str(f) for f in failures))
+    return len(found)
 
 
 class CleanUpIncomplete(Exception):

@@ -47,3 +47,29 @@ class StallOnThirdSave(S3StorageWriter):
             marker.write_text(str(self.location))
             time.sleep(120)
         return written
+
+
+class StalledInSecondPart(S3StorageWriter):
+    """Every multipart upload's first part goes through; the second leaves ``marker`` and
+    stalls, for a test to kill the checkpoint process with uploads open. The patch is
+    made where the writer runs: in the checkpoint process."""
+
+    def __init__(self, uri: str, marker: str, **options: Any) -> None:
+        super().__init__(uri, **options)
+        self.marker = marker
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        import asyncio
+
+        from s3ckpt.s3.multipart import MultipartUploads
+
+        original, marker = MultipartUploads.upload_part, self.marker
+
+        async def stalled(store: Any, key: str, upload_id: str, number: int, *rest: Any) -> Any:
+            if number >= 2:
+                Path(marker).touch()
+                await asyncio.sleep(600)
+            return await original(store, key, upload_id, number, *rest)
+
+        MultipartUploads.upload_part = stalled  # type: ignore[method-assign]
+        return super().write_data(plan, planner)

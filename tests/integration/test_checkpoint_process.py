@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from _dist_worker import run_ranks
-from _process_writers import HeldAfterUpload
+from _process_writers import HeldAfterUpload, StalledInSecondPart
 
 from s3ckpt import (
     BucketNotFoundError,
@@ -131,6 +131,29 @@ def test_a_killed_process_fails_its_save_commits_nothing_and_is_replaced(
         assert process.pid != first and alive(process.pid)
     committed = catalog.list_checkpoints(s3_prefix, **s3_options)
     assert [i.name for i in committed] == ["step-2"]
+
+
+def test_a_process_killed_mid_upload_leaves_no_upload_open(
+    s3_prefix, s3_options, tmp_path, pending_uploads
+):
+    """Killed with a multipart upload half sent: the trainer aborts what the dead process
+    left open before it reports the failure."""
+    marker = tmp_path / "part-2"
+    with CheckpointProcess() as process:
+        uri = f"{s3_prefix}/step-1"
+        writer = StalledInSecondPart(uri, str(marker), **s3_options)
+        future = process.async_save({"w": torch.randn(12 * MIB)}, storage_writer=writer)  # 48 MiB
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), "the upload never reached its second part"
+        assert pending_uploads(uri), "the stalled upload should be open"
+        os.kill(process.pid, signal.SIGKILL)
+        with pytest.raises(CheckpointProcessError) as failed:
+            future.result(timeout=120)
+        assert "were aborted" in "\n".join(getattr(failed.value, "__notes__", []))
+        assert pending_uploads(uri) == []
+        assert not catalog.is_committed(uri, **s3_options)
 
 
 def test_closed_process_is_gone_and_refuses_saves(s3_prefix, make_writer):

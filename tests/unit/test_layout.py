@@ -41,3 +41,13 @@ def test_spread_data_keys_use_that_many_hashed_prefixes():
         assert all(len(p) == width for p in prefixes)
         assert len(prefixes) > min(spread, 256) // 4  # spread out, not clustered
     assert data_key(3, "ab12", 7, 256) == data_key(3, "ab12", 7, 256)  # deterministic
+
+
+def test_a_ranks_data_objects_are_told_apart_from_others():
+    from s3ckpt.format.layout import data_key, index_key, is_rank_data
+
+    for spread in (0, 16, 256, 4096):
+        assert is_rank_data(data_key(3, "abc", 7, spread), 3)
+        assert not is_rank_data(data_key(13, "abc", 7, spread), 3)
+        assert not is_rank_data(index_key(3, "abc", spread), 3)
+    assert not is_rank_data("manifest.json", 0)

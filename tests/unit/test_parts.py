@@ -125,3 +125,19 @@ def test_cuts_inside_an_item_sit_on_checksum_blocks_when_asked(lengths):
 def parts_start(parts, item):
     """Where the item's first part of its own starts (after topping up a shared part)."""
     return min(start for part in parts for i, start, _ in part if i == item and len(part) == 1)
+
+
+def test_packed_parts_are_joined_byte_for_byte():
+    """A part packed from several items is one copy of their bytes, in order, whether the
+    items' memory is writable (joined with the GIL released) or not."""
+    import os
+
+    from s3ckpt.transfer.upload import _join
+
+    a, b = bytearray(os.urandom(100_000)), bytearray(os.urandom(3))
+    pieces = [memoryview(a)[10:50_000], memoryview(b), memoryview(bytearray()), memoryview(a)[:7]]
+    joined = _join(pieces)
+    assert isinstance(joined, bytes) and joined == b"".join(pieces)
+    assert _join([memoryview(b"xy"), memoryview(b"z")]) == b"xyz"  # read-only pieces
+    single = memoryview(a)[5:9]
+    assert _join([single]) is single  # one piece: no copy at all

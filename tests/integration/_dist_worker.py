@@ -9,9 +9,11 @@ computes its expectations from the same deterministic state builders.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -83,32 +85,52 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def reserved_port() -> Iterator[int]:
+    """A loopback port for the ranks' rendezvous, kept from everyone else until the block ends.
+
+    A port found free and let go (:func:`free_port`) stays free only by luck until rank 0,
+    seconds later once it has imported torch, binds it: meanwhile any other process (a
+    second test run's servers and ranks, any outgoing connection's local port) may take
+    it, and rank 0 fails with "address already in use". This one stays bound, with
+    SO_REUSEADDR and without listening: the kernel hands it to no other ``bind`` to port 0
+    and to no outgoing connection, while the TCPStore of rank 0, which sets SO_REUSEADDR
+    too, binds and listens on it as if it were free.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", 0))
+        yield holder.getsockname()[1]
+
+
 def run_ranks(fn: Any, world_size: int, *args: Any, timeout: float = 120.0) -> None:
-    """Run ``fn(rank, world_size, port, *args)`` on ``world_size`` spawned processes.
+    """Run ``fn(rank, world_size, port, *args)`` on ``world_size`` spawned processes,
+    ``port`` held for their rendezvous (:func:`reserved_port`).
 
     Raises (``torch.multiprocessing.ProcessRaisedException`` with the rank's traceback,
     or ``ProcessExitedException``) as soon as one rank fails, after the others are
     killed; raises ``TimeoutError`` if the ranks are not all done after ``timeout`` s.
     """
-    context = tmp.start_processes(
-        fn,
-        args=(world_size, free_port(), *args),
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + timeout
-    try:
-        while not context.join(timeout=0.5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{world_size} ranks of {fn.__name__} still running after {timeout} s"
-                )
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-            process.join(timeout=10)
+    with reserved_port() as port:
+        context = tmp.start_processes(
+            fn,
+            args=(world_size, port, *args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not context.join(timeout=0.5):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{world_size} ranks of {fn.__name__} still running after {timeout} s"
+                    )
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                process.join(timeout=10)
 
 
 # -- rank side --------------------------------------------------------------------------------

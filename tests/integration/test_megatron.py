@@ -266,24 +266,25 @@ def test_sigkill_during_async_save_leaves_nothing_visible(
 ) -> None:
     run = f"{s3_prefix}/gpt"
     s3 = dist_worker.server_options(seaweedfs_s3)
-    context = torch.multiprocessing.start_processes(
-        worker.crash_main,
-        args=(WORLD, dist_worker.free_port(), s3, run, str(tmp_path)),
-        nprocs=WORLD,
-        join=False,
-        start_method="spawn",
-    )
-    try:
-        uploading = [tmp_path / f"uploading-{r}" for r in range(WORLD)]
-        _wait_for([*uploading, *(tmp_path / f"scheduled-{r}" for r in range(WORLD))], 120)
-        writers = [int(p.read_text()) for p in uploading]
-        time.sleep(0.5)  # the big tensor's parts are on the wire
-        for pid in [*writers, *(p.pid for p in context.processes)]:
-            os.kill(pid, signal.SIGKILL)
-    finally:
-        for process in context.processes:
-            process.kill()
-            process.join(timeout=10)
+    with dist_worker.reserved_port() as port:
+        context = torch.multiprocessing.start_processes(
+            worker.crash_main,
+            args=(WORLD, port, s3, run, str(tmp_path)),
+            nprocs=WORLD,
+            join=False,
+            start_method="spawn",
+        )
+        try:
+            uploading = [tmp_path / f"uploading-{r}" for r in range(WORLD)]
+            _wait_for([*uploading, *(tmp_path / f"scheduled-{r}" for r in range(WORLD))], 120)
+            writers = [int(p.read_text()) for p in uploading]
+            time.sleep(0.5)  # the big tensor's parts are on the wire
+            for pid in [*writers, *(p.pid for p in context.processes)]:
+                os.kill(pid, signal.SIGKILL)
+        finally:
+            for process in context.processes:
+                process.kill()
+                process.join(timeout=10)
     step2 = worker.step_dir(run, 2)
     # Nothing of step 2 is visible: no manifest, the tracker still names step 1.
     assert MANIFEST_NAME not in keys_under(seaweedfs_s3, step2)

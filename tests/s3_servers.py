@@ -9,6 +9,7 @@ no composite checksums, MaxUploads ignored. A test module runs against both with
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,22 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def held_port() -> Iterator[int]:
+    """A loopback port kept from everyone but a server that binds it with SO_REUSEADDR
+    (werkzeug's, so moto's, does), until the block ends.
+
+    The socket stays bound, with SO_REUSEADDR and without listening: the kernel gives the
+    port to no other ``bind`` to port 0 and to no outgoing connection, so a server that
+    takes seconds to start cannot find it taken (by a second test run's servers, say), and
+    whatever answers on it is that server.
+    """
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", 0))
+        yield int(holder.getsockname()[1])
 
 
 class MotoS3Server:
@@ -51,15 +69,19 @@ class MotoS3Server:
     def __enter__(self) -> MotoS3Server:
         executable = shutil.which("moto_server", path=str(Path(sys.executable).parent))
         command = [executable] if executable else [sys.executable, "-m", "moto.server"]
-        self.port = free_port()
-        self.process = subprocess.Popen(
-            [*command, "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env={**os.environ, "MOTO_S3_CUSTOM_ENDPOINTS": self.endpoint_url},
-        )
+        with held_port() as self.port:  # until moto listens on it, and nobody else can
+            self.process = subprocess.Popen(
+                [*command, "-H", "127.0.0.1", "-p", str(self.port)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env={**os.environ, "MOTO_S3_CUSTOM_ENDPOINTS": self.endpoint_url},
+            )
+            try:
+                self._wait_ready()
+            except BaseException:
+                self.stop()
+                raise
         try:
-            self._wait_ready()
             self.client().create_bucket(Bucket=self.bucket)
         except BaseException:
             self.stop()

@@ -111,6 +111,7 @@ def attach(
     writer_options: dict[str, Any] | None = None,
     reader_options: dict[str, Any] | None = None,
     trust_pickles: bool = False,
+    async_save: bool = False,
     **options: Any,
 ) -> S3CheckpointEngine:
     """Make ``engine`` (from ``deepspeed.initialize``) save and load ``s3://`` folders
@@ -140,6 +141,7 @@ def attach(
         writer_options=writer_options,
         reader_options=reader_options,
         trust_pickles=trust_pickles,
+        async_save=async_save,
         **options,
     )
     compat_deepspeed.route_s3_paths(

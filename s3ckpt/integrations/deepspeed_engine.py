@@ -3,7 +3,12 @@
 One tag's way through it (what :mod:`s3ckpt.integrations.deepspeed` describes in full):
 ``create`` refuses what cannot work on every rank alike, ``save`` keeps each file's state
 dict, ``commit`` agrees across the group and stores every rank's files in one
-``dcp.save``, then writes ``latest``; ``load`` reads one file back. The helpers around
+``dcp.save``, then writes ``latest``; ``load`` reads one file back. With ``async_save``,
+``commit`` returns once the files are copied into memory shared with the rank's
+checkpoint process (:class:`~s3ckpt.CheckpointProcess`), which uploads and commits them
+while training goes on; rank 0 writes ``latest`` once the tag is committed. The next
+``create``, ``load`` or :meth:`S3CheckpointEngine.wait` waits for that save, and a failure
+of it is raised at the next ``create`` on every rank alike. The helpers around
 an engine (``attach``, ``save_checkpoint``, ``load_checkpoint``) are in
 :mod:`s3ckpt.integrations.deepspeed`, which checks that DeepSpeed is installed first.
 """
@@ -12,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -25,6 +32,7 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
+from s3ckpt.background.process import CheckpointProcess
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.dcp.reader import S3StorageReader
 from s3ckpt.dcp.writer import S3StorageWriter
@@ -61,6 +69,7 @@ class S3CheckpointEngine(CheckpointEngine):
         trust_pickles: unpickle any Python global in the files' non-tensor state
             (DeepSpeed's own engine does, ``weights_only=False``); by default only
             torch's weights-only set plus :data:`DEEPSPEED_GLOBALS`.
+        async_save: upload from the rank's checkpoint process, after ``commit`` returns.
     """
 
     def __init__(
@@ -72,9 +81,14 @@ class S3CheckpointEngine(CheckpointEngine):
         writer_options: dict[str, Any] | None = None,
         reader_options: dict[str, Any] | None = None,
         trust_pickles: bool = False,
+        async_save: bool = False,
         **options: Any,
     ) -> None:
         super().__init__(config_params=None)
+        self.async_save = async_save
+        self._process: CheckpointProcess | None = None
+        self._inflight: threading.Event | None = None  # set once the background save is over
+        self._failure: str | None = None  # the last background save's, until agreed on
         self.name = ENGINE_NAME
         self.config = make_config(config, endpoint_url=endpoint_url, **options)
         self.group = group
@@ -90,7 +104,9 @@ class S3CheckpointEngine(CheckpointEngine):
 
     def create(self, info: CheckpointCommitInfo) -> None:
         """A save starts (every rank). Refuses, on every rank alike, a local folder and
-        DeepSpeed's own ``latest`` file, before anything is written."""
+        DeepSpeed's own ``latest`` file, before anything is written; waits for the
+        background save before (``async_save``)."""
+        self._settle()
         folder_uri(info.save_dir)
         if info.save_latest:
             raise ConfigError(
@@ -128,6 +144,9 @@ class S3CheckpointEngine(CheckpointEngine):
             writer = S3StorageWriter(
                 folder, config=self.config, overwrite=True, **self.writer_options
             )
+            if self.async_save:
+                self._start_upload(items, writer, info)
+                return True
             dcp.save(items, storage_writer=writer, process_group=self.group)
             log.info("committed %s (%d files on this rank)", folder, len(self.pending))
             if self.latest_requested:
@@ -136,9 +155,60 @@ class S3CheckpointEngine(CheckpointEngine):
         finally:
             self.info, self.pending, self.problems = None, {}, []
 
+    def wait(self) -> None:
+        """Wait for the background save (``async_save``); raises its failure on this rank."""
+        self._settle()
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise CheckpointError(failure)
+
+    def _start_upload(self, items: dict[str, Any], writer: Any, info: Any) -> None:
+        """Copy ``items`` into shared memory and upload them from the checkpoint process;
+        rank 0 writes ``latest`` once they are committed."""
+        if self._process is None:  # every rank commits its first tag together
+            self._process = CheckpointProcess(self.group)
+        latest = self.latest_requested and dist.get_rank(self.group) == 0
+        save_dir, tag = info.save_dir, info.tag
+        future = self._process.async_save(items, storage_writer=writer)
+        over = threading.Event()
+
+        def finished(done: Future[Any]) -> None:
+            try:
+                error = done.exception()
+                if error is None and latest:
+                    try:
+                        self._put_latest(save_dir, tag)
+                    except Exception as exc:
+                        error = exc
+                if error is not None:
+                    log.error("the background save of tag %s failed: %s", tag, error)
+                    self._failure = f"the background save of tag {tag} failed: {error}"
+                else:
+                    log.info("committed %s in the background", writer.location)
+            finally:
+                over.set()
+
+        self._inflight = over
+        future.add_done_callback(finished)
+
+    def _settle(self) -> None:
+        """Wait for the background save and its ``latest``, if one is in flight (its
+        outcome: ``_failure``)."""
+        over, self._inflight = self._inflight, None
+        if over is not None:
+            over.wait()
+
+    def close(self) -> None:
+        """Wait for the background save, then stop the checkpoint process."""
+        self._settle()
+        process, self._process = self._process, None
+        if process is not None:
+            process.close()
+
     def load(self, path: str, map_location: Any = None) -> Any:
         """The state dict saved as ``path`` (a file of a committed tag), tensors on the
         CPU or ``map_location``."""
+        self._settle()
         folder, _, name = file_uri(path).rpartition("/")
         reader = S3StorageReader(folder, config=self.config, **self.reader_options)
         metadata = reader.read_metadata()
@@ -201,31 +271,38 @@ class S3CheckpointEngine(CheckpointEngine):
                 "attach(engine) gives it the engine's"
             )
         folders = {uri.rpartition("/")[0] for uri in self.pending}
-        mine = (sorted(folders), sorted(self.pending), list(self.problems))
+        failure, self._failure = self._failure, None
+        mine = (sorted(folders), sorted(self.pending), list(self.problems), failure)
         everyone: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(everyone, mine, group=self.group)
-        problems = [f"rank {r}: {p}" for r, (_, _, ps) in enumerate(everyone) for p in ps]
+        failed = [f"rank {r}: {f}" for r, (*_, f) in enumerate(everyone) if f is not None]
+        if failed:  # every rank raises it, then saves again in step at the next tag
+            raise CheckpointError("; ".join(failed) + "; this tag is not saved")
+        problems = [f"rank {r}: {p}" for r, (_, _, ps, _) in enumerate(everyone) for p in ps]
         seen: dict[str, int] = {}
-        for rank, (_, uris, _) in enumerate(everyone):
+        for rank, (_, uris, _, _) in enumerate(everyone):
             for uri in uris:
                 if uri in seen:
                     problems.append(f"{uri} was saved by ranks {seen[uri]} and {rank}")
                 seen.setdefault(uri, rank)
-        all_folders = sorted({f for fs, _, _ in everyone for f in fs})
+        all_folders = sorted({f for fs, *_ in everyone for f in fs})
         if len(all_folders) > 1:
             problems.append(f"the files of one checkpoint lie in several folders: {all_folders}")
         if problems:
             raise ConfigError("this checkpoint cannot be saved: " + "; ".join(problems))
         return all_folders[0] if all_folders else None
 
+    def _put_latest(self, save_dir: str, tag: Any) -> None:
+        location = S3URI.parse(folder_uri(save_dir), require_prefix=False)
+        store = ObjectStore(self.config, location.bucket)
+        io_loop().run(store.put(location.key(LATEST), str(tag).encode()))
+
     def _write_latest(self, info: CheckpointCommitInfo) -> None:
         """``<save_dir>/latest`` from the group's rank 0; every rank raises if it failed."""
         failure: list[str | None] = [None]
         if dist.get_rank(self.group) == 0:
-            location = S3URI.parse(folder_uri(info.save_dir), require_prefix=False)
-            store = ObjectStore(self.config, location.bucket)
             try:
-                io_loop().run(store.put(location.key(LATEST), str(info.tag).encode()))
+                self._put_latest(info.save_dir, info.tag)
             except Exception as exc:
                 failure = [f"{type(exc).__name__}: {exc}"]
                 dist.broadcast_object_list(failure, group=self.group, group_src=0)

@@ -62,12 +62,12 @@ def new_model(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
-def build(stage: int, seed: int, s3: dict[str, Any]) -> Any:
+def build(stage: int, seed: int, s3: dict[str, Any], **options: Any) -> Any:
     model = new_model(seed)
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=ds_config(stage)
     )
-    attach(engine, **s3)
+    attach(engine, **s3, **options)
     return engine
 
 
@@ -172,6 +172,38 @@ def save_and_resume(
         },
         Path(out) / f"rank{rank}.pt",
     )
+    dist.destroy_process_group()
+
+
+def async_save_and_resume(
+    rank: int, world_size: int, port: int, s3: dict[str, Any], folder: str, stage: int, out: str
+) -> None:
+    """``async_save``: ``save_checkpoint`` returns once the files are copied; training
+    goes on while the checkpoint process uploads; a fresh engine resumes from ``latest``
+    and must match the state of the moment of the save, bit for bit."""
+    from s3ckpt.integrations.deepspeed import s3_engine
+
+    init(rank, world_size, port)
+    engine = build(stage, seed=0, s3=s3, async_save=True)
+    train(engine, range(3))
+    assert save_checkpoint(engine, folder, tag="t1", client_state={"epoch": 7})
+    saved = snapshot(engine)  # what the save copied; training goes on meanwhile
+    checkpoints = s3_engine(engine)
+    pid = checkpoints._process.pid
+    train(engine, range(3, 5))
+    checkpoints.wait()
+    tag_after_wait = checkpoints.latest_tag(folder)
+    assert save_checkpoint(engine, folder, tag="t2")  # waits for nothing: t1 is done
+    checkpoints.close()
+    resumed = build(stage, seed=1, s3=s3)
+    load_path, client_state = load_checkpoint(resumed, folder, tag="t1")
+    assert load_path is not None and client_state is not None and client_state["epoch"] == 7
+    assert_same(snapshot(resumed), saved, "t1, saved in the background")
+    torch.save(
+        {"pid": pid, "own_pid": os.getpid(), "latest_after_wait": tag_after_wait,
+         "latest": checkpoints.latest_tag(folder)},
+        Path(out) / f"rank{rank}.pt",
+    )  # fmt: skip
     dist.destroy_process_group()
 
 

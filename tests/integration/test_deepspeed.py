@@ -105,6 +105,20 @@ def test_save_and_resume_bit_exact_on_two_ranks(
     no_local_s3_folder(tmp_path)
 
 
+def test_async_saves_upload_from_the_checkpoint_process_and_resume_bit_exact(
+    s3: dict[str, Any], s3_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    run_ranks(worker.async_save_and_resume, 2, s3, s3_prefix, 2, str(tmp_path), timeout=300)
+    for report in reports(tmp_path):
+        assert report["pid"] != report["own_pid"]  # uploaded from the checkpoint process
+        assert report["latest_after_wait"] == "t1"  # written once t1 committed
+        assert report["latest"] == "t2"
+    committed = {i.name for i in catalog.list_checkpoints(s3_prefix, **s3) if i.committed}
+    assert committed == {"t1", "t2"}
+    no_local_s3_folder(tmp_path)
+
+
 def test_a_rank_killed_while_committing_leaves_the_previous_tag(
     s3: dict[str, Any], s3_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

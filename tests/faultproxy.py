@@ -32,7 +32,11 @@ learns). Each connection carries one request (``Connection: close`` is forced), 
 the relay a plain byte pump. Decisions come from ``random.Random(seed)``, so the same
 sequence of requests meets the same faults, and ``per_request`` caps how often one request
 (method and target) is hit, by all rules together, which is what makes a fault transient:
-a request retried more often than that gets through. ``counts`` tallies
+a request retried more often than that gets through. ``limit`` caps how many requests a
+rule is given to at once or has fired on. A ranged GET whose body is too short to reach
+``after`` is never given a rule that acts there, and a request given a rule it could not
+fire on (an unranged response shorter than ``after``, a failed GET, for ``corrupt``) gives
+it back: which of several concurrent requests comes first cannot use a limit up. ``counts`` tallies
 every fault that fired; ``requests`` every request seen, by method; ``body_bytes`` the
 response bytes relayed after the heads, by method (what GETs cost the store).
 """
@@ -95,6 +99,8 @@ _CHUNKED_SLOWDOWN = (
     + b"0\r\n\r\n"
 )
 _CONDITIONAL = (b"if-none-match:", b"if-match:")
+# The faults that act at byte ``after`` of the response body (``after=-1``: before its head).
+_AT_BODY_OFFSET = frozenset({"reset_response", "stall", "truncate", "corrupt"})
 
 
 @dataclass(eq=False)
@@ -108,7 +114,7 @@ class Rule:
     after: int = 0
     limit: int | None = None
     per_request: int | None = 2
-    chosen: int = field(default=0, init=False)  # what ``limit`` counts: picks, not firings
+    chosen: int = field(default=0, init=False)  # what ``limit`` counts: picks not given back
 
     def wants(self, method: str, target: str) -> bool:
         return (
@@ -125,6 +131,7 @@ class _Exchange:
     method: str
     target: str
     rule: Rule | None
+    fired: bool = False
 
 
 class FaultProxy:
@@ -215,7 +222,23 @@ class FaultProxy:
         head = await client.readuntil(b"\r\n\r\n")
         method, target, headers = _parse_head(head)
         self.requests[method] += 1
-        exchange = _Exchange(method, target, self._choose(method, target))
+        body = None if self.ignore_range else _range_length(headers.get("range", ""))
+        exchange = _Exchange(method, target, self._choose(method, target, body))
+        try:
+            await self._relay(client, to_client, exchange, head, headers)
+        finally:
+            if exchange.rule is not None and not exchange.fired:
+                exchange.rule.chosen -= 1  # given back: it never fired on this request
+
+    async def _relay(
+        self,
+        client: asyncio.StreamReader,
+        to_client: asyncio.StreamWriter,
+        exchange: _Exchange,
+        head: bytes,
+        headers: dict[str, str],
+    ) -> None:
+        target = exchange.target
         refused = self.conditional == "reject" and any(
             h in headers for h in ("if-none-match", "if-match")
         )
@@ -335,10 +358,14 @@ class FaultProxy:
 
     # -- decisions ---------------------------------------------------------------------
 
-    def _choose(self, method: str, target: str) -> Rule | None:
+    def _choose(self, method: str, target: str, body: int | None) -> Rule | None:
+        """The rule for this request, if any; ``body``: the length of the response body
+        its ``Range`` asks for, where it has one."""
         for rule in self.rules:
             if not rule.wants(method, target):
                 continue
+            if rule.fault in _AT_BODY_OFFSET and body is not None and 0 <= body <= rule.after:
+                continue  # the fault acts after byte ``after``: a body this short never gets there
             cap = rule.per_request
             if cap is not None and self._hits[(method, target)] >= cap:
                 continue
@@ -350,8 +377,17 @@ class FaultProxy:
     def _fire(self, exchange: _Exchange) -> None:
         rule = exchange.rule
         assert rule is not None
+        exchange.fired = True
         self.counts[rule.fault] += 1
         self._hits[(exchange.method, exchange.target)] += 1
+
+
+def _range_length(value: str) -> int | None:
+    """The number of bytes a ``Range: bytes=first-last`` header asks for; None for none."""
+    first, dash, last = value.strip().removeprefix("bytes=").partition("-")
+    if not (value.strip().startswith("bytes=") and dash and first.isdigit() and last.isdigit()):
+        return None
+    return int(last) - int(first) + 1
 
 
 def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:

@@ -17,8 +17,10 @@ training loop's saves after its first are what matter). Environment: that of
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -155,10 +157,18 @@ def s3ckpt_dcp_process() -> Callable[[dict, int], Any]:
 
 
 def fs_shm_thread() -> Callable[[dict, int], Any]:
+    """DCP's ``FileSystemWriter`` into /dev/shm; each save replaces the one before, and the
+    folder goes when the case ends (it is memory)."""
     from torch.distributed.checkpoint import FileSystemWriter
 
     root = tempfile.mkdtemp(prefix="s3ckpt-loop-", dir="/dev/shm")
-    return dcp_thread(lambda i: FileSystemWriter(f"{root}/{i}"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+
+    def writer(i: int) -> Any:
+        shutil.rmtree(f"{root}/{i - 1}", ignore_errors=True)
+        return FileSystemWriter(f"{root}/{i}")
+
+    return dcp_thread(writer)
 
 
 def s3torch_thread() -> Callable[[dict, int], Any]:
@@ -279,4 +289,5 @@ if __name__ == "__main__":
     size = int(os.environ.get("BENCH_SIZE_MIB", "1024"))
     count = int(os.environ.get("BENCH_REPS", "2"))
     print(json.dumps(run(loop_name, mode_name, where, size, count)), flush=True)
-    os._exit(0)  # DCP's process mode leaves its background process to the interpreter's exit
+    if mode_name == "dcp_process":
+        os._exit(0)  # DCP's own background process would print a traceback at exit

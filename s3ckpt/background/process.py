@@ -366,7 +366,7 @@ def _abort_open_uploads(writer: Any, rank: int, error: CheckpointProcessError) -
         return
     from s3ckpt.s3.loop import io_loop
     from s3ckpt.s3.store import ObjectStore
-    from s3ckpt.transfer.upload import abort_rank_uploads
+    from s3ckpt.transfer.aborts import abort_rank_uploads
 
     store = ObjectStore(config, location.bucket)
     try:

@@ -2,7 +2,9 @@
 
 * :mod:`~s3ckpt.transfer.parts`: pure part arithmetic within S3's limits;
 * :mod:`~s3ckpt.transfer.upload`: items packed into objects, parts as tasks, byte budget,
-  abort and clean-up on failure;
+  clean-up on failure;
+* :mod:`~s3ckpt.transfer.object_stream`: one object cut into parts as its items arrive;
+* :mod:`~s3ckpt.transfer.aborts`: aborting the multipart uploads a failed save left open;
 * :mod:`~s3ckpt.transfer.download`: coalesced, block-aligned, parallel ranged GETs into
   destination buffers;
 * :mod:`~s3ckpt.transfer.commit`: reading a committed manifest; committing one last;

@@ -3,12 +3,8 @@
 The calling thread feeds a stream of items, each resolved lazily (a GPU tensor is copied
 to the CPU only when its turn comes, a compressed item when its compression finishes),
 and the uploader packs them into data objects (a new one whenever ``max_object_size``
-would be exceeded) and cuts each object into parts on the fly (:class:`~s3ckpt.transfer.parts.
-PartCutter`). A part inside one item is sent as a ``memoryview`` of that item's memory;
-only parts straddling item boundaries are joined into a fresh buffer. An object that
-ends within one part is sent as a single PUT. Each part carries its CRC32C; parts of an
-item are cut on its checksum blocks, so that CRC is combined from the item's block CRC32Cs
-(computed once, for the manifest) instead of read from memory a second time. Each part
+would be exceeded), each fed to an :class:`~s3ckpt.transfer.object_stream.ObjectStream`
+that cuts it into parts on the fly (a single PUT when it ends within one part). Each part
 becomes a small task on the I/O loop, so parts of every object upload concurrently under the
 process-wide request bound, while a byte budget keeps the producer from running too far
 ahead of the network.
@@ -16,36 +12,38 @@ ahead of the network.
 Nothing is left behind on failure or cancellation: every task is cancelled and awaited,
 every multipart upload this save created is aborted (by its id; only those whose
 CreateMultipartUpload response never arrived are found by listing the save's unique keys),
-and objects already completed are deleted. One clean-up request that fails stops none of
-the others; what could not be removed is logged, for ``gc``.
+and objects already completed are deleted (:mod:`s3ckpt.transfer.aborts`). One clean-up
+request that fails stops none of the others; what could not be removed is logged, for
+``gc``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
-import sys
 import threading
 from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from crc32c import crc32c
-
-from s3ckpt.format.checksums import combine, range_crc
-from s3ckpt.format.layout import DEFAULT_BLOCK_SIZE, is_rank_data
+from s3ckpt.format.layout import DEFAULT_BLOCK_SIZE
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import Body, ObjectStore, PartResult
+from s3ckpt.transfer.aborts import (
+    CLEAN_UP_REQUESTS,
+    CleanUpIncomplete,
+    abort_listed_uploads,
+    abort_upload,
+)
 from s3ckpt.transfer.fanout import settled
-from s3ckpt.transfer.parts import PartCutter, part_limits
+from s3ckpt.transfer.object_stream import ObjectStream
+from s3ckpt.transfer.parts import part_limits
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 # (index, stored bytes, their block CRC32Cs when known): what the uploader is fed.
 Item = tuple[object, memoryview, tuple[int, ...] | None]
-CLEAN_UP_REQUESTS = 16  # aborts of one failed rank's uploads in flight at once
 CLEAN_UP_TIMEOUT_S = 120.0
 
 
@@ -116,6 +114,7 @@ class RankUploader:
     ) -> None:
         self.store = store
         self.block_size = block_size
+        self.checksums = store.config.checksums
         self.object_key = object_key
         self.max_object_size = max_object_size
         self.object_size_hint = max(1, min(max_object_size, size_hint))
@@ -134,7 +133,7 @@ class RankUploader:
         """Upload ``(index, bytes, block CRC32Cs or None)`` items in order; returns where
         each went, and the objects."""
         placements: dict[object, Placement] = {}
-        streams: list[_ObjectStream] = []
+        streams: list[ObjectStream] = []
         try:
             for index, data, crcs in items:
                 if not streams or (
@@ -154,17 +153,18 @@ class RankUploader:
             raise self._error from None  # type: ignore[misc]
         return placements, results
 
-    def _open(self, number: int, first_item: int) -> _ObjectStream:
+    def _open(self, number: int, first_item: int) -> ObjectStream:
         """A new object, its parts sized for the largest it can grow to: the usual bound,
         or its first item where that alone is larger (an item gets an object of its own)."""
         key = self.object_key(number)
         self._planned_keys.append(key)
         largest = max(self.object_size_hint, first_item)
-        return _ObjectStream(self, key, *part_limits(largest, self.store.config.part_size))
+        return ObjectStream(self, key, *part_limits(largest, self.store.config.part_size))
 
     # -- producer side (calling thread) -----------------------------------------------
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any], nbytes: int) -> Future[Any]:
+    def spawn(self, coro: Coroutine[Any, Any, Any], nbytes: int) -> Future[Any]:
+        """Run ``coro`` on the I/O loop once ``nbytes`` fit in the byte budget."""
         try:
             self._raise_if_failed()
             self._budget.acquire(nbytes, lambda: self._error is not None)
@@ -212,11 +212,11 @@ class RankUploader:
         finally:
             self._tasks.discard(task)
 
-    async def _put(self, key: str, body: Body, checksum: int | None) -> UploadedObject:
+    async def put(self, key: str, body: Body, checksum: int | None) -> UploadedObject:
         etag = await self.store.put(key, body, crc32c=checksum)
         return UploadedObject(key, len(body), etag)
 
-    async def _create(self, key: str) -> str:
+    async def create(self, key: str) -> str:
         def record(upload_id: str) -> None:  # also when this task is cancelled meanwhile
             self._upload_ids[key] = upload_id
 
@@ -224,13 +224,13 @@ class RankUploader:
 
         return await self._unstoppable(self.store.create_multipart(key), record)
 
-    async def _part(
+    async def part(
         self, key: str, created: Future[str], number: int, body: Body, checksum: int | None
     ) -> PartResult:
         upload_id = await asyncio.wrap_future(created)
         return await self.store.upload_part(key, upload_id, number, body, checksum)
 
-    async def _complete(
+    async def complete(
         self, key: str, size: int, created: Future[str], parts: list[Future[PartResult]]
     ) -> UploadedObject:
         upload_id = await asyncio.wrap_future(created)
@@ -272,8 +272,8 @@ class RankUploader:
         await asyncio.gather(*self._unstoppables, return_exceptions=True)
         known = dict(self._upload_ids)
         unanswered = [key for key in self._created if key not in known]
-        aborts = [lambda k=k, u=u: self._abort(k, u) for k, u in known.items()]
-        aborts += [lambda k=k: self._abort_listed(k) for k in unanswered]
+        aborts = [lambda k=k, u=u: abort_upload(self.store, k, u) for k, u in known.items()]
+        aborts += [lambda k=k: abort_listed_uploads(self.store, k) for k in unanswered]
         failures = [r for r in await settled(aborts, CLEAN_UP_REQUESTS) if isinstance(r, Exception)]
         if self._planned_keys:
             try:
@@ -284,169 +284,3 @@ class RankUploader:
                 )
         if failures:
             raise CleanUpIncomplete("; ".join(str(f) for f in failures))
-
-    async def _abort(self, key: str, upload_id: str) -> None:
-        try:
-            await self.store.abort_multipart(key, upload_id)
-        except Exception as exc:
-            raise CleanUpIncomplete(f"upload {upload_id} of {key} not aborted: {exc}") from exc
-
-    async def _abort_listed(self, key: str) -> None:
-        """Abort the uploads of ``key`` a lost CreateMultipartUpload response left unknown."""
-        try:
-            found = [
-                p.upload_id async for p in self.store.list_multipart_uploads(key) if p.key == key
-            ]
-        except Exception as exc:
-            raise CleanUpIncomplete(f"uploads of {key} not listed: {exc}") from exc
-        for upload_id in found:
-            await self._abort(key, upload_id)
-
-
-async def abort_rank_uploads(store: ObjectStore, prefix: str, rank: int) -> int:
-    """Abort every open multipart upload of rank ``rank``'s data objects under ``prefix``
-    (a checkpoint's keys, ``.../step-N/``): what a save leaves when the process that ran
-    it died with nobody left in it to abort them. Returns how many were aborted."""
-    found = [
-        upload
-        async for upload in store.list_multipart_uploads(prefix)
-        if is_rank_data(upload.key[len(prefix) :], rank)
-    ]
-    aborts = [lambda u=u: store.abort_multipart(u.key, u.upload_id) for u in found]
-    failures = [r for r in await settled(aborts, CLEAN_UP_REQUESTS) if isinstance(r, Exception)]
-    if failures:
-        raise CleanUpIncomplete("; ".join(str(f) for f in failures))
-    return len(found)
-
-
-class CleanUpIncomplete(Exception):
-    """What a clean-up after a failed save could not remove (``gc`` removes it later)."""
-
-
-class _ObjectStream:
-    """One data object being written, fed item by item from the producer thread.
-
-    Parts are held back while the object is no larger than one part: if it ends there it
-    is sent as a single PUT; the moment it outgrows a part, the multipart upload starts.
-    """
-
-    def __init__(self, uploader: RankUploader, key: str, part_size: int, min_part: int) -> None:
-        self.uploader = uploader
-        self.key = key
-        self.part_size = part_size
-        self.cutter = PartCutter(part_size, min_part, uploader.block_size)
-        self.checksums = uploader.store.config.checksums
-        self.size = 0
-        self.data: dict[int, memoryview] = {}  # items with pieces still to send
-        self.crcs: dict[int, tuple[int, ...]] = {}  # their block CRC32Cs, where known
-        self.count = 0
-        self.held: list[tuple[Body, int | None]] = []
-        self.created: Future[str] | None = None
-        self.parts: list[Future[PartResult]] = []
-        self.completion: Future[UploadedObject] | None = None
-
-    def add(self, data: memoryview, crcs: tuple[int, ...] | None = None) -> int:
-        """Append an item (with its block CRC32Cs, if known); returns its offset in the object."""
-        number, offset = self.count, self.size
-        self.count += 1
-        self.size += len(data)
-        if len(data):
-            self.data[number] = data
-            if crcs is not None:
-                self.crcs[number] = crcs
-        for part in self.cutter.add(number, len(data)):
-            self._emit(part)
-        return offset
-
-    def finish(self) -> None:
-        for part in self.cutter.finish():
-            self._emit(part)
-        up = self.uploader
-        if self.created is None:
-            body = _join([memoryview(b) for b, _ in self.held]) if self.held else b""
-            checksum = _combined([(c, len(b)) for b, c in self.held]) if self.checksums else None
-            self.completion = up._spawn(up._put(self.key, body, checksum), len(body))
-        else:
-            self.completion = up._spawn(
-                up._complete(self.key, self.size, self.created, self.parts), 0
-            )
-
-    def _emit(self, part: list[tuple[int, int, int]]) -> None:
-        part = [(item, start, end) for item, start, end in part if end > start]
-        pieces = [self.data[item][start:end] for item, start, end in part]
-        checksum = (
-            _combined([(self._crc(*p), p[2] - p[1]) for p in part]) if self.checksums else None
-        )
-        for item, _, end in part:
-            if end == len(self.data[item]):
-                del self.data[item]
-                self.crcs.pop(item, None)
-        body = _join(pieces) if pieces else b""
-        if self.created is None and sum(len(b) for b, _ in self.held) + len(body) <= self.part_size:
-            self.held.append((body, checksum))
-            return
-        up = self.uploader
-        if self.created is None:
-            self.created = up._spawn(up._create(self.key), 0)
-            for held, held_checksum in self.held:
-                self._send(held, held_checksum)
-            self.held = []
-        self._send(body, checksum)
-
-    def _crc(self, item: int, start: int, end: int) -> int:
-        """CRC32C of a piece of an item: combined from its block CRCs where the piece is
-        whole blocks, else computed."""
-        data, blocks = self.data[item], self.crcs.get(item)
-        if blocks is not None:
-            crc = range_crc(blocks, self.uploader.block_size, len(data), start, end)
-            if crc is not None:
-                return crc
-        return crc32c(data[start:end])
-
-    def _send(self, body: Body, checksum: int | None) -> None:
-        up = self.uploader
-        assert self.created is not None
-        number = len(self.parts) + 1
-        self.parts.append(
-            up._spawn(up._part(self.key, self.created, number, body, checksum), len(body))
-        )
-
-
-def _combined(pieces: list[tuple[int | None, int]]) -> int:
-    """The CRC32C of consecutive pieces from theirs: ``(crc, length)`` each."""
-    total = 0  # the CRC32C of no bytes
-    for crc, length in pieces:
-        assert crc is not None
-        total = combine(total, crc, length)
-    return total
-
-
-def _join(pieces: list[memoryview]) -> Body:
-    """One body from pieces: the piece itself when there is one (no copy), else a joined
-    copy made without holding the GIL (:func:`_copy_joined`)."""
-    if len(pieces) == 1:
-        return pieces[0]
-    if any(piece.readonly for piece in pieces):
-        return b"".join(pieces)
-    return _copy_joined(pieces)
-
-
-# ``bytes.join`` copies with the GIL held: 2.0 ms per 16 MiB part packed from small items,
-# during which a training loop's thread (thread mode) cannot run. Here the bytes object is
-# allocated uninitialized (``PyBytes_FromStringAndSize(NULL, n)``, as ``join`` itself
-# does) and filled by ``memmove`` through ctypes, which releases the GIL: the same CPU
-# (2.1 ms), while a Python thread beside it ran 2.1x as many operations as beside ``join``.
-_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
-_new_bytes.restype = ctypes.py_object
-_new_bytes.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
-_BYTES_DATA = sys.getsizeof(b"") - 1  # the offset of a bytes object's data (ob_sval)
-
-
-def _copy_joined(pieces: list[memoryview]) -> bytes:
-    joined = _new_bytes(None, sum(len(piece) for piece in pieces))
-    at = id(joined) + _BYTES_DATA
-    for piece in pieces:
-        if len(piece):
-            ctypes.memmove(at, ctypes.addressof(ctypes.c_char.from_buffer(piece)), len(piece))
-            at += len(piece)
-    return joined

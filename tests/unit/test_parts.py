@@ -132,7 +132,7 @@ def test_packed_parts_are_joined_byte_for_byte():
     items' memory is writable (joined with the GIL released) or not."""
     import os
 
-    from s3ckpt.transfer.upload import _join
+    from s3ckpt.transfer.object_stream import join as _join
 
     a, b = bytearray(os.urandom(100_000)), bytearray(os.urandom(3))
     pieces = [memoryview(a)[10:50_000], memoryview(b), memoryview(bytearray()), memoryview(a)[:7]]

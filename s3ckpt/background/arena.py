@@ -93,26 +93,18 @@ class StagingArena:
         new segment, sized for all of it.
         """
         regions: list[Region] = []
+        added: list[Segment] = []
         index, offset = 0, 0
         for position, nbytes in enumerate(sizes):
             while index < len(self.segments) and offset + nbytes > self.segments[index].size:
                 index, offset = index + 1, 0
-            if index == len(self.segments):
+            if index == len(self.segments):  # sized for all the rest: they all fit in it
                 rest = sum(_round_up(n) for n in sizes[position:])
-                added = Segment(max(rest, _MIN_SEGMENT), pin=self._pin)
-                self.segments.append(added)
-                return regions + self._pack(index, sizes[position:]), [added]
+                added.append(Segment(max(rest, _MIN_SEGMENT), pin=self._pin))
+                self.segments.append(added[-1])
             regions.append(Region(index, offset, nbytes))
             offset = _round_up(offset + nbytes)
-        return regions, []
-
-    @staticmethod
-    def _pack(index: int, sizes: list[int]) -> list[Region]:
-        regions, offset = [], 0
-        for nbytes in sizes:
-            regions.append(Region(index, offset, nbytes))
-            offset = _round_up(offset + nbytes)
-        return regions
+        return regions, added
 
     def view(self, region: Region) -> torch.Tensor:
         return self.segments[region.segment].view(region.offset, region.nbytes)

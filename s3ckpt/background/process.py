@@ -177,8 +177,7 @@ class CheckpointProcess:
         finally:
             self._stop_worker()
             self._arena.close()
-            if self._store is not None:
-                self._store = None
+            self._store = None
 
     def __enter__(self) -> CheckpointProcess:
         return self

@@ -41,9 +41,14 @@ def checkpoint_name(step: int) -> str:
 
 
 def parse_step(name: str) -> int | None:
-    """The step of a checkpoint name the manager writes (``step-<digits>``), else None."""
+    """The step of a checkpoint name the manager writes (:func:`checkpoint_name`), else
+    None: ``step-100``, written by another tool under the same prefix, is not step 100
+    (the manager would load and prune ``step-0000000100`` for it)."""
     match = _NAME.match(name)
-    return int(match.group(1)) if match else None
+    if match is None:
+        return None
+    step = int(match.group(1))
+    return step if checkpoint_name(step) == name else None
 
 
 def validate_options(

@@ -3,13 +3,16 @@
 Megatron's ``dist_checkpointing`` calls a few CUDA functions even when every tensor is on
 the CPU (``torch.cuda.current_device()`` as the device of its gloo collectives'
 tensors, ``torch.cuda.synchronize()`` after staging); :func:`cpu_only_cuda` stands them
-in here, in the test processes only. Each rank leaves a report (``torch.save``) for the
-parent test; states are deterministic, so the parent computes its expectations too.
+in, in the test processes only, with the quickstart's own block for it, so that the
+block a CPU-only reader copies is the one every Megatron test runs on. Each rank leaves a
+report (``torch.save``) for the parent test; states are deterministic, so the parent
+computes its expectations too.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -21,10 +24,22 @@ from _dist_worker import _init, _report
 ROWS, COLS = 6, 40  # each rank's shard of "layer.weight"; kept small: these tests check logic
 
 
+QUICKSTART = Path(__file__).resolve().parents[2] / "docs" / "quickstart.md"
+
+
+def quickstart_blocks() -> list[str]:
+    """The ``py`` blocks of the quickstart's Megatron section: the save and load, then the
+    stand-ins for a CPU-only machine."""
+    section = QUICKSTART.read_text().split("## 12. Megatron-core", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^```py\n(.*?)^```", section, re.S | re.M)
+
+
 def cpu_only_cuda() -> None:
-    """The CUDA calls Megatron makes on a CPU machine, stood in for (tests only)."""
-    torch.cuda.current_device = lambda: "cpu"  # the device of its collectives' tensors
-    torch.cuda.synchronize = lambda *args, **kwargs: None
+    """The CUDA calls Megatron makes on a CPU machine, stood in for by the quickstart's
+    block (tests only)."""
+    _, stand_ins = quickstart_blocks()
+    exec(compile(stand_ins, "docs/quickstart.md", "exec"), {})
+    assert torch.cuda.current_device() == "cpu"
 
 
 def full_weight(world_size: int, step: int) -> torch.Tensor:
@@ -409,8 +424,16 @@ def quickstart_scenario(rank: int, world_size: int, s3: dict[str, Any], code: st
         model.values["weight"].add_(1.0)
         model.values["bias"].mul_(0.5)
 
-    exec(compile(code, "docs/quickstart.md", "exec"), {"model": model, "train_step": train_step})
-    return {"saved": model.snapshots[1], "loaded": model.loaded}
+    reuse: list[bool] = []  # Megatron's plan-cache state after each save, as train_step sees it
+    namespace: dict[str, Any] = {"model": model}
+
+    def train_step_after_save(iteration: int) -> None:
+        reuse.append(bool(namespace["strategy"].validated_cache_reuse))
+        train_step(iteration)
+
+    namespace["train_step"] = train_step_after_save
+    exec(compile(code, "docs/quickstart.md", "exec"), namespace)
+    return {"saved": model.snapshots[2], "loaded": model.loaded, "reuse": reuse}
 
 
 def all_main(

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt import BucketNotFoundError, CheckpointManager, S3StorageWriter, SaveMetrics
+from s3ckpt import BucketNotFoundError, CheckpointManager, S3StorageWriter, SaveMetrics, catalog
 from s3ckpt.config import S3URI
 from s3ckpt.testing.local_s3 import LocalS3Server
 
@@ -156,6 +156,22 @@ def test_metrics_callback_and_sync_mode(s3_prefix, s3_options):
     assert metrics.upload_s > 0 and metrics.throughput_mb_s > 0
     assert metrics.blocked_s >= metrics.upload_s
     assert set(metrics.as_dict()) >= {"step", "blocked_s", "upload_s", "bytes", "throughput_mb_s"}
+
+
+def test_checkpoints_named_by_others_are_not_its_steps(s3_prefix, s3_options):
+    """``step-100`` saved by hand under the manager's prefix is not step 100: not listed,
+    not loaded (as ``step-0000000100``, which does not exist), not pruned."""
+    other = f"{s3_prefix}/step-100"
+    dcp.save({"w": torch.ones(8)}, storage_writer=S3StorageWriter(other, **s3_options))
+    state = {"w": torch.zeros(8)}
+    with CheckpointManager(s3_prefix, keep_last=0, async_mode="sync", **s3_options) as manager:
+        assert manager.steps() == [] and manager.load_latest(state) is None
+        assert torch.equal(state["w"], torch.zeros(8))
+        manager.save(200, state)
+        manager.save(300, state)
+    # close() waited for retention (keep_last=0): step 200 went, step-100 stayed
+    names = [i.name for i in catalog.list_checkpoints(s3_prefix, **s3_options)]
+    assert sorted(names) == ["step-0000000300", "step-100"]
 
 
 def test_skip_policy_skips_while_uploading(s3_prefix, s3_options):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import secrets
 import signal
 import subprocess
@@ -117,14 +116,12 @@ SCENARIOS = (
     "bad_input",
     "quickstart",
 )
-QUICKSTART = Path(__file__).resolve().parents[2] / "docs" / "quickstart.md"
 
 
 def quickstart_block(run: str) -> str:
-    """The ``py`` block of the quickstart's Megatron section, its bucket ``ckpt`` moved to
-    ``run``'s place on the test server."""
-    section = QUICKSTART.read_text().split("## 12. Megatron-core", 1)[1].split("\n## ", 1)[0]
-    (block,) = re.findall(r"^```py\n(.*?)^```", section, re.S | re.M)
+    """The save-and-load ``py`` block of the quickstart's Megatron section, its bucket
+    ``ckpt`` moved to ``run``'s place on the test server."""
+    block, _ = worker.quickstart_blocks()
     return block.replace("s3://ckpt/", run.rsplit("gpt", 1)[0])
 
 
@@ -240,16 +237,19 @@ def test_a_failed_background_write_commits_nothing(job: Job, seaweedfs_s3: Local
 
 def test_quickstart_block_runs_as_written(job: Job, seaweedfs_s3: LocalS3Server) -> None:
     """docs/quickstart.md's Megatron block (a ``py`` block: the quickstart's own test does
-    not install Megatron), run on the job's ranks: the load gives the second save's state."""
+    not install Megatron), run on the job's ranks: the plan is cached at the first save,
+    validated at the second and replayed at the third, and the load gives the third save's
+    state."""
     run = job.runs["quickstart"]
     for rank, report in enumerate(job.reports("quickstart")):
         saved, loaded = report["saved"], report["loaded"]
-        # train_step ran between the saves: the second save's state is not the first's.
+        assert report["reuse"] == [False, True, True]
+        # train_step ran between the saves: the third save's state is not the first's.
         assert not torch.equal(saved["weight"], worker.state_values(rank, WORLD, 1)["weight"])
         assert torch.equal(loaded["weight"], saved["weight"])
         assert torch.equal(loaded["bias"], saved["bias"])
         assert loaded["common"] == saved["common"]
-    for iteration in (100, 200):
+    for iteration in (100, 200, 300):
         assert catalog.is_committed(worker.step_dir(run, iteration), **job.s3)
 
 

@@ -54,8 +54,11 @@ def test_only_manager_names_parse(name):
     assert parse_step(name) is None
 
 
-def test_unpadded_manager_style_names_still_parse():
-    assert parse_step("step-42") == 42
+@pytest.mark.parametrize("name", ["step-42", "step-00042", "step-00000000042"])
+def test_names_the_manager_did_not_write_are_not_its_steps(name):
+    """``step-42`` (another tool's, under the same prefix) would be loaded and pruned as
+    ``step-0000000042`` if it counted as step 42."""
+    assert parse_step(name) is None
 
 
 # -- metrics ----------------------------------------------------------------------------------

@@ -1,0 +1,160 @@
+"""README.md's and docs/cli.md's code, run as written against the embedded server.
+
+Each ``python`` block runs in a fresh interpreter, in order, after a preamble that
+defines only what the text leaves to the reader (the state, a training step) and imports
+nothing for the block; then every ``s3ckpt`` command of the ``sh`` blocks runs as typed
+(``make`` lines are the suite's own). The endpoint the text names
+(``https://flashblade.example.com``, ``https://fb.example.com``, ``endpoint_url=...``) is
+the server's, and its buckets (``bucket``, ``archive``, ``ckpt``) exist there; that is the
+only change made to the text. docs/quickstart.md has its own test (``test_quickstart.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from s3ckpt.testing.local_s3 import LocalS3Server
+
+pytestmark = [pytest.mark.integration]
+
+ROOT = Path(__file__).resolve().parents[2]
+PLACEHOLDERS = ("https://flashblade.example.com", "https://fb.example.com")
+
+# What the text leaves to the reader: a training state with a model in it, a step.
+PREAMBLE = """
+def _left_to_the_reader():
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    return {"model": model.state_dict(), "step": 7}, model
+
+
+state_dict, _model = _left_to_the_reader()
+state = {"model": _model.state_dict()}
+total_steps = 201
+
+
+def train_step(*_):
+    with __import__("torch").no_grad():
+        _model.weight.add_(0.01)
+
+
+del _left_to_the_reader
+"""
+
+# The checkpoints and the file docs/cli.md's Python examples start from (made by its
+# earlier sections' commands there).
+CLI_SETUP = """
+import torch
+import torch.distributed.checkpoint as dcp
+from s3ckpt import S3StorageWriter
+
+for step in (100, 200):
+    state = {"model": {"weight": torch.full((4, 8), float(step))}, "step": step}
+    dcp.save(state, storage_writer=S3StorageWriter(f"s3://ckpt/run1/step-{step}"))
+torch.save({"weight": torch.ones(4, 8)}, "pytorch_model.bin")
+"""
+
+
+def blocks(text: str, language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", text, re.S | re.M)
+
+
+def as_run_here(code: str, endpoint: str) -> str:
+    for placeholder in PLACEHOLDERS:
+        code = code.replace(placeholder, endpoint)
+    return code.replace("endpoint_url=...", f"endpoint_url={endpoint!r}")
+
+
+def s3ckpt_commands(text: str, endpoint: str) -> list[list[str]]:
+    lines = (line for block in blocks(text, "sh") for line in block.splitlines())
+    return [
+        shlex.split(as_run_here(line, endpoint), comments=True)
+        for line in lines
+        if line.startswith("s3ckpt ")
+    ]
+
+
+class Reader:
+    """A reader's shell: the server's ``AWS_*`` environment, a working folder of its own."""
+
+    def __init__(self, server: LocalS3Server, cwd: Path) -> None:
+        self.endpoint = server.endpoint_url
+        self.cwd = cwd
+        self.env = {
+            **os.environ,
+            **server.env(),
+            "AWS_CONFIG_FILE": str(cwd / "none"),
+            "AWS_SHARED_CREDENTIALS_FILE": str(cwd / "none"),
+        }
+
+    def python(self, code: str) -> None:
+        done = subprocess.run(
+            [sys.executable, "-c", as_run_here(code, self.endpoint)],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=self.cwd,
+        )
+        assert done.returncode == 0, f"{code}\n{done.stderr[-3000:]}"
+
+    def s3ckpt(self, *args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "s3ckpt", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=self.cwd,
+        )
+        assert done.returncode == 0, f"s3ckpt {shlex.join(args)}\n{done.stdout}\n{done.stderr}"
+        return done.stdout
+
+
+@pytest.fixture
+def reader(tmp_path: Path):
+    with LocalS3Server(["bucket", "archive", "ckpt"]) as server:
+        yield Reader(server, tmp_path)
+
+
+def test_the_readme_runs_as_written(reader: Reader) -> None:
+    text = (ROOT / "README.md").read_text()
+    code, commands = blocks(text, "python"), s3ckpt_commands(text, reader.endpoint)
+    assert len(code) == 2 and len(commands) == 10
+    for block in code:
+        reader.python(PREAMBLE + block)
+    reader.python("import torch; torch.save({'weight': torch.ones(2, 2)}, 'pytorch_model.bin')")
+    for command in commands:
+        reader.s3ckpt(*command[1:])
+    listed = json.loads(reader.s3ckpt("ls", "s3://bucket/run1", "--json"))
+    steps = [row["name"] for row in listed]
+    assert "step-100" not in steps  # the last command removed it
+    assert "step-0000000100" in steps and "step-0000000200" in steps  # the manager's saves
+    assert (reader.cwd / "hf" / "model.safetensors").exists()
+    shown = json.loads(reader.s3ckpt("show", "s3://archive/run1/step-100", "--json"))
+    assert shown["items"]
+    assert json.loads(reader.s3ckpt("ls", "s3://bucket/imported", "--json"))[0]["name"] == "step-0"
+
+
+def test_the_cli_guides_python_runs_as_written(reader: Reader) -> None:
+    code = blocks((ROOT / "docs" / "cli.md").read_text(), "python")
+    assert len(code) == 2
+    reader.python(CLI_SETUP)
+    for block in code:
+        reader.python(PREAMBLE + block)
+    names = [row["name"] for row in json.loads(reader.s3ckpt("ls", "s3://ckpt/run1", "--json"))]
+    assert names == ["step-200"]  # remove_checkpoint took step-100
+    assert json.loads(reader.s3ckpt("ls", "s3://archive/run1", "--json"))[0]["name"] == "step-200"
+    assert (reader.cwd / "llama-hf" / "model.safetensors").exists()
+    imported = json.loads(reader.s3ckpt("ls", "s3://ckpt/imported", "--json"))
+    assert [row["name"] for row in imported] == ["step-0"]

@@ -27,13 +27,6 @@ SERVERS = ["seaweedfs_s3", "moto_s3"]  # fixture names (tests/conftest.py)
 ON_BOTH = pytest.mark.parametrize("local_s3", SERVERS, indirect=True, ids=["seaweedfs", "moto"])
 
 
-def free_port() -> int:
-    """A loopback port nothing listens on (until someone binds it)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
 def held_port() -> Iterator[int]:
     """A loopback port kept from everyone but a server that binds it with SO_REUSEADDR
@@ -42,7 +35,8 @@ def held_port() -> Iterator[int]:
     The socket stays bound, with SO_REUSEADDR and without listening: the kernel gives the
     port to no other ``bind`` to port 0 and to no outgoing connection, so a server that
     takes seconds to start cannot find it taken (by a second test run's servers, say), and
-    whatever answers on it is that server.
+    whatever answers on it is that server. Until one does, a connection to it is refused:
+    an endpoint nothing can come to answer on, for the tests of one that is unreachable.
     """
     with socket.socket() as holder:
         holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -9,11 +9,8 @@ computes its expectations from the same deterministic state builders.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -21,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
+from s3_servers import held_port
 
 # Tensor-parallel shards of the DTensor checkpoint, by key, when loaded on four ranks.
 RESHARD_DIMS = {"w": 0, "e": 1, "odd": 0, "odd2": 1}
@@ -79,39 +77,18 @@ def server_options(server: Any) -> dict[str, Any]:
     }
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def reserved_port() -> Iterator[int]:
-    """A loopback port for the ranks' rendezvous, kept from everyone else until the block ends.
-
-    A port found free and let go (:func:`free_port`) stays free only by luck until rank 0,
-    seconds later once it has imported torch, binds it: meanwhile any other process (a
-    second test run's servers and ranks, any outgoing connection's local port) may take
-    it, and rank 0 fails with "address already in use". This one stays bound, with
-    SO_REUSEADDR and without listening: the kernel hands it to no other ``bind`` to port 0
-    and to no outgoing connection, while the TCPStore of rank 0, which sets SO_REUSEADDR
-    too, binds and listens on it as if it were free.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
-        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        holder.bind(("127.0.0.1", 0))
-        yield holder.getsockname()[1]
-
-
 def run_ranks(fn: Any, world_size: int, *args: Any, timeout: float = 120.0) -> None:
     """Run ``fn(rank, world_size, port, *args)`` on ``world_size`` spawned processes,
-    ``port`` held for their rendezvous (:func:`reserved_port`).
+    ``port`` held for their rendezvous (:func:`s3_servers.held_port`: a port found free
+    and let go stays free only by luck until rank 0, seconds later once it has imported
+    torch, binds it; the TCPStore of rank 0 sets SO_REUSEADDR, so it binds the held port
+    as if it were free).
 
     Raises (``torch.multiprocessing.ProcessRaisedException`` with the rank's traceback,
     or ``ProcessExitedException``) as soon as one rank fails, after the others are
     killed; raises ``TimeoutError`` if the ranks are not all done after ``timeout`` s.
     """
-    with reserved_port() as port:
+    with held_port() as port:
         context = tmp.start_processes(
             fn,
             args=(world_size, port, *args),

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from faultproxy import FaultProxy
-from s3_servers import free_port
+from s3_servers import held_port
 
 from s3ckpt import ConfigError, EndpointError, S3StorageReader, S3StorageWriter, catalog, unwrap
 from s3ckpt.config import make_config
@@ -233,20 +233,22 @@ def test_the_cli_takes_a_ca_bundle(tls_endpoint, s3_prefix, s3_options, monkeypa
 def test_a_configured_proxy_is_used_by_every_request(s3_prefix, s3_options):
     from s3ckpt.s3.wire import proxied
 
-    proxies = {"http": f"http://127.0.0.1:{free_port()}"}
-    options = {**s3_options, "proxies": proxies, "max_attempts": 1}
-    assert proxied(s3_options["endpoint_url"], proxies)  # so no direct reads either
-    with pytest.raises(EndpointError):
-        S3StorageReader(s3_prefix, **options).read_metadata()
+    with held_port() as port:
+        proxies = {"http": f"http://127.0.0.1:{port}"}
+        options = {**s3_options, "proxies": proxies, "max_attempts": 1}
+        assert proxied(s3_options["endpoint_url"], proxies)  # so no direct reads either
+        with pytest.raises(EndpointError):
+            S3StorageReader(s3_prefix, **options).read_metadata()
 
 
 def test_no_proxy_bypasses_the_environments_proxy(s3_prefix, s3_options, monkeypatch):
-    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{free_port()}")
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
-    _round_trip(s3_prefix, dict(s3_options), direct_reads=True)
-    monkeypatch.delenv("NO_PROXY")
-    with pytest.raises(BaseException) as info:
-        _round_trip(f"{s3_prefix}-2", {**s3_options, "max_attempts": 1}, direct_reads=True)
+    with held_port() as port:
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{port}")
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        _round_trip(s3_prefix, dict(s3_options), direct_reads=True)
+        monkeypatch.delenv("NO_PROXY")
+        with pytest.raises(BaseException) as info:
+            _round_trip(f"{s3_prefix}-2", {**s3_options, "max_attempts": 1}, direct_reads=True)
     assert isinstance(unwrap(info.value), EndpointError)
 
 

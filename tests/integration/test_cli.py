@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from s3_servers import ON_BOTH, free_port
+from s3_servers import ON_BOTH, held_port
 from stored import stored_manifest
 
 from s3ckpt.cli.main import main
@@ -201,7 +201,8 @@ def test_usage_errors_exit_2_with_one_line(cli, argv, message):
 
 
 def test_connection_errors_exit_2(cli, s3_prefix):
-    unreachable = cli("ls", s3_prefix, "--endpoint-url", f"http://127.0.0.1:{free_port()}")
+    with held_port() as port:
+        unreachable = cli("ls", s3_prefix, "--endpoint-url", f"http://127.0.0.1:{port}")
     assert unreachable.code == 2 and "could not connect" in unreachable.err
     missing = cli("show", "s3://no-such-bucket-s3ckpt/x/step-1")
     assert missing.code == 2 and missing.err.startswith("s3ckpt show: error: no such bucket: ")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from s3_servers import free_port
+from s3_servers import held_port
 
 # The environment make test runs DeepSpeed in (inherited by the spawned ranks): its CPU
 # accelerator, and the one op it builds with ninja on first use kept in the environment,
@@ -165,11 +165,11 @@ def test_the_quickstart_block_runs_and_resumes(
 
 @pytest.fixture(scope="module")
 def one_rank_engine() -> Iterator[Any]:
-    port = free_port()
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    with held_port() as port:
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend="gloo")
     model = worker.new_model(0)
     engine, *_ = deepspeed.initialize(

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from s3_servers import free_port
+from s3_servers import held_port
 
 from s3ckpt import (
     AccessDeniedError,
@@ -34,14 +34,15 @@ def _save_error(writer) -> BaseException:
 
 
 def test_an_unreachable_endpoint_fails_within_seconds(s3_options):
-    options = {**s3_options, "endpoint_url": f"http://127.0.0.1:{free_port()}"}
-    started = time.monotonic()
-    error = _save_error(S3StorageWriter("s3://s3ckpt/run/step-1", **options))
-    assert isinstance(error, EndpointError)
-    assert "could not connect" in str(error)
-    with pytest.raises(EndpointError):
-        S3StorageReader("s3://s3ckpt/run/step-1", **options).read_metadata()
-    assert time.monotonic() - started < 30
+    with held_port() as port:
+        options = {**s3_options, "endpoint_url": f"http://127.0.0.1:{port}"}
+        started = time.monotonic()
+        error = _save_error(S3StorageWriter("s3://s3ckpt/run/step-1", **options))
+        assert isinstance(error, EndpointError)
+        assert "could not connect" in str(error)
+        with pytest.raises(EndpointError):
+            S3StorageReader("s3://s3ckpt/run/step-1", **options).read_metadata()
+        assert time.monotonic() - started < 30
 
 
 def test_wrong_credentials_are_access_denied_and_never_echoed(s3_prefix, s3_options):

@@ -34,11 +34,11 @@ import private_names
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _dist_worker import free_port
 from lightning.fabric import Fabric
 from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
+from s3_servers import held_port
 from same_state import assert_same
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -82,10 +82,11 @@ class Ranks:
         self.out.mkdir()
         spec_file = self.out / "spec.json"
         spec_file.write_text(json.dumps({**spec, "out": str(self.out)}))
+        self.rendezvous = contextlib.ExitStack()  # the port held until the ranks are done
         env = {
             **os.environ,
             "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()),
+            "MASTER_PORT": str(self.rendezvous.enter_context(held_port())),
             "NODE_RANK": "0",
             "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)]),
         }
@@ -115,6 +116,8 @@ class Ranks:
             raise AssertionError(
                 f"the ranks did not finish in {timeout} s:\n{self.tail()}"
             ) from None
+        finally:
+            self.rendezvous.close()
         codes = [proc.returncode for proc in self.procs]
         assert codes == [0, 0], f"exit codes {codes}:\n{self.tail()}"
 
@@ -124,6 +127,7 @@ class Ranks:
                 os.killpg(proc.pid, signal.SIGKILL)
         for proc in self.procs:
             proc.wait()
+        self.rendezvous.close()
 
     def tail(self) -> str:
         return "\n".join(log.read_text(errors="replace")[-4000:] for log in self.logs)

@@ -4,6 +4,7 @@ one save in flight with reused staging buffers, failures, metrics, and two gloo 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import _manager_worker as worker
@@ -174,14 +175,27 @@ def test_checkpoints_named_by_others_are_not_its_steps(s3_prefix, s3_options):
     assert sorted(names) == ["step-0000000300", "step-100"]
 
 
-def test_skip_policy_skips_while_uploading(s3_prefix, s3_options):
-    state = {"x": torch.randn(16 * MIB // 4)}
-    with CheckpointManager(s3_prefix, if_busy="skip", **s3_options) as manager:
-        assert manager.save(1, state) is True
-        assert manager.busy
-        assert manager.save(2, state) is False
-        manager.wait()
-        assert manager.save(3, state) is True
+def test_skip_policy_skips_while_uploading(s3_prefix, s3_options, monkeypatch):
+    """The first save's commit is held until the second has been skipped, so that "still
+    uploading" does not depend on how fast the upload is (thread mode: the hold is made
+    in this process)."""
+    uploading = threading.Event()
+    commit = S3StorageWriter.finish
+
+    def held_commit(writer: S3StorageWriter, *args: Any, **kwargs: Any) -> Any:
+        assert uploading.wait(timeout=300), "the test never let the commit go"
+        return commit(writer, *args, **kwargs)
+
+    monkeypatch.setattr(S3StorageWriter, "finish", held_commit)
+    state = {"x": torch.randn(1024)}
+    with CheckpointManager(s3_prefix, if_busy="skip", async_mode="thread", **s3_options) as m:
+        assert m.save(1, state) is True
+        assert m.busy
+        assert m.save(2, state) is False
+        uploading.set()
+        m.wait()
+        assert not m.busy
+        assert m.save(3, state) is True
     with CheckpointManager(s3_prefix, **s3_options) as reader:
         assert reader.steps() == [1, 3]
 

@@ -32,6 +32,7 @@ import _dist_worker as dist_worker
 import _megatron_worker as worker
 import pytest
 import torch
+from s3_servers import held_port
 
 from s3ckpt import catalog
 from s3ckpt.config import S3URI
@@ -266,7 +267,7 @@ def test_sigkill_during_async_save_leaves_nothing_visible(
 ) -> None:
     run = f"{s3_prefix}/gpt"
     s3 = dist_worker.server_options(seaweedfs_s3)
-    with dist_worker.reserved_port() as port:
+    with held_port() as port:
         context = torch.multiprocessing.start_processes(
             worker.crash_main,
             args=(WORLD, port, s3, run, str(tmp_path)),
@@ -278,14 +279,19 @@ def test_sigkill_during_async_save_leaves_nothing_visible(
             uploading = [tmp_path / f"uploading-{r}" for r in range(WORLD)]
             _wait_for([*uploading, *(tmp_path / f"scheduled-{r}" for r in range(WORLD))], 120)
             writers = [int(p.read_text()) for p in uploading]
-            time.sleep(0.5)  # the big tensor's parts are on the wire
+            # The writers hold their second item back, so step 2 cannot commit; kill them
+            # once the store shows what the first (the big tensor) started uploading.
+            step2 = worker.step_dir(run, 2)
+            deadline = time.monotonic() + 120
+            while not keys_under(seaweedfs_s3, step2) + open_uploads(seaweedfs_s3, step2):
+                assert time.monotonic() < deadline, "step 2 never started uploading"
+                time.sleep(0.1)
             for pid in [*writers, *(p.pid for p in context.processes)]:
                 os.kill(pid, signal.SIGKILL)
         finally:
             for process in context.processes:
                 process.kill()
                 process.join(timeout=10)
-    step2 = worker.step_dir(run, 2)
     # Nothing of step 2 is visible: no manifest, the tracker still names step 1.
     assert MANIFEST_NAME not in keys_under(seaweedfs_s3, step2)
     assert not catalog.is_committed(step2, **s3)

@@ -29,7 +29,7 @@ import fsspec.config
 import pytest
 import torch
 import torch.distributed as dist
-from s3_servers import free_port
+from s3_servers import held_port
 
 pytest.importorskip(
     "torchtitan",
@@ -78,9 +78,8 @@ class TrainState(Stateful):
 @pytest.fixture(autouse=True)
 def one_rank_group() -> Iterator[None]:
     """torchtitan's manager asks for the rank; its async mode makes a gloo group."""
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
+    with held_port() as port:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     saved = copy.deepcopy(fsspec.config.conf.get("s3"))
     yield
     dist.destroy_process_group()
@@ -378,20 +377,23 @@ def test_a_trainer_killed_during_an_async_save_resumes_from_the_step_before(
         "import sys; sys.path.insert(0, sys.argv[1]); import _torchtitan_worker as w; "
         "w.killed_async_save_main(sys.argv[2], sys.argv[3])"
     )
-    env = {**os.environ, "PORT": str(free_port()), "ENDPOINT": local_s3.endpoint_url,
-           "REGION": local_s3.region}  # fmt: skip
     here = str(Path(__file__).parent)
-    child = subprocess.Popen([sys.executable, "-c", code, here, s3_prefix, str(tmp_path)], env=env)
-    try:
-        deadline = time.monotonic() + 180
-        while not (tmp_path / "uploaded").exists():
-            assert child.poll() is None, f"the trainer exited ({child.returncode}) before the kill"
-            assert time.monotonic() < deadline, "step 4's save never finished uploading"
-            time.sleep(0.1)
-        child.send_signal(signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait()
+    with held_port() as port:  # the child's rendezvous
+        env = {**os.environ, "PORT": str(port), "ENDPOINT": local_s3.endpoint_url,
+               "REGION": local_s3.region}  # fmt: skip
+        child = subprocess.Popen(
+            [sys.executable, "-c", code, here, s3_prefix, str(tmp_path)], env=env
+        )
+        try:
+            deadline = time.monotonic() + 180
+            while not (tmp_path / "uploaded").exists():
+                assert child.poll() is None, f"the trainer exited ({child.returncode}) early"
+                assert time.monotonic() < deadline, "step 4's save never finished uploading"
+                time.sleep(0.1)
+            child.send_signal(signal.SIGKILL)
+        finally:
+            child.kill()
+            child.wait()
     bucket, prefix = s3_prefix[len("s3://") :].split("/", 1)
     client = local_s3.client()
     left = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/step-4/").get("Contents", [])

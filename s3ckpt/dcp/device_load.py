@@ -1,9 +1,7 @@
 """Loads into device memory: every byte passes through a few pinned host slabs.
 
-The network writes only into host memory. Before, a load into CUDA tensors gave every
-item a host scratch buffer of its own, allocated up front (the rank's whole state in host
-memory, pageable), and copied each one to the device only once the whole item had
-arrived. Now an item whose destination is in device memory
+The network writes only into host memory, and a load into CUDA tensors must not hold the
+rank's whole state there: an item whose destination is in device memory
 (:func:`~s3ckpt.dcp.restore.through_slabs`) is cut into block-aligned pieces of at most
 one slab. Each piece is received into a free slab (page-locked where CUDA is available,
 so the copy to the device is an asynchronous DMA), its block CRC32Cs are checked as it

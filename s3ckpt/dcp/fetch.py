@@ -24,10 +24,11 @@ import queue
 from collections.abc import Callable
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import wait as futures_wait
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
+from s3ckpt.config import S3URI
 from s3ckpt.dcp import device_load
 from s3ckpt.dcp.compat import LoadPlanner
 from s3ckpt.dcp.device_load import DeviceFeed, Piece
@@ -40,10 +41,8 @@ from s3ckpt.dcp.restore import (
     verify_streamed,
 )
 from s3ckpt.errors import CorruptCheckpointError
+from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer.download import REREADS, RangeReader, ReadTarget
-
-if TYPE_CHECKING:
-    from s3ckpt.dcp.reader import S3StorageReader
 
 INLINE_DECODE_BYTES = 64 * 1024
 # Compressed frames received but not yet decoded, at most (see download.RangeReader).
@@ -53,11 +52,30 @@ log = logging.getLogger(__name__)
 Checked = tuple[PendingRead, CorruptCheckpointError | None]
 
 
-class ItemFetch:
-    """The fetch of one ``read_data`` of ``reader``."""
+Prepare = Callable[..., PendingRead]
+"""``prepare(request, planner, *, stage=...)``: a read request's destination and checks."""
 
-    def __init__(self, reader: S3StorageReader) -> None:
-        self.reader = reader
+
+@dataclass(frozen=True)
+class ReadSource:
+    """What a load's fetches take from their reader, which builds it for each
+    ``read_data`` and hands it down (:class:`~s3ckpt.dcp.reader.S3StorageReader`'s
+    options, its store and location, and how it prepares an item)."""
+
+    store: ObjectStore
+    location: S3URI
+    request_size: int
+    bounce_bytes: int
+    decode_threads: int
+    trust_pickles: bool
+    prepare: Prepare
+
+
+class ItemFetch:
+    """The fetch of one ``read_data`` from ``source``."""
+
+    def __init__(self, source: ReadSource) -> None:
+        self.source = source
 
     def run(
         self,
@@ -82,7 +100,7 @@ class ItemFetch:
                 targets.append(self._target(p, frames, ranges))
         decoded: queue.SimpleQueue[ThreadFuture[Checked]] = queue.SimpleQueue()
         submitted: list[ThreadFuture[Checked]] = []
-        pool = decode_pool(self.reader.decode_threads)
+        pool = decode_pool(self.source.decode_threads)
         kept: dict[int, PendingRead] = {}
 
         def settle(checked: Checked) -> None:
@@ -92,7 +110,7 @@ class ItemFetch:
                     kept_hook(item)
                 kept[id(checked[0])] = item
             else:
-                hand_to_planner(item, planner, trust_pickles=self.reader.trust_pickles)
+                hand_to_planner(item, planner, trust_pickles=self.source.trust_pickles)
 
         handed_over = 0
         idle = None if feed is None else functools.partial(feed.give_back_copied, wait=True)
@@ -124,24 +142,24 @@ class ItemFetch:
         return kept
 
     def _slabs(self, staged: list[PendingRead]) -> device_load.Slabs:
-        size = device_load.slab_size(staged, self.reader.request_size)
-        return device_load.checkout(size, self.reader.bounce_bytes, torch.cuda.is_available())
+        size = device_load.slab_size(staged, self.source.request_size)
+        return device_load.checkout(size, self.source.bounce_bytes, torch.cuda.is_available())
 
     def _range_reader(self, budget: int | None = None) -> RangeReader:
-        request_size = self.reader.request_size
+        request_size = self.source.request_size
         return RangeReader(
-            self.reader._store(),
+            self.source.store,
             max_request_size=request_size,
             lazy_budget=budget or max(FRAMES_BUDGET, 4 * request_size),
         )
 
     def _reread(self, target: ReadTarget) -> None:
         """Fetch one target again, on fresh connections (a piece whose bytes were damaged)."""
-        reader = self.reader
-        RangeReader(reader._store(), max_request_size=reader.request_size).fetch_again([target])
+        source = self.source
+        RangeReader(source.store, max_request_size=source.request_size).fetch_again([target])
 
     def _key(self, item: PendingRead) -> str:
-        return self.reader._require_location().key(item.stored.key)
+        return self.source.location.key(item.stored.key)
 
     def _target(self, item: PendingRead, frames: FramePool, ranges: RangeReader) -> ReadTarget:
         return ReadTarget(
@@ -170,7 +188,7 @@ class ItemFetch:
         for attempt in range(1, REREADS + 1):
             log.warning("%s; reading it again (%d of %d)", damage, attempt, REREADS)
             # Staged items are read again piece by piece (DeviceFeed): this one was not.
-            fresh = self.reader._prepare(item.request, planner, stage=False)
+            fresh = self.source.prepare(item.request, planner, stage=False)
             ranges = self._range_reader()
             ranges.fetch_again([self._target(fresh, FramePool(), ranges)])
             fresh, again = _checked(fresh)

@@ -14,15 +14,16 @@ import dataclasses
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from s3ckpt.config import S3URI
 from s3ckpt.dcp.compat import SavePlanner, WriteItem, WriteItemType, WriteResult, item_nbytes
 from s3ckpt.dcp.save_identity import RankAssignment
 from s3ckpt.dcp.tensor_bytes import as_cpu_contiguous, tensor_view
 from s3ckpt.errors import ConfigError, S3CkptError
-from s3ckpt.format.compression import RAW, Encoded, encode_raw, encode_stream
+from s3ckpt.format.compression import RAW, Compression, Encoded, encode_raw, encode_stream
 from s3ckpt.format.layout import StoredItem, data_key, index_key
 from s3ckpt.format.manifest import IndexRef, ItemEntry, ObjectEntry
 from s3ckpt.format.rank_index import RankIndex
@@ -32,18 +33,26 @@ from s3ckpt.transfer.parts import MAX_OBJECT_SIZE
 from s3ckpt.transfer.rank_index import write_index
 from s3ckpt.transfer.upload import Item, Placement, RankUploader, UploadedObject
 
-if TYPE_CHECKING:
-    from s3ckpt.dcp.writer import S3StorageWriter
-
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankTarget:
+    """Where and how a rank's items are stored: what the writer hands its rank's save."""
+
+    store: ObjectStore
+    location: S3URI
+    spread_prefixes: int
+    max_object_size: int
+    compression: Compression | None
 
 
 class RankSave:
     """One rank's ``write_data``: stream items (compressed if asked) into the uploader,
     then describe where each went."""
 
-    def __init__(self, writer: S3StorageWriter, assignment: RankAssignment) -> None:
-        self.writer = writer
+    def __init__(self, target: RankTarget, assignment: RankAssignment) -> None:
+        self.target = target
         self.assignment = assignment
         self.encoded: dict[Any, Encoded] = {}
 
@@ -51,24 +60,24 @@ class RankSave:
         _refuse_oversized(items)
         if not items:  # nothing stored, no index: the manifest lists ranks that stored items
             return []
-        writer, rank, save_id = self.writer, self.assignment.rank, self.assignment.save_id
-        store, location = writer._store(), writer._require_location()
+        target, rank, save_id = self.target, self.assignment.rank, self.assignment.save_id
+        store, location, spread = target.store, target.location, target.spread_prefixes
         uploader = RankUploader(
             store,
-            lambda n: location.key(data_key(rank, save_id, n, writer.spread_prefixes)),
-            max_object_size=writer.max_object_size,
+            lambda n: location.key(data_key(rank, save_id, n, spread)),
+            max_object_size=target.max_object_size,
             size_hint=sum(item_nbytes(i) for i in items if i.type != WriteItemType.BYTE_IO)
             + (64 << 20),
-            in_flight=writer.compression.max_ahead if writer.compression else None,
+            in_flight=target.compression.max_ahead if target.compression else None,
         )
         placements, uploaded = uploader.upload(self._stream(items, planner))
         entries = [self._entry(item, placements[item.index], uploaded) for item in items]
         objects = tuple(
-            ObjectEntry(data_key(rank, save_id, n, writer.spread_prefixes), o.size, o.etag, rank)
+            ObjectEntry(data_key(rank, save_id, n, spread), o.size, o.etag, rank)
             for n, o in enumerate(uploaded)
         )
         index = RankIndex(save_id, rank, tuple(entries))
-        key = index_key(rank, save_id, writer.spread_prefixes)
+        key = index_key(rank, save_id, spread)
         try:
             ref = io_loop().run(write_index(store, location, key, index))
         except BaseException:
@@ -85,10 +94,10 @@ class RankSave:
         self, item: WriteItem, placed: Placement, uploaded: list[UploadedObject]
     ) -> ItemEntry:
         """The item's line in the rank's index: where it went and how to check it."""
-        writer, rank, save_id = self.writer, self.assignment.rank, self.assignment.save_id
+        rank, save_id = self.assignment.rank, self.assignment.save_id
         encoded = self.encoded[item.index]
         stored = StoredItem(
-            key=data_key(rank, save_id, placed.object, writer.spread_prefixes),
+            key=data_key(rank, save_id, placed.object, self.target.spread_prefixes),
             offset=placed.offset,
             length=placed.length,
             crc32c=encoded.crc32c,
@@ -111,7 +120,7 @@ class RankSave:
         """``(index, stored bytes, their block CRC32Cs)`` in plan order, each item resolved
         only when needed (the CRCs are of raw bytes, so compressed items go without)."""
         raw = ((item, _item_bytes(item, planner), _grouping(item)) for item in items)
-        options = self.writer.compression
+        options = self.target.compression
         encoded: Iterator[tuple[WriteItem, Encoded]] = (
             encode_stream(raw, options)
             if options

@@ -58,7 +58,7 @@ from s3ckpt.dcp.compat import (
     chunk_shapes,
     remember_metadata_failure,
 )
-from s3ckpt.dcp.fetch import ItemFetch
+from s3ckpt.dcp.fetch import ItemFetch, ReadSource
 from s3ckpt.dcp.location import S3Location
 from s3ckpt.dcp.overwrites import (
     LoadAgreement,
@@ -246,20 +246,23 @@ class S3StorageReader(S3Location, StorageReader):
     def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         group = shared_reads(self.process_group)
         if isinstance(group, GroupBroadcast):
-            SharedRead(self, group).run(plan, planner)
+            SharedRead(self._source(), self._locate, group).run(plan, planner)
             return
         self._locate(plan)
-        self._fetch([self._prepare(request, planner) for request in plan.items], planner)
+        pending = [self._prepare(request, planner) for request in plan.items]
+        ItemFetch(self._source()).run(pending, planner)
 
-    def _fetch(
-        self,
-        pending: list[PendingRead],
-        planner: LoadPlanner,
-        keep: frozenset[int] = frozenset(),
-        kept_hook: Callable[[PendingRead], None] | None = None,
-    ) -> dict[int, PendingRead]:
-        """Fetch, verify and hand over every item (:class:`~s3ckpt.dcp.fetch.ItemFetch`)."""
-        return ItemFetch(self).run(pending, planner, keep, kept_hook)
+    def _source(self) -> ReadSource:
+        """What the fetches of a ``read_data`` take from this reader."""
+        return ReadSource(
+            self._store(),
+            self._require_location(),
+            self.request_size,
+            self.bounce_bytes,
+            self.decode_threads,
+            self.trust_pickles,
+            self._prepare,
+        )
 
     def _check_agreement(self, agreed: LoadAgreement | None) -> None:
         check_agreement(self.location, self._manifest().save_id, agreed)
@@ -298,10 +301,6 @@ class S3StorageReader(S3Location, StorageReader):
 
     async def _fetch_metadata(self, location: S3URI) -> tuple[Manifest, bytes]:
         return await metadata_read.fetch_metadata(self._store(), location)
-
-    @staticmethod
-    async def _read_manifest(store: ObjectStore, location: S3URI) -> Manifest:
-        return await metadata_read.committed_manifest(store, location)
 
     def _prepare(
         self,

@@ -36,19 +36,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from s3ckpt.dcp import device_load, device_share
 from s3ckpt.dcp.compat import LoadPlan, LoadPlanner
+from s3ckpt.dcp.fetch import ItemFetch, ReadSource
 from s3ckpt.dcp.process_group import Carry, GroupBroadcast, Transfer, portable
 from s3ckpt.dcp.restore import PendingRead, hand_to_planner
 from s3ckpt.format.checksums import verify_blocks
 from s3ckpt.transfer.shares import SharePlan, Span, plan_shares
-
-if TYPE_CHECKING:
-    from s3ckpt.dcp.reader import S3StorageReader
 
 # How a range travels: ("host", "cpu"), or ("device", the destination's device type).
 Route = tuple[str, str]
@@ -90,11 +88,18 @@ class Routed:
         return sends, receives
 
 
-class SharedRead:
-    """One ``read_data`` of a rank whose reader was given a process group."""
+Locate = Callable[[LoadPlan], None]
+"""Find where every item of a plan is stored (the reader's; it may fail, and every rank
+must then learn it)."""
 
-    def __init__(self, reader: S3StorageReader, group: GroupBroadcast) -> None:
-        self.reader = reader
+
+class SharedRead:
+    """One ``read_data`` of a rank whose reader was given a process group: ``locate`` and
+    ``source`` come from the reader."""
+
+    def __init__(self, source: ReadSource, locate: Locate, group: GroupBroadcast) -> None:
+        self.source = source
+        self.locate = locate
         self.group = group
         self.rank = group.rank
 
@@ -102,9 +107,9 @@ class SharedRead:
         pending: list[PendingRead] = []
         primaries: dict[Route, dict[Span, PendingRead]] = {}
         try:
-            self.reader._locate(plan)
+            self.locate(plan)
             pending = [
-                self.reader._prepare(request, planner, stage=self._in_device)
+                self.source.prepare(request, planner, stage=self._in_device)
                 for request in plan.items
             ]
             primaries = _primaries(pending, self._route)
@@ -118,7 +123,7 @@ class SharedRead:
         _raise_first(failure, [o[1] for o in gathered if o[0] == "failed"])
         routes = _routes([o[1] for o in gathered], primaries)
         if not any(routed.plan.shared for routed in routes):
-            self.reader._fetch(pending, planner)
+            ItemFetch(self.source).run(pending, planner)
             return
         self._share(routes, pending, planner)
 
@@ -145,7 +150,8 @@ class SharedRead:
         kept: dict[int, PendingRead] = {}
         try:
             here = [p for p in pending if id(p) not in received]
-            kept = self.reader._fetch(here, planner, keep=owned, kept_hook=self._onto_carrier)
+            fetch = ItemFetch(self.source)
+            kept = fetch.run(here, planner, keep=owned, kept_hook=self._onto_carrier)
             for routed, item, _ in receiving:  # room for what arrives, before anyone sends
                 if routed.in_device:
                     device_share.receive_into(item)
@@ -159,7 +165,7 @@ class SharedRead:
             if routed.in_device and routed.plan.shared:
                 self.group.ready(routed.route[1])  # every rank, before any device transfer
         self.group.exchange([routed.transfers(rank, kept) for routed in routes])
-        trust = self.reader.trust_pickles
+        trust = self.source.trust_pickles
         for item in kept.values():
             hand_to_planner(item, planner, trust_pickles=trust)
         self._check([(item, owner) for r, item, owner in receiving if not r.in_device], False)
@@ -187,8 +193,8 @@ class SharedRead:
             return
         if not received:
             return
-        size = device_load.slab_size([item for item, _ in received], self.reader.request_size)
-        slabs = device_load.checkout(size, self.reader.bounce_bytes, torch.cuda.is_available())
+        size = device_load.slab_size([item for item, _ in received], self.source.request_size)
+        slabs = device_load.checkout(size, self.source.bounce_bytes, torch.cuda.is_available())
         try:
             device_share.check_received(received, slabs)
         finally:

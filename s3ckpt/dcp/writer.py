@@ -19,10 +19,10 @@ Lifecycle of a save (the order DCP calls in, see ``torch.distributed.checkpoint.
    :class:`~s3ckpt.format.layout.StoredItem`, its object, offset, length and block
    CRC32Cs. A failure aborts and deletes everything the rank uploaded.
 5. ``finish(metadata, results)`` (coordinator): records in DCP's metadata which rank
-   stored each chunk, checks that the metadata loads as a default load reads it, writes
-   it, checks that every object of the save is there, then
-   writes the manifest (:mod:`s3ckpt.transfer.commit`): the commit. Before it, the
-   checkpoint does not exist.
+   stored each chunk; refreshes the in-flight record and checks that every object of the
+   save is there while a worker thread checks that the metadata loads as a default load
+   reads it; writes the metadata object, then the manifest
+   (:mod:`s3ckpt.transfer.commit`): the commit. Before it, the checkpoint does not exist.
 
 The writer holds only its configuration and location, so it pickles (process-mode
 ``async_save``) and works after ``fork``.
@@ -53,7 +53,7 @@ from s3ckpt.dcp.compat import (
 )
 from s3ckpt.dcp.location import S3Location
 from s3ckpt.dcp.owners import ChunkPositions
-from s3ckpt.dcp.rank_save import RankRecord, RankSave, rank_name
+from s3ckpt.dcp.rank_save import RankRecord, RankSave, RankTarget, rank_name
 from s3ckpt.dcp.save_identity import RankAssignment, claim
 from s3ckpt.errors import CheckpointExistsError, ConfigError, S3CkptError
 from s3ckpt.format.compression import Compression
@@ -187,7 +187,10 @@ class S3StorageWriter(S3Location, StorageWriter):
         store, location = self._store(), self._require_location()
         try:
             with Heartbeat(store, location, assignment.save_id):
-                results = RankSave(self, assignment).run(plan.items, planner)
+                target = RankTarget(
+                    store, location, self.spread_prefixes, self.max_object_size, self.compression
+                )
+                results = RankSave(target, assignment).run(plan.items, planner)
         except BaseException:
             # The save cannot commit now: nothing of it is in flight any more.
             io_loop().run(clear_in_flight(store, location, assignment.save_id))

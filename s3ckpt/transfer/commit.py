@@ -70,10 +70,12 @@ async def confirm_objects(store: ObjectStore, location: S3URI, sizes: dict[str, 
     committing would publish a checkpoint that cannot load. ``data/`` and ``index/`` are
     listed side by side: at thousands of ranks each is several pages.
     """
-    folders = sorted({key.split("/", 1)[0] + "/" for key in sizes if "/" in key})
+    folders: list[str | None] = sorted({key.split("/", 1)[0] + "/" for key in sizes if "/" in key})
+    if any("/" not in key for key in sizes):  # objects at the checkpoint's own level
+        folders.insert(0, None)
 
     async def listed(folder: str | None) -> dict[str, int]:
-        if folder is None:  # the checkpoint's own level: its metadata object
+        if folder is None:
             return {
                 m.key: m.size
                 async for m in store.list_level(location.key(""))
@@ -82,7 +84,7 @@ async def confirm_objects(store: ObjectStore, location: S3URI, sizes: dict[str, 
         return {m.key: m.size async for m in store.list(location.key(folder))}
 
     found: dict[str, int] = {}
-    for part in await bounded([lambda f=f: listed(f) for f in [None, *folders]]):
+    for part in await bounded([lambda f=f: listed(f) for f in folders]):
         found.update(part)
     wrong = [
         f"{key} ({'missing' if location.key(key) not in found else 'wrong size'})"

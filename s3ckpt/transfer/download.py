@@ -61,7 +61,8 @@ class ReadTarget:
     allocate: Callable[[], memoryview] | None = None
     reserve: int | None = None
     remaining: int = field(init=False)
-    # Requests that split a target deliver its bytes from several worker threads at once.
+    # Requests that split a target land its bytes interleaved; the lock keeps its lazy
+    # allocation and its count of bytes still to come whole, whatever thread calls.
     lock: threading.RLock = field(init=False, repr=False, default_factory=threading.RLock)
 
     def __post_init__(self) -> None:

@@ -53,9 +53,6 @@ class SharePlan:
             if rank in self.receivers[span]
         ]
 
-    def bytes_fetched(self, rank: int) -> int:
-        return sum(self.fetched_by(rank).values())
-
 
 def plan_shares(needs: Sequence[Sequence[Span]], first_tag: int = 0) -> SharePlan:
     """The plan for ranks whose needs are ``needs[rank]`` (ranges, each listed once), its

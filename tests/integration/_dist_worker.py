@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
-from s3_servers import held_port
 
 # Tensor-parallel shards of the DTensor checkpoint, by key, when loaded on four ranks.
 RESHARD_DIMS = {"w": 0, "e": 1, "odd": 0, "odd2": 1}
@@ -88,6 +87,8 @@ def run_ranks(fn: Any, world_size: int, *args: Any, timeout: float = 120.0) -> N
     or ``ProcessExitedException``) as soon as one rank fails, after the others are
     killed; raises ``TimeoutError`` if the ranks are not all done after ``timeout`` s.
     """
+    from s3_servers import held_port  # parent side only: ranks run without tests/ on sys.path
+
     with held_port() as port:
         context = tmp.start_processes(
             fn,

@@ -2,9 +2,9 @@
 
 The transport receives a response body straight into the memory :meth:`RangeSink.buffer`
 returns (usually the destination tensor), so each byte is copied once, by the kernel (or
-by OpenSSL as it decrypts). A sink is called from the worker thread that receives its
-response: one response's calls come in offset order from one thread; a sink whose state
-is shared by several responses (a read target split over requests) must be thread-safe.
+by OpenSSL as it decrypts). A sink is called on the event loop's thread as its response
+arrives, one response's calls in offset order; a sink shared by several responses (a read
+target split over requests) sees their calls interleaved.
 """
 
 from __future__ import annotations

@@ -7,10 +7,12 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import _cli_runner
 import pytest
 
 from s3ckpt import S3StorageReader, S3StorageWriter
-from s3ckpt.config import S3URI
+from s3ckpt.config import S3URI, make_config
+from s3ckpt.s3.store import ObjectStore
 from s3ckpt.testing.local_s3 import LocalS3Server
 
 
@@ -94,3 +96,16 @@ def fsspec_defaults() -> Iterator[None]:
         fsspec.config.conf.pop("s3", None)
     else:
         fsspec.config.conf["s3"] = saved
+
+
+@pytest.fixture
+def cli(local_s3, monkeypatch, capsys, tmp_path):
+    """The ``s3ckpt`` command, run in this process against the local server
+    (:func:`_cli_runner.runner`); ``test_cli.py`` has one of its own."""
+    return _cli_runner.runner(local_s3, monkeypatch, capsys, tmp_path)
+
+
+@pytest.fixture
+def store(s3_options, local_s3) -> ObjectStore:
+    """An ``ObjectStore`` on the local server's bucket."""
+    return ObjectStore(make_config(None, **s3_options), local_s3.bucket)

@@ -16,6 +16,7 @@ import _dist_worker as worker
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _dist_worker import server_options
 from botocore.exceptions import ClientError
 from s3_servers import ON_BOTH
 from torch.distributed.checkpoint.api import CheckpointException
@@ -35,15 +36,6 @@ pytestmark = [
 
 MIB = 1 << 20
 MISSING_BUCKET = "no-such-bucket-xyz"
-
-
-def s3_options(server: LocalS3Server) -> dict[str, Any]:
-    return {
-        "endpoint_url": server.endpoint_url,
-        "access_key_id": server.access_key,
-        "secret_access_key": server.secret_key,
-        "region": server.region,
-    }
 
 
 def make_state(seed: int) -> dict[str, Any]:
@@ -76,7 +68,7 @@ def mutate(state: dict[str, Any]) -> None:
 
 def load(server: LocalS3Server, uri: str, like: dict[str, Any]) -> dict[str, Any]:
     target = _garbage(like)
-    dcp.load(target, storage_reader=S3StorageReader(uri, **s3_options(server)))
+    dcp.load(target, storage_reader=S3StorageReader(uri, **server_options(server)))
     return target
 
 
@@ -121,7 +113,7 @@ def leftovers(server: LocalS3Server, uri: str) -> tuple[list[str], list[str]]:
 def test_thread_mode_async_save_round_trip(local_s3: LocalS3Server, s3_prefix: str) -> None:
     state = make_state(1)
     future = dcp.async_save(
-        state, storage_writer=S3StorageWriter(s3_prefix, **s3_options(local_s3))
+        state, storage_writer=S3StorageWriter(s3_prefix, **server_options(local_s3))
     )
     assert isinstance(future, Future)
     metadata = future.result(timeout=60)
@@ -134,7 +126,7 @@ def test_caller_is_blocked_only_for_staging(local_s3: LocalS3Server, s3_prefix: 
     state = make_state(2)
     original = snapshot(state)
     future = dcp.async_save(
-        state, storage_writer=S3StorageWriter(s3_prefix, **s3_options(local_s3))
+        state, storage_writer=S3StorageWriter(s3_prefix, **server_options(local_s3))
     )
     mutate(state)  # right away, while the upload may still be running
     future.result(timeout=60)
@@ -157,7 +149,7 @@ def test_default_stager_with_async_staging(local_s3: LocalS3Server, s3_prefix: s
     try:
         response = dcp.async_save(
             state,
-            storage_writer=S3StorageWriter(s3_prefix, **s3_options(local_s3)),
+            storage_writer=S3StorageWriter(s3_prefix, **server_options(local_s3)),
             async_stager=stager,
         )
         assert isinstance(response, AsyncSaveResponse)
@@ -177,7 +169,7 @@ def test_process_mode_async_save(local_s3: LocalS3Server, s3_prefix: str, tmp_pa
         "missing_bucket": f"s3://{MISSING_BUCKET}/run/step-1",
     }
     worker.run_ranks(
-        worker.process_mode_main, 1, s3_options(local_s3), uris, str(tmp_path), timeout=200
+        worker.process_mode_main, 1, server_options(local_s3), uris, str(tmp_path), timeout=200
     )
     report = torch.load(tmp_path / "rank0.pt", weights_only=True)
 
@@ -205,7 +197,7 @@ def test_failed_save_raises_through_the_future(local_s3: LocalS3Server) -> None:
     """A missing bucket fails the background save; the caller gets the s3ckpt error."""
     uri = f"s3://{MISSING_BUCKET}/run/step-1"
     future = dcp.async_save(
-        make_state(4), storage_writer=S3StorageWriter(uri, **s3_options(local_s3))
+        make_state(4), storage_writer=S3StorageWriter(uri, **server_options(local_s3))
     )
     with pytest.raises(CheckpointException) as raised:
         future.result(timeout=60)
@@ -255,7 +247,7 @@ def test_failed_upload_leaves_nothing_behind(local_s3: LocalS3Server, s3_prefix:
         "tail": torch.ones(1024),
     }
     writer = S3StorageWriter(
-        s3_prefix, part_size=5 * MIB, max_object_size=6 * MIB, **s3_options(local_s3)
+        s3_prefix, part_size=5 * MIB, max_object_size=6 * MIB, **server_options(local_s3)
     )
     planner = _FailingPlanner(local_s3, s3_prefix)
     future = dcp.async_save(state, storage_writer=writer, planner=planner)
@@ -278,7 +270,7 @@ def test_two_async_saves_in_flight(local_s3: LocalS3Server, s3_prefix: str) -> N
     first, second = make_state(5), make_state(6)
     uris = [f"{s3_prefix}/step-5", f"{s3_prefix}/step-6"]
     futures = [
-        dcp.async_save(state, storage_writer=S3StorageWriter(uri, **s3_options(local_s3)))
+        dcp.async_save(state, storage_writer=S3StorageWriter(uri, **server_options(local_s3)))
         for state, uri in zip([first, second], uris, strict=True)
     ]
     metadata = [f.result(timeout=60) for f in futures]
@@ -292,7 +284,7 @@ def test_one_writer_reused_for_consecutive_checkpoint_ids(
     local_s3: LocalS3Server, s3_prefix: str
 ) -> None:
     """``checkpoint_id=`` re-points the same writer instance; each save gets its own save id."""
-    writer = S3StorageWriter(**s3_options(local_s3))  # no location: each save names one
+    writer = S3StorageWriter(**server_options(local_s3))  # no location: each save names one
     states = {f"{s3_prefix}/step-{i}": make_state(10 + i) for i in range(2)}
     save_ids = []
     for uri, state in states.items():

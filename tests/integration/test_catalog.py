@@ -91,11 +91,6 @@ def opts(s3_options):
     return {"config": make_config(None, **s3_options)}
 
 
-@pytest.fixture
-def store(s3_options, local_s3) -> ObjectStore:
-    return ObjectStore(make_config(None, **s3_options), local_s3.bucket)
-
-
 def test_list_orders_naturally_and_marks_uncommitted_saves(
     s3_prefix, make_writer, opts, monkeypatch
 ):

@@ -6,10 +6,10 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-import _cli_runner
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _dist_worker import server_options
 from s3_servers import MotoS3Server
 
 from s3ckpt import S3StorageReader, S3StorageWriter
@@ -23,15 +23,6 @@ pytestmark = [
     pytest.mark.integration,
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
 ]
-
-
-def options_of(server: Any) -> dict[str, Any]:
-    return {
-        "endpoint_url": server.endpoint_url,
-        "access_key_id": server.access_key,
-        "secret_access_key": server.secret_key,
-        "region": server.region,
-    }
 
 
 def state() -> dict[str, Any]:
@@ -73,20 +64,15 @@ def parts_of_largest(server: Any, uri: str) -> str:
 def assert_loads(uri: str, server: Any) -> None:
     expected = state()
     loaded = {"w": torch.zeros_like(expected["w"]), "e": torch.zeros_like(expected["e"]), "step": 0}
-    dcp.load(loaded, storage_reader=S3StorageReader(uri, **options_of(server)))
+    dcp.load(loaded, storage_reader=S3StorageReader(uri, **server_options(server)))
     assert torch.equal(loaded["w"], expected["w"]) and torch.equal(loaded["e"], expected["e"])
     assert loaded["step"] == 42
 
 
 @pytest.fixture
-def cli(local_s3, monkeypatch, capsys, tmp_path):
-    return _cli_runner.runner(local_s3, monkeypatch, capsys, tmp_path)
-
-
-@pytest.fixture
 def source(seaweedfs_s3: LocalS3Server) -> str:
     uri = f"s3://{seaweedfs_s3.bucket}/test_copy-{secrets.token_hex(4)}/run/step-42"
-    dcp.save(state(), storage_writer=S3StorageWriter(uri, **options_of(seaweedfs_s3)))
+    dcp.save(state(), storage_writer=S3StorageWriter(uri, **server_options(seaweedfs_s3)))
     return uri
 
 
@@ -113,7 +99,11 @@ def test_across_buckets_and_objects_over_the_copy_limit(
     seaweedfs_s3.client().create_bucket(Bucket=bucket)
     destination = f"s3://{bucket}/imported/step-42"
     report = copy_checkpoint(
-        source, destination, copy_object_limit=1, part_size=5 * 2**20, **options_of(seaweedfs_s3)
+        source,
+        destination,
+        copy_object_limit=1,
+        part_size=5 * 2**20,
+        **server_options(seaweedfs_s3),
     )
     assert report.server_side
     assert parts_of_largest(seaweedfs_s3, destination).endswith('-3"')  # 5 + 5 + 2 MiB
@@ -142,8 +132,8 @@ def test_across_endpoints_in_parts(
         source,
         destination,
         part_size=5 * 2**20,
-        destination_config=S3Config(**options_of(moto_s3)),
-        **options_of(seaweedfs_s3),
+        destination_config=S3Config(**server_options(moto_s3)),
+        **server_options(seaweedfs_s3),
     )
     assert not report.server_side and report.verified_bytes >= 12 * 2**20
     assert parts_of_largest(moto_s3, destination).endswith('-3"')  # 5 + 5 + 2 MiB
@@ -155,7 +145,7 @@ def test_overwrite(cli, source: str, seaweedfs_s3: LocalS3Server) -> None:
     destination = source.replace("/run/", "/other/")
     dcp.save(
         {"x": torch.ones(3)},
-        storage_writer=S3StorageWriter(destination, **options_of(seaweedfs_s3)),
+        storage_writer=S3StorageWriter(destination, **server_options(seaweedfs_s3)),
     )
     refused = cli("cp", source, destination)
     assert refused.code == 1
@@ -190,7 +180,7 @@ def test_damaged_source_fails_verification_and_leaves_nothing(
     with pytest.raises(
         CorruptCheckpointError, match=r"failed verification .* nothing was committed"
     ):
-        copy_checkpoint(source, destination, **options_of(seaweedfs_s3))
+        copy_checkpoint(source, destination, **server_options(seaweedfs_s3))
     assert keys(seaweedfs_s3, destination) == {}
 
 
@@ -210,7 +200,7 @@ def test_in_flight_record_while_copying(
         await real(store, location, manifest, overwrite=overwrite)
 
     monkeypatch.setattr(copy_module, "commit_manifest", watching)
-    copy_checkpoint(source, destination, **options_of(seaweedfs_s3))
+    copy_checkpoint(source, destination, **server_options(seaweedfs_s3))
     assert any(k.startswith(".s3ckpt-saving-") for k in seen[0])
     assert MANIFEST_NAME not in seen[0]
     assert not any(k.startswith(".s3ckpt-saving-") for k in keys(seaweedfs_s3, destination))

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _dist_worker import server_options
 
 from s3ckpt import S3StorageReader
 from s3ckpt.format.manifest import MANIFEST_NAME
@@ -38,10 +39,6 @@ class Job:
     reports: list[dict[str, Any]]
 
 
-def s3_options(server: LocalS3Server) -> dict[str, Any]:
-    return worker.server_options(server)
-
-
 def load_reports(out_dir: Path, world_size: int) -> list[dict[str, Any]]:
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
 
@@ -57,7 +54,7 @@ def two_rank_job(
 ) -> Job:
     out = tmp_path_factory.mktemp("ranks2")
     uris = {"per_rank": f"{base_uri}/per-rank-ws2", "dtensor": f"{base_uri}/dtensor-ws2"}
-    worker.run_ranks(worker.two_rank_main, 2, s3_options(seaweedfs_s3), uris, str(out))
+    worker.run_ranks(worker.two_rank_main, 2, server_options(seaweedfs_s3), uris, str(out))
     return Job(uris, load_reports(out, 2))
 
 
@@ -70,7 +67,7 @@ def four_rank_job(
 ) -> Job:
     out = tmp_path_factory.mktemp("ranks4")
     uris = {"per_rank": f"{base_uri}/per-rank-ws4", "dtensor": two_rank_job.uris["dtensor"]}
-    worker.run_ranks(worker.four_rank_main, 4, s3_options(seaweedfs_s3), uris, str(out))
+    worker.run_ranks(worker.four_rank_main, 4, server_options(seaweedfs_s3), uris, str(out))
     return Job(uris, load_reports(out, 4))
 
 
@@ -159,7 +156,8 @@ def test_dtensor_checkpoint_loads_into_full_tensors_in_one_process(
     target: dict[str, Any] = {k: torch.full_like(v, 7) for k, v in full.items()}
     target["step"] = torch.tensor(0)
     dcp.load(
-        target, storage_reader=S3StorageReader(two_rank_job.uris["dtensor"], **s3_options(local_s3))
+        target,
+        storage_reader=S3StorageReader(two_rank_job.uris["dtensor"], **server_options(local_s3)),
     )
     assert target.pop("step").item() == worker.STEP
     assert_state_equal(target, full)
@@ -206,7 +204,7 @@ def eight_rank_checkpoint(
     out = tmp_path_factory.mktemp("ranks8")
     uri = f"{base_uri}/dtensor-ws8"
     worker.run_ranks(
-        worker.eight_rank_save_main, 8, s3_options(seaweedfs_s3), uri, str(out), timeout=300
+        worker.eight_rank_save_main, 8, server_options(seaweedfs_s3), uri, str(out), timeout=300
     )
     return Job({"dtensor": uri}, load_reports(out, 8))
 
@@ -236,7 +234,7 @@ def test_eight_rank_checkpoint_loads_on_8_3_and_2_ranks(
     worker.run_ranks(
         worker.reshard_load_main,
         world_size,
-        s3_options(seaweedfs_s3),
+        server_options(seaweedfs_s3),
         uri,
         str(tmp_path),
         timeout=300,

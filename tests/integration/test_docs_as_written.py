@@ -98,26 +98,21 @@ class Reader:
         }
 
     def python(self, code: str) -> None:
-        done = subprocess.run(
-            [sys.executable, "-c", as_run_here(code, self.endpoint)],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=self.cwd,
-        )
-        assert done.returncode == 0, f"{code}\n{done.stderr[-3000:]}"
+        self._run(["-c", as_run_here(code, self.endpoint)], code, timeout=300)
 
     def s3ckpt(self, *args: str) -> str:
+        return self._run(["-m", "s3ckpt", *args], f"s3ckpt {shlex.join(args)}", timeout=120)
+
+    def _run(self, argv: list[str], what: str, *, timeout: float) -> str:
         done = subprocess.run(
-            [sys.executable, "-m", "s3ckpt", *args],
+            [sys.executable, *argv],
             env=self.env,
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=timeout,
             cwd=self.cwd,
         )
-        assert done.returncode == 0, f"s3ckpt {shlex.join(args)}\n{done.stdout}\n{done.stderr}"
+        assert done.returncode == 0, f"{what}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
         return done.stdout
 
 

@@ -18,6 +18,7 @@ import _interop_worker as worker
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _dist_worker import server_options
 from safetensors.torch import load, load_file
 
 from s3ckpt import S3StorageWriter
@@ -34,24 +35,10 @@ pytestmark = [
 EXPECTED = worker.sharded_state()
 
 
-@pytest.fixture
-def cli(local_s3, monkeypatch, capsys, tmp_path):
-    return _cli_runner.runner(local_s3, monkeypatch, capsys, tmp_path)
-
-
-def s3_options(server: LocalS3Server) -> dict[str, Any]:
-    return {
-        "endpoint_url": server.endpoint_url,
-        "access_key_id": server.access_key,
-        "secret_access_key": server.secret_key,
-        "region": server.region,
-    }
-
-
 @pytest.fixture(scope="module")
 def two_rank_checkpoint(seaweedfs_s3: LocalS3Server) -> str:
     uri = f"s3://{seaweedfs_s3.bucket}/test_export-{secrets.token_hex(4)}/step-1234"
-    _dist_worker.run_ranks(worker.save_sharded_main, 2, s3_options(seaweedfs_s3), uri)
+    _dist_worker.run_ranks(worker.save_sharded_main, 2, server_options(seaweedfs_s3), uri)
     return uri
 
 
@@ -134,7 +121,7 @@ def test_a_large_tensor_streams_through_multipart_parts_to_s3(
 ) -> None:
     """A tensor larger than an upload part (64 MiB) goes up in several parts, and a
     single-process checkpoint exports just the same."""
-    options = s3_options(seaweedfs_s3)
+    options = server_options(seaweedfs_s3)
     base = f"s3://{seaweedfs_s3.bucket}/test_export-big-{secrets.token_hex(4)}"
     big = {"w": torch.randn(70 * 1024 * 1024 // 4), "b": torch.arange(5)}
     dcp.save(big, storage_writer=S3StorageWriter(f"{base}/ckpt", **options))
@@ -157,7 +144,7 @@ def test_uncommitted_checkpoint(cli, two_rank_checkpoint: str, tmp_path: Path) -
 
 
 def test_damaged_checkpoint(seaweedfs_s3: LocalS3Server, tmp_path: Path) -> None:
-    options = s3_options(seaweedfs_s3)
+    options = server_options(seaweedfs_s3)
     uri = f"s3://{seaweedfs_s3.bucket}/test_export-damaged-{secrets.token_hex(4)}"
     dcp.save({"w": torch.randn(4096)}, storage_writer=S3StorageWriter(uri, **options))
     location, client = S3URI.parse(uri), seaweedfs_s3.client()
@@ -197,7 +184,7 @@ def test_existing_output_is_refused_unless_overwrite(
 def test_dtype_that_cannot_hold_the_values_warns(
     seaweedfs_s3: LocalS3Server, tmp_path: Path
 ) -> None:
-    options = s3_options(seaweedfs_s3)
+    options = server_options(seaweedfs_s3)
     uri = f"s3://{seaweedfs_s3.bucket}/test_export-range-{secrets.token_hex(4)}"
     state = {"big": torch.tensor([1.0, 1e6, -3e38]), "small": torch.tensor([0.5, 2.0])}
     dcp.save(state, storage_writer=S3StorageWriter(uri, **options))
@@ -234,7 +221,7 @@ def test_bad_options(
 def test_a_failed_export_to_s3_leaves_nothing(seaweedfs_s3: LocalS3Server) -> None:
     """The first tensor is half uploaded (one 64 MiB part of 70) when the second turns out
     damaged: the upload is aborted and the prefix stays empty."""
-    options = s3_options(seaweedfs_s3)
+    options = server_options(seaweedfs_s3)
     base = f"s3://{seaweedfs_s3.bucket}/test_export-failed-{secrets.token_hex(4)}"
     state = {"a": torch.randn(70 * 1024 * 1024 // 4), "b": torch.randn(1000)}
     dcp.save(state, storage_writer=S3StorageWriter(f"{base}/ckpt", **options))
@@ -261,7 +248,7 @@ def test_an_overwrite_during_the_export_is_refused_not_mixed(
     from s3ckpt.errors import CheckpointError
     from s3ckpt.interop import export as export_module
 
-    options = s3_options(seaweedfs_s3)
+    options = server_options(seaweedfs_s3)
     uri = f"s3://{seaweedfs_s3.bucket}/test_export-overwritten-{secrets.token_hex(4)}"
     dcp.save(
         {"a": torch.ones(1000), "b": torch.ones(1000)},

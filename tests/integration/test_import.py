@@ -9,10 +9,10 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-import _cli_runner
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _dist_worker import server_options
 from safetensors.torch import save_file
 
 from s3ckpt import S3StorageReader
@@ -37,29 +37,15 @@ def weights() -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture
-def cli(local_s3, monkeypatch, capsys, tmp_path):
-    return _cli_runner.runner(local_s3, monkeypatch, capsys, tmp_path)
-
-
-@pytest.fixture
 def destination(seaweedfs_s3: LocalS3Server) -> str:
     return f"s3://{seaweedfs_s3.bucket}/test_import-{secrets.token_hex(4)}/imported"
-
-
-def options_of(server: LocalS3Server) -> dict[str, Any]:
-    return {
-        "endpoint_url": server.endpoint_url,
-        "access_key_id": server.access_key,
-        "secret_access_key": server.secret_key,
-        "region": server.region,
-    }
 
 
 def load_back(uri: str, server: LocalS3Server, template: dict[str, Any]) -> dict[str, Any]:
     target = {
         k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in template.items()
     }
-    dcp.load(target, storage_reader=S3StorageReader(uri, **options_of(server)))
+    dcp.load(target, storage_reader=S3StorageReader(uri, **server_options(server)))
     return target
 
 
@@ -100,7 +86,7 @@ def test_safetensors_set(
         save_file({n: tensors[n] for n in members}, str(tmp_path / shard))
     weight_map = {n: shard for shard, members in shards.items() for n in members}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    report = import_checkpoint(tmp_path, destination, **options_of(seaweedfs_s3))
+    report = import_checkpoint(tmp_path, destination, **server_options(seaweedfs_s3))
     assert (report.format, report.tensors, report.others) == ("safetensors", 4, 0)
     assert_bit_exact(load_back(destination, seaweedfs_s3, tensors), tensors)
 
@@ -111,7 +97,7 @@ def test_single_safetensors_file(
     tensors = weights()
     save_file(tensors, str(tmp_path / "weights.safetensors"))
     report = import_checkpoint(
-        tmp_path / "weights.safetensors", destination, **options_of(seaweedfs_s3)
+        tmp_path / "weights.safetensors", destination, **server_options(seaweedfs_s3)
     )
     assert report.format == "safetensors"
     assert_bit_exact(load_back(destination, seaweedfs_s3, tensors), tensors)
@@ -128,7 +114,7 @@ def test_torch_save_file(
     loaded = load_back(destination, seaweedfs_s3, {"model": weights(), "epoch": 0})
     assert_bit_exact(loaded["model"], state["model"])
     assert loaded["epoch"] == 3
-    assert show_checkpoint(destination, **options_of(seaweedfs_s3)).save_id
+    assert show_checkpoint(destination, **server_options(seaweedfs_s3)).save_id
 
 
 # -- bad input: one clear line each --------------------------------------------------------

@@ -253,11 +253,6 @@ def test_rm_refuses_a_checkpoint_recommitted_while_it_runs(
 
 
 @pytest.fixture
-def store(s3_options, local_s3) -> ObjectStore:
-    return ObjectStore(make_config(None, **s3_options), local_s3.bucket)
-
-
-@pytest.fixture
 def skewed(monkeypatch):
     """``skewed(seconds)``: this machine's clock (``time.time``) off by ``seconds``."""
     real = time.time

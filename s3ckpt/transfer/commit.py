@@ -70,12 +70,12 @@ async def confirm_objects(store: ObjectStore, location: S3URI, sizes: dict[str, 
     committing would publish a checkpoint that cannot load. ``data/`` and ``index/`` are
     listed side by side: at thousands of ranks each is several pages.
     """
-    folders: list[str | None] = sorted({key.split("/", 1)[0] + "/" for key in sizes if "/" in key})
-    if any("/" not in key for key in sizes):  # objects at the checkpoint's own level
-        folders.insert(0, None)
+    # A key's folder is its first segment ("data/", "index/"), or "" at the checkpoint's
+    # own level, which is listed without descending into the folders.
+    folders = sorted({key.split("/", 1)[0] + "/" if "/" in key else "" for key in sizes})
 
-    async def listed(folder: str | None) -> dict[str, int]:
-        if folder is None:
+    async def listed(folder: str) -> dict[str, int]:
+        if not folder:
             return {
                 m.key: m.size
                 async for m in store.list_level(location.key(""))

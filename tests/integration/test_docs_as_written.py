@@ -35,19 +35,16 @@ def _left_to_the_reader():
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
-    return {"model": model.state_dict(), "step": 7}, model
+
+    def train_step(*_):
+        with torch.no_grad():
+            model.weight.add_(0.01)
+
+    return {"model": model.state_dict(), "step": 7}, {"model": model.state_dict()}, train_step
 
 
-state_dict, _model = _left_to_the_reader()
-state = {"model": _model.state_dict()}
+state_dict, state, train_step = _left_to_the_reader()
 total_steps = 201
-
-
-def train_step(*_):
-    with __import__("torch").no_grad():
-        _model.weight.add_(0.01)
-
-
 del _left_to_the_reader
 """
 

@@ -23,6 +23,8 @@ Lifecycle of a save (the order DCP calls in, see ``torch.distributed.checkpoint.
    save is there while a worker thread checks that the metadata loads as a default load
    reads it; writes the metadata object, then the manifest
    (:mod:`s3ckpt.transfer.commit`): the commit. Before it, the checkpoint does not exist.
+   Then the objects of ``after_commit`` (a trainer's ``latest`` file), so that every
+   rank's ``dcp.save`` returns only once they name the committed checkpoint.
 
 The writer holds only its configuration and location, so it pickles (process-mode
 ``async_save``) and works after ``fork``.
@@ -34,6 +36,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from crc32c import crc32c
@@ -55,7 +58,7 @@ from s3ckpt.dcp.location import S3Location
 from s3ckpt.dcp.owners import ChunkPositions
 from s3ckpt.dcp.rank_save import RankRecord, RankSave, RankTarget, rank_name
 from s3ckpt.dcp.save_identity import RankAssignment, claim
-from s3ckpt.errors import CheckpointExistsError, ConfigError, S3CkptError
+from s3ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError, S3CkptError
 from s3ckpt.format.compression import Compression
 from s3ckpt.format.layout import (
     DEFAULT_MAX_OBJECT_SIZE,
@@ -94,6 +97,12 @@ class S3StorageWriter(S3Location, StorageWriter):
         spread_prefixes: put data objects under 16, 256 or 4096 hashed key prefixes inside
             the checkpoint, for stores that limit request rates per prefix (AWS S3); 0 (the
             default) keeps them under ``data/``, which FlashBlade needs no more than.
+        after_commit: objects the coordinator puts once the checkpoint is committed,
+            ``{"s3://bucket/key": body}`` in the checkpoint's bucket (a trainer's pointer
+            to its newest checkpoint): written before any rank's save returns, so a
+            background save is over only when they are; if one fails the save raises
+            :class:`~s3ckpt.errors.CheckpointError` on every rank (the checkpoint itself
+            stays committed).
     """
 
     _dcp_call = "dcp.save"
@@ -109,6 +118,7 @@ class S3StorageWriter(S3Location, StorageWriter):
         compression: str | Compression | None = None,
         compression_level: int | None = None,
         spread_prefixes: int = 0,
+        after_commit: Mapping[str, bytes] | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -125,6 +135,7 @@ class S3StorageWriter(S3Location, StorageWriter):
         self.spread_prefixes = spread_prefixes
         self.overwrite = overwrite
         self.max_object_size = max_object_size
+        self.after_commit = _after_commit_objects(after_commit)
         self.location: S3URI | None = None
         self._set_location(checkpoint_id)
         self.save_id = new_save_id()
@@ -149,7 +160,13 @@ class S3StorageWriter(S3Location, StorageWriter):
             raise ConfigError(
                 "S3StorageWriter needs use_collectives=True: the coordinator commits for all ranks"
             )
-        self._require_location()
+        location = self._require_location()
+        for target, _ in self.after_commit:
+            if target.bucket != location.bucket:
+                raise ConfigError(
+                    f"after_commit objects must be in the checkpoint's bucket "
+                    f"{location.bucket}, got {target}"
+                )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if self.is_coordinator:
@@ -228,6 +245,7 @@ class S3StorageWriter(S3Location, StorageWriter):
         metadata.storage_data = _item_owners(metadata, flat)
         metadata.storage_meta = self.storage_meta()
         io_loop().run(self._commit(location, metadata, _rank_records(results), len(results)))
+        io_loop().run(self._put_after_commit(location))
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(
@@ -299,6 +317,17 @@ class S3StorageWriter(S3Location, StorageWriter):
         for save_id in _save_ids(records, self.save_id):
             await clear_in_flight(store, location, save_id)
 
+    async def _put_after_commit(self, location: S3URI) -> None:
+        """The ``after_commit`` objects, in order; the first failure raises."""
+        store = self._store()
+        for target, body in self.after_commit:
+            try:
+                await store.put(target.prefix, body)
+            except S3CkptError as exc:
+                raise CheckpointError(
+                    f"{location} is committed, but {target} could not be written: {exc}"
+                ) from exc
+
     async def _committed_anyway(self, store: ObjectStore, location: S3URI) -> bool:
         """Whether the manifest names this save although committing raised; True too when
         that cannot be told (nothing is deleted then: gc decides later)."""
@@ -323,6 +352,18 @@ class S3StorageWriter(S3Location, StorageWriter):
             return
         for save_id in _save_ids(records, self.save_id):
             await clear_in_flight(store, location, save_id)
+
+
+def _after_commit_objects(objects: Mapping[str, bytes] | None) -> tuple[tuple[S3URI, bytes], ...]:
+    """``after_commit`` checked: object URIs (a key, not a bucket) and bytes bodies."""
+    checked = []
+    for uri, body in (objects or {}).items():
+        if not isinstance(body, bytes | bytearray | memoryview):
+            raise ConfigError(
+                f"after_commit bodies must be bytes, got {type(body).__name__} for {uri}"
+            )
+        checked.append((S3URI.parse(uri), bytes(body)))
+    return tuple(checked)
 
 
 def _save_ids(records: list[RankRecord], coordinator: str) -> list[str]:

@@ -3,10 +3,10 @@
 One tag's way through it (what :mod:`s3ckpt.integrations.deepspeed` describes in full):
 ``create`` refuses what cannot work on every rank alike, ``save`` keeps each file's state
 dict, ``commit`` agrees across the group and stores every rank's files in one
-``dcp.save``, then writes ``latest``; ``load`` reads one file back. With ``async_save``,
+``dcp.save`` whose last step writes ``latest``; ``load`` reads one file back. With ``async_save``,
 ``commit`` returns once the files are copied into memory shared with the rank's
 checkpoint process (:class:`~s3ckpt.CheckpointProcess`), which uploads and commits them
-while training goes on; rank 0 writes ``latest`` once the tag is committed. The next
+while training goes on, ``latest`` last. The next
 ``create``, ``load`` or :meth:`S3CheckpointEngine.wait` waits for that save, and a failure
 of it is raised at the next ``create`` on every rank alike. The helpers around
 an engine (``attach``, ``save_checkpoint``, ``load_checkpoint``) are in
@@ -134,23 +134,27 @@ class S3CheckpointEngine(CheckpointEngine):
         self.pending[uri] = state_dict
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
-        """Save every rank's files as one checkpoint per tag, then ``latest``."""
+        """Save every rank's files as one checkpoint per tag; ``latest`` is written as its
+        last step, so a save is over (synchronous or not) only once ``latest`` names it."""
         try:
             items = self._items()
             folder = self._agree_on_folder()
             if folder is None:
                 log.warning("nothing was saved for tag %s: no checkpoint written", info.tag)
                 return True
+            after_commit = {latest_uri(info.save_dir): str(info.tag).encode()}
             writer = S3StorageWriter(
-                folder, config=self.config, overwrite=True, **self.writer_options
+                folder,
+                config=self.config,
+                overwrite=True,
+                after_commit=after_commit if self.latest_requested else None,
+                **self.writer_options,
             )
             if self.async_save:
-                self._start_upload(items, writer, info)
+                self._start_upload(items, writer, info.tag)
                 return True
             dcp.save(items, storage_writer=writer, process_group=self.group)
             log.info("committed %s (%d files on this rank)", folder, len(self.pending))
-            if self.latest_requested:
-                self._write_latest(info)
             return True
         finally:
             self.info, self.pending, self.problems = None, {}, []
@@ -162,24 +166,16 @@ class S3CheckpointEngine(CheckpointEngine):
         if failure is not None:
             raise CheckpointError(failure)
 
-    def _start_upload(self, items: dict[str, Any], writer: Any, info: Any) -> None:
-        """Copy ``items`` into shared memory and upload them from the checkpoint process;
-        rank 0 writes ``latest`` once they are committed."""
+    def _start_upload(self, items: dict[str, Any], writer: Any, tag: Any) -> None:
+        """Copy ``items`` into shared memory and upload them from the checkpoint process."""
         if self._process is None:  # every rank commits its first tag together
             self._process = CheckpointProcess(self.group)
-        latest = self.latest_requested and dist.get_rank(self.group) == 0
-        save_dir, tag = info.save_dir, info.tag
         future = self._process.async_save(items, storage_writer=writer)
         over = threading.Event()
 
         def finished(done: Future[Any]) -> None:
             try:
                 error = done.exception()
-                if error is None and latest:
-                    try:
-                        self._put_latest(save_dir, tag)
-                    except Exception as exc:
-                        error = exc
                 if error is not None:
                     log.error("the background save of tag %s failed: %s", tag, error)
                     self._failure = f"the background save of tag {tag} failed: {error}"
@@ -192,8 +188,7 @@ class S3CheckpointEngine(CheckpointEngine):
         future.add_done_callback(finished)
 
     def _settle(self) -> None:
-        """Wait for the background save and its ``latest``, if one is in flight (its
-        outcome: ``_failure``)."""
+        """Wait for the background save, if one is in flight (its outcome: ``_failure``)."""
         over, self._inflight = self._inflight, None
         if over is not None:
             over.wait()
@@ -292,28 +287,6 @@ class S3CheckpointEngine(CheckpointEngine):
             raise ConfigError("this checkpoint cannot be saved: " + "; ".join(problems))
         return all_folders[0] if all_folders else None
 
-    def _put_latest(self, save_dir: str, tag: Any) -> None:
-        location = S3URI.parse(folder_uri(save_dir), require_prefix=False)
-        store = ObjectStore(self.config, location.bucket)
-        io_loop().run(store.put(location.key(LATEST), str(tag).encode()))
-
-    def _write_latest(self, info: CheckpointCommitInfo) -> None:
-        """``<save_dir>/latest`` from the group's rank 0; every rank raises if it failed."""
-        failure: list[str | None] = [None]
-        if dist.get_rank(self.group) == 0:
-            try:
-                self._put_latest(info.save_dir, info.tag)
-            except Exception as exc:
-                failure = [f"{type(exc).__name__}: {exc}"]
-                dist.broadcast_object_list(failure, group=self.group, group_src=0)
-                raise
-        dist.broadcast_object_list(failure, group=self.group, group_src=0)
-        if failure[0] is not None:
-            raise CheckpointError(
-                f"tag {info.tag} is committed, but rank 0 could not update "
-                f"{info.save_dir}/{LATEST}: {failure[0]}"
-            )
-
 
 def folder_uri(path: str | os.PathLike[str]) -> str:
     """``path`` as an ``s3://bucket/prefix`` URI; a local path gets a clear error."""
@@ -324,6 +297,12 @@ def folder_uri(path: str | os.PathLike[str]) -> str:
             "DeepSpeed's own engine (no attach()) writes local folders"
         )
     return str(S3URI.parse(text, require_prefix=False))
+
+
+def latest_uri(save_dir: str | os.PathLike[str]) -> str:
+    """The URI of ``<save_dir>/latest``, the object naming the newest committed tag."""
+    location = S3URI.parse(folder_uri(save_dir), require_prefix=False)
+    return f"s3://{location.bucket}/{location.key(LATEST)}"
 
 
 def file_uri(path: str | os.PathLike[str]) -> str:

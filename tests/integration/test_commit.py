@@ -10,14 +10,19 @@ import torch.distributed.checkpoint as dcp
 from stored import stored_manifest
 
 from s3ckpt import (
+    CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CommitConflictError,
+    ConfigError,
+    S3StorageWriter,
+    StorageError,
     catalog,
     unwrap,
 )
 from s3ckpt.config import S3URI, make_config
 from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
+from s3ckpt.s3.store import ObjectStore
 
 pytestmark = [
     pytest.mark.integration,
@@ -195,3 +200,72 @@ def test_two_writers_racing_for_one_id_exactly_one_commits(
     restored = {"a": torch.zeros(10)}
     dcp.load(restored, storage_reader=make_reader(s3_prefix))
     assert torch.equal(restored["a"], torch.full((10,), float(winner + 1)))
+
+
+def test_after_commit_objects_are_written_once_the_manifest_is(
+    local_s3, s3_prefix, make_writer, make_reader, monkeypatch
+):
+    location = S3URI.parse(s3_prefix)
+    pointer = f"s3://{location.bucket}/{location.prefix}-latest"
+    seen_at_pointer: list[bool] = []
+    put_pointer = S3StorageWriter._put_after_commit
+
+    async def observed(writer, target):
+        seen_at_pointer.append(_committed(local_s3, s3_prefix))
+        await put_pointer(writer, target)
+
+    monkeypatch.setattr(S3StorageWriter, "_put_after_commit", observed)
+    dcp.save(
+        {"w": torch.arange(8.0)},
+        storage_writer=make_writer(s3_prefix, after_commit={pointer: b"7"}),
+    )
+    body = local_s3.client().get_object(Bucket=location.bucket, Key=f"{location.prefix}-latest")
+    assert body["Body"].read() == b"7"
+    assert seen_at_pointer == [True]
+
+
+def test_after_commit_objects_outside_the_bucket_are_refused_before_any_upload(
+    s3_prefix, make_writer, list_keys
+):
+    writer = make_writer(s3_prefix, after_commit={"s3://another-bucket/latest": b"7"})
+    with pytest.raises(BaseException) as info:
+        dcp.save({"w": torch.arange(8.0)}, storage_writer=writer)
+    assert isinstance(unwrap(info.value), ConfigError)
+    assert "in the checkpoint's bucket" in str(unwrap(info.value))
+    assert list_keys(s3_prefix) == []
+
+
+def test_after_commit_bodies_must_be_bytes(s3_prefix, make_writer):
+    with pytest.raises(ConfigError, match="must be bytes"):
+        make_writer(s3_prefix, after_commit={f"{s3_prefix}-latest": "7"})
+
+
+def test_a_failed_after_commit_object_fails_the_save_but_keeps_the_checkpoint(
+    local_s3, s3_prefix, make_writer, make_reader, monkeypatch
+):
+    location = S3URI.parse(s3_prefix)
+    pointer_key = f"{location.prefix}-latest"
+    put = ObjectStore.put
+
+    async def refusing(store, key, body, **kwargs):
+        if key == pointer_key:
+            raise StorageError("the store refused the pointer")
+        return await put(store, key, body, **kwargs)
+
+    monkeypatch.setattr(ObjectStore, "put", refusing)
+    writer = make_writer(s3_prefix, after_commit={f"s3://{location.bucket}/{pointer_key}": b"7"})
+    with pytest.raises(BaseException) as info:
+        dcp.save({"w": torch.arange(8.0)}, storage_writer=writer)
+    assert isinstance(unwrap(info.value), CheckpointError)
+    assert "is committed, but" in str(unwrap(info.value))
+    loaded = {"w": torch.zeros(8)}
+    dcp.load(loaded, storage_reader=make_reader(s3_prefix))
+    assert torch.equal(loaded["w"], torch.arange(8.0))
+
+
+def _committed(local_s3, uri: str) -> bool:
+    location = S3URI.parse(uri)
+    found = local_s3.client().list_objects_v2(
+        Bucket=location.bucket, Prefix=location.key(MANIFEST_NAME)
+    )
+    return found.get("KeyCount", 0) > 0

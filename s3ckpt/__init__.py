@@ -12,6 +12,8 @@ One subpackage per part of the architecture (``docs/architecture.md``)::
     background/  the background saver: the checkpoint process (shared staging memory,
                one persistent process per rank) and thread mode, for the manager and
                the integrations; CheckpointProcess for dcp.async_save users
+    tier/      the memory tier: recent checkpoints held in shared memory per node, the
+               restore that agrees across ranks on a step every rank holds intact
     interop/   export to safetensors/torch files, import, copy between stores
     testing/   the embedded S3 server (the engine never imports it)
 
@@ -59,6 +61,7 @@ from s3ckpt.errors import (
     IncompleteSaveError,
     InvalidURIError,
     LocalServerError,
+    MemoryTierError,
     NotACheckpointError,
     ObjectNotFoundError,
     OutputExistsError,
@@ -79,12 +82,14 @@ if TYPE_CHECKING:
     from s3ckpt.interop.export import export_checkpoint
     from s3ckpt.interop.imports import import_checkpoint
     from s3ckpt.manager import CheckpointManager, SaveMetrics
+    from s3ckpt.tier.options import MemoryTier
 
 # The DCP adapters import torch (seconds); the CLI and catalog do not need it.
 _LAZY = {
     "CheckpointManager": "s3ckpt.manager",
     "CheckpointProcess": "s3ckpt.background.process",
     "HostStager": "s3ckpt.dcp.staging",
+    "MemoryTier": "s3ckpt.tier.options",
     "S3StorageReader": "s3ckpt.dcp.reader",
     "S3StorageWriter": "s3ckpt.dcp.writer",
     "SaveMetrics": "s3ckpt.manager",
@@ -118,6 +123,8 @@ __all__ = [
     "IncompleteSaveError",
     "InvalidURIError",
     "LocalServerError",
+    "MemoryTier",
+    "MemoryTierError",
     "NotACheckpointError",
     "ObjectNotFoundError",
     "OutputExistsError",

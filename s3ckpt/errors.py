@@ -23,6 +23,7 @@
     │   ├── CorruptCheckpointError             checksum or size mismatch, unreadable manifest
     │   ├── UntrustedPickleError               a pickle names a Python global loads refuse
     │   ├── CheckpointProcessError             the checkpoint process died or could not start
+    │   ├── MemoryTierError                    the memory tier's root lacks the room or access
     │   └── NotACheckpointError                an import source in no format s3ckpt reads
     └── LocalServerError                       the embedded S3 server could not start
 
@@ -147,6 +148,12 @@ class UntrustedPickleError(CheckpointError):
 class CheckpointProcessError(CheckpointError):
     """The checkpoint process died (killed, out of memory) or could not start; the save it
     was running is not committed, and the next save starts a fresh process."""
+
+
+class MemoryTierError(CheckpointError):
+    """The memory tier cannot hold its copies: its shared-memory root is missing, not
+    writable, or too small for the copies kept (found at construction where the size is
+    stated, else when a copy's memory is reserved, never as a crash later)."""
 
 
 class NotACheckpointError(CheckpointError):

@@ -10,6 +10,13 @@ kernel frees a segment when its last mapping and descriptor are gone.
 Each save lays its storages out from the arena's first byte. The same state in the same
 order (a training loop's) gets the same regions each time; a state that outgrows the
 arena gets one more segment, sized for what did not fit.
+
+An arena given a ``root`` folder (the memory tier's slots, :mod:`s3ckpt.tier`) keeps its
+segments as files there instead (``segment-<i>`` in a tmpfs such as ``/dev/shm``), so
+that the copy outlives the process that made it. Their pages are reserved with
+``posix_fallocate`` when a segment is made: a tmpfs without room fails there with
+:class:`~s3ckpt.errors.MemoryTierError`, instead of a SIGBUS at the first copy into a
+page it cannot back.
 """
 
 from __future__ import annotations
@@ -17,11 +24,14 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from s3ckpt.dcp.compat import pin_host_memory, unpin_host_memory
+from s3ckpt.errors import MemoryTierError
 
 ALIGN = 4096  # page-aligned regions: copies and socket sends start on a page
 _MIN_SEGMENT = 64 * 1024 * 1024
@@ -39,10 +49,17 @@ class Region:
 class Segment:
     """One shared-memory segment, mapped in this process."""
 
-    def __init__(self, size: int, *, fd: int | None = None, pin: bool = False) -> None:
-        self.fd = os.memfd_create("s3ckpt-staging", os.MFD_CLOEXEC) if fd is None else fd
+    def __init__(
+        self, size: int, *, fd: int | None = None, pin: bool = False, path: Path | None = None
+    ) -> None:
+        if fd is not None:
+            self.fd = fd
+        elif path is not None:
+            self.fd = _reserved_file(path, size)
+        else:
+            self.fd = os.memfd_create("s3ckpt-staging", os.MFD_CLOEXEC)
         try:
-            if fd is None:
+            if fd is None and path is None:
                 os.ftruncate(self.fd, size)
             self.size = size
             # A new segment's pages are faulted in at once (MAP_POPULATE: 1.04 s for 1 GiB
@@ -54,6 +71,11 @@ class Segment:
             os.close(self.fd)
             raise
         self.pinned = pin and pin_host_memory(self.bytes)
+
+    @property
+    def mapping(self) -> mmap.mmap:
+        """The segment's mapping in this process."""
+        return self._map
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         """``nbytes`` of the segment from ``offset``, as a uint8 tensor whose storage is
@@ -75,14 +97,20 @@ class Segment:
 class StagingArena:
     """The segments of one trainer (or their mappings in its checkpoint process)."""
 
-    def __init__(self, *, pin: bool = False) -> None:
+    def __init__(self, *, pin: bool = False, root: Path | None = None) -> None:
         self.segments: list[Segment] = []
         self._pin = pin
+        self.root = root
 
     @property
     def nbytes(self) -> int:
         """Host memory held, in bytes."""
         return sum(segment.size for segment in self.segments)
+
+    @property
+    def mappings(self) -> list[mmap.mmap]:
+        """Each segment's mapping in this process, in order (what staged state unpickles over)."""
+        return [segment.mapping for segment in self.segments]
 
     def allocate(self, sizes: list[int]) -> tuple[list[Region], list[Segment]]:
         """Regions for storages of ``sizes`` bytes, in order, from the arena's first byte
@@ -100,11 +128,21 @@ class StagingArena:
                 index, offset = index + 1, 0
             if index == len(self.segments):  # sized for all the rest: they all fit in it
                 rest = sum(_round_up(n) for n in sizes[position:])
-                added.append(Segment(max(rest, _MIN_SEGMENT), pin=self._pin))
+                path = None if self.root is None else self.root / f"segment-{index}"
+                if path is not None and index == 0:
+                    self._remove_earlier_segments()
+                added.append(Segment(max(rest, _MIN_SEGMENT), pin=self._pin, path=path))
                 self.segments.append(added[-1])
             regions.append(Region(index, offset, nbytes))
             offset = _round_up(offset + nbytes)
         return regions, added
+
+    def _remove_earlier_segments(self) -> None:
+        """An earlier process's segment files in ``root`` (its copy was invalidated by the
+        caller before this arena's first save there)."""
+        assert self.root is not None
+        for path in self.root.glob("segment-*"):
+            path.unlink(missing_ok=True)
 
     def view(self, region: Region) -> torch.Tensor:
         return self.segments[region.segment].view(region.offset, region.nbytes)
@@ -125,6 +163,22 @@ class StagingArena:
         segments, self.segments = self.segments, []
         for segment in segments:
             segment.close()
+
+
+def _reserved_file(path: Path, size: int) -> int:
+    """A new file of ``size`` bytes at ``path``, its pages reserved; its descriptor."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        free = shutil.disk_usage(path.parent).free
+        raise MemoryTierError(
+            f"not enough shared memory for the memory tier at {path.parent}: "
+            f"{size} bytes could not be reserved ({exc.strerror}; {free} bytes free there)"
+        ) from exc
+    return fd
 
 
 def _round_up(n: int) -> int:

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import mmap
 import pickle
 import socket
 import struct
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -87,9 +89,10 @@ def dumps_staged(state: Any, arena: StagingArena) -> bytes:
     return buffer.getvalue()
 
 
-def loads_staged(data: bytes, arena: StagingArena) -> Any:
-    """The state :func:`dumps_staged` pickled, its tensors over this process's mappings."""
-    return _ArenaUnpickler(io.BytesIO(data), arena).load()
+def loads_staged(data: bytes, segments: Sequence[mmap.mmap]) -> Any:
+    """The state :func:`dumps_staged` pickled, its tensors over ``segments`` (this
+    process's mappings of the arena's segments, in order)."""
+    return _ArenaUnpickler(io.BytesIO(data), segments).load()
 
 
 class _ArenaPickler(pickle.Pickler):
@@ -110,13 +113,19 @@ class _ArenaPickler(pickle.Pickler):
 
 
 class _ArenaUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, arena: StagingArena) -> None:
+    def __init__(self, file: io.BytesIO, segments: Sequence[mmap.mmap]) -> None:
         super().__init__(file)
-        self._arena = arena
+        self._segments = segments
 
     def persistent_load(self, pid: Any) -> Any:
         kind, segment, offset, nbytes, dtype = pid
         if kind != "arena":
             raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")
-        storage = self._arena.segments[segment].view(offset, nbytes).untyped_storage()
+        if nbytes == 0:
+            storage = torch.UntypedStorage(0)
+        else:
+            view = torch.frombuffer(
+                self._segments[segment], dtype=torch.uint8, count=nbytes, offset=offset
+            )
+            storage = view.untyped_storage()
         return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)

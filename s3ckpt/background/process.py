@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -37,6 +38,7 @@ import subprocess
 import sys
 import threading
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -47,7 +49,7 @@ import torch.distributed as dist
 from s3ckpt.background.arena import StagingArena
 from s3ckpt.background.channel import Channel, ChannelClosed, dumps_staged
 from s3ckpt.background.stage import Staged, stage
-from s3ckpt.background.worker import Hello, Meeting
+from s3ckpt.background.worker import Hello, Hold, Meeting
 from s3ckpt.dcp.compat import default_store_host
 from s3ckpt.dcp.staging import plain_state_dict
 from s3ckpt.errors import CheckpointProcessError, S3CkptError
@@ -76,6 +78,9 @@ class CheckpointProcess:
         pin_memory: page-lock the staging memory for fast device copies (default: whether
             CUDA is available).
         timeout_s: how long the checkpoint processes wait for each other in a collective.
+        memory_slots: folders (in a tmpfs) to stage into instead of anonymous memory, one
+            arena each, chosen per save (``slot``): the memory tier's slots
+            (:mod:`s3ckpt.tier`), whose copies outlive the process.
     """
 
     def __init__(
@@ -84,6 +89,7 @@ class CheckpointProcess:
         *,
         pin_memory: bool | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        memory_slots: Sequence[Path] = (),
     ) -> None:
         self._group = process_group
         distributed = dist.is_available() and dist.is_initialized()
@@ -91,7 +97,9 @@ class CheckpointProcess:
         self.rank = dist.get_rank(process_group) if distributed else 0
         self._timeout_s = timeout_s
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._arena = StagingArena(pin=pin)
+        self._arenas = [StagingArena(pin=pin, root=Path(root)) for root in memory_slots]
+        if not self._arenas:
+            self._arenas.append(StagingArena(pin=pin))
         self._store, self._address = self._meeting_place()
         self._generation = 0
         self._worker: _Worker | None = None
@@ -110,10 +118,14 @@ class CheckpointProcess:
         """The checkpoint process's pid (None once closed)."""
         return self._worker.pid if self._worker is not None else None
 
+    def arena(self, slot: int = 0) -> StagingArena:
+        """The staging memory of ``slot`` (the only one without memory slots)."""
+        return self._arenas[slot]
+
     @property
     def staging_bytes(self) -> int:
         """Host memory held for staging."""
-        return self._arena.nbytes
+        return sum(arena.nbytes for arena in self._arenas)
 
     # -- saving ----------------------------------------------------------------------------
 
@@ -151,15 +163,31 @@ class CheckpointProcess:
             self._generation += 1
             self._start()
 
-    def stage(self, state_dict: dict[str, Any]) -> Staged:
-        """Copy ``state_dict`` into the arena (the previous save must be finished)."""
-        return stage(self._arena, plain_state_dict(state_dict))
+    def stage(self, state_dict: dict[str, Any], slot: int = 0) -> Staged:
+        """Copy ``state_dict`` into the arena of ``slot`` (the previous save must be
+        finished)."""
+        return stage(self._arenas[slot], plain_state_dict(state_dict))
 
-    def submit(self, staged: Staged, writer: Any, planner: Any = None) -> Future[Any]:
-        """Send a staged copy to the checkpoint process; its save's future."""
+    def submit(
+        self,
+        staged: Staged,
+        writer: Any,
+        planner: Any = None,
+        *,
+        slot: int = 0,
+        hold: Hold | None = None,
+        held: Future[None] | None = None,
+    ) -> Future[Any]:
+        """Send a copy staged in ``slot`` to the checkpoint process; its save's future.
+        With ``hold``, the process first records the copy as a memory-tier checkpoint
+        (``held`` resolves then); ``writer`` may then be None (held only, not uploaded)."""
         worker = self._worker
         assert worker is not None
-        future = worker.save(staged, dumps_staged(staged.state_dict, self._arena), writer, planner)
+        data = dumps_staged(staged.state_dict, self._arenas[slot])
+        if hold is not None:
+            regions = tuple((r.segment, r.offset, r.nbytes) for r in staged.regions)
+            hold = dataclasses.replace(hold, regions=regions)
+        future = worker.save(slot, data, writer, planner, hold, held)
         self._inflight = future
         return future
 
@@ -176,7 +204,8 @@ class CheckpointProcess:
             self.wait_idle()
         finally:
             self._stop_worker()
-            self._arena.close()
+            for arena in self._arenas:
+                arena.close()
             self._store = None
 
     def __enter__(self) -> CheckpointProcess:
@@ -216,7 +245,7 @@ class CheckpointProcess:
             prefix = f"s3ckpt-checkpoint-process/{self._generation}"
             meeting = Meeting(host, port, prefix, self.rank, self.world, self._timeout_s)
         hello = Hello(list(sys.path), logging.getLogger("s3ckpt").getEffectiveLevel(), meeting)
-        self._worker = _Worker(hello, self._arena, self.rank)
+        self._worker = _Worker(hello, self._arenas, self.rank)
 
     def _stop_worker(self) -> None:
         worker, self._worker = self._worker, None
@@ -227,12 +256,13 @@ class CheckpointProcess:
 class _Worker:
     """One started checkpoint process: its pipe, its reader thread, its saves' futures."""
 
-    def __init__(self, hello: Hello, arena: StagingArena, rank: int) -> None:
-        self._arena = arena
+    def __init__(self, hello: Hello, arenas: list[StagingArena], rank: int) -> None:
+        self._arenas = arenas
         self._rank = rank
-        self._sent_segments = 0
+        self._sent_segments = [0] * len(arenas)
         self._lock = threading.Lock()
-        self._pending: dict[int, tuple[Future[Any], Any]] = {}  # save id -> (future, writer)
+        # save id -> (its future, its writer, its held future)
+        self._pending: dict[int, tuple[Future[Any], Any, Future[None] | None]] = {}
         self._next_id = 0
         self.failed = False
         self.gone = False
@@ -259,27 +289,36 @@ class _Worker:
         """Alive, and (with several ranks) its last save did not fail."""
         return not self.gone and not (world > 1 and self.failed)
 
-    def save(self, staged: Staged, data: bytes, writer: Any, planner: Any) -> Future[Any]:
+    def save(
+        self,
+        slot: int,
+        data: bytes,
+        writer: Any,
+        planner: Any,
+        hold: Hold | None,
+        held: Future[None] | None,
+    ) -> Future[Any]:
         future: Future[Any] = Future()
         with self._lock:
             if self.gone:
-                future.set_exception(self._died("before the save was sent"))
+                error = self._died("before the save was sent")
+                _fail(error, future, held)
                 return future
             save_id, self._next_id = self._next_id, self._next_id + 1
-            self._pending[save_id] = (future, writer)
+            self._pending[save_id] = (future, writer, held)
         try:
-            self._send_segments()
-            self._channel.send(("save", save_id, data, writer, planner))
+            self._send_segments(slot)
+            self._channel.send(("save", save_id, slot, data, writer, planner, hold))
         except ChannelClosed:
             pass  # the reader thread fails the future with the process's exit status
         return future
 
-    def _send_segments(self) -> None:
-        segments = self._arena.segments[self._sent_segments :]
+    def _send_segments(self, slot: int) -> None:
+        segments = self._arenas[slot].segments[self._sent_segments[slot] :]
         if segments:
             sizes = [segment.size for segment in segments]
-            self._channel.send(("segments", sizes), [segment.fd for segment in segments])
-            self._sent_segments += len(segments)
+            self._channel.send(("segments", slot, sizes), [segment.fd for segment in segments])
+            self._sent_segments[slot] += len(segments)
 
     def _read(self) -> None:
         try:
@@ -295,13 +334,20 @@ class _Worker:
             pending, self._pending = self._pending, {}
         if pending:
             error = self._died("during the save")
-            for future, writer in pending.values():
-                _abort_open_uploads(writer, self._rank, error)
-                future.set_exception(error)
+            for future, writer, held in pending.values():
+                if writer is not None:
+                    _abort_open_uploads(writer, self._rank, error)
+                _fail(error, future, held)
 
     def _settle(self, message: Any) -> None:
         kind = message[0]
         if kind == "ready":
+            return
+        if kind == "held":
+            with self._lock:
+                pending = self._pending.get(message[1])
+            if pending is not None and pending[2] is not None:
+                pending[2].set_result(None)
             return
         with self._lock:
             pending = self._pending.pop(message[1], None) if message[1] is not None else None
@@ -318,8 +364,8 @@ class _Worker:
             )
             wrapped.__cause__ = error
             error = wrapped
-        if future is not None:
-            future.set_exception(error)
+        if pending is not None:
+            _fail(error, future, pending[2])
         else:  # it could not start: the next save's future gets the reason
             self._start_error = error
             log.error("the checkpoint process %d could not start: %s", self.pid, error)
@@ -353,6 +399,14 @@ class _Worker:
             self._popen.wait()
         self._channel.close()
         self._reader.join(timeout=timeout)
+
+
+def _fail(error: BaseException, future: Future[Any] | None, held: Future[None] | None) -> None:
+    """Fail a save's future, and its held future if the copy was not held yet."""
+    if held is not None and not held.done():
+        held.set_exception(error)
+    if future is not None:
+        future.set_exception(error)
 
 
 def _abort_open_uploads(writer: Any, rank: int, error: CheckpointProcessError) -> None:

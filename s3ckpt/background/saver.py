@@ -20,13 +20,17 @@ it on every rank, so no rank waits for this one in the save's collectives.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from s3ckpt.background.process import CheckpointProcess
+from s3ckpt.background.worker import Hold
 from s3ckpt.dcp.staging import HostStager, plain_state_dict
 from s3ckpt.dcp.writer import S3StorageWriter
 from s3ckpt.errors import CheckpointError
@@ -36,11 +40,28 @@ log = logging.getLogger("s3ckpt.background")
 SaverMode = Literal["process", "thread"]
 
 
+@dataclass(eq=False)
+class Keep:
+    """Keep a save's copy as a memory-tier checkpoint: stage it in ``slot`` (one of the
+    saver's ``memory_slots``), record it there (``hold``); ``held`` resolves once it is."""
+
+    slot: int
+    hold: Hold
+    held: Future[None] = field(default_factory=Future)
+    nbytes: int = 0  # the copy's tensor bytes, once staged
+
+
 class BackgroundSaver:
     """The staging memory, the upload's runner and the save group of one manager or
     strategy. With several ranks, every rank constructs it at the same point."""
 
-    def __init__(self, mode: SaverMode = "process", process_group: Any = None) -> None:
+    def __init__(
+        self,
+        mode: SaverMode = "process",
+        process_group: Any = None,
+        *,
+        memory_slots: Sequence[Path] = (),
+    ) -> None:
         self.mode = mode
         self._group = process_group
         distributed = dist.is_available() and dist.is_initialized()
@@ -51,7 +72,7 @@ class BackgroundSaver:
         self._thread: ThreadPoolExecutor | None = None
         self._save_group: Any = None
         if mode == "process":
-            self._process = CheckpointProcess(process_group)
+            self._process = CheckpointProcess(process_group, memory_slots=memory_slots)
         else:
             self._stager = HostStager()
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s3ckpt-save")
@@ -65,19 +86,32 @@ class BackgroundSaver:
         return self._process
 
     def start(
-        self, state_dict: dict[str, Any], writer: S3StorageWriter, describe: str
+        self,
+        state_dict: dict[str, Any],
+        writer: S3StorageWriter | None,
+        describe: str,
+        *,
+        keep: Keep | None = None,
     ) -> tuple[Future[Any], Exception | None]:
         """Copy ``state_dict`` to host memory, then start its upload with ``writer``; the
         upload's future, and this rank's copy failure if it had one (the caller raises it;
         with one rank it is raised here). ``describe`` names the save in that error. The
-        previous save must be finished."""
+        previous save must be finished.
+
+        With ``keep`` (process mode), the copy is also held as a memory-tier checkpoint;
+        ``writer`` may then be None: held only, with no collective, so a rank whose copy
+        fails raises at once (its step is then not held by every rank, which a restore
+        sees)."""
         if self._process is not None:
             self._process.wait_idle()
             self._process.refresh()
+        slot = keep.slot if keep is not None else 0
         try:
-            staged, failure = self._stage(state_dict), None
+            staged, failure = self._stage(state_dict, slot), None
+            if keep is not None:
+                keep.nbytes = staged.nbytes
         except Exception as exc:
-            if self.world == 1:
+            if self.world == 1 or writer is None:
                 raise
             staged, failure = None, exc
             reason = (
@@ -85,16 +119,22 @@ class BackgroundSaver:
                 f"memory ({type(exc).__name__}: {exc})"
             )
             writer = CopyFailed(writer, reason)
-        return self._upload(staged, writer), failure
+        return self._upload(staged, writer, keep if failure is None else None), failure
 
-    def _stage(self, state_dict: dict[str, Any]) -> Any:
+    def _stage(self, state_dict: dict[str, Any], slot: int) -> Any:
         if self._process is not None:
-            return self._process.stage(state_dict)
+            return self._process.stage(state_dict, slot)
         assert self._stager is not None
         return self._stager.stage(plain_state_dict(state_dict))
 
-    def _upload(self, staged: Any, writer: S3StorageWriter) -> Future[Any]:
+    def _upload(
+        self, staged: Any, writer: S3StorageWriter | None, keep: Keep | None
+    ) -> Future[Any]:
         if self._process is not None:
+            if keep is not None:
+                return self._process.submit(
+                    staged, writer, slot=keep.slot, hold=keep.hold, held=keep.held
+                )
             if staged is None:
                 staged = self._process.stage({})
             return self._process.submit(staged, writer)

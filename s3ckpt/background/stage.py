@@ -28,11 +28,13 @@ _StorageKey = tuple[int, str, int]  # data_ptr, device, nbytes
 
 @dataclass
 class Staged:
-    """One save's copy: the state with arena tensors, and the segments it added."""
+    """One save's copy: the state with arena tensors, the segments it added, and the
+    regions its bytes lie in."""
 
     state_dict: dict[str, Any]
     new_segments: list[Segment]
     nbytes: int
+    regions: list[Region] = field(default_factory=list)
 
 
 @dataclass
@@ -86,7 +88,7 @@ def stage(arena: StagingArena, state_dict: dict[str, Any]) -> Staged:
         return value
 
     nbytes = sum(region.nbytes for region in regions)
-    return Staged(_walk(state_dict, replace), added, nbytes)
+    return Staged(_walk(state_dict, replace), added, nbytes, regions)
 
 
 def _copy_all(

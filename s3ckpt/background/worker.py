@@ -5,9 +5,13 @@ running this module, never the training script: nothing of ``__main__`` runs aga
 so a script needs no ``if __name__ == "__main__":`` guard. It receives over the socket
 ``FD``, in order: a :class:`Hello` (the trainer's ``sys.path``, the log level, and with
 several ranks where the checkpoint processes meet); then any number of ``segments``
-messages (staging memory to map, as descriptors) and ``save`` messages (a staged state by
-reference, a writer, a planner), each answered with ``saved`` (the DCP metadata) or
-``failed`` (the error); and ``stop``, or the end of the socket, to exit.
+messages (staging memory of one arena to map, as descriptors) and ``save`` messages (an
+arena, a staged state by reference, a writer or None, a planner, and a :class:`Hold` or
+None), each answered with ``saved`` (the DCP metadata, None without a writer) or
+``failed`` (the error); and ``stop``, or the end of the socket, to exit. A save with a
+:class:`Hold` first records its copy as a memory-tier checkpoint (its CRC32Cs, then its
+descriptor, :mod:`s3ckpt.background.held`) and answers ``held``, then uploads it, if it
+has a writer, from the same memory.
 
 With several ranks the checkpoint processes form a gloo group of their own (the default
 group of this process), met through the trainer rank 0's store, so a save's collectives
@@ -57,6 +61,18 @@ class Hello:
     sys_path: list[str]
     log_level: int
     meeting: Meeting | None
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Keep a save's copy in its memory-tier slot (``folder``) as ``step``'s checkpoint."""
+
+    folder: str
+    step: int
+    rank: int
+    world: int
+    run: str
+    regions: tuple[tuple[int, int, int], ...] = ()  # segment, offset, nbytes of each storage
 
 
 def main(fd: int) -> int:
@@ -113,7 +129,7 @@ def _join(meeting: Meeting | None) -> None:
 def _serve(channel: Channel, *, distributed: bool) -> int:
     from s3ckpt.background.arena import StagingArena
 
-    arena = StagingArena()
+    arenas: dict[int, StagingArena] = {}
     try:
         while True:
             try:
@@ -121,27 +137,43 @@ def _serve(channel: Channel, *, distributed: bool) -> int:
             except ChannelClosed:
                 return 0
             if message[0] == "segments":
-                for descriptor, size in zip(fds, message[1], strict=True):
+                arena = arenas.setdefault(message[1], StagingArena())
+                for descriptor, size in zip(fds, message[2], strict=True):
                     arena.adopt(descriptor, size)
             elif message[0] == "save":
-                if not _save(channel, arena, *message[1:]) and distributed:
+                _, save_id, slot, *rest = message
+                if not _save(channel, arenas.get(slot), save_id, *rest) and distributed:
                     return 1
             elif message[0] == "stop":
                 return 0
     finally:
-        arena.close()
+        for arena in arenas.values():
+            arena.close()
         _leave(distributed)
 
 
 def _save(
-    channel: Channel, arena: Any, save_id: int, data: bytes, writer: Any, planner: Any
+    channel: Channel,
+    arena: Any,
+    save_id: int,
+    data: bytes,
+    writer: Any,
+    planner: Any,
+    hold: Hold | None,
 ) -> bool:
-    """Run one save; whether it committed."""
+    """Run one save (hold its copy, upload it); whether it completed."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    segments = arena.mappings if arena is not None else []
     try:
-        state = loads_staged(data, arena)
+        if hold is not None:
+            _hold(segments, data, hold)
+            _answer(channel, ("held", save_id))
+        if writer is None:
+            _answer(channel, ("saved", save_id, None))
+            return True
+        state = loads_staged(data, segments)
         distributed = dist.is_initialized()
         metadata = dcp.save(state, storage_writer=writer, planner=planner, no_dist=not distributed)
     except BaseException as exc:
@@ -150,6 +182,33 @@ def _save(
         return False
     _answer(channel, ("saved", save_id, metadata))
     return True
+
+
+def _hold(segments: list[Any], data: bytes, hold: Hold) -> None:
+    """Checksum the copy's regions, then record it in its slot (descriptor last)."""
+    import time
+    from pathlib import Path
+
+    from crc32c import crc32c
+
+    from s3ckpt.background import held
+
+    regions = []
+    for segment, offset, nbytes in hold.regions:
+        with memoryview(segments[segment])[offset : offset + nbytes] as view:
+            regions.append(held.HeldRegion(segment, offset, nbytes, crc32c(view)))
+    record = held.Held(
+        step=hold.step,
+        rank=hold.rank,
+        world=hold.world,
+        run=hold.run,
+        segments=tuple(len(segment) for segment in segments),
+        regions=tuple(regions),
+        state_crc32c=crc32c(data),
+        nbytes=sum(nbytes for _, _, nbytes in hold.regions),
+        created=time.time(),
+    )
+    held.write(Path(hold.folder), record, data)
 
 
 def _portable(exc: BaseException) -> BaseException:

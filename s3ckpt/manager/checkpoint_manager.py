@@ -35,6 +35,11 @@ rules:
   written, and its failures are logged, not raised.
 * **Metrics**: each commit gives a :class:`SaveMetrics`, logged at INFO on
   ``s3ckpt.manager``, kept in ``metrics`` and passed to ``on_saved``.
+* **Memory tier** (``memory_tier=MemoryTier(...)``, :mod:`s3ckpt.tier`): every save is
+  also held in shared memory on the node (the copy the upload reads, so no second copy),
+  and only steps that ``MemoryTier.s3_every`` divides go to S3. ``load_latest`` restores
+  from memory when every rank holds an intact copy at least as new as S3's newest step,
+  agreed across ranks, and from S3 otherwise; ``last_restore`` says which and what it cost.
 """
 
 from __future__ import annotations
@@ -53,12 +58,13 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt.background.saver import BackgroundSaver
+from s3ckpt.background.saver import BackgroundSaver, Keep
+from s3ckpt.background.worker import Hold
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.dcp.compat import unwrap
 from s3ckpt.dcp.reader import S3StorageReader
 from s3ckpt.dcp.writer import S3StorageWriter
-from s3ckpt.errors import CheckpointError, CheckpointExistsError
+from s3ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError
 from s3ckpt.manager.committed import CommittedSteps
 from s3ckpt.manager.policy import (
     AsyncMode,
@@ -70,6 +76,9 @@ from s3ckpt.manager.policy import (
     validate_options,
 )
 from s3ckpt.manager.ranks import Ranks
+from s3ckpt.tier.copies import LocalCopies
+from s3ckpt.tier.options import MemoryTier
+from s3ckpt.tier.restore import Restored, restore_from_memory
 
 log = logging.getLogger("s3ckpt.manager")
 
@@ -85,6 +94,9 @@ class _InFlight:
     waited_s: float
     done: threading.Event = field(default_factory=threading.Event)
     metrics: SaveMetrics | None = None
+    to_s3: bool = True
+    nbytes: int = 0  # this rank's staged bytes (what a save held only in memory reports)
+    held_at: float | None = None  # perf_counter() when the copy was held in memory
 
 
 class CheckpointManager:
@@ -111,6 +123,9 @@ class CheckpointManager:
             (``{"compression": "zstd"}``...).
         reader_options: more keywords for every :class:`~s3ckpt.S3StorageReader`
             (``{"trust_pickles": True}`` for state holding custom classes...).
+        memory_tier: hold every save in shared memory on the node too, and write to S3
+            only the steps it says (:class:`~s3ckpt.MemoryTier`; process mode only). Its
+            root is checked at construction.
     """
 
     def __init__(
@@ -129,9 +144,15 @@ class CheckpointManager:
         max_metrics: int = 1000,
         writer_options: dict[str, Any] | None = None,
         reader_options: dict[str, Any] | None = None,
+        memory_tier: MemoryTier | None = None,
         **options: Any,
     ) -> None:
         validate_options(keep_last, keep_every, if_busy, async_mode)
+        if memory_tier is not None and async_mode != "process":
+            raise ConfigError(
+                f"memory_tier needs async_mode='process' (the checkpoint process records the "
+                f"held copies), not {async_mode!r}"
+            )
         self.location = S3URI.parse(uri, require_prefix=False)
         self.config = make_config(config, endpoint_url=endpoint_url, **options)
         self.if_busy, self.async_mode, self.overwrite = if_busy, async_mode, overwrite
@@ -143,7 +164,17 @@ class CheckpointManager:
         self._no_dist = not self._ranks.distributed
         if self._ranks.world == 1:  # DCP warns on each single-process call; here it is meant
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        self._saves = None if async_mode == "sync" else BackgroundSaver(async_mode, process_group)
+        self.memory_tier = memory_tier
+        self._copies = (
+            None if memory_tier is None
+            else LocalCopies(memory_tier, str(self.location), self._ranks.rank, self._ranks.world)
+        )  # fmt: skip
+        slots = self._copies.slots if self._copies is not None else ()
+        self._saves = (
+            None if async_mode == "sync"
+            else BackgroundSaver(async_mode, process_group, memory_slots=slots)
+        )  # fmt: skip
+        self.last_restore: Restored | None = None
         self._retention = Retention(self.location, self.config, keep_last, keep_every)
         self._lock = threading.Lock()
         self._inflight: _InFlight | None = None
@@ -201,13 +232,29 @@ class CheckpointManager:
 
         Loads in place, Stateful objects included (DCP calls their ``load_state_dict``).
         The step returned is the one passed to the ``save`` restored: if the loop saves
-        after training step ``N``, resume at ``N + 1``.
+        after training step ``N``, resume at ``N + 1``. With a memory tier, a step every
+        rank holds intact in memory, at least as new as S3's newest, is restored from
+        memory (:mod:`s3ckpt.tier.restore`); ``last_restore`` says where it came from.
         """
         self._check_process()
         self._settle()
+        started = time.perf_counter()
         step = self.latest_step()
+        if self._copies is not None:
+            restored = restore_from_memory(state_dict, self._copies, self._ranks.gather, step)
+            if restored is not None:
+                self._went_on_from(restored.step)
+                self.last_restore = restored
+                log.info(
+                    "loaded %s from memory in %.2f s (%.3f s to choose it)",
+                    checkpoint_name(restored.step), restored.load_s, restored.select_s,
+                )  # fmt: skip
+                return restored.step
         if step is not None:
+            selected = time.perf_counter()
             self.load(step, state_dict)
+            done = time.perf_counter()
+            self.last_restore = Restored(step, "s3", selected - started, done - selected)
         return step
 
     def load(self, step: int, state_dict: dict[str, Any]) -> None:
@@ -230,17 +277,36 @@ class CheckpointManager:
             )
         except BaseException as exc:
             _reraise(exc)
-        self._committed.loaded(step)
+        self._went_on_from(step)
         log.info("loaded %s in %.2f s", checkpoint_name(step), time.perf_counter() - started)
+
+    def _went_on_from(self, step: int) -> None:
+        """The run goes on from ``step``: what was saved above it is a rolled-back run's."""
+        self._committed.loaded(step)
+        if self._copies is not None:
+            self._copies.discard_above(step)
+
+    def held_steps(self) -> list[int]:
+        """Steps every rank holds a complete copy of in the memory tier, ascending (one
+        all-gather; every rank calls it). Empty without a memory tier."""
+        self._check_process()
+        if self._copies is None:
+            return []
+        self._settle()
+        every = self._ranks.gather([h.held.step for h in self._copies.held()])
+        return sorted(set(every[0]).intersection(*every[1:]))
 
     # -- save ----------------------------------------------------------------------------
 
-    def save(self, step: int, state_dict: dict[str, Any]) -> bool:
+    def save(self, step: int, state_dict: dict[str, Any], *, s3: bool | None = None) -> bool:
         """Stage ``state_dict`` and upload it as ``step`` in the background.
 
         Returns True once staged, False when skipped (busy under ``if_busy="skip"``, or
         ``step`` already committed). A previous save's failure is raised here first, and
         this step is then not saved: call ``save`` again to save it.
+
+        With a memory tier the copy is also held in memory, and uploaded only if ``s3``
+        says so (default: ``MemoryTier.to_s3(step)``); every rank must pass the same.
         """
         if self._closed:
             raise CheckpointError(f"{self!r} is closed")
@@ -252,24 +318,44 @@ class CheckpointManager:
             return False
         self._settle()  # from here on, every rank has the same view of what is committed
         waited = time.perf_counter() - started
-        replace = self.overwrite or self._committed.replaces(step)
-        if not replace and self._committed.includes(step):
-            log.info("%s is already committed; not saved again", name)
-            return False
-        writer = self._writer(step, replace)
+        to_s3 = self.memory_tier is None or (self.memory_tier.to_s3(step) if s3 is None else s3)
+        writer = None
+        if to_s3:
+            replace = self.overwrite or self._committed.replaces(step)
+            if not replace and self._committed.includes(step):
+                log.info("%s is already committed; not saved again", name)
+                return False
+            writer = self._writer(step, replace)
         if self._saves is None:
+            assert writer is not None
             return self._save_sync(step, state_dict, writer, started, waited)
+        keep = self._keep(step)
         try:
-            future, failure = self._saves.start(state_dict, writer, name)
+            future, failure = self._saves.start(state_dict, writer, name, keep=keep)
         except BaseException as exc:
             _reraise(exc)
         now = time.perf_counter()
-        inflight = _InFlight(step, future, now, now - started, waited)
+        inflight = _InFlight(
+            step, future, now, now - started, waited, to_s3=to_s3,
+            nbytes=keep.nbytes if keep is not None else 0,
+        )  # fmt: skip
         self._inflight = inflight
+        if keep is not None:
+            keep.held.add_done_callback(lambda _: setattr(inflight, "held_at", time.perf_counter()))
         future.add_done_callback(lambda _: self._finished(inflight))
         if failure is not None:
             _reraise(failure)
         return True
+
+    def _keep(self, step: int) -> Keep | None:
+        """Where this save's copy is held in the memory tier (that slot emptied first)."""
+        if self._copies is None:
+            return None
+        slot = self._copies.next_slot()
+        self._copies.invalidate(slot)
+        folder = str(self._copies.slots[slot])
+        hold = Hold(folder, step, self._ranks.rank, self._ranks.world, str(self.location))
+        return Keep(slot, hold)
 
     def _writer(self, step: int, replace: bool) -> S3StorageWriter:
         return S3StorageWriter(
@@ -327,7 +413,9 @@ class CheckpointManager:
     def _finished(self, inflight: _InFlight) -> None:
         try:
             error = inflight.future.exception()
-            if error is None:
+            if error is None and not inflight.to_s3:
+                inflight.metrics = self._held_ok(inflight)
+            elif error is None:
                 upload = time.perf_counter() - inflight.started
                 inflight.metrics = self._committed_ok(
                     inflight.step,
@@ -335,6 +423,7 @@ class CheckpointManager:
                     inflight.blocked_s,
                     upload,
                     inflight.waited_s,
+                    None if inflight.held_at is None else inflight.held_at - inflight.started,
                 )
             else:
                 self._failed(inflight.step, error)
@@ -344,10 +433,24 @@ class CheckpointManager:
             inflight.done.set()
 
     def _committed_ok(
-        self, step: int, metadata: Any, blocked: float, upload: float, waited: float
+        self,
+        step: int,
+        metadata: Any,
+        blocked: float,
+        upload: float,
+        waited: float,
+        held_s: float | None = None,
     ) -> SaveMetrics:
-        metrics = SaveMetrics.of(step, blocked, upload, state_bytes(metadata), waited)
+        metrics = SaveMetrics.of(
+            step, blocked, upload, state_bytes(metadata), waited, held_s=held_s
+        )
         self._committed.add([step])
+        self._record(metrics)
+        if self._ranks.rank == 0:
+            self._retention.after_commit(step)
+        return metrics
+
+    def _record(self, metrics: SaveMetrics) -> None:
         with self._lock:
             self.metrics.append(metrics)
         log.info("%s", metrics)
@@ -355,9 +458,16 @@ class CheckpointManager:
             try:
                 self.on_saved(metrics)
             except Exception:
-                log.exception("on_saved callback failed for step %d", step)
-        if self._ranks.rank == 0:
-            self._retention.after_commit(step)
+                log.exception("on_saved callback failed for step %d", metrics.step)
+
+    def _held_ok(self, inflight: _InFlight) -> SaveMetrics:
+        """Bookkeeping of a save held in memory only (no commit, no retention)."""
+        held_s = (inflight.held_at or time.perf_counter()) - inflight.started
+        metrics = SaveMetrics.of(
+            inflight.step, inflight.blocked_s, 0.0, inflight.nbytes, inflight.waited_s,
+            held_s=held_s, to_s3=False,
+        )  # fmt: skip
+        self._record(metrics)
         return metrics
 
     def _failed(self, step: int, exc: BaseException) -> None:

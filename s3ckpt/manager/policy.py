@@ -71,6 +71,9 @@ class SaveMetrics:
     the commit; ``bytes``: the tensor bytes of the state saved, all ranks (before any
     compression);
     ``throughput_mb_s``: bytes / upload_s in MB/s (10**6 bytes).
+    With a memory tier, ``held_s``: from ``save()`` returning until this rank's copy was
+    held in memory; ``to_s3``: False for a save held only in memory (then ``bytes`` is
+    this rank's, and nothing was uploaded or committed).
     """
 
     step: int
@@ -79,21 +82,38 @@ class SaveMetrics:
     bytes: int
     throughput_mb_s: float
     waited_s: float = 0.0
+    held_s: float | None = None
+    to_s3: bool = True
 
     @classmethod
     def of(
-        cls, step: int, blocked: float, upload: float, nbytes: int, waited: float
+        cls,
+        step: int,
+        blocked: float,
+        upload: float,
+        nbytes: int,
+        waited: float,
+        *,
+        held_s: float | None = None,
+        to_s3: bool = True,
     ) -> SaveMetrics:
-        return cls(step, blocked, upload, nbytes, nbytes / 1e6 / max(upload, 1e-9), waited)
+        throughput = nbytes / 1e6 / max(upload, 1e-9) if to_s3 else 0.0
+        return cls(step, blocked, upload, nbytes, throughput, waited, held_s, to_s3)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def __str__(self) -> str:
+        held = "" if self.held_s is None else f", held in memory after {self.held_s:.3f} s"
+        if not self.to_s3:
+            return (
+                f"{checkpoint_name(self.step)} held in memory: {self.bytes / 1e6:.1f} MB "
+                f"on this rank, blocked {self.blocked_s:.3f} s{held}"
+            )
         return (
             f"{checkpoint_name(self.step)} committed: {self.bytes / 1e6:.1f} MB, "
             f"blocked {self.blocked_s:.3f} s, upload {self.upload_s:.2f} s "
-            f"({self.throughput_mb_s:.1f} MB/s)"
+            f"({self.throughput_mb_s:.1f} MB/s){held}"
         )
 
 

@@ -37,11 +37,15 @@ class Ranks:
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank (one all-gather)."""
+        return any(self.gather(flag))
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order (one all-gather)."""
         if self.world == 1:
-            return flag
-        flags: list[Any] = [None] * self.world
-        dist.all_gather_object(flags, flag, group=self.group)
-        return any(flags)
+            return [value]
+        values: list[Any] = [None] * self.world
+        dist.all_gather_object(values, value, group=self.group)
+        return values
 
     def on_rank0(self, call: Callable[[], T]) -> T:
         """``call()`` on rank 0, its result (or its error) on every rank."""

@@ -43,12 +43,12 @@ def dtensor_main(rank: int, world_size: int, port: int, s3: dict[str, Any], uri:
             manager.save(1, state)
             manager.wait()
             report["staging_after_first"] = process.staging_bytes
-            segments = list(process._arena.segments)
+            segments = list(process.arena().segments)
             for tensor in state["model"].values():
                 tensor.to_local().mul_(2)
             manager.save(2, state)
             manager.wait()
-            report["same_segments"] = process._arena.segments == segments
+            report["same_segments"] = process.arena().segments == segments
             report["same_pid"] = process.pid == report["pid"]
             report["steps"] = manager.steps()
             fresh = sharded_state(mesh)

@@ -82,14 +82,14 @@ def test_saves_reuse_one_process_and_its_staging_memory(s3_prefix, make_writer, 
             assert future.result(timeout=120) is not None  # DCP's Metadata
             assert_same(load(f"{s3_prefix}/s{seed}", make_reader, state), state)
             if held is None:
-                held, segments = process.staging_bytes, list(process._arena.segments)
+                held, segments = process.staging_bytes, list(process.arena().segments)
             assert process.pid == pid
             assert process.staging_bytes == held  # the same memory, not a new copy
-            assert process._arena.segments == segments
+            assert process.arena().segments == segments
         assert held >= 4 * MIB
         bigger = state_of(4, n=80)  # 80 MiB: outgrows the first segment (64 MiB)
         process.async_save(bigger, storage_writer=make_writer(f"{s3_prefix}/big")).result(120)
-        assert len(process._arena.segments) == len(segments) + 1
+        assert len(process.arena().segments) == len(segments) + 1
         assert_same(load(f"{s3_prefix}/big", make_reader, bigger), bigger)
     assert not alive(pid)
 

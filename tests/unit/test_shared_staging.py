@@ -88,11 +88,13 @@ def test_staged_state_pickles_by_reference_and_unpickles_over_the_same_memory():
         staged = stage(arena, live).state_dict
         data = dumps_staged(staged, arena)
         assert len(data) < 4096  # 4 MiB of tensors described, not copied
-        loaded = loads_staged(data, arena)
+        loaded = loads_staged(data, arena.mappings)
         assert torch.equal(loaded["big"], live["big"]) and loaded["n"] == 1
         assert loaded["big"].data_ptr() == staged["big"].data_ptr()
         outside = {"t": torch.randn(100)}  # not in the arena: pickled whole, as torch does
-        assert torch.equal(loads_staged(dumps_staged(outside, arena), arena)["t"], outside["t"])
+        assert torch.equal(
+            loads_staged(dumps_staged(outside, arena), arena.mappings)["t"], outside["t"]
+        )
     finally:
         arena.close()
 
@@ -117,7 +119,7 @@ def test_staged_shards_save_the_metadata_of_the_sharded_tensor(tmp_path: Path):
     try:
         staged = stage(arena, {"shard": shard}).state_dict["shard"]
         shards = StagedShards.of([_item([4, 0], [4, 8], [8, 8], shard)], [staged])
-        sent = loads_staged(dumps_staged({"w": shards}, arena), arena)["w"]
+        sent = loads_staged(dumps_staged({"w": shards}, arena), arena.mappings)["w"]
         assert isinstance(sent, StagedShards) and torch.equal(sent._s3ckpt_shards[0], shard)
         metadata = dcp.save({"w": sent}, checkpoint_id=str(tmp_path), no_dist=True)
     finally:

@@ -1,0 +1,176 @@
+"""Restoring from the memory tier: the newest step the whole job holds intact, or none.
+
+``CheckpointManager.load_latest`` with a memory tier asks here first:
+
+1. **Agree on a step.** Each rank lists the complete copies it holds (its descriptors);
+   one all-gather gives the steps every rank holds. The newest of them that is at least
+   the newest committed S3 step is the candidate (S3 wins when it is newer).
+2. **Verify.** Each rank maps its copy of the candidate and checks every region against
+   its CRC32C, as every S3 read is checked; one all-gather of the outcomes. If any rank's
+   copy is damaged, the job walks back to the next step every rank holds.
+3. **Apply.** ``dcp.load`` from the copy (:class:`HeldReader`), rank by rank with no
+   collective: each rank's copy holds exactly the shards it saved, so a restart with the
+   same world size and sharding finds every piece it needs; DCP calls the ``Stateful``
+   objects' ``load_state_dict`` as for any load. One all-gather of the outcomes: a rank
+   that could not apply (its state no longer matches the copy's) sends every rank on to
+   S3, so no model is ever assembled from two steps.
+
+The step is chosen once for every rank and never mixed: every rank applies the same step,
+or every rank falls back to S3 (which loads over whatever was applied).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import StorageReader
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+
+from s3ckpt.background.channel import loads_staged
+from s3ckpt.background.held import MappedCopy
+from s3ckpt.dcp.compat import narrow, unwrap
+from s3ckpt.tier.copies import HeldSlot, LocalCopies
+
+log = logging.getLogger("s3ckpt.tier")
+
+Gather = Callable[[Any], list[Any]]
+"""One all-gather of a picklable value across the ranks that restore together."""
+
+
+@dataclass(frozen=True)
+class Restored:
+    """Where a ``load_latest`` found its step, and what it cost."""
+
+    step: int
+    tier: str  # "memory" or "s3"
+    select_s: float  # choosing (and verifying) the step
+    load_s: float  # applying it
+
+
+class HeldReader(StorageReader):
+    """A DCP ``StorageReader`` over one rank's held copy: the metadata is what a save of
+    the copy would write (DCP's own save planner, run on the copy), the bytes are the
+    copy's own memory."""
+
+    def __init__(self, copy: MappedCopy) -> None:
+        super().__init__()
+        state = loads_staged(copy.state, copy.maps)
+        self._planner = DefaultSavePlanner()
+        self._planner.set_up_planner(state, is_coordinator=True)
+        plan = self._planner.create_local_plan()
+        _, self._metadata = self._planner.create_global_plan([plan])
+        self._items = {item.index: item for item in plan.items}
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False  # only ever passed as an object
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        for item in plan.items:
+            data = self._planner.resolve_data(self._items[_plain(item.storage_index)])
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(data.getvalue()))
+                continue
+            source = narrow(data, item.storage_offsets, item.lengths)
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(source)
+            planner.commit_tensor(item, target)
+        done: torch.futures.Future[None] = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+
+def _plain(index: MetadataIndex) -> MetadataIndex:
+    return MetadataIndex(index.fqn, index.offset)
+
+
+def restore_from_memory(
+    state_dict: dict[str, Any],
+    copies: LocalCopies,
+    gather: Gather,
+    s3_latest: int | None,
+    planner: LoadPlanner | None = None,
+) -> Restored | None:
+    """Load the newest step every rank holds intact (not older than ``s3_latest``) into
+    ``state_dict``; None when there is none (then load from S3). Every rank calls it."""
+    started = time.perf_counter()
+    mine = {h.held.step: h for h in copies.held()}
+    every = gather(sorted(mine))
+    common = set(every[0]).intersection(*every[1:])
+    candidates = sorted((s for s in common if s3_latest is None or s >= s3_latest), reverse=True)
+    for step in candidates:
+        copy, problem = _verified(mine[step])
+        problems = gather(problem)
+        if any(problems):
+            _close(copy)
+            log.warning(
+                "step %d in memory is not intact on every rank (%s); trying an older one",
+                step, "; ".join(p for p in problems if p),
+            )  # fmt: skip
+            continue
+        assert copy is not None
+        chosen = time.perf_counter()
+        problem = _apply(state_dict, copy, planner)
+        problems = gather(problem)
+        _close(copy)
+        if any(problems):
+            log.warning(
+                "step %d could not be loaded from memory on every rank (%s); loading from S3",
+                step, "; ".join(p for p in problems if p),
+            )  # fmt: skip
+            return None
+        return Restored(step, "memory", chosen - started, time.perf_counter() - chosen)
+    if common:
+        log.info("no step held in memory is newer than S3's step %s", s3_latest)
+    return None
+
+
+def _verified(slot: HeldSlot) -> tuple[MappedCopy | None, str | None]:
+    try:
+        copy = MappedCopy(slot.folder, slot.held)
+    except (OSError, ValueError) as exc:
+        return None, f"rank {slot.held.rank}: {exc}"
+    problem = copy.verify()
+    if problem is not None:
+        copy.close()
+        return None, f"rank {slot.held.rank}: {problem}"
+    return copy, None
+
+
+def _apply(state_dict: dict[str, Any], copy: MappedCopy, planner: LoadPlanner | None) -> str | None:
+    try:
+        dcp.load(state_dict, storage_reader=HeldReader(copy), planner=planner, no_dist=True)
+    except Exception as exc:
+        error = unwrap(exc)
+        log.debug("applying the held copy failed", exc_info=error)
+        return f"rank {copy.held.rank}: {type(error).__name__}: {error}"
+    return None
+
+
+def _close(copy: MappedCopy | None) -> None:
+    if copy is not None:
+        copy.close()

@@ -1,0 +1,220 @@
+"""The memory tier of CheckpointManager: copies held in shared memory (a folder of
+/dev/shm per test, standing for a node's), S3 every n-th step, restores that agree,
+verify, walk back and fall back to S3; faults on one and two gloo ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import _manager_worker as worker
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from s3ckpt import CheckpointManager, ConfigError, MemoryTier, MemoryTierError
+from s3ckpt.background import held
+from s3ckpt.tier.copies import node_copies
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
+
+
+@pytest.fixture
+def shm_root(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A fresh folder in /dev/shm (a node's shared memory), removed afterwards."""
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="s3ckpt-test-", dir="/dev/shm"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def trained(steps: range, seed: int = 1) -> tuple[torch.nn.Module, dict[str, Any]]:
+    model, state = worker.make_state(0, seed=seed)
+    for step in steps:
+        worker.train_step(model, state, step)
+    return model, state
+
+
+def saving_run(uri, s3_options, tier, steps) -> dict[int, dict[str, Any]]:
+    """Save each of ``steps`` after training it; the snapshot at each step."""
+    model, state = worker.make_state(0, seed=1)
+    snapshots = {}
+    with CheckpointManager(uri, memory_tier=tier, **s3_options) as manager:
+        for step in steps:
+            worker.train_step(model, state, step)
+            state["rank0"].add_(step)
+            assert manager.save(step, state) is True
+            manager.wait()
+            snapshots[step] = worker.snapshot(model, state, 0)
+    return snapshots
+
+
+def restore(uri, s3_options, tier) -> tuple[int | None, Any, dict[str, Any]]:
+    model, state = worker.make_state(0, seed=2)
+    with CheckpointManager(uri, memory_tier=tier, **s3_options) as manager:
+        step = manager.load_latest(state)
+        return step, manager.last_restore, worker.snapshot(model, state, 0)
+
+
+def assert_same(loaded: dict[str, Any], expected: dict[str, Any]) -> None:
+    for key, value in expected["params"].items():
+        assert torch.equal(loaded["params"][key], value), key
+    for got, want in zip(loaded["exp_avg"], expected["exp_avg"], strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(loaded["own"], expected["own"])
+
+
+def slot_of(root: Path, step: int) -> Path:
+    (copy,) = [c for c in node_copies(root) if c.held.step == step]
+    return copy.folder
+
+
+def test_saves_hold_every_step_and_upload_every_nth(s3_prefix, s3_options, shm_root):
+    tier = MemoryTier(keep=2, s3_every=2, root=shm_root)
+    model, state = worker.make_state(0, seed=1)
+    with CheckpointManager(s3_prefix, memory_tier=tier, **s3_options) as manager:
+        for step in (1, 2, 3):
+            worker.train_step(model, state, step)
+            manager.save(step, state)
+            metrics = manager.wait()
+            assert metrics is not None and metrics.held_s is not None and metrics.held_s >= 0
+            assert metrics.to_s3 is (step == 2)
+            assert metrics.bytes > 0
+        assert manager.steps() == [2]  # only the step s3_every divides went to S3
+        assert manager.held_steps() == [2, 3]  # keep=2: the two newest
+        staging = manager._saves.process.staging_bytes
+    # the held copies are the staging memory: two slots, nothing else in shared memory
+    on_disk = sum(p.stat().st_size for p in shm_root.rglob("segment-*"))
+    assert on_disk == staging
+    assert {c.held.step for c in node_copies(shm_root)} == {2, 3}
+
+
+def test_a_restarted_process_restores_the_newest_step_from_memory_bit_exact(
+    s3_prefix, s3_options, shm_root
+):
+    tier = MemoryTier(keep=2, s3_every=2, root=shm_root)
+    snapshots = saving_run(s3_prefix, s3_options, tier, range(1, 6))
+    step, restored, loaded = restore(s3_prefix, s3_options, tier)
+    assert step == 5 and restored.tier == "memory"  # newer than S3's step 4
+    assert_same(loaded, snapshots[5])
+
+
+def test_s3_wins_when_it_is_newer_than_memory(s3_prefix, s3_options, shm_root):
+    tier = MemoryTier(keep=2, s3_every=2, root=shm_root)
+    saving_run(s3_prefix, s3_options, tier, range(1, 5))  # memory 3, 4; S3 2, 4
+    # a second node's run went on to step 6 on S3 (this node's memory stopped at 4)
+    model, state = trained(range(1, 7))
+    with CheckpointManager(s3_prefix, **s3_options) as other:
+        other.save(6, state)
+        other.wait()
+    step, restored, loaded = restore(s3_prefix, s3_options, tier)
+    assert step == 6 and restored.tier == "s3"
+    assert_same(loaded, worker.snapshot(model, state, 0))
+
+
+def test_a_damaged_copy_is_not_used_the_restore_walks_back(s3_prefix, s3_options, shm_root):
+    tier = MemoryTier(keep=2, s3_every=10, root=shm_root)
+    snapshots = saving_run(s3_prefix, s3_options, tier, range(1, 4))  # S3: nothing
+    segment = slot_of(shm_root, 3) / "segment-0"
+    with open(segment, "r+b") as f:  # one flipped bit in step 3's copy
+        f.seek(4096 + 17)
+        byte = f.read(1)
+        f.seek(4096 + 17)
+        f.write(bytes([byte[0] ^ 0x01]))
+    step, restored, loaded = restore(s3_prefix, s3_options, tier)
+    assert step == 2 and restored.tier == "memory"
+    assert_same(loaded, snapshots[2])
+
+
+def test_a_copy_without_its_descriptor_is_not_held(s3_prefix, s3_options, shm_root):
+    """A save killed between its copy and its record: the slot holds nothing."""
+    tier = MemoryTier(keep=2, s3_every=2, root=shm_root)
+    snapshots = saving_run(s3_prefix, s3_options, tier, range(1, 4))  # S3: 2; memory 2, 3
+    (slot_of(shm_root, 3) / held.DESCRIPTOR).unlink()
+    step, restored, loaded = restore(s3_prefix, s3_options, tier)
+    assert step == 2 and restored.tier == "memory"  # as new as S3's, and local
+    assert_same(loaded, snapshots[2])
+
+
+def test_a_checkpoint_process_killed_before_the_record_leaves_the_older_step(
+    s3_prefix, s3_options, shm_root, monkeypatch
+):
+    """SIGKILL the checkpoint process while it checksums step 2's copy: step 2 is not
+    held, step 1 is, and the next save starts a fresh process."""
+    tier = MemoryTier(keep=2, s3_every=100, root=shm_root)
+    model, state = worker.make_state(0, seed=1)
+    big = {"app": state["app"], "rank0": state["rank0"], "big": torch.randn(64 << 20)}
+    with CheckpointManager(s3_prefix, memory_tier=tier, **s3_options) as manager:
+        manager.save(1, big)
+        manager.wait()
+        expected = worker.snapshot(model, big, 0)
+        worker.train_step(model, big, 2)
+        process = manager._saves.process
+        os.kill(process.pid, signal.SIGSTOP)  # staged, then killed before it can record
+        manager.save(2, big)
+        os.kill(process.pid, signal.SIGKILL)
+        with pytest.raises(Exception, match="killed by signal 9"):
+            manager.wait()
+        assert manager.held_steps() == [1]
+        manager.save(3, big)  # a fresh process
+        manager.wait()
+        assert manager.held_steps() == [1, 3]
+    (slot_of(shm_root, 3) / held.DESCRIPTOR).unlink()
+    fresh_model, fresh = worker.make_state(0, seed=2)
+    fresh_big = {"app": fresh["app"], "rank0": fresh["rank0"], "big": torch.zeros(64 << 20)}
+    with CheckpointManager(s3_prefix, memory_tier=tier, **s3_options) as restarted:
+        assert restarted.load_latest(fresh_big) == 1
+    assert_same(worker.snapshot(fresh_model, fresh_big, 0), expected)
+
+
+def test_rolling_back_forgets_the_abandoned_steps_in_memory(s3_prefix, s3_options, shm_root):
+    tier = MemoryTier(keep=3, s3_every=1, root=shm_root)
+    saving_run(s3_prefix, s3_options, tier, range(1, 4))
+    model, state = worker.make_state(0, seed=2)
+    with CheckpointManager(s3_prefix, memory_tier=tier, **s3_options) as manager:
+        manager.load(1, state)  # roll back: steps 2 and 3 are the abandoned run's
+        assert manager.held_steps() == [1]
+        worker.train_step(model, state, 102)  # the new run's step 2 differs from the old
+        manager.save(2, state)
+        manager.wait()
+        expected = worker.snapshot(model, state, 0)
+        assert manager.held_steps() == [1, 2] and manager.steps() == [1, 2]
+    step, restored, loaded = restore(s3_prefix, s3_options, tier)
+    assert step == 2 and restored.tier == "memory"
+    assert_same(loaded, expected)
+
+
+def test_a_state_that_no_longer_matches_falls_back_to_s3(s3_prefix, s3_options, shm_root):
+    tier = MemoryTier(keep=2, s3_every=2, root=shm_root)
+    snapshots = saving_run(s3_prefix, s3_options, tier, range(1, 4))  # S3 2, memory 2, 3
+    _, state = worker.make_state(0, seed=2)
+    state["extra"] = torch.zeros(3)  # a key no copy has: nothing from memory is applied
+    with CheckpointManager(s3_prefix, memory_tier=tier, **s3_options) as manager:
+        with pytest.raises(CheckpointException) as raised:
+            manager.load_latest(state)  # S3's step 2 lacks it too: DCP's own error
+        assert manager.last_restore is None
+    assert "Missing key in checkpoint state_dict: extra" in str(raised.value.failures)
+    del state["extra"]
+    step, restored, loaded = restore(s3_prefix, s3_options, tier)
+    assert step == 3 and restored.tier == "memory"
+    assert_same(loaded, snapshots[3])
+
+
+def test_options_are_checked_at_construction(s3_prefix, s3_options, shm_root):
+    with pytest.raises(ConfigError, match="keep"):
+        MemoryTier(keep=0)
+    with pytest.raises(ConfigError, match="s3_every"):
+        MemoryTier(s3_every=-1)
+    with pytest.raises(ConfigError, match="process"):
+        CheckpointManager(s3_prefix, memory_tier=MemoryTier(root=shm_root),
+                          async_mode="thread", **s3_options)  # fmt: skip
+    too_big = MemoryTier(root=shm_root, max_bytes=1 << 50, local_ranks=1)
+    with pytest.raises(MemoryTierError, match=r"needs \d+ bytes at"):
+        CheckpointManager(s3_prefix, memory_tier=too_big, **s3_options)

@@ -193,3 +193,88 @@ def failed_staging(rank: int, uri: str, s3: dict[str, Any], mode: str) -> dict[s
     listed = catalog.list_checkpoints(uri, include_uncommitted=True, **s3)
     outcome["uncommitted"] = [i.name for i in listed if not i.committed]
     return outcome
+
+
+def memory_tier_main(
+    rank: int, world_size: int, port: int, s3: dict[str, Any], uri: str, out_dir: str,
+    roots: list[str],
+) -> None:  # fmt: skip
+    """The memory tier's faults on two gloo ranks, each rank's root a simulated node's
+    shared memory: every rank restarted, one rank's copy deleted, a whole node lost, a
+    rank's checkpoint process killed between its copy and the step's commit. Each
+    restore's step and source, and whether it is bit-exact, go in the report."""
+    import shutil
+    import signal
+    from pathlib import Path
+
+    from s3ckpt import CheckpointManager, MemoryTier
+    from s3ckpt.background import held
+    from s3ckpt.tier.copies import node_copies
+
+    tier = MemoryTier(keep=2, s3_every=2, root=Path(roots[rank]))
+    model, state = make_state(rank, seed=1)
+    expected = {}
+
+    def save(manager: CheckpointManager, step: int) -> None:
+        train_step(model, state, step)
+        state[f"rank{rank}"].add_(step)
+        manager.save(step, state)
+        manager.wait()
+        expected[step] = snapshot(model, state, rank)
+
+    def restored() -> tuple[Any, bool]:
+        fresh_model, fresh = make_state(rank, seed=2)
+        with CheckpointManager(uri, memory_tier=tier, **s3) as manager:
+            step = manager.load_latest(fresh)
+            where = (step, manager.last_restore.tier)
+        loaded = snapshot(fresh_model, fresh, rank)
+        return where, _same(loaded, expected[step])
+
+    def drop_copy(step: int) -> None:
+        for copy in node_copies(tier.root):
+            if copy.held.step == step:
+                (copy.folder / held.DESCRIPTOR).unlink()
+
+    with reporting_rank(rank, world_size, port, out_dir) as report:
+        with CheckpointManager(uri, memory_tier=tier, **s3) as manager:
+            for step in (1, 2, 3, 4):
+                save(manager, step)
+            report["held"] = manager.held_steps()
+            report["s3"] = manager.steps()
+        report["restarted"] = restored()  # every rank restarted: 4, from memory
+
+        with CheckpointManager(uri, memory_tier=tier, **s3) as manager:
+            save(manager, 5)  # memory only
+        if rank == 1:
+            drop_copy(5)  # one rank's copy of the newest step is gone
+        report["one_copy_deleted"] = restored()  # 5 is not whole: 4, from memory
+
+        if rank == 1:
+            shutil.rmtree(tier.root)  # a whole node lost: its processes and its memory
+        report["node_lost"] = restored()  # rank 1 holds nothing: 4, from S3
+
+        with CheckpointManager(uri, memory_tier=tier, **s3) as manager:
+            save(manager, 5)
+            train_step(model, state, 6)
+            process = manager._saves.process
+            if rank == 1:
+                os.kill(process.pid, signal.SIGSTOP)  # stopped before its copy is recorded
+            manager.save(6, state)
+            if rank == 1:
+                os.kill(process.pid, signal.SIGKILL)
+            try:
+                manager.wait()
+                report["killed_save"] = "saved"
+            except Exception as exc:
+                report["killed_save"] = type(exc).__name__
+            report["held_after_kill"] = sorted(c.held.step for c in node_copies(tier.root))
+        report["killed_before_commit"] = restored()  # rank 1 never held 6: 5, from memory
+        dist.barrier()
+
+
+def _same(loaded: dict[str, Any], expected: dict[str, Any]) -> bool:
+    return (
+        all(torch.equal(loaded["params"][k], v) for k, v in expected["params"].items())
+        and all(torch.equal(a, b) for a, b in zip(loaded["exp_avg"], expected["exp_avg"]))
+        and torch.equal(loaded["own"], expected["own"])
+    )

@@ -218,3 +218,22 @@ def test_options_are_checked_at_construction(s3_prefix, s3_options, shm_root):
     too_big = MemoryTier(root=shm_root, max_bytes=1 << 50, local_ranks=1)
     with pytest.raises(MemoryTierError, match=r"needs \d+ bytes at"):
         CheckpointManager(s3_prefix, memory_tier=too_big, **s3_options)
+
+
+def test_two_ranks_on_two_simulated_nodes_survive_each_fault(
+    local_s3, s3_prefix, s3_options, tmp_path, shm_root
+):
+    roots = [str(shm_root / "node0"), str(shm_root / "node1")]
+    worker.run_ranks(
+        worker.memory_tier_main, 2, s3_options, s3_prefix, str(tmp_path), roots, timeout=300
+    )
+    reports = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for report in reports:
+        assert report["held"] == [3, 4] and report["s3"] == [2, 4]
+        assert report["restarted"] == ((4, "memory"), True)
+        assert report["one_copy_deleted"] == ((4, "memory"), True)
+        assert report["node_lost"] == ((4, "s3"), True)
+        assert report["killed_save"] == "CheckpointProcessError"
+        assert report["killed_before_commit"] == ((5, "memory"), True)
+    assert reports[0]["held_after_kill"] == [5, 6]  # rank 0 held 6; rank 1 never did
+    assert reports[1]["held_after_kill"] == [5]

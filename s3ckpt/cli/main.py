@@ -3,7 +3,8 @@
 Each subcommand is one :class:`Command` row in :data:`COMMANDS`: a function that adds its
 arguments and a function that runs it and returns the exit status. The catalog commands
 (ls, show, verify, prune, gc, rm, doctor) live in :mod:`s3ckpt.cli.commands`, cp, export
-and import in :mod:`s3ckpt.cli.interop_commands`; :func:`main` never changes.
+and import in :mod:`s3ckpt.cli.interop_commands`, memory (the node's memory tier) in
+:mod:`s3ckpt.cli.memory_commands`; :func:`main` never changes.
 
 Exit statuses: 0 success; 1 a problem found (damage reported by verify, no committed
 checkpoint where one was named, an unreadable manifest); 2 a usage, configuration or
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, NoReturn
 
-from s3ckpt.cli import commands, interop_commands
+from s3ckpt.cli import commands, interop_commands, memory_commands
 from s3ckpt.errors import ConfigError, EndpointError, S3CkptError, StorageError
 
 if TYPE_CHECKING:
@@ -151,6 +152,12 @@ COMMANDS: tuple[Command, ...] = (
         "probe an endpoint and bucket: what works, and what s3ckpt will do there",
         commands.doctor_arguments,
         commands.run_doctor,
+    ),
+    Command(
+        "memory",
+        "list (or remove) the checkpoints this node's memory tier holds",
+        memory_commands.memory_arguments,
+        memory_commands.run_memory,
     ),
     Command(
         "cp",

@@ -275,6 +275,7 @@ def memory_tier_main(
 def _same(loaded: dict[str, Any], expected: dict[str, Any]) -> bool:
     return (
         all(torch.equal(loaded["params"][k], v) for k, v in expected["params"].items())
-        and all(torch.equal(a, b) for a, b in zip(loaded["exp_avg"], expected["exp_avg"]))
+        and len(loaded["exp_avg"]) == len(expected["exp_avg"])
+        and all(map(torch.equal, loaded["exp_avg"], expected["exp_avg"]))
         and torch.equal(loaded["own"], expected["own"])
     )

@@ -237,3 +237,24 @@ def test_two_ranks_on_two_simulated_nodes_survive_each_fault(
         assert report["killed_before_commit"] == ((5, "memory"), True)
     assert reports[0]["held_after_kill"] == [5, 6]  # rank 0 held 6; rank 1 never did
     assert reports[1]["held_after_kill"] == [5]
+
+
+def test_the_cli_lists_verifies_and_removes_what_a_node_holds(s3_prefix, s3_options, shm_root, cli):
+    tier = MemoryTier(keep=2, s3_every=2, root=shm_root)
+    saving_run(s3_prefix, s3_options, tier, range(1, 4))
+    listed = cli("memory", "--root", str(shm_root), "--json")
+    assert listed.code == 0
+    assert [(c["run"], c["step"], c["rank"], c["world"]) for c in listed.json()] == [
+        (s3_prefix, 3, 0, 1),
+        (s3_prefix, 2, 0, 1),
+    ]
+    table = cli("memory", "--root", str(shm_root), "--verify")
+    assert table.code == 0 and table.out.count("intact") == 2 and "STEP" in table.out
+    with open(slot_of(shm_root, 2) / "segment-0", "r+b") as f:
+        f.write(b"\xff" * 8)
+    damaged = cli("memory", "--root", str(shm_root), "--verify")
+    assert damaged.code == 1 and "does not match its CRC32C" in damaged.err
+    removed = cli("memory", "--root", str(shm_root), "--rm", s3_prefix)
+    assert removed.code == 0 and "freed" in removed.out
+    empty = cli("memory", "--root", str(shm_root))
+    assert empty.code == 0 and "no copies held" in empty.err

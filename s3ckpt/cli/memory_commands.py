@@ -18,12 +18,15 @@ from s3ckpt.background.held import MappedCopy
 from s3ckpt.cli.commands import emit
 from s3ckpt.cli.humanize import human_bytes, human_duration, iso_time, table
 from s3ckpt.tier.copies import node_copies, remove_run
-from s3ckpt.tier.options import DEFAULT_ROOT
+from s3ckpt.tier.options import default_root
 
 
 def memory_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--root", type=Path, default=DEFAULT_ROOT, help=f"the tier's root (default {DEFAULT_ROOT})"
+        "--root",
+        type=Path,
+        default=None,
+        help="the tier's root (default: $S3CKPT_MEMORY_ROOT, else /dev/shm/s3ckpt)",
     )
     parser.add_argument("--verify", action="store_true", help="check each copy's CRC32Cs")
     parser.add_argument("--rm", metavar="URI", help="remove every copy of the run saved to URI")
@@ -32,6 +35,7 @@ def memory_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_memory(args: argparse.Namespace) -> int:
     """Exit 1 when ``--verify`` finds a damaged copy."""
+    args.root = args.root or default_root()
     if args.rm:
         freed = remove_run(args.root, args.rm)
         print(f"removed the copies of {args.rm} under {args.root}: {human_bytes(freed)} freed")

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from s3ckpt.errors import ConfigError, MemoryTierError
 
 DEFAULT_ROOT = Path("/dev/shm/s3ckpt")
+ROOT_VARIABLE = "S3CKPT_MEMORY_ROOT"
+
+
+def default_root() -> Path:
+    """``$S3CKPT_MEMORY_ROOT``, else ``/dev/shm/s3ckpt``."""
+    return Path(os.environ.get(ROOT_VARIABLE) or DEFAULT_ROOT)
 
 
 @dataclass(frozen=True)
@@ -23,7 +29,8 @@ class MemoryTier:
         s3_every: a save of step ``N`` is also written to S3 when ``N % s3_every == 0``
             (default 1: every save). Choose a multiple of the save interval.
         root: a folder in a tmpfs shared by the ranks of one node (default
-            ``/dev/shm/s3ckpt``); copies live in ``<root>/run-<id>/rank-<r>/slot-<i>``.
+            ``$S3CKPT_MEMORY_ROOT``, else ``/dev/shm/s3ckpt``); copies live in
+            ``<root>/run-<id>/rank-<r>/slot-<i>``.
         max_bytes: the most one rank's state may take. When given, the root's free room
             for ``keep`` copies of every local rank (``local_ranks``) is checked at
             construction, and a larger state fails its save before anything is written.
@@ -33,7 +40,7 @@ class MemoryTier:
 
     keep: int = 2
     s3_every: int = 1
-    root: Path = DEFAULT_ROOT
+    root: Path = field(default_factory=default_root)
     max_bytes: int | None = None
     local_ranks: int | None = None
 

@@ -15,11 +15,15 @@ FlashBlade ``export`` lines, and installing is the test run's own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -52,6 +56,15 @@ del _left_to_the_reader
 """
 
 
+@contextlib.contextmanager
+def shared_memory_root() -> Iterator[Path]:
+    root = Path(tempfile.mkdtemp(prefix="s3ckpt-quickstart-", dir="/dev/shm"))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def _blocks(language: str) -> list[str]:
     return re.findall(rf"^```{language}\n(.*?)^```", QUICKSTART.read_text(), re.S | re.M)
 
@@ -63,12 +76,13 @@ def _commands() -> list[list[str]]:
 
 def test_the_quickstart_runs_as_written(tmp_path: Path) -> None:
     assert _blocks("python") and _commands()
-    with LocalS3Server(["ckpt"]) as server:
+    with LocalS3Server(["ckpt"]) as server, shared_memory_root() as memory_root:
         env = {
             **os.environ,
             **server.env(),
             "AWS_CONFIG_FILE": str(tmp_path / "none"),
             "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+            "S3CKPT_MEMORY_ROOT": str(memory_root),  # the memory tier's, removed after
         }
         for block in _blocks("python"):
             done = subprocess.run(

@@ -55,7 +55,7 @@ class Segment:
         if fd is not None:
             self.fd = fd
         elif path is not None:
-            self.fd = _reserved_file(path, size)
+            self.fd = reserved_file(path, size)
         else:
             self.fd = os.memfd_create("s3ckpt-staging", os.MFD_CLOEXEC)
         try:
@@ -165,8 +165,9 @@ class StagingArena:
             segment.close()
 
 
-def _reserved_file(path: Path, size: int) -> int:
-    """A new file of ``size`` bytes at ``path``, its pages reserved; its descriptor."""
+def reserved_file(path: Path, size: int) -> int:
+    """A new file of ``size`` bytes at ``path``, its pages reserved; its descriptor
+    (:class:`~s3ckpt.errors.MemoryTierError` when the file system has no room)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         os.posix_fallocate(fd, 0, size)

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from s3ckpt.background.arena import StagingArena
 from s3ckpt.background.channel import Channel, ChannelClosed, dumps_staged
+from s3ckpt.background.replicate import Exchange
 from s3ckpt.background.stage import Staged, stage
 from s3ckpt.background.worker import Hello, Hold, Meeting
 from s3ckpt.dcp.compat import default_store_host
@@ -177,19 +178,32 @@ class CheckpointProcess:
         slot: int = 0,
         hold: Hold | None = None,
         held: Future[None] | None = None,
+        replicated: Future[None] | None = None,
     ) -> Future[Any]:
         """Send a copy staged in ``slot`` to the checkpoint process; its save's future.
         With ``hold``, the process first records the copy as a memory-tier checkpoint
-        (``held`` resolves then); ``writer`` may then be None (held only, not uploaded)."""
+        (``held`` resolves then), then exchanges copies with its peers if the hold says
+        so (``replicated`` resolves once every process of the exchange recorded what it
+        received); ``writer`` may then be None (held only, not uploaded)."""
         worker = self._worker
         assert worker is not None
         data = dumps_staged(staged.state_dict, self._arenas[slot])
         if hold is not None:
             regions = tuple((r.segment, r.offset, r.nbytes) for r in staged.regions)
             hold = dataclasses.replace(hold, regions=regions)
-        future = worker.save(slot, data, writer, planner, hold, held)
+        future = worker.save(slot, data, writer, planner, hold, (held, replicated))
         self._inflight = future
         return future
+
+    def fetch(self, plan: Exchange) -> None:
+        """Exchange held copies between the checkpoint processes (a restore's: a rank whose
+        node lost its copy receives it from a peer); every rank calls it together, and it
+        returns once every process recorded what it received."""
+        self.wait_idle()
+        self.refresh()
+        worker = self._worker
+        assert worker is not None
+        worker.fetch(plan).result()
 
     # -- closing ---------------------------------------------------------------------------
 
@@ -261,8 +275,8 @@ class _Worker:
         self._rank = rank
         self._sent_segments = [0] * len(arenas)
         self._lock = threading.Lock()
-        # save id -> (its future, its writer, its held future)
-        self._pending: dict[int, tuple[Future[Any], Any, Future[None] | None]] = {}
+        # save id -> (its future, its writer, its held and replicated futures)
+        self._pending: dict[int, tuple[Future[Any], Any, _Stages]] = {}
         self._next_id = 0
         self.failed = False
         self.gone = False
@@ -296,22 +310,32 @@ class _Worker:
         writer: Any,
         planner: Any,
         hold: Hold | None,
-        held: Future[None] | None,
+        stages: _Stages,
     ) -> Future[Any]:
+        future, save_id = self._register(writer, stages)
+        if not future.done():
+            # a closed channel: the reader thread fails the future with the exit status
+            with contextlib.suppress(ChannelClosed):
+                self._send_segments(slot)
+                self._channel.send(("save", save_id, slot, data, writer, planner, hold))
+        return future
+
+    def fetch(self, plan: Exchange) -> Future[Any]:
+        future, fetch_id = self._register(None, (None, None))
+        if not future.done():
+            with contextlib.suppress(ChannelClosed):
+                self._channel.send(("fetch", fetch_id, plan))
+        return future
+
+    def _register(self, writer: Any, stages: _Stages) -> tuple[Future[Any], int]:
         future: Future[Any] = Future()
         with self._lock:
             if self.gone:
-                error = self._died("before the save was sent")
-                _fail(error, future, held)
-                return future
+                _fail(self._died("before the save was sent"), future, stages)
+                return future, -1
             save_id, self._next_id = self._next_id, self._next_id + 1
-            self._pending[save_id] = (future, writer, held)
-        try:
-            self._send_segments(slot)
-            self._channel.send(("save", save_id, slot, data, writer, planner, hold))
-        except ChannelClosed:
-            pass  # the reader thread fails the future with the process's exit status
-        return future
+            self._pending[save_id] = (future, writer, stages)
+        return future, save_id
 
     def _send_segments(self, slot: int) -> None:
         segments = self._arenas[slot].segments[self._sent_segments[slot] :]
@@ -343,11 +367,12 @@ class _Worker:
         kind = message[0]
         if kind == "ready":
             return
-        if kind == "held":
+        if kind in ("held", "replicated"):
             with self._lock:
                 pending = self._pending.get(message[1])
-            if pending is not None and pending[2] is not None:
-                pending[2].set_result(None)
+            reached = None if pending is None else pending[2][kind == "replicated"]
+            if reached is not None:
+                reached.set_result(None)
             return
         with self._lock:
             pending = self._pending.pop(message[1], None) if message[1] is not None else None
@@ -401,10 +426,14 @@ class _Worker:
         self._reader.join(timeout=timeout)
 
 
-def _fail(error: BaseException, future: Future[Any] | None, held: Future[None] | None) -> None:
-    """Fail a save's future, and its held future if the copy was not held yet."""
-    if held is not None and not held.done():
-        held.set_exception(error)
+_Stages = tuple["Future[None] | None", "Future[None] | None"]  # held, replicated
+
+
+def _fail(error: BaseException, future: Future[Any] | None, stages: _Stages) -> None:
+    """Fail a save's future, and its held and replicated futures not resolved yet."""
+    for waiting in stages:
+        if waiting is not None and not waiting.done():
+            waiting.set_exception(error)
     if future is not None:
         future.set_exception(error)
 

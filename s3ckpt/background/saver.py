@@ -19,6 +19,7 @@ it on every rank, so no rank waits for this one in the save's collectives.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,11 +44,13 @@ SaverMode = Literal["process", "thread"]
 @dataclass(eq=False)
 class Keep:
     """Keep a save's copy as a memory-tier checkpoint: stage it in ``slot`` (one of the
-    saver's ``memory_slots``), record it there (``hold``); ``held`` resolves once it is."""
+    saver's ``memory_slots``), record it there (``hold``); ``held`` resolves once it is,
+    ``replicated`` once the hold's exchange with peers is done (if it has one)."""
 
     slot: int
     hold: Hold
     held: Future[None] = field(default_factory=Future)
+    replicated: Future[None] = field(default_factory=Future)
     nbytes: int = 0  # the copy's tensor bytes, once staged
 
 
@@ -101,7 +104,9 @@ class BackgroundSaver:
         With ``keep`` (process mode), the copy is also held as a memory-tier checkpoint;
         ``writer`` may then be None: held only, with no collective, so a rank whose copy
         fails raises at once (its step is then not held by every rank, which a restore
-        sees)."""
+        sees). With replication and several ranks, a rank whose copy fails still takes
+        part in the exchange, sending nothing, so its peers fail the save instead of
+        waiting for it."""
         if self._process is not None:
             self._process.wait_idle()
             self._process.refresh()
@@ -111,7 +116,7 @@ class BackgroundSaver:
             if keep is not None:
                 keep.nbytes = staged.nbytes
         except Exception as exc:
-            if self.world == 1 or writer is None:
+            if self.world == 1 or (writer is None and not _replicates(keep)):
                 raise
             staged, failure = None, exc
             reason = (
@@ -119,7 +124,9 @@ class BackgroundSaver:
                 f"memory ({type(exc).__name__}: {exc})"
             )
             writer = CopyFailed(writer, reason)
-        return self._upload(staged, writer, keep if failure is None else None), failure
+        if failure is not None and keep is not None:
+            keep = _nothing_to_send(keep)
+        return self._upload(staged, writer, keep), failure
 
     def _stage(self, state_dict: dict[str, Any], slot: int) -> Any:
         if self._process is not None:
@@ -132,9 +139,12 @@ class BackgroundSaver:
     ) -> Future[Any]:
         if self._process is not None:
             if keep is not None:
+                if staged is None:
+                    staged = self._process.stage({}, keep.slot)
                 return self._process.submit(
-                    staged, writer, slot=keep.slot, hold=keep.hold, held=keep.held
-                )
+                    staged, writer, slot=keep.slot, hold=keep.hold, held=keep.held,
+                    replicated=keep.replicated,
+                )  # fmt: skip
             if staged is None:
                 staged = self._process.stage({})
             return self._process.submit(staged, writer)
@@ -161,6 +171,22 @@ class BackgroundSaver:
                 except Exception:  # the default group may be gone already
                     log.debug("could not destroy the checkpoint process group", exc_info=True)
                 self._save_group = None
+
+
+def _replicates(keep: Keep | None) -> bool:
+    return keep is not None and keep.hold.replicate is not None
+
+
+def _nothing_to_send(keep: Keep) -> Keep:
+    """``keep`` for a rank whose copy failed: nothing held, and nothing sent to its peers
+    (it still receives theirs, and the exchange then fails on every rank)."""
+    replicate = keep.hold.replicate
+    if replicate is not None:
+        replicate = dataclasses.replace(
+            replicate, sends=tuple((peer, "") for peer, _ in replicate.sends)
+        )
+    hold = dataclasses.replace(keep.hold, folder="", replicate=replicate)
+    return Keep(keep.slot, hold, keep.held, keep.replicated)
 
 
 class CopyFailed(S3StorageWriter):

@@ -8,10 +8,12 @@ several ranks where the checkpoint processes meet); then any number of ``segment
 messages (staging memory of one arena to map, as descriptors) and ``save`` messages (an
 arena, a staged state by reference, a writer or None, a planner, and a :class:`Hold` or
 None), each answered with ``saved`` (the DCP metadata, None without a writer) or
-``failed`` (the error); and ``stop``, or the end of the socket, to exit. A save with a
-:class:`Hold` first records its copy as a memory-tier checkpoint (its CRC32Cs, then its
-descriptor, :mod:`s3ckpt.background.held`) and answers ``held``, then uploads it, if it
-has a writer, from the same memory.
+``failed`` (the error); ``fetch`` messages (an :class:`~s3ckpt.background.replicate.Exchange`
+of held copies at a restore), answered the same way; and ``stop``, or the end of the
+socket, to exit. A save with a :class:`Hold` first records its copy as a memory-tier
+checkpoint (its CRC32Cs, then its descriptor, :mod:`s3ckpt.background.held`) and answers
+``held``; then, with several nodes, exchanges copies with its peers (``replicated``);
+then uploads it, if it has a writer, from the same memory.
 
 With several ranks the checkpoint processes form a gloo group of their own (the default
 group of this process), met through the trainer rank 0's store, so a save's collectives
@@ -38,6 +40,7 @@ from datetime import timedelta
 from typing import Any
 
 from s3ckpt.background.channel import Channel, ChannelClosed, loads_staged
+from s3ckpt.background.replicate import Exchange
 
 log = logging.getLogger("s3ckpt.background")
 
@@ -73,6 +76,7 @@ class Hold:
     world: int
     run: str
     regions: tuple[tuple[int, int, int], ...] = ()  # segment, offset, nbytes of each storage
+    replicate: Exchange | None = None  # then sent to (and received from) peers on other nodes
 
 
 def main(fd: int) -> int:
@@ -144,6 +148,9 @@ def _serve(channel: Channel, *, distributed: bool) -> int:
                 _, save_id, slot, *rest = message
                 if not _save(channel, arenas.get(slot), save_id, *rest) and distributed:
                     return 1
+            elif message[0] == "fetch":
+                if not _fetch(channel, *message[1:]):
+                    return 1
             elif message[0] == "stop":
                 return 0
     finally:
@@ -168,8 +175,14 @@ def _save(
     segments = arena.mappings if arena is not None else []
     try:
         if hold is not None:
-            _hold(segments, data, hold)
-            _answer(channel, ("held", save_id))
+            if hold.folder:
+                _hold(segments, data, hold)
+                _answer(channel, ("held", save_id))
+            if hold.replicate is not None:
+                from s3ckpt.background.replicate import exchange
+
+                exchange(hold.replicate)
+                _answer(channel, ("replicated", save_id))
         if writer is None:
             _answer(channel, ("saved", save_id, None))
             return True
@@ -181,6 +194,20 @@ def _save(
         _answer(channel, ("failed", save_id, _portable(exc)))
         return False
     _answer(channel, ("saved", save_id, metadata))
+    return True
+
+
+def _fetch(channel: Channel, fetch_id: int, plan: Exchange) -> bool:
+    """Copies sent between the processes at a restore; whether the exchange completed."""
+    from s3ckpt.background.replicate import exchange
+
+    try:
+        exchange(plan)
+    except BaseException as exc:
+        log.debug("exchange %d failed", fetch_id, exc_info=True)
+        _answer(channel, ("failed", fetch_id, _portable(exc)))
+        return False
+    _answer(channel, ("saved", fetch_id, None))
     return True
 
 

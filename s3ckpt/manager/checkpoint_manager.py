@@ -58,8 +58,7 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt.background.saver import BackgroundSaver, Keep
-from s3ckpt.background.worker import Hold
+from s3ckpt.background.saver import BackgroundSaver
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.dcp.compat import unwrap
 from s3ckpt.dcp.reader import S3StorageReader
@@ -76,9 +75,9 @@ from s3ckpt.manager.policy import (
     validate_options,
 )
 from s3ckpt.manager.ranks import Ranks
-from s3ckpt.tier.copies import LocalCopies
 from s3ckpt.tier.options import MemoryTier
-from s3ckpt.tier.restore import Restored, restore_from_memory
+from s3ckpt.tier.rank import RankTier
+from s3ckpt.tier.restore import Restored
 
 log = logging.getLogger("s3ckpt.manager")
 
@@ -97,6 +96,16 @@ class _InFlight:
     to_s3: bool = True
     nbytes: int = 0  # this rank's staged bytes (what a save held only in memory reports)
     held_at: float | None = None  # perf_counter() when the copy was held in memory
+    replicated_at: float | None = None  # ... and when every rank's replicas had landed
+
+    def tier_times(self) -> dict[str, float | None]:
+        """``held_s`` and ``replicated_s`` for the metrics: from the background part's start."""
+        return {
+            "held_s": None if self.held_at is None else self.held_at - self.started,
+            "replicated_s": None
+            if self.replicated_at is None
+            else self.replicated_at - self.started,
+        }
 
 
 class CheckpointManager:
@@ -165,11 +174,14 @@ class CheckpointManager:
         if self._ranks.world == 1:  # DCP warns on each single-process call; here it is meant
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         self.memory_tier = memory_tier
-        self._copies = (
+        self._tier = (
             None if memory_tier is None
-            else LocalCopies(memory_tier, str(self.location), self._ranks.rank, self._ranks.world)
+            else RankTier(
+                memory_tier, str(self.location), self._ranks.rank, self._ranks.world,
+                self._ranks.gather,
+            )
         )  # fmt: skip
-        slots = self._copies.slots if self._copies is not None else ()
+        slots = self._tier.copies.slots if self._tier is not None else ()
         self._saves = (
             None if async_mode == "sync"
             else BackgroundSaver(async_mode, process_group, memory_slots=slots)
@@ -240,8 +252,9 @@ class CheckpointManager:
         self._settle()
         started = time.perf_counter()
         step = self.latest_step()
-        if self._copies is not None:
-            restored = restore_from_memory(state_dict, self._copies, self._ranks.gather, step)
+        if self._tier is not None:
+            assert self._saves is not None and self._saves.process is not None
+            restored = self._tier.restore(state_dict, step, self._saves.process.fetch)
             if restored is not None:
                 self._went_on_from(restored.step)
                 self.last_restore = restored
@@ -283,18 +296,27 @@ class CheckpointManager:
     def _went_on_from(self, step: int) -> None:
         """The run goes on from ``step``: what was saved above it is a rolled-back run's."""
         self._committed.loaded(step)
-        if self._copies is not None:
-            self._copies.discard_above(step)
+        if self._tier is not None:
+            self._tier.discard_above(step)
 
     def held_steps(self) -> list[int]:
         """Steps every rank holds a complete copy of in the memory tier, ascending (one
         all-gather; every rank calls it). Empty without a memory tier."""
         self._check_process()
-        if self._copies is None:
+        if self._tier is None:
             return []
         self._settle()
-        every = self._ranks.gather([h.held.step for h in self._copies.held()])
-        return sorted(set(every[0]).intersection(*every[1:]))
+        return self._tier.held_steps()
+
+    def replicated_steps(self) -> list[int]:
+        """Steps held by every rank whose copies also reached every replica peer on
+        another node, ascending (one all-gather; every rank calls it). What survives the
+        loss of a node; equal to ``held_steps()`` on one node (nothing to replicate to)."""
+        self._check_process()
+        if self._tier is None:
+            return []
+        self._settle()
+        return self._tier.replicated_steps()
 
     # -- save ----------------------------------------------------------------------------
 
@@ -329,7 +351,7 @@ class CheckpointManager:
         if self._saves is None:
             assert writer is not None
             return self._save_sync(step, state_dict, writer, started, waited)
-        keep = self._keep(step)
+        keep = None if self._tier is None else self._tier.keep(step)
         try:
             future, failure = self._saves.start(state_dict, writer, name, keep=keep)
         except BaseException as exc:
@@ -342,20 +364,13 @@ class CheckpointManager:
         self._inflight = inflight
         if keep is not None:
             keep.held.add_done_callback(lambda _: setattr(inflight, "held_at", time.perf_counter()))
+            keep.replicated.add_done_callback(
+                lambda _: setattr(inflight, "replicated_at", time.perf_counter())
+            )
         future.add_done_callback(lambda _: self._finished(inflight))
         if failure is not None:
             _reraise(failure)
         return True
-
-    def _keep(self, step: int) -> Keep | None:
-        """Where this save's copy is held in the memory tier (that slot emptied first)."""
-        if self._copies is None:
-            return None
-        slot = self._copies.next_slot()
-        self._copies.invalidate(slot)
-        folder = str(self._copies.slots[slot])
-        hold = Hold(folder, step, self._ranks.rank, self._ranks.world, str(self.location))
-        return Keep(slot, hold)
 
     def _writer(self, step: int, replace: bool) -> S3StorageWriter:
         return S3StorageWriter(
@@ -423,7 +438,7 @@ class CheckpointManager:
                     inflight.blocked_s,
                     upload,
                     inflight.waited_s,
-                    None if inflight.held_at is None else inflight.held_at - inflight.started,
+                    inflight.tier_times(),
                 )
             else:
                 self._failed(inflight.step, error)
@@ -439,10 +454,10 @@ class CheckpointManager:
         blocked: float,
         upload: float,
         waited: float,
-        held_s: float | None = None,
+        tier_times: dict[str, float | None] | None = None,
     ) -> SaveMetrics:
         metrics = SaveMetrics.of(
-            step, blocked, upload, state_bytes(metadata), waited, held_s=held_s
+            step, blocked, upload, state_bytes(metadata), waited, **(tier_times or {})
         )
         self._committed.add([step])
         self._record(metrics)
@@ -462,10 +477,9 @@ class CheckpointManager:
 
     def _held_ok(self, inflight: _InFlight) -> SaveMetrics:
         """Bookkeeping of a save held in memory only (no commit, no retention)."""
-        held_s = (inflight.held_at or time.perf_counter()) - inflight.started
         metrics = SaveMetrics.of(
             inflight.step, inflight.blocked_s, 0.0, inflight.nbytes, inflight.waited_s,
-            held_s=held_s, to_s3=False,
+            **inflight.tier_times(), to_s3=False,
         )  # fmt: skip
         self._record(metrics)
         return metrics

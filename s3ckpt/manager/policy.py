@@ -72,8 +72,9 @@ class SaveMetrics:
     compression);
     ``throughput_mb_s``: bytes / upload_s in MB/s (10**6 bytes).
     With a memory tier, ``held_s``: from ``save()`` returning until this rank's copy was
-    held in memory; ``to_s3``: False for a save held only in memory (then ``bytes`` is
-    this rank's, and nothing was uploaded or committed).
+    held in memory; ``replicated_s``: until every rank's copy had reached its peers on
+    other nodes (None with one node); ``to_s3``: False for a save held only in memory
+    (then ``bytes`` is this rank's, and nothing was uploaded or committed).
     """
 
     step: int
@@ -84,6 +85,7 @@ class SaveMetrics:
     waited_s: float = 0.0
     held_s: float | None = None
     to_s3: bool = True
+    replicated_s: float | None = None
 
     @classmethod
     def of(
@@ -96,15 +98,18 @@ class SaveMetrics:
         *,
         held_s: float | None = None,
         to_s3: bool = True,
+        replicated_s: float | None = None,
     ) -> SaveMetrics:
         throughput = nbytes / 1e6 / max(upload, 1e-9) if to_s3 else 0.0
-        return cls(step, blocked, upload, nbytes, throughput, waited, held_s, to_s3)
+        return cls(step, blocked, upload, nbytes, throughput, waited, held_s, to_s3, replicated_s)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def __str__(self) -> str:
         held = "" if self.held_s is None else f", held in memory after {self.held_s:.3f} s"
+        if self.replicated_s is not None:
+            held += f", replicated after {self.replicated_s:.3f} s"
         if not self.to_s3:
             return (
                 f"{checkpoint_name(self.step)} held in memory: {self.bytes / 1e6:.1f} MB "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,50 +43,114 @@ class HeldSlot:
     held: held.Held
 
 
-class LocalCopies:
-    """The memory-tier slots of one rank of one run."""
+class SlotSet:
+    """``keep`` slots holding copies of one rank's state (this rank's own, or a peer's
+    replicas), and which of them the next copy goes to."""
 
-    def __init__(self, tier: MemoryTier, run: str, rank: int, world: int) -> None:
-        self.tier, self.run, self.rank, self.world = tier, run, rank, world
-        self.run_folder = run_folder(tier.root, run)
-        self.folder = self.run_folder / f"rank-{rank:05d}"
-        tier.check_room(self.run_folder)
-        self.slots = [self.folder / f"slot-{index}" for index in range(tier.keep)]
-        for slot in self.slots:
+    def __init__(self, folder: Path, keep: int, run: str, rank: int, world: int) -> None:
+        self.folders = [folder / f"slot-{index}" for index in range(keep)]
+        self._whose = (run, rank, world)
+        for slot in self.folders:
             slot.mkdir(parents=True, exist_ok=True)
-        (self.run_folder / "run.txt").write_text(run + "\n")
 
     def held(self) -> list[HeldSlot]:
-        """The complete copies this rank holds for this run and world size, newest step
-        first."""
+        """The complete copies held, newest step first."""
         found = []
-        for index, folder in enumerate(self.slots):
+        for index, folder in enumerate(self.folders):
             record = held.read(folder)
-            if record is not None and self._mine(record):
+            if record is not None and (record.run, record.rank, record.world) == self._whose:
                 found.append(HeldSlot(index, folder, record))
         return sorted(found, key=lambda h: h.held.step, reverse=True)
 
     def next_slot(self) -> int:
-        """The slot the next save writes: an empty one, else the one with the oldest copy
+        """The slot the next copy goes to: an empty one, else the one with the oldest copy
         (never the newest while there is another)."""
         holding = {h.slot: h.held.created for h in self.held()}
-        empty = [index for index in range(len(self.slots)) if index not in holding]
+        empty = [index for index in range(len(self.folders)) if index not in holding]
         if empty:
             return empty[0]
         return min(holding, key=holding.__getitem__)
 
     def invalidate(self, slot: int) -> None:
-        """Make ``slot`` hold nothing, before a save writes it."""
-        held.invalidate(self.slots[slot])
+        """Make ``slot`` hold nothing, before a copy is written there."""
+        held.invalidate(self.folders[slot])
 
     def discard_above(self, step: int) -> None:
-        """Forget the copies of steps above ``step`` (the run rolled back to it)."""
         for h in self.held():
             if h.held.step > step:
                 held.invalidate(h.folder)
 
-    def _mine(self, record: held.Held) -> bool:
-        return (record.run, record.rank, record.world) == (self.run, self.rank, self.world)
+
+class LocalCopies:
+    """The memory-tier slots of one rank of one run: its own copies, and the replicas it
+    keeps for the ranks in ``sources`` (peers on other nodes)."""
+
+    def __init__(
+        self, tier: MemoryTier, run: str, rank: int, world: int, sources: Sequence[int] = ()
+    ) -> None:
+        self.tier, self.run, self.rank, self.world = tier, run, rank, world
+        self.run_folder = run_folder(tier.root, run)
+        self.folder = self.run_folder / f"rank-{rank:05d}"
+        tier.check_room(self.run_folder, copies_per_rank=tier.keep * (1 + len(sources)))
+        self.own = SlotSet(self.folder, tier.keep, run, rank, world)
+        self.replicas = {
+            source: SlotSet(self.folder / f"replica-of-{source:05d}", tier.keep, run, source, world)
+            for source in sources
+        }
+        (self.run_folder / "run.txt").write_text(run + "\n")
+
+    @property
+    def slots(self) -> list[Path]:
+        """This rank's own slots (the staging arenas' folders)."""
+        return self.own.folders
+
+    def held(self) -> list[HeldSlot]:
+        """This rank's own complete copies, newest step first."""
+        return self.own.held()
+
+    def next_slot(self) -> int:
+        return self.own.next_slot()
+
+    def invalidate(self, slot: int) -> None:
+        self.own.invalidate(slot)
+
+    def next_replica_folder(self, source: int) -> Path:
+        """The (emptied) folder the next replica of ``source``'s copy goes to."""
+        replicas = self.replicas[source]
+        slot = replicas.next_slot()
+        replicas.invalidate(slot)
+        return replicas.folders[slot]
+
+    def replica_of(self, source: int, step: int) -> HeldSlot | None:
+        """The replica of ``source``'s copy of ``step`` held here, if any."""
+        replicas = self.replicas.get(source)
+        found = [h for h in replicas.held() if h.held.step == step] if replicas else []
+        return found[0] if found else None
+
+    def holdings(self) -> Holdings:
+        """What this rank holds: its own steps, and each source's replicated steps."""
+        return Holdings(
+            [h.held.step for h in self.own.held()],
+            {
+                source: [h.held.step for h in slots.held()]
+                for source, slots in self.replicas.items()
+            },
+        )
+
+    def discard_above(self, step: int) -> None:
+        """Forget the copies of steps above ``step`` (the run rolled back to it)."""
+        self.own.discard_above(step)
+        for replicas in self.replicas.values():
+            replicas.discard_above(step)
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """One rank's report at a restore: the steps it holds of its own state, and of each
+    peer's whose replicas it keeps."""
+
+    own: list[int]
+    replicas: dict[int, list[int]]
 
 
 @dataclass(frozen=True)
@@ -95,21 +160,23 @@ class NodeCopy:
     run: str
     folder: Path
     held: held.Held
+    replica: bool = False  # a peer's copy kept here
 
 
 def node_copies(root: Path) -> list[NodeCopy]:
-    """Every complete copy under ``root``, by run, step and rank."""
+    """Every complete copy under ``root`` (own copies and replicas), by run, step and rank."""
     found = []
-    for folder in sorted(root.glob("run-*/rank-*/slot-*")):
+    folders = [*root.glob("run-*/rank-*/slot-*"), *root.glob("run-*/rank-*/replica-of-*/slot-*")]
+    for folder in sorted(folders):
         record = held.read(folder)
         if record is not None:
-            found.append(NodeCopy(record.run, folder, record))
-    return sorted(found, key=lambda c: (c.run, -c.held.step, c.held.rank))
+            found.append(NodeCopy(record.run, folder, record, "replica-of-" in folder.parent.name))
+    return sorted(found, key=lambda c: (c.run, -c.held.step, c.held.rank, c.replica))
 
 
 def remove_run(root: Path, run: str) -> int:
     """Remove every copy of ``run`` under ``root``; the bytes freed."""
     folder = run_folder(root, run)
-    freed = sum(p.stat().st_size for p in folder.glob("rank-*/slot-*/*") if p.is_file())
+    freed = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
     shutil.rmtree(folder, ignore_errors=True)
     return freed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,13 @@ class MemoryTier:
             construction, and a larger state fails its save before anything is written.
         local_ranks: ranks on this node that share ``root`` (default: ``LOCAL_WORLD_SIZE``,
             else 1), for that check.
+        replicas: peers on other nodes each rank's copy is sent to after it is held
+            (default 1; fewer when the job has fewer other nodes), outside the blocking
+            path, so that a lost node's state is rebuilt from memory. Each rank keeps
+            ``keep`` replicas of each peer it receives from. Needs ``keep >= 2``: the last
+            replicated step must survive until the next one is replicated.
+        node: the name of this rank's node for choosing peers (default: the host name;
+            set it where the launcher's layout differs, or to simulate nodes).
     """
 
     keep: int = 2
@@ -43,6 +51,8 @@ class MemoryTier:
     root: Path = field(default_factory=default_root)
     max_bytes: int | None = None
     local_ranks: int | None = None
+    replicas: int = 1
+    node: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
@@ -50,6 +60,17 @@ class MemoryTier:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"MemoryTier {name} must be a positive int, got {value!r}")
+        if (
+            isinstance(self.replicas, bool)
+            or not isinstance(self.replicas, int)
+            or self.replicas < 0
+        ):
+            raise ConfigError(f"MemoryTier replicas must be an int >= 0, got {self.replicas!r}")
+        if self.replicas and self.keep < 2:
+            raise ConfigError(
+                "MemoryTier keep=1 with replicas would overwrite the last replicated step "
+                "before the next one is replicated: keep at least 2, or replicas=0"
+            )
         if self.max_bytes is not None and (
             isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int)
             or self.max_bytes < 1
@@ -58,12 +79,16 @@ class MemoryTier:
                 f"MemoryTier max_bytes must be a positive int, got {self.max_bytes!r}"
             )
 
+    def node_name(self) -> str:
+        return self.node or socket.gethostname()
+
     def to_s3(self, step: int) -> bool:
         """Whether a save of ``step`` is also written to S3."""
         return step % self.s3_every == 0
 
-    def check_room(self, run_folder: Path) -> None:
-        """Make the root, and fail now if it cannot hold what :attr:`max_bytes` asks for
+    def check_room(self, run_folder: Path, copies_per_rank: int | None = None) -> None:
+        """Make the root, and fail now if it cannot hold what :attr:`max_bytes` asks for:
+        ``copies_per_rank`` (own copies and replicas; default ``keep``) for each local rank
         (the run's copies already in ``run_folder`` count as room: they are reused)."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -74,11 +99,12 @@ class MemoryTier:
         if self.max_bytes is None:
             return
         ranks = self.local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        needed = self.max_bytes * self.keep * ranks
+        copies = copies_per_rank or self.keep
+        needed = self.max_bytes * copies * ranks
         free = shutil.disk_usage(self.root).free + _held_bytes(run_folder)
         if needed > free:
             raise MemoryTierError(
-                f"the memory tier needs {needed} bytes at {self.root} ({self.keep} copies of "
+                f"the memory tier needs {needed} bytes at {self.root} ({copies} copies of "
                 f"up to {self.max_bytes} bytes for {ranks} local rank(s)); it has {free} "
                 "bytes free (counting the copies already there): lower keep or max_bytes, "
                 "or give the tmpfs more room"
@@ -87,4 +113,4 @@ class MemoryTier:
 
 def _held_bytes(run_folder: Path) -> int:
     """Bytes of the run's segment files already there (reused, so they count as free)."""
-    return sum(path.stat().st_size for path in run_folder.glob("rank-*/slot-*/segment-*"))
+    return sum(path.stat().st_size for path in run_folder.rglob("segment-*"))

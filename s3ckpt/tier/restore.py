@@ -2,12 +2,16 @@
 
 ``CheckpointManager.load_latest`` with a memory tier asks here first:
 
-1. **Agree on a step.** Each rank lists the complete copies it holds (its descriptors);
-   one all-gather gives the steps every rank holds. The newest of them that is at least
-   the newest committed S3 step is the candidate (S3 wins when it is newer).
+1. **Agree on a step.** Each rank lists the complete copies it holds, its own and the
+   replicas it keeps for peers (their descriptors); one all-gather gives every rank the
+   same view. The newest step whose every rank's state is held somewhere, at least the
+   newest committed S3 step, is the candidate (S3 wins when it is newer).
 2. **Verify.** Each rank maps its copy of the candidate and checks every region against
    its CRC32C, as every S3 read is checked; one all-gather of the outcomes. If any rank's
    copy is damaged, the job walks back to the next step every rank holds.
+   A rank whose own copy is gone (its node was replaced) counts as holding the step when
+   a peer on another node holds its replica: before verifying, the checkpoint processes
+   send such replicas to the ranks missing them, who record them as their own copies.
 3. **Apply.** ``dcp.load`` from the copy (:class:`HeldReader`), rank by rank with no
    collective: each rank's copy holds exactly the shards it saved, so a restart with the
    same world size and sharding finds every piece it needs; DCP calls the ``Stateful``
@@ -37,8 +41,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from s3ckpt.background.channel import loads_staged
 from s3ckpt.background.held import MappedCopy
+from s3ckpt.background.replicate import Exchange
 from s3ckpt.dcp.compat import narrow, unwrap
-from s3ckpt.tier.copies import HeldSlot, LocalCopies
+from s3ckpt.tier.copies import HeldSlot, Holdings, LocalCopies
 
 log = logging.getLogger("s3ckpt.tier")
 
@@ -113,17 +118,24 @@ def restore_from_memory(
     copies: LocalCopies,
     gather: Gather,
     s3_latest: int | None,
+    fetch: Callable[[Exchange], None] | None = None,
     planner: LoadPlanner | None = None,
 ) -> Restored | None:
-    """Load the newest step every rank holds intact (not older than ``s3_latest``) into
-    ``state_dict``; None when there is none (then load from S3). Every rank calls it."""
+    """Load the newest step the job can rebuild from memory intact (not older than
+    ``s3_latest``) into ``state_dict``; None when there is none (then load from S3).
+    Every rank calls it. A rank whose own copy is missing receives it from a peer that
+    holds its replica, through ``fetch`` (the checkpoint processes' exchange)."""
     started = time.perf_counter()
-    mine = {h.held.step: h for h in copies.held()}
-    every = gather(sorted(mine))
-    common = set(every[0]).intersection(*every[1:])
-    candidates = sorted((s for s in common if s3_latest is None or s >= s3_latest), reverse=True)
-    for step in candidates:
-        copy, problem = _verified(mine[step])
+    every: list[Holdings] = gather(copies.holdings())
+    for step in _rebuildable(every, s3_latest):
+        plan = _fetch_plan(every, step)
+        if plan:
+            problem = _fetch(copies, plan, step, fetch)
+            if any(gather(problem)):
+                log.warning("step %d could not be fetched from the peers holding it", step)
+                continue
+        mine = {h.held.step: h for h in copies.held()}
+        copy, problem = _verified(mine[step]) if step in mine else (None, "no copy")
         problems = gather(problem)
         if any(problems):
             _close(copy)
@@ -144,8 +156,73 @@ def restore_from_memory(
             )  # fmt: skip
             return None
         return Restored(step, "memory", chosen - started, time.perf_counter() - chosen)
-    if common:
-        log.info("no step held in memory is newer than S3's step %s", s3_latest)
+    return None
+
+
+def _rebuildable(every: list[Holdings], s3_latest: int | None) -> list[int]:
+    """Steps every rank's state can be had for from memory (its own copy, or a peer's
+    replica of it), at least ``s3_latest``, newest first."""
+    steps = set()
+    for holdings in every:
+        steps.update(holdings.own)
+    return sorted(
+        (
+            step for step in steps
+            if (s3_latest is None or step >= s3_latest)
+            and all(step in every[rank].own or _holder(every, rank, step) is not None
+                    for rank in range(len(every)))
+        ),
+        reverse=True,
+    )  # fmt: skip
+
+
+def _holder(every: list[Holdings], rank: int, step: int) -> int | None:
+    """The lowest rank holding a replica of ``rank``'s copy of ``step``."""
+    for holder, holdings in enumerate(every):
+        if step in holdings.replicas.get(rank, []):
+            return holder
+    return None
+
+
+def _fetch_plan(every: list[Holdings], step: int) -> dict[int, int]:
+    """For ``step``: each rank without its own copy, and the peer it receives it from."""
+    plan = {}
+    for rank, holdings in enumerate(every):
+        if step not in holdings.own:
+            holder = _holder(every, rank, step)
+            assert holder is not None
+            plan[rank] = holder
+    return plan
+
+
+def _fetch(
+    copies: LocalCopies,
+    plan: dict[int, int],
+    step: int,
+    fetch: Callable[[Exchange], None] | None,
+) -> str | None:
+    """This rank's part of fetching ``plan``: send the replicas it holds, receive its own
+    copy into an emptied slot. What went wrong, if anything."""
+    sends = []
+    for rank, holder in plan.items():
+        if holder == copies.rank:
+            replica = copies.replica_of(rank, step)
+            assert replica is not None
+            sends.append((rank, str(replica.folder)))
+    receives = ()
+    if copies.rank in plan:
+        slot = copies.next_slot()
+        copies.invalidate(slot)
+        receives = ((plan[copies.rank], str(copies.slots[slot])),)
+    if fetch is None:
+        return "no checkpoint process to fetch copies with"
+    try:
+        fetch(Exchange(tuple(sends), receives))
+    except Exception as exc:
+        error = unwrap(exc)
+        return f"rank {copies.rank}: {type(error).__name__}: {error}"
+    if receives:
+        log.info("received this rank's copy of step %d from rank %d", step, plan[copies.rank])
     return None
 
 

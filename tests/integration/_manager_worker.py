@@ -279,3 +279,67 @@ def _same(loaded: dict[str, Any], expected: dict[str, Any]) -> bool:
         and all(map(torch.equal, loaded["exp_avg"], expected["exp_avg"]))
         and torch.equal(loaded["own"], expected["own"])
     )
+
+
+def replicated_tier_main(
+    rank: int, world_size: int, port: int, s3: dict[str, Any], uri: str, out_dir: str,
+    roots: list[str],
+) -> None:  # fmt: skip
+    """Replicas on two simulated nodes (one rank each): held and replicated steps; a node
+    lost and its rank's state rebuilt from its peer's replica; a save whose peer's
+    checkpoint process is killed before its copy is sent."""
+    import shutil
+    import signal
+    from pathlib import Path
+
+    from s3ckpt import CheckpointManager, MemoryTier
+
+    tier = MemoryTier(keep=2, s3_every=2, root=Path(roots[rank]), node=f"node{rank}")
+    model, state = make_state(rank, seed=1)
+    expected = {}
+
+    def save(manager: CheckpointManager, step: int) -> Any:
+        train_step(model, state, step)
+        state[f"rank{rank}"].add_(step)
+        manager.save(step, state)
+        metrics = manager.wait()
+        expected[step] = snapshot(model, state, rank)
+        return metrics
+
+    def restored() -> tuple[Any, bool]:
+        fresh_model, fresh = make_state(rank, seed=2)
+        with CheckpointManager(uri, memory_tier=tier, **s3) as manager:
+            step = manager.load_latest(fresh)
+            where = (step, manager.last_restore.tier)
+            report.setdefault("held_after_restore", []).append(manager.held_steps())
+        return where, _same(snapshot(fresh_model, fresh, rank), expected[step])
+
+    with reporting_rank(rank, world_size, port, out_dir) as report:
+        with CheckpointManager(uri, memory_tier=tier, **s3) as manager:
+            for step in (1, 2, 3, 4):
+                metrics = save(manager, step)
+            report["metrics"] = metrics
+            report["held"] = manager.held_steps()
+            report["replicated"] = manager.replicated_steps()
+            save(manager, 5)  # memory only: newer than S3's 4
+        if rank == 1:
+            shutil.rmtree(tier.root)  # node 1 lost: its processes and its memory
+        report["node_lost"] = restored()  # rank 1's copy of 5 comes back from node 0
+
+        with CheckpointManager(uri, memory_tier=tier, **s3) as manager:
+            save(manager, 6)  # the processes have met: a kill now is one mid-save
+            train_step(model, state, 7)
+            process = manager._saves.process
+            if rank == 1:
+                os.kill(process.pid, signal.SIGSTOP)  # holds nothing, sends nothing
+            manager.save(7, state)
+            if rank == 1:
+                os.kill(process.pid, signal.SIGKILL)
+            try:
+                manager.wait()
+                report["killed_save"] = "saved"
+            except Exception as exc:
+                report["killed_save"] = type(exc).__name__
+            report["held_after_kill"] = manager.held_steps()
+        report["killed_during_replication"] = restored()  # 7 is not whole anywhere: 6
+        dist.barrier()

@@ -258,3 +258,23 @@ def test_the_cli_lists_verifies_and_removes_what_a_node_holds(s3_prefix, s3_opti
     assert removed.code == 0 and "freed" in removed.out
     empty = cli("memory", "--root", str(shm_root))
     assert empty.code == 0 and "no copies held" in empty.err
+
+
+def test_replicas_on_another_node_rebuild_a_lost_node_from_memory(
+    local_s3, s3_prefix, s3_options, tmp_path, shm_root
+):
+    roots = [str(shm_root / "node0"), str(shm_root / "node1")]
+    worker.run_ranks(
+        worker.replicated_tier_main, 2, s3_options, s3_prefix, str(tmp_path), roots, timeout=300
+    )
+    reports = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for report in reports:
+        assert report["held"] == [3, 4] and report["replicated"] == [3, 4]
+        metrics = report["metrics"]
+        assert metrics.to_s3 and 0 <= metrics.held_s <= metrics.replicated_s <= metrics.upload_s
+        assert report["node_lost"] == ((5, "memory"), True)  # rank 1's from rank 0's replica
+        assert report["killed_save"] == "CheckpointProcessError"
+        assert report["killed_during_replication"] == ((6, "memory"), True)
+    assert reports[0]["held_after_restore"][0] == [5]  # rank 1 held 5 again after the fetch
+    # 7 is held by rank 0 alone; rank 1 emptied the slot of 5 for it
+    assert reports[0]["held_after_kill"] == [6]

@@ -1,0 +1,80 @@
+"""``RankTier``: the memory tier as one rank of a manager sees it.
+
+Built once, at the manager's construction (one all-gather of node names gives every rank
+the same replica layout, :mod:`s3ckpt.tier.peers`). Each save asks it where the copy is
+held and what is exchanged with peers (:meth:`RankTier.keep`); ``load_latest`` asks it to
+restore (:mod:`s3ckpt.tier.restore`); the manager's reports (``held_steps``,
+``replicated_steps``) are one all-gather of what each rank holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from s3ckpt.background.replicate import Exchange
+from s3ckpt.background.saver import Keep
+from s3ckpt.background.worker import Hold
+from s3ckpt.tier.copies import Holdings, LocalCopies
+from s3ckpt.tier.options import MemoryTier
+from s3ckpt.tier.peers import replica_sources, replica_targets
+from s3ckpt.tier.restore import Gather, Restored, restore_from_memory
+
+
+class RankTier:
+    """One rank's memory tier: its copies, its peers, its saves' holds, its restores."""
+
+    def __init__(self, tier: MemoryTier, run: str, rank: int, world: int, gather: Gather) -> None:
+        self.tier, self.run, self.rank, self.world = tier, run, rank, world
+        self._gather = gather
+        nodes = gather(tier.node_name())
+        self.targets = replica_targets(nodes, tier.replicas)
+        self.replicating = any(self.targets)  # the same on every rank
+        self.copies = LocalCopies(tier, run, rank, world, replica_sources(self.targets, rank))
+
+    def keep(self, step: int) -> Keep:
+        """Where this save's copy is held (that slot emptied first), and, with several
+        nodes, what is sent to and received from peers once it is."""
+        slot = self.copies.next_slot()
+        self.copies.invalidate(slot)
+        folder = str(self.copies.slots[slot])
+        replicate = None
+        if self.replicating:
+            replicate = Exchange(
+                tuple((peer, folder) for peer in self.targets[self.rank]),
+                tuple(
+                    (source, str(self.copies.next_replica_folder(source)))
+                    for source in self.copies.replicas
+                ),
+            )
+        return Keep(slot, Hold(folder, step, self.rank, self.world, self.run, replicate=replicate))
+
+    def held_steps(self) -> list[int]:
+        """Steps every rank holds its own complete copy of."""
+        every: list[Holdings] = self._gather(self.copies.holdings())
+        return sorted(set(every[0].own).intersection(*(h.own for h in every[1:])))
+
+    def replicated_steps(self) -> list[int]:
+        """Steps every rank holds, each rank's copy also on all of its replica peers."""
+        every: list[Holdings] = self._gather(self.copies.holdings())
+        held = set(every[0].own).intersection(*(h.own for h in every[1:]))
+        return sorted(
+            step
+            for step in held
+            if all(
+                step in every[peer].replicas.get(rank, [])
+                for rank, peers in enumerate(self.targets)
+                for peer in peers
+            )
+        )
+
+    def restore(
+        self,
+        state_dict: dict[str, Any],
+        s3_latest: int | None,
+        fetch: Callable[[Exchange], None],
+    ) -> Restored | None:
+        return restore_from_memory(state_dict, self.copies, self._gather, s3_latest, fetch)
+
+    def discard_above(self, step: int) -> None:
+        self.copies.discard_above(step)

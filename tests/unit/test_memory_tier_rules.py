@@ -1,0 +1,105 @@
+"""The memory tier's rules without processes or S3: replica layout, slot rotation, what
+counts as held, which step a restore may choose and where missing copies come from."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from s3ckpt.background import held
+from s3ckpt.errors import ConfigError, MemoryTierError
+from s3ckpt.tier.copies import Holdings, LocalCopies, node_copies
+from s3ckpt.tier.options import MemoryTier
+from s3ckpt.tier.peers import replica_sources, replica_targets
+from s3ckpt.tier.restore import _fetch_plan, _rebuildable
+
+RUN = "s3://bucket/run"
+
+
+def record(step: int, rank: int = 0, world: int = 1, run: str = RUN, created: float = 0.0):
+    return held.Held(
+        step=step, rank=rank, world=world, run=run, segments=(4096,),
+        regions=(held.HeldRegion(0, 0, 8, 1234),), state_crc32c=5, nbytes=8,
+        created=created or time.time(),
+    )  # fmt: skip
+
+
+def test_replicas_go_to_other_nodes_evenly():
+    nodes = ["a", "a", "b", "b", "c", "c"]
+    assert replica_targets(nodes, 1) == [[2], [3], [4], [5], [0], [1]]
+    assert replica_targets(nodes, 2) == [[2, 4], [3, 5], [4, 0], [5, 1], [0, 2], [1, 3]]
+    assert replica_sources(replica_targets(nodes, 1), 0) == [4]
+    assert replica_targets(["a", "a"], 1) == [[], []]  # one node: nothing to replicate to
+    assert replica_targets(["a", "b"], 3) == [[1], [0]]  # at most the other nodes
+    assert replica_targets(["a", "b", "b", "b"], 1) == [[1], [0], [0], [0]]  # uneven nodes
+
+
+def test_options_are_refused_at_construction():
+    with pytest.raises(ConfigError, match="keep"):
+        MemoryTier(keep=0)
+    with pytest.raises(ConfigError, match="replicas"):
+        MemoryTier(replicas=-1)
+    with pytest.raises(ConfigError, match="keep=1 with replicas"):
+        MemoryTier(keep=1)
+    assert MemoryTier(keep=1, replicas=0).keep == 1
+    assert MemoryTier(s3_every=100).to_s3(300) and not MemoryTier(s3_every=100).to_s3(250)
+
+
+def test_the_root_is_checked_for_room(tmp_path: Path):
+    tier = MemoryTier(root=tmp_path, max_bytes=1 << 50, local_ranks=2)
+    with pytest.raises(MemoryTierError, match=r"needs \d+ bytes .* \(2 copies .* 2 local rank"):
+        LocalCopies(tier, RUN, 0, 1)
+    LocalCopies(MemoryTier(root=tmp_path, max_bytes=1 << 20), RUN, 0, 1)  # room enough
+
+
+def test_the_root_variable_names_the_default_root(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("S3CKPT_MEMORY_ROOT", str(tmp_path / "tier"))
+    assert MemoryTier().root == tmp_path / "tier"
+
+
+def test_a_save_never_overwrites_the_newest_copy(tmp_path: Path):
+    copies = LocalCopies(MemoryTier(root=tmp_path, keep=2), RUN, 0, 1)
+    assert copies.next_slot() == 0
+    held.write(copies.slots[0], record(10, created=1.0), b"state")
+    assert copies.next_slot() == 1
+    held.write(copies.slots[1], record(20, created=2.0), b"state")
+    assert copies.next_slot() == 0  # the older copy
+    assert [h.held.step for h in copies.held()] == [20, 10]
+    copies.invalidate(0)
+    assert [h.held.step for h in copies.held()] == [20] and copies.next_slot() == 0
+
+
+def test_only_this_run_rank_and_world_count(tmp_path: Path):
+    copies = LocalCopies(MemoryTier(root=tmp_path, keep=3), RUN, 0, 2)
+    held.write(copies.slots[0], record(1, rank=0, world=2), b"s")
+    held.write(copies.slots[1], record(2, rank=0, world=4), b"s")  # another world size
+    held.write(copies.slots[2], record(3, rank=0, world=2, run="s3://bucket/other"), b"s")
+    assert [h.held.step for h in copies.held()] == [1]
+    (copies.slots[0] / held.DESCRIPTOR).write_text("{not json")
+    assert copies.held() == []  # an unreadable descriptor holds nothing
+
+
+def test_replicas_are_kept_apart_and_listed_as_such(tmp_path: Path):
+    copies = LocalCopies(MemoryTier(root=tmp_path), RUN, 0, 2, sources=[1])
+    held.write(copies.slots[0], record(5, rank=0, world=2), b"s")
+    held.write(copies.next_replica_folder(1), record(5, rank=1, world=2), b"s")
+    assert copies.holdings() == Holdings([5], {1: [5]})
+    assert copies.replica_of(1, 5) is not None and copies.replica_of(1, 4) is None
+    listed = [(c.held.rank, c.replica) for c in node_copies(tmp_path)]
+    assert listed == [(0, False), (1, True)]
+    copies.discard_above(4)
+    assert copies.holdings() == Holdings([], {1: []})
+
+
+def test_a_restore_chooses_steps_every_rank_can_rebuild():
+    every = [
+        Holdings(own=[30, 20], replicas={1: [20, 10]}),
+        Holdings(own=[10], replicas={0: [20, 10]}),  # rank 1 lost its copies after 10
+    ]
+    assert _rebuildable(every, s3_latest=None) == [20, 10]  # 30: nobody holds rank 1's
+    assert _rebuildable(every, s3_latest=15) == [20]
+    assert _rebuildable(every, s3_latest=25) == []  # S3 is newer: load from S3
+    assert _fetch_plan(every, 20) == {1: 0}  # rank 1 receives its copy from rank 0
+    assert _fetch_plan(every, 10) == {0: 1}

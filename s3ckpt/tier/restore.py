@@ -12,7 +12,7 @@
    A rank whose own copy is gone (its node was replaced) counts as holding the step when
    a peer on another node holds its replica: before verifying, the checkpoint processes
    send such replicas to the ranks missing them, who record them as their own copies.
-3. **Apply.** ``dcp.load`` from the copy (:class:`HeldReader`), rank by rank with no
+3. **Apply.** ``dcp.load`` from the copy (:class:`~s3ckpt.dcp.state_reader.StateReader`), rank by rank with no
    collective: each rank's copy holds exactly the shards it saved, so a restart with the
    same world size and sharding finds every piece it needs; DCP calls the ``Stateful``
    objects' ``load_state_dict`` as for any load. One all-gather of the outcomes: a rank
@@ -25,24 +25,19 @@ or every rank falls back to S3 (which loads over whatever was applied).
 
 from __future__ import annotations
 
-import io
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import StorageReader
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
 from s3ckpt.background.channel import loads_staged
 from s3ckpt.background.held import MappedCopy
 from s3ckpt.background.replicate import Exchange
-from s3ckpt.dcp.compat import narrow, unwrap
+from s3ckpt.dcp.compat import unwrap
+from s3ckpt.dcp.state_reader import StateReader
 from s3ckpt.tier.copies import HeldSlot, Holdings, LocalCopies
 
 log = logging.getLogger("s3ckpt.tier")
@@ -61,65 +56,13 @@ class Restored:
     load_s: float  # applying it
 
 
-class HeldReader(StorageReader):
-    """A DCP ``StorageReader`` over one rank's held copy: the metadata is what a save of
-    the copy would write (DCP's own save planner, run on the copy), the bytes are the
-    copy's own memory."""
-
-    def __init__(self, copy: MappedCopy) -> None:
-        super().__init__()
-        state = loads_staged(copy.state, copy.maps)
-        self._planner = DefaultSavePlanner()
-        self._planner.set_up_planner(state, is_coordinator=True)
-        plan = self._planner.create_local_plan()
-        _, self._metadata = self._planner.create_global_plan([plan])
-        self._items = {item.index: item for item in plan.items}
-
-    def reset(self, checkpoint_id: Any = None) -> None:
-        pass
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return False  # only ever passed as an object
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return self._metadata
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any) -> None:
-        pass
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
-        for item in plan.items:
-            data = self._planner.resolve_data(self._items[_plain(item.storage_index)])
-            if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(data.getvalue()))
-                continue
-            source = narrow(data, item.storage_offsets, item.lengths)
-            target = planner.resolve_tensor(item).detach()
-            target.copy_(source)
-            planner.commit_tensor(item, target)
-        done: torch.futures.Future[None] = torch.futures.Future()
-        done.set_result(None)
-        return done
-
-
-def _plain(index: MetadataIndex) -> MetadataIndex:
-    return MetadataIndex(index.fqn, index.offset)
-
-
 def restore_from_memory(
     state_dict: dict[str, Any],
     copies: LocalCopies,
     gather: Gather,
     s3_latest: int | None,
     fetch: Callable[[Exchange], None] | None = None,
-    planner: LoadPlanner | None = None,
+    planner: Any = None,
 ) -> Restored | None:
     """Load the newest step the job can rebuild from memory intact (not older than
     ``s3_latest``) into ``state_dict``; None when there is none (then load from S3).
@@ -238,9 +181,10 @@ def _verified(slot: HeldSlot) -> tuple[MappedCopy | None, str | None]:
     return copy, None
 
 
-def _apply(state_dict: dict[str, Any], copy: MappedCopy, planner: LoadPlanner | None) -> str | None:
+def _apply(state_dict: dict[str, Any], copy: MappedCopy, planner: Any) -> str | None:
     try:
-        dcp.load(state_dict, storage_reader=HeldReader(copy), planner=planner, no_dist=True)
+        reader = StateReader(loads_staged(copy.state, copy.maps))
+        dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=True)
     except Exception as exc:
         error = unwrap(exc)
         log.debug("applying the held copy failed", exc_info=error)

@@ -48,7 +48,6 @@ import torch.distributed as dist
 
 from s3ckpt.background.arena import StagingArena
 from s3ckpt.background.channel import Channel, ChannelClosed, dumps_staged
-from s3ckpt.background.replicate import Exchange
 from s3ckpt.background.stage import Staged, stage
 from s3ckpt.background.worker import Hello, Hold, Meeting
 from s3ckpt.dcp.compat import default_store_host
@@ -195,16 +194,6 @@ class CheckpointProcess:
         self._inflight = future
         return future
 
-    def fetch(self, plan: Exchange) -> None:
-        """Exchange held copies between the checkpoint processes (a restore's: a rank whose
-        node lost its copy receives it from a peer); every rank calls it together, and it
-        returns once every process recorded what it received."""
-        self.wait_idle()
-        self.refresh()
-        worker = self._worker
-        assert worker is not None
-        worker.fetch(plan).result()
-
     # -- closing ---------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -318,13 +307,6 @@ class _Worker:
             with contextlib.suppress(ChannelClosed):
                 self._send_segments(slot)
                 self._channel.send(("save", save_id, slot, data, writer, planner, hold))
-        return future
-
-    def fetch(self, plan: Exchange) -> Future[Any]:
-        future, fetch_id = self._register(None, (None, None))
-        if not future.done():
-            with contextlib.suppress(ChannelClosed):
-                self._channel.send(("fetch", fetch_id, plan))
         return future
 
     def _register(self, writer: Any, stages: _Stages) -> tuple[Future[Any], int]:

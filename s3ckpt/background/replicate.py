@@ -1,10 +1,12 @@
 """Moving held copies between nodes: the checkpoint processes send each other their files.
 
 Used twice by the memory tier: after a save is held, each rank's copy goes to its peers
-on other nodes (replication, :class:`Exchange` in the save's :class:`Hold`); at a restore,
-a rank whose node lost its copy receives it back from a peer holding a replica. Both are
-one :func:`exchange` among the checkpoint processes, on their own gloo group (never the
-training loop's), every process taking part even when it has nothing to send:
+on other nodes (replication, :class:`Exchange` in the save's hold), run by the checkpoint
+processes on their own gloo group; at a restore, a rank whose node lost its copy receives
+it back from a peer holding a replica, run by the trainers on a gloo group the memory
+tier made for it (a restarted job's checkpoint processes may still be starting). Never
+on the training loop's groups. Every process of the group takes part, even with nothing
+to send:
 
 1. each pair swaps a fixed-size header (the descriptor's length), then the descriptor
    and the staged state, with non-blocking sends and receives, so no order of pairs can
@@ -49,8 +51,9 @@ class Exchange:
     receives: tuple[tuple[int, str], ...] = ()
 
 
-def exchange(plan: Exchange) -> None:
-    """Run this process's part of ``plan``; every process of the group calls it."""
+def exchange(plan: Exchange, group: dist.ProcessGroup | None = None) -> None:
+    """Run this process's part of ``plan`` (peers are ranks of ``group``, default: the
+    default group); every process of the group calls it."""
     nothing = [peer for peer, folder in plan.sends if not folder]
     outgoing = [(peer, _Outgoing(Path(folder))) for peer, folder in plan.sends if folder]
     try:
@@ -58,14 +61,17 @@ def exchange(plan: Exchange) -> None:
         headers.update({peer: torch.tensor([-1], dtype=torch.int64) for peer in nothing})
         sizes = {peer: torch.zeros(1, dtype=torch.int64) for peer, _ in plan.receives}
         _wait(
-            [dist.isend(header, peer) for peer, header in headers.items()]
-            + [dist.irecv(sizes[peer], peer) for peer, _ in plan.receives]
+            [dist.isend(header, group=group, group_dst=peer) for peer, header in headers.items()]
+            + [dist.irecv(sizes[peer], group=group, group_src=peer) for peer, _ in plan.receives]
         )
         missing = [peer for peer in sizes if int(sizes[peer]) < 0]
         metas = {peer: bytearray(int(sizes[peer])) for peer in sizes if peer not in missing}
         _wait(
-            [dist.isend(_bytes(out.meta), peer) for peer, out in outgoing]
-            + [dist.irecv(_bytes(metas[peer]), peer) for peer, _ in plan.receives]
+            [dist.isend(_bytes(out.meta), group=group, group_dst=peer) for peer, out in outgoing]
+            + [
+                dist.irecv(_bytes(metas[peer]), group=group, group_src=peer)
+                for peer, _ in plan.receives
+            ]
         )
         incoming = [
             (peer, _Incoming(Path(folder), bytes(metas[peer])))
@@ -73,8 +79,16 @@ def exchange(plan: Exchange) -> None:
             if peer in metas
         ]
         try:
-            sends = [dist.isend(piece, peer) for peer, out in outgoing for piece in out.pieces()]
-            receives = [dist.irecv(piece, peer) for peer, inc in incoming for piece in inc.pieces()]
+            sends = [
+                dist.isend(piece, group=group, group_dst=peer)
+                for peer, out in outgoing
+                for piece in out.pieces()
+            ]
+            receives = [
+                dist.irecv(piece, group=group, group_src=peer)
+                for peer, inc in incoming
+                for piece in inc.pieces()
+            ]
             _wait(sends + receives)
             for peer, inc in incoming:
                 inc.record(peer)
@@ -84,7 +98,7 @@ def exchange(plan: Exchange) -> None:
     finally:
         for _, out in outgoing:
             out.close()
-    dist.barrier()
+    dist.barrier(group=group)
     if missing:
         raise CorruptCheckpointError(
             f"rank(s) {missing} had no copy to send (their save failed before it was held)"

@@ -8,9 +8,7 @@ several ranks where the checkpoint processes meet); then any number of ``segment
 messages (staging memory of one arena to map, as descriptors) and ``save`` messages (an
 arena, a staged state by reference, a writer or None, a planner, and a :class:`Hold` or
 None), each answered with ``saved`` (the DCP metadata, None without a writer) or
-``failed`` (the error); ``fetch`` messages (an :class:`~s3ckpt.background.replicate.Exchange`
-of held copies at a restore), answered the same way; and ``stop``, or the end of the
-socket, to exit. A save with a :class:`Hold` first records its copy as a memory-tier
+``failed`` (the error); and ``stop``, or the end of the socket, to exit. A save with a :class:`Hold` first records its copy as a memory-tier
 checkpoint (its CRC32Cs, then its descriptor, :mod:`s3ckpt.background.held`) and answers
 ``held``; then, with several nodes, exchanges copies with its peers (``replicated``);
 then uploads it, if it has a writer, from the same memory.
@@ -148,9 +146,6 @@ def _serve(channel: Channel, *, distributed: bool) -> int:
                 _, save_id, slot, *rest = message
                 if not _save(channel, arenas.get(slot), save_id, *rest) and distributed:
                     return 1
-            elif message[0] == "fetch":
-                if not _fetch(channel, *message[1:]):
-                    return 1
             elif message[0] == "stop":
                 return 0
     finally:
@@ -194,20 +189,6 @@ def _save(
         _answer(channel, ("failed", save_id, _portable(exc)))
         return False
     _answer(channel, ("saved", save_id, metadata))
-    return True
-
-
-def _fetch(channel: Channel, fetch_id: int, plan: Exchange) -> bool:
-    """Copies sent between the processes at a restore; whether the exchange completed."""
-    from s3ckpt.background.replicate import exchange
-
-    try:
-        exchange(plan)
-    except BaseException as exc:
-        log.debug("exchange %d failed", fetch_id, exc_info=True)
-        _answer(channel, ("failed", fetch_id, _portable(exc)))
-        return False
-    _answer(channel, ("saved", fetch_id, None))
     return True
 
 

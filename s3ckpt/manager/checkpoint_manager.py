@@ -178,7 +178,7 @@ class CheckpointManager:
             None if memory_tier is None
             else RankTier(
                 memory_tier, str(self.location), self._ranks.rank, self._ranks.world,
-                self._ranks.gather,
+                self._ranks.gather, process_group,
             )
         )  # fmt: skip
         slots = self._tier.copies.slots if self._tier is not None else ()
@@ -253,8 +253,7 @@ class CheckpointManager:
         started = time.perf_counter()
         step = self.latest_step()
         if self._tier is not None:
-            assert self._saves is not None and self._saves.process is not None
-            restored = self._tier.restore(state_dict, step, self._saves.process.fetch)
+            restored = self._tier.restore(state_dict, step)
             if restored is not None:
                 self._went_on_from(restored.step)
                 self.last_restore = restored
@@ -422,6 +421,8 @@ class CheckpointManager:
                     self._saves.close()
             finally:
                 self._retention.close()
+                if self._tier is not None:
+                    self._tier.close()
 
     # -- background bookkeeping (the thread that resolves the save's future) -------------
 

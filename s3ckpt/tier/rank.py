@@ -9,10 +9,12 @@ restore (:mod:`s3ckpt.tier.restore`); the manager's reports (``held_steps``,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
 from typing import Any
 
-from s3ckpt.background.replicate import Exchange
+import torch.distributed as dist
+
+from s3ckpt.background.replicate import Exchange, exchange
 from s3ckpt.background.saver import Keep
 from s3ckpt.background.worker import Hold
 from s3ckpt.tier.copies import Holdings, LocalCopies
@@ -20,17 +22,33 @@ from s3ckpt.tier.options import MemoryTier
 from s3ckpt.tier.peers import replica_sources, replica_targets
 from s3ckpt.tier.restore import Gather, Restored, restore_from_memory
 
+log = logging.getLogger("s3ckpt.tier")
+
 
 class RankTier:
     """One rank's memory tier: its copies, its peers, its saves' holds, its restores."""
 
-    def __init__(self, tier: MemoryTier, run: str, rank: int, world: int, gather: Gather) -> None:
+    def __init__(
+        self,
+        tier: MemoryTier,
+        run: str,
+        rank: int,
+        world: int,
+        gather: Gather,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.tier, self.run, self.rank, self.world = tier, run, rank, world
         self._gather = gather
         nodes = gather(tier.node_name())
         self.targets = replica_targets(nodes, tier.replicas)
         self.replicating = any(self.targets)  # the same on every rank
         self.copies = LocalCopies(tier, run, rank, world, replica_sources(self.targets, rank))
+        # a restore's fetches from peers: a gloo group of the manager's ranks, made here,
+        # where every rank constructs the manager (never the loop's own groups)
+        self._fetch_group = None
+        if self.replicating:
+            ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+            self._fetch_group = dist.new_group(ranks=ranks, backend="gloo")
 
     def keep(self, step: int) -> Keep:
         """Where this save's copy is held (that slot emptied first), and, with several
@@ -68,13 +86,19 @@ class RankTier:
             )
         )
 
-    def restore(
-        self,
-        state_dict: dict[str, Any],
-        s3_latest: int | None,
-        fetch: Callable[[Exchange], None],
-    ) -> Restored | None:
-        return restore_from_memory(state_dict, self.copies, self._gather, s3_latest, fetch)
+    def restore(self, state_dict: dict[str, Any], s3_latest: int | None) -> Restored | None:
+        return restore_from_memory(state_dict, self.copies, self._gather, s3_latest, self._fetch)
+
+    def _fetch(self, plan: Exchange) -> None:
+        exchange(plan, group=self._fetch_group)
 
     def discard_above(self, step: int) -> None:
         self.copies.discard_above(step)
+
+    def close(self) -> None:
+        group, self._fetch_group = self._fetch_group, None
+        if group is not None:
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # the default group may be gone already
+                log.debug("could not destroy the memory tier's group", exc_info=True)

@@ -67,7 +67,7 @@ def restore_from_memory(
     """Load the newest step the job can rebuild from memory intact (not older than
     ``s3_latest``) into ``state_dict``; None when there is none (then load from S3).
     Every rank calls it. A rank whose own copy is missing receives it from a peer that
-    holds its replica, through ``fetch`` (the checkpoint processes' exchange)."""
+    holds its replica, through ``fetch`` (an exchange among the ranks)."""
     started = time.perf_counter()
     every: list[Holdings] = gather(copies.holdings())
     for step in _rebuildable(every, s3_latest):

@@ -1,0 +1,260 @@
+"""``make bench`` (and ``python -m benchmarks.memory_tier``): the memory tier, measured.
+
+Two gloo ranks, each on a simulated node of its own (a folder of /dev/shm as the node's
+shared memory, ``MemoryTier(node=...)``), each with ``--size-mib`` of state in
+``--tensors`` tensors; S3 is the zero-cost server (:mod:`benchmarks.zero_server`), so the
+S3 figures are what the client spends. Per rank, in one run:
+
+* a bare copy of the same bytes (first into fresh memory, then into memory already
+  touched): the anchor for blocking and for restores from the own copy;
+* the link: the state's bytes sent from one rank to the other over gloo (what
+  replication and a peer restore ride on);
+* saves to memory only (``replicas=1``): blocking time (the first save, then steady),
+  time until held locally and until replicated to the peer node; one save also to S3;
+* restores with ``load_latest``: from the own copy (every rank restarted), from the peer
+  after rank 1's node is lost (its memory removed), and from S3 (``load`` of the S3
+  step); the step-selection time of each;
+* shared memory used per node against the state size.
+
+Targets (docs/performance.md): blocking within 1.2x a bare copy; restore from the own copy
+within 1.5x a bare copy; from a peer at least 0.7x the link's throughput. Reported as
+ratios, not pass/fail. Output: a table and ``benchmarks/results/memory_tier.json``.
+
+    python -m benchmarks.memory_tier [--size-mib 256] [--tensors 16] [--saves 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BLOCKING_MAX, OWN_RESTORE_MAX, PEER_OVER_LINK_MIN = 1.2, 1.5, 0.7
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--size-mib", type=int, default=256)
+    parser.add_argument("--tensors", type=int, default=16)
+    parser.add_argument("--saves", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if args.saves < 3:
+        parser.error("--saves must be at least 3 (two slots to fill, then steady saves)")
+    report = measure(args.size_mib, args.tensors, args.saves)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "memory_tier.json").write_text(json.dumps(report, indent=2))
+    print(table(report))
+    return 0
+
+
+def measure(size_mib: int, tensors: int, saves: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.multiprocessing as tmp
+
+    from benchmarks.zero_server import ZeroS3
+
+    shm = Path(tempfile.mkdtemp(prefix="s3ckpt-bench-tier-", dir="/dev/shm"))
+    try:
+        with ZeroS3(pool_mib=min(4 * size_mib + 256, 6144)) as server:
+            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            uri = f"s3://{server.bucket}/tier-{int(time.time())}"
+            out = shm / "reports"
+            out.mkdir()
+            args = (2, store.port, server.env(), uri, str(shm), str(out), size_mib, tensors, saves)
+            tmp.start_processes(_rank, args=args, nprocs=2, join=True, start_method="spawn")
+            ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    return summarize(ranks, size_mib=size_mib, tensors=tensors)
+
+
+def _rank(
+    rank: int, world: int, port: int, env: dict[str, str], uri: str, shm: str, out: str,
+    size_mib: int, tensors: int, saves: int,
+) -> None:  # fmt: skip
+    import torch
+    import torch.distributed as dist
+
+    from s3ckpt import CheckpointManager, MemoryTier
+
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=600)
+    )
+    s3: dict[str, Any] = {}  # endpoint and credentials from the AWS_* variables
+    numel = size_mib * (1 << 20) // 4 // tensors
+    state = {f"rank{rank}.layer{i}": torch.randn(numel) for i in range(tensors)}  # its own shards
+    nbytes = numel * 4 * tensors
+    result: dict[str, Any] = {"rank": rank, "bytes": nbytes}
+    result["copy_first_s"], result["copy_steady_s"] = _bare_copies(state)
+    result["link_s"] = _link(nbytes, rank)
+    tier = MemoryTier(keep=2, s3_every=1 << 30, root=Path(shm) / f"node{rank}", node=f"node{rank}")
+    with CheckpointManager(uri, memory_tier=tier, **s3) as manager:
+        metrics = []
+        for step in range(1, saves + 1):
+            dist.barrier()
+            manager.save(step, state)
+            metrics.append(manager.wait())
+        s3_step = saves + 1
+        dist.barrier()
+        manager.save(s3_step, state, s3=True)
+        metrics.append(manager.wait())
+    result["blocked_first_s"] = metrics[0].blocked_s
+    # steady: from the third save on (the first two each fill a slot's memory first)
+    result["blocked_steady_s"] = statistics.median(m.blocked_s for m in metrics[2:saves])
+    result["held_s"] = statistics.median(m.held_s for m in metrics[:saves])
+    result["replicated_s"] = statistics.median(m.replicated_s for m in metrics[:saves])
+    result["shm_bytes"] = _node_bytes(tier.root)
+    result["own"] = _restore(uri, tier, s3, state)
+    dist.barrier()
+    if rank == 1:
+        shutil.rmtree(tier.root)  # node 1 lost
+    result["peer"] = _restore(uri, tier, s3, state)
+    result["s3"] = _restore(uri, tier, s3, state, step=s3_step)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _bare_copies(state: dict[str, Any]) -> tuple[float, float]:
+    import torch
+
+    start = time.perf_counter()
+    copies = {k: torch.empty_like(v) for k, v in state.items()}
+    for k, v in state.items():
+        copies[k].copy_(v)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    for k, v in state.items():
+        copies[k].copy_(v)
+    return first, time.perf_counter() - start
+
+
+def _link(nbytes: int, rank: int) -> float:
+    """Seconds to send ``nbytes`` from rank 0 to rank 1 over gloo (in 256 MiB pieces)."""
+    import torch
+    import torch.distributed as dist
+
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    dist.barrier()
+    start = time.perf_counter()
+    for piece in buffer.split(256 << 20):
+        (dist.send if rank == 0 else dist.recv)(piece, 1 - rank)
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _restore(
+    uri: str, tier: Any, s3: dict[str, Any], like: dict[str, Any], step: int | None = None
+):
+    import torch
+    import torch.distributed as dist
+
+    from s3ckpt import CheckpointManager
+
+    state = {k: torch.zeros_like(v) for k, v in like.items()}
+    with CheckpointManager(uri, memory_tier=tier, **s3) as manager:
+        dist.barrier()
+        start = time.perf_counter()
+        if step is None:
+            manager.load_latest(state)
+            restored = manager.last_restore
+            total = time.perf_counter() - start
+            where, select = restored.tier, restored.select_s
+        else:
+            manager.load(step, state)
+            total, where, select = time.perf_counter() - start, "s3", 0.0
+    exact = all(torch.equal(state[k], like[k]) for k in like)
+    return {"tier": where, "total_s": total, "select_s": select, "exact": exact}
+
+
+def _node_bytes(root: Path) -> int:
+    return sum(p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
+
+
+def summarize(ranks: list[dict[str, Any]], *, size_mib: int, tensors: int) -> dict[str, Any]:
+    """The slowest rank's figure for each measure (a save or restore waits for it)."""
+
+    def slowest(key: str, sub: str | None = None) -> float:
+        return max(r[key][sub] if sub else r[key] for r in ranks)
+
+    nbytes = ranks[0]["bytes"]
+    copy = min(r["copy_steady_s"] for r in ranks)
+    link_gbs = nbytes / slowest("link_s") / 1e9
+    peer_gbs = nbytes / slowest("peer", "total_s") / 1e9
+    rows = {
+        "bare copy (fresh memory)": slowest("copy_first_s"),
+        "bare copy (touched memory)": copy,
+        "link: state over gloo": slowest("link_s"),
+        "save blocking, first": slowest("blocked_first_s"),
+        "save blocking, steady": slowest("blocked_steady_s"),
+        "held locally after": slowest("held_s"),
+        "replicated after": slowest("replicated_s"),
+        "restore, own copy": slowest("own", "total_s"),
+        "restore, from the peer (node lost)": slowest("peer", "total_s"),
+        "restore, from S3": slowest("s3", "total_s"),
+        "step selection, own copy": slowest("own", "select_s"),
+        "step selection, from the peer": slowest("peer", "select_s"),
+    }
+    return {
+        "benchmark": "memory_tier",
+        "size_mib": size_mib,
+        "tensors": tensors,
+        "ranks": 2,
+        "seconds": rows,
+        "sources": {k: [r[k]["tier"] for r in ranks] for k in ("own", "peer", "s3")},
+        "exact": {k: all(r[k]["exact"] for r in ranks) for k in ("own", "peer", "s3")},
+        "shm_bytes_per_node": [r["shm_bytes"] for r in ranks],
+        "state_bytes_per_rank": nbytes,
+        "targets": [
+            _target(
+                "save blocking / bare copy", rows["save blocking, steady"] / copy, BLOCKING_MAX
+            ),
+            _target("own restore / bare copy", rows["restore, own copy"] / copy, OWN_RESTORE_MAX),
+            {
+                "target": "peer restore / link throughput",
+                "ratio": peer_gbs / link_gbs,
+                "goal": f">= {PEER_OVER_LINK_MIN}",
+            },
+        ],
+    }
+
+
+def _target(name: str, ratio: float, goal: float) -> dict[str, Any]:
+    return {"target": name, "ratio": ratio, "goal": f"<= {goal}"}
+
+
+def table(report: dict[str, Any]) -> str:
+    lines = [
+        f"memory tier: 2 ranks x {report['size_mib']} MiB ({report['tensors']} tensors), "
+        f"two simulated nodes, zero-cost S3",
+        f"{'measure':<40} {'seconds':>9}",
+    ]
+    lines += [f"{name:<40} {value:>9.3f}" for name, value in report["seconds"].items()]
+    shm = ", ".join(f"{b / (1 << 20):.0f} MiB" for b in report["shm_bytes_per_node"])
+    lines.append(
+        f"shared memory per node: {shm} (state {report['state_bytes_per_rank'] / (1 << 20):.0f}"
+        f" MiB per rank; keep=2 own copies + 2 replicas)"
+    )
+    lines.append(f"restored from: {report['sources']}; bit-exact: {report['exact']}")
+    lines += [
+        f"{t['target']:<40} {t['ratio']:>9.2f}  (goal {t['goal']})" for t in report["targets"]
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -81,3 +81,23 @@ def test_loop_benchmark_smoke_run(tmp_path):
         "dispatch beside manager_default", "dispatch beside dcp_thread"
     }  # fmt: skip
     assert "The loop beside a save" in completed.stdout
+
+
+def test_memory_tier_benchmark_smoke_run(tmp_path):
+    """The memory tier benchmark's two ranks save, replicate and restore from every tier,
+    bit-exact, and report each measure."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.memory_tier", "--size-mib", "8", "--tensors", "4",
+         "--saves", "3", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    report = json.loads((tmp_path / "memory_tier.json").read_text())
+    assert report["sources"] == {
+        "own": ["memory", "memory"], "peer": ["memory", "memory"], "s3": ["s3", "s3"]
+    }  # fmt: skip
+    assert report["exact"] == {"own": True, "peer": True, "s3": True}
+    assert all(seconds > 0 for seconds in report["seconds"].values()), report["seconds"]
+    assert [t["target"] for t in report["targets"]] == [
+        "save blocking / bare copy", "own restore / bare copy", "peer restore / link throughput"
+    ]  # fmt: skip

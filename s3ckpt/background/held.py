@@ -144,6 +144,8 @@ def _map(path: Path, size: int) -> mmap.mmap:
     try:
         if os.fstat(fd).st_size < size:
             raise ValueError(f"{path} is shorter than its descriptor says")
-        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        # populated at once: one call instead of a page fault per 4 KiB at the first read
+        flags = mmap.MAP_PRIVATE | mmap.MAP_POPULATE
+        return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)

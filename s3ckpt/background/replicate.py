@@ -158,7 +158,8 @@ class _Incoming:
         for index, size in enumerate(used):
             fd = reserved_file(folder / f"segment-{index}", max(size, 1))
             try:
-                self.maps.append(mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED))
+                flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
+                self.maps.append(mmap.mmap(fd, max(size, 1), flags=flags))
             finally:
                 os.close(fd)
         self.used = used

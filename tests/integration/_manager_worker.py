@@ -174,7 +174,7 @@ def failed_staging(rank: int, uri: str, s3: dict[str, Any], mode: str) -> dict[s
         stage = manager._saves._stage
         if rank == 1:
 
-            def broken(state_dict: Any) -> Any:
+            def broken(state_dict: Any, slot: int) -> Any:
                 raise RuntimeError("cannot pin memory")
 
             manager._saves._stage = broken  # type: ignore[method-assign]

@@ -74,6 +74,9 @@ def test_metrics_throughput_and_dict():
         "bytes": 50_000_000,
         "throughput_mb_s": pytest.approx(25.0),
         "waited_s": 0.2,
+        "held_s": None,  # no memory tier
+        "to_s3": True,
+        "replicated_s": None,
     }
     assert "step-0000000007 committed: 50.0 MB" in str(metrics)
 

@@ -5,7 +5,10 @@
   memory kept from save to save, the upload in the checkpoint process or on a thread;
 * :mod:`~s3ckpt.background.process`: ``CheckpointProcess``, the persistent checkpoint
   process of one rank (also what ``dcp.async_save`` users pass their saves to);
+* :mod:`~s3ckpt.background.child`: the trainer's handle on one started checkpoint process;
 * :mod:`~s3ckpt.background.worker`: the checkpoint process's own side;
+* :mod:`~s3ckpt.background.held`, :mod:`~s3ckpt.background.replicate`: the memory tier's
+  held copies (their files, their checks) and the exchange of copies between nodes;
 * :mod:`~s3ckpt.background.arena`, :mod:`~s3ckpt.background.stage`,
   :mod:`~s3ckpt.background.shards`: the shared staging memory, the copy into it, and
   sharded tensors saved without their mesh;

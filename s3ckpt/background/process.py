@@ -29,14 +29,10 @@ runs ``dcp.save`` of it with the given writer. The lifecycle:
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import logging
 import os
-import socket
-import subprocess
 import sys
-import threading
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -47,12 +43,13 @@ import torch
 import torch.distributed as dist
 
 from s3ckpt.background.arena import StagingArena
-from s3ckpt.background.channel import Channel, ChannelClosed, dumps_staged
+from s3ckpt.background.channel import dumps_staged
+from s3ckpt.background.child import CheckpointWorker
 from s3ckpt.background.stage import Staged, stage
 from s3ckpt.background.worker import Hello, Hold, Meeting
 from s3ckpt.dcp.compat import default_store_host
 from s3ckpt.dcp.staging import plain_state_dict
-from s3ckpt.errors import CheckpointProcessError, S3CkptError
+from s3ckpt.errors import CheckpointProcessError
 
 log = logging.getLogger("s3ckpt.background")
 
@@ -102,7 +99,7 @@ class CheckpointProcess:
             self._arenas.append(StagingArena(pin=pin))
         self._store, self._address = self._meeting_place()
         self._generation = 0
-        self._worker: _Worker | None = None
+        self._worker: CheckpointWorker | None = None
         self._inflight: Future[Any] | None = None
         self._closed = False
         self._pid = os.getpid()
@@ -248,206 +245,12 @@ class CheckpointProcess:
             prefix = f"s3ckpt-checkpoint-process/{self._generation}"
             meeting = Meeting(host, port, prefix, self.rank, self.world, self._timeout_s)
         hello = Hello(list(sys.path), logging.getLogger("s3ckpt").getEffectiveLevel(), meeting)
-        self._worker = _Worker(hello, self._arenas, self.rank)
+        self._worker = CheckpointWorker(hello, self._arenas, self.rank)
 
     def _stop_worker(self) -> None:
         worker, self._worker = self._worker, None
         if worker is not None:
             worker.stop()
-
-
-class _Worker:
-    """One started checkpoint process: its pipe, its reader thread, its saves' futures."""
-
-    def __init__(self, hello: Hello, arenas: list[StagingArena], rank: int) -> None:
-        self._arenas = arenas
-        self._rank = rank
-        self._sent_segments = [0] * len(arenas)
-        self._lock = threading.Lock()
-        # save id -> (its future, its writer, its held and replicated futures)
-        self._pending: dict[int, tuple[Future[Any], Any, _Stages]] = {}
-        self._next_id = 0
-        self.failed = False
-        self.gone = False
-        self._start_error: BaseException | None = None
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self._popen = subprocess.Popen(
-                [sys.executable, "-m", "s3ckpt.background.worker", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL,
-                env=_worker_environment(),
-            )
-        finally:
-            theirs.close()
-        self.pid = self._popen.pid
-        self._channel = Channel(ours)
-        self._channel.send(hello)
-        self._reader = threading.Thread(
-            target=self._read, name=f"s3ckpt-checkpoint-process-{self.pid}", daemon=True
-        )
-        self._reader.start()
-
-    def healthy(self, world: int) -> bool:
-        """Alive, and (with several ranks) its last save did not fail."""
-        return not self.gone and not (world > 1 and self.failed)
-
-    def save(
-        self,
-        slot: int,
-        data: bytes,
-        writer: Any,
-        planner: Any,
-        hold: Hold | None,
-        stages: _Stages,
-    ) -> Future[Any]:
-        future, save_id = self._register(writer, stages)
-        if not future.done():
-            # a closed channel: the reader thread fails the future with the exit status
-            with contextlib.suppress(ChannelClosed):
-                self._send_segments(slot)
-                self._channel.send(("save", save_id, slot, data, writer, planner, hold))
-        return future
-
-    def _register(self, writer: Any, stages: _Stages) -> tuple[Future[Any], int]:
-        future: Future[Any] = Future()
-        with self._lock:
-            if self.gone:
-                _fail(self._died("before the save was sent"), future, stages)
-                return future, -1
-            save_id, self._next_id = self._next_id, self._next_id + 1
-            self._pending[save_id] = (future, writer, stages)
-        return future, save_id
-
-    def _send_segments(self, slot: int) -> None:
-        segments = self._arenas[slot].segments[self._sent_segments[slot] :]
-        if segments:
-            sizes = [segment.size for segment in segments]
-            self._channel.send(("segments", slot, sizes), [segment.fd for segment in segments])
-            self._sent_segments[slot] += len(segments)
-
-    def _read(self) -> None:
-        try:
-            while True:
-                message, _ = self._channel.receive()
-                self._settle(message)
-        except ChannelClosed:
-            pass
-        except Exception:  # never leave a save's future unresolved
-            log.exception("reading from the checkpoint process %d failed", self.pid)
-        with self._lock:
-            self.gone = True
-            pending, self._pending = self._pending, {}
-        if pending:
-            error = self._died("during the save")
-            for future, writer, held in pending.values():
-                if writer is not None:
-                    _abort_open_uploads(writer, self._rank, error)
-                _fail(error, future, held)
-
-    def _settle(self, message: Any) -> None:
-        kind = message[0]
-        if kind == "ready":
-            return
-        if kind in ("held", "replicated"):
-            with self._lock:
-                pending = self._pending.get(message[1])
-            reached = None if pending is None else pending[2][kind == "replicated"]
-            if reached is not None:
-                reached.set_result(None)
-            return
-        with self._lock:
-            pending = self._pending.pop(message[1], None) if message[1] is not None else None
-        future = pending[0] if pending is not None else None
-        if kind == "saved" and future is not None:
-            future.set_result(message[2])
-            return
-        self.failed = True
-        error = message[2]
-        if not isinstance(error, S3CkptError):
-            wrapped = CheckpointProcessError(
-                f"the checkpoint process of rank {self._rank} failed: "
-                f"{type(error).__name__}: {error}"
-            )
-            wrapped.__cause__ = error
-            error = wrapped
-        if pending is not None:
-            _fail(error, future, pending[2])
-        else:  # it could not start: the next save's future gets the reason
-            self._start_error = error
-            log.error("the checkpoint process %d could not start: %s", self.pid, error)
-
-    def _died(self, when: str) -> CheckpointProcessError:
-        try:
-            code = self._popen.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            code = None
-        how = (
-            "is unresponsive" if code is None
-            else f"was killed by signal {-code}" if code < 0
-            else f"exited with status {code}"
-        )  # fmt: skip
-        if self._start_error is not None:
-            how, when = "could not start", f"({self._start_error})"
-        return CheckpointProcessError(
-            f"the checkpoint process of rank {self._rank} (pid {self.pid}) {how} {when}; "
-            "the save is not committed, and the next save starts a new process"
-        )
-
-    def stop(self, timeout: float = 60.0) -> None:
-        """Ask the process to exit (once its save is done), then make sure it has."""
-        with contextlib.suppress(ChannelClosed, OSError):
-            self._channel.send(("stop",))
-        try:
-            self._popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            log.warning("the checkpoint process %d did not stop; killing it", self.pid)
-            self._popen.kill()
-            self._popen.wait()
-        self._channel.close()
-        self._reader.join(timeout=timeout)
-
-
-_Stages = tuple["Future[None] | None", "Future[None] | None"]  # held, replicated
-
-
-def _fail(error: BaseException, future: Future[Any] | None, stages: _Stages) -> None:
-    """Fail a save's future, and its held and replicated futures not resolved yet."""
-    for waiting in stages:
-        if waiting is not None and not waiting.done():
-            waiting.set_exception(error)
-    if future is not None:
-        future.set_exception(error)
-
-
-def _abort_open_uploads(writer: Any, rank: int, error: CheckpointProcessError) -> None:
-    """Abort the multipart uploads a dead checkpoint process left open for ``writer``'s
-    checkpoint (this rank's data objects), before its save's failure is reported; what
-    remains (objects already written, uncommitted) is ``s3ckpt gc``'s, as after any
-    killed save. Noted on ``error``."""
-    location, config = getattr(writer, "location", None), getattr(writer, "config", None)
-    if location is None or config is None:
-        return
-    from s3ckpt.s3.loop import io_loop
-    from s3ckpt.s3.store import ObjectStore
-    from s3ckpt.transfer.aborts import abort_rank_uploads
-
-    store = ObjectStore(config, location.bucket)
-    try:
-        aborted = io_loop().run(abort_rank_uploads(store, location.prefix + "/", rank))
-    except Exception as exc:  # a store without ListMultipartUploads, say: gc's job then
-        error.add_note(f"its open uploads under {location} were not aborted ({exc}): s3ckpt gc")
-        log.warning("could not abort the uploads the checkpoint process left: %s", exc)
-        return
-    if aborted:
-        error.add_note(f"{aborted} upload(s) it left open under {location} were aborted")
-
-
-def _worker_environment() -> dict[str, str]:
-    """The trainer's environment, with s3ckpt importable however the trainer found it."""
-    package_root = str(Path(__file__).resolve().parents[2])
-    paths = [package_root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
 
 
 _open: weakref.WeakSet[CheckpointProcess] = weakref.WeakSet()

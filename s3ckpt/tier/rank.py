@@ -69,16 +69,14 @@ class RankTier:
 
     def held_steps(self) -> list[int]:
         """Steps every rank holds its own complete copy of."""
-        every: list[Holdings] = self._gather(self.copies.holdings())
-        return sorted(set(every[0].own).intersection(*(h.own for h in every[1:])))
+        return sorted(_held_by_all(self._gather(self.copies.holdings())))
 
     def replicated_steps(self) -> list[int]:
         """Steps every rank holds, each rank's copy also on all of its replica peers."""
         every: list[Holdings] = self._gather(self.copies.holdings())
-        held = set(every[0].own).intersection(*(h.own for h in every[1:]))
         return sorted(
             step
-            for step in held
+            for step in _held_by_all(every)
             if all(
                 step in every[peer].replicas.get(rank, [])
                 for rank, peers in enumerate(self.targets)
@@ -102,3 +100,7 @@ class RankTier:
                 dist.destroy_process_group(group)
             except Exception:  # the default group may be gone already
                 log.debug("could not destroy the memory tier's group", exc_info=True)
+
+
+def _held_by_all(every: list[Holdings]) -> set[int]:
+    return set(every[0].own).intersection(*(h.own for h in every[1:]))

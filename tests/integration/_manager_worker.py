@@ -195,6 +195,60 @@ def failed_staging(rank: int, uri: str, s3: dict[str, Any], mode: str) -> dict[s
     return outcome
 
 
+class TierRank:
+    """One rank training under a memory tier, for the fault scenarios: its saves (and the
+    state each step had), its restores from a fresh state, and a save whose checkpoint
+    process rank 1 kills."""
+
+    def __init__(self, rank: int, uri: str, s3: dict[str, Any], tier: Any) -> None:
+        self.rank, self.uri, self.s3, self.tier = rank, uri, s3, tier
+        self.model, self.state = make_state(rank, seed=1)
+        self.expected: dict[int, dict[str, Any]] = {}
+
+    def manager(self) -> Any:
+        from s3ckpt import CheckpointManager
+
+        return CheckpointManager(self.uri, memory_tier=self.tier, **self.s3)
+
+    def save(self, manager: Any, step: int) -> Any:
+        """Train ``step``, save it, wait; its metrics."""
+        train_step(self.model, self.state, step)
+        self.state[f"rank{self.rank}"].add_(step)
+        manager.save(step, self.state)
+        metrics = manager.wait()
+        self.expected[step] = snapshot(self.model, self.state, self.rank)
+        return metrics
+
+    def restored(self, held: list[Any] | None = None) -> tuple[Any, bool]:
+        """``load_latest`` into a fresh state: (step, tier) and whether it is bit-exact;
+        the held steps after it go in ``held``, if given."""
+        fresh_model, fresh = make_state(self.rank, seed=2)
+        with self.manager() as manager:
+            step = manager.load_latest(fresh)
+            where = (step, manager.last_restore.tier)
+            if held is not None:
+                held.append(manager.held_steps())
+        return where, _same(snapshot(fresh_model, fresh, self.rank), self.expected[step])
+
+    def killed_save(self, manager: Any, step: int) -> str:
+        """Save ``step`` while rank 1's checkpoint process is stopped, then kill it: what
+        ``wait`` raised ("saved" if nothing)."""
+        import signal
+
+        train_step(self.model, self.state, step)
+        process = manager._saves.process
+        if self.rank == 1:
+            os.kill(process.pid, signal.SIGSTOP)  # holds nothing, sends nothing
+        manager.save(step, self.state)
+        if self.rank == 1:
+            os.kill(process.pid, signal.SIGKILL)
+        try:
+            manager.wait()
+        except Exception as exc:
+            return type(exc).__name__
+        return "saved"
+
+
 def memory_tier_main(
     rank: int, world_size: int, port: int, s3: dict[str, Any], uri: str, out_dir: str,
     roots: list[str],
@@ -204,71 +258,40 @@ def memory_tier_main(
     rank's checkpoint process killed between its copy and the step's commit. Each
     restore's step and source, and whether it is bit-exact, go in the report."""
     import shutil
-    import signal
     from pathlib import Path
 
-    from s3ckpt import CheckpointManager, MemoryTier
+    from s3ckpt import MemoryTier
     from s3ckpt.background import held
     from s3ckpt.tier.copies import node_copies
 
     tier = MemoryTier(keep=2, s3_every=2, root=Path(roots[rank]))
-    model, state = make_state(rank, seed=1)
-    expected = {}
-
-    def save(manager: CheckpointManager, step: int) -> None:
-        train_step(model, state, step)
-        state[f"rank{rank}"].add_(step)
-        manager.save(step, state)
-        manager.wait()
-        expected[step] = snapshot(model, state, rank)
-
-    def restored() -> tuple[Any, bool]:
-        fresh_model, fresh = make_state(rank, seed=2)
-        with CheckpointManager(uri, memory_tier=tier, **s3) as manager:
-            step = manager.load_latest(fresh)
-            where = (step, manager.last_restore.tier)
-        loaded = snapshot(fresh_model, fresh, rank)
-        return where, _same(loaded, expected[step])
-
-    def drop_copy(step: int) -> None:
-        for copy in node_copies(tier.root):
-            if copy.held.step == step:
-                (copy.folder / held.DESCRIPTOR).unlink()
+    run = TierRank(rank, uri, s3, tier)
 
     with reporting_rank(rank, world_size, port, out_dir) as report:
-        with CheckpointManager(uri, memory_tier=tier, **s3) as manager:
+        with run.manager() as manager:
             for step in (1, 2, 3, 4):
-                save(manager, step)
+                run.save(manager, step)
             report["held"] = manager.held_steps()
             report["s3"] = manager.steps()
-        report["restarted"] = restored()  # every rank restarted: 4, from memory
+        report["restarted"] = run.restored()  # every rank restarted: 4, from memory
 
-        with CheckpointManager(uri, memory_tier=tier, **s3) as manager:
-            save(manager, 5)  # memory only
-        if rank == 1:
-            drop_copy(5)  # one rank's copy of the newest step is gone
-        report["one_copy_deleted"] = restored()  # 5 is not whole: 4, from memory
+        with run.manager() as manager:
+            run.save(manager, 5)  # memory only
+        if rank == 1:  # one rank's copy of the newest step is gone
+            for copy in node_copies(tier.root):
+                if copy.held.step == 5:
+                    (copy.folder / held.DESCRIPTOR).unlink()
+        report["one_copy_deleted"] = run.restored()  # 5 is not whole: 4, from memory
 
         if rank == 1:
             shutil.rmtree(tier.root)  # a whole node lost: its processes and its memory
-        report["node_lost"] = restored()  # rank 1 holds nothing: 4, from S3
+        report["node_lost"] = run.restored()  # rank 1 holds nothing: 4, from S3
 
-        with CheckpointManager(uri, memory_tier=tier, **s3) as manager:
-            save(manager, 5)
-            train_step(model, state, 6)
-            process = manager._saves.process
-            if rank == 1:
-                os.kill(process.pid, signal.SIGSTOP)  # stopped before its copy is recorded
-            manager.save(6, state)
-            if rank == 1:
-                os.kill(process.pid, signal.SIGKILL)
-            try:
-                manager.wait()
-                report["killed_save"] = "saved"
-            except Exception as exc:
-                report["killed_save"] = type(exc).__name__
+        with run.manager() as manager:
+            run.save(manager, 5)
+            report["killed_save"] = run.killed_save(manager, 6)  # stopped before its record
             report["held_after_kill"] = sorted(c.held.step for c in node_copies(tier.root))
-        report["killed_before_commit"] = restored()  # rank 1 never held 6: 5, from memory
+        report["killed_before_commit"] = run.restored()  # rank 1 never held 6: 5, from memory
         dist.barrier()
 
 
@@ -289,57 +312,32 @@ def replicated_tier_main(
     lost and its rank's state rebuilt from its peer's replica; a save whose peer's
     checkpoint process is killed before its copy is sent."""
     import shutil
-    import signal
     from pathlib import Path
 
-    from s3ckpt import CheckpointManager, MemoryTier
+    from s3ckpt import MemoryTier
 
     tier = MemoryTier(keep=2, s3_every=2, root=Path(roots[rank]), node=f"node{rank}")
-    model, state = make_state(rank, seed=1)
-    expected = {}
-
-    def save(manager: CheckpointManager, step: int) -> Any:
-        train_step(model, state, step)
-        state[f"rank{rank}"].add_(step)
-        manager.save(step, state)
-        metrics = manager.wait()
-        expected[step] = snapshot(model, state, rank)
-        return metrics
-
-    def restored() -> tuple[Any, bool]:
-        fresh_model, fresh = make_state(rank, seed=2)
-        with CheckpointManager(uri, memory_tier=tier, **s3) as manager:
-            step = manager.load_latest(fresh)
-            where = (step, manager.last_restore.tier)
-            report.setdefault("held_after_restore", []).append(manager.held_steps())
-        return where, _same(snapshot(fresh_model, fresh, rank), expected[step])
+    run = TierRank(rank, uri, s3, tier)
 
     with reporting_rank(rank, world_size, port, out_dir) as report:
-        with CheckpointManager(uri, memory_tier=tier, **s3) as manager:
+        with run.manager() as manager:
             for step in (1, 2, 3, 4):
-                metrics = save(manager, step)
+                metrics = run.save(manager, step)
             report["metrics"] = metrics
             report["held"] = manager.held_steps()
             report["replicated"] = manager.replicated_steps()
-            save(manager, 5)  # memory only: newer than S3's 4
+            run.save(manager, 5)  # memory only: newer than S3's 4
         if rank == 1:
             shutil.rmtree(tier.root)  # node 1 lost: its processes and its memory
-        report["node_lost"] = restored()  # rank 1's copy of 5 comes back from node 0
+        held_after_restore: list[Any] = []
+        # rank 1's copy of 5 comes back from node 0
+        report["node_lost"] = run.restored(held_after_restore)
 
-        with CheckpointManager(uri, memory_tier=tier, **s3) as manager:
-            save(manager, 6)  # the processes have met: a kill now is one mid-save
-            train_step(model, state, 7)
-            process = manager._saves.process
-            if rank == 1:
-                os.kill(process.pid, signal.SIGSTOP)  # holds nothing, sends nothing
-            manager.save(7, state)
-            if rank == 1:
-                os.kill(process.pid, signal.SIGKILL)
-            try:
-                manager.wait()
-                report["killed_save"] = "saved"
-            except Exception as exc:
-                report["killed_save"] = type(exc).__name__
+        with run.manager() as manager:
+            run.save(manager, 6)  # the processes have met: a kill now is one mid-save
+            report["killed_save"] = run.killed_save(manager, 7)
             report["held_after_kill"] = manager.held_steps()
-        report["killed_during_replication"] = restored()  # 7 is not whole anywhere: 6
+        # 7 is not whole anywhere: 6
+        report["killed_during_replication"] = run.restored(held_after_restore)
+        report["held_after_restore"] = held_after_restore
         dist.barrier()

@@ -71,6 +71,14 @@ def assert_same(loaded: dict[str, Any], expected: dict[str, Any]) -> None:
     assert torch.equal(loaded["own"], expected["own"])
 
 
+def on_two_nodes(main, s3_options, uri, tmp_path, shm_root) -> list[dict[str, Any]]:
+    """Run ``main`` on two gloo ranks, each with a folder of ``shm_root`` as its node's
+    shared memory; their reports."""
+    roots = [str(shm_root / "node0"), str(shm_root / "node1")]
+    worker.run_ranks(main, 2, s3_options, uri, str(tmp_path), roots, timeout=300)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
 def slot_of(root: Path, step: int) -> Path:
     (copy,) = [c for c in node_copies(root) if c.held.step == step]
     return copy.folder
@@ -223,11 +231,7 @@ def test_options_are_checked_at_construction(s3_prefix, s3_options, shm_root):
 def test_two_ranks_on_two_simulated_nodes_survive_each_fault(
     local_s3, s3_prefix, s3_options, tmp_path, shm_root
 ):
-    roots = [str(shm_root / "node0"), str(shm_root / "node1")]
-    worker.run_ranks(
-        worker.memory_tier_main, 2, s3_options, s3_prefix, str(tmp_path), roots, timeout=300
-    )
-    reports = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    reports = on_two_nodes(worker.memory_tier_main, s3_options, s3_prefix, tmp_path, shm_root)
     for report in reports:
         assert report["held"] == [3, 4] and report["s3"] == [2, 4]
         assert report["restarted"] == ((4, "memory"), True)
@@ -263,11 +267,7 @@ def test_the_cli_lists_verifies_and_removes_what_a_node_holds(s3_prefix, s3_opti
 def test_replicas_on_another_node_rebuild_a_lost_node_from_memory(
     local_s3, s3_prefix, s3_options, tmp_path, shm_root
 ):
-    roots = [str(shm_root / "node0"), str(shm_root / "node1")]
-    worker.run_ranks(
-        worker.replicated_tier_main, 2, s3_options, s3_prefix, str(tmp_path), roots, timeout=300
-    )
-    reports = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    reports = on_two_nodes(worker.replicated_tier_main, s3_options, s3_prefix, tmp_path, shm_root)
     for report in reports:
         assert report["held"] == [3, 4] and report["replicated"] == [3, 4]
         metrics = report["metrics"]

@@ -1,0 +1,223 @@
+"""``CheckpointWorker``: the trainer's side of one started checkpoint process.
+
+:class:`~s3ckpt.background.process.CheckpointProcess` keeps one at a time and replaces it
+when it dies; this is what talks to it: the child started (a fresh interpreter running
+:mod:`s3ckpt.background.worker`), the socket to it, the thread that reads its answers,
+and each save's futures (its outcome, and when its copy was held and replicated). A
+child that dies fails every save in flight with
+:class:`~s3ckpt.errors.CheckpointProcessError`, after aborting the uploads it left open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from s3ckpt.background.arena import StagingArena
+from s3ckpt.background.channel import Channel, ChannelClosed
+from s3ckpt.background.worker import Hello, Hold
+from s3ckpt.errors import CheckpointProcessError, S3CkptError
+
+log = logging.getLogger("s3ckpt.background")
+
+
+class CheckpointWorker:
+    """One started checkpoint process: its pipe, its reader thread, its saves' futures."""
+
+    def __init__(self, hello: Hello, arenas: list[StagingArena], rank: int) -> None:
+        self._arenas = arenas
+        self._rank = rank
+        self._sent_segments = [0] * len(arenas)
+        self._lock = threading.Lock()
+        # save id -> (its future, its writer, its held and replicated futures)
+        self._pending: dict[int, tuple[Future[Any], Any, Stages]] = {}
+        self._next_id = 0
+        self.failed = False
+        self.gone = False
+        self._start_error: BaseException | None = None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._popen = subprocess.Popen(
+                [sys.executable, "-m", "s3ckpt.background.worker", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env=worker_environment(),
+            )
+        finally:
+            theirs.close()
+        self.pid = self._popen.pid
+        self._channel = Channel(ours)
+        self._channel.send(hello)
+        self._reader = threading.Thread(
+            target=self._read, name=f"s3ckpt-checkpoint-process-{self.pid}", daemon=True
+        )
+        self._reader.start()
+
+    def healthy(self, world: int) -> bool:
+        """Alive, and (with several ranks) its last save did not fail."""
+        return not self.gone and not (world > 1 and self.failed)
+
+    def save(
+        self,
+        slot: int,
+        data: bytes,
+        writer: Any,
+        planner: Any,
+        hold: Hold | None,
+        stages: Stages,
+    ) -> Future[Any]:
+        future, save_id = self._register(writer, stages)
+        if not future.done():
+            # a closed channel: the reader thread fails the future with the exit status
+            with contextlib.suppress(ChannelClosed):
+                self._send_segments(slot)
+                self._channel.send(("save", save_id, slot, data, writer, planner, hold))
+        return future
+
+    def _register(self, writer: Any, stages: Stages) -> tuple[Future[Any], int]:
+        future: Future[Any] = Future()
+        with self._lock:
+            if self.gone:
+                _fail(self._died("before the save was sent"), future, stages)
+                return future, -1
+            save_id, self._next_id = self._next_id, self._next_id + 1
+            self._pending[save_id] = (future, writer, stages)
+        return future, save_id
+
+    def _send_segments(self, slot: int) -> None:
+        segments = self._arenas[slot].segments[self._sent_segments[slot] :]
+        if segments:
+            sizes = [segment.size for segment in segments]
+            self._channel.send(("segments", slot, sizes), [segment.fd for segment in segments])
+            self._sent_segments[slot] += len(segments)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message, _ = self._channel.receive()
+                self._settle(message)
+        except ChannelClosed:
+            pass
+        except Exception:  # never leave a save's future unresolved
+            log.exception("reading from the checkpoint process %d failed", self.pid)
+        with self._lock:
+            self.gone = True
+            pending, self._pending = self._pending, {}
+        if pending:
+            error = self._died("during the save")
+            for future, writer, held in pending.values():
+                if writer is not None:
+                    _abort_open_uploads(writer, self._rank, error)
+                _fail(error, future, held)
+
+    def _settle(self, message: Any) -> None:
+        kind = message[0]
+        if kind == "ready":
+            return
+        if kind in ("held", "replicated"):
+            with self._lock:
+                pending = self._pending.get(message[1])
+            reached = None if pending is None else pending[2][kind == "replicated"]
+            if reached is not None:
+                reached.set_result(None)
+            return
+        with self._lock:
+            pending = self._pending.pop(message[1], None) if message[1] is not None else None
+        future = pending[0] if pending is not None else None
+        if kind == "saved" and future is not None:
+            future.set_result(message[2])
+            return
+        self.failed = True
+        error = message[2]
+        if not isinstance(error, S3CkptError):
+            wrapped = CheckpointProcessError(
+                f"the checkpoint process of rank {self._rank} failed: "
+                f"{type(error).__name__}: {error}"
+            )
+            wrapped.__cause__ = error
+            error = wrapped
+        if pending is not None:
+            _fail(error, future, pending[2])
+        else:  # it could not start: the next save's future gets the reason
+            self._start_error = error
+            log.error("the checkpoint process %d could not start: %s", self.pid, error)
+
+    def _died(self, when: str) -> CheckpointProcessError:
+        try:
+            code = self._popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = (
+            "is unresponsive" if code is None
+            else f"was killed by signal {-code}" if code < 0
+            else f"exited with status {code}"
+        )  # fmt: skip
+        if self._start_error is not None:
+            how, when = "could not start", f"({self._start_error})"
+        return CheckpointProcessError(
+            f"the checkpoint process of rank {self._rank} (pid {self.pid}) {how} {when}; "
+            "the save is not committed, and the next save starts a new process"
+        )
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Ask the process to exit (once its save is done), then make sure it has."""
+        with contextlib.suppress(ChannelClosed, OSError):
+            self._channel.send(("stop",))
+        try:
+            self._popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("the checkpoint process %d did not stop; killing it", self.pid)
+            self._popen.kill()
+            self._popen.wait()
+        self._channel.close()
+        self._reader.join(timeout=timeout)
+
+
+Stages = tuple["Future[None] | None", "Future[None] | None"]  # held, replicated
+
+
+def _fail(error: BaseException, future: Future[Any] | None, stages: Stages) -> None:
+    """Fail a save's future, and its held and replicated futures not resolved yet."""
+    for waiting in stages:
+        if waiting is not None and not waiting.done():
+            waiting.set_exception(error)
+    if future is not None:
+        future.set_exception(error)
+
+
+def _abort_open_uploads(writer: Any, rank: int, error: CheckpointProcessError) -> None:
+    """Abort the multipart uploads a dead checkpoint process left open for ``writer``'s
+    checkpoint (this rank's data objects), before its save's failure is reported; what
+    remains (objects already written, uncommitted) is ``s3ckpt gc``'s, as after any
+    killed save. Noted on ``error``."""
+    location, config = getattr(writer, "location", None), getattr(writer, "config", None)
+    if location is None or config is None:
+        return
+    from s3ckpt.s3.loop import io_loop
+    from s3ckpt.s3.store import ObjectStore
+    from s3ckpt.transfer.aborts import abort_rank_uploads
+
+    store = ObjectStore(config, location.bucket)
+    try:
+        aborted = io_loop().run(abort_rank_uploads(store, location.prefix + "/", rank))
+    except Exception as exc:  # a store without ListMultipartUploads, say: gc's job then
+        error.add_note(f"its open uploads under {location} were not aborted ({exc}): s3ckpt gc")
+        log.warning("could not abort the uploads the checkpoint process left: %s", exc)
+        return
+    if aborted:
+        error.add_note(f"{aborted} upload(s) it left open under {location} were aborted")
+
+
+def worker_environment() -> dict[str, str]:
+    """The trainer's environment, with s3ckpt importable however the trainer found it."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    paths = [package_root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}

@@ -6,6 +6,7 @@
 * :mod:`~s3ckpt.background.process`: ``CheckpointProcess``, the persistent checkpoint
   process of one rank (also what ``dcp.async_save`` users pass their saves to);
 * :mod:`~s3ckpt.background.child`: the trainer's handle on one started checkpoint process;
+* :mod:`~s3ckpt.background.meeting`: the trainers' watch over their processes' meeting;
 * :mod:`~s3ckpt.background.worker`: the checkpoint process's own side;
 * :mod:`~s3ckpt.background.held`, :mod:`~s3ckpt.background.replicate`: the memory tier's
   held copies (their files, their checks) and the exchange of copies between nodes;

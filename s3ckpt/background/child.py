@@ -23,6 +23,7 @@ from typing import Any
 
 from s3ckpt.background.arena import StagingArena
 from s3ckpt.background.channel import Channel, ChannelClosed
+from s3ckpt.background.meeting import MeetingWatch
 from s3ckpt.background.worker import Hello, Hold
 from s3ckpt.errors import CheckpointProcessError, S3CkptError
 
@@ -32,9 +33,17 @@ log = logging.getLogger("s3ckpt.background")
 class CheckpointWorker:
     """One started checkpoint process: its pipe, its reader thread, its saves' futures."""
 
-    def __init__(self, hello: Hello, arenas: list[StagingArena], rank: int) -> None:
+    def __init__(
+        self,
+        hello: Hello,
+        arenas: list[StagingArena],
+        rank: int,
+        meeting: MeetingWatch | None = None,
+    ) -> None:
         self._arenas = arenas
         self._rank = rank
+        self._meeting = meeting
+        self._stopped_because: str | None = None  # another rank's process died meeting
         self._sent_segments = [0] * len(arenas)
         self._lock = threading.Lock()
         # save id -> (its future, its writer, its held and replicated futures)
@@ -60,6 +69,8 @@ class CheckpointWorker:
             target=self._read, name=f"s3ckpt-checkpoint-process-{self.pid}", daemon=True
         )
         self._reader.start()
+        if meeting is not None:
+            meeting.watch(self._stop_meeting)
 
     def healthy(self, world: int) -> bool:
         """Alive, and (with several ranks) its last save did not fail."""
@@ -111,8 +122,12 @@ class CheckpointWorker:
         with self._lock:
             self.gone = True
             pending, self._pending = self._pending, {}
+        meeting = self._meeting
+        before_meeting = meeting is not None and not meeting.is_met
+        if before_meeting and self._stopped_because is None:
+            meeting.abandon(self._exit_status())
         if pending:
-            error = self._died("during the save")
+            error = self._died("while meeting its peers" if before_meeting else "during the save")
             for future, writer, held in pending.values():
                 if writer is not None:
                     _abort_open_uploads(writer, self._rank, error)
@@ -121,6 +136,8 @@ class CheckpointWorker:
     def _settle(self, message: Any) -> None:
         kind = message[0]
         if kind == "ready":
+            if self._meeting is not None:
+                self._meeting.met()
             return
         if kind in ("held", "replicated"):
             with self._lock:
@@ -150,20 +167,36 @@ class CheckpointWorker:
             self._start_error = error
             log.error("the checkpoint process %d could not start: %s", self.pid, error)
 
-    def _died(self, when: str) -> CheckpointProcessError:
+    def _stop_meeting(self, reason: str) -> None:
+        """Another rank's process died before the group was formed: this one, still
+        meeting, would wait for it until the collective timeout."""
+        self._stopped_because = reason
+        log.warning("stopping the checkpoint process %d: %s", self.pid, reason)
+        with contextlib.suppress(OSError):
+            self._popen.kill()
+
+    def _exit_status(self) -> str:
         try:
             code = self._popen.wait(timeout=10)
         except subprocess.TimeoutExpired:
             code = None
-        how = (
+        if self._start_error is not None:
+            return f"could not start ({self._start_error})"
+        return (
             "is unresponsive" if code is None
             else f"was killed by signal {-code}" if code < 0
             else f"exited with status {code}"
         )  # fmt: skip
-        if self._start_error is not None:
-            how, when = "could not start", f"({self._start_error})"
+
+    def _died(self, when: str) -> CheckpointProcessError:
+        how = self._exit_status()
+        if self._stopped_because is not None:
+            how = f"was stopped ({self._stopped_because})"
+        elif self._start_error is not None:
+            when = ""
         return CheckpointProcessError(
-            f"the checkpoint process of rank {self._rank} (pid {self.pid}) {how} {when}; "
+            f"the checkpoint process of rank {self._rank} (pid {self.pid}) {how}"
+            f"{' ' + when if when else ''}; "
             "the save is not committed, and the next save starts a new process"
         )
 

@@ -11,7 +11,8 @@ runs ``dcp.save`` of it with the given writer. The lifecycle:
    running :mod:`s3ckpt.background.worker`; its imports overlap with training). With
    several ranks, every rank constructs it at the same point: rank 0 opens a store the
    checkpoint processes meet at (at ``MASTER_ADDR``, else where the default group met),
-   and the processes form a gloo group of their own.
+   and the processes form a gloo group of their own. A process that dies before the group
+   is formed ends the meeting on every rank (:mod:`~s3ckpt.background.meeting`).
 2. **Save** (:meth:`async_save`): wait for the save in flight (the arena holds its copy),
    agree across ranks whether the processes must be started afresh, copy the state into
    the arena (the only part the loop waits for), send it; a future resolves with the
@@ -36,6 +37,7 @@ import sys
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,7 @@ import torch.distributed as dist
 from s3ckpt.background.arena import StagingArena
 from s3ckpt.background.channel import dumps_staged
 from s3ckpt.background.child import CheckpointWorker
+from s3ckpt.background.meeting import MeetingWatch
 from s3ckpt.background.stage import Staged, stage
 from s3ckpt.background.worker import Hello, Hold, Meeting
 from s3ckpt.dcp.compat import default_store_host
@@ -226,7 +229,8 @@ class CheckpointProcess:
 
     def _meeting_place(self) -> tuple[Any, tuple[str, int] | None]:
         """With several ranks: rank 0's store for the checkpoint processes, its address on
-        every rank (one broadcast)."""
+        every rank (one broadcast), and every rank's connection to it (to watch the
+        processes' meetings, :mod:`~s3ckpt.background.meeting`)."""
         if self.world == 1:
             return None, None
         store, box = None, [None]
@@ -236,16 +240,21 @@ class CheckpointProcess:
             box = [(host, store.port)]
         source = 0 if self._group is None else dist.get_global_rank(self._group, 0)
         dist.broadcast_object_list(box, src=source, group=self._group)
-        return store, box[0]
+        host, port = box[0]
+        if store is None:
+            timeout = timedelta(seconds=self._timeout_s)
+            store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        return store, (host, port)
 
     def _start(self) -> None:
-        meeting = None
+        meeting, watch = None, None
         if self._address is not None:
             host, port = self._address
             prefix = f"s3ckpt-checkpoint-process/{self._generation}"
             meeting = Meeting(host, port, prefix, self.rank, self.world, self._timeout_s)
+            watch = MeetingWatch(self._store, prefix, self.rank)
         hello = Hello(list(sys.path), logging.getLogger("s3ckpt").getEffectiveLevel(), meeting)
-        self._worker = CheckpointWorker(hello, self._arenas, self.rank)
+        self._worker = CheckpointWorker(hello, self._arenas, self.rank, watch)
 
     def _stop_worker(self) -> None:
         worker, self._worker = self._worker, None

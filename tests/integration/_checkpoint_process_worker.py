@@ -1,6 +1,7 @@
 """Rank side of the checkpoint-process tests on several gloo ranks (spawned by
 ``_dist_worker.run_ranks``): sharded DTensor state saved by the checkpoint processes and
-loaded back, and a checkpoint process killed in the middle of a save."""
+loaded back, and a checkpoint process killed in the middle of a save or while the
+processes meet."""
 
 from __future__ import annotations
 
@@ -100,6 +101,40 @@ def killed_main(rank: int, world_size: int, port: int, s3: dict[str, Any], uri: 
             report["first"] = f"{type(exc).__name__}: {exc}"
         future = process.async_save(state, storage_writer=S3StorageWriter(f"{uri}/b", **s3))
         report["second_metadata"] = type(future.result(timeout=120)).__name__
+        report["fresh_pid"] = process.pid != first_pid
+        process.close()
+        listed = catalog.list_checkpoints(uri, include_uncommitted=True, **s3)
+        report["listed"] = sorted((i.name, i.committed) for i in listed)
+    finally:
+        _report(out, rank, report)
+        dist.destroy_process_group()
+
+
+def killed_meeting_main(
+    rank: int, world_size: int, port: int, s3: dict[str, Any], uri: str, out: str
+):
+    """Rank 1's checkpoint process is killed while the processes are still meeting (it is
+    importing torch: the group cannot have formed): rank 0's process, which would wait in
+    ``init_process_group`` for the collective timeout, is stopped by its trainer, both
+    saves fail naming rank 1, and the next save commits with fresh processes."""
+    from s3ckpt import CheckpointError, CheckpointProcess, S3StorageWriter, catalog
+
+    _init(rank, world_size, port)
+    report: dict[str, Any] = {}
+    try:
+        process = CheckpointProcess(timeout_s=900)  # a hang outlasts the test's timeout
+        state = {f"w{rank}": torch.randn(256, 1024)}
+        first_pid = process.pid
+        future = process.async_save(state, storage_writer=S3StorageWriter(f"{uri}/a", **s3))
+        if rank == 1:
+            os.kill(first_pid, signal.SIGKILL)
+        try:
+            future.result(timeout=240)
+            report["first"] = "committed"
+        except CheckpointError as exc:
+            report["first"] = f"{type(exc).__name__}: {exc}"
+        future = process.async_save(state, storage_writer=S3StorageWriter(f"{uri}/b", **s3))
+        report["second_metadata"] = type(future.result(timeout=240)).__name__
         report["fresh_pid"] = process.pid != first_pid
         process.close()
         listed = catalog.list_checkpoints(uri, include_uncommitted=True, **s3)

@@ -250,3 +250,23 @@ def test_a_rank_whose_process_is_killed_fails_the_save_on_every_rank(
         assert report["second_metadata"] == "Metadata"
         assert report["fresh_pid"]
         assert report["listed"] == [("a", False), ("b", True)]
+
+
+@pytest.mark.distributed
+def test_a_process_killed_while_the_processes_meet_fails_every_rank_at_once(
+    local_s3, s3_prefix, s3_options, tmp_path
+):
+    run_ranks(rank_side.killed_meeting_main, 2, s3_options, s3_prefix, str(tmp_path), timeout=300)
+    reports = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert reports[1]["first"].startswith(
+        "CheckpointProcessError: the checkpoint process of rank 1"
+    ), reports[1]["first"]
+    assert "killed by signal 9 while meeting its peers" in reports[1]["first"]
+    assert reports[0]["first"].startswith(
+        "CheckpointProcessError: the checkpoint process of rank 0"
+    ), reports[0]["first"]
+    assert "(the checkpoint process of rank 1 was killed by signal 9)" in reports[0]["first"]
+    for report in reports:
+        assert report["second_metadata"] == "Metadata"
+        assert report["fresh_pid"]
+        assert report["listed"] == [("b", True)]

@@ -44,7 +44,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml setup.py s3ckpt/format/_byteplanes.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[test,lightning,megatron]" "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[test,lightning,megatron,torch-checkpointing]" "$(TORCH_SPEC)"
 	touch $@
 
 $(TITAN_STAMP): pyproject.toml setup.py s3ckpt/format/_byteplanes.c

@@ -170,3 +170,18 @@ def test_paths_outside_the_run_and_renamed_checkpoints_are_refused(s3_prefix, s3
         storage.remap_path(Path(f"{s3_prefix}/step-1/model_0.pt"))
         == f"{s3_prefix}/step-1/model_0.pt"
     )
+
+
+@pytest.mark.distributed
+def test_two_ranks_save_their_files_and_rank_0_commits(local_s3, s3_prefix, tmp_path):
+    import _torch_checkpointing_worker as rank_side
+    from _dist_worker import run_ranks, server_options
+
+    run_ranks(
+        rank_side.two_ranks_main, 2, server_options(local_s3), s3_prefix, str(tmp_path), timeout=300
+    )
+    for rank in range(2):
+        report = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert torch.equal(report["loaded"]["model"]["w"], rank_side.rank_state(rank)["model"]["w"])
+        assert report["loaded"]["step"] == 7
+        assert report["listed"] == ("step-7", True, 2, 4)  # two files per rank

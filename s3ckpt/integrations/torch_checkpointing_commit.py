@@ -5,7 +5,7 @@ finds exactly one index per rank of this save (a rank deletes those its own earl
 failed attempts left before writing its new one, so an index from before cannot be taken
 for this save's), checks every data object with one listing, then writes the metadata
 object and the manifest, last, with :func:`~s3ckpt.transfer.commit.commit_manifest`. The
-metadata is DCP's: one bytes item per file, and which rank stored it.
+metadata is DCP's (:mod:`s3ckpt.dcp.file_items`).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import asyncio
 import re
 
 from crc32c import crc32c
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from s3ckpt._version import __version__
 from s3ckpt.catalog.api import acommitted_names, aremove_checkpoint
 from s3ckpt.config import S3URI
 from s3ckpt.dcp import metadata_pickle, metadata_read
 from s3ckpt.dcp.compat import TORCH_VERSION
+from s3ckpt.dcp.file_items import file_owners, files_metadata
 from s3ckpt.errors import (
     CheckpointNotFoundError,
     CommitConflictError,
@@ -29,7 +29,7 @@ from s3ckpt.errors import (
 )
 from s3ckpt.format.layout import StoredItem, index_key, metadata_key
 from s3ckpt.format.manifest import IndexRef, ItemEntry, Manifest, ObjectEntry
-from s3ckpt.format.rank_index import ItemOwners, RankIndex
+from s3ckpt.format.rank_index import RankIndex
 from s3ckpt.integrations.torch_checkpointing_files import Committed, Saving
 from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer.commit import commit_manifest, read_manifest
@@ -93,7 +93,7 @@ async def commit(store: ObjectStore, saving: Saving, world_size: int) -> None:
         for rank, body in enumerate(bodies)
     ]
     objects = await _objects(store, location, indexes)
-    metadata = _metadata(location, indexes)
+    metadata = files_metadata(_owners(location, indexes))
     body = metadata_pickle.dumps(metadata)
     manifest = Manifest(
         save_id=saving.save_id,
@@ -124,16 +124,13 @@ async def read_committed(store: ObjectStore, location: S3URI) -> Committed:
         raise CheckpointNotFoundError(f"no committed checkpoint at {location}") from exc
     body = await store.get(location.key(manifest.metadata_key))
     metadata = metadata_read.unpickled(location, manifest, body, trust_pickles=False)
-    entries = metadata.state_dict_metadata
-    owners = metadata.storage_data
-    if not isinstance(owners, ItemOwners) or not all(
-        isinstance(entry, BytesStorageMetadata) for entry in entries.values()
-    ):
+    owners = file_owners(metadata)
+    if owners is None:
         raise ConfigError(
             f"{location} holds tensors saved through DCP, not torch-checkpointing files: "
             "load it with dcp.load and an S3StorageReader"
         )
-    return Committed(location, manifest, owners, tuple(entries))
+    return Committed(location, manifest, owners, tuple(metadata.state_dict_metadata))
 
 
 async def committed_names(store: ObjectStore, run: S3URI) -> list[str]:
@@ -181,8 +178,8 @@ async def _objects(
     return tuple(entries)
 
 
-def _metadata(location: S3URI, indexes: list[RankIndex]) -> Metadata:
-    """DCP's metadata of the checkpoint: a bytes item per file, and the rank that wrote it."""
+def _owners(location: S3URI, indexes: list[RankIndex]) -> dict[str, int]:
+    """Each file, and the rank that wrote it (two ranks writing one name is refused)."""
     owned: dict[str, int] = {}
     for index in indexes:
         for item in index.items:
@@ -191,8 +188,4 @@ def _metadata(location: S3URI, indexes: list[RankIndex]) -> Metadata:
                     f"{location}: ranks {owned[item.fqn]} and {index.rank} both wrote {item.fqn!r}"
                 )
             owned[item.fqn] = index.rank
-    owners = ItemOwners.build(dict.fromkeys(owned, 1), [(n, 0, r) for n, r in owned.items()])
-    return Metadata(
-        state_dict_metadata={name: BytesStorageMetadata() for name in owned},
-        storage_data=owners,
-    )
+    return owned

@@ -19,15 +19,12 @@ import re
 from pathlib import Path
 from typing import Protocol
 
-from crc32c import crc32c
-
 from s3ckpt.config import S3URI, S3Config
 from s3ckpt.errors import ConfigError, OutputExistsError, StorageError
 from s3ckpt.s3.loop import io_loop
-from s3ckpt.s3.store import ObjectStore, PartResult
-from s3ckpt.transfer.parts import MiB
+from s3ckpt.s3.store import ObjectStore
+from s3ckpt.transfer.object_writer import PART_SIZE, ObjectWriter
 
-PART_SIZE = 64 * MiB
 # Names an export writes (interop.formats): what ``overwrite`` may remove when stale.
 EXPORT_NAMES = re.compile(
     r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|pytorch_model\.bin)$"
@@ -107,7 +104,7 @@ class S3Output:
         self.store = ObjectStore(config, location.bucket)
         self.written: list[str] = []
         self._existing: list[str] = []
-        self._open: list[_S3Stream] = []
+        self._open: list[ObjectWriter] = []
 
     def __str__(self) -> str:
         return str(self.location)
@@ -121,7 +118,8 @@ class S3Output:
 
     def open(self, name: str) -> Stream:
         self.written.append(name)
-        stream = _S3Stream(self.store, self.location.key(name))
+        # ahead=0: a part uploaded before the next fills, so the export's window bounds memory
+        stream = ObjectWriter(self.store, self.location.key(name), part_size=PART_SIZE, ahead=0)
         self._open.append(stream)
         return stream
 
@@ -161,52 +159,3 @@ class _LocalStream:
 
     def abort(self) -> None:
         self.file.close()
-
-
-class _S3Stream:
-    """One object written front to back: parts of :data:`PART_SIZE` uploaded as they fill."""
-
-    def __init__(self, store: ObjectStore, key: str) -> None:
-        self.store, self.key = store, key
-        self.buffer = bytearray()
-        self.upload_id: str | None = None
-        self.parts: list[PartResult] = []
-
-    def write(self, data: memoryview | bytes) -> None:
-        view = memoryview(data).cast("B")
-        while view:
-            room = PART_SIZE - len(self.buffer)
-            self.buffer += view[:room]
-            view = view[room:]
-            if len(self.buffer) == PART_SIZE:
-                self._send_part()
-
-    def _send_part(self) -> None:
-        if self.upload_id is None:
-            self.upload_id = io_loop().run(self.store.create_multipart(self.key))
-        body, number = self.buffer, len(self.parts) + 1
-        self.buffer = bytearray()
-        part = self.store.upload_part(self.key, self.upload_id, number, body, crc32c(body))
-        self.parts.append(io_loop().run(part))
-
-    def close(self) -> None:
-        if self.upload_id is None:
-            io_loop().run(self.store.put(self.key, self.buffer, crc32c=crc32c(self.buffer)))
-            return
-        if self.buffer:
-            self._send_part()
-        io_loop().run(self.store.complete_multipart(self.key, self.upload_id, self.parts))
-        self.upload_id = None
-
-    def abort(self) -> None:
-        if self.upload_id is not None:
-            upload_id, self.upload_id = self.upload_id, None
-            try:
-                io_loop().run(self.store.abort_multipart(self.key, upload_id))
-            except StorageError as exc:  # not an s3ckpt key: gc leaves it to lifecycle rules
-                log.warning(
-                    "could not abort the upload of %s (an AbortIncompleteMultipartUpload "
-                    "lifecycle rule removes it): %s",
-                    self.key,
-                    exc,
-                )

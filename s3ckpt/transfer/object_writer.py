@@ -5,7 +5,7 @@ files written through a stream (``torch.save`` into a file object, an export wri
 safetensors file) arrive a few bytes at a time and their size is known only at the end.
 Bytes are gathered into parts of ``part_size``; each full part is uploaded on the I/O loop
 while the next fills (at most ``ahead`` parts in flight, so memory stays
-``(ahead + 1) x part_size``). An object that never fills one part is one ``PutObject``.
+``(ahead + 1) x part_size``; ``ahead=0`` uploads each part before the next fills). An object that never fills one part is one ``PutObject``.
 Every part carries its CRC32C, combined from the CRC32C of each ``block_size`` block, which
 the writer also keeps: they are what an index records to check reads of the object later.
 A failure, or :meth:`ObjectWriter.abort`, aborts the multipart upload; one left by a
@@ -82,7 +82,7 @@ class ObjectWriter:
         """Upload what is left and complete the object; aborts it if that fails."""
         try:
             if self._upload_id is None:
-                body = bytes(self._buffer)
+                body = self._buffer
                 crcs = self._crcs_of(body)
                 etag = io_loop().run(
                     self.store.put(self.key, body, crc32c=_whole(crcs, len(body), self._block_size))
@@ -110,29 +110,39 @@ class ObjectWriter:
             return
         try:
             io_loop().run(self.store.abort_multipart(self.key, upload_id))
-        except Exception as exc:  # gc finds it later: it is under the checkpoint's prefix
-            log.warning("could not abort the upload of %s: %s", self.key, exc)
+        except Exception as exc:
+            log.warning(
+                "could not abort the upload of %s (under a checkpoint s3ckpt gc removes it, "
+                "elsewhere an AbortIncompleteMultipartUpload lifecycle rule): %s",
+                self.key,
+                exc,
+            )
 
     def _send_part(self) -> None:
         try:
             if self._upload_id is None:
                 self._upload_id = io_loop().run(self.store.create_multipart(self.key))
-            while sum(not part.done() for part in self._parts) >= self._ahead:
-                next(part for part in self._parts if not part.done()).exception()
-            for part in self._parts:
-                if part.done() and part.exception() is not None:
-                    raise part.exception()  # type: ignore[misc]
+            body, self._buffer = self._buffer, bytearray()  # the upload owns it now
+            crcs = self._crcs_of(body)
+            checksum = _whole(crcs, len(body), self._block_size)
+            number = len(self._parts) + 1
+            coro = self.store.upload_part(self.key, self._upload_id, number, body, checksum)
+            self._parts.append(io_loop().submit(coro))
+            self._settle(self._ahead)
         except BaseException:
             self.abort()
             raise
-        body, self._buffer = bytes(self._buffer), bytearray()
-        crcs = self._crcs_of(body)
-        number = len(self._parts) + 1
-        checksum = _whole(crcs, len(body), self._block_size)
-        coro = self.store.upload_part(self.key, self._upload_id, number, body, checksum)
-        self._parts.append(io_loop().submit(coro))
 
-    def _crcs_of(self, body: bytes) -> list[int]:
+    def _settle(self, limit: int) -> None:
+        """Wait until at most ``limit`` parts are in flight; raise the first failure."""
+        pending = [part for part in self._parts if not part.done()]
+        for part in pending[: max(len(pending) - limit, 0)]:
+            part.result()
+        for part in self._parts:
+            if part.done() and part.exception() is not None:
+                part.result()
+
+    def _crcs_of(self, body: bytes | bytearray) -> list[int]:
         """The CRC32C of each block of ``body`` (a part starts on a block boundary)."""
         view = memoryview(body)
         size = self._block_size

@@ -185,3 +185,24 @@ def test_two_ranks_save_their_files_and_rank_0_commits(local_s3, s3_prefix, tmp_
         assert torch.equal(report["loaded"]["model"]["w"], rank_side.rank_state(rank)["model"]["w"])
         assert report["loaded"]["step"] == 7
         assert report["listed"] == ("step-7", True, 2, 4)  # two files per rank
+
+
+def test_reads_anywhere_in_a_file_are_checked_and_exact(s3_prefix, s3_options):
+    manager = _manager(s3_prefix, s3_options, sync=True)
+    try:
+        manager.save(f"{s3_prefix}/step-1", _state(1, mib=20))
+    finally:
+        manager.close()
+    storage = manager_config(s3_prefix, **s3_options).storage_config.create_storage()
+    name = next(n for n in storage.ls(Path(f"{s3_prefix}/step-1")) if n.startswith("model"))
+    path = Path(f"{s3_prefix}/step-1/{name}")
+    whole = storage.read(path)
+    assert len(whole) == storage.getsize(path) > 20 * MiB
+    with storage.stream_read(path) as stream:
+        pieces = []
+        for start, size in [(100, 1000), (9 * MiB - 5, 10), (0, 3), (len(whole) - 7, 100)]:
+            assert stream.seek(start) == start
+            pieces.append((start, stream.read(size)))
+        assert stream.read(5) == b""  # at the end
+    for start, got in pieces:
+        assert got == whole[start : start + len(got)] and got

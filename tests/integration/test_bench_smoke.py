@@ -101,3 +101,17 @@ def test_memory_tier_benchmark_smoke_run(tmp_path):
     assert [t["target"] for t in report["targets"]] == [
         "save blocking / bare copy", "own restore / bare copy", "peer restore / link throughput"
     ]  # fmt: skip
+
+
+def test_torch_checkpointing_benchmark_smoke_run(tmp_path):
+    """The torch-checkpointing benchmark saves and restores every way, bit-exact."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.torch_checkpointing", "--size-mib", "8",
+         "--tensors", "2", "--reps", "1", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    report = json.loads((tmp_path / "torch_checkpointing.json").read_text())
+    assert report["exact"] == {"tc-tmpfs": True, "tc-s3": True, "dcp-s3": True}
+    assert set(report["ratios"]) == {"tc-s3 / tc-tmpfs", "tc-s3 / dcp-s3"}
+    assert all(s > 0 for m in report["seconds"].values() for s in m.values()), report["seconds"]

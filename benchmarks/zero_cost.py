@@ -41,6 +41,7 @@ PAIRS = [
     ("s3torchconnector", "s3torch_save", "s3torch_load"),
     ("s5cmd", "s5cmd_upload", "s5cmd_download"),
     ("boto3 s3transfer", "s3transfer_upload", "s3transfer_download"),
+    ("s3dlio", "s3dlio_save", "s3dlio_load"),
 ]
 LOOP = "train_loop"
 LOOP_PARTS = ["train_loop_python", "train_loop_torch"]  # on demand: --cases
@@ -289,6 +290,8 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         "save MB/s / s3torchconnector": ratio("s3ckpt_save", "s3torch_save", 2.0),
         "load MB/s / s5cmd download": ratio("s3ckpt_load", "s5cmd_download", 1.0),
         "load MB/s / s3torchconnector": ratio("s3ckpt_load", "s3torch_load", 2.0),
+        "save MB/s / s3dlio (bytes only)": ratio("s3ckpt_save", "s3dlio_save", 1.0),
+        "load MB/s / s3dlio (bytes only)": ratio("s3ckpt_load", "s3dlio_load", 1.0),
         "save client CPU-s/GiB": bound("s3ckpt_save", SAVE_CPU_MAX),
         "load client CPU-s/GiB": bound("s3ckpt_load", LOAD_CPU_MAX),
         "training loop slowdown, thread-mode async_save": (loop, "<=", LOOP_SLOWDOWN_MAX),

@@ -130,7 +130,12 @@ class Committed:
         with self._lock:
             files = self._indexes.get(rank)
         if files is None:
-            ref = next(i for i in self.manifest.indexes if i.rank == rank)
+            ref = {i.rank: i for i in self.manifest.indexes}.get(rank)
+            if ref is None:
+                raise CorruptCheckpointError(
+                    f"{self.location}: rank {rank} wrote {name!r}, but the manifest lists no "
+                    "index object of that rank"
+                )
             index = io_loop().run(read_index(store, self.location, ref, self.manifest.etags()))
             files = {item.fqn: item.stored for item in index.items}
             with self._lock:

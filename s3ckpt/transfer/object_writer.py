@@ -66,6 +66,8 @@ class ObjectWriter:
         self._closed = False
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
+        if self._closed:
+            raise ValueError(f"write to {self.key} after it was closed or given up")
         view = memoryview(data).cast("B")
         taken = 0
         while taken < len(view):
@@ -80,6 +82,8 @@ class ObjectWriter:
 
     def close(self) -> WrittenObject:
         """Upload what is left and complete the object; aborts it if that fails."""
+        if self._closed:
+            raise ValueError(f"{self.key} was already closed or given up")
         try:
             if self._upload_id is None:
                 body = self._buffer

@@ -206,3 +206,29 @@ def test_reads_anywhere_in_a_file_are_checked_and_exact(s3_prefix, s3_options):
         assert stream.read(5) == b""  # at the end
     for start, got in pieces:
         assert got == whole[start : start + len(got)] and got
+
+
+def test_faults_on_the_way_are_retried_and_reads_stay_exact(local_s3, s3_prefix, s3_options):
+    from faultproxy import FaultProxy, Rule
+
+    rules = (  # each data object's first PUT cut, its first GETs damaged, then 503s anywhere
+        Rule("reset_request", methods=("PUT",), match="/data/", after=64 * 1024, limit=1),
+        Rule("corrupt", methods=("GET",), match="/data/", after=1000, limit=1),
+        Rule("reset_response", methods=("GET",), match="/data/", after=4096, limit=1),
+        Rule("slowdown", rate=0.2),
+    )
+    with FaultProxy(local_s3.endpoint_url, seed=11) as proxy:
+        proxy.add(*rules)
+        through = {**s3_options, "endpoint_url": proxy.endpoint_url, "read_timeout": 5.0}
+        manager = _manager(s3_prefix, through, sync=True)
+        try:
+            state = _state(9, mib=12)
+            manager.save(f"{s3_prefix}/step-9", state)
+            loaded = manager.load(f"{s3_prefix}/step-9", into=_empty(mib=12))
+        finally:
+            manager.close()
+        fired = dict(proxy.counts)
+    assert torch.equal(loaded["model"]["w"], state["model"]["w"]) and loaded["step"] == 9
+    assert {k: fired.get(k) for k in ("reset_request", "corrupt", "reset_response")} == {
+        "reset_request": 1, "corrupt": 1, "reset_response": 1
+    }, fired  # fmt: skip

@@ -118,6 +118,7 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks.loop
 	$(BIN)/python -m benchmarks.memory_tier
 	$(BIN)/python -m benchmarks.torch_checkpointing
+	$(BIN)/python -m benchmarks.mlperf_checkpoint
 
 # s3ckpt and its peers (s3torchconnector, s5cmd, s3transfer, raw aiobotocore) on an
 # in-memory S3 server that costs next to no CPU (benchmarks/zero_s3.c, built with cc):

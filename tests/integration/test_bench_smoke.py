@@ -115,3 +115,21 @@ def test_torch_checkpointing_benchmark_smoke_run(tmp_path):
     assert report["exact"] == {"tc-tmpfs": True, "tc-s3": True, "dcp-s3": True}
     assert set(report["ratios"]) == {"tc-s3 / tc-tmpfs", "tc-s3 / dcp-s3"}
     assert all(s > 0 for m in report["seconds"].values() for s in m.values()), report["seconds"]
+
+
+def test_mlperf_checkpoint_benchmark_smoke_run(tmp_path):
+    """MLPerf Storage's checkpoint workload, scaled down: two ranks write and read back
+    bit-exact, reported as the slowest rank's duration and the smallest rank's throughput."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.mlperf_checkpoint", "--scale", "0.0005",
+         "--checkpoints", "2", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    report = json.loads((tmp_path / "mlperf_checkpoint.json").read_text())
+    assert report["exact"] and report["workload"]["ranks"] == 2
+    assert report["workload"]["mlperf_ranks"] == 8  # llama3-8b
+    for kind in ("write", "read"):
+        figures = report["figures"][kind]
+        assert figures["runs"] == 2 and figures["slowest_rank_s"] > 0
+        assert 0 < figures["smallest_rank_GBps"] <= figures["aggregate_GBps"]

@@ -46,13 +46,10 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 import warnings
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import torch.distributed as dist
@@ -65,13 +62,13 @@ from s3ckpt.dcp.reader import S3StorageReader
 from s3ckpt.dcp.writer import S3StorageWriter
 from s3ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError
 from s3ckpt.manager.committed import CommittedSteps
+from s3ckpt.manager.ledger import InFlight, SaveLedger
 from s3ckpt.manager.policy import (
     AsyncMode,
     IfBusy,
     Retention,
     SaveMetrics,
     checkpoint_name,
-    state_bytes,
     validate_options,
 )
 from s3ckpt.manager.ranks import Ranks
@@ -80,32 +77,6 @@ from s3ckpt.tier.rank import RankTier
 from s3ckpt.tier.restore import Restored
 
 log = logging.getLogger("s3ckpt.manager")
-
-
-@dataclass(eq=False)
-class _InFlight:
-    """A background save, from ``async_save`` returning until its bookkeeping is done."""
-
-    step: int
-    future: Future[Any]
-    started: float  # perf_counter() when the background part began
-    blocked_s: float
-    waited_s: float
-    done: threading.Event = field(default_factory=threading.Event)
-    metrics: SaveMetrics | None = None
-    to_s3: bool = True
-    nbytes: int = 0  # this rank's staged bytes (what a save held only in memory reports)
-    held_at: float | None = None  # perf_counter() when the copy was held in memory
-    replicated_at: float | None = None  # ... and when every rank's replicas had landed
-
-    def tier_times(self) -> dict[str, float | None]:
-        """``held_s`` and ``replicated_s`` for the metrics: from the background part's start."""
-        return {
-            "held_s": None if self.held_at is None else self.held_at - self.started,
-            "replicated_s": None
-            if self.replicated_at is None
-            else self.replicated_at - self.started,
-        }
 
 
 class CheckpointManager:
@@ -188,10 +159,12 @@ class CheckpointManager:
         )  # fmt: skip
         self.last_restore: Restored | None = None
         self._retention = Retention(self.location, self.config, keep_last, keep_every)
-        self._lock = threading.Lock()
-        self._inflight: _InFlight | None = None
-        self._failure: BaseException | None = None
+        self._inflight: InFlight | None = None
         self._committed = CommittedSteps(self.location, self.config, self._ranks.on_rank0)
+        self._ledger = SaveLedger(
+            self._committed, self._retention, self._ranks.rank, self.metrics,
+            lambda: self.on_saved,
+        )  # fmt: skip
         self._closed = False
         self._pid = os.getpid()  # its threads and its saves in flight belong to this process
 
@@ -356,7 +329,7 @@ class CheckpointManager:
         except BaseException as exc:
             _reraise(exc)
         now = time.perf_counter()
-        inflight = _InFlight(
+        inflight = InFlight(
             step, future, now, now - started, waited, to_s3=to_s3,
             nbytes=keep.nbytes if keep is not None else 0,
         )  # fmt: skip
@@ -366,7 +339,7 @@ class CheckpointManager:
             keep.replicated.add_done_callback(
                 lambda _: setattr(inflight, "replicated_at", time.perf_counter())
             )
-        future.add_done_callback(lambda _: self._finished(inflight))
+        future.add_done_callback(lambda _: self._ledger.finished(inflight))
         if failure is not None:
             _reraise(failure)
         return True
@@ -390,7 +363,7 @@ class CheckpointManager:
             log.warning("%s was committed by someone else; not saved", checkpoint_name(step))
             return False
         elapsed = time.perf_counter() - started
-        self._committed_ok(step, metadata, time.perf_counter() - t0, elapsed, waited)
+        self._ledger.committed_ok(step, metadata, time.perf_counter() - t0, elapsed, waited)
         return True
 
     # -- waiting and closing ---------------------------------------------------------------
@@ -424,81 +397,6 @@ class CheckpointManager:
                 if self._tier is not None:
                     self._tier.close()
 
-    # -- background bookkeeping (the thread that resolves the save's future) -------------
-
-    def _finished(self, inflight: _InFlight) -> None:
-        try:
-            error = inflight.future.exception()
-            if error is None and not inflight.to_s3:
-                inflight.metrics = self._held_ok(inflight)
-            elif error is None:
-                upload = time.perf_counter() - inflight.started
-                inflight.metrics = self._committed_ok(
-                    inflight.step,
-                    inflight.future.result(),
-                    inflight.blocked_s,
-                    upload,
-                    inflight.waited_s,
-                    inflight.tier_times(),
-                )
-            else:
-                self._failed(inflight.step, error)
-        except BaseException:  # never let bookkeeping leave waiters hanging
-            log.exception("bookkeeping after the save of step %d failed", inflight.step)
-        finally:
-            inflight.done.set()
-
-    def _committed_ok(
-        self,
-        step: int,
-        metadata: Any,
-        blocked: float,
-        upload: float,
-        waited: float,
-        tier_times: dict[str, float | None] | None = None,
-    ) -> SaveMetrics:
-        metrics = SaveMetrics.of(
-            step, blocked, upload, state_bytes(metadata), waited, **(tier_times or {})
-        )
-        self._committed.add([step])
-        self._record(metrics)
-        if self._ranks.rank == 0:
-            self._retention.after_commit(step)
-        return metrics
-
-    def _record(self, metrics: SaveMetrics) -> None:
-        with self._lock:
-            self.metrics.append(metrics)
-        log.info("%s", metrics)
-        if self.on_saved is not None:
-            try:
-                self.on_saved(metrics)
-            except Exception:
-                log.exception("on_saved callback failed for step %d", metrics.step)
-
-    def _held_ok(self, inflight: _InFlight) -> SaveMetrics:
-        """Bookkeeping of a save held in memory only (no commit, no retention)."""
-        metrics = SaveMetrics.of(
-            inflight.step, inflight.blocked_s, 0.0, inflight.nbytes, inflight.waited_s,
-            **inflight.tier_times(), to_s3=False,
-        )  # fmt: skip
-        self._record(metrics)
-        return metrics
-
-    def _failed(self, step: int, exc: BaseException) -> None:
-        error = unwrap(exc)
-        name = checkpoint_name(step)
-        if isinstance(error, CheckpointExistsError):
-            log.warning("%s was committed by someone else; not saved", name)
-            self._committed.add([step])
-            return
-        log.error("background save of %s failed: %s", name, error, exc_info=error)
-        if hasattr(error, "add_note"):
-            error.add_note(f"CheckpointManager: the background save of {name} failed")
-        with self._lock:
-            if self._failure is None:  # the first failure is the one worth raising
-                self._failure = error
-
     # -- helpers ---------------------------------------------------------------------------
 
     def _check_process(self) -> None:
@@ -514,10 +412,7 @@ class CheckpointManager:
         inflight = self._inflight
         if inflight is not None:
             inflight.done.wait()
-        with self._lock:
-            error, self._failure = self._failure, None
-        if error is not None:
-            raise error
+        self._ledger.raise_failure()
 
 
 def _reraise(exc: BaseException) -> NoReturn:

@@ -1,0 +1,153 @@
+"""``SaveLedger``: what a :class:`~s3ckpt.CheckpointManager` records as each save ends.
+
+A background save ends on the thread that resolves its future (the checkpoint process's
+reader, or the upload thread), not in the training loop. The ledger does what follows
+there: the save's metrics (kept and handed to ``on_saved``), the step counted as
+committed and the retention after it on rank 0, or the failure kept for the loop's next
+``save`` or ``wait`` to raise, once. A save held only in the memory tier is recorded
+without a commit. The manager's own thread reads the ledger only through
+:meth:`SaveLedger.raise_failure`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from s3ckpt.dcp.compat import unwrap
+from s3ckpt.errors import CheckpointExistsError
+from s3ckpt.manager.committed import CommittedSteps
+from s3ckpt.manager.policy import Retention, SaveMetrics, checkpoint_name, state_bytes
+
+log = logging.getLogger("s3ckpt.manager")
+
+
+@dataclass(eq=False)
+class InFlight:
+    """A background save, from ``async_save`` returning until its bookkeeping is done."""
+
+    step: int
+    future: Future[Any]
+    started: float  # perf_counter() when the background part began
+    blocked_s: float
+    waited_s: float
+    done: threading.Event = field(default_factory=threading.Event)
+    metrics: SaveMetrics | None = None
+    to_s3: bool = True
+    nbytes: int = 0  # this rank's staged bytes (what a save held only in memory reports)
+    held_at: float | None = None  # perf_counter() when the copy was held in memory
+    replicated_at: float | None = None  # ... and when every rank's replicas had landed
+
+    def tier_times(self) -> dict[str, float | None]:
+        """``held_s`` and ``replicated_s`` for the metrics: from the background part's start."""
+        return {
+            "held_s": None if self.held_at is None else self.held_at - self.started,
+            "replicated_s": None
+            if self.replicated_at is None
+            else self.replicated_at - self.started,
+        }
+
+
+class SaveLedger:
+    """Metrics, committed steps, retention and the pending failure of one manager's saves."""
+
+    def __init__(
+        self,
+        committed: CommittedSteps,
+        retention: Retention,
+        rank: int,
+        metrics: deque[SaveMetrics],
+        on_saved: Callable[[], Callable[[SaveMetrics], None] | None],
+    ) -> None:
+        self._committed, self._retention, self._rank = committed, retention, rank
+        self.metrics = metrics
+        self._on_saved = on_saved  # read at each save: the manager's attribute may change
+        self._lock = threading.Lock()
+        self._failure: BaseException | None = None
+
+    def finished(self, inflight: InFlight) -> None:
+        try:
+            error = inflight.future.exception()
+            if error is None and not inflight.to_s3:
+                inflight.metrics = self._held_ok(inflight)
+            elif error is None:
+                upload = time.perf_counter() - inflight.started
+                inflight.metrics = self.committed_ok(
+                    inflight.step,
+                    inflight.future.result(),
+                    inflight.blocked_s,
+                    upload,
+                    inflight.waited_s,
+                    inflight.tier_times(),
+                )
+            else:
+                self._failed(inflight.step, error)
+        except BaseException:  # never let bookkeeping leave waiters hanging
+            log.exception("bookkeeping after the save of step %d failed", inflight.step)
+        finally:
+            inflight.done.set()
+
+    def committed_ok(
+        self,
+        step: int,
+        metadata: Any,
+        blocked: float,
+        upload: float,
+        waited: float,
+        tier_times: dict[str, float | None] | None = None,
+    ) -> SaveMetrics:
+        metrics = SaveMetrics.of(
+            step, blocked, upload, state_bytes(metadata), waited, **(tier_times or {})
+        )
+        self._committed.add([step])
+        self._record(metrics)
+        if self._rank == 0:
+            self._retention.after_commit(step)
+        return metrics
+
+    def _record(self, metrics: SaveMetrics) -> None:
+        with self._lock:
+            self.metrics.append(metrics)
+        log.info("%s", metrics)
+        on_saved = self._on_saved()
+        if on_saved is not None:
+            try:
+                on_saved(metrics)
+            except Exception:
+                log.exception("on_saved callback failed for step %d", metrics.step)
+
+    def _held_ok(self, inflight: InFlight) -> SaveMetrics:
+        """Bookkeeping of a save held in memory only (no commit, no retention)."""
+        metrics = SaveMetrics.of(
+            inflight.step, inflight.blocked_s, 0.0, inflight.nbytes, inflight.waited_s,
+            **inflight.tier_times(), to_s3=False,
+        )  # fmt: skip
+        self._record(metrics)
+        return metrics
+
+    def _failed(self, step: int, exc: BaseException) -> None:
+        error = unwrap(exc)
+        name = checkpoint_name(step)
+        if isinstance(error, CheckpointExistsError):
+            log.warning("%s was committed by someone else; not saved", name)
+            self._committed.add([step])
+            return
+        log.error("background save of %s failed: %s", name, error, exc_info=error)
+        if hasattr(error, "add_note"):
+            error.add_note(f"CheckpointManager: the background save of {name} failed")
+        with self._lock:
+            if self._failure is None:  # the first failure is the one worth raising
+                self._failure = error
+
+    def raise_failure(self) -> None:
+        """Raise the first failure since the last call, if any (once)."""
+        with self._lock:
+            error, self._failure = self._failure, None
+        if error is not None:
+            raise error

@@ -105,17 +105,12 @@ def measure(ranks: int, rank_bytes: int, checkpoints: int) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.multiprocessing as tmp
 
-    from benchmarks.zero_server import REGION, ZeroS3
+    from benchmarks.zero_server import ZeroS3
 
     pool = min(ranks * rank_bytes * (checkpoints + 1) // 2**20 + 256, 8192)
     with ZeroS3(pool_mib=pool) as server, tempfile.TemporaryDirectory() as out:
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        s3 = {
-            "endpoint_url": server.endpoint_url,
-            "access_key_id": "zero",
-            "secret_access_key": "zero-secret",
-            "region": REGION,
-        }
+        s3 = server.options()
         uri = f"s3://{server.bucket}/mlperf-{int(time.time())}"
         args = (ranks, store.port, s3, uri, out, rank_bytes, checkpoints)
         tmp.start_processes(_rank, args=args, nprocs=ranks, join=True, start_method="spawn")

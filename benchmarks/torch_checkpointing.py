@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(size_mib: int, tensors: int, reps: int) -> dict[str, Any]:
-    from benchmarks.zero_server import REGION, ZeroS3
+    from benchmarks.zero_server import ZeroS3
 
     state = _state(size_mib, tensors)
     runs: dict[str, list[dict[str, float]]] = {}
@@ -61,12 +61,7 @@ def measure(size_mib: int, tensors: int, reps: int) -> dict[str, Any]:
     local = Path(tempfile.mkdtemp(prefix="s3ckpt-bench-tc-", dir="/dev/shm"))
     try:
         with ZeroS3(pool_mib=min(3 * (reps + 1) * size_mib + 256, 6144)) as server:
-            options = {
-                "endpoint_url": server.endpoint_url,
-                "access_key_id": "zero",
-                "secret_access_key": "zero-secret",
-                "region": REGION,
-            }
+            options = server.options()
             run = f"s3://{server.bucket}/tc-{int(time.time())}"
             for way in WAYS:
                 runs[way], exact[way] = _way(way, state, reps + 1, local, run, options)

@@ -128,6 +128,15 @@ class ZeroS3:
             "S3_ENDPOINT_URL": self.endpoint_url,  # s5cmd's name for it
         }
 
+    def options(self) -> dict[str, str]:
+        """What an s3ckpt writer or reader in this process needs (``S3Config``'s names)."""
+        return {
+            "endpoint_url": self.endpoint_url,
+            "access_key_id": "zero",
+            "secret_access_key": "zero-secret",
+            "region": REGION,
+        }
+
     def client(self) -> Any:
         import boto3
         from botocore.config import Config

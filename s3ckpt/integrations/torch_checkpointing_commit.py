@@ -46,7 +46,8 @@ async def write_index(store: ObjectStore, saving: Saving) -> None:
     deleting the ones its earlier attempts at this checkpoint left."""
     location, rank = saving.location, saving.rank
     own = index_key(rank, saving.save_id)
-    stale = [key for key, _ in await _indexes(store, location) if _rank(key) == rank and key != own]
+    mine = own.rsplit("-", 1)[0] + "-"  # "index/r<rank>-": this rank's indexes alone
+    stale = [key for key, _ in await _indexes(store, location, mine) if key != own]
     if stale:
         await store.delete_many([location.key(key) for key in stale])
     prefix = len(location.key(""))
@@ -143,12 +144,15 @@ async def remove(store: ObjectStore, location: S3URI) -> None:
     await aremove_checkpoint(store, location)
 
 
-async def _indexes(store: ObjectStore, location: S3URI) -> list[tuple[str, int]]:
-    """Every index object under ``location``: key (relative) and size."""
+async def _indexes(
+    store: ObjectStore, location: S3URI, under: str = "index/"
+) -> list[tuple[str, int]]:
+    """The index objects under ``location`` whose keys start with ``under``: key
+    (relative) and size."""
     prefix = location.key("")
     return [
         (meta.key[len(prefix) :], meta.size)
-        async for meta in store.list(location.key("index/"))
+        async for meta in store.list(location.key(under))
         if _INDEX.match(meta.key[len(prefix) :])
     ]
 

@@ -15,12 +15,11 @@ killed process is ``s3ckpt gc``'s.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from crc32c import crc32c
-
-from s3ckpt.format.checksums import combine
+from s3ckpt.format.checksums import block_crcs, combine
 from s3ckpt.format.layout import DEFAULT_BLOCK_SIZE
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore, PartResult
@@ -63,6 +62,7 @@ class ObjectWriter:
         self._block_crcs: list[int] = []
         self._upload_id: str | None = None
         self._parts: list[Future[PartResult]] = []
+        self._in_flight: deque[Future[PartResult]] = deque()  # sent, oldest first
         self._closed = False
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
@@ -87,12 +87,9 @@ class ObjectWriter:
         try:
             if self._upload_id is None:
                 body = self._buffer
-                crcs = self._crcs_of(body)
-                etag = io_loop().run(
-                    self.store.put(self.key, body, crc32c=_whole(crcs, len(body), self._block_size))
-                )
+                etag = io_loop().run(self.store.put(self.key, body, crc32c=self._checksum(body)))
             else:
-                if self._buffer or not self._parts:
+                if self._buffer:
                     self._send_part()
                 parts = [part.result() for part in self._parts]
                 complete = self.store.complete_multipart(self.key, self._upload_id, parts)
@@ -102,7 +99,8 @@ class ObjectWriter:
             self.abort()
             raise
         self._closed = True
-        return WrittenObject(self.key, self._size, etag, self._block_size, tuple(self._block_crcs))
+        crcs = tuple(self._block_crcs) or block_crcs(memoryview(b""), self._block_size)
+        return WrittenObject(self.key, self._size, etag, self._block_size, crcs)
 
     def abort(self) -> None:
         """Give the object up: parts in flight are waited for, the upload aborted."""
@@ -127,38 +125,29 @@ class ObjectWriter:
             if self._upload_id is None:
                 self._upload_id = io_loop().run(self.store.create_multipart(self.key))
             body, self._buffer = self._buffer, bytearray()  # the upload owns it now
-            crcs = self._crcs_of(body)
-            checksum = _whole(crcs, len(body), self._block_size)
+            checksum = self._checksum(body)
             number = len(self._parts) + 1
             coro = self.store.upload_part(self.key, self._upload_id, number, body, checksum)
-            self._parts.append(io_loop().submit(coro))
+            part = io_loop().submit(coro)
+            self._parts.append(part)
+            self._in_flight.append(part)
             self._settle(self._ahead)
         except BaseException:
             self.abort()
             raise
 
     def _settle(self, limit: int) -> None:
-        """Wait until at most ``limit`` parts are in flight; raise the first failure."""
-        pending = [part for part in self._parts if not part.done()]
-        for part in pending[: max(len(pending) - limit, 0)]:
-            part.result()
-        for part in self._parts:
-            if part.done() and part.exception() is not None:
-                part.result()
+        """Wait until at most ``limit`` parts are in flight; raise a failed part's error."""
+        while self._in_flight and (self._in_flight[0].done() or len(self._in_flight) > limit):
+            self._in_flight.popleft().result()
 
-    def _crcs_of(self, body: bytes | bytearray) -> list[int]:
-        """The CRC32C of each block of ``body`` (a part starts on a block boundary)."""
-        view = memoryview(body)
-        size = self._block_size
-        crcs = [crc32c(view[i : i + size]) for i in range(0, len(view), size)] or [crc32c(b"")]
-        if len(view) or not self._block_crcs:
-            self._block_crcs.extend(crcs if len(view) else crcs[:1])
-        return crcs
-
-
-def _whole(crcs: list[int], length: int, block_size: int) -> int:
-    """The CRC32C of a part of ``length`` bytes, combined from those of its blocks."""
-    total = crcs[0]
-    for n, crc in enumerate(crcs[1:], start=1):
-        total = combine(total, crc, min(block_size, length - n * block_size))
-    return total
+    def _checksum(self, body: bytes | bytearray) -> int:
+        """The CRC32C of a part, combined from those of its blocks, which are kept (a part
+        starts on a block boundary)."""
+        crcs = block_crcs(memoryview(body), self._block_size)
+        if body:
+            self._block_crcs.extend(crcs)
+        total = crcs[0]
+        for n, crc in enumerate(crcs[1:], start=1):
+            total = combine(total, crc, min(self._block_size, len(body) - n * self._block_size))
+        return total

@@ -74,7 +74,7 @@ def killed_main(rank: int, world_size: int, port: int, s3: dict[str, Any], uri: 
     on both ranks, nothing is committed, and the next save commits with fresh processes."""
     from _process_writers import HeldAfterUpload
 
-    from s3ckpt import CheckpointError, CheckpointProcess, S3StorageWriter, catalog
+    from s3ckpt import CheckpointProcess, S3StorageWriter
 
     _init(rank, world_size, port)
     report: dict[str, Any] = {}
@@ -94,17 +94,7 @@ def killed_main(rank: int, world_size: int, port: int, s3: dict[str, Any], uri: 
             while not marker.exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
             os.kill(first_pid, signal.SIGKILL)
-        try:
-            future.result(timeout=120)
-            report["first"] = "committed"
-        except CheckpointError as exc:
-            report["first"] = f"{type(exc).__name__}: {exc}"
-        future = process.async_save(state, storage_writer=S3StorageWriter(f"{uri}/b", **s3))
-        report["second_metadata"] = type(future.result(timeout=120)).__name__
-        report["fresh_pid"] = process.pid != first_pid
-        process.close()
-        listed = catalog.list_checkpoints(uri, include_uncommitted=True, **s3)
-        report["listed"] = sorted((i.name, i.committed) for i in listed)
+        _after_the_kill(report, process, future, first_pid, state, uri, s3, timeout=120)
     finally:
         _report(out, rank, report)
         dist.destroy_process_group()
@@ -117,7 +107,7 @@ def killed_meeting_main(
     importing torch: the group cannot have formed): rank 0's process, which would wait in
     ``init_process_group`` for the collective timeout, is stopped by its trainer, both
     saves fail naming rank 1, and the next save commits with fresh processes."""
-    from s3ckpt import CheckpointError, CheckpointProcess, S3StorageWriter, catalog
+    from s3ckpt import CheckpointProcess, S3StorageWriter
 
     _init(rank, world_size, port)
     report: dict[str, Any] = {}
@@ -128,20 +118,31 @@ def killed_meeting_main(
         future = process.async_save(state, storage_writer=S3StorageWriter(f"{uri}/a", **s3))
         if rank == 1:
             os.kill(first_pid, signal.SIGKILL)
-        try:
-            future.result(timeout=240)
-            report["first"] = "committed"
-        except CheckpointError as exc:
-            report["first"] = f"{type(exc).__name__}: {exc}"
-        future = process.async_save(state, storage_writer=S3StorageWriter(f"{uri}/b", **s3))
-        report["second_metadata"] = type(future.result(timeout=240)).__name__
-        report["fresh_pid"] = process.pid != first_pid
-        process.close()
-        listed = catalog.list_checkpoints(uri, include_uncommitted=True, **s3)
-        report["listed"] = sorted((i.name, i.committed) for i in listed)
+        _after_the_kill(report, process, future, first_pid, state, uri, s3, timeout=240)
     finally:
         _report(out, rank, report)
         dist.destroy_process_group()
+
+
+def _after_the_kill(
+    report: dict[str, Any], process: Any, future: Any, first_pid: int | None,
+    state: dict[str, Any], uri: str, s3: dict[str, Any], *, timeout: float,
+) -> None:  # fmt: skip
+    """How the save a kill hit ended, then a second save (into ``<uri>/b``) on fresh
+    processes, and what the catalog lists after them."""
+    from s3ckpt import CheckpointError, S3StorageWriter, catalog
+
+    try:
+        future.result(timeout=timeout)
+        report["first"] = "committed"
+    except CheckpointError as exc:
+        report["first"] = f"{type(exc).__name__}: {exc}"
+    future = process.async_save(state, storage_writer=S3StorageWriter(f"{uri}/b", **s3))
+    report["second_metadata"] = type(future.result(timeout=timeout)).__name__
+    report["fresh_pid"] = process.pid != first_pid
+    process.close()
+    listed = catalog.list_checkpoints(uri, include_uncommitted=True, **s3)
+    report["listed"] = sorted((i.name, i.committed) for i in listed)
 
 
 def _reader(uri: str, s3: dict[str, Any]) -> Any:

@@ -173,16 +173,13 @@ class _Incoming:
 
     def record(self, peer: int) -> None:
         """Check the bytes against the sender's CRC32Cs; then write the descriptor."""
-        for region in self.sent.regions:
-            with memoryview(self.maps[region.segment])[
-                region.offset : region.offset + region.nbytes
-            ] as view:
-                if crc32c(view) != region.crc32c:
-                    raise CorruptCheckpointError(
-                        f"the copy of rank {self.sent.rank}'s step {self.sent.step} from "
-                        f"rank {peer} arrived damaged (segment {region.segment}, bytes "
-                        f"{region.offset}..{region.offset + region.nbytes})"
-                    )
+        region = held.damaged_region(self.maps, self.sent.regions)
+        if region is not None:
+            raise CorruptCheckpointError(
+                f"the copy of rank {self.sent.rank}'s step {self.sent.step} from "
+                f"rank {peer} arrived damaged (segment {region.segment}, bytes "
+                f"{region.offset}..{region.offset + region.nbytes})"
+            )
         if crc32c(self.state) != self.sent.state_crc32c:
             raise CorruptCheckpointError(f"the state of the copy from rank {peer} arrived damaged")
         record = dataclasses.replace(self.sent, segments=tuple(max(u, 1) for u in self.used))

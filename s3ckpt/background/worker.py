@@ -201,10 +201,10 @@ def _hold(segments: list[Any], data: bytes, hold: Hold) -> None:
 
     from s3ckpt.background import held
 
-    regions = []
-    for segment, offset, nbytes in hold.regions:
-        with memoryview(segments[segment])[offset : offset + nbytes] as view:
-            regions.append(held.HeldRegion(segment, offset, nbytes, crc32c(view)))
+    crcs = held.region_crcs(segments, hold.regions)
+    regions = [
+        held.HeldRegion(*region, crc) for region, crc in zip(hold.regions, crcs, strict=True)
+    ]
     record = held.Held(
         step=hold.step,
         rank=hold.rank,

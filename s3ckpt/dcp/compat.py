@@ -14,8 +14,10 @@ torch release changes any of them.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -104,6 +106,15 @@ class _PortableTensorProperties(TensorProperties):
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         TensorProperties.__setstate__(self, tuple(state[:_PROPERTIES_FIELDS]))
         self.__class__ = TensorProperties  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def single_process() -> Iterator[None]:
+    """A ``dcp.load``/``dcp.save`` asked to run on this process alone (``no_dist``), without
+    the warning DCP gives every such call: here it is the intent, not a guess."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def unwrap(exc: BaseException) -> BaseException:

@@ -14,9 +14,7 @@ for export, DCP's ``FileSystemReader`` for importing a DCP folder.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -28,6 +26,7 @@ from s3ckpt.dcp.compat import (
     Metadata,
     StorageReader,
     TensorStorageMetadata,
+    single_process,
 )
 
 
@@ -81,15 +80,6 @@ def batches(tensors: Sequence[StoredTensor], window: int) -> Iterator[tuple[Stor
         used += tensor.nbytes
     if batch:
         yield tuple(batch)
-
-
-@contextlib.contextmanager
-def single_process() -> Iterator[None]:
-    """A ``dcp.load``/``dcp.save`` asked to run on this process alone (``no_dist``), without
-    the warning DCP gives every such call: here it is the intent, not a guess."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
 
 
 def load_full(

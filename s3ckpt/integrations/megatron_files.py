@@ -37,7 +37,6 @@ import logging
 import os
 import pathlib
 import threading
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -48,7 +47,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from s3ckpt.config import S3URI, S3Config
-from s3ckpt.dcp.compat import Metadata
+from s3ckpt.dcp.compat import Metadata, single_process
 from s3ckpt.dcp.reader import S3StorageReader
 from s3ckpt.errors import CheckpointNotFoundError, ConfigError
 from s3ckpt.format.manifest import MANIFEST_NAME
@@ -226,8 +225,7 @@ class S3Files:
         if key not in metadata.state_dict_metadata:
             return None
         target: dict[str, Any] = {key: io.BytesIO()}
-        with warnings.catch_warnings():  # DCP's note that no_dist loads in one process
-            warnings.simplefilter("ignore", UserWarning)
+        with single_process():
             dcp.load(target, storage_reader=reader, no_dist=True)
         return target[key]
 

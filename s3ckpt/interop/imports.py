@@ -33,8 +33,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from s3ckpt.config import S3URI, S3Config, make_config
-from s3ckpt.dcp.compat import CheckpointException, unwrap
-from s3ckpt.dcp.consolidate import load_all, read_contents, single_process
+from s3ckpt.dcp.compat import CheckpointException, single_process, unwrap
+from s3ckpt.dcp.consolidate import load_all, read_contents
 from s3ckpt.dcp.writer import S3StorageWriter
 from s3ckpt.errors import NotACheckpointError
 from s3ckpt.interop.formats import INDEX_NAME

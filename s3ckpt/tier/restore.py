@@ -36,7 +36,7 @@ import torch.distributed.checkpoint as dcp
 from s3ckpt.background.channel import loads_staged
 from s3ckpt.background.held import MappedCopy
 from s3ckpt.background.replicate import Exchange
-from s3ckpt.dcp.compat import unwrap
+from s3ckpt.dcp.compat import single_process, unwrap
 from s3ckpt.dcp.state_reader import StateReader
 from s3ckpt.tier.copies import HeldSlot, Holdings, LocalCopies
 
@@ -184,7 +184,8 @@ def _verified(slot: HeldSlot) -> tuple[MappedCopy | None, str | None]:
 def _apply(state_dict: dict[str, Any], copy: MappedCopy, planner: Any) -> str | None:
     try:
         reader = StateReader(loads_staged(copy.state, copy.maps))
-        dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=True)
+        with single_process():
+            dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=True)
     except Exception as exc:
         error = unwrap(exc)
         log.debug("applying the held copy failed", exc_info=error)

@@ -103,3 +103,19 @@ def test_a_restore_chooses_steps_every_rank_can_rebuild():
     assert _rebuildable(every, s3_latest=25) == []  # S3 is newer: load from S3
     assert _fetch_plan(every, 20) == {1: 0}  # rank 1 receives its copy from rank 0
     assert _fetch_plan(every, 10) == {0: 1}
+
+
+def test_region_checksums_are_whole_regions_however_they_are_cut(monkeypatch):
+    """Regions are checksummed in pieces on several threads; each CRC is the region's own."""
+    from crc32c import crc32c
+
+    monkeypatch.setattr(held, "_PIECE", 1000)  # many pieces per region, some short
+    segments = [bytes(range(256)) * 40, bytes(reversed(range(256))) * 17]
+    regions = [(0, 0, 10240), (0, 4096, 3001), (1, 5, 0), (1, 7, 4000), (0, 10239, 1)]
+    expected = [crc32c(segments[s][o : o + n]) for s, o, n in regions]
+    assert held.region_crcs(segments, regions) == expected
+    records = [held.HeldRegion(*r, crc) for r, crc in zip(regions, expected, strict=True)]
+    assert held.damaged_region(segments, records) is None
+    damaged = bytearray(segments[1])
+    damaged[7 + 2500] ^= 1  # one bit, in a middle piece of the fourth region
+    assert held.damaged_region([segments[0], damaged], records) == records[3]

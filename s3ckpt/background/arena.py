@@ -165,11 +165,17 @@ class StagingArena:
             segment.close()
 
 
-def reserved_file(path: Path, size: int) -> int:
+def reserved_file(path: Path, size: int, *, reuse: bool = False) -> int:
     """A new file of ``size`` bytes at ``path``, its pages reserved; its descriptor
-    (:class:`~s3ckpt.errors.MemoryTierError` when the file system has no room)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    (:class:`~s3ckpt.errors.MemoryTierError` when the file system has no room).
+
+    With ``reuse``, a file already there is resized instead, keeping the pages it has:
+    memory written again costs no new pages to zero and fault in."""
+    exclusive = 0 if reuse else os.O_EXCL
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | exclusive | os.O_CLOEXEC, 0o600)
     try:
+        if reuse:
+            os.ftruncate(fd, size)
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
         os.close(fd)

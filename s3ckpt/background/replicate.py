@@ -152,14 +152,17 @@ class _Incoming:
         self.folder = folder
         self.maps: list[mmap.mmap] = []
         held.invalidate(folder)
-        for path in folder.glob("segment-*"):
-            path.unlink()
         used = _extents(self.sent)
+        for path in folder.glob("segment-*"):
+            index = path.name.removeprefix("segment-")
+            if not index.isdigit() or int(index) >= len(used):
+                path.unlink()
         for index, size in enumerate(used):
-            fd = reserved_file(folder / f"segment-{index}", max(size, 1))
+            # the slot's earlier segment files are reused (their pages kept); mapped without
+            # MAP_POPULATE: the pages fault in as the bytes arrive, beside the sender's work
+            fd = reserved_file(folder / f"segment-{index}", max(size, 1), reuse=True)
             try:
-                flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
-                self.maps.append(mmap.mmap(fd, max(size, 1), flags=flags))
+                self.maps.append(mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED))
             finally:
                 os.close(fd)
         self.used = used

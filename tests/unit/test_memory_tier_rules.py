@@ -119,3 +119,20 @@ def test_region_checksums_are_whole_regions_however_they_are_cut(monkeypatch):
     damaged = bytearray(segments[1])
     damaged[7 + 2500] ^= 1  # one bit, in a middle piece of the fourth region
     assert held.damaged_region([segments[0], damaged], records) == records[3]
+
+
+def test_a_reused_file_keeps_its_pages_and_takes_its_new_size(tmp_path: Path):
+    import os
+
+    from s3ckpt.background.arena import reserved_file
+
+    path = tmp_path / "segment-0"
+    os.close(reserved_file(path, 3 * 4096))
+    with pytest.raises(FileExistsError):  # a new file is never one left behind
+        reserved_file(path, 4096)
+    path.write_bytes(b"x" * 10000)
+    for size in (4096, 5 * 4096):  # shrunk, then grown: the size asked, its pages reserved
+        os.close(reserved_file(path, size, reuse=True))
+        assert path.stat().st_size == size
+        assert path.stat().st_blocks * 512 >= size
+    assert path.read_bytes()[:4096] == b"x" * 4096  # the bytes it kept are not rewritten

@@ -30,8 +30,12 @@ class PendingUpload:
     initiated: datetime | None
 
 
-class Listings(Requests):
-    """The listing operations of :class:`~s3ckpt.s3.store.ObjectStore`."""
+class Listings:
+    """The listing operations of :class:`~s3ckpt.s3.store.ObjectStore`, sent through its
+    ``requests``."""
+
+    def __init__(self, requests: Requests) -> None:
+        self.requests = requests
 
     async def list(self, prefix: str) -> AsyncIterator[ObjectMeta]:
         """Every object under ``prefix``, one LIST page (1000 keys) per request."""
@@ -58,7 +62,7 @@ class Listings(Requests):
             base["Delimiter"] = delimiter
         params, seen = dict(base), set()
         while True:
-            response = await self._call("ListObjectsV2", None, **params)
+            response = await self.requests.call("ListObjectsV2", None, **params)
             contents = response.get("Contents", [])
             for item in contents:
                 yield ObjectMeta(
@@ -83,7 +87,7 @@ class Listings(Requests):
             elif last is not None:
                 params["StartAfter"] = last
             else:
-                raise _stuck_listing("ListObjectsV2", self.bucket, prefix)
+                raise _stuck_listing("ListObjectsV2", self.requests.bucket, prefix)
 
     async def list_multipart_uploads(self, prefix: str) -> AsyncIterator[PendingUpload]:
         key_marker: str | None = None
@@ -93,7 +97,7 @@ class Listings(Requests):
             if key_marker:
                 params["KeyMarker"] = key_marker
                 params["UploadIdMarker"] = upload_marker or ""
-            response = await self._call("ListMultipartUploads", None, **params)
+            response = await self.requests.call("ListMultipartUploads", None, **params)
             for item in response.get("Uploads", []):
                 yield PendingUpload(item["Key"], item["UploadId"], item.get("Initiated"))
             if not response.get("IsTruncated"):
@@ -102,7 +106,7 @@ class Listings(Requests):
                 (response.get("NextKeyMarker"), response.get("NextUploadIdMarker"))
                 == (key_marker, upload_marker)
             ):
-                raise _stuck_listing("ListMultipartUploads", self.bucket, prefix)
+                raise _stuck_listing("ListMultipartUploads", self.requests.bucket, prefix)
             key_marker = response.get("NextKeyMarker")
             upload_marker = response.get("NextUploadIdMarker")
 

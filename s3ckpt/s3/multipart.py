@@ -17,7 +17,7 @@ from botocore.exceptions import ClientError
 from s3ckpt.errors import StorageError
 from s3ckpt.s3.error_mapping import error_code
 from s3ckpt.s3.listing import Listings
-from s3ckpt.s3.requests import Body, flat
+from s3ckpt.s3.requests import Body, Requests, flat
 
 log = logging.getLogger(__name__)
 
@@ -40,18 +40,22 @@ def crc32c_header(value: int) -> str:
     return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
 
 
-class MultipartUploads(Listings):
-    """The multipart and copy operations of :class:`~s3ckpt.s3.store.ObjectStore`."""
+class MultipartUploads:
+    """The multipart and copy operations of :class:`~s3ckpt.s3.store.ObjectStore`, sent
+    through its ``requests``; ``listings`` finds the uploads a retried create left open."""
+
+    def __init__(self, requests: Requests, listings: Listings) -> None:
+        self.requests, self.listings = requests, listings
 
     async def create_multipart(self, key: str) -> str:
         params: dict[str, Any] = {"Key": key}
-        if self.config.checksums:
+        if self.requests.config.checksums:
             params["ChecksumAlgorithm"] = "CRC32C"
 
         async def attempt(number: int) -> tuple[int, dict[str, Any]]:
-            return number, await self._request("CreateMultipartUpload", params)
+            return number, await self.requests.request("CreateMultipartUpload", params)
 
-        number, response = await self._retrying("CreateMultipartUpload", key, attempt)
+        number, response = await self.requests.retrying("CreateMultipartUpload", key, attempt)
         upload_id = str(response["UploadId"])
         if number > 1:  # earlier tries may have created uploads whose ids never arrived
             await self._abort_others(key, upload_id)
@@ -63,11 +67,11 @@ class MultipartUploads(Listings):
         Best effort: what this misses, ``gc`` removes later.
         """
         try:
-            async for pending in self.list_multipart_uploads(key):
+            async for pending in self.listings.list_multipart_uploads(key):
                 if pending.key == key and pending.upload_id != upload_id:
                     await self.abort_multipart(key, pending.upload_id)
         except StorageError as exc:
-            log.warning("could not abort stray uploads of %s: %s", self._where(key), exc)
+            log.warning("could not abort stray uploads of %s: %s", self.requests.where(key), exc)
 
     async def upload_part(
         self, key: str, upload_id: str, part_number: int, body: Body, crc32c: int | None
@@ -78,10 +82,12 @@ class MultipartUploads(Listings):
             "PartNumber": part_number,
             "Body": flat(body),
         }
-        checksum = crc32c_header(crc32c) if crc32c is not None and self.config.checksums else None
+        checksum = (
+            crc32c_header(crc32c) if crc32c is not None and self.requests.config.checksums else None
+        )
         if checksum:
             params["ChecksumCRC32C"] = checksum
-        response = await self._call("UploadPart", key, **params)
+        response = await self.requests.call("UploadPart", key, **params)
         return PartResult(part_number, str(response["ETag"]), checksum)
 
     async def complete_multipart(
@@ -104,23 +110,23 @@ class MultipartUploads(Listings):
 
         async def attempt(_: int) -> dict[str, Any]:
             try:
-                return await self._request("CompleteMultipartUpload", params)
+                return await self.requests.request("CompleteMultipartUpload", params)
             except ClientError as exc:
                 # The upload is gone but the object is there: an earlier try completed it
                 # and its response was lost. The key is unique to this save: it is ours.
                 if error_code(exc) in ("NoSuchUpload", "404"):
-                    landed = await self._head_or_none(key)
+                    landed = await self.requests.head_or_none(key)
                     if landed is not None:
                         return landed
                 raise
 
-        response = await self._retrying("CompleteMultipartUpload", key, attempt)
+        response = await self.requests.retrying("CompleteMultipartUpload", key, attempt)
         return str(response.get("ETag", ""))
 
     async def abort_multipart(self, key: str, upload_id: str) -> None:
         """Abort an upload; an upload that is already gone counts as aborted."""
         try:
-            await self._call("AbortMultipartUpload", key, Key=key, UploadId=upload_id)
+            await self.requests.call("AbortMultipartUpload", key, Key=key, UploadId=upload_id)
         except StorageError as exc:
             if exc.code not in ("NoSuchUpload", "404"):
                 raise
@@ -131,7 +137,7 @@ class MultipartUploads(Listings):
         """Copy ``source_bucket/source_key`` (at most 5 GiB) to ``key`` inside the store
         (CopyObject): no byte leaves the server. Returns the new object's ETag."""
         source = {"Bucket": source_bucket, "Key": source_key}
-        response = await self._call("CopyObject", key, Key=key, CopySource=source)
+        response = await self.requests.call("CopyObject", key, Key=key, CopySource=source)
         return str(response.get("CopyObjectResult", {}).get("ETag", ""))
 
     async def upload_part_copy(
@@ -145,7 +151,7 @@ class MultipartUploads(Listings):
         ``[start, end)`` of ``source = (bucket, key, start, end)``: how objects over
         CopyObject's 5 GiB limit are copied."""
         bucket, source_key, start, end = source
-        response = await self._call(
+        response = await self.requests.call(
             "UploadPartCopy",
             key,
             Key=key,

@@ -30,7 +30,9 @@ T = TypeVar("T")
 
 
 class Requests:
-    """Requests on one bucket with s3ckpt's retry policy; the store's operations build on it.
+    """Requests on one bucket with s3ckpt's retry policy: what every part of
+    :class:`~s3ckpt.s3.store.ObjectStore` (its listings, its multipart uploads, its whole
+    objects) sends its requests through.
 
     ``deadline`` (a ``time.monotonic()`` instant) ends retrying: a request that fails after
     it is not tried again. ``tally`` counts the retries of every request made through it.
@@ -49,7 +51,7 @@ class Requests:
         self.deadline = deadline
         self.tally = tally
 
-    async def _retrying(
+    async def retrying(
         self, operation: str, key: str | None, attempt: Callable[[int], Awaitable[T]]
     ) -> T:
         """Run ``attempt(n)`` under the retry policy; every failure leaves as an s3ckpt error."""
@@ -63,7 +65,7 @@ class Requests:
         with translated(operation, self.bucket, key):
             try:
                 return await retry.run(
-                    self._answered(attempt, handle), policy, what=f"{operation} {self._where(key)}"
+                    self._answered(attempt, handle), policy, what=f"{operation} {self.where(key)}"
                 )
             except retry.RetryError as exc:
                 raise translate_final(
@@ -93,23 +95,23 @@ class Requests:
 
         return noted
 
-    async def _request(self, operation: str, params: dict[str, Any]) -> dict[str, Any]:
+    async def request(self, operation: str, params: dict[str, Any]) -> dict[str, Any]:
         """One try of one request, holding one of the client's request slots."""
         handle = client_handle(self.config)
         client = await handle.get()
         async with handle.slots:
             return await operation_method(client, operation)(Bucket=self.bucket, **params)
 
-    async def _call(self, operation: str, key: str | None, **params: Any) -> dict[str, Any]:
-        return await self._retrying(operation, key, lambda _: self._request(operation, params))
+    async def call(self, operation: str, key: str | None, **params: Any) -> dict[str, Any]:
+        return await self.retrying(operation, key, lambda _: self.request(operation, params))
 
-    def _where(self, key: str | None) -> str:
+    def where(self, key: str | None) -> str:
         return f"s3://{self.bucket}/{key}" if key else f"s3://{self.bucket}"
 
-    async def _head_or_none(self, key: str) -> dict[str, Any] | None:
+    async def head_or_none(self, key: str) -> dict[str, Any] | None:
         """One HEAD inside an attempt: the response, or None if the key is absent."""
         try:
-            return await self._request("HeadObject", {"Key": key})
+            return await self.request("HeadObject", {"Key": key})
         except ClientError as exc:
             if error_code(exc) in ("NoSuchKey", "404", "NotFound"):
                 return None

@@ -22,30 +22,59 @@ lost responses created. Bodies are memory, so resending one costs no copy.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from email.utils import parsedate_to_datetime
 from typing import Any, Literal
 
 from botocore.exceptions import ClientError
 
+from s3ckpt.config import S3Config
 from s3ckpt.errors import PreconditionFailedError, StorageError
-from s3ckpt.s3 import range_get
+from s3ckpt.s3 import range_get, retry
 from s3ckpt.s3.client import client_handle
 from s3ckpt.s3.error_mapping import PRECONDITION_CODES, error_code
-from s3ckpt.s3.listing import ObjectMeta, PendingUpload
+from s3ckpt.s3.listing import Listings, ObjectMeta, PendingUpload
 from s3ckpt.s3.multipart import MultipartUploads, PartResult, crc32c_header
 from s3ckpt.s3.range_get import ResumingSink
-from s3ckpt.s3.requests import Body, flat
+from s3ckpt.s3.requests import Body, Requests, flat
 from s3ckpt.s3.wire import RangeSink
 
 
-class ObjectStore(MultipartUploads):
+class ObjectStore:
     """Async S3 operations on one bucket. Call the coroutines on :func:`s3ckpt.s3.loop.io_loop`.
 
-    The operations stand in one module per part of the data flow: whole objects and
-    deletes here, listings in :mod:`s3ckpt.s3.listing`, multipart uploads and copies in
-    :mod:`s3ckpt.s3.multipart`, all over the requests and retries of
-    :mod:`s3ckpt.s3.requests`. ``deadline`` (see :meth:`with_deadline`) ends retrying.
+    Made of one part per kind of operation, each in its own module, all sending through
+    one :class:`~s3ckpt.s3.requests.Requests` (the bucket, the retries, the retry budget):
+    whole objects and deletes here, :class:`~s3ckpt.s3.listing.Listings` and
+    :class:`~s3ckpt.s3.multipart.MultipartUploads` (and copies) beside them; the store's
+    methods for those are theirs. ``deadline`` (see :meth:`with_deadline`) ends retrying;
+    ``tally`` counts the retries of every request made through it.
     """
+
+    def __init__(
+        self,
+        config: S3Config,
+        bucket: str,
+        *,
+        deadline: float | None = None,
+        tally: retry.Tally | None = None,
+    ) -> None:
+        self.requests = Requests(config, bucket, deadline=deadline, tally=tally)
+        self.listings = Listings(self.requests)
+        self.uploads = MultipartUploads(self.requests, self.listings)
+
+    @property
+    def config(self) -> S3Config:
+        return self.requests.config
+
+    @property
+    def bucket(self) -> str:
+        return self.requests.bucket
+
+    @property
+    def deadline(self) -> float | None:
+        """The ``time.monotonic()`` instant after which no request is tried again."""
+        return self.requests.deadline
 
     def __repr__(self) -> str:
         return f"ObjectStore(bucket={self.bucket!r}, endpoint_url={self.config.endpoint_url!r})"
@@ -58,6 +87,46 @@ class ObjectStore(MultipartUploads):
         """
         deadline = None if seconds is None else time.monotonic() + seconds
         return ObjectStore(self.config, self.bucket, deadline=deadline)
+
+    # -- listings and multipart uploads: the parts' own operations ----------------------
+
+    def list(self, prefix: str) -> AsyncIterator[ObjectMeta]:
+        return self.listings.list(prefix)
+
+    def list_level(self, prefix: str) -> AsyncIterator[ObjectMeta | str]:
+        return self.listings.list_level(prefix)
+
+    def list_multipart_uploads(self, prefix: str) -> AsyncIterator[PendingUpload]:
+        return self.listings.list_multipart_uploads(prefix)
+
+    async def create_multipart(self, key: str) -> str:
+        return await self.uploads.create_multipart(key)
+
+    async def upload_part(
+        self, key: str, upload_id: str, part_number: int, body: Body, crc32c: int | None
+    ) -> PartResult:
+        return await self.uploads.upload_part(key, upload_id, part_number, body, crc32c)
+
+    async def complete_multipart(
+        self,
+        key: str,
+        upload_id: str,
+        parts: list[PartResult],
+        *,
+        mode: Literal["overwrite", "create"] = "overwrite",
+    ) -> str:
+        return await self.uploads.complete_multipart(key, upload_id, parts, mode=mode)
+
+    async def abort_multipart(self, key: str, upload_id: str) -> None:
+        await self.uploads.abort_multipart(key, upload_id)
+
+    async def copy(self, key: str, source_bucket: str, source_key: str) -> str:
+        return await self.uploads.copy(key, source_bucket, source_key)
+
+    async def upload_part_copy(
+        self, key: str, upload_id: str, part_number: int, source: tuple[str, str, int, int]
+    ) -> PartResult:
+        return await self.uploads.upload_part_copy(key, upload_id, part_number, source)
 
     # -- whole objects ------------------------------------------------------------------
 
@@ -88,7 +157,7 @@ class ObjectStore(MultipartUploads):
 
         async def attempt(_: int) -> dict[str, Any]:
             try:
-                return await self._request("PutObject", params)
+                return await self.requests.request("PutObject", params)
             except ClientError as exc:
                 if mode == "create" and error_code(exc) in PRECONDITION_CODES:
                     etag = await self._etag_if_holds(key, body)
@@ -96,12 +165,12 @@ class ObjectStore(MultipartUploads):
                         return {"ETag": etag}
                 raise
 
-        response = await self._retrying("PutObject", key, attempt)
+        response = await self.requests.retrying("PutObject", key, attempt)
         return str(response.get("ETag", ""))
 
     async def get(self, key: str) -> bytes:
         """The whole object's bytes (for small objects: manifests, metadata)."""
-        body, _ = await self._retrying("GetObject", key, lambda _: self._fetch(key))
+        body, _ = await self.requests.retrying("GetObject", key, lambda _: self._fetch(key))
         return body
 
     async def _fetch(self, key: str) -> tuple[bytes, str]:
@@ -139,14 +208,14 @@ class ObjectStore(MultipartUploads):
                     self.config, self.bucket, key, progress.position, end, progress
                 )
 
-        await self._retrying("GetObject", key, attempt)
+        await self.requests.retrying("GetObject", key, attempt)
 
     async def close_idle_connections(self) -> None:
         """Make the next ranged GETs open fresh connections (after bytes came in damaged)."""
         client_handle(self.config).close_idle()
 
     async def head(self, key: str) -> ObjectMeta:
-        response = await self._call("HeadObject", key, Key=key)
+        response = await self.requests.call("HeadObject", key, Key=key)
         return ObjectMeta(
             key,
             int(response["ContentLength"]),
@@ -162,12 +231,12 @@ class ObjectStore(MultipartUploads):
         return True
 
     async def head_bucket(self) -> None:
-        await self._call("HeadBucket", None)
+        await self.requests.call("HeadBucket", None)
 
     async def server_time(self) -> float | None:
         """The store's clock, from the ``Date`` header of a ``HeadBucket`` response (seconds
         since the epoch, whole seconds); None when the store sent none, or an unreadable one."""
-        response = await self._call("HeadBucket", None)
+        response = await self.requests.call("HeadBucket", None)
         date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
         try:
             return parsedate_to_datetime(date).timestamp() if date else None
@@ -178,7 +247,7 @@ class ObjectStore(MultipartUploads):
         """Delete ``keys`` with batched DeleteObjects (1000 per request); missing keys are fine."""
         for i in range(0, len(keys), 1000):
             batch = [{"Key": k} for k in keys[i : i + 1000]]
-            response = await self._call(
+            response = await self.requests.call(
                 "DeleteObjects", batch[0]["Key"], Delete={"Objects": batch, "Quiet": True}
             )
             errors = response.get("Errors") or []
@@ -205,13 +274,16 @@ class ObjectStore(MultipartUploads):
 
         async def attempt(_: int) -> dict[str, Any]:
             try:
-                return await self._request("DeleteObject", params)
+                return await self.requests.request("DeleteObject", params)
             except ClientError as exc:
-                if error_code(exc) in PRECONDITION_CODES and await self._head_or_none(key) is None:
+                if (
+                    error_code(exc) in PRECONDITION_CODES
+                    and await self.requests.head_or_none(key) is None
+                ):
                     return {}
                 raise
 
-        await self._retrying("DeleteObject", key, attempt)
+        await self.requests.retrying("DeleteObject", key, attempt)
 
 
 __all__ = [

@@ -24,7 +24,7 @@ def _store(pages: list[dict[str, Any]], seen: list[dict[str, Any]]) -> ObjectSto
             raise AssertionError("the listing did not end")
         return pages[min(len(seen), len(pages)) - 1]
 
-    store._call = call  # type: ignore[method-assign]
+    store.requests.call = call  # type: ignore[method-assign]
     return store
 
 
@@ -77,7 +77,7 @@ def test_a_multipart_listing_that_repeats_its_marker_is_an_error() -> None:
     async def call(operation: str, key: str | None, **params: Any) -> dict[str, Any]:
         return page
 
-    store._call = call  # type: ignore[method-assign]
+    store.requests.call = call  # type: ignore[method-assign]
 
     async def collect() -> list[str]:
         return [u.upload_id async for u in store.list_multipart_uploads("p/")]

@@ -31,7 +31,7 @@ STAGES = [
     ("CRC32C of blocks", ("format/checksums.py",)),
     ("socket writes and reads (kernel copies, loopback TCP)",
      ("http_writer.py", "StreamWriter._write", "sock_sendall", "s3/wire/exchange.py",
-      "s3/wire/range_body.py", "s3/wire/pool.py", "s3/wire/on_loop.py",
+      "s3/wire/get_exchange.py", "s3/wire/pool.py", "s3/wire/on_loop.py",
       "EventLoopThread._run")),
     ("botocore/aiobotocore: build, sign, parse requests", ("botocore/",)),
     ("DCP planning and metadata (torch)", ("torch/distributed/checkpoint",)),

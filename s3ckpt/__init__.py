@@ -33,7 +33,7 @@ and of a load::
 
     dcp.load -> dcp.reader.S3StorageReader   manifest (transfer.commit.read_manifest) and
                                              DCP metadata (dcp.metadata_pickle, restricted)
-             -> transfer.download.RangeReader  coalesced parallel ranged GETs into the
+             -> transfer.download.Downloader coalesced parallel ranged GETs into the
                                              tensors, each block's CRC32C checked in flight
              -> dcp.restore.decode           compressed items: zstd + byteplanes.merge_crc,
                                              each block checked as it is decoded

@@ -9,7 +9,7 @@ all ahead of time and reports *every* damaged item rather than stopping at the f
 2. the metadata object's size and CRC32C, and (format 2) every rank's index object's: the
    items of a missing or damaged index are reported as unchecked;
 3. every item, cut into pieces of whole checksum blocks and fetched with the parallel,
-   coalesced ranged GETs of :class:`s3ckpt.transfer.download.RangeReader`, each block compared with
+   coalesced ranged GETs of :class:`s3ckpt.transfer.download.Downloader`, each block compared with
    its CRC32C as soon as its piece arrives.
 
 Memory stays bounded: pieces are fetched in batches that share one reusable buffer of at
@@ -35,7 +35,7 @@ from s3ckpt.format.rank_index import RankIndex
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectMeta, ObjectStore
 from s3ckpt.transfer.checked import get_checked, sized_and_summed
-from s3ckpt.transfer.download import REREADS, RangeReader, ReadTarget
+from s3ckpt.transfer.download import REREADS, Downloader, ReadTarget
 from s3ckpt.transfer.rank_index import read_each
 
 MiB = 1024 * 1024
@@ -110,7 +110,7 @@ class Verifier:
             self.items = io_loop().run(self._indexed_items())
         batches = list(_batches(list(self._pieces(sizes)), self.max_buffer))
         total = [sum(p.size for p in batch) for batch in batches]
-        # One buffer for all batches. Reusing it is safe: RangeReader.fetch returns, or
+        # One buffer for all batches. Reusing it is safe: Downloader.fetch returns, or
         # raises, only after every request of the batch has finished.
         buffer = memoryview(bytearray(max(total, default=0)))
         progress.start("verifying", sum(total), "bytes")
@@ -197,7 +197,7 @@ class Verifier:
                 targets.append(ReadTarget(key, start, start + piece.size, view, index))
             views = {t.token: t.buffer for t in targets}
             try:
-                for token in RangeReader(self.store).fetch(targets):
+                for token in Downloader(self.store).fetch(targets):
                     pending.discard(token)  # type: ignore[arg-type]
                     self._check(batch[token], views[token], progress)  # type: ignore[index]
             except StorageError as exc:
@@ -223,7 +223,7 @@ class Verifier:
         view = memoryview(bytearray(piece.size))
         start = piece.item.offset + piece.stored[0]
         target = ReadTarget(self.location.key(piece.item.key), start, start + piece.size, view, 0)
-        RangeReader(self.store).fetch_again([target])
+        Downloader(self.store).fetch_again([target])
         return view
 
 

@@ -125,7 +125,7 @@ class Piece:
 class DeviceFeed:
     """The pieces of one load's device items: their targets, their checks, their copies.
 
-    ``release(nbytes)`` gives budget back to the download (:meth:`RangeReader.release`);
+    ``release(nbytes)`` gives budget back to the download (:meth:`Downloader.release`);
     ``reread(target)`` fetches a target again, on fresh connections.
     """
 

@@ -1,7 +1,7 @@
 """One ``read_data``'s items: fetched, verified, read again if damaged, handed to the planner.
 
 :mod:`s3ckpt.dcp.restore` decides where each item's bytes land; this module runs the
-download (:class:`~s3ckpt.transfer.download.RangeReader`) over all of them at once and
+download (:class:`~s3ckpt.transfer.download.Downloader`) over all of them at once and
 finishes each item as its last byte arrives, on the thread that runs DCP's load:
 
 * raw items were checked as they streamed (:func:`~s3ckpt.dcp.restore.verify_streamed`);
@@ -42,10 +42,10 @@ from s3ckpt.dcp.restore import (
 )
 from s3ckpt.errors import CorruptCheckpointError
 from s3ckpt.s3.store import ObjectStore
-from s3ckpt.transfer.download import REREADS, RangeReader, ReadTarget
+from s3ckpt.transfer.download import REREADS, Downloader, ReadTarget
 
 INLINE_DECODE_BYTES = 64 * 1024
-# Compressed frames received but not yet decoded, at most (see download.RangeReader).
+# Compressed frames received but not yet decoded, at most (see download.Downloader).
 FRAMES_BUDGET = 64 * 1024 * 1024
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class ItemFetch:
         given to ``kept_hook`` as it is (on this thread) first."""
         staged = [p for p in pending if p.staged]
         slabs = self._slabs(staged) if staged else None
-        ranges = self._range_reader(None if slabs is None else slabs.budget)
+        ranges = self._downloader(None if slabs is None else slabs.budget)
         feed = None if slabs is None else DeviceFeed(slabs, ranges.release, self._reread)
         frames = FramePool()
         targets: list[ReadTarget] = []
@@ -145,9 +145,9 @@ class ItemFetch:
         size = device_load.slab_size(staged, self.source.request_size)
         return device_load.checkout(size, self.source.bounce_bytes, torch.cuda.is_available())
 
-    def _range_reader(self, budget: int | None = None) -> RangeReader:
+    def _downloader(self, budget: int | None = None) -> Downloader:
         request_size = self.source.request_size
-        return RangeReader(
+        return Downloader(
             self.source.store,
             max_request_size=request_size,
             lazy_budget=budget or max(FRAMES_BUDGET, 4 * request_size),
@@ -156,12 +156,12 @@ class ItemFetch:
     def _reread(self, target: ReadTarget) -> None:
         """Fetch one target again, on fresh connections (a piece whose bytes were damaged)."""
         source = self.source
-        RangeReader(source.store, max_request_size=source.request_size).fetch_again([target])
+        Downloader(source.store, max_request_size=source.request_size).fetch_again([target])
 
     def _key(self, item: PendingRead) -> str:
         return self.source.location.key(item.stored.key)
 
-    def _target(self, item: PendingRead, frames: FramePool, ranges: RangeReader) -> ReadTarget:
+    def _target(self, item: PendingRead, frames: FramePool, ranges: Downloader) -> ReadTarget:
         return ReadTarget(
             self._key(item),
             item.stored.offset + item.stored_span[0],
@@ -189,7 +189,7 @@ class ItemFetch:
             log.warning("%s; reading it again (%d of %d)", damage, attempt, REREADS)
             # Staged items are read again piece by piece (DeviceFeed): this one was not.
             fresh = self.source.prepare(item.request, planner, stage=False)
-            ranges = self._range_reader()
+            ranges = self._downloader()
             ranges.fetch_again([self._target(fresh, FramePool(), ranges)])
             fresh, again = _checked(fresh)
             if again is None:

@@ -31,7 +31,7 @@ from s3ckpt.config import S3Config, client_environment
 from s3ckpt.s3.compat_botocore import on_before_sign
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.wire import DataPlane, proxied
-from s3ckpt.s3.wire.ranged_get import DirectRangeReader
+from s3ckpt.s3.wire.gets import RangedGets
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +79,14 @@ class ClientHandle:
             reads=reads,
         )
 
-    async def range_reader(self) -> DirectRangeReader | None:
-        """The direct ranged-GET reader, or None where aiobotocore must read."""
+    async def ranged_gets(self) -> RangedGets | None:
+        """The data plane's ranged GETs, or None where aiobotocore must read."""
         await self.get()
-        return None if self.plane is None else self.plane.reader
+        return None if self.plane is None else self.plane.gets
 
-    def disable_range_reader(self, reason: str) -> None:
+    def stop_ranged_gets(self, reason: str) -> None:
         """Send every later ranged GET through aiobotocore (the endpoint answered oddly)."""
-        if self.plane is not None and self.plane.reader is not None:
+        if self.plane is not None and self.plane.gets is not None:
             log.warning("ranged GETs fall back to aiobotocore: %s", reason)
             self.plane.stop_reads()
 
@@ -146,7 +146,7 @@ def create_client(config: S3Config) -> Any:
 
 
 def tls_verify(config: S3Config) -> bool | str:
-    """What the direct reader verifies TLS with: what aiobotocore uses for the same config
+    """What the data plane verifies TLS with: what aiobotocore uses for the same config
     (botocore resolves ``verify=None`` through the AWS chain the same way)."""
     if config.verify is not None:
         return config.verify

@@ -11,7 +11,7 @@ The internals s3ckpt relies on, each behind a function here:
 * what lies under the body of a streamed response (``response["Body"]``): its
   ``raw_stream`` is aiohttp's ``ClientResponse``, whose ``content``, an aiohttp
   ``StreamReader``, hands over each received buffer as is with ``readchunk()``
-  (:func:`received_chunks`, for :mod:`s3ckpt.s3.range_get`).
+  (:func:`received_chunks`, for :mod:`s3ckpt.s3.get_attempt`).
 
 ``tests/unit/test_s3_compat.py`` fails loudly when an aiobotocore release changes any of them.
 """

@@ -14,7 +14,7 @@ The internals s3ckpt relies on, each behind a function here:
   ``head_object``; :func:`operation_method`, :mod:`s3ckpt.s3.requests`);
 * ``botocore.httpsession``'s ``create_urllib3_context`` and ``get_cert_path``, from which
   botocore's HTTP session, and aiobotocore's, derive their TLS context and CA bundle
-  (:func:`default_tls_context`, :func:`ca_bundle`: the direct reader and the TLS upload
+  (:func:`default_tls_context`, :func:`ca_bundle`: the ranged GETs and the TLS upload
   path verify as aiobotocore does, :mod:`s3ckpt.s3.wire.tls`);
 * the keyword arguments botocore's connection errors are built with and keep in
   ``.kwargs`` (``endpoint_url``, ``error``; aiobotocore raises ``SSLError`` with aiohttp's

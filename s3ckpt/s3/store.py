@@ -8,7 +8,7 @@ lazily on the loop of whichever process uses it.
 
 Requests go through the shared client of :mod:`s3ckpt.s3.client` (path-style, no SHA-256
 payload signing, no botocore checksums: callers pass a CRC32C computed natively), except
-the body of ranged GETs, which :mod:`s3ckpt.s3.range_get` receives straight into the
+the body of ranged GETs, which :mod:`s3ckpt.s3.get_attempt` receives straight into the
 caller's memory (one attempt; the retries are here).
 
 Failed requests are retried here, by :mod:`s3ckpt.s3.retry` (botocore's own retries are off),
@@ -30,12 +30,12 @@ from botocore.exceptions import ClientError
 
 from s3ckpt.config import S3Config
 from s3ckpt.errors import PreconditionFailedError, StorageError
-from s3ckpt.s3 import range_get, retry
+from s3ckpt.s3 import get_attempt, retry
 from s3ckpt.s3.client import client_handle
 from s3ckpt.s3.error_mapping import PRECONDITION_CODES, error_code
+from s3ckpt.s3.get_attempt import ResumingSink
 from s3ckpt.s3.listing import Listings, ObjectMeta, PendingUpload
 from s3ckpt.s3.multipart import MultipartUploads, PartResult, crc32c_header
-from s3ckpt.s3.range_get import ResumingSink
 from s3ckpt.s3.requests import Body, Requests, flat
 from s3ckpt.s3.wire import RangeSink
 
@@ -204,7 +204,7 @@ class ObjectStore:
 
         async def attempt(_: int) -> None:
             if progress.position < end:
-                await range_get.receive(
+                await get_attempt.receive(
                     self.config, self.bucket, key, progress.position, end, progress
                 )
 

@@ -18,7 +18,7 @@ calling thread, which finishes it (copies into non-contiguous or GPU destination
 Targets whose memory is allocated lazily (compressed frames, received into buffers of
 their own and then decoded) can be held to a byte budget: a request that starts such
 targets waits until the caller has released enough of the earlier ones
-(:meth:`RangeReader.release`). Fresh memory is expensive to touch for the first time,
+(:meth:`Downloader.release`). Fresh memory is expensive to touch for the first time,
 and without the bound the download would run ahead of the decoders, filling new buffers.
 """
 
@@ -313,7 +313,7 @@ _FINISHED = object()
 REREADS = 3
 
 
-class RangeReader:
+class Downloader:
     """Fetches targets with parallel ranged GETs; yields their tokens as each completes.
 
     ``lazy_budget``: bytes of lazily allocated targets (``allocate`` given, no buffer)

@@ -22,12 +22,12 @@ def version_state(version: int) -> dict[str, torch.Tensor]:
 def _stall_first_fetch(signals: Path, round_: int) -> None:
     """Hold this rank's first data fetch of the round until the parent has overwritten the
     checkpoint and collected the replaced save."""
-    from s3ckpt.transfer.download import RangeReader
+    from s3ckpt.transfer.download import Downloader
 
-    original = RangeReader.fetch
+    original = Downloader.fetch
 
     def fetch(self: Any, targets: Any, idle: Any = None) -> Any:
-        RangeReader.fetch = original  # type: ignore[method-assign]
+        Downloader.fetch = original  # type: ignore[method-assign]
         (signals / f"stalled-{round_}").touch()
         deadline = time.monotonic() + 90
         while not (signals / f"overwritten-{round_}").exists():
@@ -36,7 +36,7 @@ def _stall_first_fetch(signals: Path, round_: int) -> None:
             time.sleep(0.05)
         return original(self, targets, idle)
 
-    RangeReader.fetch = fetch  # type: ignore[method-assign]
+    Downloader.fetch = fetch  # type: ignore[method-assign]
 
 
 def loading_main(

@@ -32,13 +32,13 @@ def stored_bytes() -> int:
 def _fail_fetches(rank: int) -> None:
     """This rank's ranged GETs fail, as a store refusing it would."""
     from s3ckpt.errors import StorageError
-    from s3ckpt.transfer.download import RangeReader
+    from s3ckpt.transfer.download import Downloader
 
     def refuse(self: Any, targets: Any, idle: Any = None) -> Any:
         raise StorageError(f"injected: rank {rank} cannot read its share")
         yield  # a generator, like the real one
 
-    RangeReader.fetch = refuse  # type: ignore[method-assign]
+    Downloader.fetch = refuse  # type: ignore[method-assign]
 
 
 def shared_load_main(

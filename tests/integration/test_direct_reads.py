@@ -9,7 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from s3ckpt.s3.wire import UnsupportedResponse
-from s3ckpt.s3.wire.ranged_get import DirectRangeReader
+from s3ckpt.s3.wire.gets import RangedGets
 
 pytestmark = [
     pytest.mark.integration,
@@ -55,7 +55,7 @@ def test_an_endpoint_answering_oddly_falls_back_to_aiobotocore(
         calls.append(key)
         raise UnsupportedResponse("chunked response")
 
-    monkeypatch.setattr(DirectRangeReader, "read", unsupported)
+    monkeypatch.setattr(RangedGets, "read", unsupported)
     # a config of its own, so that the fallback does not outlive this test
     with caplog.at_level(logging.WARNING, logger="s3ckpt.s3.client"):
         _assert_same(_load(make_reader(s3_prefix, read_timeout=119.0)))
@@ -72,7 +72,7 @@ def test_a_server_that_ignores_range_still_loads_bit_exact(
     """Every ranged GET answered 200 with the whole object: bytes must land where they
     belong, not be reported as corruption. (Stripping Range in a proxy breaks header
     signatures, so this runs the direct reader, whose presigned URLs do not sign Range;
-    the aiobotocore path is covered in tests/unit/test_range_get.py.)"""
+    the aiobotocore path is covered in tests/unit/test_get_attempt.py.)"""
     from faultproxy import FaultProxy
 
     dcp.save(_state(), storage_writer=make_writer(s3_prefix))

@@ -93,7 +93,7 @@ def test_the_import_contracts_hold() -> None:
             "from s3ckpt.interop import copy",
             "Applications over adapters over the engine",
         ),
-        ("s3/range_get.py", "import h11", "Only the data plane (s3ckpt.s3.wire) parses HTTP"),
+        ("s3/get_attempt.py", "import h11", "Only the data plane (s3ckpt.s3.wire) parses HTTP"),
     ],
 )
 def test_a_crossing_import_breaks_a_contract(

@@ -185,7 +185,7 @@ def test_an_abandoned_fetch_stops_its_requests_before_the_caller_moves_on():
     """The caller raises on the first completed target. A request already writing when it
     is cancelled (bytes under way) finishes its write: that must happen before the
     caller's error leaves the loop, never after."""
-    from s3ckpt.transfer.download import RangeReader
+    from s3ckpt.transfer.download import Downloader
 
     writes: list[str] = []
 
@@ -207,7 +207,7 @@ def test_an_abandoned_fetch_stops_its_requests_before_the_caller_moves_on():
         ReadTarget("slow", 0, 10, memoryview(slow), "slow"),
     ]
     with pytest.raises(RuntimeError, match="caller failed"):
-        for token in RangeReader(SlowStore()).fetch(targets):  # type: ignore[arg-type]
+        for token in Downloader(SlowStore()).fetch(targets):  # type: ignore[arg-type]
             assert token == "fast"
             raise RuntimeError("caller failed")
     # The caller has moved on: the write under way has landed already, not later.
@@ -232,7 +232,7 @@ def test_a_fetch_asks_its_caller_to_give_memory_back_before_it_waits():
     """A download held back by its budget waits on the caller, who waits for the next
     token: ``idle`` is where the caller gives the budget back, and it runs before any
     wait. The budget here admits one lazily allocated target at a time."""
-    from s3ckpt.transfer.download import RangeReader
+    from s3ckpt.transfer.download import Downloader
 
     class Store:
         async def read_range(self, key, start, end, sink):
@@ -243,7 +243,7 @@ def test_a_fetch_asks_its_caller_to_give_memory_back_before_it_waits():
         ReadTarget("k", 100 * i, 100 * i + 10, None, i, allocate=lambda i=i: buffers[i], reserve=10)
         for i in range(3)
     ]
-    reader = RangeReader(Store(), lazy_budget=10)  # type: ignore[arg-type]
+    reader = Downloader(Store(), lazy_budget=10)  # type: ignore[arg-type]
     held: list[int] = []
 
     def idle() -> bool:

@@ -12,8 +12,8 @@ from botocore.exceptions import ClientError
 
 from s3ckpt.s3.retry import ShortReadError
 from s3ckpt.s3.wire import UnsupportedResponse, copy_into, proxied
+from s3ckpt.s3.wire.gets import RangedGets
 from s3ckpt.s3.wire.pool import ConnectionPool
-from s3ckpt.s3.wire.ranged_get import DirectRangeReader
 
 OBJECT = bytes(range(256)) * 4096  # 1 MiB
 Reply = Callable[[asyncio.StreamWriter, str], Awaitable[bool]]  # returns: keep the connection
@@ -130,9 +130,9 @@ class Buffer:
         self.filled_at.append((offset, nbytes))
 
 
-def reader(url: str, *, read_timeout: float = 5.0) -> DirectRangeReader:
+def reader(url: str, *, read_timeout: float = 5.0) -> RangedGets:
     pool = ConnectionPool(verify=True, connect_timeout=5.0, read_timeout=read_timeout, max_idle=4)
-    return DirectRangeReader(FakeClient(url), pool)
+    return RangedGets(FakeClient(url), pool)
 
 
 def run(coro: Awaitable[object]) -> object:

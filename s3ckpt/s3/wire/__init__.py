@@ -7,7 +7,7 @@ through this package alone: one connection pool per client (:mod:`~.pool`: keep-
 stale connections, stalls, cancellation, TLS as aiobotocore verifies it), one response
 parser (h11, :mod:`~.exchange`), bodies sent from the tensor's memory (:mod:`~.uploads`,
 answering botocore's ``before-send``; :mod:`~.on_loop`) and received straight into it
-(:mod:`~.range_body`, :mod:`~.ranged_get`).
+(:mod:`~.gets`, :mod:`~.get_exchange`).
 
 Where each exchange runs was measured on this kind of machine (2 cores, the zero-cost S3
 server of ``benchmarks/``, 16 requests at once, client CPU per GiB):
@@ -29,7 +29,7 @@ responses the transport cannot receive in place (chunked, redirects).
 """
 
 from s3ckpt.s3.wire.data_plane import DataPlane
-from s3ckpt.s3.wire.range_body import UnsupportedResponse, warn_range_ignored
+from s3ckpt.s3.wire.get_exchange import UnsupportedResponse, warn_range_ignored
 from s3ckpt.s3.wire.sink import RangeSink, copy_into
 from s3ckpt.s3.wire.tls import proxied, tls_context
 

@@ -1,16 +1,16 @@
-"""The data plane of one client: one connection pool, the upload sender, the range reader."""
+"""The data plane of one client: one connection pool, the upload sender, the ranged GETs."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from s3ckpt.s3.wire.gets import RangedGets
 from s3ckpt.s3.wire.pool import ConnectionPool
-from s3ckpt.s3.wire.ranged_get import DirectRangeReader
 from s3ckpt.s3.wire.uploads import BodySender
 
 
 class DataPlane:
-    """Upload bodies (``uploads``) and ranged GETs (``reads``) of ``client``, on one pool."""
+    """Upload bodies and ranged GETs (``gets``) of ``client``, on one pool."""
 
     def __init__(
         self,
@@ -29,15 +29,15 @@ class DataPlane:
             read_timeout=read_timeout,
             max_idle=max_concurrency,
         )
-        self.reader: DirectRangeReader | None = None
+        self.gets: RangedGets | None = None
         if reads:
-            self.reader = DirectRangeReader(client, self.pool)
+            self.gets = RangedGets(client, self.pool)
         if uploads:
             BodySender(self.pool).register(client)
 
     def stop_reads(self) -> None:
         """Leave every later ranged GET to aiobotocore (the endpoint answered one oddly)."""
-        self.reader = None
+        self.gets = None
 
     def close_idle(self) -> None:
         """Close the kept-alive connections, so the next requests open new ones."""

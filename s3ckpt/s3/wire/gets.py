@@ -17,8 +17,8 @@ from urllib.parse import SplitResult, urlsplit
 from botocore.exceptions import ClientError
 
 from s3ckpt._version import __version__
+from s3ckpt.s3.wire.get_exchange import receive_range
 from s3ckpt.s3.wire.pool import ConnectionPool
-from s3ckpt.s3.wire.range_body import receive_range
 from s3ckpt.s3.wire.sink import RangeSink
 
 PRESIGN_EXPIRES_S = 3600
@@ -26,7 +26,7 @@ REUSE_SIGNATURE_S = 300.0
 MAX_CACHED_URLS = 4096
 
 
-class DirectRangeReader:
+class RangedGets:
     """Ranged GETs over the pool's kept-alive connections, signed by an aiobotocore client."""
 
     def __init__(self, client: Any, pool: ConnectionPool) -> None:

@@ -1,4 +1,4 @@
-"""The aiobotocore path of ranged reads (``range_get.stream``) against servers that
+"""The aiobotocore path of ranged reads (``get_attempt.stream``) against servers that
 answer a ranged GET with something other than the range."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from s3ckpt.config import make_config
 from s3ckpt.errors import StorageError
-from s3ckpt.s3 import range_get
+from s3ckpt.s3 import get_attempt
 
 OBJECT = bytes(range(256)) * 64  # 16 KiB
 
@@ -68,10 +68,10 @@ class _Sink:
 
 
 def _stream(monkeypatch: pytest.MonkeyPatch, client: _Client, start: int, end: int) -> bytes:
-    monkeypatch.setattr(range_get, "client_handle", lambda config: _Handle(client))
+    monkeypatch.setattr(get_attempt, "client_handle", lambda config: _Handle(client))
     config = make_config(None, endpoint_url="http://127.0.0.1:9")
     sink = _Sink(start, end)
-    asyncio.run(range_get.stream(config, "bucket", "key", start, end, sink))
+    asyncio.run(get_attempt.stream(config, "bucket", "key", start, end, sink))
     return bytes(sink.data)
 
 

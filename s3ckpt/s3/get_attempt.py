@@ -1,8 +1,8 @@
-"""One ranged GET into a sink: s3ckpt's direct reader where it can, else aiobotocore.
+"""One attempt of a ranged GET into a sink: the data plane where it can, else aiobotocore.
 
 :meth:`s3ckpt.s3.store.ObjectStore.read_range` retries; this module makes one attempt.
 Both paths deliver the bytes of ``[start, end)`` to the sink in offset order, each once:
-the data plane's reader (:mod:`s3ckpt.s3.wire`) lets the socket write into the sink's
+the data plane (:mod:`s3ckpt.s3.wire.gets`) lets the socket write into the sink's
 memory; the aiobotocore path copies each received buffer in. A server that ignores
 ``Range`` and sends the whole object is cut to the range on both.
 """
@@ -37,16 +37,16 @@ class ResumingSink:
 async def receive(
     config: S3Config, bucket: str, key: str, start: int, end: int, sink: RangeSink
 ) -> None:
-    """One ranged GET: the direct reader unless the endpoint answered it oddly once."""
+    """One ranged GET: on the data plane unless the endpoint answered it oddly once."""
     handle = client_handle(config)
-    reader = await handle.range_reader()
-    if reader is not None:
+    gets = await handle.ranged_gets()
+    if gets is not None:
         try:
             async with handle.slots:
-                await reader.read(bucket, key, start, end, sink)
+                await gets.read(bucket, key, start, end, sink)
             return
         except UnsupportedResponse as exc:
-            handle.disable_range_reader(str(exc))
+            handle.stop_ranged_gets(str(exc))
     await stream(config, bucket, key, start, end, sink)
 
 

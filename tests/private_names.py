@@ -40,8 +40,8 @@ COMPAT_MODULES: dict[str, tuple[str, ...]] = {
     "botocore": ("s3ckpt/s3/compat_botocore.py",),
     "aiobotocore": ("s3ckpt/s3/compat_aiobotocore.py",),
     "aiohttp": (),  # s3ckpt touches none of aiohttp's internals (it reads aiobotocore's bodies)
-    "megatron": ("s3ckpt/integrations/compat_megatron.py",),
-    "deepspeed": ("s3ckpt/integrations/compat_deepspeed.py",),
+    "megatron": ("s3ckpt/integrations/megatron/compat.py",),
+    "deepspeed": ("s3ckpt/integrations/deepspeed/compat.py",),
 }
 
 # Modules and names that are internals though not marked private: the HTTP machinery under

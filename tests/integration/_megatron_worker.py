@@ -258,7 +258,7 @@ def crash_main(
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-    import s3ckpt.integrations.megatron as integration
+    import s3ckpt.integrations.megatron.strategies as integration
     from s3ckpt.integrations.megatron import S3SaveShardedStrategy
 
     _start(rank, world_size, port, out_dir)

@@ -126,7 +126,7 @@ def test_a_committed_checkpoint_is_never_written_over(s3_prefix, s3_options, lis
 
 
 def test_a_save_that_dies_before_its_commit_is_invisible(s3_prefix, s3_options, monkeypatch):
-    from s3ckpt.integrations import torch_checkpointing_commit as commit
+    from s3ckpt.integrations.torch_checkpointing import commit
 
     async def dies(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("killed before the manifest")

@@ -10,7 +10,7 @@ import pytest
 
 from s3ckpt.config import S3URI
 from s3ckpt.errors import ConfigError
-from s3ckpt.integrations import megatron_files as files
+from s3ckpt.integrations.megatron import files
 
 
 def test_s3_paths_also_as_pathlib_makes_them() -> None:

@@ -30,7 +30,7 @@ from s3ckpt.errors import (
 from s3ckpt.format.layout import StoredItem, index_key, metadata_key
 from s3ckpt.format.manifest import IndexRef, ItemEntry, Manifest, ObjectEntry
 from s3ckpt.format.rank_index import RankIndex
-from s3ckpt.integrations.torch_checkpointing_files import Committed, Saving
+from s3ckpt.integrations.torch_checkpointing.files import Committed, Saving
 from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer.commit import commit_manifest, read_manifest
 from s3ckpt.transfer.fanout import bounded

@@ -9,7 +9,7 @@ is not a local file system, and s3ckpt uses both, here and nowhere else:
   through the module bound to ``msc_utils.msc`` (``msc.open``, ``msc.Path``,
   ``msc.os.path.*``, ``msc.torch.save``/``load``), and load strategies build their DCP
   reader with ``msc.torch.MultiStorageFileSystemReader``. :func:`install_files` binds
-  s3ckpt's file layer there (:mod:`s3ckpt.integrations.megatron_files`) and enables the
+  s3ckpt's file layer there (:mod:`s3ckpt.integrations.megatron.files`) and enables the
   feature; the layer hands every path that is not ``s3://`` to what was bound before
   (the real ``multistorageclient`` where it is installed, else the local file system).
 * **The writer of ``TorchDistSaveShardedStrategy.async_save``.** The strategy builds its

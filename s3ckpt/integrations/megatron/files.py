@@ -6,7 +6,7 @@ backend a checkpoint was saved with, written after the save) and, in Megatron-LM
 training loop, ``latest_checkpointed_iteration.txt`` (the tracker naming the step to
 resume from, written after the save). With the MSC feature enabled it does so through
 the module bound to ``megatron.core.msc_utils.msc``; :class:`S3Files` is bound there
-(:func:`s3ckpt.integrations.compat_megatron.install_files`) and stores them thus:
+(:func:`s3ckpt.integrations.megatron.compat.install_files`) and stores them thus:
 
 * ``<checkpoint>/common.pt`` and ``<checkpoint>/metadata.json`` are items of the s3ckpt
   checkpoint itself (:func:`member_key`), committed by its manifest with the

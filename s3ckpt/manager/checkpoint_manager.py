@@ -72,6 +72,7 @@ from s3ckpt.manager.policy import (
     validate_options,
 )
 from s3ckpt.manager.ranks import Ranks
+from s3ckpt.s3.client import prepare_client
 from s3ckpt.tier.options import MemoryTier
 from s3ckpt.tier.rank import RankTier
 from s3ckpt.tier.restore import Restored
@@ -141,6 +142,8 @@ class CheckpointManager:
         self.reader_options = dict(reader_options or {})
         self.metrics: deque[SaveMetrics] = deque(maxlen=max_metrics)
         self._ranks = Ranks(process_group)
+        if self._ranks.rank == 0:  # the rank that lists S3 first, at a load or the first save
+            prepare_client(self.config)
         self._no_dist = not self._ranks.distributed
         if self._ranks.world == 1:  # DCP warns on each single-process call; here it is meant
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")

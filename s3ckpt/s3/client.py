@@ -173,6 +173,22 @@ def client_handle(config: S3Config) -> ClientHandle:
     return handle
 
 
+def prepare_client(config: S3Config) -> None:
+    """Start making this process's client for ``config`` on the I/O loop, without waiting
+    for it: the first request then finds it made. Making one is the first request's
+    largest cost (aiobotocore loads and parses the S3 service model), which a restart's
+    first listing would otherwise pay before anything else. A failure is left for that
+    first request to meet and report (a failed attempt leaves no client behind)."""
+
+    async def make() -> None:
+        try:
+            await client_handle(config).get()
+        except Exception:
+            log.debug("the S3 client could not be made ahead of its first request", exc_info=True)
+
+    io_loop().submit(make(), scoped=False)
+
+
 def _retire(handle: ClientHandle) -> None:
     """Close a replaced client later: its requests in flight get ``read_timeout`` twice
     over (a request silent for longer fails anyway) to finish."""

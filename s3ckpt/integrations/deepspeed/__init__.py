@@ -55,13 +55,24 @@ offload, node-local storage, universal checkpoints, and DeepSpeed's own writer e
 
 from __future__ import annotations
 
-from s3ckpt.integrations.deepspeed.training import (
+try:
+    import deepspeed  # noqa: F401
+except ImportError as exc:
+    raise ImportError(
+        "s3ckpt.integrations.deepspeed needs DeepSpeed: pip install 's3ckpt[deepspeed]' "
+        "(DeepSpeed 0.19 is an sdist; on a CPU-only host: DS_BUILD_OPS=0 pip install "
+        "--no-build-isolation deepspeed)"
+    ) from exc
+
+from s3ckpt.integrations.deepspeed.engine import (
     DEEPSPEED_GLOBALS,
     LATEST,
     S3CheckpointEngine,
-    attach,
     file_uri,
     folder_uri,
+)
+from s3ckpt.integrations.deepspeed.training import (
+    attach,
     latest_tag,
     load_checkpoint,
     s3_engine,

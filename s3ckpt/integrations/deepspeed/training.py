@@ -8,15 +8,7 @@ import logging
 from typing import Any
 
 import torch.distributed as dist
-
-try:
-    from deepspeed import comm as ds_comm
-except ImportError as exc:
-    raise ImportError(
-        "s3ckpt.integrations.deepspeed needs DeepSpeed: pip install 's3ckpt[deepspeed]' "
-        "(DeepSpeed 0.19 is an sdist; on a CPU-only host: DS_BUILD_OPS=0 pip install "
-        "--no-build-isolation deepspeed)"
-    ) from exc
+from deepspeed import comm as ds_comm
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -28,26 +20,11 @@ from s3ckpt.errors import (
 )
 from s3ckpt.integrations.deepspeed import compat as compat_deepspeed
 from s3ckpt.integrations.deepspeed.engine import (
-    DEEPSPEED_GLOBALS,
     ENGINE_NAME,
     LATEST,
     S3CheckpointEngine,
-    file_uri,
     folder_uri,
 )
-
-__all__ = [
-    "DEEPSPEED_GLOBALS",
-    "LATEST",
-    "S3CheckpointEngine",
-    "attach",
-    "file_uri",
-    "folder_uri",
-    "latest_tag",
-    "load_checkpoint",
-    "s3_engine",
-    "save_checkpoint",
-]
 
 log = logging.getLogger(__name__)
 

@@ -50,8 +50,6 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised in a subproce
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MegatronS3Writer", "S3LoadShardedStrategy", "S3SaveShardedStrategy", "enable"]
-
 
 def enable(config: S3Config | None = None, **options: Any) -> S3Files:
     """Turn s3ckpt's handling of ``s3://`` paths in Megatron on (idempotent) and give it

@@ -169,13 +169,12 @@ def reserved_file(path: Path, size: int, *, reuse: bool = False) -> int:
     """A new file of ``size`` bytes at ``path``, its pages reserved; its descriptor
     (:class:`~s3ckpt.errors.MemoryTierError` when the file system has no room).
 
-    With ``reuse``, a file already there is resized instead, keeping the pages it has:
-    memory written again costs no new pages to zero and fault in."""
+    With ``reuse``, a file already there is kept, with the pages it has (memory written
+    again costs no new pages to zero and fault in), grown to ``size`` if it is smaller and
+    never shrunk: a staging arena may have the same file mapped at its own size."""
     exclusive = 0 if reuse else os.O_EXCL
     fd = os.open(path, os.O_RDWR | os.O_CREAT | exclusive | os.O_CLOEXEC, 0o600)
     try:
-        if reuse:
-            os.ftruncate(fd, size)
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
         os.close(fd)

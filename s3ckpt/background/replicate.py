@@ -158,8 +158,9 @@ class _Incoming:
             if not index.isdigit() or int(index) >= len(used):
                 path.unlink()
         for index, size in enumerate(used):
-            # the slot's earlier segment files are reused (their pages kept); mapped without
-            # MAP_POPULATE: the pages fault in as the bytes arrive, beside the sender's work
+            # the slot's earlier segment files are reused (their pages kept, never shrunk);
+            # mapped without MAP_POPULATE: pages fault in as the bytes arrive, beside the
+            # sender's work
             fd = reserved_file(folder / f"segment-{index}", max(size, 1), reuse=True)
             try:
                 self.maps.append(mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED))

@@ -315,6 +315,7 @@ def replicated_tier_main(
     from pathlib import Path
 
     from s3ckpt import MemoryTier
+    from s3ckpt.background import held
 
     tier = MemoryTier(keep=2, s3_every=2, root=Path(roots[rank]), node=f"node{rank}")
     run = TierRank(rank, uri, s3, tier)
@@ -340,4 +341,21 @@ def replicated_tier_main(
         # 7 is not whole anywhere: 6
         report["killed_during_replication"] = run.restored(held_after_restore)
         report["held_after_restore"] = held_after_restore
+
+        with run.manager() as manager:
+            run.save(manager, 8)
+            run.save(manager, 9)  # both slots now have the manager's staging memory
+            if rank == 1:  # its copy of 9 lost while the manager runs
+                held.invalidate(
+                    next(h.folder for h in manager._tier.copies.held() if h.held.step == 9)
+                )
+            dist.barrier()
+            fresh_model, fresh = make_state(rank, seed=2)
+            step = manager.load_latest(fresh)  # rank 1 receives 9 into the slot it staged 9 in
+            report["fetched_in_place"] = (step, manager.last_restore.tier) == (9, "memory") and (
+                _same(snapshot(fresh_model, fresh, rank), run.expected[9])
+            )
+            run.save(manager, 10)
+            run.save(manager, 11)  # staged into that slot again, through the same memory
+        report["after_fetch_in_place"] = run.restored()
         dist.barrier()

@@ -275,6 +275,9 @@ def test_replicas_on_another_node_rebuild_a_lost_node_from_memory(
         assert report["node_lost"] == ((5, "memory"), True)  # rank 1's from rank 0's replica
         assert report["killed_save"] == "CheckpointProcessError"
         assert report["killed_during_replication"] == ((6, "memory"), True)
+        # a copy received into a slot the running manager stages into stays readable there
+        assert report["fetched_in_place"] is True
+        assert report["after_fetch_in_place"] == ((11, "memory"), True)
     assert reports[0]["held_after_restore"][0] == [5]  # rank 1 held 5 again after the fetch
     # 7 is held by rank 0 alone; rank 1 emptied the slot of 5 for it
     assert reports[0]["held_after_kill"] == [6]

@@ -121,7 +121,7 @@ def test_region_checksums_are_whole_regions_however_they_are_cut(monkeypatch):
     assert held.damaged_region([segments[0], damaged], records) == records[3]
 
 
-def test_a_reused_file_keeps_its_pages_and_takes_its_new_size(tmp_path: Path):
+def test_a_reused_file_keeps_its_pages_grows_and_never_shrinks(tmp_path: Path):
     import os
 
     from s3ckpt.background.arena import reserved_file
@@ -131,8 +131,9 @@ def test_a_reused_file_keeps_its_pages_and_takes_its_new_size(tmp_path: Path):
     with pytest.raises(FileExistsError):  # a new file is never one left behind
         reserved_file(path, 4096)
     path.write_bytes(b"x" * 10000)
-    for size in (4096, 5 * 4096):  # shrunk, then grown: the size asked, its pages reserved
-        os.close(reserved_file(path, size, reuse=True))
-        assert path.stat().st_size == size
-        assert path.stat().st_blocks * 512 >= size
-    assert path.read_bytes()[:4096] == b"x" * 4096  # the bytes it kept are not rewritten
+    os.close(reserved_file(path, 4096, reuse=True))  # smaller: kept as it is (an arena
+    assert path.stat().st_size == 10000  # may map it at its own size)
+    os.close(reserved_file(path, 5 * 4096, reuse=True))  # larger: grown, its pages reserved
+    assert path.stat().st_size == 5 * 4096
+    assert path.stat().st_blocks * 512 >= 5 * 4096
+    assert path.read_bytes()[:10000] == b"x" * 10000  # the bytes it kept are not rewritten

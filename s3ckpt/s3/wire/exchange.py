@@ -74,12 +74,7 @@ class Exchange:
                 raise ConnectionResetError("the connection closed before a whole response")
 
     def _failed(self, exc: OSError) -> Exception:
-        connection = self.connection
-        if connection.timed_out:
-            return read_timeout(connection.endpoint)
-        if connection.used and not self.received:
-            return StaleConnection()
-        return _dropped(exc)
+        return failure(self.connection, exc, reused=self.connection.used, received=self.received)
 
 
 def send_request(
@@ -176,7 +171,20 @@ def answered(connection: Connection) -> bool:
     return not connection.timed_out and not connection.idle_and_sound()
 
 
-def _dropped(exc: OSError) -> ConnectionError:
+def failure(connection: Connection, exc: OSError, *, reused: bool, received: bool) -> Exception:
+    """What a failed send or receive on ``connection`` is, by the data plane's one policy
+    (blocking exchanges and the event loop's alike): past ``read_timeout`` (the stall timer
+    cut it short), botocore's ``ReadTimeoutError``; on a kept-alive connection (``reused``)
+    before any byte of the response came, :class:`StaleConnection` (the server had closed
+    it: the request goes again on a fresh one); else a dropped connection."""
+    if connection.timed_out:
+        return read_timeout(connection.endpoint)
+    if reused and not received:
+        return StaleConnection()
+    return dropped(exc)
+
+
+def dropped(exc: OSError) -> ConnectionError:
     """A failed send or receive as a retryable connection error (TLS alerts included)."""
     if isinstance(exc, ConnectionError):
         return exc

@@ -26,7 +26,7 @@ from botocore.exceptions import ClientError
 from s3ckpt.s3.compat_botocore import read_timeout
 from s3ckpt.s3.retry import ShortReadError
 from s3ckpt.s3.wire.connection import Connection, Origin, StaleConnection
-from s3ckpt.s3.wire.exchange import MAX_HEADER_BYTES, SmallResponse, _dropped
+from s3ckpt.s3.wire.exchange import MAX_HEADER_BYTES, SmallResponse, dropped
 from s3ckpt.s3.wire.on_loop import ready
 from s3ckpt.s3.wire.pool import ConnectionPool
 from s3ckpt.s3.wire.sink import RangeSink, copy_into
@@ -49,22 +49,18 @@ async def receive_range(
     """Send the GET ``request`` for ``[start, end)`` on a connection to ``origin`` and
     receive its body into ``sink``; raises the ``ClientError`` the server answered
     instead. A kept-alive connection the server had closed is replaced silently."""
-    while True:
-        connection = await pool.checkout(origin)
+
+    async def exchange(connection: Connection) -> tuple[ClientError | None, bool]:
         response = _RangeResponse(connection, start, end, sink, pool.read_timeout)
         try:
             await response.run(request)
-        except StaleConnection:
-            connection.close()
-            continue
-        except ClientError:
-            pool.release(connection, keep_alive=response.keep_alive)  # its body was read whole
-            raise
-        except BaseException:
-            connection.close()
-            raise
-        pool.release(connection, keep_alive=response.keep_alive)
-        return
+        except ClientError as error:  # an error answer, its body read whole: kept alive
+            return error, response.keep_alive
+        return None, response.keep_alive
+
+    error = await pool.on_loop(origin, exchange)
+    if error is not None:
+        raise error
 
 
 class _RangeResponse:
@@ -120,7 +116,7 @@ class _RangeResponse:
                 data = b""
                 await ready(self.connection, writable=True)
         except OSError as exc:
-            raise _dropped(exc) from exc
+            raise dropped(exc) from exc
 
     # -- the reader callback ------------------------------------------------------------
 
@@ -154,7 +150,7 @@ class _RangeResponse:
         except (BlockingIOError, InterruptedError):
             self._flush()
         except OSError as exc:
-            self._fail(_dropped(exc))
+            self._fail(dropped(exc))
         finally:
             if received:
                 self.received = True

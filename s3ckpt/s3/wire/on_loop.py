@@ -16,7 +16,7 @@ import time
 
 from s3ckpt.s3.compat_botocore import read_timeout
 from s3ckpt.s3.wire.connection import DRAINED, Connection, Origin, StaleConnection
-from s3ckpt.s3.wire.exchange import MAX_HEADER_BYTES, SmallResponse, _dropped, answered
+from s3ckpt.s3.wire.exchange import MAX_HEADER_BYTES, SmallResponse, answered, failure
 from s3ckpt.s3.wire.pool import ConnectionPool
 from s3ckpt.s3.wire.stall import StallTimer, abort_stalled
 
@@ -25,20 +25,13 @@ async def send_request(
     pool: ConnectionPool, origin: Origin, head: bytes, body: memoryview
 ) -> tuple[int, dict[str, str], bytes]:
     """Send a request with ``body`` on a connection to ``origin`` (non-blocking, on the
-    loop); the response's status, headers and (small) body. A kept-alive connection the
-    server had closed is replaced silently."""
-    while True:
-        connection = await pool.checkout(origin)
-        try:
-            response = await _exchange(connection, head, body, pool.read_timeout)
-        except StaleConnection:
-            connection.close()
-            continue
-        except BaseException:
-            connection.close()
-            raise
-        pool.release(connection, keep_alive=response.keep_alive)
-        return response.result()
+    loop); the response's status, headers and (small) body."""
+
+    async def exchange(connection: Connection) -> tuple[tuple[int, dict[str, str], bytes], bool]:
+        response = await _exchange(connection, head, body, pool.read_timeout)
+        return response.result(), response.keep_alive
+
+    return await pool.on_loop(origin, exchange)
 
 
 async def _exchange(
@@ -52,14 +45,11 @@ async def _exchange(
             await send_all(connection, head)
             await send_all(connection, body)
         except OSError as exc:
-            if connection.timed_out:
-                raise read_timeout(connection.endpoint) from exc
-            if reused:
-                raise StaleConnection from exc
+            error = failure(connection, exc, reused=reused, received=False)
             # The server may have answered (an error) and closed before taking the whole
             # body: that answer is the one worth reporting.
-            if not answered(connection):
-                raise _dropped(exc) from exc
+            if isinstance(error, StaleConnection) or not answered(connection):
+                raise error from exc
         return await _response(connection, reused)
     finally:
         watch.stop()
@@ -73,11 +63,7 @@ async def _response(connection: Connection, reused: bool) -> SmallResponse:
         try:
             count = await receive_some(connection, scratch)
         except OSError as exc:
-            if connection.timed_out:
-                raise read_timeout(connection.endpoint) from exc
-            if reused and not received:
-                raise StaleConnection from exc
-            raise _dropped(exc) from exc
+            raise failure(connection, exc, reused=reused, received=received) from exc
         if connection.timed_out:
             raise read_timeout(connection.endpoint)
         if not count and reused and not received:

@@ -32,7 +32,7 @@ import functools
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -76,6 +76,26 @@ class ConnectionPool:
                 return await self._in_thread(attempt, call)
             except StaleConnection:
                 continue
+
+    async def on_loop(
+        self, origin: Origin, exchange: Callable[[Connection], Awaitable[tuple[T, bool]]]
+    ) -> T:
+        """Run ``exchange`` (on the loop; returns its result and whether the connection may
+        be kept) on a non-blocking connection to ``origin``: a stale kept-alive connection
+        is replaced and the exchange goes again; one that failed is closed, one that ended
+        cleanly released."""
+        while True:
+            connection = await self.checkout(origin)
+            try:
+                result, keep_alive = await exchange(connection)
+            except StaleConnection:
+                connection.close()
+                continue
+            except BaseException:
+                connection.close()
+                raise
+            self.release(connection, keep_alive=keep_alive)
+            return result
 
     def connection(self, origin: Origin) -> Connection:
         """An idle connection to ``origin``, or a new one (call in a worker thread)."""

@@ -49,8 +49,7 @@ checkpoint, committed by its manifest with the tensors; the tracker
 ``latest_checkpointed_iteration.txt`` is an object beside the steps, written only when
 the step it names is committed (:mod:`~s3ckpt.integrations.megatron.files`). Nothing of an
 ``s3://`` path reaches the local disk: Megatron's own ``TorchDistSaveShardedStrategy``
-given one raises :class:`~s3ckpt.errors.ConfigError` once s3ckpt's handling is on (a
-strategy made, or :func:`enable` called).
+given one raises :class:`~s3ckpt.errors.ConfigError` once this module is imported.
 
 One S3 configuration per process: the file layer uses the one the latest strategy (or
 :func:`enable`) was created with. Tensors on the GPU are copied to host memory when the
@@ -60,25 +59,12 @@ not copied (a forked worker sees them as they were at the fork).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from s3ckpt._lazy import lazy_attributes
-
-if TYPE_CHECKING:
-    from s3ckpt.integrations.megatron.strategies import (
-        MegatronS3Writer,
-        S3LoadShardedStrategy,
-        S3SaveShardedStrategy,
-        enable,
-    )
-
-# The strategies need megatron-core, and they are imported on first use: the file layer
-# (:mod:`~s3ckpt.integrations.megatron.files`) imports without it.
-_STRATEGIES = "s3ckpt.integrations.megatron.strategies"
-_LAZY = dict.fromkeys(
-    ("MegatronS3Writer", "S3LoadShardedStrategy", "S3SaveShardedStrategy", "enable"), _STRATEGIES
+from s3ckpt.integrations.megatron.strategies import (
+    MegatronS3Writer,
+    S3LoadShardedStrategy,
+    S3SaveShardedStrategy,
+    enable,
 )
-__getattr__ = lazy_attributes(__name__, _LAZY, globals())
 
 __all__ = [
     "MegatronS3Writer",

@@ -163,11 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         ZeroS3(pool_mib=args.size_mib * args.reps + 256) as server,
         tempfile.TemporaryDirectory() as tmp,
     ):
-        options = {
-            "endpoint_url": server.endpoint_url,
-            "access_key_id": "zero",
-            "secret_access_key": "zero-secret",
-        }
+        options = server.options()
         uri = f"s3://{server.bucket}/profile/rep{{}}"
         dcp.save(
             {"warm": state["layers.0.norm0"]},

@@ -39,7 +39,7 @@ FORMAT = "s3ckpt-held/1"
 DESCRIPTOR = "held.json"
 STATE = "state.pkl"
 EMPTY_CRC = crc32c(b"")
-_PIECE = 32 << 20  # bytes one thread checksums at a time
+_PIECE = 32 << 20  # bytes one thread checksums at a time (a batch)
 _THREADS = 8
 
 
@@ -83,28 +83,41 @@ class Held:
 def region_crcs(maps: Sequence[Any], regions: Sequence[tuple[int, int, int]]) -> list[int]:
     """The CRC32C of each ``(segment, offset, nbytes)`` region of the segments ``maps``.
 
-    Computed in pieces on several threads (CRC32C runs in native code without the GIL),
-    each region's CRC combined from its pieces' (:func:`checksums.combine`): a copy is
-    checked at the cores' speed, not one core's, however its tensors are sized."""
-    pieces = [
-        (index, segment, start, min(_PIECE, offset + nbytes - start))
-        for index, (segment, offset, nbytes) in enumerate(regions)
-        for start in range(offset, offset + nbytes, _PIECE)
-    ]
+    The regions' bytes are cut into batches of about ``_PIECE`` bytes (a large region in
+    several pieces, small ones many to a batch), checked on several threads (CRC32C runs
+    in native code without the GIL), and each region's CRC combined from its pieces'
+    (:func:`checksums.combine`): a copy is checked at the cores' speed however its
+    tensors are sized, and a state of many small tensors costs one task per batch, not
+    one per tensor."""
+    batches: list[list[tuple[int, int, int, int]]] = [[]]
+    filled = 0
+    for index, (segment, offset, nbytes) in enumerate(regions):
+        for start in range(offset, offset + nbytes, _PIECE):
+            length = min(_PIECE, offset + nbytes - start)
+            if filled + length > _PIECE and batches[-1]:
+                batches.append([])
+                filled = 0
+            batches[-1].append((index, segment, start, length))
+            filled += length
 
-    def piece_crc(piece: tuple[int, int, int, int]) -> int:
-        _, segment, start, nbytes = piece
-        with memoryview(maps[segment])[start : start + nbytes] as view:
-            return crc32c(view)
+    def batch_crcs(batch: list[tuple[int, int, int, int]]) -> list[int]:
+        crcs = []
+        for _, segment, start, length in batch:
+            with memoryview(maps[segment])[start : start + length] as view:
+                crcs.append(crc32c(view))
+        return crcs
 
-    threads = max(1, min(len(pieces), os.cpu_count() or 1, _THREADS))
-    with ThreadPoolExecutor(threads, thread_name_prefix="s3ckpt-crc") as pool:
-        crcs = list(pool.map(piece_crc, pieces))
+    threads = min(len(batches), os.cpu_count() or 1, _THREADS)
+    if threads > 1:
+        with ThreadPoolExecutor(threads, thread_name_prefix="s3ckpt-crc") as pool:
+            computed = list(pool.map(batch_crcs, batches))
+    else:
+        computed = [batch_crcs(batch) for batch in batches]
     found = [EMPTY_CRC] * len(regions)
-    seen: set[int] = set()
-    for (index, _, _, nbytes), crc in zip(pieces, crcs, strict=True):
-        found[index] = checksums.combine(found[index], crc, nbytes) if index in seen else crc
-        seen.add(index)
+    for batch, crcs in zip(batches, computed, strict=True):
+        for (index, _, start, length), crc in zip(batch, crcs, strict=True):
+            first = start == regions[index][1]
+            found[index] = crc if first else checksums.combine(found[index], crc, length)
     return found
 
 

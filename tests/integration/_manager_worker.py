@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -219,11 +219,12 @@ class TierRank:
         self.expected[step] = snapshot(self.model, self.state, self.rank)
         return metrics
 
-    def restored(self, held: list[Any] | None = None) -> tuple[Any, bool]:
-        """``load_latest`` into a fresh state: (step, tier) and whether it is bit-exact;
-        the held steps after it go in ``held``, if given."""
+    def restored(self, held: list[Any] | None = None, running: Any = None) -> tuple[Any, bool]:
+        """``load_latest`` into a fresh state (by a new manager, or the ``running`` one):
+        (step, tier) and whether it is bit-exact; the held steps after it go in ``held``,
+        if given."""
         fresh_model, fresh = make_state(self.rank, seed=2)
-        with self.manager() as manager:
+        with nullcontext(running) if running is not None else self.manager() as manager:
             step = manager.load_latest(fresh)
             where = (step, manager.last_restore.tier)
             if held is not None:
@@ -350,11 +351,8 @@ def replicated_tier_main(
                     next(h.folder for h in manager._tier.copies.held() if h.held.step == 9)
                 )
             dist.barrier()
-            fresh_model, fresh = make_state(rank, seed=2)
-            step = manager.load_latest(fresh)  # rank 1 receives 9 into the slot it staged 9 in
-            report["fetched_in_place"] = (step, manager.last_restore.tier) == (9, "memory") and (
-                _same(snapshot(fresh_model, fresh, rank), run.expected[9])
-            )
+            # rank 1 receives 9 into the slot it staged 9 in
+            report["fetched_in_place"] = run.restored(running=manager) == ((9, "memory"), True)
             run.save(manager, 10)
             run.save(manager, 11)  # staged into that slot again, through the same memory
         report["after_fetch_in_place"] = run.restored()

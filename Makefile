@@ -44,26 +44,28 @@ DS_BUILD_ENV = DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(abspath $(DS_VENV))/tor
 
 install: $(STAMP)
 
+C_SOURCES := s3ckpt/format/_byteplanes.c s3ckpt/transfer/_gather.c
+
 # torch is installed first and pinned: an unpinned torch would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml setup.py s3ckpt/format/_byteplanes.c
+$(STAMP): pyproject.toml setup.py $(C_SOURCES)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[test,lightning,megatron,torch-checkpointing]" "$(TORCH_SPEC)"
 	touch $@
 
-$(TITAN_STAMP): pyproject.toml setup.py s3ckpt/format/_byteplanes.c
+$(TITAN_STAMP): pyproject.toml setup.py $(C_SOURCES)
 	$(PYTHON) -m venv $(TITAN_VENV)
 	$(TITAN_VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
 	$(TITAN_VENV)/bin/pip install --quiet -e ".[test,torchtitan]" "$(TORCH_SPEC)"
 	touch $@
 
-$(NEWEST_STAMP): pyproject.toml setup.py s3ckpt/format/_byteplanes.c
+$(NEWEST_STAMP): pyproject.toml setup.py $(C_SOURCES)
 	$(PYTHON) -m venv $(NEWEST_VENV)
 	PIP_CONSTRAINT=/dev/null $(NEWEST_VENV)/bin/pip install --quiet "$(NEWEST_TORCH_SPEC)"
 	PIP_CONSTRAINT=/dev/null $(NEWEST_VENV)/bin/pip install --quiet -e ".[test]" "$(NEWEST_TORCH_SPEC)"
 	touch $@
 
-$(DS_STAMP): pyproject.toml setup.py s3ckpt/format/_byteplanes.c
+$(DS_STAMP): pyproject.toml setup.py $(C_SOURCES)
 	$(PYTHON) -m venv $(DS_VENV)
 	$(DS_VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
 	$(DS_VENV)/bin/pip install --quiet -e ".[test]" "$(TORCH_SPEC)"

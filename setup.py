@@ -1,7 +1,9 @@
-"""Builds the optional C helper ``s3ckpt.format._byteplanes``; everything else is in pyproject.toml.
+"""Builds the optional C helpers; everything else is in pyproject.toml.
 
-The extension is optional: without a C compiler the package installs and uses its numpy
-fallback (slower byte grouping for compressed checkpoints, same format).
+``s3ckpt.format._byteplanes`` (byte grouping for compressed checkpoints) and
+``s3ckpt.transfer._gather`` (parts joined from small items without holding the GIL). Both
+are optional: without a C compiler the package installs and uses its Python fallbacks
+(slower, same bytes).
 """
 
 import sys
@@ -17,6 +19,12 @@ setup(
             sources=["s3ckpt/format/_byteplanes.c"],
             extra_compile_args=_FLAGS,
             optional=True,
-        )
+        ),
+        Extension(
+            "s3ckpt.transfer._gather",
+            sources=["s3ckpt/transfer/_gather.c"],
+            extra_compile_args=_FLAGS,
+            optional=True,
+        ),
     ]
 )

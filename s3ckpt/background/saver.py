@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from s3ckpt.background.process import CheckpointProcess
 from s3ckpt.background.worker import Hold
+from s3ckpt.dcp.compat import save_plain
 from s3ckpt.dcp.staging import HostStager, plain_state_dict
 from s3ckpt.dcp.writer import S3StorageWriter
 from s3ckpt.errors import CheckpointError
@@ -150,7 +150,7 @@ class BackgroundSaver:
             return self._process.submit(staged, writer)
         assert self._thread is not None
         return self._thread.submit(
-            dcp.save, staged if staged is not None else {}, storage_writer=writer,
+            save_plain, staged if staged is not None else {}, storage_writer=writer,
             process_group=self._save_group, no_dist=self._save_group is None,
         )  # fmt: skip
 

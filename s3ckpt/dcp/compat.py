@@ -117,6 +117,38 @@ def single_process() -> Iterator[None]:
         yield
 
 
+def save_plain(
+    state_dict: dict[str, Any],
+    storage_writer: StorageWriter,
+    *,
+    process_group: Any = None,
+    no_dist: bool = False,
+) -> Metadata:
+    """``dcp.save`` of a state dict that holds no ``Stateful`` (a staged copy), through
+    DCP's private ``_save_state_dict``: the same plan, collectives and storage lifecycle,
+    without what ``dcp.save`` adds before it. ``dcp.save`` wraps each top-level value's
+    ``state_dict()`` call in its method logger, which builds a ``uuid4`` (a ``getrandom``
+    system call, so a release and retake of the GIL) and two log records per key: for a
+    flat state of 580 tensors, 580 retakes per save, from a thread beside the training
+    loop in thread mode. Where the private function is gone, ``dcp.save`` itself."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict_saver
+
+    save = getattr(state_dict_saver, "_save_state_dict", None)
+    if save is None:
+        with single_process() if no_dist else contextlib.nullcontext():
+            return dcp.save(
+                state_dict, storage_writer=storage_writer, process_group=process_group,
+                no_dist=no_dist,
+            )  # fmt: skip
+    no_dist = no_dist or not dist.is_available() or not dist.is_initialized()
+    return save(
+        state_dict=state_dict, storage_writer=storage_writer, process_group=process_group,
+        no_dist=no_dist,
+    )  # fmt: skip
+
+
 def unwrap(exc: BaseException) -> BaseException:
     """The error a rank raised inside DCP's ``CheckpointException``, else ``exc`` itself.
 
@@ -256,6 +288,24 @@ def tensor_subclass_of(cls: type, data: torch.Tensor) -> Any:
     """``data`` seen as an instance of the ``torch.Tensor`` subclass ``cls``, sharing its
     memory (torch's private ``Tensor._make_subclass``)."""
     return torch.Tensor._make_subclass(cls, data)
+
+
+_LAZY_KEYS = tuple(
+    getattr(torch._C.DispatchKey, name)
+    for name in ("Conjugate", "Negative")
+    if hasattr(torch._C, "DispatchKey") and hasattr(torch._C.DispatchKey, name)
+)
+
+
+def has_lazy_bits(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` carries a lazy conjugate or negative bit (its bytes are not its
+    values). Read from its dispatch keys (torch's private ``_dispatch_keys``), which,
+    unlike ``is_conj()`` and ``is_neg()``, does not release and retake the GIL."""
+    keys_of = getattr(torch._C, "_dispatch_keys", None)
+    if keys_of is None or len(_LAZY_KEYS) != 2:
+        return tensor.is_conj() or tensor.is_neg()
+    keys = keys_of(tensor)
+    return any(keys.has(key) for key in _LAZY_KEYS)
 
 
 def pin_host_memory(tensor: torch.Tensor) -> bool:

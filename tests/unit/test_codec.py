@@ -74,3 +74,32 @@ def test_block_crcs_detect_a_flipped_byte_and_name_the_block():
 def test_empty_items_have_a_checksum_too():
     crcs = block_crcs(memoryview(b""), 1000)
     verify_blocks(memoryview(b""), crcs, block_size=1000, first_block=0, what="empty")
+
+
+def test_lazy_conjugate_and_negative_bits_are_resolved_before_the_bytes_are_read():
+    values = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    negative_imag = values.conj().imag.detach()  # a negative bit on a tensor that is no view
+    for lazy, expected in [
+        (values.conj(), values.conj().resolve_conj()),
+        (negative_imag, torch.tensor([-2.0, 4.0])),
+        (torch._neg_view(torch.tensor([5.0, 6.0])), torch.tensor([-5.0, -6.0])),
+    ]:
+        assert lazy.is_conj() or lazy.is_neg()
+        data = bytes(tensor_view(as_cpu_contiguous(lazy)))
+        assert data == bytes(tensor_view(expected.contiguous()))
+
+
+def test_plain_cpu_tensors_are_viewed_in_place_and_kept_alive_by_their_view():
+    from s3ckpt.dcp.compat import has_lazy_bits
+
+    tensor = torch.arange(6, dtype=torch.float32)
+    assert as_cpu_contiguous(tensor) is tensor
+    assert not has_lazy_bits(tensor) and not has_lazy_bits(tensor[1:])
+    view = tensor_view(tensor[2:])  # a view's bytes start at its own offset
+    assert bytes(view) == torch.tensor([2.0, 3.0, 4.0, 5.0]).numpy().tobytes()
+    del tensor
+    import gc
+
+    gc.collect()
+    assert bytes(view[:4]) == torch.tensor([2.0]).numpy().tobytes()
+    assert not view.readonly

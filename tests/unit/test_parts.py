@@ -127,12 +127,22 @@ def parts_start(parts, item):
     return min(start for part in parts for i, start, _ in part if i == item and len(part) == 1)
 
 
-def test_packed_parts_are_joined_byte_for_byte():
+@pytest.mark.parametrize("native", [True, False], ids=["c-helper", "ctypes-fallback"])
+def test_packed_parts_are_joined_byte_for_byte(native, monkeypatch):
     """A part packed from several items is one copy of their bytes, in order, whether the
-    items' memory is writable (joined with the GIL released) or not."""
+    items' memory is writable (joined with the GIL released) or not, by the C helper and
+    by its fallback alike."""
     import os
 
+    from s3ckpt.transfer import object_stream
     from s3ckpt.transfer.object_stream import join as _join
+
+    if native:
+        assert object_stream._gather is not None, (
+            "the C helper s3ckpt.transfer._gather is not built"
+        )
+    else:
+        monkeypatch.setattr(object_stream, "_gather", None)
 
     a, b = bytearray(os.urandom(100_000)), bytearray(os.urandom(3))
     pieces = [memoryview(a)[10:50_000], memoryview(b), memoryview(bytearray()), memoryview(a)[:7]]

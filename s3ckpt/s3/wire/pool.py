@@ -110,7 +110,8 @@ class ConnectionPool:
             loop = asyncio.get_running_loop()
             connect = functools.partial(self._connect, origin, blocking=False)
             connection = await loop.run_in_executor(self.executor, connect)
-        connection.sock.setblocking(False)
+        if connection.sock.gettimeout() != 0.0:  # setblocking is a system call (and a GIL release)
+            connection.sock.setblocking(False)
         connection.progress = time.monotonic()
         connection.raw_drained = False
         return connection
@@ -167,7 +168,8 @@ class ConnectionPool:
     ) -> T:
         connection = attempt.hold(self.connection(origin))
         try:
-            connection.sock.setblocking(True)  # a worker thread's
+            if connection.sock.gettimeout() is not None:
+                connection.sock.setblocking(True)  # a worker thread's
             result, keep_alive = exchange(connection)
         except BaseException:
             connection.close()

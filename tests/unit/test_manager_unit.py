@@ -14,6 +14,7 @@ import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
 from s3ckpt import S3StorageWriter
+from s3ckpt.background import saver as saver_module
 from s3ckpt.catalog import CheckpointInfo
 from s3ckpt.errors import BucketNotFoundError, CheckpointError, CheckpointExistsError, ConfigError
 from s3ckpt.manager import checkpoint_manager as manager_module
@@ -160,7 +161,7 @@ def test_bad_options_fail_at_construction(options):
 
 
 class FakeDCP:
-    """Stands in for ``dcp.save`` on the manager's worker thread (thread mode): each save
+    """Stands in for DCP's save on the manager's worker thread (thread mode): each save
     blocks on a future the test completes by hand. ``calls`` lists the checkpoints whose
     writer the manager created, which it does in the caller just before starting a save."""
 
@@ -210,7 +211,8 @@ class FakeDCP:
 @pytest.fixture
 def fake(monkeypatch) -> FakeDCP:
     fake = FakeDCP()
-    monkeypatch.setattr(manager_module.dcp, "save", fake.save)
+    monkeypatch.setattr(manager_module.dcp, "save", fake.save)  # a synchronous save
+    monkeypatch.setattr(saver_module, "save_plain", fake.save)  # the background one
     monkeypatch.setattr(manager_module, "S3StorageWriter", fake.writer)
     monkeypatch.setattr(
         committed_module.catalog, "committed_names", lambda *a, **k: {checkpoint_name(5): None}

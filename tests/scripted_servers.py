@@ -51,8 +51,9 @@ class ThreadedServer:
             thread.join(timeout=5)
 
 
-def read_request(sock: socket.socket) -> int:
-    """Read one request (head and Content-Length body); the body's length, -1 at the end."""
+def read_request(sock: socket.socket, heads: list[bytes] | None = None) -> int:
+    """Read one request (head and Content-Length body); the body's length, -1 at the end.
+    Each head read is appended to ``heads`` where given."""
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(65536)
@@ -60,6 +61,8 @@ def read_request(sock: socket.socket) -> int:
             return -1
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
+    if heads is not None:
+        heads.append(head)
     length = next(
         int(line.split(b":")[1])
         for line in head.split(b"\r\n")

@@ -32,6 +32,7 @@ from s3ckpt.s3.compat_botocore import on_before_sign
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.wire import DataPlane, proxied
 from s3ckpt.s3.wire.gets import RangedGets
+from s3ckpt.s3.wire.uploads import SignedParts
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,12 @@ class ClientHandle:
             uploads=uploads,
             reads=reads,
         )
+
+    def signed_parts(self) -> SignedParts | None:
+        """The data plane's part uploads (call after :meth:`get`), or None where the client
+        must send them (no data plane, or the endpoint redirected one)."""
+        parts = None if self.plane is None else self.plane.parts
+        return None if parts is None or parts.redirected else parts
 
     async def ranged_gets(self) -> RangedGets | None:
         """The data plane's ranged GETs, or None where aiobotocore must read."""

@@ -10,6 +10,13 @@ The internals s3ckpt relies on, each behind a function here:
   ``.url``, ``.headers``, ``.body``) and may answer it itself by returning a response
   (:func:`on_before_send`: upload bodies on the data plane, :mod:`s3ckpt.s3.wire.uploads`; the response
   it returns is aiobotocore's, :mod:`s3ckpt.s3.compat_aiobotocore`);
+* botocore's SigV4 signer for S3 (``botocore.auth.S3SigV4Auth`` over an ``AWSRequest``,
+  the client's config in its context, which says whether payloads are signed), and its
+  response parser for the client's protocol (``botocore.parsers.create_parser``, the
+  operation's output shape from the client's service model) with the client's modeled
+  exception classes: part uploads built on the data plane are signed and their errors
+  read exactly as the client would (:func:`sign_s3`, :func:`client_error`,
+  :mod:`s3ckpt.s3.wire.uploads`);
 * ``botocore.xform_name``, the client method of an API operation (``HeadObject`` ->
   ``head_object``; :func:`operation_method`, :mod:`s3ckpt.s3.requests`);
 * ``botocore.httpsession``'s ``create_urllib3_context`` and ``get_cert_path``, from which
@@ -34,7 +41,10 @@ from typing import Any
 
 from botocore import exceptions as bce
 from botocore import xform_name
+from botocore.auth import S3SigV4Auth
+from botocore.awsrequest import AWSRequest
 from botocore.httpsession import create_urllib3_context, get_cert_path
+from botocore.parsers import create_parser
 
 BEFORE_SIGN = "before-sign.s3.{operation}"
 BEFORE_SEND = "before-send.s3.{operation}"
@@ -56,6 +66,42 @@ def operation_method(client: Any, operation: str) -> Callable[..., Any]:
     """The method of ``client`` that calls the API operation ``operation``."""
     method: Callable[..., Any] = getattr(client, xform_name(operation))
     return method
+
+
+def sign_s3(
+    method: str,
+    url: str,
+    headers: dict[str, str],
+    *,
+    credentials: Any,
+    region: str,
+    service: str,
+    client_config: Any,
+) -> Any:
+    """The headers (a mapping) of an S3 request signed with SigV4 as ``client_config``'s client signs
+    (``UNSIGNED-PAYLOAD`` where it does not sign payloads): ``headers`` and the signer's."""
+    if credentials is None:
+        raise bce.NoCredentialsError()
+    request = AWSRequest(method=method, url=url, headers=headers)
+    request.context["client_config"] = client_config
+    S3SigV4Auth(credentials, service, region).add_auth(request)
+    return request.headers
+
+
+def client_error(
+    client: Any, operation: str, status: int, headers: dict[str, str], body: bytes
+) -> bce.ClientError:
+    """The exception ``client`` raises for an ``operation`` answered with an error: its
+    modeled class for the code (a ``ClientError``), parsed by its own response parser."""
+    model = client.meta.service_model
+    parser = create_parser(model.protocol)
+    parsed = parser.parse(
+        {"status_code": status, "headers": headers, "body": body},
+        model.operation_model(operation).output_shape,
+    )
+    code = parsed.get("Error", {}).get("Code")
+    error_class: type[bce.ClientError] = client.exceptions.from_code(code)
+    return error_class(parsed, operation)
 
 
 def default_tls_context() -> ssl.SSLContext:
@@ -102,6 +148,7 @@ __all__ = [
     "BEFORE_SIGN",
     "ca_bundle",
     "cause",
+    "client_error",
     "connect_timeout",
     "connection_failed",
     "default_tls_context",
@@ -110,5 +157,6 @@ __all__ = [
     "on_before_sign",
     "operation_method",
     "read_timeout",
+    "sign_s3",
     "tls_failed",
 ]

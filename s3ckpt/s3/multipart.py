@@ -87,7 +87,9 @@ class MultipartUploads:
         )
         if checksum:
             params["ChecksumCRC32C"] = checksum
-        response = await self.requests.call("UploadPart", key, **params)
+        response = await self.requests.retrying(
+            "UploadPart", key, lambda _: self.requests.upload_part(params)
+        )
         return PartResult(part_number, str(response["ETag"]), checksum)
 
     async def complete_multipart(

@@ -102,6 +102,25 @@ class Requests:
         async with handle.slots:
             return await operation_method(client, operation)(Bucket=self.bucket, **params)
 
+    async def upload_part(self, params: dict[str, Any]) -> dict[str, Any]:
+        """One try of UploadPart (``params`` as the client takes them), holding a request
+        slot: on the data plane, which builds and signs it, where it sends part uploads
+        (:mod:`s3ckpt.s3.wire.uploads`), else through the client."""
+        handle = client_handle(self.config)
+        await handle.get()
+        parts = handle.signed_parts()
+        if parts is None:
+            return await self.request("UploadPart", params)
+        async with handle.slots:
+            return await parts.upload_part(
+                self.bucket,
+                params["Key"],
+                params["UploadId"],
+                params["PartNumber"],
+                params["Body"],
+                params.get("ChecksumCRC32C"),
+            )
+
     async def call(self, operation: str, key: str | None, **params: Any) -> dict[str, Any]:
         return await self.retrying(operation, key, lambda _: self.request(operation, params))
 

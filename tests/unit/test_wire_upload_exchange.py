@@ -181,7 +181,7 @@ def test_an_answer_before_the_whole_body_is_what_the_caller_gets(serve):
 def test_bodies_that_are_not_memory_are_left_to_aiohttp():
     """Bodies that are not memory (a file, say), and schemes other than HTTP(S), go the
     usual way; plain HTTP memory bodies are the data plane's as HTTPS ones are."""
-    sender = BodySender(pool=None)  # type: ignore[arg-type]  # never reached
+    sender = BodySender(transport=None)  # type: ignore[arg-type]  # never reached
     stream = SimpleNamespace(method="PUT", url="https://h/b/k", headers={}, body=io.BytesIO())
     other = SimpleNamespace(method="PUT", url="ftp://h/b/k", headers={}, body=b"x")
     assert asyncio.run(sender(stream)) is None

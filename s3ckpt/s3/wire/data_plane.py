@@ -1,4 +1,5 @@
-"""The data plane of one client: one connection pool, the upload sender, the ranged GETs."""
+"""The data plane of one client: one connection pool, the part uploads, the upload sender,
+the ranged GETs."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ from typing import Any
 
 from s3ckpt.s3.wire.gets import RangedGets
 from s3ckpt.s3.wire.pool import ConnectionPool
-from s3ckpt.s3.wire.uploads import BodySender
+from s3ckpt.s3.wire.uploads import BodySender, BodyTransport, SignedParts
 
 
 class DataPlane:
-    """Upload bodies and ranged GETs (``gets``) of ``client``, on one pool."""
+    """Part uploads (``parts``), other upload bodies and ranged GETs (``gets``) of
+    ``client``, on one pool."""
 
     def __init__(
         self,
@@ -30,10 +32,13 @@ class DataPlane:
             max_idle=max_concurrency,
         )
         self.gets: RangedGets | None = None
+        self.parts: SignedParts | None = None
         if reads:
             self.gets = RangedGets(client, self.pool)
         if uploads:
-            BodySender(self.pool).register(client)
+            transport = BodyTransport(self.pool)
+            self.parts = SignedParts(client, transport)
+            BodySender(transport).register(client)
 
     def stop_reads(self) -> None:
         """Leave every later ranged GET to aiobotocore (the endpoint answered one oddly)."""

@@ -1,44 +1,148 @@
-"""Upload bodies sent from memory: the answer to botocore's ``before-send`` for part
-uploads and PUTs.
+"""Upload bodies sent from memory: part uploads built and signed here, whole-object PUTs
+answered for botocore.
 
-aiobotocore still builds, signs and parses every request. :class:`BodySender` is a
-handler of botocore's ``before-send`` event for ``UploadPart`` and ``PutObject``, the hook
-botocore offers for answering a request without its HTTP stack: it writes the signed
-request (every header as signed; ``Expect``, which is never signed, left out) and then
-the body, straight from the ``memoryview`` of the tensor, on a kept-alive connection of
-the pool, and returns the response to botocore, which parses it as its own: status
-codes, ``ClientError`` s, ETags and checksums are exactly those of aiohttp's path, and so
-are :mod:`s3ckpt.s3.retry` and :mod:`s3ckpt.s3.error_mapping`. Bodies that are not plain
-memory go through aiohttp. The hook and the response it returns are botocore's and
-aiobotocore's internals (:mod:`s3ckpt.s3.compat_botocore`, :mod:`s3ckpt.s3.compat_aiobotocore`).
+Both send the request's head and then its body, straight from the ``memoryview`` of the
+tensor, on a kept-alive connection of the pool (:class:`BodyTransport`): from the event
+loop over plain HTTP, from a worker thread over TLS, where encryption runs with the GIL
+released.
+
+* **UploadPart** (:class:`SignedParts`), almost every request of a save, never enters the
+  client's request machinery: the part's URL is the object's (addressed as the client
+  addresses it, learnt once per object from a presigned URL, which also names the
+  signing region), signed by botocore's own SigV4 signer with the client's credentials
+  and payload setting, and an error answer is parsed by the client's own response parser
+  into the ``ClientError`` it would raise, so :mod:`s3ckpt.s3.retry` and
+  :mod:`s3ckpt.s3.error_mapping` see exactly what they saw through the client. Through
+  the client an UploadPart costs the I/O loop's thread 0.75-0.85 ms of Python (event
+  hooks, endpoint rules, a second signing pass, the user-agent string, parsing), here a
+  fraction of that, and that thread's Python is what a training loop beside a
+  thread-mode save waits for (docs/performance.md, "The loop beside a save"). A redirect
+  (a bucket in another region) sends that part, and every later one, through the client,
+  which knows how to follow it.
+* **PutObject** (:class:`BodySender`), one request per small object, is still built,
+  signed and parsed by aiobotocore; this module answers botocore's ``before-send`` for it
+  (the hook botocore offers for answering a request without its HTTP stack) with the
+  response it received, which botocore parses as its own.
+
+The hooks, the signer, the parser and the credentials are botocore's and aiobotocore's
+internals (:mod:`s3ckpt.s3.compat_botocore`, :mod:`s3ckpt.s3.compat_aiobotocore`).
 """
 
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, quote, urlsplit
 
 from s3ckpt._version import __version__
-from s3ckpt.s3.compat_aiobotocore import Response, response
-from s3ckpt.s3.compat_botocore import on_before_send
+from s3ckpt.s3.compat_aiobotocore import Response, frozen_credentials, response
+from s3ckpt.s3.compat_botocore import client_error, on_before_send, sign_s3
 from s3ckpt.s3.wire import on_loop
 from s3ckpt.s3.wire.exchange import send_request
 from s3ckpt.s3.wire.pool import ConnectionPool
 
-OPERATIONS = ("UploadPart", "PutObject")
 # Headers this module writes itself, or that must not be sent as botocore left them.
 _OWN_HEADERS = frozenset({"host", "content-length", "expect", "transfer-encoding", "connection"})
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+_USER_AGENT = f"s3ckpt/{__version__}"
+MAX_CACHED_OBJECTS = 4096
+# A presigned URL is only read for its path and signing scope, never sent: any lifetime.
+_PRESIGN_EXPIRES_S = 3600
+
+Answer = tuple[int, dict[str, str], bytes]
 
 
-class BodySender:
-    """The ``before-send`` handler that sends upload bodies on the pool's connections."""
+class BodyTransport:
+    """Sends a request head and a body from memory on the pool's connections."""
 
     def __init__(self, pool: ConnectionPool) -> None:
         self.pool = pool
 
+    async def send(self, url: Any, head: bytes, body: memoryview) -> Answer:
+        """The status, headers and (small) body of the answer to ``head`` + ``body``."""
+        origin = (url.scheme, url.hostname, url.port or _DEFAULT_PORTS[url.scheme])
+        if url.scheme == "https":  # encrypted in a worker thread, the GIL released
+            return await self.pool.run(
+                origin, lambda connection: send_request(connection, head, body)
+            )
+        return await on_loop.send_request(self.pool, origin, head, body)
+
+
+class SignedParts:
+    """UploadPart requests of ``client``'s bucket objects, built, signed and answered on
+    the data plane (see the module's docstring)."""
+
+    def __init__(self, client: Any, transport: BodyTransport) -> None:
+        self.client = client
+        self.transport = transport
+        self.redirected = False  # the endpoint redirected a part: the client sends them
+        self._objects: dict[tuple[str, str], tuple[str, str, str]] = {}
+
+    async def upload_part(
+        self,
+        bucket: str,
+        key: str,
+        upload_id: str,
+        part_number: int,
+        body: memoryview,
+        checksum: str | None,
+    ) -> dict[str, Any]:
+        """One try of UploadPart; the answer's ``ETag`` (and checksum) as the client's
+        ``upload_part`` returns them. Errors are the client's ``ClientError`` s."""
+        url, region, service = await self._object(bucket, key)
+        url += f"?partNumber={part_number}&uploadId={quote(upload_id, safe='-_.~')}"
+        headers = {"x-amz-checksum-crc32c": checksum} if checksum else {}
+        signed = sign_s3(
+            "PUT",
+            url,
+            headers,
+            credentials=await frozen_credentials(self.client),
+            region=region,
+            service=service,
+            client_config=self.client.meta.config,
+        )
+        split = urlsplit(url)
+        status, answer, content = await self.transport.send(
+            split, request_head("PUT", split, signed, len(body)), body
+        )
+        if 300 <= status < 400:
+            self.redirected = True
+        if status >= 300:
+            raise client_error(self.client, "UploadPart", status, answer, content)
+        result = {"ETag": answer.get("etag", "")}
+        if "x-amz-checksum-crc32c" in answer:
+            result["ChecksumCRC32C"] = answer["x-amz-checksum-crc32c"]
+        return result
+
+    async def _object(self, bucket: str, key: str) -> tuple[str, str, str]:
+        """The object's URL as the client addresses it, and the signing region and service."""
+        known = self._objects.get((bucket, key))
+        if known is not None:
+            return known
+        presigned = urlsplit(
+            await self.client.generate_presigned_url(
+                "put_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=_PRESIGN_EXPIRES_S
+            )
+        )
+        # X-Amz-Credential = <key id>/<date>/<region>/<service>/aws4_request
+        scope = parse_qs(presigned.query)["X-Amz-Credential"][0].split("/")
+        known = (presigned._replace(query="", fragment="").geturl(), scope[-3], scope[-2])
+        if len(self._objects) >= MAX_CACHED_OBJECTS:
+            self._objects.clear()
+        self._objects[(bucket, key)] = known
+        return known
+
+
+class BodySender:
+    """The ``before-send`` handler that sends PutObject bodies (and UploadPart bodies,
+    where parts go through the client) on the pool's connections."""
+
+    OPERATIONS = ("UploadPart", "PutObject")
+
+    def __init__(self, transport: BodyTransport) -> None:
+        self.transport = transport
+
     def register(self, client: Any) -> None:
-        for operation in OPERATIONS:
+        for operation in self.OPERATIONS:
             on_before_send(client, operation, self)
 
     async def __call__(self, request: Any, **_: Any) -> Response | None:
@@ -47,13 +151,7 @@ class BodySender:
         if body is None or url.scheme not in _DEFAULT_PORTS or not url.hostname:
             return None  # aiohttp sends it
         head = request_head(request.method, url, request.headers, len(body))
-        origin = (url.scheme, url.hostname, url.port or _DEFAULT_PORTS[url.scheme])
-        if url.scheme == "https":  # encrypted in a worker thread, the GIL released
-            status, headers, content = await self.pool.run(
-                origin, lambda connection: send_request(connection, head, body)
-            )
-        else:
-            status, headers, content = await on_loop.send_request(self.pool, origin, head, body)
+        status, headers, content = await self.transport.send(url, head, body)
         return response(request.url, status, headers, content)
 
 
@@ -66,17 +164,21 @@ def memory_of(body: Any) -> memoryview | None:
 
 
 def request_head(method: str, url: Any, headers: Any, length: int) -> bytes:
-    """The request line and headers as signed, with ``Host`` and ``Content-Length``."""
+    """The request line and ``headers`` (a mapping) as signed, with ``Host`` and
+    ``Content-Length``."""
     # SigV4 signs the host without the scheme's default port, as aiohttp sends it.
     default = f":{_DEFAULT_PORTS.get(url.scheme, 0)}"
     host = url.netloc[: -len(default)] if url.netloc.endswith(default) else url.netloc
     target = f"{url.path or '/'}?{url.query}" if url.query else url.path or "/"
     lines = [f"{method} {target} HTTP/1.1", f"Host: {host}", f"Content-Length: {length}"]
+    agent = False
     for name, value in headers.items():
-        if name.lower() in _OWN_HEADERS:
+        lower = name.lower()
+        if lower in _OWN_HEADERS:
             continue
+        agent = agent or lower == "user-agent"
         text = value.decode("latin-1") if isinstance(value, bytes) else str(value)
         lines.append(f"{name}: {text}")
-    if "user-agent" not in {name.lower() for name in headers}:
-        lines.append(f"User-Agent: s3ckpt/{__version__}")
+    if not agent:
+        lines.append(f"User-Agent: {_USER_AGENT}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")

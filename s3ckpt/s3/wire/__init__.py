@@ -1,12 +1,13 @@
 """The data plane: every request body and every ranged-GET body, through one transport.
 
-aiobotocore keeps signing and every control request (create, complete and abort of
-multipart uploads, listings, HEADs, deletes, small GETs). The bytes of checkpoints,
+aiobotocore keeps every control request (create, complete and abort of multipart
+uploads, listings, HEADs, deletes, small GETs) and signs whole-object PUTs; part uploads
+are built and signed here (:mod:`~.uploads`). The bytes of checkpoints,
 upload bodies (``UploadPart``, ``PutObject``) and ranged GETs, plain HTTP and HTTPS, go
 through this package alone: one connection pool per client (:mod:`~.pool`: keep-alive,
 stale connections, stalls, cancellation, TLS as aiobotocore verifies it), one response
-parser (h11, :mod:`~.exchange`), bodies sent from the tensor's memory (:mod:`~.uploads`,
-answering botocore's ``before-send``; :mod:`~.on_loop`) and received straight into it
+parser (h11, :mod:`~.exchange`), bodies sent from the tensor's memory (:mod:`~.uploads`;
+:mod:`~.on_loop`) and received straight into it
 (:mod:`~.gets`, :mod:`~.get_exchange`).
 
 Where each exchange runs was measured on this kind of machine (2 cores, the zero-cost S3

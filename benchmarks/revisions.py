@@ -64,8 +64,8 @@ def _worktree(revision: str, path: Path) -> Path:
     subprocess.run(
         ["git", "worktree", "add", "--detach", str(path), revision], cwd=ROOT, check=True
     )
-    for built in (ROOT / "s3ckpt" / "format").glob("*.so"):  # the compiled extension
-        shutil.copy2(built, path / "s3ckpt" / "format" / built.name)
+    for built in (ROOT / "s3ckpt").rglob("*.so"):  # the compiled extensions
+        shutil.copy2(built, path / built.relative_to(ROOT))
     return path
 
 

@@ -48,21 +48,26 @@ _Path = str | os.PathLike[str]
 
 
 class _S3Sharded:
-    """What both strategies add to Lightning's: the store, removals and teardown."""
+    """What both strategies add to Lightning's: the store, removals and teardown. Its
+    keywords are s3ckpt's (the module's docstring); the others go to Lightning's strategy,
+    once :meth:`_check_options` has refused those s3ckpt cannot honour."""
 
     checkpoints: ShardedCheckpoints
 
-    def _set_up_s3(
+    def __init__(
         self,
         *,
-        endpoint_url: str | None,
-        config: S3Config | None,
-        s3_options: dict[str, Any] | None,
-        writer_options: dict[str, Any] | None,
-        reader_options: dict[str, Any] | None,
-        async_save: bool,
-        configure_fsspec: bool,
+        endpoint_url: str | None = None,
+        config: S3Config | None = None,
+        s3_options: dict[str, Any] | None = None,
+        writer_options: dict[str, Any] | None = None,
+        reader_options: dict[str, Any] | None = None,
+        async_save: bool = False,
+        configure_fsspec: bool = True,
+        **kwargs: Any,
     ) -> None:
+        self._check_options(kwargs)
+        super().__init__(**kwargs)
         self.s3_config = make_config(config, endpoint_url=endpoint_url, **(s3_options or {}))
         if configure_fsspec:
             point_fsspec_at(self.s3_config)
@@ -72,6 +77,9 @@ class _S3Sharded:
             reader_options=reader_options,
             async_save=async_save,
         )
+
+    def _check_options(self, options: dict[str, Any]) -> None:
+        """Refuse (``ConfigError``) or complete Lightning's keyword arguments."""
 
     def remove_checkpoint(self, filepath: _Path) -> None:
         """Rank 0 removes ``filepath`` through the catalog (after the save in flight)."""
@@ -113,30 +121,13 @@ class S3ModelParallelStrategy(_S3Sharded, ModelParallelStrategy):
     checkpoints to ``s3://`` paths as s3ckpt checkpoints; arguments as in the module
     docstring, Lightning's by keyword."""
 
-    def __init__(
-        self,
-        *,
-        endpoint_url: str | None = None,
-        config: S3Config | None = None,
-        s3_options: dict[str, Any] | None = None,
-        writer_options: dict[str, Any] | None = None,
-        reader_options: dict[str, Any] | None = None,
-        async_save: bool = False,
-        configure_fsspec: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        if kwargs.get("save_distributed_checkpoint", True) is not True:
+    def _check_options(self, options: dict[str, Any]) -> None:
+        if options.get("save_distributed_checkpoint", True) is not True:
             raise ConfigError(
                 "S3ModelParallelStrategy saves sharded checkpoints only; "
                 "save_distributed_checkpoint=False (the full state gathered on rank 0) "
                 "is not supported"
             )
-        super().__init__(**kwargs)
-        self._set_up_s3(
-            endpoint_url=endpoint_url, config=config, s3_options=s3_options,
-            writer_options=writer_options, reader_options=reader_options,
-            async_save=async_save, configure_fsspec=configure_fsspec,
-        )  # fmt: skip
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model's shards; left on the device for an async save, which stages them."""
@@ -183,30 +174,13 @@ class S3FSDPStrategy(_S3Sharded, FSDPStrategy):
     as s3ckpt checkpoints; arguments as in the module docstring, Lightning's by keyword
     (``state_dict_type`` is ``"sharded"``, the only one accepted)."""
 
-    def __init__(
-        self,
-        *,
-        endpoint_url: str | None = None,
-        config: S3Config | None = None,
-        s3_options: dict[str, Any] | None = None,
-        writer_options: dict[str, Any] | None = None,
-        reader_options: dict[str, Any] | None = None,
-        async_save: bool = False,
-        configure_fsspec: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        state_dict_type = kwargs.setdefault("state_dict_type", "sharded")
+    def _check_options(self, options: dict[str, Any]) -> None:
+        state_dict_type = options.setdefault("state_dict_type", "sharded")
         if state_dict_type != "sharded":
             raise ConfigError(
                 f"S3FSDPStrategy saves sharded checkpoints only, got state_dict_type="
                 f"{state_dict_type!r} (the full state gathered on rank 0) is not supported"
             )
-        super().__init__(**kwargs)
-        self._set_up_s3(
-            endpoint_url=endpoint_url, config=config, s3_options=s3_options,
-            writer_options=writer_options, reader_options=reader_options,
-            async_save=async_save, configure_fsspec=configure_fsspec,
-        )  # fmt: skip
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _Path, storage_options: Any | None = None

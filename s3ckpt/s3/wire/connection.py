@@ -60,14 +60,14 @@ class Connection:
         self._unsent = b""  # ciphertext the non-blocking socket did not take yet
         self.raw_drained = False  # the last non-blocking socket read came back short
 
-    # -- blocking (worker threads) --------------------------------------------------------
+    # -- blocking (worker threads: TLS) --------------------------------------------------
 
     def send_all(self, data: bytes | memoryview) -> None:
-        """Send all of ``data`` (blocking mode; plain TCP or an ``SSLSocket``)."""
+        """Send all of ``data`` (blocking mode, an ``SSLSocket``)."""
         self.sock.sendall(data)
 
     def recv_into(self, view: memoryview) -> int:
-        """Receive into ``view`` (blocking mode); 0 at the end of the stream."""
+        """Receive into ``view`` (blocking mode, an ``SSLSocket``); 0 at the end of the stream."""
         try:
             return self.sock.recv_into(view)
         except ssl.SSLZeroReturnError:

@@ -68,7 +68,7 @@ class ConnectionPool:
 
     async def run(self, origin: Origin, exchange: Callable[[Connection], tuple[T, bool]]) -> T:
         """Run ``exchange`` (blocking; returns its result and whether the connection may be
-        kept) on a connection to ``origin`` in a worker thread, replacing stale ones."""
+        kept) on a TLS connection to ``origin`` in a worker thread, replacing stale ones."""
         while True:
             attempt = _Attempt()
             call = functools.partial(self._exchange, origin, exchange, attempt)
@@ -98,9 +98,11 @@ class ConnectionPool:
             return result
 
     def connection(self, origin: Origin) -> Connection:
-        """An idle connection to ``origin``, or a new one (call in a worker thread)."""
-        blocking = origin[0] == "https"
-        return self._idle_connection(origin, blocking) or self._connect(origin, blocking=blocking)
+        """An idle blocking TLS connection to ``origin``, or a new one (call in a worker
+        thread). Worker threads run TLS exchanges only: plain HTTP runs on the loop."""
+        if origin[0] != "https":
+            raise ValueError(f"no worker-thread exchange over {origin[0]}: it runs on the loop")
+        return self._idle_connection(origin, True) or self._connect(origin, blocking=True)
 
     async def checkout(self, origin: Origin) -> Connection:
         """An idle connection to ``origin``, or a new one (connected in a worker thread),

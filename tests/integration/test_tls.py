@@ -167,29 +167,34 @@ def _assert_tls_error(error: BaseException, reason: str, options: dict[str, Any]
     assert options["access_key_id"] not in message
 
 
-def test_a_host_name_the_certificate_does_not_name_fails_at_once(
-    tls_s3, uri, options, tls_sends, retries
-):
+def _dialled_by_address(options: dict[str, Any]) -> None:
     """The certificate names ``localhost``; dialled as 127.0.0.1 it must be refused."""
     options["endpoint_url"] = options["endpoint_url"].replace("localhost", "127.0.0.1")
-    with pytest.raises(EndpointError) as info:
-        _put(options, tls_s3.bucket)
-    _assert_tls_error(info.value, "IP address mismatch", options)
-    with pytest.raises(BaseException) as info:
-        dcp.save(_state(), storage_writer=S3StorageWriter(uri, **options))
-    _assert_tls_error(unwrap(info.value), "IP address mismatch", options)
-    assert retries() == []  # never retried
 
 
-def test_an_untrusted_certificate_fails_at_once(tls_s3, uri, options, tls_sends, retries):
-    """Without the private CA (system CAs only) the chain cannot be verified."""
+def _system_cas_only(options: dict[str, Any]) -> None:
+    """Without the private CA the chain cannot be verified."""
     options["verify"] = True
+
+
+@pytest.mark.parametrize(
+    ("mistake", "message"),
+    [
+        (_dialled_by_address, "IP address mismatch"),
+        (_system_cas_only, "self-signed certificate in certificate chain"),
+    ],
+    ids=["host-name-not-in-certificate", "untrusted-certificate"],
+)
+def test_a_certificate_that_does_not_verify_fails_at_once(
+    tls_s3, uri, options, tls_sends, retries, mistake, message
+):
+    mistake(options)
     with pytest.raises(EndpointError) as info:
         _put(options, tls_s3.bucket)
-    _assert_tls_error(info.value, "self-signed certificate in certificate chain", options)
+    _assert_tls_error(info.value, message, options)
     with pytest.raises(BaseException) as info:
         dcp.save(_state(), storage_writer=S3StorageWriter(uri, **options))
-    _assert_tls_error(unwrap(info.value), "self-signed certificate in certificate chain", options)
+    _assert_tls_error(unwrap(info.value), message, options)
     assert retries() == []  # never retried
 
 

@@ -1,5 +1,5 @@
 """Threaded servers on loopback that answer each connection with a scripted handler, for
-the data plane's exchanges (``tests/unit/test_wire_uploads.py``, ``test_signed_parts.py``)."""
+the data plane's exchanges (``tests/unit/test_wire_uploads.py``, ``test_wire_signed_parts.py``)."""
 
 from __future__ import annotations
 

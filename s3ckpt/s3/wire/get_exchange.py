@@ -27,7 +27,7 @@ from s3ckpt.s3.compat_botocore import read_timeout
 from s3ckpt.s3.retry import ShortReadError
 from s3ckpt.s3.wire.connection import Connection, Origin, StaleConnection
 from s3ckpt.s3.wire.exchange import MAX_HEADER_BYTES, SmallResponse, failure
-from s3ckpt.s3.wire.on_loop import ready
+from s3ckpt.s3.wire.on_loop import send_all
 from s3ckpt.s3.wire.pool import ConnectionPool
 from s3ckpt.s3.wire.sink import RangeSink, copy_into
 from s3ckpt.s3.wire.stall import StallTimer
@@ -108,11 +108,9 @@ class _RangeResponse:
             watch.stop()
 
     async def _send(self, data: bytes) -> None:
-        """Write the (small) request on the non-blocking socket."""
+        """Write the (small) request on the non-blocking connection."""
         try:
-            while not self.connection.send_ready(data):
-                data = b""
-                await ready(self.connection, writable=True)
+            await send_all(self.connection, data)
         except OSError as exc:
             raise failure(self.connection, exc, reused=self.reused, received=False) from exc
 

@@ -76,7 +76,17 @@ async def _response(connection: Connection, reused: bool) -> SmallResponse:
 
 
 async def send_all(connection: Connection, data: bytes | memoryview) -> None:
-    """Send all of ``data`` on the non-blocking plain socket, waiting while it is full."""
+    """Send all of ``data`` on the non-blocking connection, waiting while its socket is
+    full: the one send of every exchange on the loop. Plain TCP sends straight from
+    ``data``'s memory (an upload body is never copied); TLS on memory BIOs encrypts it and
+    sends the ciphertext as the socket takes it (:meth:`Connection.send_ready`)."""
+    if connection.session is not None:
+        pending = bytes(data)
+        while not connection.send_ready(pending):
+            pending = b""
+            await ready(connection, writable=True)
+        connection.progress = time.monotonic()
+        return
     view = memoryview(data)
     sent = 0
     while sent < len(view):

@@ -60,7 +60,7 @@ class Requests:
             max_attempts=self.config.max_attempts,
             deadline=self.deadline,
             tally=self.tally,
-            endpoint_answered=handle.answered,
+            endpoint_answered=lambda: handle.answered,
         )
         with translated(operation, self.bucket, key):
             try:

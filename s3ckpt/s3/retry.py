@@ -97,14 +97,20 @@ class RetryPolicy:
     max_delay: float = 20.0
     deadline: float | None = None
     tally: Tally | None = None
-    endpoint_answered: bool = True
+    # Whether the endpoint has answered a request of this process: a flag, or a callable
+    # asked at each failure, so that a request that started before any answer came is
+    # retried as a blip once another request has had one.
+    endpoint_answered: bool | Callable[[], bool] = True
 
     def attempt_limit(self, failure: BaseException) -> int | None:
         """The most tries of a request that just failed with ``failure``."""
         limit = self.max_attempts
         if limit is None and self.deadline is None:
             limit = ATTEMPTS_WITHOUT_DEADLINE
-        if not self.endpoint_answered and isinstance(failure, _CONNECT_FAILURES):
+        answered = self.endpoint_answered
+        if callable(answered):
+            answered = answered()
+        if not answered and isinstance(failure, _CONNECT_FAILURES):
             limit = min(limit or UNANSWERED_ENDPOINT_ATTEMPTS, UNANSWERED_ENDPOINT_ATTEMPTS)
         return limit
 

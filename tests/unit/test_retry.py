@@ -255,3 +255,23 @@ def test_a_refused_connection_fails_fast_only_before_the_endpoint_ever_answered(
         with pytest.raises(retry.RetryError):
             time_.run(attempt, policy)
     assert len(calls) == tries
+
+
+def test_a_request_begun_before_any_answer_is_retried_as_a_blip_once_another_answers():
+    """Several saves start at once on a new client: one request's refusals count against
+    the few tries of an unanswered endpoint only until another request is answered."""
+    time_ = _FakeTime()
+    answered = {"yet": False}
+    calls: list[int] = []
+
+    async def attempt(number: int) -> str:
+        calls.append(number)
+        if number == retry.UNANSWERED_ENDPOINT_ATTEMPTS - 1:
+            answered["yet"] = True  # meanwhile, a request beside this one was answered
+        if number < 12:
+            raise bce.EndpointConnectionError(endpoint_url="http://x")
+        return "ok"
+
+    policy = retry.RetryPolicy(deadline=10_000.0, endpoint_answered=lambda: answered["yet"])
+    assert time_.run(attempt, policy) == "ok"
+    assert len(calls) == 12

@@ -169,7 +169,9 @@ def test_a_truncated_object_fails_the_load(local_s3, s3_prefix, make_writer, mak
 
 
 def test_the_server_rejects_a_part_whose_checksum_does_not_match(local_s3, s3_prefix, s3_options):
-    store = ObjectStore(make_config_for(s3_options), local_s3.bucket)
+    # BadDigest is retried (bytes damaged in transit); two tries show the refusal without
+    # waiting out the backoff of ten (about a minute).
+    store = ObjectStore(make_config_for({**s3_options, "max_attempts": 2}), local_s3.bucket)
     key = S3URI.parse(s3_prefix).key("data/bad-part.bin")
     loop = io_loop()
     upload_id = loop.run(store.create_multipart(key))

@@ -53,9 +53,10 @@ def _quickstart() -> tuple[str, str, list[str]]:
     return name.group(1), workload, shlex.split(command)
 
 
-def _run_dlio(tmp_path: Path, local_s3: Any, run: str) -> dict[str, Any]:
+def _run_dlio(tmp_path: Path, local_s3: Any, run: str, ranks: int = 1) -> dict[str, Any]:
     """The quickstart's workload and command, as written, in ``tmp_path/run``; DLIO's
-    per-epoch stats. The endpoint the command names is the server's."""
+    per-epoch stats. The endpoint the command names is the server's. With several
+    ``ranks`` it runs under MPI's ``mpiexec`` and every rank checkpoints."""
     name, workload, command = _quickstart()
     work = tmp_path / run
     (work / name).parent.mkdir(parents=True)
@@ -65,6 +66,9 @@ def _run_dlio(tmp_path: Path, local_s3: Any, run: str) -> dict[str, Any]:
     assert arguments[0] == "dlio_benchmark"
     arguments[0] = str(Path(sys.executable).parent / "dlio_benchmark")
     arguments += [f"++hydra.run.dir={work / 'hydra'}", f"++workload.output.folder={work / 'out'}"]
+    if ranks > 1:
+        mpiexec = str(Path(sys.executable).parent / "mpiexec")
+        arguments = [mpiexec, "-n", str(ranks), *arguments, "++workload.checkpoint.type=all_ranks"]
     env = {**os.environ, **local_s3.env(), "TF_CPP_MIN_LOG_LEVEL": "3"}
     result = subprocess.run(
         arguments, cwd=work, env=env, capture_output=True, text=True, timeout=600
@@ -75,8 +79,8 @@ def _run_dlio(tmp_path: Path, local_s3: Any, run: str) -> dict[str, Any]:
     return stats
 
 
-def _states(checkpoint: dict[str, Any], step: int) -> dict[str, dict[str, Any]]:
-    """The states DLIO 2.0.0 saves at ``step`` of epoch 1 on rank 0 for the workload's
+def _states(checkpoint: dict[str, Any], step: int, rank: int = 0) -> dict[str, dict[str, Any]]:
+    """The states DLIO 2.0.0 saves at ``step`` of epoch 1 on ``rank`` for the workload's
     ``checkpoint`` section, as it builds them (its tensors are zeros)."""
     zeros = lambda n: torch.zeros(n, dtype=torch.int8)  # noqa: E731
     groups, parameters = checkpoint["optimization_groups"], checkpoint["layer_parameters"]
@@ -86,11 +90,27 @@ def _states(checkpoint: dict[str, Any], step: int) -> dict[str, dict[str, Any]]:
     optimizer["combined"] = zeros(sum(groups))
     layers = {str(i): zeros(n) for i, n in enumerate(parameters)}
     states = {
-        f"model-1-{step}-0": {"a": zeros(checkpoint["model_size"])},
-        f"optimizer-1-{step}-0": optimizer,
+        f"model-1-{step}-{rank}": {"a": zeros(checkpoint["model_size"])},
+        f"optimizer-1-{step}-{rank}": optimizer,
     }
-    states |= {f"layer-{layer}-1-{step}-0": layers for layer in range(checkpoint["num_layers"])}
+    layer_names = (f"layer-{layer}-1-{step}-{rank}" for layer in range(checkpoint["num_layers"]))
+    states |= {name: layers for name in layer_names}
     return states
+
+
+def _assert_committed_and_exact(folder: str, expected: dict[str, Any], options: Any) -> list:
+    """Every expected state is a committed checkpoint (and nothing else is there) that
+    reads back bit-exact; the catalog's listing."""
+    listed = catalog.list_checkpoints(folder, **options)
+    assert sorted((i.name, i.committed) for i in listed) == sorted(
+        (name, True) for name in expected
+    )
+    for name, state in expected.items():
+        template = _filled(state)
+        reader = S3StorageReader(f"{folder}/{name}", **options)
+        dcp.load(template, storage_reader=reader, no_dist=True)
+        _assert_equal(template, state)
+    return listed
 
 
 def _filled(state: Any) -> Any:
@@ -127,15 +147,7 @@ def test_the_quickstart_workload_runs_in_dlio_and_every_state_reads_back(tmp_pat
         expected: dict[str, Any] = {}
         for step in range(every, steps + 1, every):
             expected |= _states(checkpoint, step)
-        listed = catalog.list_checkpoints(folder, **options)
-        assert sorted((i.name, i.committed) for i in listed) == sorted(
-            (name, True) for name in expected
-        )
-        for name, state in expected.items():
-            template = _filled(state)
-            reader = S3StorageReader(f"{folder}/{name}", **options)
-            dcp.load(template, storage_reader=reader, no_dist=True)
-            _assert_equal(template, state)
+        listed = _assert_committed_and_exact(folder, expected, options)
         report = catalog.verify_checkpoint(f"{folder}/model-1-{every}-0", **options)
         assert report.ok, report
 
@@ -145,6 +157,25 @@ def test_the_quickstart_workload_runs_in_dlio_and_every_state_reads_back(tmp_pat
         assert sorted(i.name for i in again) == sorted(expected)
         assert all(i.committed for i in again)
         assert min(i.time for i in again) > max(i.time for i in listed)
+
+
+def test_two_mpi_ranks_each_save_their_own_states_with_no_collective(tmp_path):
+    """The same workload under ``mpiexec -n 2`` with every rank checkpointing: each rank
+    commits its own states (its rank in their names), none waits for the other."""
+    workload = yaml.safe_load(_quickstart()[1])
+    checkpoint = workload["checkpoint"]
+    folder = checkpoint["checkpoint_folder"]
+    with LocalS3Server([folder.removeprefix("s3://").split("/")[0]]) as local_s3:
+        options = {"endpoint_url": local_s3.endpoint_url, **_credentials(local_s3)}
+        epoch = _run_dlio(tmp_path, local_s3, "two-ranks", ranks=2)["1"]
+        every = checkpoint["steps_between_checkpoints"]
+        steps = workload["dataset"]["num_files_train"] // 2  # the files split over the ranks
+        assert {f"ckpt{n}" for n in range(1, steps // every + 1)} <= epoch.keys()
+        expected: dict[str, Any] = {}
+        for rank in (0, 1):
+            for step in range(every, steps + 1, every):
+                expected |= _states(checkpoint, step, rank)
+        _assert_committed_and_exact(folder, expected, options)
 
 
 def _credentials(server: LocalS3Server) -> dict[str, str]:

@@ -152,17 +152,12 @@ class NoFolders:
 
 
 def writer_options(text: str | None) -> dict[str, Any]:
-    """The writer options of :data:`WRITER_OPTIONS_VARIABLE` (a JSON object), or none."""
-    if not text:
-        return _with_overwrite({})
+    """The writer options of :data:`WRITER_OPTIONS_VARIABLE` (a JSON object), overwriting
+    unless they say otherwise."""
     try:
-        options = json.loads(text)
+        options = json.loads(text) if text else {}
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{WRITER_OPTIONS_VARIABLE} is not JSON: {exc}") from None
     if not isinstance(options, dict):
         raise ConfigError(f"{WRITER_OPTIONS_VARIABLE} must be a JSON object of writer options")
-    return _with_overwrite(options)
-
-
-def _with_overwrite(options: dict[str, Any]) -> dict[str, Any]:
     return {"overwrite": True, **options}

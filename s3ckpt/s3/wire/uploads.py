@@ -31,7 +31,7 @@ internals (:mod:`s3ckpt.s3.compat_botocore`, :mod:`s3ckpt.s3.compat_aiobotocore`
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import parse_qs, quote, urlsplit
+from urllib.parse import SplitResult, parse_qs, quote, urlsplit
 
 from s3ckpt._version import __version__
 from s3ckpt.s3.compat_aiobotocore import Response, frozen_credentials, response
@@ -75,7 +75,7 @@ class SignedParts:
         self.client = client
         self.transport = transport
         self.redirected = False  # the endpoint redirected a part: the client sends them
-        self._objects: dict[tuple[str, str], tuple[str, str, str]] = {}
+        self._objects: dict[tuple[str, str], tuple[SplitResult, str, str]] = {}
 
     async def upload_part(
         self,
@@ -88,19 +88,20 @@ class SignedParts:
     ) -> dict[str, Any]:
         """One try of UploadPart; the answer's ``ETag`` (and checksum) as the client's
         ``upload_part`` returns them. Errors are the client's ``ClientError`` s."""
-        url, region, service = await self._object(bucket, key)
-        url += f"?partNumber={part_number}&uploadId={quote(upload_id, safe='-_.~')}"
+        base, region, service = await self._object(bucket, key)
+        split = base._replace(
+            query=f"partNumber={part_number}&uploadId={quote(upload_id, safe='-_.~')}"
+        )
         headers = {"x-amz-checksum-crc32c": checksum} if checksum else {}
         signed = sign_s3(
             "PUT",
-            url,
+            split.geturl(),
             headers,
             credentials=await frozen_credentials(self.client),
             region=region,
             service=service,
             client_config=self.client.meta.config,
         )
-        split = urlsplit(url)
         status, answer, content = await self.transport.send(
             split, request_head("PUT", split, signed, len(body)), body
         )
@@ -113,7 +114,7 @@ class SignedParts:
             result["ChecksumCRC32C"] = answer["x-amz-checksum-crc32c"]
         return result
 
-    async def _object(self, bucket: str, key: str) -> tuple[str, str, str]:
+    async def _object(self, bucket: str, key: str) -> tuple[SplitResult, str, str]:
         """The object's URL as the client addresses it, and the signing region and service."""
         known = self._objects.get((bucket, key))
         if known is not None:
@@ -125,7 +126,7 @@ class SignedParts:
         )
         # X-Amz-Credential = <key id>/<date>/<region>/<service>/aws4_request
         scope = parse_qs(presigned.query)["X-Amz-Credential"][0].split("/")
-        known = (presigned._replace(query="", fragment="").geturl(), scope[-3], scope[-2])
+        known = (presigned._replace(query="", fragment=""), scope[-3], scope[-2])
         if len(self._objects) >= MAX_CACHED_OBJECTS:
             self._objects.clear()
         self._objects[(bucket, key)] = known

@@ -14,7 +14,14 @@ S3 figures are what the client spends. Per rank, in one run:
 * restores with ``load_latest``: from the own copy (every rank restarted), from the peer
   after rank 1's node is lost (its memory removed), and from S3 (``load`` of the S3
   step); the step-selection time of each;
-* shared memory used per node against the state size.
+* shared memory used per node against the state size;
+* the training loop beside replication: each rank steps a dispatch-bound loop
+  (:func:`benchmarks.loop_cases.dispatch_loop`) alone, then while a save is held and
+  replicated by the checkpoint processes; its slowdown during that time;
+* steps lost per failure at a stated interval (``--step-s``, ``--every``, ``--s3-every``):
+  from the figures above, a failure at a random moment loses the steps since the newest
+  step it can restore (the newest *replicated* one for a lost node) plus the restore, in
+  steps; against S3 alone at its own interval (its upload time and restore).
 
 Targets (docs/performance.md): blocking within 1.2x a bare copy; restore from the own copy
 within 1.5x a bare copy; from a peer at least 0.7x the link's throughput. Reported as
@@ -48,10 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensors", type=int, default=16)
     parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--step-s", type=float, default=1.0, help="a training step's time")
+    parser.add_argument("--every", type=int, default=10, help="steps between memory saves")
+    parser.add_argument("--s3-every", type=int, default=100, help="steps between S3 saves")
     args = parser.parse_args(argv)
     if args.saves < 3:
         parser.error("--saves must be at least 3 (two slots to fill, then steady saves)")
     report = measure(args.size_mib, args.tensors, args.saves)
+    report["steps_lost"] = steps_lost(report, args.step_s, args.every, args.s3_every)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "memory_tier.json").write_text(json.dumps(report, indent=2))
     print(table(report))
@@ -108,10 +119,12 @@ def _rank(
             dist.barrier()
             manager.save(step, state)
             metrics.append(manager.wait())
-        s3_step = saves + 1
+        result["loop"] = _loop_beside(manager, state, saves + 1)
+        s3_step = saves + 2
         dist.barrier()
         manager.save(s3_step, state, s3=True)
         metrics.append(manager.wait())
+        result["upload_s"] = metrics[-1].upload_s
     result["blocked_first_s"] = metrics[0].blocked_s
     # steady: from the third save on (the first two each fill a slot's memory first)
     result["blocked_steady_s"] = statistics.median(m.blocked_s for m in metrics[2:saves])
@@ -129,14 +142,53 @@ def _rank(
     dist.destroy_process_group()
 
 
-def _bare_copies(state: dict[str, Any]) -> tuple[float, float]:
-    import torch
+def _loop_beside(manager: Any, state: dict[str, Any], step: int) -> dict[str, float]:
+    """The dispatch loop's step time alone, then while ``step``'s copy is held and
+    replicated in the background (the save's blocking copy not counted)."""
+    import torch.distributed as dist
 
+    from benchmarks.loop_cases import dispatch_loop
+
+    loop = dispatch_loop()
+    dist.barrier()
+    alone = _steps_for(loop, 1.0)
+    dist.barrier()
+    manager.save(step, state)
+    started, steps = time.perf_counter(), 0
+    while manager.busy:
+        loop()
+        steps += 1
+    during = (time.perf_counter() - started) / max(steps, 1)
+    manager.wait()
+    return {
+        "step_alone_s": alone,
+        "step_during_s": during,
+        "background_s": time.perf_counter() - started,
+    }
+
+
+def _steps_for(loop: Any, seconds: float) -> float:
+    """The loop's mean step time over about ``seconds``."""
+    started, steps = time.perf_counter(), 0
+    while time.perf_counter() - started < seconds:
+        loop()
+        steps += 1
+    return (time.perf_counter() - started) / steps
+
+
+def _bare_copies(state: dict[str, Any]) -> tuple[float, float]:
+    """A copy of the state into fresh memory, then into that memory again; both ranks at
+    once, as their saves and restores run."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
     start = time.perf_counter()
     copies = {k: torch.empty_like(v) for k, v in state.items()}
     for k, v in state.items():
         copies[k].copy_(v)
     first = time.perf_counter() - start
+    dist.barrier()
     start = time.perf_counter()
     for k, v in state.items():
         copies[k].copy_(v)
@@ -192,7 +244,7 @@ def summarize(ranks: list[dict[str, Any]], *, size_mib: int, tensors: int) -> di
         return max(r[key][sub] if sub else r[key] for r in ranks)
 
     nbytes = ranks[0]["bytes"]
-    copy = min(r["copy_steady_s"] for r in ranks)
+    copy = slowest("copy_steady_s")
     link_gbs = nbytes / slowest("link_s") / 1e9
     peer_gbs = nbytes / slowest("peer", "total_s") / 1e9
     rows = {
@@ -208,7 +260,9 @@ def summarize(ranks: list[dict[str, Any]], *, size_mib: int, tensors: int) -> di
         "restore, from S3": slowest("s3", "total_s"),
         "step selection, own copy": slowest("own", "select_s"),
         "step selection, from the peer": slowest("peer", "select_s"),
+        "upload to S3 (a save also to S3)": slowest("upload_s"),
     }
+    slowdown = max(r["loop"]["step_during_s"] / r["loop"]["step_alone_s"] - 1 for r in ranks)
     return {
         "benchmark": "memory_tier",
         "size_mib": size_mib,
@@ -219,6 +273,10 @@ def summarize(ranks: list[dict[str, Any]], *, size_mib: int, tensors: int) -> di
         "exact": {k: all(r[k]["exact"] for r in ranks) for k in ("own", "peer", "s3")},
         "shm_bytes_per_node": [r["shm_bytes"] for r in ranks],
         "state_bytes_per_rank": nbytes,
+        "loop_beside_replication": {
+            "slowdown": slowdown,
+            "ranks": [r["loop"] for r in ranks],
+        },
         "targets": [
             _target(
                 "save blocking / bare copy", rows["save blocking, steady"] / copy, BLOCKING_MAX
@@ -230,6 +288,33 @@ def summarize(ranks: list[dict[str, Any]], *, size_mib: int, tensors: int) -> di
                 "goal": f">= {PEER_OVER_LINK_MIN}",
             },
         ],
+    }
+
+
+def steps_lost(report: dict[str, Any], step_s: float, every: int, s3_every: int) -> dict[str, Any]:
+    """Mean steps a failure at a random moment costs, from the measured figures: a save
+    every ``every`` steps of ``step_s`` becomes restorable ``ready`` seconds after it
+    (held locally for a restarted process, replicated for a lost node, uploaded for S3),
+    so the newest restorable step is on average ``interval / 2 + ready`` old; the restore
+    adds its own time. The job's relaunch (the same whatever restores it) is not counted."""
+    seconds = report["seconds"]
+
+    def lost(interval_steps: int, ready_s: float, restore_s: float) -> float:
+        return (interval_steps * step_s / 2 + ready_s + restore_s) / step_s
+
+    return {
+        "step_s": step_s,
+        "every": every,
+        "s3_every": s3_every,
+        "process restarted (memory, own copy)": lost(
+            every, seconds["held locally after"], seconds["restore, own copy"]
+        ),
+        "node lost (memory, peer's replica)": lost(
+            every, seconds["replicated after"], seconds["restore, from the peer (node lost)"]
+        ),
+        f"S3 alone, every {s3_every} steps": lost(
+            s3_every, seconds["upload to S3 (a save also to S3)"], seconds["restore, from S3"]
+        ),
     }
 
 
@@ -253,6 +338,21 @@ def table(report: dict[str, Any]) -> str:
     lines += [
         f"{t['target']:<40} {t['ratio']:>9.2f}  (goal {t['goal']})" for t in report["targets"]
     ]
+    beside = report["loop_beside_replication"]
+    lines.append(
+        f"dispatch loop beside a save held and replicated: {beside['slowdown']:+.0%} (slowest rank)"
+    )
+    lost = report.get("steps_lost")
+    if lost:
+        lines.append(
+            f"steps lost per failure (mean; a step {lost['step_s']} s, memory every "
+            f"{lost['every']} steps, S3 every {lost['s3_every']}):"
+        )
+        lines += [
+            f"  {name:<38} {value:>9.1f}"
+            for name, value in lost.items()
+            if name not in ("step_s", "every", "s3_every")
+        ]
     return "\n".join(lines)
 
 

@@ -39,6 +39,7 @@ class CheckpointWorker:
         arenas: list[StagingArena],
         rank: int,
         meeting: MeetingWatch | None = None,
+        nice: int = 0,
     ) -> None:
         self._arenas = arenas
         self._rank = rank
@@ -63,6 +64,7 @@ class CheckpointWorker:
         finally:
             theirs.close()
         self.pid = self._popen.pid
+        _lower_priority(self.pid, nice)
         self._channel = Channel(ours)
         self._channel.send(hello)
         self._reader = threading.Thread(
@@ -254,3 +256,16 @@ def worker_environment() -> dict[str, str]:
     package_root = str(Path(__file__).resolve().parents[2])
     paths = [package_root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+
+
+def _lower_priority(pid: int, by: int) -> None:
+    """Give the child ``by`` more niceness than this process, before it starts any thread
+    (Linux keeps a nice value per thread; threads it starts later inherit it), so that
+    where the trainer and its checkpoint process want the same core, the trainer gets it."""
+    if by <= 0:
+        return
+    try:
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        os.setpriority(os.PRIO_PROCESS, pid, min(19, mine + by))
+    except OSError:  # the child is gone already: its start failure is reported elsewhere
+        log.debug("could not lower the checkpoint process's priority", exc_info=True)

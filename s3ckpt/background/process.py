@@ -52,11 +52,12 @@ from s3ckpt.background.stage import Staged, stage
 from s3ckpt.background.worker import Hello, Hold, Meeting
 from s3ckpt.dcp.compat import default_store_host
 from s3ckpt.dcp.staging import plain_state_dict
-from s3ckpt.errors import CheckpointProcessError
+from s3ckpt.errors import CheckpointProcessError, ConfigError
 
 log = logging.getLogger("s3ckpt.background")
 
 DEFAULT_TIMEOUT_S = 1800.0
+NICE_VARIABLE = "S3CKPT_CHECKPOINT_NICE"
 
 
 class CheckpointProcess:
@@ -81,6 +82,12 @@ class CheckpointProcess:
         memory_slots: folders (in a tmpfs) to stage into instead of anonymous memory, one
             arena each, chosen per save (``slot``): the memory tier's slots
             (:mod:`s3ckpt.tier`), whose copies outlive the process.
+        nice: how much lower the checkpoint process's CPU priority is than the trainer's
+            (added to the trainer's nice value; default ``$S3CKPT_CHECKPOINT_NICE``, else
+            10; 0: the same). Where the two
+            want the same core, the training loop gets it, and the upload (or
+            replication) goes on in the time the loop leaves; on a node with idle cores
+            it changes nothing.
     """
 
     def __init__(
@@ -90,7 +97,9 @@ class CheckpointProcess:
         pin_memory: bool | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         memory_slots: Sequence[Path] = (),
+        nice: int | None = None,
     ) -> None:
+        self._nice = _niceness(nice)
         self._group = process_group
         distributed = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(process_group) if distributed else 1
@@ -254,12 +263,26 @@ class CheckpointProcess:
             meeting = Meeting(host, port, prefix, self.rank, self.world, self._timeout_s)
             watch = MeetingWatch(self._store, prefix, self.rank)
         hello = Hello(list(sys.path), logging.getLogger("s3ckpt").getEffectiveLevel(), meeting)
-        self._worker = CheckpointWorker(hello, self._arenas, self.rank, watch)
+        self._worker = CheckpointWorker(hello, self._arenas, self.rank, watch, self._nice)
 
     def _stop_worker(self) -> None:
         worker, self._worker = self._worker, None
         if worker is not None:
             worker.stop()
+
+
+def _niceness(nice: int | None) -> int:
+    if nice is None:
+        text = os.environ.get(NICE_VARIABLE, "10")
+        try:
+            nice = int(text)
+        except ValueError:
+            raise ConfigError(
+                f"{NICE_VARIABLE} must be an int from 0 to 19, got {text!r}"
+            ) from None
+    if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
+        raise ConfigError(f"nice must be an int from 0 to 19, got {nice!r}")
+    return nice
 
 
 _open: weakref.WeakSet[CheckpointProcess] = weakref.WeakSet()

@@ -130,6 +130,7 @@ class _Outgoing:
         if record is None:
             raise CorruptCheckpointError(f"{folder} holds no complete copy to send")
         self.copy = held.MappedCopy(folder, record)
+        self.copy.populate()  # all of it is sent
         self.meta = _pack(record.to_json().encode(), self.copy.state)
 
     def pieces(self) -> list[torch.Tensor]:

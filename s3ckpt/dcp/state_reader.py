@@ -8,12 +8,16 @@ DTensor or ShardedTensor targets take the shards they need by offset.
 
 The metadata is what a save of that state would write: DCP's own save planner run on it
 (no collective, one rank's plan). Each read copies the chunk the load planner asks for
-from the held tensor (a view, so a byte is read once) into the target.
+from the held tensor (a view, so a byte is read once) into the target; or, given
+``copy_in``, hands every ``(source, target)`` pair of the plan to it at once, so the
+memory tier can read its copy's files into the targets and check them as they land
+(:mod:`s3ckpt.tier.copy_in`).
 """
 
 from __future__ import annotations
 
 import io
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -24,12 +28,21 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from s3ckpt.dcp.compat import narrow
 
+CopyIn = Callable[[Sequence[tuple[torch.Tensor, torch.Tensor]]], None]
+"""Copies each ``(source, target)`` pair's source into its target (same shape)."""
+
+
+def copy_each(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for source, target in pairs:
+        target.copy_(source)
+
 
 class StateReader(StorageReader):
     """Reads ``state`` (one rank's saved state, in memory) as DCP reads a checkpoint."""
 
-    def __init__(self, state: dict[str, Any]) -> None:
+    def __init__(self, state: dict[str, Any], copy_in: CopyIn = copy_each) -> None:
         super().__init__()
+        self._copy_in = copy_in
         self._planner = DefaultSavePlanner()
         self._planner.set_up_planner(state, is_coordinator=True)
         plan = self._planner.create_local_plan()
@@ -56,6 +69,7 @@ class StateReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        copies = []
         for item in plan.items:
             index = MetadataIndex(item.storage_index.fqn, item.storage_index.offset)
             data = self._planner.resolve_data(self._items[index])
@@ -63,8 +77,9 @@ class StateReader(StorageReader):
                 planner.load_bytes(item, io.BytesIO(data.getvalue()))
                 continue
             source = narrow(data, item.storage_offsets, item.lengths)
-            target = planner.resolve_tensor(item).detach()
-            target.copy_(source)
+            copies.append((item, source, planner.resolve_tensor(item).detach()))
+        self._copy_in([(source, target) for _, source, target in copies])
+        for item, _, target in copies:
             planner.commit_tensor(item, target)
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)

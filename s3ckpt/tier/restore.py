@@ -6,18 +6,21 @@
    replicas it keeps for peers (their descriptors); one all-gather gives every rank the
    same view. The newest step whose every rank's state is held somewhere, at least the
    newest committed S3 step, is the candidate (S3 wins when it is newer).
-2. **Verify.** Each rank maps its copy of the candidate and checks every region against
-   its CRC32C, as every S3 read is checked; one all-gather of the outcomes. If any rank's
-   copy is damaged, the job walks back to the next step every rank holds.
-   A rank whose own copy is gone (its node was replaced) counts as holding the step when
-   a peer on another node holds its replica: before verifying, the checkpoint processes
-   send such replicas to the ranks missing them, who record them as their own copies.
-3. **Apply.** ``dcp.load`` from the copy (:class:`~s3ckpt.dcp.state_reader.StateReader`), rank by rank with no
-   collective: each rank's copy holds exactly the shards it saved, so a restart with the
-   same world size and sharding finds every piece it needs; DCP calls the ``Stateful``
-   objects' ``load_state_dict`` as for any load. One all-gather of the outcomes: a rank
-   that could not apply (its state no longer matches the copy's) sends every rank on to
-   S3, so no model is ever assembled from two steps.
+2. **Fetch what is missing.** A rank whose own copy is gone (its node was replaced)
+   counts as holding the step when a peer on another node holds its replica: the peers
+   send such replicas to the ranks missing them (checked as they arrive), who record them
+   as their own copies.
+3. **Apply, checked.** ``dcp.load`` from the copy
+   (:class:`~s3ckpt.dcp.state_reader.StateReader`), rank by rank with no collective: each
+   rank's copy holds exactly the shards it saved, so a restart with the same world size
+   and sharding finds every piece it needs; DCP calls the ``Stateful`` objects'
+   ``load_state_dict`` as for any load. Every region is checked against its CRC32C, as
+   every S3 read is: as it is read into the model (:mod:`s3ckpt.tier.copy_in`), or, when
+   no committed S3 step could be loaded over a damaged one, before a byte is loaded. One
+   all-gather of the outcomes: if any rank's copy is missing or damaged, the job walks
+   back to the next step every rank holds, which loads over it; a rank that could not
+   apply (its state no longer matches the copy's) sends every rank on to S3, so no model
+   is ever left assembled from two steps.
 
 The step is chosen once for every rank and never mixed: every rank applies the same step,
 or every rank falls back to S3 (which loads over whatever was applied).
@@ -37,8 +40,9 @@ from s3ckpt.background.channel import loads_staged
 from s3ckpt.background.held import MappedCopy
 from s3ckpt.background.replicate import Exchange
 from s3ckpt.dcp.compat import single_process, unwrap
-from s3ckpt.dcp.state_reader import StateReader
-from s3ckpt.tier.copies import HeldSlot, Holdings, LocalCopies
+from s3ckpt.dcp.state_reader import CopyIn, StateReader, copy_each
+from s3ckpt.tier.copies import Holdings, LocalCopies
+from s3ckpt.tier.copy_in import CheckedCopyIn
 
 log = logging.getLogger("s3ckpt.tier")
 
@@ -52,8 +56,8 @@ class Restored:
 
     step: int
     tier: str  # "memory" or "s3"
-    select_s: float  # choosing (and verifying) the step
-    load_s: float  # applying it
+    select_s: float  # choosing the step (and fetching copies from peers)
+    load_s: float  # applying it, checked (and walking back to older steps)
 
 
 def restore_from_memory(
@@ -77,27 +81,25 @@ def restore_from_memory(
             if any(gather(problem)):
                 log.warning("step %d could not be fetched from the peers holding it", step)
                 continue
-        # a copy just received was checked as it was recorded: it is not checked twice
-        checked = copies.rank in plan
-        mine = {h.held.step: h for h in copies.held()}
-        copy, problem = _verified(mine[step], checked) if step in mine else (None, "no copy")
-        problems = gather(problem)
-        if any(problems):
-            _close(copy)
+        # With a committed S3 step to fall back to, each rank checks its copy as it loads
+        # it (one pass, copy_in.py): a damaged copy's bytes may land in the model, and the
+        # whole job then loads an older step (or S3) over them. With none, the copy is
+        # checked before a byte is loaded, so a failed restore leaves the state untouched.
+        check_first = s3_latest is None
+        chosen = time.perf_counter()
+        problem, damaged = _apply_held(state_dict, copies, step, planner, check_first)
+        outcomes = gather((problem, damaged))
+        problems = [p for p, _ in outcomes if p]
+        if any(d for _, d in outcomes):
             log.warning(
                 "step %d in memory is not intact on every rank (%s); trying an older one",
-                step, "; ".join(p for p in problems if p),
+                step, "; ".join(problems),
             )  # fmt: skip
             continue
-        assert copy is not None
-        chosen = time.perf_counter()
-        problem = _apply(state_dict, copy, planner)
-        problems = gather(problem)
-        _close(copy)
-        if any(problems):
+        if problems:
             log.warning(
                 "step %d could not be loaded from memory on every rank (%s); loading from S3",
-                step, "; ".join(p for p in problems if p),
+                step, "; ".join(problems),
             )  # fmt: skip
             return None
         return Restored(step, "memory", chosen - started, time.perf_counter() - chosen)
@@ -171,21 +173,42 @@ def _fetch(
     return None
 
 
-def _verified(slot: HeldSlot, checked: bool = False) -> tuple[MappedCopy | None, str | None]:
+def _apply_held(
+    state_dict: dict[str, Any],
+    copies: LocalCopies,
+    step: int,
+    planner: Any,
+    check_first: bool,
+) -> tuple[str | None, bool]:
+    """Load this rank's copy of ``step`` into ``state_dict``: what went wrong, if anything,
+    and whether that was a copy missing or not intact (so an older step may do)."""
+    mine = {h.held.step: h for h in copies.held()}
+    if step not in mine:
+        return f"rank {copies.rank}: no copy of step {step}", True
+    slot = mine[step]
     try:
         copy = MappedCopy(slot.folder, slot.held)
     except (OSError, ValueError) as exc:
-        return None, f"rank {slot.held.rank}: {exc}"
-    problem = None if checked else copy.verify()
-    if problem is not None:
-        copy.close()
-        return None, f"rank {slot.held.rank}: {problem}"
-    return copy, None
-
-
-def _apply(state_dict: dict[str, Any], copy: MappedCopy, planner: Any) -> str | None:
+        return f"rank {copies.rank}: {exc}", True
     try:
-        reader = StateReader(loads_staged(copy.state, copy.maps))
+        damage = copy.verify() if check_first else copy.state_problem()
+        if damage is not None:
+            return f"rank {copies.rank}: {damage}", True
+        copy_in = copy_each if check_first else CheckedCopyIn(copy)
+        problem = _apply(state_dict, copy, copy_in, planner)
+        if problem is not None:
+            return problem, False
+        damage = None if check_first else copy_in.problem()  # type: ignore[union-attr]
+        return (None, False) if damage is None else (f"rank {copies.rank}: {damage}", True)
+    finally:
+        copy.close()
+
+
+def _apply(
+    state_dict: dict[str, Any], copy: MappedCopy, copy_in: CopyIn, planner: Any
+) -> str | None:
+    try:
+        reader = StateReader(loads_staged(copy.state, copy.maps), copy_in)
         with single_process():
             dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=True)
     except Exception as exc:
@@ -193,8 +216,3 @@ def _apply(state_dict: dict[str, Any], copy: MappedCopy, planner: Any) -> str | 
         log.debug("applying the held copy failed", exc_info=error)
         return f"rank {copy.held.rank}: {type(error).__name__}: {error}"
     return None
-
-
-def _close(copy: MappedCopy | None) -> None:
-    if copy is not None:
-        copy.close()

@@ -101,6 +101,12 @@ def test_memory_tier_benchmark_smoke_run(tmp_path):
     assert [t["target"] for t in report["targets"]] == [
         "save blocking / bare copy", "own restore / bare copy", "peer restore / link throughput"
     ]  # fmt: skip
+    for rank in report["loop_beside_replication"]["ranks"]:
+        assert rank["step_alone_s"] > 0 and rank["step_during_s"] > 0 and rank["background_s"] > 0
+    lost = report["steps_lost"]
+    assert lost["every"] == 10 and lost["s3_every"] == 100
+    memory, node, s3 = (v for k, v in lost.items() if k not in ("step_s", "every", "s3_every"))
+    assert 5 < memory <= node and s3 > 50  # half an interval at least, each
 
 
 def test_torch_checkpointing_benchmark_smoke_run(tmp_path):

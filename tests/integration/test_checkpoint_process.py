@@ -30,6 +30,7 @@ from s3ckpt import (
     CheckpointManager,
     CheckpointProcess,
     CheckpointProcessError,
+    ConfigError,
     catalog,
 )
 
@@ -164,6 +165,39 @@ def test_closed_process_is_gone_and_refuses_saves(s3_prefix, make_writer):
     assert not alive(pid)
     with pytest.raises(CheckpointProcessError, match="closed"):
         process.async_save(state_of(1), storage_writer=make_writer(f"{s3_prefix}/x"))
+
+
+@pytest.mark.parametrize(
+    ("given", "env", "expected"), [(None, None, 10), (None, "3", 3), (0, "3", 0)]
+)
+def test_the_process_yields_the_cores_to_the_trainer(
+    s3_prefix, make_writer, monkeypatch, given, env, expected
+):
+    """The checkpoint process and every thread it starts run at the trainer's nice value
+    plus ``nice`` (default ``$S3CKPT_CHECKPOINT_NICE``, else 10)."""
+    if env is None:
+        monkeypatch.delenv("S3CKPT_CHECKPOINT_NICE", raising=False)
+    else:
+        monkeypatch.setenv("S3CKPT_CHECKPOINT_NICE", env)
+    process = CheckpointProcess(nice=given)
+    try:
+        writer = make_writer(f"{s3_prefix}/nice")
+        process.async_save(state_of(1), storage_writer=writer).result(timeout=120)
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        threads = list(Path(f"/proc/{process.pid}/task").iterdir())
+        assert len(threads) > 1  # the interpreter's and the ones its save started
+        for thread in threads:
+            assert os.getpriority(os.PRIO_PROCESS, int(thread.name)) == min(19, mine + expected)
+    finally:
+        process.close()
+
+
+@pytest.mark.parametrize(("given", "env"), [(-1, None), (20, None), (True, None), (None, "x")])
+def test_a_bad_niceness_is_refused_before_anything_starts(monkeypatch, given, env):
+    if env is not None:
+        monkeypatch.setenv("S3CKPT_CHECKPOINT_NICE", env)
+    with pytest.raises(ConfigError, match=r"(?i)nice must be an int from 0 to 19"):
+        CheckpointProcess(nice=given)
 
 
 def test_the_manager_saves_from_its_checkpoint_process_by_default(s3_prefix, s3_options):

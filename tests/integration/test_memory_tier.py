@@ -127,18 +127,47 @@ def test_s3_wins_when_it_is_newer_than_memory(s3_prefix, s3_options, shm_root):
     assert_same(loaded, worker.snapshot(model, state, 0))
 
 
+def flip_a_bit(root: Path, step: int, at: int = 4096 + 17) -> None:
+    with open(slot_of(root, step) / "segment-0", "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
 def test_a_damaged_copy_is_not_used_the_restore_walks_back(s3_prefix, s3_options, shm_root):
+    """With nothing in S3 the copy is checked before it is loaded, so a restore that
+    finds nothing intact would leave the state untouched."""
     tier = MemoryTier(keep=2, s3_every=10, root=shm_root)
     snapshots = saving_run(s3_prefix, s3_options, tier, range(1, 4))  # S3: nothing
-    segment = slot_of(shm_root, 3) / "segment-0"
-    with open(segment, "r+b") as f:  # one flipped bit in step 3's copy
-        f.seek(4096 + 17)
-        byte = f.read(1)
-        f.seek(4096 + 17)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_a_bit(shm_root, 3)
     step, restored, loaded = restore(s3_prefix, s3_options, tier)
     assert step == 2 and restored.tier == "memory"
     assert_same(loaded, snapshots[2])
+
+
+@pytest.mark.parametrize("region", ["first", "last"])
+def test_damage_found_while_loading_is_loaded_over(s3_prefix, s3_options, shm_root, region):
+    """With a committed S3 step behind, copies are checked as they are read into the
+    model: the damaged step's bytes may land, and the older step loaded over them must
+    leave the model bit-exact at that step, never mixed."""
+    tier = MemoryTier(keep=2, s3_every=2, root=shm_root)
+    snapshots = saving_run(s3_prefix, s3_options, tier, [2, 3, 5])  # S3: 2; memory: 3, 5
+    copy = next(c for c in node_copies(shm_root) if c.held.step == 5).held
+    last = max(copy.regions, key=lambda r: (r.segment == 0, r.offset))
+    flip_a_bit(shm_root, 5, at=4096 + 17 if region == "first" else last.offset + last.nbytes - 1)
+    step, restored, loaded = restore(s3_prefix, s3_options, tier)
+    assert step == 3 and restored.tier == "memory"
+    assert_same(loaded, snapshots[3])
+
+
+def test_damage_in_the_only_memory_step_falls_back_to_s3(s3_prefix, s3_options, shm_root):
+    tier = MemoryTier(keep=2, s3_every=1, root=shm_root)
+    snapshots = saving_run(s3_prefix, s3_options, tier, range(1, 4))  # S3 and memory: 3
+    flip_a_bit(shm_root, 3)
+    step, restored, loaded = restore(s3_prefix, s3_options, tier)
+    assert step == 3 and restored.tier == "s3"
+    assert_same(loaded, snapshots[3])
 
 
 def test_a_copy_without_its_descriptor_is_not_held(s3_prefix, s3_options, shm_root):

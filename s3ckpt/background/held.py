@@ -95,14 +95,17 @@ def region_crcs(maps: Sequence[Any], regions: Sequence[tuple[int, int, int]]) ->
     return _in_pieces([nbytes for _, _, nbytes in regions], piece_crc)
 
 
-def read_regions(fds: Sequence[int], reads: Sequence[tuple[int, int, memoryview]]) -> list[int]:
+def read_regions(
+    fds: Sequence[int], reads: Sequence[tuple[int, int, memoryview]], check: bool = True
+) -> list[int]:
     """Read each ``(segment, offset, target)``: ``len(target)`` bytes of segment file
     ``fds[segment]`` from ``offset`` into ``target``; the CRC32C of each read's bytes.
 
     Each piece is read with ``preadv`` (the kernel copies from the tmpfs pages straight
     into the target, no mapping of the source to populate) and checksummed right after,
     in ``_READ_PIECE`` steps while its bytes are still in the cache; the pieces run on
-    several threads (both calls release the GIL)."""
+    several threads (both calls release the GIL). Without ``check``, only read (the CRCs
+    returned are then those of empty pieces)."""
 
     def piece_crc(index: int, start: int, length: int) -> int:
         segment, offset, target = reads[index]
@@ -110,7 +113,7 @@ def read_regions(fds: Sequence[int], reads: Sequence[tuple[int, int, memoryview]
         for at in range(start, start + length, _READ_PIECE):
             with target[at : min(at + _READ_PIECE, start + length)] as chunk:
                 _read_exactly(fds[segment], chunk, offset + at)
-                crc = crc32c(chunk, crc)
+                crc = crc32c(chunk, crc) if check else crc
         return crc
 
     return _in_pieces([len(target) for _, _, target in reads], piece_crc)
@@ -218,11 +221,15 @@ class MappedCopy:
             return f"{self.slot / STATE} does not match its CRC32C"
         return None
 
-    def read_checked(self, reads: Sequence[tuple[HeldRegion, memoryview]]) -> list[HeldRegion]:
+    def read_checked(
+        self, reads: Sequence[tuple[HeldRegion, memoryview]], check: bool = True
+    ) -> list[HeldRegion]:
         """Read each region of the copy into its target (of the region's length,
-        :func:`read_regions`); the regions whose bytes did not match their CRC32C."""
-        crcs = read_regions(self.fds, [(r.segment, r.offset, target) for r, target in reads])
-        return [r for (r, _), crc in zip(reads, crcs, strict=True) if crc != r.crc32c]
+        :func:`read_regions`); the regions whose bytes did not match their CRC32C (none
+        without ``check``: the copy was checked a moment ago)."""
+        at = [(r.segment, r.offset, target) for r, target in reads]
+        crcs = read_regions(self.fds, at, check)
+        return [r for (r, _), crc in zip(reads, crcs, strict=True) if check and crc != r.crc32c]
 
     def verify(self, skip: Collection[HeldRegion] = ()) -> str | None:
         """None if the state and every region (but those in ``skip``, checked already)

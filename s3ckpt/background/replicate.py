@@ -12,15 +12,18 @@ to send:
    and the staged state, with non-blocking sends and receives, so no order of pairs can
    deadlock;
 2. each receiver reserves the segment files in the folder it was given (the caller
-   emptied it), maps them, and receives the bytes straight into them: no buffer between
-   the socket and the tmpfs;
-3. each receiver checks every region against the sender's CRC32Cs, then writes the
+   emptied it; no room is a clear error, never a SIGBUS), maps them, and tells its sender
+   whether to send; then receives the bytes straight into them: no buffer between the
+   socket and the tmpfs;
+3. each receiver checks every region against the sender's CRC32Cs as its pieces land
+   (the check of one piece overlaps the transfer of the next), then writes the
    descriptor last, as a local save does (:mod:`s3ckpt.background.held`); a copy that
    arrives damaged is not recorded, and the exchange fails;
-4. a barrier: when it returns, every copy of the exchange is recorded on its receiver.
+4. a barrier, which every process reaches, a failed receiver too (its error is raised
+   after it): when it returns, every copy received intact is recorded on its receiver.
 
 Only the bytes the regions cover are sent (a segment is sized for growth), in pieces of
-at most 256 MiB each.
+at most 32 MiB each; both sides cut them the same way from the descriptor.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,9 +41,9 @@ from crc32c import crc32c
 
 from s3ckpt.background import held
 from s3ckpt.background.arena import reserved_file
-from s3ckpt.errors import CorruptCheckpointError
+from s3ckpt.errors import CorruptCheckpointError, MemoryTierError
 
-_PIECE = 256 << 20
+_PIECE = 32 << 20  # bytes per send and receive: reserved, received and checked in turn
 
 
 @dataclass(frozen=True)
@@ -53,56 +57,76 @@ class Exchange:
 
 def exchange(plan: Exchange, group: dist.ProcessGroup | None = None) -> None:
     """Run this process's part of ``plan`` (peers are ranks of ``group``, default: the
-    default group); every process of the group calls it."""
+    default group); every process of the group calls it. A copy that cannot be received
+    (no room, damaged on the way) fails on its receiver after every process has met at
+    the closing barrier, so no peer is left waiting."""
     nothing = [peer for peer, folder in plan.sends if not folder]
     outgoing = [(peer, _Outgoing(Path(folder))) for peer, folder in plan.sends if folder]
+    incoming: list[tuple[int, _Incoming]] = []
+    failures: list[Exception] = []
     try:
         headers = {peer: torch.tensor([len(out.meta)], dtype=torch.int64) for peer, out in outgoing}
         headers.update({peer: torch.tensor([-1], dtype=torch.int64) for peer in nothing})
         sizes = {peer: torch.zeros(1, dtype=torch.int64) for peer, _ in plan.receives}
-        _wait(
-            [dist.isend(header, group=group, group_dst=peer) for peer, header in headers.items()]
-            + [dist.irecv(sizes[peer], group=group, group_src=peer) for peer, _ in plan.receives]
-        )
+        _swap(headers, sizes, group)
         missing = [peer for peer in sizes if int(sizes[peer]) < 0]
+        if missing:
+            failures.append(
+                CorruptCheckpointError(
+                    f"rank(s) {missing} had no copy to send (their save failed before it was held)"
+                )
+            )
         metas = {peer: bytearray(int(sizes[peer])) for peer in sizes if peer not in missing}
-        _wait(
-            [dist.isend(_bytes(out.meta), group=group, group_dst=peer) for peer, out in outgoing]
-            + [
-                dist.irecv(_bytes(metas[peer]), group=group, group_src=peer)
-                for peer, _ in plan.receives
-            ]
+        _swap(
+            {peer: _bytes(out.meta) for peer, out in outgoing},
+            {peer: _bytes(meta) for peer, meta in metas.items()},
+            group,
         )
-        incoming = [
-            (peer, _Incoming(Path(folder), bytes(metas[peer])))
-            for peer, folder in plan.receives
-            if peer in metas
+        for peer, folder in plan.receives:
+            if peer in metas:
+                try:
+                    incoming.append((peer, _Incoming(Path(folder), bytes(metas[peer]))))
+                except MemoryTierError as exc:  # no room: that sender is told not to send
+                    failures.append(exc)
+        # each receiver tells its sender whether to send: a receiver without room for
+        # the copy would otherwise leave the sender's pieces unmatched
+        ready = {peer: torch.tensor([1], dtype=torch.int64) for peer, _ in incoming}
+        ready.update(
+            {peer: torch.tensor([0], dtype=torch.int64) for peer in metas if peer not in ready}
+        )
+        answers = {peer: torch.zeros(1, dtype=torch.int64) for peer, _ in outgoing}
+        _swap(ready, answers, group)
+        sends = [
+            dist.isend(piece, group=group, group_dst=peer)
+            for peer, out in outgoing
+            if int(answers[peer])
+            for piece in out.pieces()
         ]
-        try:
-            sends = [
-                dist.isend(piece, group=group, group_dst=peer)
-                for peer, out in outgoing
-                for piece in out.pieces()
-            ]
-            receives = [
-                dist.irecv(piece, group=group, group_src=peer)
-                for peer, inc in incoming
-                for piece in inc.pieces()
-            ]
-            _wait(sends + receives)
-            for peer, inc in incoming:
+        for peer, inc in incoming:
+            inc.receive(peer, group)
+        _wait(sends)
+        for peer, inc in incoming:
+            try:
                 inc.record(peer)
-        finally:
-            for _, inc in incoming:
-                inc.close()
+            except CorruptCheckpointError as exc:
+                failures.append(exc)
     finally:
+        for _, inc in incoming:
+            inc.close()
         for _, out in outgoing:
             out.close()
     dist.barrier(group=group)
-    if missing:
-        raise CorruptCheckpointError(
-            f"rank(s) {missing} had no copy to send (their save failed before it was held)"
-        )
+    if failures:
+        raise failures[0]
+
+
+def _swap(sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor], group: Any) -> None:
+    """Send each ``sends[peer]`` and receive each ``receives[peer]``, all at once (no
+    order of pairs can deadlock)."""
+    _wait(
+        [dist.isend(tensor, group=group, group_dst=peer) for peer, tensor in sends.items()]
+        + [dist.irecv(tensor, group=group, group_src=peer) for peer, tensor in receives.items()]
+    )
 
 
 def _bytes(buffer: bytearray) -> torch.Tensor:
@@ -122,6 +146,16 @@ def _extents(record: held.Held) -> list[int]:
     return used
 
 
+def _pieces(record: held.Held) -> list[tuple[int, int, int]]:
+    """The ``(segment, start, length)`` pieces a copy is sent in, in order: the same on
+    both sides, cut from the descriptor."""
+    return [
+        (segment, start, min(_PIECE, used - start))
+        for segment, used in enumerate(_extents(record))
+        for start in range(0, used, _PIECE)
+    ]
+
+
 class _Outgoing:
     """A held copy being sent: its descriptor and state, and its segments' used bytes."""
 
@@ -130,61 +164,95 @@ class _Outgoing:
         if record is None:
             raise CorruptCheckpointError(f"{folder} holds no complete copy to send")
         self.copy = held.MappedCopy(folder, record)
-        self.copy.populate()  # all of it is sent
         self.meta = _pack(record.to_json().encode(), self.copy.state)
 
     def pieces(self) -> list[torch.Tensor]:
-        out = []
-        for mapped, used in zip(self.copy.maps, _extents(self.copy.held), strict=True):
-            whole = torch.frombuffer(mapped, dtype=torch.uint8, count=used) if used else None
-            out += [] if whole is None else list(whole.split(_PIECE))
-        return out
+        self.copy.populate()  # all of it is sent: after the headers, beside the receiver's setup
+        return [
+            torch.frombuffer(self.copy.maps[segment], dtype=torch.uint8, count=length, offset=start)
+            for segment, start, length in _pieces(self.copy.held)
+        ]
 
     def close(self) -> None:
         self.copy.close()
 
 
 class _Incoming:
-    """A copy being received into ``folder``: its files reserved and mapped."""
+    """A copy being received into ``folder``: its files reserved and mapped (no room is a
+    :class:`~s3ckpt.errors.MemoryTierError` before a byte is sent), each piece checked as
+    it lands."""
 
     def __init__(self, folder: Path, meta: bytes) -> None:
         descriptor, self.state = _unpack(meta)
         self.sent = held.Held.from_json(descriptor.decode())
         self.folder = folder
         self.maps: list[mmap.mmap] = []
+        self.fds: list[int] = []
         held.invalidate(folder)
         used = _extents(self.sent)
         for path in folder.glob("segment-*"):
             index = path.name.removeprefix("segment-")
             if not index.isdigit() or int(index) >= len(used):
                 path.unlink()
-        for index, size in enumerate(used):
-            # the slot's earlier segment files are reused (their pages kept, never shrunk);
-            # mapped without MAP_POPULATE: pages fault in as the bytes arrive, beside the
-            # sender's work
-            fd = reserved_file(folder / f"segment-{index}", max(size, 1), reuse=True)
-            try:
-                self.maps.append(mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED))
-            finally:
-                os.close(fd)
+        try:
+            for index, size in enumerate(used):
+                # the slot's earlier segment files are reused (their pages kept, never
+                # shrunk); mapped without MAP_POPULATE: pages fault in as the bytes arrive
+                path = folder / f"segment-{index}"
+                self.fds.append(reserved_file(path, max(size, 1), reuse=True))
+                self.maps.append(mmap.mmap(self.fds[-1], max(size, 1), flags=mmap.MAP_SHARED))
+        except BaseException:
+            self.close()
+            raise
         self.used = used
+        self.crcs = [held.EMPTY_CRC] * len(self.sent.regions)
 
-    def pieces(self) -> list[torch.Tensor]:
-        out = []
-        for mapped, used in zip(self.maps, self.used, strict=True):
-            if used:
-                out += list(torch.frombuffer(mapped, dtype=torch.uint8, count=used).split(_PIECE))
-        return out
+    def receive(self, peer: int, group: dist.ProcessGroup | None) -> None:
+        """Receive the copy from ``peer``: every piece's receive posted ahead, then each
+        piece checked as it lands, while the next ones arrive."""
+        works = []
+        for segment, start, length in _pieces(self.sent):
+            target = torch.frombuffer(
+                self.maps[segment], dtype=torch.uint8, count=length, offset=start
+            )
+            works.append((dist.irecv(target, group=group, group_src=peer), segment, start, length))
+        # regions in the order the pieces come (they do not overlap one another)
+        order = sorted(range(len(self.sent.regions)), key=lambda i: self._at(i))
+        first = 0
+        for work, segment, start, length in works:
+            work.wait()
+            while first < len(order) and self._end(order[first]) <= (segment, start):
+                first += 1  # wholly in earlier pieces
+            for index in order[first:]:
+                if self._at(index) >= (segment, start + length):
+                    break
+                self._carry(index, start, start + length)
+
+    def _at(self, index: int) -> tuple[int, int]:
+        region = self.sent.regions[index]
+        return region.segment, region.offset
+
+    def _end(self, index: int) -> tuple[int, int]:
+        region = self.sent.regions[index]
+        return region.segment, region.offset + region.nbytes
+
+    def _carry(self, index: int, start: int, end: int) -> None:
+        """Carry region ``index``'s CRC32C over its bytes in ``[start, end)``."""
+        region = self.sent.regions[index]
+        low, high = max(start, region.offset), min(end, region.offset + region.nbytes)
+        if low < high:
+            with memoryview(self.maps[region.segment])[low:high] as view:
+                self.crcs[index] = crc32c(view, self.crcs[index])
 
     def record(self, peer: int) -> None:
-        """Check the bytes against the sender's CRC32Cs; then write the descriptor."""
-        region = held.damaged_region(self.maps, self.sent.regions)
-        if region is not None:
-            raise CorruptCheckpointError(
-                f"the copy of rank {self.sent.rank}'s step {self.sent.step} from "
-                f"rank {peer} arrived damaged (segment {region.segment}, bytes "
-                f"{region.offset}..{region.offset + region.nbytes})"
-            )
+        """Check the CRC32Cs carried over the pieces; then write the descriptor."""
+        for region, crc in zip(self.sent.regions, self.crcs, strict=True):
+            if crc != region.crc32c:
+                raise CorruptCheckpointError(
+                    f"the copy of rank {self.sent.rank}'s step {self.sent.step} from "
+                    f"rank {peer} arrived damaged (segment {region.segment}, bytes "
+                    f"{region.offset}..{region.offset + region.nbytes})"
+                )
         if crc32c(self.state) != self.sent.state_crc32c:
             raise CorruptCheckpointError(f"the state of the copy from rank {peer} arrived damaged")
         record = dataclasses.replace(self.sent, segments=tuple(max(u, 1) for u in self.used))
@@ -194,6 +262,9 @@ class _Incoming:
         maps, self.maps = self.maps, []
         for mapped in maps:
             mapped.close()
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
 
 
 def _pack(descriptor: bytes, state: bytes) -> bytearray:

@@ -1,0 +1,1 @@
+"""Peers' in-memory checkpoint tiers, measured like :mod:`benchmarks.memory_tier` (one per module)."""

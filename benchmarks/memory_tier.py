@@ -54,6 +54,17 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
+# the measures every system reports, and where each rank's report has them
+TIER_ROWS: dict[str, tuple[str, ...]] = {
+    "save blocking, first": ("blocked_first_s",),
+    "save blocking, steady": ("blocked_steady_s",),
+    "held locally after": ("held_s",),
+    "replicated after": ("replicated_s",),
+    "restore, own copy": ("own", "total_s"),
+    "restore, from the peer (node lost)": ("peer", "total_s"),
+    "step selection, own copy": ("own", "select_s"),
+    "step selection, from the peer": ("peer", "select_s"),
+}
 # each peer's module in benchmarks.tier_peers and the environment it runs in
 PEERS = {"nvrx": ".venv-tierpeers", "flashpoint": ".venv-flashpoint"}
 BLOCKING_MAX, OWN_RESTORE_MAX, PEER_OVER_LINK_MIN = 1.2, 1.5, 0.7
@@ -275,16 +286,7 @@ def measure_peer(name: str, size_mib: int, tensors: int, saves: int) -> dict[str
 
     return {
         "ran": True,
-        "seconds": {
-            "save blocking, first": slowest("blocked_first_s"),
-            "save blocking, steady": slowest("blocked_steady_s"),
-            "held locally after": slowest("held_s"),
-            "replicated after": slowest("replicated_s"),
-            "restore, own copy": slowest("own", "total_s"),
-            "restore, from the peer (node lost)": slowest("peer", "total_s"),
-            "step selection, own copy": slowest("own", "select_s"),
-            "step selection, from the peer": slowest("peer", "select_s"),
-        },
+        "seconds": {name: slowest(*keys) for name, keys in TIER_ROWS.items()},
         "exact": {k: all(r[k].get("exact") for r in ranks) for k in ("own", "peer")},
         "shm_bytes_per_node": [r["shm_bytes"] for r in ranks],
         "notes": sorted({note for r in ranks for note in r.get("notes", [])}),
@@ -305,15 +307,8 @@ def summarize(ranks: list[dict[str, Any]], *, size_mib: int, tensors: int) -> di
         "bare copy (fresh memory)": slowest("copy_first_s"),
         "bare copy (touched memory)": copy,
         "link: state over gloo": slowest("link_s"),
-        "save blocking, first": slowest("blocked_first_s"),
-        "save blocking, steady": slowest("blocked_steady_s"),
-        "held locally after": slowest("held_s"),
-        "replicated after": slowest("replicated_s"),
-        "restore, own copy": slowest("own", "total_s"),
-        "restore, from the peer (node lost)": slowest("peer", "total_s"),
+        **{name: slowest(*keys) for name, keys in TIER_ROWS.items()},
         "restore, from S3": slowest("s3", "total_s"),
-        "step selection, own copy": slowest("own", "select_s"),
-        "step selection, from the peer": slowest("peer", "select_s"),
         "upload to S3 (a save also to S3)": slowest("upload_s"),
     }
     slowdown = max(r["loop"]["step_during_s"] / r["loop"]["step_alone_s"] - 1 for r in ranks)

@@ -47,11 +47,12 @@ import json
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from benchmarks.tier_peers import run_pair
 
 MOUNT = "flashpoint-mount"
 
@@ -384,19 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--out", type=Path, help="keep the two ranks' JSON here")
     args = parser.parse_args(argv)
-    import torch.distributed as dist
-    import torch.multiprocessing as tmp
-
-    root = Path(tempfile.mkdtemp(prefix="s3ckpt-bench-flashpoint-", dir="/dev/shm"))
-    out = args.out or root / "reports"
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        rank_args = (2, store.port, str(root), str(out), args.size_mib, args.tensors, args.saves)
-        tmp.start_processes(rank_main, args=rank_args, nprocs=2, join=True, start_method="spawn")
-        ranks = [json.loads((out / f"flashpoint-rank{r}.json").read_text()) for r in range(2)]
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    ranks = run_pair("flashpoint", rank_main, args.size_mib, args.tensors, args.saves, args.out)
     print(json.dumps({k: v for k, v in ranks[0].items() if k != "notes"}, indent=1))
     print(json.dumps({k: v for k, v in ranks[1].items() if k != "notes"}, indent=1))
     return 0

@@ -58,7 +58,6 @@ import logging
 import pickle
 import shutil
 import statistics
-import tempfile
 import time
 import warnings
 from datetime import timedelta
@@ -71,6 +70,8 @@ from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import (
     BasicTensorAwareStateDict,
     dict_list_map_inplace,
 )
+
+from benchmarks.tier_peers import run_pair
 
 SESSION = "bench"
 
@@ -323,8 +324,6 @@ def _patch_peer_exchange_for_cpu() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch.multiprocessing as tmp
-
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -335,16 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.saves < 3:
         parser.error("--saves must be at least 3 (the steady figure is from the third on)")
-    shm = Path(tempfile.mkdtemp(prefix="s3ckpt-bench-nvrx-", dir="/dev/shm"))
-    try:
-        out = args.out or shm / "reports"
-        out.mkdir(parents=True, exist_ok=True)
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        spawn_args = (2, store.port, str(shm), str(out), args.size_mib, args.tensors, args.saves)
-        tmp.start_processes(rank_main, args=spawn_args, nprocs=2, join=True, start_method="spawn")
-        ranks = [json.loads((out / f"nvrx-rank{r}.json").read_text()) for r in range(2)]
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
+    ranks = run_pair("nvrx", rank_main, args.size_mib, args.tensors, args.saves, args.out)
     print(json.dumps(ranks, indent=2))
     return 0
 

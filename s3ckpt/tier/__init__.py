@@ -14,7 +14,9 @@ checkpoint, so the tier costs no second copy.
   they hold (torch-free, for the CLI);
 * :mod:`~s3ckpt.tier.restore`: ``load_latest`` from memory: one agreement across ranks on
   the newest step every rank holds intact, a DCP load from those copies, walking back to
-  older ones, then to S3.
+  older ones, then to S3;
+* :mod:`~s3ckpt.tier.copy_in`: the load's copies, read from the held files into the model
+  and checked against their CRC32Cs as they land.
 
 The held copy's own format (segment files, state, descriptor written last) is
 :mod:`s3ckpt.background.held`: the checkpoint process writes it.

@@ -90,7 +90,7 @@ def exchange(plan: Exchange, group: dist.ProcessGroup | None = None) -> None:
             if peer in metas:
                 try:
                     incoming.append((peer, _Incoming(Path(folder), bytes(metas[peer]))))
-                except MemoryTierError as exc:  # no room: that sender is told not to send
+                except Exception as exc:  # no room, an unusable folder: no sending to it
                     failures.append(exc)
         # each receiver tells its sender whether to send: a receiver without room for
         # the copy would otherwise leave the sender's pieces unmatched

@@ -165,22 +165,17 @@ class StagingArena:
             segment.close()
 
 
-def reserved_file(path: Path, size: int, *, reuse: bool = False, reserve: bool = True) -> int:
+def reserved_file(path: Path, size: int, *, reuse: bool = False) -> int:
     """A new file of ``size`` bytes at ``path``, its pages reserved; its descriptor
     (:class:`~s3ckpt.errors.MemoryTierError` when the file system has no room).
 
     With ``reuse``, a file already there is kept, with the pages it has (memory written
     again costs no new pages to zero and fault in), grown to ``size`` if it is smaller and
-    never shrunk: a staging arena may have the same file mapped at its own size. Without
-    ``reserve`` it is only sized: the caller reserves each range (:func:`reserve_range`)
-    before it writes there, e.g. as the bytes arrive."""
+    never shrunk: a staging arena may have the same file mapped at its own size."""
     exclusive = 0 if reuse else os.O_EXCL
     fd = os.open(path, os.O_RDWR | os.O_CREAT | exclusive | os.O_CLOEXEC, 0o600)
     try:
-        if reserve:
-            reserve_range(fd, path, 0, size)
-        elif os.fstat(fd).st_size < size:
-            os.ftruncate(fd, size)
+        reserve_range(fd, path, 0, size)
     except BaseException:
         os.close(fd)
         path.unlink(missing_ok=True)

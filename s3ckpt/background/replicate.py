@@ -11,13 +11,10 @@ to send:
 1. each pair swaps a fixed-size header (the descriptor's length), then the descriptor
    and the staged state, with non-blocking sends and receives, so no order of pairs can
    deadlock;
-2. each receiver checks that its tmpfs has room for the copy, sizes and maps the segment
-   files in the folder it was given (the caller emptied it), and tells its sender whether
-   to send; then receives the bytes straight into them (no buffer between the socket and
-   the tmpfs), each piece's pages reserved just before its receive is posted, so that
-   reserving the next pieces overlaps receiving the first, and a tmpfs that fills up
-   meanwhile is a clear error, never a SIGBUS (the rest of that copy is received and
-   dropped, so its sender is never left waiting);
+2. each receiver reserves the segment files in the folder it was given (the caller
+   emptied it; no room is a clear error, never a SIGBUS), maps them, and tells its sender
+   whether to send; then receives the bytes straight into them: no buffer between the
+   socket and the tmpfs;
 3. each receiver checks every region against the sender's CRC32Cs as its pieces land
    (the check of one piece overlaps the transfer of the next), then writes the
    descriptor last, as a local save does (:mod:`s3ckpt.background.held`); a copy that
@@ -34,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,10 +40,10 @@ import torch.distributed as dist
 from crc32c import crc32c
 
 from s3ckpt.background import held
-from s3ckpt.background.arena import reserve_range, reserved_file
-from s3ckpt.errors import CorruptCheckpointError, MemoryTierError
+from s3ckpt.background.arena import reserved_file
+from s3ckpt.errors import CorruptCheckpointError
 
-_PIECE = 32 << 20  # bytes per send and receive: reserved, received and checked in turn
+_PIECE = 32 << 20  # bytes per send and receive: received and checked in turn
 
 
 @dataclass(frozen=True)
@@ -112,7 +108,7 @@ def exchange(plan: Exchange, group: dist.ProcessGroup | None = None) -> None:
         for peer, inc in incoming:
             try:
                 inc.record(peer)
-            except (CorruptCheckpointError, MemoryTierError) as exc:
+            except CorruptCheckpointError as exc:
                 failures.append(exc)
     finally:
         for _, inc in incoming:
@@ -182,10 +178,9 @@ class _Outgoing:
 
 
 class _Incoming:
-    """A copy being received into ``folder``: its files sized and mapped (too little room
-    for it is a :class:`~s3ckpt.errors.MemoryTierError` before a byte is sent); each
-    piece's pages reserved just before its receive is posted, so reserving the next
-    pieces overlaps receiving the first; each piece checked as it lands."""
+    """A copy being received into ``folder``: its files reserved and mapped (no room is a
+    :class:`~s3ckpt.errors.MemoryTierError` before a byte is sent), each piece checked as
+    it lands."""
 
     def __init__(self, folder: Path, meta: bytes) -> None:
         descriptor, self.state = _unpack(meta)
@@ -193,20 +188,18 @@ class _Incoming:
         self.folder = folder
         self.maps: list[mmap.mmap] = []
         self.fds: list[int] = []
-        self.failure: MemoryTierError | None = None
         held.invalidate(folder)
         used = _extents(self.sent)
         for path in folder.glob("segment-*"):
             index = path.name.removeprefix("segment-")
             if not index.isdigit() or int(index) >= len(used):
                 path.unlink()
-        _check_room(folder, used)
         try:
             for index, size in enumerate(used):
                 # the slot's earlier segment files are reused (their pages kept, never
                 # shrunk); mapped without MAP_POPULATE: pages fault in as the bytes arrive
                 path = folder / f"segment-{index}"
-                self.fds.append(reserved_file(path, max(size, 1), reuse=True, reserve=False))
+                self.fds.append(reserved_file(path, max(size, 1), reuse=True))
                 self.maps.append(mmap.mmap(self.fds[-1], max(size, 1), flags=mmap.MAP_SHARED))
         except BaseException:
             self.close()
@@ -215,31 +208,14 @@ class _Incoming:
         self.crcs = [held.EMPTY_CRC] * len(self.sent.regions)
 
     def receive(self, peer: int, group: dist.ProcessGroup | None) -> None:
-        """Receive the copy from ``peer``: every piece's pages reserved and its receive
-        posted ahead, then each piece checked as it lands, while the next ones arrive.
-        A piece whose pages cannot be reserved (the tmpfs filled up since the room was
-        checked) and every later one are received into a scratch buffer and dropped, so
-        the sender is never left waiting; the copy then fails (:meth:`record`)."""
-        works, scratch = [], None
+        """Receive the copy from ``peer``: every piece's receive posted ahead, then each
+        piece checked as it lands, while the next ones arrive."""
+        works = []
         for segment, start, length in _pieces(self.sent):
-            if self.failure is None:
-                try:
-                    reserve_range(
-                        self.fds[segment], self.folder / f"segment-{segment}", start, length
-                    )
-                except MemoryTierError as exc:
-                    self.failure = exc
-            if self.failure is None:
-                target = torch.frombuffer(
-                    self.maps[segment], dtype=torch.uint8, count=length, offset=start
-                )
-            else:
-                scratch = torch.empty(_PIECE, dtype=torch.uint8) if scratch is None else scratch
-                target = scratch[:length]
+            target = torch.frombuffer(
+                self.maps[segment], dtype=torch.uint8, count=length, offset=start
+            )
             works.append((dist.irecv(target, group=group, group_src=peer), segment, start, length))
-        if self.failure is not None:
-            _wait([work for work, *_ in works])
-            return
         # regions in the order the pieces come (they do not overlap one another)
         order = sorted(range(len(self.sent.regions)), key=lambda i: self._at(i))
         first = 0
@@ -270,8 +246,6 @@ class _Incoming:
 
     def record(self, peer: int) -> None:
         """Check the CRC32Cs carried over the pieces; then write the descriptor."""
-        if self.failure is not None:
-            raise self.failure
         for region, crc in zip(self.sent.regions, self.crcs, strict=True):
             if crc != region.crc32c:
                 raise CorruptCheckpointError(
@@ -291,18 +265,6 @@ class _Incoming:
         fds, self.fds = self.fds, []
         for fd in fds:
             os.close(fd)
-
-
-def _check_room(folder: Path, used: list[int]) -> None:
-    """Fail before anything is sent when the tmpfs cannot hold the copy (the pages the
-    slot's files have already count as room: they are reused)."""
-    have = sum(path.stat().st_blocks * 512 for path in folder.glob("segment-*"))
-    free = shutil.disk_usage(folder).free + have
-    if sum(used) > free:
-        raise MemoryTierError(
-            f"not enough shared memory for the memory tier at {folder}: a copy of "
-            f"{sum(used)} bytes arrives, {free} bytes are free there"
-        )
 
 
 def _pack(descriptor: bytes, state: bytes) -> bytearray:

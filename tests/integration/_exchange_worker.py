@@ -56,8 +56,6 @@ def exchange_main(
         else:
             if fault == "no room":
                 replicate.reserved_file = _no_room
-            if fault == "fills up":  # room at the check, none left at the third piece
-                replicate.reserve_range = _room_for(2, replicate.reserve_range)
             plan = replicate.Exchange(receives=((0, receiver),))
         replicate.exchange(plan)
         report["ok"] = True
@@ -73,17 +71,3 @@ def _no_room(path: Path, size: int, **_: object) -> int:
     from s3ckpt.errors import MemoryTierError
 
     raise MemoryTierError(f"not enough shared memory for the memory tier at {path.parent}")
-
-
-def _room_for(pieces: int, reserve: object) -> object:
-    from s3ckpt.errors import MemoryTierError
-
-    count = [0]
-
-    def reserve_range(fd: int, path: Path, offset: int, length: int) -> None:
-        count[0] += 1
-        if count[0] > pieces:
-            raise MemoryTierError(f"not enough shared memory for the memory tier at {path.parent}")
-        reserve(fd, path, offset, length)  # type: ignore[operator]
-
-    return reserve_range

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 import torch
 
 from s3ckpt.background.held import HeldRegion, MappedCopy
+from s3ckpt.dcp.compat import has_lazy_bits
+from s3ckpt.dcp.restore import takes_stored_bytes
 from s3ckpt.dcp.tensor_bytes import tensor_view
 
 
@@ -66,11 +68,11 @@ class CheckedCopyIn:
         if (
             nbytes == 0
             or target.device.type != "cpu"
-            or target.dtype != source.dtype
             or target.shape != source.shape
-            or not (source.is_contiguous() and target.is_contiguous())
-            or target.is_conj() or target.is_neg() or source.is_conj() or source.is_neg()
-        ):  # fmt: skip
+            or not source.is_contiguous()
+            or has_lazy_bits(source)
+            or not takes_stored_bytes(target, source.dtype, nbytes)
+        ):
             return None
         address = source.data_ptr()
         for segment, (base, size) in enumerate(self._bases):

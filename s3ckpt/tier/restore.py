@@ -40,7 +40,7 @@ from s3ckpt.background.channel import loads_staged
 from s3ckpt.background.held import MappedCopy
 from s3ckpt.background.replicate import Exchange
 from s3ckpt.dcp.compat import single_process, unwrap
-from s3ckpt.dcp.state_reader import CopyIn, StateReader, copy_each
+from s3ckpt.dcp.state_reader import CopyIn, StateReader
 from s3ckpt.tier.copies import Holdings, LocalCopies
 from s3ckpt.tier.copy_in import CheckedCopyIn
 
@@ -87,7 +87,6 @@ def restore_from_memory(
         # checked before a byte is loaded, so a failed restore leaves the state untouched.
         check_first = s3_latest is None
         chosen = time.perf_counter()
-        # a copy just received was checked as it was recorded: it is not checked twice
         received = copies.rank in plan
         problem, damaged = _apply_held(state_dict, copies, step, planner, check_first, received)
         outcomes = gather((problem, damaged))
@@ -194,15 +193,17 @@ def _apply_held(
     except (OSError, ValueError) as exc:
         return f"rank {copies.rank}: {exc}", True
     try:
+        # a copy just received was checked as it arrived; one checked first needs no
+        # check as it lands
         check_first = check_first and not received
         damage = copy.verify() if check_first else copy.state_problem()
         if damage is not None:
             return f"rank {copies.rank}: {damage}", True
-        copy_in = copy_each if check_first else CheckedCopyIn(copy, check=not received)
+        copy_in = CheckedCopyIn(copy, check=not (check_first or received))
         problem = _apply(state_dict, copy, copy_in, planner)
         if problem is not None:
             return problem, False
-        damage = None if check_first else copy_in.problem()  # type: ignore[union-attr]
+        damage = copy_in.problem()
         return (None, False) if damage is None else (f"rank {copies.rank}: {damage}", True)
     finally:
         copy.close()

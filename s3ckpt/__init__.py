@@ -13,7 +13,8 @@ One subpackage per part of the architecture (``docs/architecture.md``)::
                one persistent process per rank) and thread mode, for the manager and
                the integrations; CheckpointProcess for dcp.async_save users
     tier/      the memory tier: recent checkpoints held in shared memory per node, the
-               restore that agrees across ranks on a step every rank holds intact
+               restore that agrees across ranks on a step every rank holds intact;
+               TieredCheckpointProcess for dcp.async_save users
     interop/   export to safetensors/torch files, import, copy between stores
     testing/   the embedded S3 server (the engine never imports it)
 
@@ -83,6 +84,7 @@ if TYPE_CHECKING:
     from s3ckpt.interop.imports import import_checkpoint
     from s3ckpt.manager import CheckpointManager, SaveMetrics
     from s3ckpt.tier.options import MemoryTier
+    from s3ckpt.tier.process import TieredCheckpointProcess, TierSave
 
 # The DCP adapters import torch (seconds); the CLI and catalog do not need it.
 _LAZY = {
@@ -93,6 +95,8 @@ _LAZY = {
     "S3StorageReader": "s3ckpt.dcp.reader",
     "S3StorageWriter": "s3ckpt.dcp.writer",
     "SaveMetrics": "s3ckpt.manager",
+    "TierSave": "s3ckpt.tier.process",
+    "TieredCheckpointProcess": "s3ckpt.tier.process",
     "copy_checkpoint": "s3ckpt.interop.copy",
     "export_checkpoint": "s3ckpt.interop.export",
     "import_checkpoint": "s3ckpt.interop.imports",
@@ -135,6 +139,8 @@ __all__ = [
     "S3StorageWriter",
     "SaveMetrics",
     "StorageError",
+    "TierSave",
+    "TieredCheckpointProcess",
     "TransientStorageError",
     "UntrustedPickleError",
     "__version__",

@@ -64,6 +64,7 @@ class BackgroundSaver:
         process_group: Any = None,
         *,
         memory_slots: Sequence[Path] = (),
+        **process_options: Any,
     ) -> None:
         self.mode = mode
         self._group = process_group
@@ -75,7 +76,9 @@ class BackgroundSaver:
         self._thread: ThreadPoolExecutor | None = None
         self._save_group: Any = None
         if mode == "process":
-            self._process = CheckpointProcess(process_group, memory_slots=memory_slots)
+            self._process = CheckpointProcess(
+                process_group, memory_slots=memory_slots, **process_options
+            )
         else:
             self._stager = HostStager()
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s3ckpt-save")
@@ -95,6 +98,7 @@ class BackgroundSaver:
         describe: str,
         *,
         keep: Keep | None = None,
+        planner: Any = None,
     ) -> tuple[Future[Any], Exception | None]:
         """Copy ``state_dict`` to host memory, then start its upload with ``writer``; the
         upload's future, and this rank's copy failure if it had one (the caller raises it;
@@ -126,7 +130,7 @@ class BackgroundSaver:
             writer = CopyFailed(writer, reason)
         if failure is not None and keep is not None:
             keep = _nothing_to_send(keep)
-        return self._upload(staged, writer, keep), failure
+        return self._upload(staged, writer, keep, planner), failure
 
     def _stage(self, state_dict: dict[str, Any], slot: int) -> Any:
         if self._process is not None:
@@ -135,23 +139,23 @@ class BackgroundSaver:
         return self._stager.stage(plain_state_dict(state_dict))
 
     def _upload(
-        self, staged: Any, writer: S3StorageWriter | None, keep: Keep | None
+        self, staged: Any, writer: S3StorageWriter | None, keep: Keep | None, planner: Any
     ) -> Future[Any]:
         if self._process is not None:
             if keep is not None:
                 if staged is None:
                     staged = self._process.stage({}, keep.slot)
                 return self._process.submit(
-                    staged, writer, slot=keep.slot, hold=keep.hold, held=keep.held,
+                    staged, writer, planner, slot=keep.slot, hold=keep.hold, held=keep.held,
                     replicated=keep.replicated,
                 )  # fmt: skip
             if staged is None:
                 staged = self._process.stage({})
-            return self._process.submit(staged, writer)
+            return self._process.submit(staged, writer, planner)
         assert self._thread is not None
         return self._thread.submit(
             save_plain, staged if staged is not None else {}, storage_writer=writer,
-            process_group=self._save_group, no_dist=self._save_group is None,
+            planner=planner, process_group=self._save_group, no_dist=self._save_group is None,
         )  # fmt: skip
 
     def close(self) -> None:

@@ -121,6 +121,7 @@ def save_plain(
     state_dict: dict[str, Any],
     storage_writer: StorageWriter,
     *,
+    planner: Any = None,
     process_group: Any = None,
     no_dist: bool = False,
 ) -> Metadata:
@@ -139,13 +140,13 @@ def save_plain(
     if save is None:
         with single_process() if no_dist else contextlib.nullcontext():
             return dcp.save(
-                state_dict, storage_writer=storage_writer, process_group=process_group,
-                no_dist=no_dist,
+                state_dict, storage_writer=storage_writer, planner=planner,
+                process_group=process_group, no_dist=no_dist,
             )  # fmt: skip
     no_dist = no_dist or not dist.is_available() or not dist.is_initialized()
     return save(
-        state_dict=state_dict, storage_writer=storage_writer, process_group=process_group,
-        no_dist=no_dist,
+        state_dict=state_dict, storage_writer=storage_writer, planner=planner,
+        process_group=process_group, no_dist=no_dist,
     )  # fmt: skip
 
 

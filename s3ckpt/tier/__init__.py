@@ -16,7 +16,11 @@ checkpoint, so the tier costs no second copy.
   the newest step every rank holds intact, a DCP load from those copies, walking back to
   older ones, then to S3;
 * :mod:`~s3ckpt.tier.copy_in`: the load's copies, read from the held files into the model
-  and checked against their CRC32Cs as they land.
+  and checked against their CRC32Cs as they land;
+* :mod:`~s3ckpt.tier.rank`: ``RankTier``, the tier as one rank sees it (slots, peers,
+  holds, restores), under the manager and under
+* :mod:`~s3ckpt.tier.process`: ``TieredCheckpointProcess``, the same tier for scripts and
+  trainers that call ``dcp.async_save`` and name their own S3 checkpoints.
 
 The held copy's own format (segment files, state, descriptor written last) is
 :mod:`s3ckpt.background.held`: the checkpoint process writes it.

@@ -84,8 +84,12 @@ class RankTier:
             )
         )
 
-    def restore(self, state_dict: dict[str, Any], s3_latest: int | None) -> Restored | None:
-        return restore_from_memory(state_dict, self.copies, self._gather, s3_latest, self._fetch)
+    def restore(
+        self, state_dict: dict[str, Any], s3_latest: int | None, planner: Any = None
+    ) -> Restored | None:
+        return restore_from_memory(
+            state_dict, self.copies, self._gather, s3_latest, self._fetch, planner
+        )
 
     def _fetch(self, plan: Exchange) -> None:
         exchange(plan, group=self._fetch_group)

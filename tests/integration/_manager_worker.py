@@ -229,7 +229,7 @@ class TierRank:
             where = (step, manager.last_restore.tier)
             if held is not None:
                 held.append(manager.held_steps())
-        return where, _same(snapshot(fresh_model, fresh, self.rank), self.expected[step])
+        return where, same_state(snapshot(fresh_model, fresh, self.rank), self.expected[step])
 
     def killed_save(self, manager: Any, step: int) -> str:
         """Save ``step`` while rank 1's checkpoint process is stopped, then kill it: what
@@ -296,7 +296,7 @@ def memory_tier_main(
         dist.barrier()
 
 
-def _same(loaded: dict[str, Any], expected: dict[str, Any]) -> bool:
+def same_state(loaded: dict[str, Any], expected: dict[str, Any]) -> bool:
     return (
         all(torch.equal(loaded["params"][k], v) for k, v in expected["params"].items())
         and len(loaded["exp_avg"]) == len(expected["exp_avg"])

@@ -39,6 +39,15 @@ not have: its commit is ``step-N/manifest.json``), ``_purge_stale_checkpoints`` 
   removes ``step-N.hf-source``. ``step-N`` then holds safetensors, not an s3ckpt
   checkpoint: neither is a resume point.
 
+* with ``memory_tier`` (the keywords of :class:`s3ckpt.MemoryTier`; an async mode), every
+  interval save is held in shared memory on its node (and replicated to a peer node), and
+  only the steps ``s3_every`` divides are also written to S3, from the same memory
+  (:class:`~s3ckpt.TieredCheckpointProcess`); a restart (``load()`` of the latest step)
+  restores the newest step the whole job holds intact in memory when it is at least the
+  newest resumable S3 step, agreed across ranks, and from S3 otherwise; ``last_restore``
+  says which. Retention (``keep_latest_k``) counts the S3 steps alone; the tier keeps its
+  own ``keep``.
+
 Loads of HF safetensors and local paths (``initial_load_path``) stay torchtitan's.
 torchtitan checks that the folder exists through fsspec, i.e. s3fs: the manager points
 s3fs at the same endpoint (``configure_fsspec``), so s3fs must be installed. Select it in
@@ -50,6 +59,7 @@ the trainer's configuration::
         enable=True, folder="s3://ckpt/llama3-8b", interval=500, keep_latest_k=3,
         async_mode="async", endpoint_url="https://flashblade.example.com",
         writer_options={"compression": "zstd"},
+        memory_tier={"keep": 2, "s3_every": 5000},  # optional: hold every save in memory
         last_save_model_only=True, last_save_in_hf=True, export_dtype="bfloat16")
 
 Credentials come from the AWS environment or a profile (``s3_options={"profile": ...}``),
@@ -83,6 +93,9 @@ from s3ckpt.dcp.writer import S3StorageWriter
 from s3ckpt.errors import CheckpointError, CheckpointNotFoundError, ConfigError, S3CkptError
 from s3ckpt.integrations.fsspec_s3 import configure_fsspec
 from s3ckpt.interop.export import export_checkpoint
+from s3ckpt.tier.options import MemoryTier
+from s3ckpt.tier.process import TieredCheckpointProcess
+from s3ckpt.tier.restore import Restored
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +126,12 @@ class S3CheckpointManager(CheckpointManager):
         configure_fsspec: bool = True
         """Point fsspec's s3 filesystem (s3fs) at the same store."""
 
+        memory_tier: dict[str, Any] = field(default_factory=dict)
+        """Keyword arguments of an ``s3ckpt.MemoryTier`` (``keep``, ``s3_every``, ``root``,
+        ``replicas``, ``max_bytes``...): every interval save is held in shared memory on
+        the node, and only the steps ``s3_every`` divides also go to S3. Empty (default):
+        no memory tier. Needs an async mode."""
+
         def __post_init__(self) -> None:
             # torchtitan refuses last_save_in_hf for a remote folder: it writes HF files
             # with the file system. This manager writes them itself, so that one check of
@@ -132,6 +151,13 @@ class S3CheckpointManager(CheckpointManager):
                 )
             if self.enable and not self.folder.startswith("s3://"):
                 raise ConfigError(f"S3CheckpointManager needs an s3:// folder, got {self.folder!r}")
+            if self.memory_tier:
+                if self.async_mode == AsyncMode.DISABLED.value:
+                    raise ConfigError(
+                        "memory_tier needs async_mode 'async' or 'async_with_pinned_mem' "
+                        "(the checkpoint process holds the copies), not 'disabled'"
+                    )
+                memory_tier_of(self.memory_tier)
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         self.s3_config: S3Config = make_config(
@@ -139,6 +165,9 @@ class S3CheckpointManager(CheckpointManager):
         )
         self.writer_options = dict(config.writer_options)
         self.reader_options = dict(config.reader_options)
+        self.memory_tier = memory_tier_of(config.memory_tier) if config.memory_tier else None
+        self.tiered: TieredCheckpointProcess | None = None
+        self.last_restore: Restored | None = None
         if not config.enable:
             super().__init__(config, **kwargs)
             return
@@ -179,27 +208,73 @@ class S3CheckpointManager(CheckpointManager):
         if to_hf:  # the last step, always saved synchronously by torchtitan
             self.save_in_hf(state_dict, checkpoint_id)
             return None
-        writer = S3StorageWriter(
-            checkpoint_id, config=self.s3_config, overwrite=True, **self.writer_options
-        )
-        self.saved_last = checkpoint_id
+        if self.memory_tier is not None and async_mode != AsyncMode.DISABLED:
+            return self._save_tiered(state_dict, checkpoint_id, async_mode)
+        writer = self._writer(checkpoint_id)
         if async_mode in (AsyncMode.ASYNC, AsyncMode.ASYNC_WITH_PINNED_MEM):
             if self.checkpoint_process is None:  # every rank saves its first step together
                 self.checkpoint_process = CheckpointProcess(self.pg)
             upload = self.checkpoint_process.async_save(state_dict, storage_writer=writer)
-            if async_mode == AsyncMode.ASYNC:
-                return upload
-            staged: Future[None] = Future()
-            staged.set_result(None)  # the copy is complete when async_save returns
-            return AsyncSaveResponse(staging_completion=staged, upload_completion=upload)
+            return _as_torchtitan_expects(upload, async_mode)
         dcp.save(state_dict, storage_writer=writer)
         return None
+
+    def _writer(self, checkpoint_id: str) -> S3StorageWriter:
+        self.saved_last = checkpoint_id
+        return S3StorageWriter(
+            checkpoint_id, config=self.s3_config, overwrite=True, **self.writer_options
+        )
+
+    def _save_tiered(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: Any) -> Any:
+        """Hold the step in memory; upload it too when the tier's ``s3_every`` says so."""
+        assert self.memory_tier is not None
+        match = _STEP.fullmatch(checkpoint_id.rsplit("/", 1)[-1])
+        if match is None:
+            raise CheckpointError(f"{checkpoint_id} does not end in step-N: no step to hold")
+        step = int(match.group(1))
+        writer = self._writer(checkpoint_id) if self.memory_tier.to_s3(step) else None
+        save = self._tiered_process().async_save(state_dict, step, storage_writer=writer)
+        return _as_torchtitan_expects(save.done, async_mode)
+
+    def _tiered_process(self) -> TieredCheckpointProcess:
+        """The memory tier's checkpoint process, made at the first save or load (every
+        rank reaches both together)."""
+        assert self.memory_tier is not None
+        if self.tiered is None:
+            self.tiered = TieredCheckpointProcess(self.folder, self.memory_tier, self.pg)
+        return self.tiered
+
+    def _load(self, step: int = -1) -> bool:
+        """With a memory tier, the latest step comes from memory when the whole job holds
+        one intact at least as new as the newest resumable S3 step (module docstring)."""
+        if self.memory_tier is None or step != -1:
+            return super()._load(step)
+        s3_step = self._find_load_step()
+        states = self._states_to_load(model_only=False)
+        restored = self._tiered_process().restore_latest(
+            states, s3_latest=s3_step if s3_step >= 0 else None
+        )
+        if restored is None:
+            return super()._load(step)
+        if MODEL in self.states:  # flattened into the top level, as dcp_load applies it
+            self.states[MODEL].load_state_dict(states)
+        self.last_restore = restored
+        log.info(
+            "loaded step-%d from the memory tier in %.2f s", restored.step,
+            restored.select_s + restored.load_s,
+        )  # fmt: skip
+        return True
 
     def _close(self) -> None:
         super()._close()
         process, self.checkpoint_process = getattr(self, "checkpoint_process", None), None
-        if process is not None:
-            process.close()
+        tiered, self.tiered = getattr(self, "tiered", None), None
+        try:
+            if process is not None:
+                process.close()
+        finally:
+            if tiered is not None:
+                tiered.close()
 
     def dcp_load(
         self,
@@ -328,6 +403,24 @@ class S3CheckpointManager(CheckpointManager):
             catalog.remove_checkpoint(uri, config=self.s3_config)
         except CheckpointNotFoundError:
             log.debug("%s was already removed", uri)
+
+
+def memory_tier_of(options: Mapping[str, Any]) -> MemoryTier:
+    """The ``MemoryTier`` a configuration's ``memory_tier`` keywords describe."""
+    try:
+        return MemoryTier(**options)
+    except TypeError as exc:
+        raise ConfigError(f"memory_tier: {exc}") from None
+
+
+def _as_torchtitan_expects(upload: Future[Any], async_mode: Any) -> Any:
+    """``async``: the upload's future; ``async_with_pinned_mem``: a response whose
+    staging is already complete (the copy is done when the save returns)."""
+    if async_mode == AsyncMode.ASYNC:
+        return upload
+    staged: Future[None] = Future()
+    staged.set_result(None)
+    return AsyncSaveResponse(staging_completion=staged, upload_completion=upload)
 
 
 class _StagedByTheCheckpointProcess:

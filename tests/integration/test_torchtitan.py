@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import shutil
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,9 +143,10 @@ def snapshot(model: Any, optimizers: Any, schedulers: Any, train_state: TrainSta
     )
 
 
-def train(parts: Any, steps: int, snapshot_at: int = 0) -> Any:
-    """Train and save every step as torchtitan's trainer does; the state after
-    ``snapshot_at`` (None if 0)."""
+def train(parts: Any, steps: int, snapshot_at: int = 0, last: bool = True) -> Any:
+    """Train and save every step as torchtitan's trainer does (``last``: the last step as
+    the last; else the job stops there, as when killed); the state after ``snapshot_at``
+    (None if 0)."""
     model, optimizers, schedulers, train_state, manager = parts
     generator = torch.Generator().manual_seed(0)
     kept = None
@@ -156,7 +158,7 @@ def train(parts: Any, steps: int, snapshot_at: int = 0) -> Any:
         optimizers.zero_grad()
         schedulers.step()
         train_state.step = step
-        manager.save(step, last_step=step == steps)  # the last step is saved synchronously
+        manager.save(step, last_step=last and step == steps)  # the last one synchronously
         if step == snapshot_at:
             manager.maybe_wait_for_saving()
             kept = snapshot(model, optimizers, schedulers, train_state)
@@ -188,6 +190,59 @@ def test_save_retain_discover_and_load_bit_exact(
     assert fresh[4].load() is True
     fresh[4].close()
     assert_same(snapshot(*fresh[:4]), expected)
+
+
+@pytest.fixture
+def shm_root() -> Iterator[Path]:
+    """A node's shared memory for the memory tier: a fresh folder of /dev/shm."""
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="s3ckpt-test-", dir="/dev/shm"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("async_mode", ["async", PINNED])
+def test_a_memory_tier_holds_every_save_and_a_restart_restores_from_it(
+    s3_prefix: str,
+    aws_environment: dict[str, Any],
+    s3_options: dict[str, Any],
+    shm_root: Path,
+    async_mode: str,
+) -> None:
+    tier = {"keep": 2, "s3_every": 4, "root": str(shm_root)}
+    parts = build(s3_prefix, aws_environment, 1, async_mode, memory_tier=tier)
+    assert parts[4].load() is False  # nothing in memory or on S3: a fresh start
+    # saves at 2, 4, 6 (interval 2); the job stops after step 7
+    expected = train(parts, 7, snapshot_at=6, last=False)
+    parts[4].close()
+    committed = [c.name for c in catalog.list_checkpoints(s3_prefix, **s3_options) if c.committed]
+    assert committed == ["step-4"]  # S3 every 4th step; memory holds 4 and 6
+
+    fresh = build(s3_prefix, aws_environment, 2, async_mode, memory_tier=tier)
+    assert fresh[4].load() is True
+    restored = fresh[4].last_restore
+    assert (restored.step, restored.tier) == (6, "memory")
+    fresh[4].close()
+    assert_same(snapshot(*fresh[:4]), expected)
+
+    # the node's memory lost: the restart loads S3's step 4
+    shutil.rmtree(shm_root)
+    again = build(s3_prefix, aws_environment, 3, async_mode, memory_tier=tier)
+    assert again[4].load() is True
+    assert again[4].last_restore is None  # loaded from S3 by torchtitan's own path
+    assert again[3].step == 4
+    again[4].close()
+
+
+def test_a_memory_tier_is_checked_with_the_configuration() -> None:
+    config = {"enable": True, "folder": "s3://b/run"}
+    with pytest.raises(ConfigError, match="async"):
+        S3CheckpointManager.Config(**config, memory_tier={"keep": 2})
+    with pytest.raises(ConfigError, match="memory_tier"):
+        S3CheckpointManager.Config(**config, async_mode="async", memory_tier={"kept": 2})
+    with pytest.raises(ConfigError, match="keep"):
+        S3CheckpointManager.Config(**config, async_mode="async", memory_tier={"keep": 0})
 
 
 def test_a_half_written_step_is_not_discovered(

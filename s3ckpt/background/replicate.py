@@ -22,12 +22,21 @@ to send:
 4. a barrier, which every process reaches, a failed receiver too (its error is raised
    after it): when it returns, every copy received intact is recorded on its receiver.
 
-Only the bytes the regions cover are sent (a segment is sized for growth), in pieces of
-at most 32 MiB each; both sides cut them the same way from the descriptor.
+Only the bytes of the regions are sent (a segment is sized for growth), in pieces of at
+most 32 MiB that never straddle a large region's edge (small regions travel together);
+both sides cut them the same way from the descriptor.
+
+A restore may instead receive a copy straight into the model (:class:`Fetched`, for the
+rank receiving it; its sender runs :func:`exchange` as for any copy): each piece of a
+large region lands in the tensor that region is loaded into, the rest in anonymous
+memory the load copies from, each region checked as it lands. No segment files are
+reserved and no second copy is made: for 256 MiB on this machine that was 0.07 s of
+reserving tmpfs pages and 0.05-0.09 s of loading from them, a third of a peer restore.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import mmap
 import os
@@ -41,9 +50,11 @@ from crc32c import crc32c
 
 from s3ckpt.background import held
 from s3ckpt.background.arena import reserved_file
+from s3ckpt.dcp.tensor_bytes import tensor_view
 from s3ckpt.errors import CorruptCheckpointError
 
 _PIECE = 32 << 20  # bytes per send and receive: received and checked in turn
+_LARGE = 1 << 20  # regions from this size are sent on their own (a restore receives them in place)
 
 
 @dataclass(frozen=True)
@@ -148,12 +159,39 @@ def _extents(record: held.Held) -> list[int]:
 
 def _pieces(record: held.Held) -> list[tuple[int, int, int]]:
     """The ``(segment, start, length)`` pieces a copy is sent in, in order: the same on
-    both sides, cut from the descriptor."""
-    return [
-        (segment, start, min(_PIECE, used - start))
-        for segment, used in enumerate(_extents(record))
-        for start in range(0, used, _PIECE)
-    ]
+    both sides, cut from the descriptor. A large region's pieces hold its bytes alone
+    (so they can land in its target); runs of small regions go together, with the few
+    bytes between them, up to a piece's size."""
+    pieces: list[tuple[int, int, int]] = []
+    for segment in range(len(record.segments)):
+        regions = sorted(
+            (r for r in record.regions if r.segment == segment and r.nbytes),
+            key=lambda r: r.offset,
+        )
+        start = end = -1
+        for region in regions:
+            region_end = region.offset + region.nbytes
+            large = region.nbytes >= _LARGE
+            if start >= 0 and (large or region_end - start > _PIECE):
+                pieces.append((segment, start, end - start))
+                start = -1
+            if large:
+                pieces.extend(
+                    (segment, at, min(_PIECE, region_end - at))
+                    for at in range(region.offset, region_end, _PIECE)
+                )
+                continue
+            if start < 0:
+                start = region.offset
+            end = region_end
+        if start >= 0:
+            pieces.append((segment, start, end - start))
+    return pieces
+
+
+def is_large(region: held.HeldRegion) -> bool:
+    """Whether ``region`` is sent in pieces of its own (receivable in place)."""
+    return region.nbytes >= _LARGE
 
 
 class _Outgoing:
@@ -177,7 +215,93 @@ class _Outgoing:
         self.copy.close()
 
 
-class _Incoming:
+class _Receiving:
+    """A copy's pieces being received, each region's CRC32C carried over its bytes as
+    they land (where they land: :meth:`_landed`)."""
+
+    sent: held.Held
+    state: bytes
+    maps: list[mmap.mmap]
+    crcs: list[int]
+
+    def _receive_pieces(
+        self, peer: int, group: dist.ProcessGroup | None, into: dict[int, torch.Tensor]
+    ) -> None:
+        """Receive every piece from ``peer`` (each region in ``into``, by index, lands in
+        that flat byte tensor; the rest in :attr:`maps`): every receive posted ahead,
+        then each piece checked as it lands, while the next ones arrive."""
+        by_start = {
+            (r.segment, r.offset): index
+            for index, r in enumerate(self.sent.regions)
+            if index in into and is_large(r)
+        }
+        works = []
+        owner: tuple[int, int] | None = None  # the region in ``into`` the pieces fall in
+        for segment, start, length in _pieces(self.sent):
+            index = by_start.get((segment, start))
+            if index is not None:
+                owner = (index, start)
+            elif owner is not None:
+                region = self.sent.regions[owner[0]]
+                if not (region.segment == segment and start < region.offset + region.nbytes):
+                    owner = None
+            if owner is not None:
+                region = self.sent.regions[owner[0]]
+                at = start - region.offset
+                target = into[owner[0]][at : at + length]
+            else:
+                target = torch.frombuffer(
+                    self.maps[segment], dtype=torch.uint8, count=length, offset=start
+                )
+            works.append((dist.irecv(target, group=group, group_src=peer), segment, start, length))
+        self._landed_in = into
+        # regions in the order the pieces come (they do not overlap one another)
+        order = sorted(range(len(self.sent.regions)), key=lambda i: self._at(i))
+        first = 0
+        for work, segment, start, length in works:
+            work.wait()
+            while first < len(order) and self._end(order[first]) <= (segment, start):
+                first += 1  # wholly in earlier pieces
+            for index in order[first:]:
+                if self._at(index) >= (segment, start + length):
+                    break
+                self._carry(index, start, start + length)
+
+    def _at(self, index: int) -> tuple[int, int]:
+        region = self.sent.regions[index]
+        return region.segment, region.offset
+
+    def _end(self, index: int) -> tuple[int, int]:
+        region = self.sent.regions[index]
+        return region.segment, region.offset + region.nbytes
+
+    def _carry(self, index: int, start: int, end: int) -> None:
+        """Carry region ``index``'s CRC32C over its bytes in ``[start, end)``."""
+        region = self.sent.regions[index]
+        low, high = max(start, region.offset), min(end, region.offset + region.nbytes)
+        if low >= high:
+            return
+        target = self._landed_in.get(index)
+        if target is not None:
+            view = tensor_view(target[low - region.offset : high - region.offset])
+            self.crcs[index] = crc32c(view, self.crcs[index])
+            return
+        with memoryview(self.maps[region.segment])[low:high] as view:
+            self.crcs[index] = crc32c(view, self.crcs[index])
+
+    def _check(self, peer: int) -> None:
+        """Raise :class:`~s3ckpt.errors.CorruptCheckpointError` unless every region
+        matched its CRC32C."""
+        for region, crc in zip(self.sent.regions, self.crcs, strict=True):
+            if crc != region.crc32c:
+                raise CorruptCheckpointError(
+                    f"the copy of rank {self.sent.rank}'s step {self.sent.step} from "
+                    f"rank {peer} arrived damaged (segment {region.segment}, bytes "
+                    f"{region.offset}..{region.offset + region.nbytes})"
+                )
+
+
+class _Incoming(_Receiving):
     """A copy being received into ``folder``: its files reserved and mapped (no room is a
     :class:`~s3ckpt.errors.MemoryTierError` before a byte is sent), each piece checked as
     it lands."""
@@ -208,51 +332,12 @@ class _Incoming:
         self.crcs = [held.EMPTY_CRC] * len(self.sent.regions)
 
     def receive(self, peer: int, group: dist.ProcessGroup | None) -> None:
-        """Receive the copy from ``peer``: every piece's receive posted ahead, then each
-        piece checked as it lands, while the next ones arrive."""
-        works = []
-        for segment, start, length in _pieces(self.sent):
-            target = torch.frombuffer(
-                self.maps[segment], dtype=torch.uint8, count=length, offset=start
-            )
-            works.append((dist.irecv(target, group=group, group_src=peer), segment, start, length))
-        # regions in the order the pieces come (they do not overlap one another)
-        order = sorted(range(len(self.sent.regions)), key=lambda i: self._at(i))
-        first = 0
-        for work, segment, start, length in works:
-            work.wait()
-            while first < len(order) and self._end(order[first]) <= (segment, start):
-                first += 1  # wholly in earlier pieces
-            for index in order[first:]:
-                if self._at(index) >= (segment, start + length):
-                    break
-                self._carry(index, start, start + length)
-
-    def _at(self, index: int) -> tuple[int, int]:
-        region = self.sent.regions[index]
-        return region.segment, region.offset
-
-    def _end(self, index: int) -> tuple[int, int]:
-        region = self.sent.regions[index]
-        return region.segment, region.offset + region.nbytes
-
-    def _carry(self, index: int, start: int, end: int) -> None:
-        """Carry region ``index``'s CRC32C over its bytes in ``[start, end)``."""
-        region = self.sent.regions[index]
-        low, high = max(start, region.offset), min(end, region.offset + region.nbytes)
-        if low < high:
-            with memoryview(self.maps[region.segment])[low:high] as view:
-                self.crcs[index] = crc32c(view, self.crcs[index])
+        """Receive the copy from ``peer`` into the mapped files."""
+        self._receive_pieces(peer, group, {})
 
     def record(self, peer: int) -> None:
         """Check the CRC32Cs carried over the pieces; then write the descriptor."""
-        for region, crc in zip(self.sent.regions, self.crcs, strict=True):
-            if crc != region.crc32c:
-                raise CorruptCheckpointError(
-                    f"the copy of rank {self.sent.rank}'s step {self.sent.step} from "
-                    f"rank {peer} arrived damaged (segment {region.segment}, bytes "
-                    f"{region.offset}..{region.offset + region.nbytes})"
-                )
+        self._check(peer)
         if crc32c(self.state) != self.sent.state_crc32c:
             raise CorruptCheckpointError(f"the state of the copy from rank {peer} arrived damaged")
         record = dataclasses.replace(self.sent, segments=tuple(max(u, 1) for u in self.used))
@@ -265,6 +350,82 @@ class _Incoming:
         fds, self.fds = self.fds, []
         for fd in fds:
             os.close(fd)
+
+
+class Fetched(_Receiving):
+    """A restore's copy received from ``peer`` straight into the model, for a rank with
+    nothing to send in the same exchange; ``peer`` runs :func:`exchange` with this rank
+    among its sends, every other process of ``group`` runs it too.
+
+    Constructed before the load: the descriptor and the staged state arrive (the state's
+    tensors lie over :attr:`maps`, anonymous memory whose pages are touched only where
+    bytes land in it). The load then calls :meth:`receive` with the regions it can take
+    in place; :meth:`finish`, after the load whatever happened, tells a sender never
+    answered not to send and meets every process at the exchange's closing barrier.
+    """
+
+    def __init__(self, peer: int, group: dist.ProcessGroup | None) -> None:
+        self.peer, self.group = peer, group
+        self._answered = False
+        self.maps = []
+        self.crcs = []
+        self._landed_in: dict[int, torch.Tensor] = {}
+        self.problem: str | None = None  # set when the copy cannot be loaded: do not receive
+        size = torch.zeros(1, dtype=torch.int64)
+        _swap({}, {peer: size}, group)
+        if int(size) < 0:
+            self._answered = True  # the sender sends nothing more
+            self.problem = f"rank {peer} had no copy to send (its save failed before it was held)"
+            return
+        meta = bytearray(int(size))
+        _swap({}, {peer: _bytes(meta)}, group)
+        descriptor, self.state = _unpack(bytes(meta))
+        try:
+            self.sent = held.Held.from_json(descriptor.decode())
+        except (ValueError, TypeError, KeyError) as exc:
+            self.problem = f"the descriptor of the copy from rank {peer} arrived damaged: {exc}"
+            return
+        if crc32c(self.state) != self.sent.state_crc32c:
+            self.problem = f"the state of the copy from rank {peer} arrived damaged"
+            return
+        self.maps = [mmap.mmap(-1, max(size, 1)) for size in _extents(self.sent)]
+        self.crcs = [held.EMPTY_CRC] * len(self.sent.regions)
+
+    def receive(self, into: dict[int, torch.Tensor]) -> None:
+        """Tell the sender to send, and receive: each large region indexed in ``into``
+        lands in that flat byte tensor, the rest in :attr:`maps`; every region checked
+        as it lands (:meth:`check`)."""
+        self._answer(True)
+        self._receive_pieces(self.peer, self.group, into)
+
+    def check(self) -> str | None:
+        """What arrived damaged, if anything (after :meth:`receive`)."""
+        if self.problem is not None:
+            return self.problem
+        if not self._answered:
+            return f"the copy from rank {self.peer} was never received"
+        try:
+            self._check(self.peer)
+        except CorruptCheckpointError as exc:
+            return str(exc)
+        return None
+
+    def finish(self) -> None:
+        """After the load, whatever happened: the sender told not to send if it never was
+        answered, then the exchange's closing barrier."""
+        try:
+            if not self._answered:
+                self._answer(False)
+        finally:
+            maps, self.maps = self.maps, []
+            for mapped in maps:
+                with contextlib.suppress(BufferError):  # a tensor still views it
+                    mapped.close()
+            dist.barrier(group=self.group)
+
+    def _answer(self, ready: bool) -> None:
+        self._answered = True
+        _swap({self.peer: torch.tensor([int(ready)], dtype=torch.int64)}, {}, self.group)
 
 
 def _pack(descriptor: bytes, state: bytes) -> bytearray:

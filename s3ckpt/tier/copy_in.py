@@ -14,18 +14,25 @@ on one thread, 0.030-0.037 s on two (1.2-1.5x the bare copy;
 What cannot be read that way (a target of another dtype or layout, a slice of a region)
 is copied from the mapping, and the regions not read whole are checked through the
 mapping after the load (:meth:`CheckedCopyIn.problem`).
+
+A copy a restore receives from a peer (its node was lost) is loaded by
+:class:`ReceivingCopyIn` as it arrives: each large region the model takes as it is lands
+in its target straight from the socket, the rest in memory the load then copies from
+(:class:`~s3ckpt.background.replicate.Fetched`).
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
 
 from s3ckpt.background.held import HeldRegion, MappedCopy
+from s3ckpt.background.replicate import Fetched, is_large
 from s3ckpt.dcp.compat import has_lazy_bits
-from s3ckpt.dcp.restore import takes_stored_bytes
+from s3ckpt.dcp.restore import as_bytes_tensor, takes_stored_bytes
 from s3ckpt.dcp.tensor_bytes import tensor_view
 
 
@@ -62,23 +69,61 @@ class CheckedCopyIn:
         return self.copy.verify(skip=self.checked)
 
     def _region_of(self, source: torch.Tensor, target: torch.Tensor) -> HeldRegion | None:
-        """The copy's region that is exactly ``source``'s bytes, when they can be read as
-        they are into ``target``'s memory."""
-        nbytes = source.numel() * source.element_size()
-        if (
-            nbytes == 0
-            or target.device.type != "cpu"
-            or target.shape != source.shape
-            or not source.is_contiguous()
-            or has_lazy_bits(source)
-            or not takes_stored_bytes(target, source.dtype, nbytes)
-        ):
-            return None
-        address = source.data_ptr()
-        for segment, (base, size) in enumerate(self._bases):
-            if base <= address < base + size:
-                return self._regions.get((segment, address - base, nbytes))
+        return _exact_region(self._bases, self._regions, source, target)
+
+
+class ReceivingCopyIn:
+    """A :data:`~s3ckpt.dcp.state_reader.CopyIn` for a copy arriving from a peer
+    (:class:`~s3ckpt.background.replicate.Fetched`, whose maps the load's sources lie
+    over): the large regions the model takes as they are land in their targets, the rest
+    is copied from where it landed; :meth:`problem` after the load."""
+
+    def __init__(self, fetched: Fetched) -> None:
+        self.fetched = fetched
+        self._bases = [(_address(mapped), len(mapped)) for mapped in fetched.maps]
+        self._regions = {(r.segment, r.offset, r.nbytes): r for r in fetched.sent.regions}
+        self._index = {r: index for index, r in enumerate(fetched.sent.regions)}
+
+    def __call__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        found = [(_exact_region(self._bases, self._regions, s, t), s, t) for s, t in pairs]
+        uses = Counter(region for region, _, _ in found if region is not None)
+        into, later = {}, []
+        for region, source, target in found:
+            if region is not None and uses[region] == 1 and is_large(region):
+                into[self._index[region]] = as_bytes_tensor(target)
+            else:
+                later.append((source, target))
+        self.fetched.receive(into)
+        for source, target in later:
+            target.copy_(source)
+
+    def problem(self) -> str | None:
+        return self.fetched.check()
+
+
+def _exact_region(
+    bases: Sequence[tuple[int, int]],
+    regions: dict[tuple[int, int, int], HeldRegion],
+    source: torch.Tensor,
+    target: torch.Tensor,
+) -> HeldRegion | None:
+    """The copy's region that is exactly ``source``'s bytes, when they can be read as they
+    are into ``target``'s memory."""
+    nbytes = source.numel() * source.element_size()
+    if (
+        nbytes == 0
+        or target.device.type != "cpu"
+        or target.shape != source.shape
+        or not source.is_contiguous()
+        or has_lazy_bits(source)
+        or not takes_stored_bytes(target, source.dtype, nbytes)
+    ):
         return None
+    address = source.data_ptr()
+    for segment, (base, size) in enumerate(bases):
+        if base <= address < base + size:
+            return regions.get((segment, address - base, nbytes))
+    return None
 
 
 def _address(mapped: object) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from s3ckpt.background.replicate import Exchange, exchange
+from s3ckpt.background.replicate import Exchange, Fetched, exchange
 from s3ckpt.background.saver import Keep
 from s3ckpt.background.worker import Hold
 from s3ckpt.tier.copies import Holdings, LocalCopies
@@ -88,11 +88,15 @@ class RankTier:
         self, state_dict: dict[str, Any], s3_latest: int | None, planner: Any = None
     ) -> Restored | None:
         return restore_from_memory(
-            state_dict, self.copies, self._gather, s3_latest, self._fetch, planner
-        )
+            state_dict, self.copies, self._gather, s3_latest, self._fetch, planner,
+            receive=self._receive,
+        )  # fmt: skip
 
     def _fetch(self, plan: Exchange) -> None:
         exchange(plan, group=self._fetch_group)
+
+    def _receive(self, peer: int) -> Fetched:
+        return Fetched(peer, self._fetch_group)
 
     def discard_above(self, step: int) -> None:
         self.copies.discard_above(step)

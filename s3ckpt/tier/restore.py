@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,11 +38,11 @@ import torch.distributed.checkpoint as dcp
 
 from s3ckpt.background.channel import loads_staged
 from s3ckpt.background.held import MappedCopy
-from s3ckpt.background.replicate import Exchange
+from s3ckpt.background.replicate import Exchange, Fetched
 from s3ckpt.dcp.compat import single_process, unwrap
 from s3ckpt.dcp.state_reader import CopyIn, StateReader
 from s3ckpt.tier.copies import Holdings, LocalCopies
-from s3ckpt.tier.copy_in import CheckedCopyIn
+from s3ckpt.tier.copy_in import CheckedCopyIn, ReceivingCopyIn
 
 log = logging.getLogger("s3ckpt.tier")
 
@@ -67,29 +67,42 @@ def restore_from_memory(
     s3_latest: int | None,
     fetch: Callable[[Exchange], None] | None = None,
     planner: Any = None,
+    receive: Callable[[int], Fetched] | None = None,
 ) -> Restored | None:
     """Load the newest step the job can rebuild from memory intact (not older than
     ``s3_latest``) into ``state_dict``; None when there is none (then load from S3).
     Every rank calls it. A rank whose own copy is missing receives it from a peer that
-    holds its replica, through ``fetch`` (an exchange among the ranks)."""
+    holds its replica, through ``fetch`` (an exchange among the ranks), or, given
+    ``receive`` and an S3 step to fall back on, straight into ``state_dict`` as it
+    arrives (``receive(peer)`` starts that rank's part of the same exchange)."""
     started = time.perf_counter()
     every: list[Holdings] = gather(copies.holdings())
     for step in _rebuildable(every, s3_latest):
         plan = _fetch_plan(every, step)
-        if plan:
-            problem = _fetch(copies, plan, step, fetch)
-            if any(gather(problem)):
-                log.warning("step %d could not be fetched from the peers holding it", step)
-                continue
         # With a committed S3 step to fall back to, each rank checks its copy as it loads
         # it (one pass, copy_in.py): a damaged copy's bytes may land in the model, and the
         # whole job then loads an older step (or S3) over them. With none, the copy is
         # checked before a byte is loaded, so a failed restore leaves the state untouched.
         check_first = s3_latest is None
+        in_place = _received_in_place(plan, receive is not None and not check_first)
+        outcome = None
+        if plan:
+            problem = None
+            if copies.rank in in_place:
+                assert receive is not None
+                outcome = _apply_received(
+                    state_dict, copies.rank, receive(plan[copies.rank]), planner
+                )
+            else:
+                problem = _fetch(copies, plan, step, fetch, skip=in_place)
+            if any(gather(problem)):
+                log.warning("step %d could not be fetched from the peers holding it", step)
+                continue
         chosen = time.perf_counter()
-        received = copies.rank in plan
-        problem, damaged = _apply_held(state_dict, copies, step, planner, check_first, received)
-        outcomes = gather((problem, damaged))
+        if outcome is None:
+            received = copies.rank in plan
+            outcome = _apply_held(state_dict, copies, step, planner, check_first, received)
+        outcomes = gather(outcome)
         problems = [p for p, _ in outcomes if p]
         if any(d for _, d in outcomes):
             log.warning(
@@ -143,14 +156,25 @@ def _fetch_plan(every: list[Holdings], step: int) -> dict[int, int]:
     return plan
 
 
+def _received_in_place(plan: dict[int, int], allowed: bool) -> set[int]:
+    """The ranks of ``plan`` that receive their copy straight into the model: all that
+    send nothing in the same exchange, when ``allowed`` (the same on every rank)."""
+    if not allowed:
+        return set()
+    senders = set(plan.values())
+    return {rank for rank in plan if rank not in senders}
+
+
 def _fetch(
     copies: LocalCopies,
     plan: dict[int, int],
     step: int,
     fetch: Callable[[Exchange], None] | None,
+    skip: Collection[int] = (),
 ) -> str | None:
     """This rank's part of fetching ``plan``: send the replicas it holds, receive its own
-    copy into an emptied slot. What went wrong, if anything."""
+    copy into an emptied slot (unless it is in ``skip``: it receives into the model,
+    :func:`_apply_received`). What went wrong, if anything."""
     sends = []
     for rank, holder in plan.items():
         if holder == copies.rank:
@@ -158,7 +182,7 @@ def _fetch(
             assert replica is not None
             sends.append((rank, str(replica.folder)))
     receives = ()
-    if copies.rank in plan:
+    if copies.rank in plan and copies.rank not in skip:
         slot = copies.next_slot()
         copies.invalidate(slot)
         receives = ((plan[copies.rank], str(copies.slots[slot])),)
@@ -200,7 +224,7 @@ def _apply_held(
         if damage is not None:
             return f"rank {copies.rank}: {damage}", True
         copy_in = CheckedCopyIn(copy, check=not (check_first or received))
-        problem = _apply(state_dict, copy, copy_in, planner)
+        problem = _apply(state_dict, copy.state, copy.maps, copy_in, planner, copy.held.rank)
         if problem is not None:
             return problem, False
         damage = copy_in.problem()
@@ -209,15 +233,38 @@ def _apply_held(
         copy.close()
 
 
+def _apply_received(
+    state_dict: dict[str, Any], rank: int, fetched: Fetched, planner: Any
+) -> tuple[str | None, bool]:
+    """Load the copy ``fetched`` brings from a peer into ``state_dict`` as it arrives,
+    checked as it lands: what went wrong, and whether the copy was not intact."""
+    try:
+        if fetched.problem is not None:
+            return f"rank {rank}: {fetched.problem}", True
+        copy_in = ReceivingCopyIn(fetched)
+        problem = _apply(state_dict, fetched.state, fetched.maps, copy_in, planner, rank)
+        if problem is not None:
+            return problem, False
+        damage = copy_in.problem()
+        return (None, False) if damage is None else (f"rank {rank}: {damage}", True)
+    finally:
+        fetched.finish()
+
+
 def _apply(
-    state_dict: dict[str, Any], copy: MappedCopy, copy_in: CopyIn, planner: Any
+    state_dict: dict[str, Any],
+    state: bytes,
+    maps: list[Any],
+    copy_in: CopyIn,
+    planner: Any,
+    rank: int,
 ) -> str | None:
     try:
-        reader = StateReader(loads_staged(copy.state, copy.maps), copy_in)
+        reader = StateReader(loads_staged(state, maps), copy_in)
         with single_process():
             dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=True)
     except Exception as exc:
         error = unwrap(exc)
         log.debug("applying the held copy failed", exc_info=error)
-        return f"rank {copy.held.rank}: {type(error).__name__}: {error}"
+        return f"rank {rank}: {type(error).__name__}: {error}"
     return None

@@ -42,17 +42,25 @@ def exchange_main(
 ) -> None:
     _init(rank, world_size, port)
     replicate._PIECE = 4_000  # many pieces per region, regions sharing pieces
+    replicate._LARGE = 5_000  # regions 0 and 3 sent in pieces of their own, 1 and 2 together
     report: dict[str, object] = {}
     try:
         if rank == 0:
             make_copy(Path(sender), seed=1)
-            if fault == "damaged":  # the sender's bytes changed after they were recorded
-                with open(Path(sender) / "segment-1", "r+b") as f:
-                    f.seek(4_096 + 8_999)  # the region's last byte
+            at = {"damaged": (1, 4_096 + 8_999), "into damaged": (0, 5_000)}.get(fault)
+            if at is not None:  # the sender's bytes changed after they were recorded
+                segment, offset = at
+                with open(Path(sender) / f"segment-{segment}", "r+b") as f:
+                    f.seek(offset)
                     byte = f.read(1)[0]
-                    f.seek(4_096 + 8_999)
+                    f.seek(offset)
                     f.write(bytes([byte ^ 0x01]))
             plan = replicate.Exchange(sends=((1, sender),))
+        elif fault.startswith("into"):
+            report.update(_received_into_memory(fault))
+            Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+            dist.destroy_process_group()
+            return
         else:
             if fault == "no room":
                 replicate.reserved_file = _no_room
@@ -65,6 +73,25 @@ def exchange_main(
         report["held"] = held.read(Path(receiver)) is not None
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
+
+
+def _received_into_memory(fault: str) -> dict[str, object]:
+    """Rank 1's side of a restore's fetch (:class:`replicate.Fetched`): region 0 received
+    straight into a tensor of its own, the rest into anonymous memory; or (``into
+    refused``) never asked for, so the sender must not send."""
+    fetched = replicate.Fetched(0, None)
+    report: dict[str, object] = {"problem": fetched.problem}
+    try:
+        if fault == "into refused":
+            return report
+        target = torch.zeros(10_000, dtype=torch.uint8)
+        fetched.receive({0: target})
+        report["check"] = fetched.check()
+        report["in target"] = target.numpy().tobytes().hex()
+        report["in memory"] = [bytes(fetched.maps[s][o : o + n]).hex() for s, o, n in REGIONS[1:]]
+    finally:
+        fetched.finish()
+    return report
 
 
 def _no_room(path: Path, size: int, **_: object) -> int:

@@ -316,8 +316,12 @@ def replicated_tier_main(
     from pathlib import Path
 
     from s3ckpt import MemoryTier
-    from s3ckpt.background import held
+    from s3ckpt.background import held, replicate
+    from s3ckpt.tier.copies import node_copies
 
+    # this small model's weights count as large regions: a restore receives them from a
+    # peer straight into the model (the rest into memory it copies from)
+    replicate._LARGE = 1024
     tier = MemoryTier(keep=2, s3_every=2, root=Path(roots[rank]), node=f"node{rank}")
     run = TierRank(rank, uri, s3, tier)
 
@@ -356,4 +360,23 @@ def replicated_tier_main(
             run.save(manager, 10)
             run.save(manager, 11)  # staged into that slot again, through the same memory
         report["after_fetch_in_place"] = run.restored()
+        dist.barrier()
+
+        # node 1 lost again, and node 0's replica of rank 1's 11 damaged in a region that
+        # lands straight in the model: found as it lands, 10 loaded over it from memory
+        if rank == 0:
+            (replica,) = [
+                c for c in node_copies(tier.root)
+                if c.replica and c.held.rank == 1 and c.held.step == 11
+            ]  # fmt: skip
+            large = next(r for r in replica.held.regions if r.nbytes >= replicate._LARGE)
+            with open(replica.folder / f"segment-{large.segment}", "r+b") as f:
+                f.seek(large.offset + large.nbytes // 2)
+                byte = f.read(1)[0]
+                f.seek(large.offset + large.nbytes // 2)
+                f.write(bytes([byte ^ 0x10]))
+        if rank == 1:
+            shutil.rmtree(tier.root)
+        dist.barrier()
+        report["damaged_replica"] = run.restored()
         dist.barrier()

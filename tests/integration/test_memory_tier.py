@@ -307,6 +307,9 @@ def test_replicas_on_another_node_rebuild_a_lost_node_from_memory(
         # a copy received into a slot the running manager stages into stays readable there
         assert report["fetched_in_place"] is True
         assert report["after_fetch_in_place"] == ((11, "memory"), True)
-    assert reports[0]["held_after_restore"][0] == [5]  # rank 1 held 5 again after the fetch
+        assert report["damaged_replica"] == ((10, "memory"), True)
+    # rank 1 received 5 straight into its model (S3 held step 4 to fall back on): it holds
+    # no copy of 5 until its next save; node 0's replica still does
+    assert reports[0]["held_after_restore"][0] == []
     # 7 is held by rank 0 alone; rank 1 emptied the slot of 5 for it
     assert reports[0]["held_after_kill"] == [6]

@@ -1,6 +1,7 @@
 """Copies sent between checkpoint processes (``s3ckpt.background.replicate``): received
 piece by piece into the receiver's tmpfs files, each region checked against the sender's
-CRC32C as its pieces land, the descriptor written only for a copy that arrived intact."""
+CRC32C as its pieces land, the descriptor written only for a copy that arrived intact;
+and a restore's fetch, received straight into the model's memory (``Fetched``)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,28 @@ def test_a_receiver_without_room_is_not_sent_to_and_nobody_waits(tmp_path):
     assert reports[0] == {"ok": True}
     assert reports[1]["error"].startswith("MemoryTierError: not enough shared memory")
     assert reports[1]["held"] is False
+
+
+def sent_bytes(tmp_path, segment: int, offset: int, nbytes: int) -> str:
+    data = (tmp_path / "sender" / f"segment-{segment}").read_bytes()
+    return data[offset : offset + nbytes].hex()
+
+
+def test_a_fetch_lands_in_the_target_and_in_memory_checked(tmp_path):
+    reports = run(tmp_path, "into")
+    assert reports[0] == {"ok": True}
+    got = reports[1]
+    assert got["problem"] is None and got["check"] is None
+    assert got["in target"] == sent_bytes(tmp_path, *rank_side.REGIONS[0])
+    assert got["in memory"] == [sent_bytes(tmp_path, *r) for r in rank_side.REGIONS[1:]]
+
+
+def test_a_fetch_damaged_on_the_way_is_found_where_it_landed(tmp_path):
+    reports = run(tmp_path, "into damaged")  # a byte of region 0, received into the target
+    assert reports[0] == {"ok": True}
+    assert "arrived damaged (segment 0, bytes 0..10000)" in reports[1]["check"]
+
+
+def test_a_fetch_never_asked_for_is_not_sent_and_nobody_waits(tmp_path):
+    reports = run(tmp_path, "into refused")
+    assert reports == [{"ok": True}, {"problem": None}]

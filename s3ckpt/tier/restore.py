@@ -8,8 +8,13 @@
    newest committed S3 step, is the candidate (S3 wins when it is newer).
 2. **Fetch what is missing.** A rank whose own copy is gone (its node was replaced)
    counts as holding the step when a peer on another node holds its replica: the peers
-   send such replicas to the ranks missing them (checked as they arrive), who record them
-   as their own copies.
+   send such replicas to the ranks missing them, checked as they arrive. With a committed
+   S3 step to fall back on, a receiving rank with nothing to send loads the copy as it
+   arrives, each large tensor straight from the socket into the model
+   (:class:`~s3ckpt.tier.copy_in.ReceivingCopyIn`): no tmpfs pages to reserve and no
+   second copy, half the time of a peer restore here. It then holds no copy of that step
+   until its next save (the peer's replica still does). Otherwise the receiver records
+   the copy as its own first, and loads it from there.
 3. **Apply, checked.** ``dcp.load`` from the copy
    (:class:`~s3ckpt.dcp.state_reader.StateReader`), rank by rank with no collective: each
    rank's copy holds exactly the shards it saved, so a restart with the same world size

@@ -40,6 +40,7 @@ import contextlib
 import dataclasses
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -225,17 +226,23 @@ class _Receiving:
     crcs: list[int]
 
     def _receive_pieces(
-        self, peer: int, group: dist.ProcessGroup | None, into: dict[int, torch.Tensor]
+        self,
+        peer: int,
+        group: dist.ProcessGroup | None,
+        into: dict[int, torch.Tensor],
+        ready: Callable[[], None] | None = None,
     ) -> None:
         """Receive every piece from ``peer`` (each region in ``into``, by index, lands in
         that flat byte tensor; the rest in :attr:`maps`): every receive posted ahead,
-        then each piece checked as it lands, while the next ones arrive."""
+        then each piece checked as it lands, while the next ones arrive. ``ready`` is
+        called once every piece's place is known, before the first receive is posted
+        (what tells the sender to send: nothing can fail between it and the receives)."""
         by_start = {
             (r.segment, r.offset): index
             for index, r in enumerate(self.sent.regions)
             if index in into and is_large(r)
         }
-        works = []
+        places = []
         owner: tuple[int, int] | None = None  # the region in ``into`` the pieces fall in
         for segment, start, length in _pieces(self.sent):
             index = by_start.get((segment, start))
@@ -253,7 +260,13 @@ class _Receiving:
                 target = torch.frombuffer(
                     self.maps[segment], dtype=torch.uint8, count=length, offset=start
                 )
-            works.append((dist.irecv(target, group=group, group_src=peer), segment, start, length))
+            places.append((target, segment, start, length))
+        if ready is not None:
+            ready()
+        works = [
+            (dist.irecv(target, group=group, group_src=peer), segment, start, length)
+            for target, segment, start, length in places
+        ]
         self._landed_in = into
         # regions in the order the pieces come (they do not overlap one another)
         order = sorted(range(len(self.sent.regions)), key=lambda i: self._at(i))
@@ -395,8 +408,7 @@ class Fetched(_Receiving):
         """Tell the sender to send, and receive: each large region indexed in ``into``
         lands in that flat byte tensor, the rest in :attr:`maps`; every region checked
         as it lands (:meth:`check`)."""
-        self._answer(True)
-        self._receive_pieces(self.peer, self.group, into)
+        self._receive_pieces(self.peer, self.group, into, ready=lambda: self._answer(True))
 
     def check(self) -> str | None:
         """What arrived damaged, if anything (after :meth:`receive`)."""

@@ -157,20 +157,25 @@ class CheckpointProcess:
             finally:
                 self._inflight = None
 
-    def refresh(self) -> None:
+    def refresh(self, agree: Any = None) -> list[Any]:
         """Start fresh checkpoint processes where one is needed: this rank's died, or (with
-        several ranks) a save failed on any rank. One all-gather with several ranks."""
+        several ranks) a save failed on any rank. One all-gather with several ranks, which
+        also carries ``agree``: every rank's, in rank order, is returned (what the caller
+        checks the ranks agree on before a save starts)."""
         self._check_open()
         worker = self._worker
         needed = worker is None or not worker.healthy(self.world)
+        agreed = [agree]
         if self.world > 1:
             flags: list[Any] = [None] * self.world
-            dist.all_gather_object(flags, needed, group=self._group)
-            needed = any(flags)
+            dist.all_gather_object(flags, (needed, agree), group=self._group)
+            needed = any(flag for flag, _ in flags)
+            agreed = [value for _, value in flags]
         if needed:
             self._stop_worker()
             self._generation += 1
             self._start()
+        return agreed
 
     def stage(self, state_dict: dict[str, Any], slot: int = 0) -> Staged:
         """Copy ``state_dict`` into the arena of ``slot`` (the previous save must be

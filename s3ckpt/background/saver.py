@@ -34,7 +34,7 @@ from s3ckpt.background.worker import Hold
 from s3ckpt.dcp.compat import save_plain
 from s3ckpt.dcp.staging import HostStager, plain_state_dict
 from s3ckpt.dcp.writer import S3StorageWriter
-from s3ckpt.errors import CheckpointError
+from s3ckpt.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("s3ckpt.background")
 
@@ -72,6 +72,7 @@ class BackgroundSaver:
         self.world = dist.get_world_size(process_group) if distributed else 1
         self.rank = dist.get_rank(process_group) if distributed else 0
         self._process: CheckpointProcess | None = None
+        self._ready = False
         self._stager: HostStager | None = None
         self._thread: ThreadPoolExecutor | None = None
         self._save_group: Any = None
@@ -90,6 +91,26 @@ class BackgroundSaver:
     def process(self) -> CheckpointProcess | None:
         """The checkpoint process (process mode)."""
         return self._process
+
+    def ready(self, describe: str, agree: Any = None) -> None:
+        """Get ready for the next save (:meth:`start` does it when not done): wait for the
+        save in flight, start fresh checkpoint processes where needed. ``agree`` (process
+        mode): what every rank must pass the same (the step, whether it uploads), checked
+        in the all-gather that costs anyway; a :class:`~s3ckpt.errors.ConfigError` on
+        every rank when they differ (they would otherwise wait for each other in
+        different saves). Called before anything about the save is changed (a memory
+        slot emptied), so a refused save changes nothing."""
+        if self._process is None:
+            return
+        self._process.wait_idle()
+        agreed = self._process.refresh(agree)
+        if any(value != agreed[0] for value in agreed):
+            raise ConfigError(
+                f"{describe}: the ranks did not start the same save ("
+                + ", ".join(f"rank {r}: {v}" for r, v in enumerate(agreed))
+                + "); every rank saves the same step, each with a writer or each without"
+            )
+        self._ready = True
 
     def start(
         self,
@@ -111,9 +132,9 @@ class BackgroundSaver:
         sees). With replication and several ranks, a rank whose copy fails still takes
         part in the exchange, sending nothing, so its peers fail the save instead of
         waiting for it."""
-        if self._process is not None:
-            self._process.wait_idle()
-            self._process.refresh()
+        if not self._ready:
+            self.ready(describe)
+        self._ready = False
         slot = keep.slot if keep is not None else 0
         try:
             staged, failure = self._stage(state_dict, slot), None

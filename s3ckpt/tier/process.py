@@ -55,6 +55,17 @@ log = logging.getLogger("s3ckpt.tier")
 
 
 @dataclass(frozen=True)
+class _Intent:
+    """What every rank's save must agree on."""
+
+    step: int
+    uploads: bool
+
+    def __str__(self) -> str:
+        return f"step {self.step}, {'uploaded' if self.uploads else 'held only'}"
+
+
+@dataclass(frozen=True)
 class TierSave:
     """One save of a :class:`TieredCheckpointProcess`: ``held`` resolves once the copy is
     recorded in memory, ``replicated`` once its replicas landed on every peer (at once
@@ -153,11 +164,13 @@ class TieredCheckpointProcess:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be an int >= 0, got {step!r}")
         self.wait()
+        uploads = storage_writer is not None
+        self._saves.ready(f"step {step}", _Intent(step, uploads))
         keep = self._tier.keep(step)
         done, failure = self._saves.start(
             state_dict, storage_writer, f"step {step}", keep=keep, planner=planner
         )
-        save = TierSave(step, storage_writer is not None, keep.held, keep.replicated, done)
+        save = TierSave(step, uploads, keep.held, keep.replicated, done)
         self._inflight = save
         if keep.hold.replicate is None:
             _resolve_with(keep.replicated, keep.held)

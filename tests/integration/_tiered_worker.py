@@ -18,7 +18,13 @@ def tiered_process_main(
     rank: int, world_size: int, port: int, s3: dict[str, Any], uri: str, out_dir: str,
     roots: list[str],
 ) -> None:  # fmt: skip
-    from s3ckpt import MemoryTier, S3StorageReader, S3StorageWriter, TieredCheckpointProcess
+    from s3ckpt import (
+        ConfigError,
+        MemoryTier,
+        S3StorageReader,
+        S3StorageWriter,
+        TieredCheckpointProcess,
+    )
 
     tier = MemoryTier(keep=2, s3_every=2, root=Path(roots[rank]), node=f"node{rank}")
     model, state = make_state(rank, seed=1)
@@ -48,6 +54,14 @@ def tiered_process_main(
                 expected[step] = snapshot(model, state, rank)
                 save.replicated.result(timeout=120)
                 report[f"done-{step}"] = save.result(timeout=120) is not None
+            # the ranks disagree on whether step 5 uploads: refused on every rank,
+            # before a slot is emptied
+            writer = S3StorageWriter(f"{uri}/step-5", **s3) if rank == 0 else None
+            try:
+                tiered.async_save(state, 5, storage_writer=writer)
+                report["disagreement"] = "saved"
+            except ConfigError as exc:
+                report["disagreement"] = str(exc)
             report["held"] = tiered.held_steps()
             report["replicated"] = tiered.replicated_steps()
         report["restarted"] = restored(s3_latest=4)  # memory's 4 (as new as S3's)

@@ -179,6 +179,10 @@ def test_two_nodes_replicas_rebuild_a_lost_node_and_s3_the_rest(
     reports = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for report in reports:
         assert [report[f"done-{s}"] for s in (1, 2, 3, 4)] == [False, True, False, True]
+        assert (
+            "did not start the same save (rank 0: step 5, uploaded, rank 1: step 5, held"
+            in (report["disagreement"])
+        )
         assert report["held"] == [3, 4] and report["replicated"] == [3, 4]
         assert report["restarted"] == ((4, "memory"), True)
         assert report["node_lost"] == ((4, "memory"), True)  # rank 1's from rank 0's replica

@@ -14,5 +14,7 @@
   :mod:`~s3ckpt.background.shards`: the shared staging memory, the copy into it, and
   sharded tensors saved without their mesh;
 * :mod:`~s3ckpt.background.channel`: messages, descriptors and staged state between the
-  two processes.
+  two processes;
+* :mod:`~s3ckpt.background.ranks`: the ranks a manager or a tiered process agrees with,
+  and the few collectives their decisions need.
 """

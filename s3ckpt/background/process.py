@@ -234,12 +234,7 @@ class CheckpointProcess:
     # -- internals -------------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise CheckpointProcessError(f"{self!r} is closed")
-        if os.getpid() != self._pid:
-            raise CheckpointProcessError(
-                f"{self!r} belongs to process {self._pid}, not to this one ({os.getpid()})"
-            )
+        check_usable(self, self._closed, self._pid)
 
     def _meeting_place(self) -> tuple[Any, tuple[str, int] | None]:
         """With several ranks: rank 0's store for the checkpoint processes, its address on
@@ -274,6 +269,17 @@ class CheckpointProcess:
         worker, self._worker = self._worker, None
         if worker is not None:
             worker.stop()
+
+
+def check_usable(owner: object, closed: bool, pid: int) -> None:
+    """Raise :class:`~s3ckpt.errors.CheckpointProcessError` if ``owner`` is closed, or
+    belongs to another process (``pid``: a forked child has none of its threads)."""
+    if closed:
+        raise CheckpointProcessError(f"{owner!r} is closed")
+    if os.getpid() != pid:
+        raise CheckpointProcessError(
+            f"{owner!r} belongs to process {pid}, not to this one ({os.getpid()})"
+        )
 
 
 def _niceness(nice: int | None) -> int:

@@ -3,8 +3,9 @@
 * :mod:`~s3ckpt.manager.checkpoint_manager`: saves in the background, one in flight,
   failures raised on the next call, loading the latest;
 * :mod:`~s3ckpt.manager.policy`: checkpoint names, retention after each commit, metrics;
-* :mod:`~s3ckpt.manager.committed`: which steps are committed, at little cost;
-* :mod:`~s3ckpt.manager.ranks`: the few collectives the manager's decisions need.
+* :mod:`~s3ckpt.manager.committed`: which steps are committed, at little cost.
+
+The few collectives its decisions need are :mod:`s3ckpt.background.ranks`'s.
 
 The upload itself runs in :mod:`s3ckpt.background` (the checkpoint process by default).
 """

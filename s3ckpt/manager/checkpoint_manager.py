@@ -55,6 +55,7 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from s3ckpt.background.ranks import Ranks
 from s3ckpt.background.saver import BackgroundSaver
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.dcp.compat import unwrap
@@ -71,7 +72,6 @@ from s3ckpt.manager.policy import (
     checkpoint_name,
     validate_options,
 )
-from s3ckpt.manager.ranks import Ranks
 from s3ckpt.s3.client import prepare_client
 from s3ckpt.tier.options import MemoryTier
 from s3ckpt.tier.rank import RankTier

@@ -43,10 +43,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from s3ckpt.background.process import DEFAULT_TIMEOUT_S
+from s3ckpt.background.process import DEFAULT_TIMEOUT_S, check_usable
+from s3ckpt.background.ranks import Ranks
 from s3ckpt.background.saver import BackgroundSaver
 from s3ckpt.dcp.compat import unwrap
-from s3ckpt.errors import CheckpointProcessError, ConfigError
+from s3ckpt.errors import ConfigError
 from s3ckpt.tier.options import MemoryTier
 from s3ckpt.tier.rank import RankTier
 from s3ckpt.tier.restore import Restored
@@ -119,11 +120,9 @@ class TieredCheckpointProcess:
         if not isinstance(run, str) or not run:
             raise ConfigError(f"run must name the run's S3 location, got {run!r}")
         self.memory_tier = memory_tier
-        self._group = process_group
-        distributed = dist.is_available() and dist.is_initialized()
-        self.world = dist.get_world_size(process_group) if distributed else 1
-        self.rank = dist.get_rank(process_group) if distributed else 0
-        self._tier = RankTier(memory_tier, run, self.rank, self.world, self._gather, process_group)
+        ranks = Ranks(process_group)
+        self.world, self.rank = ranks.world, ranks.rank
+        self._tier = RankTier(memory_tier, run, self.rank, self.world, ranks.gather, process_group)
         try:
             self._saves = BackgroundSaver(
                 "process", process_group, memory_slots=self._tier.copies.slots,
@@ -254,19 +253,7 @@ class TieredCheckpointProcess:
     # -- internals -------------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise CheckpointProcessError(f"{self!r} is closed")
-        if os.getpid() != self._pid:
-            raise CheckpointProcessError(
-                f"{self!r} belongs to process {self._pid}, not to this one ({os.getpid()})"
-            )
-
-    def _gather(self, value: Any) -> list[Any]:
-        if self.world == 1:
-            return [value]
-        values: list[Any] = [None] * self.world
-        dist.all_gather_object(values, value, group=self._group)
-        return values
+        check_usable(self, self._closed, self._pid)
 
 
 def _resolve_with(target: Future[None], source: Future[None]) -> None:

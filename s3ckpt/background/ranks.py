@@ -1,4 +1,5 @@
-"""The ranks a ``CheckpointManager`` agrees with, and the few collectives it needs.
+"""The ranks a ``CheckpointManager`` (or a ``TieredCheckpointProcess``) agrees with, and
+the few collectives it needs.
 
 Every decision that could differ between ranks (skip a busy save, whether a step is
 committed) is taken once and shared, so that no rank starts a save, or a collective,

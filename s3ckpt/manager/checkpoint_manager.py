@@ -303,7 +303,8 @@ class CheckpointManager:
         this step is then not saved: call ``save`` again to save it.
 
         With a memory tier the copy is also held in memory, and uploaded only if ``s3``
-        says so (default: ``MemoryTier.to_s3(step)``); every rank must pass the same.
+        says so (default: ``MemoryTier.to_s3(step)``); every rank must pass the same
+        (ranks that do not all raise :class:`~s3ckpt.errors.ConfigError`).
         """
         if self._closed:
             raise CheckpointError(f"{self!r} is closed")
@@ -316,6 +317,11 @@ class CheckpointManager:
         self._settle()  # from here on, every rank has the same view of what is committed
         waited = time.perf_counter() - started
         to_s3 = self.memory_tier is None or (self.memory_tier.to_s3(step) if s3 is None else s3)
+        if self._saves is not None:  # ranks that disagree fail here, before any collective
+            try:  # that depends on where the step goes (the committed check's)
+                self._saves.ready(name, f"step {step}, {'to S3' if to_s3 else 'memory only'}")
+            except BaseException as exc:
+                _reraise(exc)
         writer = None
         if to_s3:
             replace = self.overwrite or self._committed.replaces(step)

@@ -277,6 +277,11 @@ def memory_tier_main(
         report["restarted"] = run.restored()  # every rank restarted: 4, from memory
 
         with run.manager() as manager:
+            try:  # the ranks disagree on whether step 5 goes to S3: refused on both
+                manager.save(5, run.state, s3=rank == 0)
+                report["disagreement"] = "saved"
+            except Exception as exc:
+                report["disagreement"] = f"{type(exc).__name__}: {exc}"
             run.save(manager, 5)  # memory only
         if rank == 1:  # one rank's copy of the newest step is gone
             for copy in node_copies(tier.root):

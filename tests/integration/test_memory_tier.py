@@ -264,6 +264,10 @@ def test_two_ranks_on_two_simulated_nodes_survive_each_fault(
     for report in reports:
         assert report["held"] == [3, 4] and report["s3"] == [2, 4]
         assert report["restarted"] == ((4, "memory"), True)
+        assert report["disagreement"].startswith(
+            "ConfigError: step-0000000005: the ranks did not start the same save (rank 0: "
+            "step 5, to S3, rank 1: step 5, memory only)"
+        )
         assert report["one_copy_deleted"] == ((4, "memory"), True)
         assert report["node_lost"] == ((4, "s3"), True)
         assert report["killed_save"] == "CheckpointProcessError"

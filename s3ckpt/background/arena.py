@@ -97,10 +97,13 @@ class Segment:
 class StagingArena:
     """The segments of one trainer (or their mappings in its checkpoint process)."""
 
-    def __init__(self, *, pin: bool = False, root: Path | None = None) -> None:
+    def __init__(
+        self, *, pin: bool = False, root: Path | None = None, limit: int | None = None
+    ) -> None:
         self.segments: list[Segment] = []
         self._pin = pin
         self.root = root
+        self.limit = limit  # the most bytes one copy may take (a memory tier's max_bytes)
 
     @property
     def nbytes(self) -> int:
@@ -120,6 +123,11 @@ class StagingArena:
         mappings stay valid; what does not fit in the segments there are goes into one
         new segment, sized for all of it.
         """
+        if self.limit is not None and sum(sizes) > self.limit:
+            raise MemoryTierError(
+                f"the state takes {sum(sizes)} bytes, more than the memory tier's max_bytes "
+                f"({self.limit}): nothing of it was copied"
+            )
         regions: list[Region] = []
         added: list[Segment] = []
         index, offset = 0, 0

@@ -82,6 +82,9 @@ class CheckpointProcess:
         memory_slots: folders (in a tmpfs) to stage into instead of anonymous memory, one
             arena each, chosen per save (``slot``): the memory tier's slots
             (:mod:`s3ckpt.tier`), whose copies outlive the process.
+        slot_limit: the most bytes a copy staged in a memory slot may take (the memory
+            tier's ``max_bytes``): a larger state fails its save with
+            :class:`~s3ckpt.errors.MemoryTierError` before a byte is copied.
         nice: how much lower the checkpoint process's CPU priority is than the trainer's
             (added to the trainer's nice value; default ``$S3CKPT_CHECKPOINT_NICE``, else
             10; 0: the same). Where the two
@@ -97,6 +100,7 @@ class CheckpointProcess:
         pin_memory: bool | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         memory_slots: Sequence[Path] = (),
+        slot_limit: int | None = None,
         nice: int | None = None,
     ) -> None:
         self._nice = _niceness(nice)
@@ -106,7 +110,9 @@ class CheckpointProcess:
         self.rank = dist.get_rank(process_group) if distributed else 0
         self._timeout_s = timeout_s
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._arenas = [StagingArena(pin=pin, root=Path(root)) for root in memory_slots]
+        self._arenas = [
+            StagingArena(pin=pin, root=Path(root), limit=slot_limit) for root in memory_slots
+        ]
         if not self._arenas:
             self._arenas.append(StagingArena(pin=pin))
         self._store, self._address = self._meeting_place()

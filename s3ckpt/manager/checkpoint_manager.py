@@ -156,9 +156,10 @@ class CheckpointManager:
             )
         )  # fmt: skip
         slots = self._tier.copies.slots if self._tier is not None else ()
+        limit = {"slot_limit": memory_tier.max_bytes} if memory_tier is not None else {}
         self._saves = (
             None if async_mode == "sync"
-            else BackgroundSaver(async_mode, process_group, memory_slots=slots)
+            else BackgroundSaver(async_mode, process_group, memory_slots=slots, **limit)
         )  # fmt: skip
         self.last_restore: Restored | None = None
         self._retention = Retention(self.location, self.config, keep_last, keep_every)

@@ -126,7 +126,8 @@ class TieredCheckpointProcess:
         try:
             self._saves = BackgroundSaver(
                 "process", process_group, memory_slots=self._tier.copies.slots,
-                pin_memory=pin_memory, timeout_s=timeout_s, nice=nice,
+                slot_limit=memory_tier.max_bytes, pin_memory=pin_memory,
+                timeout_s=timeout_s, nice=nice,
             )  # fmt: skip
         except BaseException:
             self._tier.close()

@@ -257,6 +257,25 @@ def test_options_are_checked_at_construction(s3_prefix, s3_options, shm_root):
         CheckpointManager(s3_prefix, memory_tier=too_big, **s3_options)
 
 
+def test_a_state_over_max_bytes_fails_its_save_before_a_byte_is_copied(
+    s3_prefix, s3_options, shm_root
+):
+    tier = MemoryTier(keep=2, s3_every=100, root=shm_root)
+    snapshots = saving_run(s3_prefix, s3_options, tier, (1, 2))
+    small = MemoryTier(keep=2, s3_every=100, root=shm_root, max_bytes=1024, local_ranks=1)
+    _, state = worker.make_state(0, seed=3)
+    with CheckpointManager(s3_prefix, memory_tier=small, **s3_options) as manager:
+        with pytest.raises(
+            MemoryTierError, match=r"more than the memory tier's max_bytes \(1024\)"
+        ):
+            manager.save(3, state)
+        assert manager._saves.process.staging_bytes == 0  # no segment made for it
+        assert manager.held_steps() == [2]  # the newest copy kept; nothing of 3 written
+    step, restored, loaded = restore(s3_prefix, s3_options, tier)
+    assert (step, restored.tier) == (2, "memory")
+    assert_same(loaded, snapshots[2])
+
+
 def test_two_ranks_on_two_simulated_nodes_survive_each_fault(
     local_s3, s3_prefix, s3_options, tmp_path, shm_root
 ):

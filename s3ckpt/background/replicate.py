@@ -218,7 +218,8 @@ class _Outgoing:
 
 class _Receiving:
     """A copy's pieces being received, each region's CRC32C carried over its bytes as
-    they land (where they land: :meth:`_landed`)."""
+    they land, where they land: in :attr:`maps`, or in the tensor a restore loads the
+    region into."""
 
     sent: held.Held
     state: bytes
@@ -243,19 +244,16 @@ class _Receiving:
             if index in into and is_large(r)
         }
         places = []
-        owner: tuple[int, int] | None = None  # the region in ``into`` the pieces fall in
+        owner: int | None = None  # the region in ``into`` the pieces fall in
         for segment, start, length in _pieces(self.sent):
-            index = by_start.get((segment, start))
-            if index is not None:
-                owner = (index, start)
-            elif owner is not None:
-                region = self.sent.regions[owner[0]]
-                if not (region.segment == segment and start < region.offset + region.nbytes):
-                    owner = None
+            owner = by_start.get((segment, start), owner)
             if owner is not None:
-                region = self.sent.regions[owner[0]]
-                at = start - region.offset
-                target = into[owner[0]][at : at + length]
+                region = self.sent.regions[owner]
+                if not (region.segment == segment and start < region.offset + region.nbytes):
+                    owner = None  # past its end: a piece of small regions, or of another
+            if owner is not None:
+                at = start - self.sent.regions[owner].offset
+                target = into[owner][at : at + length]
             else:
                 target = torch.frombuffer(
                     self.maps[segment], dtype=torch.uint8, count=length, offset=start

@@ -123,9 +123,10 @@ class StagingArena:
         mappings stay valid; what does not fit in the segments there are goes into one
         new segment, sized for all of it.
         """
-        if self.limit is not None and sum(sizes) > self.limit:
+        total = sum(sizes)
+        if self.limit is not None and total > self.limit:
             raise MemoryTierError(
-                f"the state takes {sum(sizes)} bytes, more than the memory tier's max_bytes "
+                f"the state takes {total} bytes, more than the memory tier's max_bytes "
                 f"({self.limit}): nothing of it was copied"
             )
         regions: list[Region] = []

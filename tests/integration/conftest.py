@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import copy
 import logging
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import _cli_runner
@@ -103,6 +106,15 @@ def cli(local_s3, monkeypatch, capsys, tmp_path):
     """The ``s3ckpt`` command, run in this process against the local server
     (:func:`_cli_runner.runner`); ``test_cli.py`` has one of its own."""
     return _cli_runner.runner(local_s3, monkeypatch, capsys, tmp_path)
+
+
+@pytest.fixture
+def shm_root() -> Iterator[Path]:
+    """A fresh folder in /dev/shm (a node's shared memory, for the memory tier), removed
+    afterwards."""
+    root = Path(tempfile.mkdtemp(prefix="s3ckpt-test-", dir="/dev/shm"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

@@ -24,17 +24,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def shm_root(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """A fresh folder in /dev/shm (a node's shared memory), removed afterwards."""
-    import shutil
-    import tempfile
-
-    root = Path(tempfile.mkdtemp(prefix="s3ckpt-test-", dir="/dev/shm"))
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
-
-
 def trained(steps: range, seed: int = 1) -> tuple[torch.nn.Module, dict[str, Any]]:
     model, state = worker.make_state(0, seed=seed)
     for step in steps:

@@ -5,9 +5,6 @@ bad input; two gloo ranks on two simulated nodes: replicas rebuild a lost node."
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import _manager_worker as worker
@@ -32,13 +29,6 @@ pytestmark = [
     pytest.mark.integration,
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
 ]
-
-
-@pytest.fixture
-def shm_root() -> Any:
-    root = Path(tempfile.mkdtemp(prefix="s3ckpt-test-", dir="/dev/shm"))
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def run_script(uri, s3_options, tier, steps) -> tuple[dict[int, Any], list[Any], list[int]]:

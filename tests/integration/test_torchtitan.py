@@ -192,16 +192,6 @@ def test_save_retain_discover_and_load_bit_exact(
     assert_same(snapshot(*fresh[:4]), expected)
 
 
-@pytest.fixture
-def shm_root() -> Iterator[Path]:
-    """A node's shared memory for the memory tier: a fresh folder of /dev/shm."""
-    import tempfile
-
-    root = Path(tempfile.mkdtemp(prefix="s3ckpt-test-", dir="/dev/shm"))
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
-
-
 @pytest.mark.parametrize("async_mode", ["async", PINNED])
 def test_a_memory_tier_holds_every_save_and_a_restart_restores_from_it(
     s3_prefix: str,

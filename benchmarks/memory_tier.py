@@ -14,6 +14,9 @@ S3 figures are what the client spends. Per rank, in one run:
 * restores with ``load_latest``: from the own copy (every rank restarted), from the peer
   after rank 1's node is lost (its memory removed), and from S3 (``load`` of the S3
   step); the step-selection time of each;
+* a job restarted with one rank instead of two (world size changed): the node that kept
+  rank 0's copy and rank 1's replica restores both ranks' state into one process from
+  them (resharded, :mod:`s3ckpt.tier.restore`), against the same step loaded from S3;
 * shared memory used per node against the state size;
 * the training loop beside replication: each rank steps a dispatch-bound loop
   (:func:`benchmarks.loop_cases.dispatch_loop`) alone, then while a save is held and
@@ -113,9 +116,10 @@ def measure(size_mib: int, tensors: int, saves: int) -> dict[str, Any]:
             args = (2, store.port, server.env(), uri, str(shm), str(out), size_mib, tensors, saves)
             tmp.start_processes(_rank, args=args, nprocs=2, join=True, start_method="spawn")
             ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+            resharded = _resharded(uri, server.env(), shm / "node0", size_mib, tensors, saves)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
-    return summarize(ranks, size_mib=size_mib, tensors=tensors)
+    return {**summarize(ranks, size_mib=size_mib, tensors=tensors), "resharded": resharded}
 
 
 def _rank(
@@ -134,9 +138,8 @@ def _rank(
         "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=600)
     )
     s3: dict[str, Any] = {}  # endpoint and credentials from the AWS_* variables
-    numel = size_mib * (1 << 20) // 4 // tensors
-    state = {f"rank{rank}.layer{i}": torch.randn(numel) for i in range(tensors)}  # its own shards
-    nbytes = numel * 4 * tensors
+    state = _state(rank, size_mib, tensors)  # its own shards
+    nbytes = sum(t.nbytes for t in state.values())
     result: dict[str, Any] = {"rank": rank, "bytes": nbytes}
     result["copy_first_s"], result["copy_steady_s"] = _bare_copies(state)
     result["link_s"] = _link(nbytes, rank)
@@ -148,7 +151,7 @@ def _rank(
             manager.save(step, state)
             metrics.append(manager.wait())
         result["loop"] = _loop_beside(manager, state, saves + 1)
-        s3_step = saves + 2
+        s3_step = _s3_step(saves)
         dist.barrier()
         manager.save(s3_step, state, s3=True)
         metrics.append(manager.wait())
@@ -165,6 +168,7 @@ def _rank(
         shutil.rmtree(tier.root)  # node 1 lost
     result["peer"] = _restore(uri, tier, s3, state)
     result["s3"] = _restore(uri, tier, s3, state, step=s3_step)
+    assert s3_step == _s3_step(saves)
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
@@ -235,6 +239,51 @@ def _link(nbytes: int, rank: int) -> float:
         (dist.send if rank == 0 else dist.recv)(piece, 1 - rank)
     dist.barrier()
     return time.perf_counter() - start
+
+
+def _state(rank: int, size_mib: int, tensors: int) -> dict[str, Any]:
+    import torch
+
+    numel = size_mib * (1 << 20) // 4 // tensors
+    random = torch.Generator().manual_seed(rank)
+    return {f"rank{rank}.layer{i}": torch.randn(numel, generator=random) for i in range(tensors)}
+
+
+def _s3_step(saves: int) -> int:
+    """The last step the ranks save, to memory and S3."""
+    return saves + 2
+
+
+def _resharded(
+    uri: str, env: dict[str, str], root: Path, size_mib: int, tensors: int, saves: int
+) -> dict[str, Any]:
+    """One process restores what both ranks saved, from node 0's copies (its own and rank
+    1's replica), then the same step from S3: each one's time, source, exactness."""
+    from s3ckpt import CheckpointManager, MemoryTier
+
+    expected = {**_state(0, size_mib, tensors), **_state(1, size_mib, tensors)}
+    tier = MemoryTier(keep=2, s3_every=1 << 30, root=root, node="node0")
+    before = dict(os.environ)
+    os.environ.update(env)
+    try:
+        found = {}
+        for source in ("memory", "s3"):
+            state = {k: v.clone().zero_() for k, v in expected.items()}
+            with CheckpointManager(uri, memory_tier=tier) as manager:
+                start = time.perf_counter()
+                if source == "memory":
+                    manager.load_latest(state)
+                    where = manager.last_restore.tier
+                else:
+                    manager.load(_s3_step(saves), state)
+                    where = "s3"
+                total = time.perf_counter() - start
+            exact = all(v.equal(expected[k]) for k, v in state.items())
+            found[source] = {"tier": where, "total_s": total, "exact": exact}
+        return found
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
 
 
 def _restore(
@@ -397,6 +446,11 @@ def table(report: dict[str, Any]) -> str:
         f" MiB per rank; keep=2 own copies + 2 replicas)"
     )
     lines.append(f"restored from: {report['sources']}; bit-exact: {report['exact']}")
+    for source, found in report.get("resharded", {}).items():
+        lines.append(
+            f"{'one rank restores both (' + source + ')':<40} {found['total_s']:>9.3f}"
+            f"  from {found['tier']}, bit-exact: {found['exact']}"
+        )
     lines += [
         f"{t['target']:<40} {t['ratio']:>9.2f}  (goal {t['goal']})" for t in report["targets"]
     ]

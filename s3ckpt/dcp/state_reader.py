@@ -12,6 +12,12 @@ from the held tensor (a view, so a byte is read once) into the target; or, given
 ``copy_in``, hands every ``(source, target)`` pair of the plan to it at once, so the
 memory tier can read its copy's files into the targets and check them as they land
 (:mod:`s3ckpt.tier.copy_in`).
+
+Given the states of every rank of a save (:meth:`StateReader.of_ranks`), the metadata is
+the one that save wrote: DCP's coordinator planner merges the ranks' plans (replicated
+items kept once, as a save keeps them), so a job with another world size or sharding
+loads from them as it would load the checkpoint from S3, each chunk read from the state
+that holds it, through that state's ``copy_in``.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch
 from torch.distributed.checkpoint import StorageReader
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from s3ckpt.dcp.compat import narrow
 
@@ -42,12 +48,31 @@ class StateReader(StorageReader):
 
     def __init__(self, state: dict[str, Any], copy_in: CopyIn = copy_each) -> None:
         super().__init__()
-        self._copy_in = copy_in
-        self._planner = DefaultSavePlanner()
-        self._planner.set_up_planner(state, is_coordinator=True)
-        plan = self._planner.create_local_plan()
-        _, self._metadata = self._planner.create_global_plan([plan])
-        self._items = {item.index: item for item in plan.items}
+        self._set_up([(state, copy_in)])
+
+    @classmethod
+    def of_ranks(cls, states: Sequence[tuple[dict[str, Any], CopyIn]]) -> StateReader:
+        """A reader of the state every rank of one save held (rank order), each with the
+        ``copy_in`` its chunks are read through."""
+        reader = cls.__new__(cls)
+        StorageReader.__init__(reader)
+        reader._set_up(states)
+        return reader
+
+    def _set_up(self, states: Sequence[tuple[dict[str, Any], CopyIn]]) -> None:
+        self._copy_ins = [copy_in for _, copy_in in states]
+        self._planners = []
+        plans = []
+        for rank, (state, _) in enumerate(states):
+            planner = DefaultSavePlanner()
+            planner.set_up_planner(state, is_coordinator=rank == 0)
+            plans.append(planner.create_local_plan())
+            self._planners.append(planner)
+        kept, self._metadata = self._planners[0].create_global_plan(plans)
+        # where each item is read from: the rank whose plan kept it (replicated ones once)
+        self._items = {
+            item.index: (rank, item) for rank, plan in enumerate(kept) for item in plan.items
+        }
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -69,16 +94,21 @@ class StateReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
-        copies = []
+        copies: list[tuple[ReadItem, torch.Tensor, torch.Tensor]] = []
+        by_rank: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for item in plan.items:
             index = MetadataIndex(item.storage_index.fqn, item.storage_index.offset)
-            data = self._planner.resolve_data(self._items[index])
+            rank, write_item = self._items[index]
+            data = self._planners[rank].resolve_data(write_item)
             if item.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(item, io.BytesIO(data.getvalue()))
                 continue
             source = narrow(data, item.storage_offsets, item.lengths)
-            copies.append((item, source, planner.resolve_tensor(item).detach()))
-        self._copy_in([(source, target) for _, source, target in copies])
+            target = planner.resolve_tensor(item).detach()
+            copies.append((item, source, target))
+            by_rank.setdefault(rank, []).append((source, target))
+        for rank, pairs in sorted(by_rank.items()):
+            self._copy_ins[rank](pairs)
         for item, _, target in copies:
             planner.commit_tensor(item, target)
         done: torch.futures.Future[None] = torch.futures.Future()

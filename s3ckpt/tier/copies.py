@@ -10,7 +10,9 @@ The rules that keep a restore safe:
 * a save writes the slot that does not hold the newest copy (with ``keep >= 2``), and
   removes that slot's descriptor before its first byte is copied, so the slot holds
   nothing until the new copy is complete;
-* a copy counts only for its own run, rank and world size;
+* a copy counts as a rank's own only for its own run, rank and world size; the copies
+  of a job with another world size count together, all of one step or none
+  (:meth:`LocalCopies.other_worlds`), until the new layout's first save frees them;
 * after a rollback (a load of step ``L``), copies above ``L`` are the abandoned run's:
   :meth:`LocalCopies.discard_above` removes their descriptors on every rank.
 
@@ -80,6 +82,13 @@ class SlotSet:
             if h.held.step > step:
                 held.invalidate(h.folder)
 
+    def forget_others(self) -> None:
+        """Empty the slots holding a copy that is not this set's (another world size)."""
+        for folder in self.folders:
+            record = held.read(folder)
+            if record is not None and (record.run, record.rank, record.world) != self._whose:
+                held.invalidate(folder)
+
 
 class LocalCopies:
     """The memory-tier slots of one rank of one run: its own copies, and the replicas it
@@ -143,6 +152,33 @@ class LocalCopies:
         for replicas in self.replicas.values():
             replicas.discard_above(step)
 
+    def other_worlds(self) -> dict[tuple[int, int], dict[int, tuple[Path, held.Held]]]:
+        """The run's steps saved with another world size whose every rank's copy this
+        node holds (each rank's own copy, else a replica of it): ``(world, step)`` -> old
+        rank -> its folder and descriptor."""
+        found: dict[tuple[int, int], dict[int, tuple[Path, held.Held]]] = {}
+        for copy in node_copies(self.tier.root, self.run_folder.name):  # own before replicas
+            record = copy.held
+            if record.run == self.run and record.world != self.world:
+                steps = found.setdefault((record.world, record.step), {})
+                steps.setdefault(record.rank, (copy.folder, record))
+        return {key: ranks for key, ranks in found.items() if len(ranks) == key[0]}
+
+    def tidy(self) -> None:
+        """Free what this layout no longer uses on the node: the folders of ranks beyond
+        the world size and the replicas this rank no longer keeps (a job restarted with
+        another world size or layout), and the copies of another world size in this
+        rank's slots. Called once the job has restored (or not) and saves again: until
+        then, those copies are what a resharding restore reads."""
+        for folder in self.run_folder.glob("rank-*"):
+            if _rank_of(folder.name, "rank-") >= self.world:
+                shutil.rmtree(folder, ignore_errors=True)  # ranks on the node race: fine
+        for folder in self.folder.glob("replica-of-*"):
+            if _rank_of(folder.name, "replica-of-") not in self.replicas:
+                shutil.rmtree(folder, ignore_errors=True)
+        for slots in (self.own, *self.replicas.values()):
+            slots.forget_others()
+
 
 @dataclass(frozen=True)
 class Holdings:
@@ -163,15 +199,25 @@ class NodeCopy:
     replica: bool = False  # a peer's copy kept here
 
 
-def node_copies(root: Path) -> list[NodeCopy]:
-    """Every complete copy under ``root`` (own copies and replicas), by run, step and rank."""
+def node_copies(root: Path, runs: str = "run-*") -> list[NodeCopy]:
+    """Every complete copy under ``root`` (own copies and replicas; of the run folders
+    ``runs`` matches), by run, step and rank, a rank's own copy before replicas of it."""
     found = []
-    folders = [*root.glob("run-*/rank-*/slot-*"), *root.glob("run-*/rank-*/replica-of-*/slot-*")]
+    folders = [
+        *root.glob(f"{runs}/rank-*/slot-*"),
+        *root.glob(f"{runs}/rank-*/replica-of-*/slot-*"),
+    ]
     for folder in sorted(folders):
         record = held.read(folder)
         if record is not None:
             found.append(NodeCopy(record.run, folder, record, "replica-of-" in folder.parent.name))
     return sorted(found, key=lambda c: (c.run, -c.held.step, c.held.rank, c.replica))
+
+
+def _rank_of(name: str, prefix: str) -> int:
+    """The rank a folder named ``<prefix><rank>`` is for (-1 when it names none)."""
+    digits = name.removeprefix(prefix)
+    return int(digits) if digits.isdigit() else -1
 
 
 def remove_run(root: Path, run: str) -> int:

@@ -23,13 +23,14 @@ in its target straight from the socket, the rest in memory the load then copies 
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 from collections import Counter
 from collections.abc import Sequence
 
 import torch
 
-from s3ckpt.background.held import HeldRegion, MappedCopy
+from s3ckpt.background.held import HeldRegion, MappedCopy, damaged_region
 from s3ckpt.background.replicate import Fetched, is_large
 from s3ckpt.dcp.compat import has_lazy_bits
 from s3ckpt.dcp.restore import as_bytes_tensor, takes_stored_bytes
@@ -39,13 +40,19 @@ from s3ckpt.dcp.tensor_bytes import tensor_view
 class CheckedCopyIn:
     """A :data:`~s3ckpt.dcp.state_reader.CopyIn` for a held copy: reads what it can
     straight from the copy's files, each region's CRC32C checked as it lands (not with
-    ``check=False``: for a copy checked as it arrived from a peer a moment ago)."""
+    ``check=False``: for a copy checked as it arrived from a peer a moment ago).
 
-    def __init__(self, copy: MappedCopy, check: bool = True) -> None:
-        self.copy, self._check = copy, check
+    ``whole``: :meth:`problem` also checks the regions the load did not touch (a rank
+    loading its own copy reads nearly all of it anyway); without it only those the load
+    read from (a resharding load takes a part of each of several copies)."""
+
+    def __init__(self, copy: MappedCopy, check: bool = True, whole: bool = True) -> None:
+        self.copy, self._check, self._whole = copy, check, whole
         self._bases = [(_address(mapped), len(mapped)) for mapped in copy.maps]
         self._regions = {(r.segment, r.offset, r.nbytes): r for r in copy.held.regions}
+        self._by_segment = _regions_by_segment(copy.held.regions)
         self.checked: set[HeldRegion] = set()
+        self.touched: set[HeldRegion] = set()
         self.damaged: list[HeldRegion] = []
 
     def __call__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -54,6 +61,8 @@ class CheckedCopyIn:
             region = self._region_of(source, target)
             if region is None:
                 target.copy_(source)  # faults the mapping's pages in as it reads
+                if not self._whole:
+                    self.touched.update(self._regions_under(source))
             else:
                 reads.append((region, tensor_view(target)))
         self.damaged += self.copy.read_checked(reads, self._check)
@@ -66,10 +75,30 @@ class CheckedCopyIn:
             return self.copy.damage(self.damaged[0])
         if not self._check:
             return None
-        return self.copy.verify(skip=self.checked)
+        if self._whole:
+            return self.copy.verify(skip=self.checked)
+        region = damaged_region(self.copy.maps, sorted(self.touched - self.checked, key=_place))
+        return None if region is None else self.copy.damage(region)
 
     def _region_of(self, source: torch.Tensor, target: torch.Tensor) -> HeldRegion | None:
         return _exact_region(self._bases, self._regions, source, target)
+
+    def _regions_under(self, source: torch.Tensor) -> list[HeldRegion]:
+        """The copy's regions that ``source``'s bytes (a view into its maps) overlap."""
+        if source.numel() == 0:
+            return []
+        start = source.data_ptr()
+        span = sum(
+            (size - 1) * stride for size, stride in zip(source.shape, source.stride(), strict=True)
+        )
+        end = start + (span + 1) * source.element_size()
+        for segment, (base, size) in enumerate(self._bases):
+            if base <= start < base + size:
+                offsets, regions = self._by_segment.get(segment, ([], []))
+                first = max(bisect.bisect_right(offsets, start - base) - 1, 0)
+                last = bisect.bisect_left(offsets, end - base)
+                return [r for r in regions[first:last] if r.offset + r.nbytes > start - base]
+        return []
 
 
 class ReceivingCopyIn:
@@ -130,6 +159,20 @@ def _exact_region(
         if base <= address < base + size:
             return regions.get((segment, address - base, nbytes))
     return None
+
+
+def _regions_by_segment(
+    regions: Sequence[HeldRegion],
+) -> dict[int, tuple[list[int], list[HeldRegion]]]:
+    """Each segment's regions in offset order, and their offsets (for bisecting)."""
+    found: dict[int, list[HeldRegion]] = {}
+    for region in sorted(regions, key=_place):
+        found.setdefault(region.segment, []).append(region)
+    return {segment: ([r.offset for r in rs], rs) for segment, rs in found.items()}
+
+
+def _place(region: HeldRegion) -> tuple[int, int]:
+    return region.segment, region.offset
 
 
 def _address(mapped: object) -> int:

@@ -39,6 +39,7 @@ class RankTier:
     ) -> None:
         self.tier, self.run, self.rank, self.world = tier, run, rank, world
         self._gather = gather
+        self._tidied = False
         nodes = gather(tier.node_name())
         self.targets = replica_targets(nodes, tier.replicas)
         self.replicating = any(self.targets)  # the same on every rank
@@ -52,7 +53,11 @@ class RankTier:
 
     def keep(self, step: int) -> Keep:
         """Where this save's copy is held (that slot emptied first), and, with several
-        nodes, what is sent to and received from peers once it is."""
+        nodes, what is sent to and received from peers once it is. The first save frees
+        what an earlier layout of the job left on the node (its restore is over)."""
+        if not self._tidied:
+            self.copies.tidy()
+            self._tidied = True
         slot = self.copies.next_slot()
         self.copies.invalidate(slot)
         folder = str(self.copies.slots[slot])

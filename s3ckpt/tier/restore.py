@@ -16,16 +16,29 @@
    until its next save (the peer's replica still does). Otherwise the receiver records
    the copy as its own first, and loads it from there.
 3. **Apply, checked.** ``dcp.load`` from the copy
-   (:class:`~s3ckpt.dcp.state_reader.StateReader`), rank by rank with no collective: each
-   rank's copy holds exactly the shards it saved, so a restart with the same world size
-   and sharding finds every piece it needs; DCP calls the ``Stateful`` objects'
-   ``load_state_dict`` as for any load. Every region is checked against its CRC32C, as
+   (:class:`~s3ckpt.dcp.state_reader.StateReader`, :mod:`s3ckpt.tier.apply`), rank by
+   rank with no collective: each rank's copy holds exactly the shards it saved, so a
+   restart with the same world size and sharding finds every piece it needs; DCP calls
+   the ``Stateful`` objects' ``load_state_dict`` as for any load. Every region is checked against its CRC32C, as
    every S3 read is: as it is read into the model (:mod:`s3ckpt.tier.copy_in`), or, when
    no committed S3 step could be loaded over a damaged one, before a byte is loaded. One
    all-gather of the outcomes: if any rank's copy is missing or damaged, the job walks
    back to the next step every rank holds, which loads over it; a rank that could not
    apply (its state no longer matches the copy's) sends every rank on to S3, so no model
    is ever left assembled from two steps.
+
+**Another world size.** A job restarted with more or fewer ranks holds no copy of its
+own, but the old job's copies are still in the nodes' shared memory: every old rank's
+copy of a step, together, is that step's checkpoint (each staged with the write items DCP
+made for its shards, :class:`~s3ckpt.background.shards.StagedShards`). Each rank reports
+the old steps whose every rank's copy its node holds (its own copies or replicas); a step
+every node holds whole is a candidate beside the job's own steps, and each rank loads its
+new shards from the node's copies through DCP's resharding load, as from S3, checking
+each copy's regions it read from (:func:`~s3ckpt.tier.apply.apply_resharded`). That
+covers a single-node job restarted on fewer or more devices, and a job whose nodes each
+keep every other node's replicas (two nodes, one replica); where a node lacks some old
+rank's copy, the step comes from S3. The new layout frees the old one's copies at its
+first save (:meth:`~s3ckpt.tier.copies.LocalCopies.tidy`).
 
 The step is chosen once for every rank and never mixed: every rank applies the same step,
 or every rank falls back to S3 (which loads over whatever was applied).
@@ -39,15 +52,10 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
-
-from s3ckpt.background.channel import loads_staged
-from s3ckpt.background.held import MappedCopy
 from s3ckpt.background.replicate import Exchange, Fetched
-from s3ckpt.dcp.compat import single_process, unwrap
-from s3ckpt.dcp.state_reader import CopyIn, StateReader
+from s3ckpt.dcp.compat import unwrap
+from s3ckpt.tier.apply import Outcome, apply_held, apply_received, apply_resharded
 from s3ckpt.tier.copies import Holdings, LocalCopies
-from s3ckpt.tier.copy_in import CheckedCopyIn, ReceivingCopyIn
 
 log = logging.getLogger("s3ckpt.tier")
 
@@ -79,34 +87,42 @@ def restore_from_memory(
     Every rank calls it. A rank whose own copy is missing receives it from a peer that
     holds its replica, through ``fetch`` (an exchange among the ranks), or, given
     ``receive`` and an S3 step to fall back on, straight into ``state_dict`` as it
-    arrives (``receive(peer)`` starts that rank's part of the same exchange)."""
+    arrives (``receive(peer)`` starts that rank's part of the same exchange). A step
+    saved with another world size is resharded from the node's copies when every node
+    of the job holds every old rank's copy of it."""
     started = time.perf_counter()
-    every: list[Holdings] = gather(copies.holdings())
-    for step in _rebuildable(every, s3_latest):
-        plan = _fetch_plan(every, step)
-        # With a committed S3 step to fall back to, each rank checks its copy as it loads
-        # it (one pass, copy_in.py): a damaged copy's bytes may land in the model, and the
-        # whole job then loads an older step (or S3) over them. With none, the copy is
-        # checked before a byte is loaded, so a failed restore leaves the state untouched.
-        check_first = s3_latest is None
-        in_place = _received_in_place(plan, receive is not None and not check_first)
-        outcome = None
-        if plan:
-            problem = None
-            if copies.rank in in_place:
-                assert receive is not None
-                outcome = _apply_received(
-                    state_dict, copies.rank, receive(plan[copies.rank]), planner
-                )
-            else:
-                problem = _fetch(copies, plan, step, fetch, skip=in_place)
-            if any(gather(problem)):
-                log.warning("step %d could not be fetched from the peers holding it", step)
+    others = copies.other_worlds()
+    reports: list[tuple[Holdings, list[tuple[int, int]]]] = gather(
+        (copies.holdings(), sorted(others))
+    )
+    every = [holdings for holdings, _ in reports]
+    common = set.intersection(*(set(theirs) for _, theirs in reports))
+    # With a committed S3 step to fall back to, each rank checks its copy as it loads it
+    # (one pass, copy_in.py): a damaged copy's bytes may land in the model, and the whole
+    # job then loads an older step (or S3) over them. With none, the copy is checked
+    # before a byte is loaded, so a failed restore leaves the state untouched.
+    check_first = s3_latest is None
+    for step, world in _candidates(every, common, copies.world, s3_latest):
+        if world == copies.world:
+            into_model = receive if not check_first else None
+            fetched = _fetch_step(
+                state_dict, copies, every, step, gather, fetch, into_model, planner
+            )
+            if fetched is _NOT_FETCHED:
                 continue
-        chosen = time.perf_counter()
-        if outcome is None:
-            received = copies.rank in plan
-            outcome = _apply_held(state_dict, copies, step, planner, check_first, received)
+            chosen = time.perf_counter()
+            received = copies.rank in _fetch_plan(every, step)
+            outcome = (
+                apply_held(state_dict, copies, step, planner, check_first, received)
+                if fetched is None
+                else fetched
+            )
+        else:
+            chosen = time.perf_counter()
+            log.info("resharding step %d saved by %d ranks from this node's copies", step, world)
+            outcome = apply_resharded(
+                state_dict, copies.rank, others[world, step], planner, check_first
+            )
         outcomes = gather(outcome)
         problems = [p for p, _ in outcomes if p]
         if any(d for _, d in outcomes):
@@ -123,6 +139,51 @@ def restore_from_memory(
             return None
         return Restored(step, "memory", chosen - started, time.perf_counter() - chosen)
     return None
+
+
+_NOT_FETCHED: Outcome = ("not fetched", True)
+
+
+def _fetch_step(
+    state_dict: dict[str, Any],
+    copies: LocalCopies,
+    every: list[Holdings],
+    step: int,
+    gather: Gather,
+    fetch: Callable[[Exchange], None] | None,
+    receive: Callable[[int], Fetched] | None,
+    planner: Any,
+) -> Outcome | None:
+    """Bring the copies of ``step`` that ranks are missing from their peers (every rank
+    takes part): this rank's outcome when it loaded its copy as it arrived, None when its
+    copy is now held here, :data:`_NOT_FETCHED` when any rank's fetch failed. Given
+    ``receive``, the ranks that send nothing receive their copies into the model."""
+    plan = _fetch_plan(every, step)
+    if not plan:
+        return None
+    in_place = _received_in_place(plan, receive is not None)
+    outcome = None
+    problem = None
+    if copies.rank in in_place:
+        assert receive is not None
+        outcome = apply_received(state_dict, copies.rank, receive(plan[copies.rank]), planner)
+    else:
+        problem = _fetch(copies, plan, step, fetch, skip=in_place)
+    if any(gather(problem)):
+        log.warning("step %d could not be fetched from the peers holding it", step)
+        return _NOT_FETCHED
+    return outcome
+
+
+def _candidates(
+    every: list[Holdings], resharded: set[tuple[int, int]], world: int, s3_latest: int | None
+) -> list[tuple[int, int]]:
+    """The ``(step, world)`` the job may restore from memory, newest first: the steps of
+    its own world size it can rebuild, and those of another that every node can reshard
+    (at an equal step, its own world's first)."""
+    found = [(step, world) for step in _rebuildable(every, s3_latest)]
+    found += [(step, old) for old, step in resharded if s3_latest is None or step >= s3_latest]
+    return sorted(found, key=lambda c: (c[0], c[1] == world), reverse=True)
 
 
 def _rebuildable(every: list[Holdings], s3_latest: int | None) -> list[int]:
@@ -200,76 +261,4 @@ def _fetch(
         return f"rank {copies.rank}: {type(error).__name__}: {error}"
     if receives:
         log.info("received this rank's copy of step %d from rank %d", step, plan[copies.rank])
-    return None
-
-
-def _apply_held(
-    state_dict: dict[str, Any],
-    copies: LocalCopies,
-    step: int,
-    planner: Any,
-    check_first: bool,
-    received: bool = False,
-) -> tuple[str | None, bool]:
-    """Load this rank's copy of ``step`` into ``state_dict``: what went wrong, if anything,
-    and whether that was a copy missing or not intact (so an older step may do)."""
-    mine = {h.held.step: h for h in copies.held()}
-    if step not in mine:
-        return f"rank {copies.rank}: no copy of step {step}", True
-    slot = mine[step]
-    try:
-        copy = MappedCopy(slot.folder, slot.held)
-    except (OSError, ValueError) as exc:
-        return f"rank {copies.rank}: {exc}", True
-    try:
-        # a copy just received was checked as it arrived; one checked first needs no
-        # check as it lands
-        check_first = check_first and not received
-        damage = copy.verify() if check_first else copy.state_problem()
-        if damage is not None:
-            return f"rank {copies.rank}: {damage}", True
-        copy_in = CheckedCopyIn(copy, check=not (check_first or received))
-        problem = _apply(state_dict, copy.state, copy.maps, copy_in, planner, copy.held.rank)
-        if problem is not None:
-            return problem, False
-        damage = copy_in.problem()
-        return (None, False) if damage is None else (f"rank {copies.rank}: {damage}", True)
-    finally:
-        copy.close()
-
-
-def _apply_received(
-    state_dict: dict[str, Any], rank: int, fetched: Fetched, planner: Any
-) -> tuple[str | None, bool]:
-    """Load the copy ``fetched`` brings from a peer into ``state_dict`` as it arrives,
-    checked as it lands: what went wrong, and whether the copy was not intact."""
-    try:
-        if fetched.problem is not None:
-            return f"rank {rank}: {fetched.problem}", True
-        copy_in = ReceivingCopyIn(fetched)
-        problem = _apply(state_dict, fetched.state, fetched.maps, copy_in, planner, rank)
-        if problem is not None:
-            return problem, False
-        damage = copy_in.problem()
-        return (None, False) if damage is None else (f"rank {rank}: {damage}", True)
-    finally:
-        fetched.finish()
-
-
-def _apply(
-    state_dict: dict[str, Any],
-    state: bytes,
-    maps: list[Any],
-    copy_in: CopyIn,
-    planner: Any,
-    rank: int,
-) -> str | None:
-    try:
-        reader = StateReader(loads_staged(state, maps), copy_in)
-        with single_process():
-            dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=True)
-    except Exception as exc:
-        error = unwrap(exc)
-        log.debug("applying the held copy failed", exc_info=error)
-        return f"rank {rank}: {type(error).__name__}: {error}"
     return None

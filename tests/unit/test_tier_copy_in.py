@@ -99,3 +99,37 @@ def test_a_damaged_state_is_found_before_anything_is_read(tmp_path):
         assert "state.pkl does not match" in (copy.verify() or "")
     finally:
         copy.close()
+
+
+def test_a_resharding_load_checks_only_the_regions_it_read_from(tmp_path):
+    # regions: 0..4096, 4096..12288 (a 32x64 matrix), 16384..17408; a gap before the last
+    record, data = held_copy(tmp_path, [(0, 4096), (4096, 8192), (16384, 1024)])
+    damaged = bytearray(data)
+    damaged[16384 + 10] ^= 0x10  # in the region the load never reads
+    (tmp_path / "segment-0").write_bytes(damaged)
+    copy = held.MappedCopy(tmp_path, record)
+    try:
+        copy_in = CheckedCopyIn(copy, whole=False)
+        rows = floats(copy, 4096, 8192).view(32, 64)[8:12]  # a slice of the matrix
+        cols = floats(copy, 4096, 8192).view(32, 64)[:, 3:5]  # strided, spans it all
+        first = floats(copy, 0, 4096)[10:20]
+        targets = [torch.zeros(4, 64), torch.zeros(32, 2), torch.zeros(10)]
+        copy_in(list(zip([rows, cols, first], targets, strict=True)))
+        assert copy_in.touched == {record.regions[0], record.regions[1]}
+        assert torch.equal(targets[0], rows) and torch.equal(targets[1], cols)
+        assert copy_in.problem() is None  # the damaged region was not read
+        assert CheckedCopyIn(copy).problem() is not None  # checked whole, it is found
+    finally:
+        copy.close()
+    # damage in a region it read part of is found
+    damaged[16384 + 10] ^= 0x10
+    damaged[4096 + 64 * 4 * 31] ^= 0x10  # the matrix's last row: not in the rows read
+    (tmp_path / "segment-0").write_bytes(damaged)
+    copy = held.MappedCopy(tmp_path, record)
+    try:
+        copy_in = CheckedCopyIn(copy, whole=False)
+        copy_in([(floats(copy, 4096, 8192).view(32, 64)[8:12], torch.zeros(4, 64))])
+        problem = copy_in.problem()
+        assert problem is not None and "bytes 4096..12288" in problem
+    finally:
+        copy.close()

@@ -1,0 +1,151 @@
+"""Applying a memory-tier step to the state: this rank's own copy, a copy arriving from
+a peer, or (a job whose world size changed) every old rank's copy the node holds.
+
+Each is a ``dcp.load`` on this rank alone (no collective) from a
+:class:`~s3ckpt.dcp.state_reader.StateReader` over the copies, whose bytes are checked
+against their CRC32Cs as they land (:mod:`s3ckpt.tier.copy_in`) or, when no committed S3
+step could be loaded over damage, before a byte is loaded. Each returns what went wrong,
+if anything, and whether that was a copy missing or not intact (so that an older step may
+do) rather than a state the copy does not fit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+
+from s3ckpt.background.channel import loads_staged
+from s3ckpt.background.held import Held, MappedCopy
+from s3ckpt.background.replicate import Fetched
+from s3ckpt.dcp.compat import single_process, unwrap
+from s3ckpt.dcp.state_reader import CopyIn, StateReader
+from s3ckpt.tier.copies import LocalCopies
+from s3ckpt.tier.copy_in import CheckedCopyIn, ReceivingCopyIn
+
+log = logging.getLogger("s3ckpt.tier")
+
+Outcome = tuple["str | None", bool]
+"""What went wrong applying a step (None: nothing), and whether a copy was missing or
+damaged (an older step may do) rather than the state not fitting it (S3 then)."""
+
+
+def apply_held(
+    state_dict: dict[str, Any],
+    copies: LocalCopies,
+    step: int,
+    planner: Any,
+    check_first: bool,
+    received: bool = False,
+) -> Outcome:
+    """Load this rank's copy of ``step`` into ``state_dict``: what went wrong, if anything,
+    and whether that was a copy missing or not intact (so an older step may do)."""
+    mine = {h.held.step: h for h in copies.held()}
+    if step not in mine:
+        return f"rank {copies.rank}: no copy of step {step}", True
+    slot = mine[step]
+    try:
+        copy = MappedCopy(slot.folder, slot.held)
+    except (OSError, ValueError) as exc:
+        return f"rank {copies.rank}: {exc}", True
+    try:
+        # a copy just received was checked as it arrived; one checked first needs no
+        # check as it lands
+        check_first = check_first and not received
+        damage = copy.verify() if check_first else copy.state_problem()
+        if damage is not None:
+            return f"rank {copies.rank}: {damage}", True
+        copy_in = CheckedCopyIn(copy, check=not (check_first or received))
+        problem = _apply(state_dict, copy.state, copy.maps, copy_in, planner, copy.held.rank)
+        if problem is not None:
+            return problem, False
+        damage = copy_in.problem()
+        return (None, False) if damage is None else (f"rank {copies.rank}: {damage}", True)
+    finally:
+        copy.close()
+
+
+def apply_received(
+    state_dict: dict[str, Any], rank: int, fetched: Fetched, planner: Any
+) -> Outcome:
+    """Load the copy ``fetched`` brings from a peer into ``state_dict`` as it arrives,
+    checked as it lands: what went wrong, and whether the copy was not intact."""
+    try:
+        if fetched.problem is not None:
+            return f"rank {rank}: {fetched.problem}", True
+        copy_in = ReceivingCopyIn(fetched)
+        problem = _apply(state_dict, fetched.state, fetched.maps, copy_in, planner, rank)
+        if problem is not None:
+            return problem, False
+        damage = copy_in.problem()
+        return (None, False) if damage is None else (f"rank {rank}: {damage}", True)
+    finally:
+        fetched.finish()
+
+
+def _apply(
+    state_dict: dict[str, Any],
+    state: bytes,
+    maps: list[Any],
+    copy_in: CopyIn,
+    planner: Any,
+    rank: int,
+) -> str | None:
+    return _load(state_dict, lambda: StateReader(loads_staged(state, maps), copy_in), planner, rank)
+
+
+def _load(
+    state_dict: dict[str, Any], reader_of: Callable[[], StateReader], planner: Any, rank: int
+) -> str | None:
+    """``dcp.load`` into ``state_dict`` from the reader ``reader_of`` makes, on this rank
+    alone; what went wrong, if anything."""
+    try:
+        reader = reader_of()
+        with single_process():
+            dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=True)
+    except Exception as exc:
+        error = unwrap(exc)
+        log.debug("applying the held copy failed", exc_info=error)
+        return f"rank {rank}: {type(error).__name__}: {error}"
+    return None
+
+
+def apply_resharded(
+    state_dict: dict[str, Any],
+    rank: int,
+    held: Mapping[int, tuple[Any, Held]],
+    planner: Any,
+    check_first: bool,
+) -> Outcome:
+    """Load the step every old rank's copy in ``held`` (old rank -> its folder and
+    descriptor, all on this node) makes up into ``state_dict``, resharded to this job's
+    layout as a load from S3 would be; each copy is checked where the load read from it
+    (every copy whole, first, with ``check_first``)."""
+    with contextlib.ExitStack() as stack:
+        opened: list[tuple[MappedCopy, CheckedCopyIn]] = []
+        for old_rank in sorted(held):
+            folder, record = held[old_rank]
+            try:
+                copy = MappedCopy(folder, record)
+            except (OSError, ValueError) as exc:
+                return f"rank {rank}: {exc}", True
+            stack.callback(copy.close)
+            damage = copy.verify() if check_first else copy.state_problem()
+            if damage is not None:
+                return f"rank {rank}: {damage}", True
+            opened.append((copy, CheckedCopyIn(copy, check=not check_first, whole=False)))
+
+        def reader() -> StateReader:
+            return StateReader.of_ranks([(loads_staged(c.state, c.maps), i) for c, i in opened])
+
+        problem = _load(state_dict, reader, planner, rank)
+        if problem is not None:
+            return problem, False
+        for _, copy_in in opened:
+            damage = copy_in.problem()
+            if damage is not None:
+                return f"rank {rank}: {damage}", True
+        return None, False

@@ -154,6 +154,7 @@ bench: $(BENCH_STAMP) $(TIERPEERS_STAMP)
 	$(BIN)/python -m benchmarks.run
 	$(BIN)/python -m benchmarks.zero_cost
 	$(BIN)/python -m benchmarks.loop
+	$(BIN)/python -m benchmarks.staging
 	$(BIN)/python -m benchmarks.memory_tier
 	$(BIN)/python -m benchmarks.torch_checkpointing
 	$(BIN)/python -m benchmarks.mlperf_checkpoint

@@ -7,12 +7,20 @@ tensors by reference (segment, offset, length, dtype), so a save sends a descrip
 its tensors, never their bytes; any other tensor in the state (inside an object the stage
 does not walk) is pickled whole, as torch pickles it.
 
+A plain tensor over the arena is described in one persistent id (its storage's region,
+offset, shape, strides), not through torch's ``__reduce_ex__``: that builds a typed
+storage, hooks and metadata per tensor in Python, 33 us a tensor, and this pickle is made
+while the training loop waits (19 ms of a 1 GiB save of 580 tensors, 0.13 s in all).
+Tensors that shared a storage still share one when loaded.
+
 Both sides are trusted: the socket joins a process and the child it started.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import io
 import mmap
 import pickle
@@ -101,6 +109,8 @@ class _ArenaPickler(pickle.Pickler):
         self._arena = arena
 
     def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is torch.Tensor:
+            return self._tensor_id(obj)
         if not isinstance(obj, torch.storage.TypedStorage):
             return None
         storage = obj._untyped_storage
@@ -111,21 +121,99 @@ class _ArenaPickler(pickle.Pickler):
             return None
         return ("arena", region.segment, region.offset, region.nbytes, obj.dtype)
 
+    def _tensor_id(self, tensor: torch.Tensor) -> Any:
+        """A plain CPU tensor over the arena, whole in one id; None (pickled by torch)
+        for anything its bytes, shape and strides would not describe."""
+        if (
+            tensor.device.type != "cpu"
+            or tensor.layout != torch.strided
+            or tensor.is_complex()  # lazy conjugate and negative bits
+            or tensor.is_quantized
+            or tensor.__dict__
+        ):
+            return None
+        storage = tensor.untyped_storage()
+        if storage.nbytes() == 0:
+            return None
+        region = self._arena.locate(storage.data_ptr(), storage.nbytes())
+        if region is None:
+            return None
+        return _TensorId.pack(region, tensor)
+
 
 class _ArenaUnpickler(pickle.Unpickler):
     def __init__(self, file: io.BytesIO, segments: Sequence[mmap.mmap]) -> None:
         super().__init__(file)
         self._segments = segments
+        self._storages: dict[tuple[int, int, int], torch.UntypedStorage] = {}
 
     def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, bytes):
+            found = _TensorId.unpack(pid)
+            storage = self._storage(found.segment, found.offset, found.nbytes)
+            loaded = torch.empty(0, dtype=found.dtype).set_(
+                storage, found.storage_offset, found.shape, found.stride
+            )
+            return loaded.requires_grad_() if found.requires_grad else loaded
         kind, segment, offset, nbytes, dtype = pid
         if kind != "arena":
             raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")
-        if nbytes == 0:
-            storage = torch.UntypedStorage(0)
-        else:
-            view = torch.frombuffer(
-                self._segments[segment], dtype=torch.uint8, count=nbytes, offset=offset
-            )
-            storage = view.untyped_storage()
+        storage = self._storage(segment, offset, nbytes)
         return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+
+    def _storage(self, segment: int, offset: int, nbytes: int) -> torch.UntypedStorage:
+        """The storage over a region: one per region, so tensors that shared a storage
+        when pickled share it again."""
+        key = (segment, offset, nbytes)
+        if key not in self._storages:
+            if nbytes == 0:
+                self._storages[key] = torch.UntypedStorage(0)
+            else:
+                view = torch.frombuffer(
+                    self._segments[segment], dtype=torch.uint8, count=nbytes, offset=offset
+                )
+                self._storages[key] = view.untyped_storage()
+        return self._storages[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorId:
+    """A plain tensor over the arena, as one ``bytes`` persistent id: the pickler calls
+    ``persistent_id`` again for every element of an id that is a tuple (nine a tensor),
+    once for bytes."""
+
+    segment: int
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    requires_grad: bool
+
+    _HEAD = struct.Struct("<QQQQ?BB")  # segment, offset, nbytes, storage offset, grad, dims, name
+
+    @classmethod
+    def pack(cls, region: Any, tensor: torch.Tensor) -> bytes:
+        name = _dtype_name(tensor.dtype)
+        dims = tensor.dim()
+        head = cls._HEAD.pack(
+            region.segment, region.offset, region.nbytes, tensor.storage_offset(),
+            tensor.requires_grad, dims, len(name),
+        )  # fmt: skip
+        return head + name + struct.pack(f"<{2 * dims}q", *tensor.shape, *tensor.stride())
+
+    @classmethod
+    def unpack(cls, data: bytes) -> _TensorId:
+        segment, offset, nbytes, storage_offset, grad, dims, length = cls._HEAD.unpack_from(data)
+        at = cls._HEAD.size
+        dtype = getattr(torch, data[at : at + length].decode())
+        sizes = struct.unpack_from(f"<{2 * dims}q", data, at + length)
+        return cls(
+            segment, offset, nbytes, dtype, storage_offset, sizes[:dims], sizes[dims:], grad
+        )
+
+
+@functools.cache
+def _dtype_name(dtype: torch.dtype) -> bytes:
+    return str(dtype).removeprefix("torch.").encode()

@@ -23,7 +23,7 @@ from s3ckpt.background.arena import Region, Segment, StagingArena
 from s3ckpt.background.shards import StagedShards
 from s3ckpt.dcp.compat import is_sharded_tensor, shard_write_items
 
-_StorageKey = tuple[int, str, int]  # data_ptr, device, nbytes
+_StorageKey = tuple[int, torch.device, int]  # data_ptr, device, nbytes
 
 
 @dataclass
@@ -64,12 +64,12 @@ def stage(arena: StagingArena, state_dict: dict[str, Any]) -> Staged:
     sharded: dict[int, list[tuple[Any, torch.Tensor]]] = {}
 
     def note(value: Any) -> Any:
-        if is_sharded_tensor(value):
+        if _copyable(value):  # the common case first: a plain tensor is not sharded
+            copies.note(value)
+        elif is_sharded_tensor(value):
             pieces = sharded[id(value)] = shard_write_items(value)
             for _, shard in pieces:
                 copies.note(shard)
-        elif _copyable(value):
-            copies.note(value)
         return value
 
     _walk(state_dict, note)
@@ -103,21 +103,34 @@ def _copy_all(
         target = arena.view(region)
         source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
         on_device = storage.device.type != "cpu"
-        target.copy_(source, non_blocking=on_device)
+        _as_words(target, source).copy_(_as_words(source, target), non_blocking=on_device)
         if on_device:
             devices.add(storage.device)
         copies.copies[key] = target.untyped_storage()
     return devices
 
 
+def _as_words(data: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """The bytes ``data`` (uint8) viewed as the widest integers that its length and both
+    its and ``other``'s addresses allow: torch copies uint8 about 20 % slower than wider
+    elements (1 GiB of the benchmark state: 0.113-0.131 s against 0.089-0.105 s)."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        width = dtype.itemsize
+        if data.numel() % width == 0 and (data.data_ptr() | other.data_ptr()) % width == 0:
+            return data.view(dtype)
+    return data
+
+
 def _copyable(value: Any) -> bool:
     """A tensor whose storage is copied as it is: plain, strided, with real memory."""
     return (
-        isinstance(value, torch.Tensor)
-        and type(value) in (torch.Tensor, torch.nn.Parameter)
+        type(value) in _PLAIN
         and value.layout == torch.strided
-        and value.device.type != "meta"
+        and not value.is_meta
     )
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _walk(value: Any, leaf: Callable[[Any], Any]) -> Any:
@@ -133,4 +146,4 @@ def _walk(value: Any, leaf: Callable[[Any], Any]) -> Any:
 
 
 def _key(storage: torch.UntypedStorage) -> _StorageKey:
-    return storage.data_ptr(), str(storage.device), storage.nbytes()
+    return storage.data_ptr(), storage.device, storage.nbytes()

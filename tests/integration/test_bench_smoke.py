@@ -97,6 +97,10 @@ def test_memory_tier_benchmark_smoke_run(tmp_path):
         "own": ["memory", "memory"], "peer": ["memory", "memory"], "s3": ["s3", "s3"]
     }  # fmt: skip
     assert report["exact"] == {"own": True, "peer": True, "s3": True}
+    # one process restores both ranks' state: from node 0's copies (resharded), and S3
+    resharded = report["resharded"]
+    assert [resharded[s]["tier"] for s in ("memory", "s3")] == ["memory", "s3"]
+    assert all(r["exact"] and r["total_s"] > 0 for r in resharded.values()), resharded
     assert all(seconds > 0 for seconds in report["seconds"].values()), report["seconds"]
     assert [t["target"] for t in report["targets"]] == [
         "save blocking / bare copy", "own restore / bare copy", "peer restore / link throughput"
@@ -112,6 +116,20 @@ def test_memory_tier_benchmark_smoke_run(tmp_path):
         assert nvrx["exact"] == {"own": True, "peer": True} and len(lost["nvrx"]) == 2
     else:
         assert nvrx["why"] == ".venv-tierpeers is not installed"
+
+
+def test_staging_benchmark_smoke_run(tmp_path):
+    """The staging benchmark times the manager's blocking against a bare copy, per state."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.staging", "--size-mib", "8", "--small", "200",
+         "--saves", "3", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    cases = json.loads((tmp_path / "staging.json").read_text())["cases"]
+    assert [c["tensors"] for c in cases] == [580, 200]
+    assert all(c["blocked_s"] > 0 and c["copy_s"] > 0 for c in cases), cases
+    assert "target" in completed.stdout
 
 
 def test_torch_checkpointing_benchmark_smoke_run(tmp_path):

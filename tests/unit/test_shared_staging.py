@@ -99,6 +99,43 @@ def test_staged_state_pickles_by_reference_and_unpickles_over_the_same_memory():
         arena.close()
 
 
+def test_every_kind_of_staged_tensor_unpickles_as_it_was():
+    arena = StagingArena()
+    try:
+        base = torch.randn(8, 6)
+        live = {
+            "w": base,
+            "w_t": base.t(),  # same storage, other strides
+            "rows": base[2:5],  # a storage offset
+            "scalar": torch.tensor(3.5, dtype=torch.float64),
+            "bf16": torch.randn(5).to(torch.bfloat16),
+            "grad": torch.randn(3, requires_grad=True),
+            "empty": torch.empty(0, 4),
+            "complex": torch.randn(4, dtype=torch.complex64),
+            "tagged": torch.arange(4.0),
+        }
+        staged = stage(arena, live).state_dict
+        staged["conj"] = staged["complex"].conj()  # a lazy conjugate view
+        staged["tagged"].tag = "kept"  # a Python attribute: pickled by torch, with it
+        loaded = loads_staged(dumps_staged(staged, arena), arena.mappings)
+        for key, value in staged.items():
+            got = loaded[key]
+            assert type(got) is torch.Tensor and got.dtype == value.dtype, key
+            assert got.shape == value.shape and got.stride() == value.stride(), key
+            assert torch.equal(got.resolve_conj(), value.resolve_conj()), key
+            assert got.requires_grad == value.requires_grad, key
+            if value.numel():
+                assert got.data_ptr() == value.data_ptr(), key  # over the arena, not copied
+        assert loaded["w"].untyped_storage().data_ptr() == (
+            loaded["w_t"].untyped_storage().data_ptr()
+        )
+        loaded["w"][0, 0] = 42.0  # one storage after loading too
+        assert loaded["w_t"][0, 0] == 42.0 and loaded["rows"].storage_offset() == 12
+        assert loaded["conj"].is_conj() and loaded["tagged"].tag == "kept"
+    finally:
+        arena.close()
+
+
 def _item(offsets: list[int], sizes: list[int], whole: list[int], like: torch.Tensor) -> WriteItem:
     return WriteItem(
         index=MetadataIndex("", torch.Size(offsets)),

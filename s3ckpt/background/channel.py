@@ -209,9 +209,7 @@ class _TensorId:
         at = cls._HEAD.size
         dtype = getattr(torch, data[at : at + length].decode())
         sizes = struct.unpack_from(f"<{2 * dims}q", data, at + length)
-        return cls(
-            segment, offset, nbytes, dtype, storage_offset, sizes[:dims], sizes[dims:], grad
-        )
+        return cls(segment, offset, nbytes, dtype, storage_offset, sizes[:dims], sizes[dims:], grad)
 
 
 @functools.cache

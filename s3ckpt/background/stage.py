@@ -123,11 +123,7 @@ def _as_words(data: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
 
 def _copyable(value: Any) -> bool:
     """A tensor whose storage is copied as it is: plain, strided, with real memory."""
-    return (
-        type(value) in _PLAIN
-        and value.layout == torch.strided
-        and not value.is_meta
-    )
+    return type(value) in _PLAIN and value.layout == torch.strided and not value.is_meta
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

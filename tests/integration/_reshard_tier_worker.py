@@ -46,16 +46,17 @@ def gathered(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def save_main(
-    rank: int, world_size: int, port: int, s3: dict[str, Any], uri: str, out: str, root: str
-) -> None:
-    """Save steps 2 and 3 sharded over the ranks (S3 every second step)."""
+    rank: int, world_size: int, port: int, s3: dict[str, Any], uri: str, out: str, root: str,
+    s3_every: int = 2,
+) -> None:  # fmt: skip
+    """Save steps 2 and 3 sharded over the ranks (S3 every ``s3_every``-th step)."""
     from s3ckpt import CheckpointManager, MemoryTier
 
     _init(rank, world_size, port)
     report: dict[str, Any] = {}
     try:
         mesh = init_device_mesh("cpu", (world_size,))
-        tier = MemoryTier(keep=2, s3_every=2, root=root)
+        tier = MemoryTier(keep=2, s3_every=s3_every, root=root)
         with CheckpointManager(uri, memory_tier=tier, **s3) as manager:
             for step in (2, 3):
                 manager.save(step, sharded(full_state(step), mesh))

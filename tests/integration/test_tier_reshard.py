@@ -23,10 +23,12 @@ pytestmark = [
 ]
 
 
-def run(main, world: int, s3_options, uri, tmp_path: Path, root: Path) -> list[dict[str, Any]]:
+def run(
+    main, world: int, s3_options, uri, tmp_path: Path, root: Path, *args: Any
+) -> list[dict[str, Any]]:
     out = tmp_path / f"{main.__name__}-{world}"
     out.mkdir(exist_ok=True)
-    run_ranks(main, world, s3_options, uri, str(out), str(root), timeout=300)
+    run_ranks(main, world, s3_options, uri, str(out), str(root), *args, timeout=300)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
@@ -70,12 +72,9 @@ def test_a_job_with_another_world_size_restores_from_the_nodes_copies(
     assert_state(state, 3)
 
 
-def test_resharding_checks_what_it_reads_walks_back_and_falls_back(
-    local_s3, s3_prefix, s3_options, tmp_path, shm_root
-):
-    run(worker.save_main, 2, s3_options, s3_prefix, tmp_path, shm_root)
-    # damage every region of rank 1's copy of step 3: the load reads some of them
-    (folder,) = copies_of(shm_root, 3, 1)
+def damage(root: Path, step: int, rank: int) -> None:
+    """Flip a bit in every region of ``rank``'s copy of ``step``: a load reads some."""
+    (folder,) = copies_of(root, step, rank)
     record = held.read(folder)
     assert record is not None
     for region in record.regions:
@@ -85,6 +84,13 @@ def test_resharding_checks_what_it_reads_walks_back_and_falls_back(
                 byte = f.read(1)
                 f.seek(-1, 1)
                 f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_resharding_checks_what_it_reads_walks_back_and_falls_back(
+    local_s3, s3_prefix, s3_options, tmp_path, shm_root
+):
+    run(worker.save_main, 2, s3_options, s3_prefix, tmp_path, shm_root)
+    damage(shm_root, 3, 1)
     where, state = restore_alone(s3_prefix, s3_options, shm_root)
     assert where == (2, "memory")  # loaded over the damaged step's bytes
     assert_state(state, 2)
@@ -119,3 +125,24 @@ def test_the_new_layout_frees_the_old_ones_copies_at_its_first_save(
     where, loaded = restore_alone(s3_prefix, s3_options, shm_root)
     assert where == (4, "memory")
     assert torch.equal(loaded["w"], state["w"])
+
+
+def test_with_no_s3_step_every_old_copy_is_checked_before_a_byte_is_loaded(
+    local_s3, s3_prefix, s3_options, tmp_path, shm_root
+):
+    run(worker.save_main, 2, s3_options, s3_prefix, tmp_path, shm_root, 1000)  # memory only
+    damage(shm_root, 3, 1)
+    state = worker.zeroed(0)
+    tier = MemoryTier(keep=2, s3_every=1000, root=shm_root)
+    with CheckpointManager(s3_prefix, memory_tier=tier, **s3_options) as manager:
+        assert manager.steps() == []
+        assert manager.load_latest(state) == 2
+        assert manager.last_restore.tier == "memory"
+    assert_state(state, 2)
+    # both steps damaged: nothing to load, and the state is left as it was
+    damage(shm_root, 2, 0)
+    untouched = worker.zeroed(0)
+    with CheckpointManager(s3_prefix, memory_tier=tier, **s3_options) as manager:
+        assert manager.load_latest(untouched) is None
+    for name in ("w", "b", "emb"):
+        assert not untouched[name].any(), name

@@ -254,8 +254,8 @@ class S3CheckpointManager(CheckpointManager):
         restored = self._tiered_process().restore_latest(
             states, s3_latest=s3_step if s3_step >= 0 else None
         )
-        if restored is None:
-            return super()._load(step)
+        if restored is None:  # the step found above: torchtitan need not list S3 again
+            return super()._load(s3_step if s3_step >= 0 else step)
         if MODEL in self.states:  # flattened into the top level, as dcp_load applies it
             self.states[MODEL].load_state_dict(states)
         self.last_restore = restored

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from s3ckpt.background.arena import StagingArena
+from s3ckpt.dcp.compat import has_lazy_bits
 
 _HEADER = struct.Struct("!QI")
 _MAX_FDS = 64
@@ -127,7 +128,7 @@ class _ArenaPickler(pickle.Pickler):
         if (
             tensor.device.type != "cpu"
             or tensor.layout != torch.strided
-            or tensor.is_complex()  # lazy conjugate and negative bits
+            or has_lazy_bits(tensor)  # its bytes are not its values
             or tensor.is_quantized
             or tensor.__dict__
         ):

@@ -21,7 +21,7 @@ import torch
 
 from s3ckpt.background.arena import Region, Segment, StagingArena
 from s3ckpt.background.shards import StagedShards
-from s3ckpt.dcp.compat import is_sharded_tensor, shard_write_items
+from s3ckpt.dcp.compat import has_lazy_bits, is_sharded_tensor, shard_write_items
 
 _StorageKey = tuple[int, torch.device, int]  # data_ptr, device, nbytes
 
@@ -62,10 +62,13 @@ def stage(arena: StagingArena, state_dict: dict[str, Any]) -> Staged:
     once every byte has landed. The arena's previous copy is overwritten."""
     copies = _Copies()
     sharded: dict[int, list[tuple[Any, torch.Tensor]]] = {}
+    resolved: dict[int, torch.Tensor] = {}  # lazy conjugate/negative views, materialized
 
     def note(value: Any) -> Any:
         if _copyable(value):  # the common case first: a plain tensor is not sharded
-            copies.note(value)
+            if has_lazy_bits(value):  # its bytes are not its values: copy the values
+                resolved[id(value)] = value.resolve_conj().resolve_neg()
+            copies.note(resolved.get(id(value), value))
         elif is_sharded_tensor(value):
             pieces = sharded[id(value)] = shard_write_items(value)
             for _, shard in pieces:
@@ -84,7 +87,7 @@ def stage(arena: StagingArena, state_dict: dict[str, Any]) -> Staged:
             pieces = sharded[id(value)]
             return StagedShards.of([i for i, _ in pieces], [copies.copy_of(s) for _, s in pieces])
         if _copyable(value):
-            return copies.copy_of(value)
+            return copies.copy_of(resolved.get(id(value), value))
         return value
 
     nbytes = sum(region.nbytes for region in regions)

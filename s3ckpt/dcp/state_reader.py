@@ -23,13 +23,14 @@ that holds it, through that state's ``copy_in``.
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import StorageReader
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from s3ckpt.dcp.compat import narrow
@@ -94,6 +95,7 @@ class StateReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        _check_covered(plan, planner, self._metadata)
         copies: list[tuple[ReadItem, torch.Tensor, torch.Tensor]] = []
         by_rank: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for item in plan.items:
@@ -114,3 +116,42 @@ class StateReader(StorageReader):
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
         return done
+
+
+def _check_covered(plan: LoadPlan, planner: LoadPlanner, metadata: Metadata) -> None:
+    """Refuse a load that would fill only part of a tensor the state holds.
+
+    A rank's own copy holds only the shards that rank saved; restored into a state
+    sharded another way (the same world size, another layout), DCP reads the pieces that
+    overlap and leaves the rest of each shard as it was, without a word. So, for every
+    tensor of the target the copy has, the elements read must be all the rank holds of
+    it; otherwise :class:`ValueError` (the memory tier then loads the step from S3)."""
+    targets = getattr(planner, "state_dict", None)
+    if not isinstance(targets, dict):
+        return  # a planner that does not expose its targets: trusted
+    read: dict[str, int] = {}
+    for item in plan.items:
+        if item.type != LoadItemType.BYTE_IO:
+            fqn = item.dest_index.fqn
+            read[fqn] = read.get(fqn, 0) + math.prod(item.lengths)
+    for fqn, target in targets.items():
+        if not isinstance(metadata.state_dict_metadata.get(fqn), TensorStorageMetadata):
+            continue
+        held = _local_elements(target)
+        if held is not None and read.get(fqn, 0) != held:
+            raise ValueError(
+                f"{fqn!r}: the copy holds {read.get(fqn, 0)} of the {held} elements this "
+                "rank's state needs (sharded differently when it was saved)"
+            )
+
+
+def _local_elements(target: Any) -> int | None:
+    """Elements of ``target`` this rank holds (a DTensor's local shard, a ShardedTensor's
+    local shards, a tensor), None for anything else."""
+    if hasattr(target, "to_local"):
+        return target.to_local().numel()
+    if hasattr(target, "local_shards"):
+        return sum(shard.tensor.numel() for shard in target.local_shards())
+    if isinstance(target, torch.Tensor):
+        return target.numel()
+    return None

@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from s3ckpt.background.channel import loads_staged
 from s3ckpt.background.held import Held, MappedCopy
 from s3ckpt.background.replicate import Fetched
-from s3ckpt.dcp.compat import single_process, unwrap
+from s3ckpt.dcp.compat import CheckpointException, single_process, unwrap
 from s3ckpt.dcp.state_reader import CopyIn, StateReader
 from s3ckpt.tier.copies import LocalCopies
 from s3ckpt.tier.copy_in import CheckedCopyIn, ReceivingCopyIn
@@ -33,16 +33,48 @@ Outcome = tuple["str | None", bool]
 damaged (an older step may do) rather than the state not fitting it (S3 then)."""
 
 
+def verify_held(copies: LocalCopies, step: int, received: bool = False) -> str | None:
+    """This rank's copy of ``step`` checked whole against its CRC32Cs, before a byte of
+    it is loaded (a copy received a moment ago was checked as it arrived: its state
+    alone); what does not match or is missing, if anything."""
+    mine = {h.held.step: h for h in copies.held()}
+    if step not in mine:
+        return f"rank {copies.rank}: no copy of step {step}"
+    return _verified(copies.rank, [(mine[step].folder, mine[step].held)], whole=not received)
+
+
+def verify_resharded(rank: int, held: Mapping[int, tuple[Any, Held]]) -> str | None:
+    """Every old rank's copy in ``held`` checked whole, before a byte is loaded."""
+    return _verified(rank, [held[old_rank] for old_rank in sorted(held)])
+
+
+def _verified(rank: int, held: list[tuple[Any, Held]], whole: bool = True) -> str | None:
+    for folder, record in held:
+        try:
+            copy = MappedCopy(folder, record)
+        except (OSError, ValueError) as exc:
+            return f"rank {rank}: {exc}"
+        try:
+            damage = copy.verify() if whole else copy.state_problem()
+        finally:
+            copy.close()
+        if damage is not None:
+            return f"rank {rank}: {damage}"
+    return None
+
+
 def apply_held(
     state_dict: dict[str, Any],
     copies: LocalCopies,
     step: int,
     planner: Any,
-    check_first: bool,
+    verified: bool,
     received: bool = False,
 ) -> Outcome:
-    """Load this rank's copy of ``step`` into ``state_dict``: what went wrong, if anything,
-    and whether that was a copy missing or not intact (so an older step may do)."""
+    """Load this rank's copy of ``step`` into ``state_dict``, checked as it lands unless
+    it was ``verified`` whole before (or ``received`` and checked as it arrived): what
+    went wrong, if anything, and whether that was a copy missing or not intact (so an
+    older step may do)."""
     mine = {h.held.step: h for h in copies.held()}
     if step not in mine:
         return f"rank {copies.rank}: no copy of step {step}", True
@@ -52,13 +84,10 @@ def apply_held(
     except (OSError, ValueError) as exc:
         return f"rank {copies.rank}: {exc}", True
     try:
-        # a copy just received was checked as it arrived; one checked first needs no
-        # check as it lands
-        check_first = check_first and not received
-        damage = copy.verify() if check_first else copy.state_problem()
+        damage = copy.state_problem()
         if damage is not None:
             return f"rank {copies.rank}: {damage}", True
-        copy_in = CheckedCopyIn(copy, check=not (check_first or received))
+        copy_in = CheckedCopyIn(copy, check=not (verified or received))
         problem = _apply(state_dict, copy.state, copy.maps, copy_in, planner, copy.held.rank)
         if problem is not None:
             return problem, False
@@ -106,7 +135,7 @@ def _load(
         reader = reader_of()
         with single_process():
             dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=True)
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
         error = unwrap(exc)
         log.debug("applying the held copy failed", exc_info=error)
         return f"rank {rank}: {type(error).__name__}: {error}"
@@ -118,12 +147,12 @@ def apply_resharded(
     rank: int,
     held: Mapping[int, tuple[Any, Held]],
     planner: Any,
-    check_first: bool,
+    verified: bool,
 ) -> Outcome:
     """Load the step every old rank's copy in ``held`` (old rank -> its folder and
     descriptor, all on this node) makes up into ``state_dict``, resharded to this job's
-    layout as a load from S3 would be; each copy is checked where the load read from it
-    (every copy whole, first, with ``check_first``)."""
+    layout as a load from S3 would be; each copy is checked where the load read from it,
+    unless every copy was ``verified`` whole before (:func:`verify_resharded`)."""
     with contextlib.ExitStack() as stack:
         opened: list[tuple[MappedCopy, CheckedCopyIn]] = []
         for old_rank in sorted(held):
@@ -133,10 +162,10 @@ def apply_resharded(
             except (OSError, ValueError) as exc:
                 return f"rank {rank}: {exc}", True
             stack.callback(copy.close)
-            damage = copy.verify() if check_first else copy.state_problem()
+            damage = copy.state_problem()
             if damage is not None:
                 return f"rank {rank}: {damage}", True
-            opened.append((copy, CheckedCopyIn(copy, check=not check_first, whole=False)))
+            opened.append((copy, CheckedCopyIn(copy, check=not verified, whole=False)))
 
         def reader() -> StateReader:
             return StateReader.of_ranks([(loads_staged(c.state, c.maps), i) for c, i in opened])

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,6 +152,13 @@ class LocalCopies:
         for replicas in self.replicas.values():
             replicas.discard_above(step)
 
+    def _stale(self, folder: Path) -> bool:
+        """Whether ``folder`` (a rank's) holds copies, all of another world size or run
+        (never a folder being filled, nor one holding this layout's copies)."""
+        records = [held.read(slot) for slot in [*folder.glob("slot-*"), *folder.glob("*/slot-*")]]
+        found = [r for r in records if r is not None]
+        return bool(found) and all((r.run, r.world) != (self.run, self.world) for r in found)
+
     def other_worlds(self) -> dict[tuple[int, int], dict[int, tuple[Path, held.Held]]]:
         """The run's steps saved with another world size whose every rank's copy this
         node holds (each rank's own copy, else a replica of it): ``(world, step)`` -> old
@@ -164,14 +171,17 @@ class LocalCopies:
                 steps.setdefault(record.rank, (copy.folder, record))
         return {key: ranks for key, ranks in found.items() if len(ranks) == key[0]}
 
-    def tidy(self) -> None:
+    def tidy(self, local_ranks: Collection[int] = ()) -> None:
         """Free what this layout no longer uses on the node: the folders of ranks beyond
-        the world size and the replicas this rank no longer keeps (a job restarted with
-        another world size or layout), and the copies of another world size in this
-        rank's slots. Called once the job has restored (or not) and saves again: until
-        then, those copies are what a resharding restore reads."""
+        the world size, those of ranks now on another node (``local_ranks``: this node's)
+        that hold only another world size's copies, the replicas this rank no longer
+        keeps, and the copies of another world size in this rank's slots. Called once
+        the job has restored (or not) and saves again: until then, those copies are what
+        a resharding restore reads."""
         for folder in self.run_folder.glob("rank-*"):
-            if _rank_of(folder.name, "rank-") >= self.world:
+            rank = _rank_of(folder.name, "rank-")
+            moved = rank not in local_ranks and rank != self.rank and self._stale(folder)
+            if rank >= self.world or moved:
                 shutil.rmtree(folder, ignore_errors=True)  # ranks on the node race: fine
         for folder in self.folder.glob("replica-of-*"):
             if _rank_of(folder.name, "replica-of-") not in self.replicas:

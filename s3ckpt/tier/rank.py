@@ -41,6 +41,7 @@ class RankTier:
         self._gather = gather
         self._tidied = False
         nodes = gather(tier.node_name())
+        self._local_ranks = {r for r, node in enumerate(nodes) if node == nodes[rank]}
         self.targets = replica_targets(nodes, tier.replicas)
         self.replicating = any(self.targets)  # the same on every rank
         self.copies = LocalCopies(tier, run, rank, world, replica_sources(self.targets, rank))
@@ -56,7 +57,7 @@ class RankTier:
         nodes, what is sent to and received from peers once it is. The first save frees
         what an earlier layout of the job left on the node (its restore is over)."""
         if not self._tidied:
-            self.copies.tidy()
+            self.copies.tidy(self._local_ranks)
             self._tidied = True
         slot = self.copies.next_slot()
         self.copies.invalidate(slot)

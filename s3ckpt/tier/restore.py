@@ -54,7 +54,14 @@ from typing import Any
 
 from s3ckpt.background.replicate import Exchange, Fetched
 from s3ckpt.dcp.compat import unwrap
-from s3ckpt.tier.apply import Outcome, apply_held, apply_received, apply_resharded
+from s3ckpt.tier.apply import (
+    Outcome,
+    apply_held,
+    apply_received,
+    apply_resharded,
+    verify_held,
+    verify_resharded,
+)
 from s3ckpt.tier.copies import Holdings, LocalCopies
 
 log = logging.getLogger("s3ckpt.tier")
@@ -99,8 +106,9 @@ def restore_from_memory(
     common = set.intersection(*(set(theirs) for _, theirs in reports))
     # With a committed S3 step to fall back to, each rank checks its copy as it loads it
     # (one pass, copy_in.py): a damaged copy's bytes may land in the model, and the whole
-    # job then loads an older step (or S3) over them. With none, the copy is checked
-    # before a byte is loaded, so a failed restore leaves the state untouched.
+    # job then loads an older step (or S3) over them. With none, every rank's copies are
+    # checked, and the verdicts gathered, before any rank loads a byte: a failed restore
+    # leaves every rank's state untouched.
     check_first = s3_latest is None
     for step, world in _candidates(every, common, copies.world, s3_latest):
         if world == copies.world:
@@ -112,6 +120,8 @@ def restore_from_memory(
                 continue
             chosen = time.perf_counter()
             received = copies.rank in _fetch_plan(every, step)
+            if check_first and not _all_intact(gather(verify_held(copies, step, received)), step):
+                continue
             outcome = (
                 apply_held(state_dict, copies, step, planner, check_first, received)
                 if fetched is None
@@ -120,9 +130,10 @@ def restore_from_memory(
         else:
             chosen = time.perf_counter()
             log.info("resharding step %d saved by %d ranks from this node's copies", step, world)
-            outcome = apply_resharded(
-                state_dict, copies.rank, others[world, step], planner, check_first
-            )
+            held = others[world, step]
+            if check_first and not _all_intact(gather(verify_resharded(copies.rank, held)), step):
+                continue
+            outcome = apply_resharded(state_dict, copies.rank, held, planner, check_first)
         outcomes = gather(outcome)
         problems = [p for p, _ in outcomes if p]
         if any(d for _, d in outcomes):
@@ -142,6 +153,17 @@ def restore_from_memory(
 
 
 _NOT_FETCHED: Outcome = ("not fetched", True)
+
+
+def _all_intact(verdicts: list[str | None], step: int) -> bool:
+    """Whether every rank found its copies of ``step`` intact (the gathered verdicts)."""
+    problems = [v for v in verdicts if v]
+    if problems:
+        log.warning(
+            "step %d in memory is not intact on every rank (%s); trying an older one",
+            step, "; ".join(problems),
+        )  # fmt: skip
+    return not problems
 
 
 def _fetch_step(
@@ -240,7 +262,7 @@ def _fetch(
 ) -> str | None:
     """This rank's part of fetching ``plan``: send the replicas it holds, receive its own
     copy into an emptied slot (unless it is in ``skip``: it receives into the model,
-    :func:`_apply_received`). What went wrong, if anything."""
+    :func:`~s3ckpt.tier.apply.apply_received`). What went wrong, if anything."""
     sends = []
     for rank, holder in plan.items():
         if holder == copies.rank:

@@ -27,10 +27,11 @@ def full_state(step: int) -> dict[str, Any]:
     }
 
 
-def sharded(state: dict[str, Any], mesh: Any) -> dict[str, Any]:
+def sharded(state: dict[str, Any], mesh: Any, dim: int = 0) -> dict[str, Any]:
+    """``w`` sharded by rows (``dim`` 0) or columns (1), ``b`` by rows."""
     out = dict(state)
-    for name in ("w", "b"):
-        out[name] = distribute_tensor(state[name], mesh, [Shard(0)])
+    out["w"] = distribute_tensor(state["w"], mesh, [Shard(dim)])
+    out["b"] = distribute_tensor(state["b"], mesh, [Shard(0)])
     return out
 
 
@@ -69,20 +70,23 @@ def save_main(
 
 
 def restore_main(
-    rank: int, world_size: int, port: int, s3: dict[str, Any], uri: str, out: str, root: str
-) -> None:
-    """Restore into a fresh state sharded over this job's ranks; what came back, whole."""
+    rank: int, world_size: int, port: int, s3: dict[str, Any], uri: str, out: str, root: str,
+    dim: int = 0, s3_every: int = 2,
+) -> None:  # fmt: skip
+    """Restore into a fresh state sharded over this job's ranks (``w`` along ``dim``);
+    what came back, whole."""
     from s3ckpt import CheckpointManager, MemoryTier
 
     _init(rank, world_size, port)
     report: dict[str, Any] = {}
     try:
         mesh = init_device_mesh("cpu", (world_size,))
-        state = sharded(zeroed(0), mesh)
-        tier = MemoryTier(keep=2, s3_every=2, root=root)
+        state = sharded(zeroed(0), mesh, dim)
+        tier = MemoryTier(keep=2, s3_every=s3_every, root=root)
         with CheckpointManager(uri, memory_tier=tier, **s3) as manager:
             report["step"] = manager.load_latest(state)
-            report["tier"] = manager.last_restore.tier
+            restored = manager.last_restore
+            report["tier"] = None if restored is None else restored.tier
         report["state"] = gathered(state)
     finally:
         _report(out, rank, report)

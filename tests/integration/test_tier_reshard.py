@@ -1,7 +1,9 @@
 """The memory tier restores a job whose world size changed: the old job's copies on the
 node, every rank's together, are its step's checkpoint, loaded resharded as from S3;
 damage found in one walks back, a node missing one falls back to S3, and the new
-layout frees the old one's copies at its first save."""
+layout frees the old one's copies at its first save. A job of the same world size
+sharded another way is never loaded in part from its own copies; with no S3 step, no
+rank loads a byte until every rank found its copies intact."""
 
 from __future__ import annotations
 
@@ -146,3 +148,26 @@ def test_with_no_s3_step_every_old_copy_is_checked_before_a_byte_is_loaded(
         assert manager.load_latest(untouched) is None
     for name in ("w", "b", "emb"):
         assert not untouched[name].any(), name
+
+
+def test_the_same_world_sharded_another_way_is_not_loaded_in_part(
+    local_s3, s3_prefix, s3_options, tmp_path, shm_root
+):
+    run(worker.save_main, 2, s3_options, s3_prefix, tmp_path, shm_root)
+    # w by columns now: each rank's own copy holds half of the rows it needs
+    for report in run(worker.restore_main, 2, s3_options, s3_prefix, tmp_path, shm_root, 1):
+        assert (report["step"], report["tier"]) == (2, "s3")
+        assert_state(report["state"], 2)
+
+
+def test_with_no_s3_step_a_damaged_copy_on_one_rank_leaves_every_rank_untouched(
+    local_s3, s3_prefix, s3_options, tmp_path, shm_root
+):
+    run(worker.save_main, 2, s3_options, s3_prefix, tmp_path, shm_root, 1000)  # memory only
+    damage(shm_root, 3, 1)
+    damage(shm_root, 2, 1)  # rank 0's copies intact, rank 1's not
+    reports = run(worker.restore_main, 2, s3_options, s3_prefix, tmp_path, shm_root, 0, 1000)
+    for report in reports:
+        assert report["step"] is None and report["tier"] is None
+        for name in ("w", "b", "emb"):
+            assert not report["state"][name].any(), name

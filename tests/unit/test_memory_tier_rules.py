@@ -93,6 +93,38 @@ def test_replicas_are_kept_apart_and_listed_as_such(tmp_path: Path):
     assert copies.holdings() == Holdings([], {1: []})
 
 
+def test_another_world_sizes_copies_count_whole_and_are_freed_at_the_new_layouts_save(
+    tmp_path: Path,
+):
+    tier = MemoryTier(root=tmp_path)
+    # 4 ranks, two a node; this node: ranks 0 and 1, with replicas of ranks 2 and 3
+    for rank in (0, 1):
+        source = rank + 2
+        old = LocalCopies(tier, RUN, rank, 4, sources=[source])
+        held.write(old.slots[0], record(7, rank=rank, world=4), b"s")
+        held.write(old.next_replica_folder(source), record(7, rank=source, world=4), b"s")
+        held.write(old.slots[1], record(6, rank=rank, world=4), b"s")  # 6: no replicas
+    # restarted as 2 ranks, one a node: rank 0 here, rank 1 now on the other node
+    new = LocalCopies(tier, RUN, 0, 2)
+    whole = new.other_worlds()
+    assert sorted(whole) == [(4, 7)]  # step 6: ranks 2 and 3's copies are not here
+    assert sorted(whole[4, 7]) == [0, 1, 2, 3]
+    assert "replica-of" not in str(whole[4, 7][0][0])  # a rank's own copy first
+    run_folder = new.run_folder
+    new.tidy(local_ranks={0})
+    assert sorted(p.name for p in run_folder.glob("rank-*")) == ["rank-00000"]
+    assert list(new.folder.glob("replica-of-*")) == []
+    assert new.other_worlds() == {} and node_copies(tmp_path) == []
+    # a rank of this layout elsewhere, sharing the root (simulated nodes): kept, filled
+    # or not
+    elsewhere = LocalCopies(tier, RUN, 1, 2)
+    new.tidy(local_ranks={0})
+    assert elsewhere.folder.exists()
+    held.write(elsewhere.slots[0], record(8, rank=1, world=2), b"s")
+    new.tidy(local_ranks={0})
+    assert [h.held.step for h in elsewhere.held()] == [8]
+
+
 def test_a_restore_chooses_steps_every_rank_can_rebuild():
     every = [
         Holdings(own=[30, 20], replicas={1: [20, 10]}),

@@ -99,6 +99,21 @@ def test_staged_state_pickles_by_reference_and_unpickles_over_the_same_memory():
         arena.close()
 
 
+def test_lazy_conjugate_and_negative_views_are_staged_as_their_values():
+    arena = StagingArena()
+    try:
+        z = torch.randn(6, dtype=torch.complex64)
+        live = {"conj": z.conj(), "neg_imag": z.conj().imag, "z": z}
+        staged = stage(arena, live).state_dict
+        for key, value in live.items():
+            assert torch.equal(staged[key], value.resolve_conj().resolve_neg()), key
+            assert not staged[key].is_conj() and not staged[key].is_neg(), key
+        loaded = loads_staged(dumps_staged(staged, arena), arena.mappings)
+        assert all(torch.equal(loaded[k], staged[k]) for k in live)
+    finally:
+        arena.close()
+
+
 def test_every_kind_of_staged_tensor_unpickles_as_it_was():
     arena = StagingArena()
     try:

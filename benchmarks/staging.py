@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.data import make_state
+from benchmarks.data import bare_copy_s, make_state
 from benchmarks.zero_server import ZeroS3
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -85,18 +85,6 @@ def measure(name: str, state: dict[str, torch.Tensor], uri: str, saves: int) -> 
         "blocked_over_copy": steady / copy,
         "us_per_tensor_beyond_copy": (steady - copy) / len(state) * 1e6,
     }
-
-
-def bare_copy_s(state: dict[str, torch.Tensor], reps: int = 5) -> float:
-    """The median copy of the state into buffers allocated (and touched) beforehand."""
-    buffers = {k: torch.empty_like(v) for k, v in state.items()}
-    times = []
-    for _ in range(reps):
-        started = time.perf_counter()
-        for key, tensor in state.items():
-            buffers[key].copy_(tensor)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:])
 
 
 def table(report: dict[str, Any]) -> str:

@@ -8,7 +8,9 @@ A memory-tier slot is a folder (``<root>/<run>/rank-<r>/slot-<i>/``, see
   (:func:`~s3ckpt.background.channel.dumps_staged`);
 * ``held.json``: written last, by an atomic rename, once every byte of the copy is in
   place and checksummed: the step, the rank and the world size it belongs to, the run, and
-  the CRC32C of every region of the segments and of ``state.pkl``.
+  the CRC32C of every region of the segments and of ``state.pkl``, and the lineage of
+  saves it belongs to (a step number alone is not a save's name: a run rolled back saves
+  the same step numbers again).
 
 A slot without ``held.json`` holds nothing: the descriptor is removed before the slot is
 written again, and a process killed at any point before the rename leaves no descriptor.
@@ -67,6 +69,10 @@ class Held:
     state_crc32c: int
     nbytes: int  # the state's tensor bytes
     created: float  # time.time() when the copy was complete
+    # The saves that continue one another (s3ckpt.tier.rank.RankTier.lineage): two copies
+    # of one step make up the same checkpoint only if they carry the same lineage. Empty
+    # in descriptors written before there was one.
+    lineage: str = ""
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **asdict(self)}, sort_keys=True)

@@ -75,6 +75,7 @@ class Hold:
     run: str
     regions: tuple[tuple[int, int, int], ...] = ()  # segment, offset, nbytes of each storage
     replicate: Exchange | None = None  # then sent to (and received from) peers on other nodes
+    lineage: str = ""  # the saves this one continues (held.Held.lineage)
 
 
 def main(fd: int) -> int:
@@ -215,6 +216,7 @@ def _hold(segments: list[Any], data: bytes, hold: Hold) -> None:
         state_crc32c=crc32c(data),
         nbytes=sum(nbytes for _, _, nbytes in hold.regions),
         created=time.time(),
+        lineage=hold.lineage,
     )
     held.write(Path(hold.folder), record, data)
 

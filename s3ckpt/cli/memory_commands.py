@@ -55,7 +55,7 @@ def run_memory(args: argparse.Namespace) -> int:
     document = [
         {
             "run": c.run, "step": c.held.step, "rank": c.held.rank, "world": c.held.world,
-            "bytes": c.held.nbytes, "created": iso_time(c.held.created), "folder": str(c.folder),
+            "lineage": c.held.lineage, "bytes": c.held.nbytes, "created": iso_time(c.held.created), "folder": str(c.folder),
             **({"problem": problems[c.folder]} if args.verify else {}),
         }
         for c in copies

@@ -13,7 +13,7 @@ from the held tensor (a view, so a byte is read once) into the target; or, given
 memory tier can read its copy's files into the targets and check them as they land
 (:mod:`s3ckpt.tier.copy_in`).
 
-Given the states of every rank of a save (:meth:`StateReader.of_ranks`), the metadata is
+Given the states of every rank of a save (:class:`StateReader` takes them all), the metadata is
 the one that save wrote: DCP's coordinator planner merges the ranks' plans (replicated
 items kept once, as a save keeps them), so a job with another world size or sharding
 loads from them as it would load the checkpoint from S3, each chunk read from the state
@@ -47,18 +47,16 @@ def copy_each(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
 class StateReader(StorageReader):
     """Reads ``state`` (one rank's saved state, in memory) as DCP reads a checkpoint."""
 
-    def __init__(self, state: dict[str, Any], copy_in: CopyIn = copy_each) -> None:
-        super().__init__()
-        self._set_up([(state, copy_in)])
-
-    @classmethod
-    def of_ranks(cls, states: Sequence[tuple[dict[str, Any], CopyIn]]) -> StateReader:
+    def __init__(self, states: Sequence[tuple[dict[str, Any], CopyIn]]) -> None:
         """A reader of the state every rank of one save held (rank order), each with the
         ``copy_in`` its chunks are read through."""
-        reader = cls.__new__(cls)
-        StorageReader.__init__(reader)
-        reader._set_up(states)
-        return reader
+        super().__init__()
+        self._set_up(states)
+
+    @classmethod
+    def of_state(cls, state: dict[str, Any], copy_in: CopyIn = copy_each) -> StateReader:
+        """A reader of one rank's state (a load with the world size it was saved with)."""
+        return cls([(state, copy_in)])
 
     def _set_up(self, states: Sequence[tuple[dict[str, Any], CopyIn]]) -> None:
         self._copy_ins = [copy_in for _, copy_in in states]

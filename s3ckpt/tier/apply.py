@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
@@ -23,7 +23,7 @@ from s3ckpt.background.held import Held, MappedCopy
 from s3ckpt.background.replicate import Fetched
 from s3ckpt.dcp.compat import CheckpointException, single_process, unwrap
 from s3ckpt.dcp.state_reader import CopyIn, StateReader
-from s3ckpt.tier.copies import LocalCopies
+from s3ckpt.tier.copies import LocalCopies, Version
 from s3ckpt.tier.copy_in import CheckedCopyIn, ReceivingCopyIn
 
 log = logging.getLogger("s3ckpt.tier")
@@ -33,14 +33,14 @@ Outcome = tuple["str | None", bool]
 damaged (an older step may do) rather than the state not fitting it (S3 then)."""
 
 
-def verify_held(copies: LocalCopies, step: int, received: bool = False) -> str | None:
-    """This rank's copy of ``step`` checked whole against its CRC32Cs, before a byte of
-    it is loaded (a copy received a moment ago was checked as it arrived: its state
+def verify_held(copies: LocalCopies, version: Version, received: bool = False) -> str | None:
+    """This rank's copy of ``version`` checked whole against its CRC32Cs, before a byte
+    of it is loaded (a copy received a moment ago was checked as it arrived: its state
     alone); what does not match or is missing, if anything."""
-    mine = {h.held.step: h for h in copies.held()}
-    if step not in mine:
-        return f"rank {copies.rank}: no copy of step {step}"
-    return _verified(copies.rank, [(mine[step].folder, mine[step].held)], whole=not received)
+    mine = copies.own_copy(version)
+    if mine is None:
+        return f"rank {copies.rank}: no copy of step {version[0]}"
+    return _verified(copies.rank, [(mine.folder, mine.held)], whole=not received)
 
 
 def verify_resharded(rank: int, held: Mapping[int, tuple[Any, Held]]) -> str | None:
@@ -66,19 +66,18 @@ def _verified(rank: int, held: list[tuple[Any, Held]], whole: bool = True) -> st
 def apply_held(
     state_dict: dict[str, Any],
     copies: LocalCopies,
-    step: int,
+    version: Version,
     planner: Any,
     verified: bool,
     received: bool = False,
 ) -> Outcome:
-    """Load this rank's copy of ``step`` into ``state_dict``, checked as it lands unless
-    it was ``verified`` whole before (or ``received`` and checked as it arrived): what
-    went wrong, if anything, and whether that was a copy missing or not intact (so an
-    older step may do)."""
-    mine = {h.held.step: h for h in copies.held()}
-    if step not in mine:
-        return f"rank {copies.rank}: no copy of step {step}", True
-    slot = mine[step]
+    """Load this rank's copy of ``version`` into ``state_dict``, checked as it lands
+    unless it was ``verified`` whole before (or ``received`` and checked as it arrived):
+    what went wrong, if anything, and whether that was a copy missing or not intact (so
+    an older step may do)."""
+    slot = copies.own_copy(version)
+    if slot is None:
+        return f"rank {copies.rank}: no copy of step {version[0]}", True
     try:
         copy = MappedCopy(slot.folder, slot.held)
     except (OSError, ValueError) as exc:
@@ -88,11 +87,9 @@ def apply_held(
         if damage is not None:
             return f"rank {copies.rank}: {damage}", True
         copy_in = CheckedCopyIn(copy, check=not (verified or received))
-        problem = _apply(state_dict, copy.state, copy.maps, copy_in, planner, copy.held.rank)
-        if problem is not None:
-            return problem, False
-        damage = copy_in.problem()
-        return (None, False) if damage is None else (f"rank {copies.rank}: {damage}", True)
+        return _load_checked(
+            state_dict, _one_state(copy.state, copy.maps, copy_in), [copy_in], planner, copies.rank
+        )
     finally:
         copy.close()
 
@@ -106,24 +103,35 @@ def apply_received(
         if fetched.problem is not None:
             return f"rank {rank}: {fetched.problem}", True
         copy_in = ReceivingCopyIn(fetched)
-        problem = _apply(state_dict, fetched.state, fetched.maps, copy_in, planner, rank)
-        if problem is not None:
-            return problem, False
-        damage = copy_in.problem()
-        return (None, False) if damage is None else (f"rank {rank}: {damage}", True)
+        reader_of = _one_state(fetched.state, fetched.maps, copy_in)
+        return _load_checked(state_dict, reader_of, [copy_in], planner, rank)
     finally:
         fetched.finish()
 
 
-def _apply(
+def _one_state(state: bytes, maps: list[Any], copy_in: CopyIn) -> Callable[[], StateReader]:
+    """What makes the reader over one staged state (unpickled when the load starts)."""
+    return lambda: StateReader.of_state(loads_staged(state, maps), copy_in)
+
+
+def _load_checked(
     state_dict: dict[str, Any],
-    state: bytes,
-    maps: list[Any],
-    copy_in: CopyIn,
+    reader_of: Callable[[], StateReader],
+    copy_ins: Sequence[CheckedCopyIn | ReceivingCopyIn],
     planner: Any,
     rank: int,
-) -> str | None:
-    return _load(state_dict, lambda: StateReader(loads_staged(state, maps), copy_in), planner, rank)
+) -> Outcome:
+    """Load from the reader ``reader_of`` makes, then ask each of ``copy_ins`` whether
+    what landed was intact: the outcome (a failed load is the state not fitting; damage
+    is a copy not intact)."""
+    problem = _load(state_dict, reader_of, planner, rank)
+    if problem is not None:
+        return problem, False
+    for copy_in in copy_ins:
+        damage = copy_in.problem()
+        if damage is not None:
+            return f"rank {rank}: {damage}", True
+    return None, False
 
 
 def _load(
@@ -168,13 +176,6 @@ def apply_resharded(
             opened.append((copy, CheckedCopyIn(copy, check=not verified, whole=False)))
 
         def reader() -> StateReader:
-            return StateReader.of_ranks([(loads_staged(c.state, c.maps), i) for c, i in opened])
+            return StateReader([(loads_staged(c.state, c.maps), i) for c, i in opened])
 
-        problem = _load(state_dict, reader, planner, rank)
-        if problem is not None:
-            return problem, False
-        for _, copy_in in opened:
-            damage = copy_in.problem()
-            if damage is not None:
-                return f"rank {rank}: {damage}", True
-        return None, False
+        return _load_checked(state_dict, reader, [i for _, i in opened], planner, rank)

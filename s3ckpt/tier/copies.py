@@ -14,7 +14,11 @@ The rules that keep a restore safe:
   of a job with another world size count together, all of one step or none
   (:meth:`LocalCopies.other_worlds`), until the new layout's first save frees them;
 * after a rollback (a load of step ``L``), copies above ``L`` are the abandoned run's:
-  :meth:`LocalCopies.discard_above` removes their descriptors on every rank.
+  :meth:`LocalCopies.discard_above` removes their descriptors on every rank;
+* a step is named by its number and its lineage (:data:`Version`): copies of one step
+  number make up one checkpoint only when they carry the same lineage, so copies that an
+  abandoned timeline left on a node no rank of the rollback ran on (its ranks moved
+  elsewhere) are never assembled with the new timeline's.
 
 Torch-free: the CLI reads it.
 """
@@ -30,6 +34,11 @@ from pathlib import Path
 from s3ckpt.background import held
 from s3ckpt.tier.options import MemoryTier
 
+Version = tuple[int, str]
+"""A held step: its number and the lineage of the saves it belongs to."""
+OldStep = tuple[int, int, str]
+"""A step saved with another world size: that world size, the step, its lineage."""
+
 
 def run_folder(root: Path, run: str) -> Path:
     """The folder of the run checkpointed to ``run`` (an ``s3://`` location)."""
@@ -43,6 +52,10 @@ class HeldSlot:
     slot: int
     folder: Path
     held: held.Held
+
+    @property
+    def version(self) -> Version:
+        return (self.held.step, self.held.lineage)
 
 
 class SlotSet:
@@ -130,20 +143,20 @@ class LocalCopies:
         replicas.invalidate(slot)
         return replicas.folders[slot]
 
-    def replica_of(self, source: int, step: int) -> HeldSlot | None:
-        """The replica of ``source``'s copy of ``step`` held here, if any."""
+    def own_copy(self, version: Version) -> HeldSlot | None:
+        """This rank's own copy of ``version`` held here, if any."""
+        return _of_version(self.own, version)
+
+    def replica_of(self, source: int, version: Version) -> HeldSlot | None:
+        """The replica of ``source``'s copy of ``version`` held here, if any."""
         replicas = self.replicas.get(source)
-        found = [h for h in replicas.held() if h.held.step == step] if replicas else []
-        return found[0] if found else None
+        return _of_version(replicas, version) if replicas else None
 
     def holdings(self) -> Holdings:
-        """What this rank holds: its own steps, and each source's replicated steps."""
+        """What this rank holds: its own versions, and each source's replicated ones."""
         return Holdings(
-            [h.held.step for h in self.own.held()],
-            {
-                source: [h.held.step for h in slots.held()]
-                for source, slots in self.replicas.items()
-            },
+            [h.version for h in self.own.held()],
+            {source: [h.version for h in slots.held()] for source, slots in self.replicas.items()},
         )
 
     def discard_above(self, step: int) -> None:
@@ -159,15 +172,15 @@ class LocalCopies:
         found = [r for r in records if r is not None]
         return bool(found) and all((r.run, r.world) != (self.run, self.world) for r in found)
 
-    def other_worlds(self) -> dict[tuple[int, int], dict[int, tuple[Path, held.Held]]]:
+    def other_worlds(self) -> dict[OldStep, dict[int, tuple[Path, held.Held]]]:
         """The run's steps saved with another world size whose every rank's copy this
-        node holds (each rank's own copy, else a replica of it): ``(world, step)`` -> old
-        rank -> its folder and descriptor."""
-        found: dict[tuple[int, int], dict[int, tuple[Path, held.Held]]] = {}
+        node holds (each rank's own copy, else a replica of it), all of one lineage:
+        ``(world, step, lineage)`` -> old rank -> its folder and descriptor."""
+        found: dict[OldStep, dict[int, tuple[Path, held.Held]]] = {}
         for copy in node_copies(self.tier.root, self.run_folder.name):  # own before replicas
             record = copy.held
             if record.run == self.run and record.world != self.world:
-                steps = found.setdefault((record.world, record.step), {})
+                steps = found.setdefault((record.world, record.step, record.lineage), {})
                 steps.setdefault(record.rank, (copy.folder, record))
         return {key: ranks for key, ranks in found.items() if len(ranks) == key[0]}
 
@@ -195,8 +208,8 @@ class Holdings:
     """One rank's report at a restore: the steps it holds of its own state, and of each
     peer's whose replicas it keeps."""
 
-    own: list[int]
-    replicas: dict[int, list[int]]
+    own: list[Version]
+    replicas: dict[int, list[Version]]
 
 
 @dataclass(frozen=True)
@@ -222,6 +235,10 @@ def node_copies(root: Path, runs: str = "run-*") -> list[NodeCopy]:
         if record is not None:
             found.append(NodeCopy(record.run, folder, record, "replica-of-" in folder.parent.name))
     return sorted(found, key=lambda c: (c.run, -c.held.step, c.held.rank, c.replica))
+
+
+def _of_version(slots: SlotSet, version: Version) -> HeldSlot | None:
+    return next((h for h in slots.held() if h.version == version), None)
 
 
 def _rank_of(name: str, prefix: str) -> int:

@@ -223,7 +223,9 @@ class TieredCheckpointProcess:
 
     def discard_above(self, step: int) -> None:
         """The run goes on from ``step`` (a rollback, or a load from S3 the tier did not
-        choose): this rank's copies of later steps are dropped."""
+        choose): this rank's copies of later steps are dropped, and the saves from now on
+        carry a new lineage. Every rank calls it, with the same step: a rank that did
+        not would save copies no restore assembles with the others' (S3 then)."""
         self._check_open()
         self._tier.discard_above(step)
 

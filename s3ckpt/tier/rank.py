@@ -1,7 +1,12 @@
 """``RankTier``: the memory tier as one rank of a manager sees it.
 
 Built once, at the manager's construction (one all-gather of node names gives every rank
-the same replica layout, :mod:`s3ckpt.tier.peers`). Each save asks it where the copy is
+the same replica layout, :mod:`s3ckpt.tier.peers`, and rank 0's fresh lineage token).
+The lineage names the saves that continue one another: every copy carries it, and a
+restore assembles a step only from copies of one lineage. Each construction starts a new
+one (a restarted job's saves are not the old job's, even at the same step numbers), and
+so does each rollback (:meth:`RankTier.discard_above`, derived from the old one, the
+same on every rank with no collective). Each save asks it where the copy is
 held and what is exchanged with peers (:meth:`RankTier.keep`); ``load_latest`` asks it to
 restore (:mod:`s3ckpt.tier.restore`); the manager's reports (``held_steps``,
 ``replicated_steps``) are one all-gather of what each rank holds.
@@ -9,7 +14,9 @@ restore (:mod:`s3ckpt.tier.restore`); the manager's reports (``held_steps``,
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import secrets
 from typing import Any
 
 import torch.distributed as dist
@@ -17,7 +24,7 @@ import torch.distributed as dist
 from s3ckpt.background.replicate import Exchange, Fetched, exchange
 from s3ckpt.background.saver import Keep
 from s3ckpt.background.worker import Hold
-from s3ckpt.tier.copies import Holdings, LocalCopies
+from s3ckpt.tier.copies import Holdings, LocalCopies, Version
 from s3ckpt.tier.options import MemoryTier
 from s3ckpt.tier.peers import replica_sources, replica_targets
 from s3ckpt.tier.restore import Gather, Restored, restore_from_memory
@@ -40,7 +47,9 @@ class RankTier:
         self.tier, self.run, self.rank, self.world = tier, run, rank, world
         self._gather = gather
         self._tidied = False
-        nodes = gather(tier.node_name())
+        reports = gather((tier.node_name(), secrets.token_hex(8)))
+        nodes = [node for node, _ in reports]
+        self.lineage: str = reports[0][1]
         self._local_ranks = {r for r, node in enumerate(nodes) if node == nodes[rank]}
         self.targets = replica_targets(nodes, tier.replicas)
         self.replicating = any(self.targets)  # the same on every rank
@@ -71,23 +80,28 @@ class RankTier:
                     for source in self.copies.replicas
                 ),
             )
-        return Keep(slot, Hold(folder, step, self.rank, self.world, self.run, replicate=replicate))
+        hold = Hold(
+            folder, step, self.rank, self.world, self.run, replicate=replicate, lineage=self.lineage
+        )
+        return Keep(slot, hold)
 
     def held_steps(self) -> list[int]:
-        """Steps every rank holds its own complete copy of."""
-        return sorted(_held_by_all(self._gather(self.copies.holdings())))
+        """Steps every rank holds its own complete copy of (of one lineage)."""
+        return sorted({step for step, _ in _held_by_all(self._gather(self.copies.holdings()))})
 
     def replicated_steps(self) -> list[int]:
         """Steps every rank holds, each rank's copy also on all of its replica peers."""
         every: list[Holdings] = self._gather(self.copies.holdings())
         return sorted(
-            step
-            for step in _held_by_all(every)
-            if all(
-                step in every[peer].replicas.get(rank, [])
-                for rank, peers in enumerate(self.targets)
-                for peer in peers
-            )
+            {
+                version[0]
+                for version in _held_by_all(every)
+                if all(
+                    version in every[peer].replicas.get(rank, [])
+                    for rank, peers in enumerate(self.targets)
+                    for peer in peers
+                )
+            }
         )
 
     def restore(
@@ -105,7 +119,10 @@ class RankTier:
         return Fetched(peer, self._fetch_group)
 
     def discard_above(self, step: int) -> None:
+        """The run goes on from ``step`` (every rank calls it): the copies above it are
+        dropped, and the saves from now on carry a new lineage."""
         self.copies.discard_above(step)
+        self.lineage = _succeeding(self.lineage, step)
 
     def close(self) -> None:
         group, self._fetch_group = self._fetch_group, None
@@ -116,5 +133,10 @@ class RankTier:
                 log.debug("could not destroy the memory tier's group", exc_info=True)
 
 
-def _held_by_all(every: list[Holdings]) -> set[int]:
+def _held_by_all(every: list[Holdings]) -> set[Version]:
     return set(every[0].own).intersection(*(h.own for h in every[1:]))
+
+
+def _succeeding(lineage: str, step: int) -> str:
+    """The lineage of the saves that go on from ``step`` of ``lineage``."""
+    return hashlib.sha256(f"{lineage}/{step}".encode()).hexdigest()[:16]

@@ -5,7 +5,10 @@
 1. **Agree on a step.** Each rank lists the complete copies it holds, its own and the
    replicas it keeps for peers (their descriptors); one all-gather gives every rank the
    same view. The newest step whose every rank's state is held somewhere, at least the
-   newest committed S3 step, is the candidate (S3 wins when it is newer).
+   newest committed S3 step, is the candidate (S3 wins when it is newer). A step is its
+   number and its lineage (:data:`~s3ckpt.tier.copies.Version`): copies of one step
+   number saved by two timelines (a run rolled back, with some copies of the abandoned
+   one left where no rank of the rollback ran) are two candidates, never one.
 2. **Fetch what is missing.** A rank whose own copy is gone (its node was replaced)
    counts as holding the step when a peer on another node holds its replica: the peers
    send such replicas to the ranks missing them, checked as they arrive. With a committed
@@ -62,7 +65,7 @@ from s3ckpt.tier.apply import (
     verify_held,
     verify_resharded,
 )
-from s3ckpt.tier.copies import Holdings, LocalCopies
+from s3ckpt.tier.copies import Holdings, LocalCopies, OldStep, Version
 
 log = logging.getLogger("s3ckpt.tier")
 
@@ -99,9 +102,7 @@ def restore_from_memory(
     of the job holds every old rank's copy of it."""
     started = time.perf_counter()
     others = copies.other_worlds()
-    reports: list[tuple[Holdings, list[tuple[int, int]]]] = gather(
-        (copies.holdings(), sorted(others))
-    )
+    reports: list[tuple[Holdings, list[OldStep]]] = gather((copies.holdings(), sorted(others)))
     every = [holdings for holdings, _ in reports]
     common = set.intersection(*(set(theirs) for _, theirs in reports))
     # With a committed S3 step to fall back to, each rank checks its copy as it loads it
@@ -110,27 +111,29 @@ def restore_from_memory(
     # checked, and the verdicts gathered, before any rank loads a byte: a failed restore
     # leaves every rank's state untouched.
     check_first = s3_latest is None
-    for step, world in _candidates(every, common, copies.world, s3_latest):
+    for version, world in _candidates(every, common, copies.world, s3_latest):
+        step = version[0]
         if world == copies.world:
             into_model = receive if not check_first else None
             fetched = _fetch_step(
-                state_dict, copies, every, step, gather, fetch, into_model, planner
+                state_dict, copies, every, version, gather, fetch, into_model, planner
             )
             if fetched is _NOT_FETCHED:
                 continue
             chosen = time.perf_counter()
-            received = copies.rank in _fetch_plan(every, step)
-            if check_first and not _all_intact(gather(verify_held(copies, step, received)), step):
+            received = copies.rank in _fetch_plan(every, version)
+            verdict = verify_held(copies, version, received) if check_first else None
+            if check_first and not _all_intact(gather(verdict), step):
                 continue
             outcome = (
-                apply_held(state_dict, copies, step, planner, check_first, received)
+                apply_held(state_dict, copies, version, planner, check_first, received)
                 if fetched is None
                 else fetched
             )
         else:
             chosen = time.perf_counter()
             log.info("resharding step %d saved by %d ranks from this node's copies", step, world)
-            held = others[world, step]
+            held = others[(world, *version)]
             if check_first and not _all_intact(gather(verify_resharded(copies.rank, held)), step):
                 continue
             outcome = apply_resharded(state_dict, copies.rank, held, planner, check_first)
@@ -170,17 +173,17 @@ def _fetch_step(
     state_dict: dict[str, Any],
     copies: LocalCopies,
     every: list[Holdings],
-    step: int,
+    version: Version,
     gather: Gather,
     fetch: Callable[[Exchange], None] | None,
     receive: Callable[[int], Fetched] | None,
     planner: Any,
 ) -> Outcome | None:
-    """Bring the copies of ``step`` that ranks are missing from their peers (every rank
+    """Bring the copies of ``version`` that ranks are missing from their peers (every rank
     takes part): this rank's outcome when it loaded its copy as it arrived, None when its
     copy is now held here, :data:`_NOT_FETCHED` when any rank's fetch failed. Given
     ``receive``, the ranks that send nothing receive their copies into the model."""
-    plan = _fetch_plan(every, step)
+    plan = _fetch_plan(every, version)
     if not plan:
         return None
     in_place = _received_in_place(plan, receive is not None)
@@ -190,55 +193,59 @@ def _fetch_step(
         assert receive is not None
         outcome = apply_received(state_dict, copies.rank, receive(plan[copies.rank]), planner)
     else:
-        problem = _fetch(copies, plan, step, fetch, skip=in_place)
+        problem = _fetch(copies, plan, version, fetch, skip=in_place)
     if any(gather(problem)):
-        log.warning("step %d could not be fetched from the peers holding it", step)
+        log.warning("step %d could not be fetched from the peers holding it", version[0])
         return _NOT_FETCHED
     return outcome
 
 
 def _candidates(
-    every: list[Holdings], resharded: set[tuple[int, int]], world: int, s3_latest: int | None
-) -> list[tuple[int, int]]:
-    """The ``(step, world)`` the job may restore from memory, newest first: the steps of
-    its own world size it can rebuild, and those of another that every node can reshard
-    (at an equal step, its own world's first)."""
-    found = [(step, world) for step in _rebuildable(every, s3_latest)]
-    found += [(step, old) for old, step in resharded if s3_latest is None or step >= s3_latest]
-    return sorted(found, key=lambda c: (c[0], c[1] == world), reverse=True)
+    every: list[Holdings], resharded: set[OldStep], world: int, s3_latest: int | None
+) -> list[tuple[Version, int]]:
+    """The ``(version, world)`` the job may restore from memory, newest step first: the
+    versions of its own world size it can rebuild, and those of another that every node
+    can reshard (at an equal step, its own world's first; then the newest copy's)."""
+    found = [(version, world) for version in _rebuildable(every, s3_latest)]
+    found += [
+        ((step, lineage), old)
+        for old, step, lineage in resharded
+        if s3_latest is None or step >= s3_latest
+    ]
+    return sorted(found, key=lambda c: (c[0][0], c[1] == world), reverse=True)
 
 
-def _rebuildable(every: list[Holdings], s3_latest: int | None) -> list[int]:
-    """Steps every rank's state can be had for from memory (its own copy, or a peer's
-    replica of it), at least ``s3_latest``, newest first."""
-    steps = set()
+def _rebuildable(every: list[Holdings], s3_latest: int | None) -> list[Version]:
+    """Versions every rank's state can be had for from memory (its own copy, or a peer's
+    replica of it), at least ``s3_latest``, newest step first."""
+    versions = set()
     for holdings in every:
-        steps.update(holdings.own)
+        versions.update(holdings.own)
     return sorted(
         (
-            step for step in steps
-            if (s3_latest is None or step >= s3_latest)
-            and all(step in every[rank].own or _holder(every, rank, step) is not None
+            version for version in versions
+            if (s3_latest is None or version[0] >= s3_latest)
+            and all(version in every[rank].own or _holder(every, rank, version) is not None
                     for rank in range(len(every)))
         ),
         reverse=True,
     )  # fmt: skip
 
 
-def _holder(every: list[Holdings], rank: int, step: int) -> int | None:
-    """The lowest rank holding a replica of ``rank``'s copy of ``step``."""
+def _holder(every: list[Holdings], rank: int, version: Version) -> int | None:
+    """The lowest rank holding a replica of ``rank``'s copy of ``version``."""
     for holder, holdings in enumerate(every):
-        if step in holdings.replicas.get(rank, []):
+        if version in holdings.replicas.get(rank, []):
             return holder
     return None
 
 
-def _fetch_plan(every: list[Holdings], step: int) -> dict[int, int]:
-    """For ``step``: each rank without its own copy, and the peer it receives it from."""
+def _fetch_plan(every: list[Holdings], version: Version) -> dict[int, int]:
+    """For ``version``: each rank without its own copy, and the peer it receives it from."""
     plan = {}
     for rank, holdings in enumerate(every):
-        if step not in holdings.own:
-            holder = _holder(every, rank, step)
+        if version not in holdings.own:
+            holder = _holder(every, rank, version)
             assert holder is not None
             plan[rank] = holder
     return plan
@@ -256,7 +263,7 @@ def _received_in_place(plan: dict[int, int], allowed: bool) -> set[int]:
 def _fetch(
     copies: LocalCopies,
     plan: dict[int, int],
-    step: int,
+    version: Version,
     fetch: Callable[[Exchange], None] | None,
     skip: Collection[int] = (),
 ) -> str | None:
@@ -266,7 +273,7 @@ def _fetch(
     sends = []
     for rank, holder in plan.items():
         if holder == copies.rank:
-            replica = copies.replica_of(rank, step)
+            replica = copies.replica_of(rank, version)
             assert replica is not None
             sends.append((rank, str(replica.folder)))
     receives = ()
@@ -282,5 +289,5 @@ def _fetch(
         error = unwrap(exc)
         return f"rank {copies.rank}: {type(error).__name__}: {error}"
     if receives:
-        log.info("received this rank's copy of step %d from rank %d", step, plan[copies.rank])
+        log.info("received this rank's copy of step %d from rank %d", version[0], plan[copies.rank])
     return None

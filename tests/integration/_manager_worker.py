@@ -301,6 +301,44 @@ def memory_tier_main(
         dist.barrier()
 
 
+def lineage_main(
+    rank: int, world_size: int, port: int, s3: dict[str, Any], uri: str, out_dir: str,
+    roots: list[str],
+) -> None:  # fmt: skip
+    """Two timelines that save the same step numbers, their copies left on two simulated
+    nodes: (1) each rank on its own node saves steps 1 (to S3), 2 and 3; (2) restarted
+    with the ranks swapped between the nodes, the job holds nothing of its own, loads
+    S3's step 1 and trains on differently, saving 2 and 3 (3 to S3); (3) restarted with
+    both ranks on node 0, rank 0 finds the first timeline's step 3 there and rank 1 the
+    second's. Each restore's step and source, and whether it is bit-exact, go in the
+    report."""
+    from pathlib import Path
+
+    from s3ckpt import MemoryTier
+
+    def placed(node: int) -> MemoryTier:
+        return MemoryTier(keep=3, replicas=0, s3_every=1000, root=Path(roots[node]))
+
+    run = TierRank(rank, uri, s3, placed(rank))
+    with reporting_rank(rank, world_size, port, out_dir) as report:
+        with run.manager() as manager:
+            for step in (1, 2, 3):
+                train_step(run.model, run.state, step)
+                manager.save(step, run.state, s3=step == 1)
+                manager.wait()
+        run.tier = placed(1 - rank)
+        with run.manager() as manager:
+            report["swapped"] = (manager.load_latest(run.state), manager.last_restore.tier)
+            for step in (2, 3):
+                train_step(run.model, run.state, 100 + step)  # another timeline
+                manager.save(step, run.state, s3=step == 3)
+                manager.wait()
+                run.expected[step] = snapshot(run.model, run.state, rank)
+        run.tier = placed(0)
+        report["together"] = run.restored()
+        dist.barrier()
+
+
 def same_state(loaded: dict[str, Any], expected: dict[str, Any]) -> bool:
     return (
         all(torch.equal(loaded["params"][k], v) for k, v in expected["params"].items())

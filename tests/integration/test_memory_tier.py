@@ -284,6 +284,19 @@ def test_two_ranks_on_two_simulated_nodes_survive_each_fault(
     assert reports[1]["held_after_kill"] == [5]
 
 
+def test_a_step_saved_again_after_a_rollback_is_never_assembled_from_two_timelines(
+    local_s3, s3_prefix, s3_options, tmp_path, shm_root
+):
+    """Copies carry their lineage: node 0 holds rank 0's step 3 from the first timeline
+    and rank 1's from the second (saved after a restore from S3's step 1), every CRC
+    intact; the restore takes neither and loads S3's step 3, bit-exact on both ranks
+    (assembled from both, rank 0's model would be the first timeline's)."""
+    reports = on_two_nodes(worker.lineage_main, s3_options, s3_prefix, tmp_path, shm_root)
+    for report in reports:
+        assert report["swapped"] == (1, "s3")  # neither node holds the swapped rank's copies
+        assert report["together"] == ((3, "s3"), True)
+
+
 def test_the_cli_lists_verifies_and_removes_what_a_node_holds(s3_prefix, s3_options, shm_root, cli):
     tier = MemoryTier(keep=2, s3_every=2, root=shm_root)
     saving_run(s3_prefix, s3_options, tier, range(1, 4))

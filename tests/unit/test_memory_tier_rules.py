@@ -18,11 +18,18 @@ from s3ckpt.tier.restore import _fetch_plan, _rebuildable
 RUN = "s3://bucket/run"
 
 
-def record(step: int, rank: int = 0, world: int = 1, run: str = RUN, created: float = 0.0):
+def record(
+    step: int,
+    rank: int = 0,
+    world: int = 1,
+    run: str = RUN,
+    created: float = 0.0,
+    lineage: str = "a",
+):
     return held.Held(
         step=step, rank=rank, world=world, run=run, segments=(4096,),
         regions=(held.HeldRegion(0, 0, 8, 1234),), state_crc32c=5, nbytes=8,
-        created=created or time.time(),
+        created=created or time.time(), lineage=lineage,
     )  # fmt: skip
 
 
@@ -85,8 +92,10 @@ def test_replicas_are_kept_apart_and_listed_as_such(tmp_path: Path):
     copies = LocalCopies(MemoryTier(root=tmp_path), RUN, 0, 2, sources=[1])
     held.write(copies.slots[0], record(5, rank=0, world=2), b"s")
     held.write(copies.next_replica_folder(1), record(5, rank=1, world=2), b"s")
-    assert copies.holdings() == Holdings([5], {1: [5]})
-    assert copies.replica_of(1, 5) is not None and copies.replica_of(1, 4) is None
+    assert copies.holdings() == Holdings([(5, "a")], {1: [(5, "a")]})
+    assert copies.replica_of(1, (5, "a")) is not None and copies.replica_of(1, (4, "a")) is None
+    assert copies.replica_of(1, (5, "b")) is None  # another lineage's step 5
+    assert copies.own_copy((5, "a")) is not None and copies.own_copy((5, "b")) is None
     listed = [(c.held.rank, c.replica) for c in node_copies(tmp_path)]
     assert listed == [(0, False), (1, True)]
     copies.discard_above(4)
@@ -107,9 +116,9 @@ def test_another_world_sizes_copies_count_whole_and_are_freed_at_the_new_layouts
     # restarted as 2 ranks, one a node: rank 0 here, rank 1 now on the other node
     new = LocalCopies(tier, RUN, 0, 2)
     whole = new.other_worlds()
-    assert sorted(whole) == [(4, 7)]  # step 6: ranks 2 and 3's copies are not here
-    assert sorted(whole[4, 7]) == [0, 1, 2, 3]
-    assert "replica-of" not in str(whole[4, 7][0][0])  # a rank's own copy first
+    assert sorted(whole) == [(4, 7, "a")]  # step 6: ranks 2 and 3's copies are not here
+    assert sorted(whole[4, 7, "a"]) == [0, 1, 2, 3]
+    assert "replica-of" not in str(whole[4, 7, "a"][0][0])  # a rank's own copy first
     run_folder = new.run_folder
     new.tidy(local_ranks={0})
     assert sorted(p.name for p in run_folder.glob("rank-*")) == ["rank-00000"]
@@ -126,15 +135,31 @@ def test_another_world_sizes_copies_count_whole_and_are_freed_at_the_new_layouts
 
 
 def test_a_restore_chooses_steps_every_rank_can_rebuild():
+    a = {step: (step, "a") for step in (10, 20, 30)}
     every = [
-        Holdings(own=[30, 20], replicas={1: [20, 10]}),
-        Holdings(own=[10], replicas={0: [20, 10]}),  # rank 1 lost its copies after 10
+        Holdings(own=[a[30], a[20]], replicas={1: [a[20], a[10]]}),
+        Holdings(own=[a[10]], replicas={0: [a[20], a[10]]}),  # rank 1 lost its copies after 10
     ]
-    assert _rebuildable(every, s3_latest=None) == [20, 10]  # 30: nobody holds rank 1's
-    assert _rebuildable(every, s3_latest=15) == [20]
+    assert _rebuildable(every, s3_latest=None) == [a[20], a[10]]  # 30: nobody holds rank 1's
+    assert _rebuildable(every, s3_latest=15) == [a[20]]
     assert _rebuildable(every, s3_latest=25) == []  # S3 is newer: load from S3
-    assert _fetch_plan(every, 20) == {1: 0}  # rank 1 receives its copy from rank 0
-    assert _fetch_plan(every, 10) == {0: 1}
+    assert _fetch_plan(every, a[20]) == {1: 0}  # rank 1 receives its copy from rank 0
+    assert _fetch_plan(every, a[10]) == {0: 1}
+
+
+def test_copies_of_one_step_number_from_two_lineages_are_never_assembled():
+    """A run rolled back to step 20 saved step 30 again ("b"); rank 1's folder on a node
+    no rank of the rollback ran on kept the abandoned step 30 ("a"), and rank 1's own "b"
+    copy is gone. Every rank holds a step 30, but no lineage's whole: step 20 it is."""
+    every = [
+        Holdings(own=[(30, "b"), (20, "a")], replicas={1: [(20, "a")]}),
+        Holdings(own=[(30, "a"), (20, "a")], replicas={0: [(20, "a")]}),
+    ]
+    assert _rebuildable(every, s3_latest=None) == [(20, "a")]
+    # rank 1's "b" copy of 30 kept as a replica on rank 0: lineage "b" is whole again
+    every[0] = Holdings(own=[(30, "b"), (20, "a")], replicas={1: [(30, "b")]})
+    assert _rebuildable(every, s3_latest=None) == [(30, "b"), (20, "a")]
+    assert _fetch_plan(every, (30, "b")) == {1: 0}
 
 
 def test_region_checksums_are_whole_regions_however_they_are_cut(monkeypatch):

@@ -3,8 +3,10 @@ a peer, or (a job whose world size changed) every old rank's copy the node holds
 
 Each is a ``dcp.load`` on this rank alone (no collective) from a
 :class:`~s3ckpt.dcp.state_reader.StateReader` over the copies, whose bytes are checked
-against their CRC32Cs as they land (:mod:`s3ckpt.tier.copy_in`) or, when no committed S3
-step could be loaded over damage, before a byte is loaded. Each returns what went wrong,
+against their CRC32Cs as they land (:mod:`s3ckpt.tier.copy_in`); when no committed S3
+step could be loaded over damage, they were also checked whole before a byte is loaded
+(:func:`verify_held`, :func:`verify_resharded`), and the check as they land then catches a
+copy rewritten in between (a live run's slot, read by another job). Each returns what went wrong,
 if anything, and whether that was a copy missing or not intact (so that an older step may
 do) rather than a state the copy does not fit.
 """
@@ -68,13 +70,12 @@ def apply_held(
     copies: LocalCopies,
     version: Version,
     planner: Any,
-    verified: bool,
     received: bool = False,
 ) -> Outcome:
     """Load this rank's copy of ``version`` into ``state_dict``, checked as it lands
-    unless it was ``verified`` whole before (or ``received`` and checked as it arrived):
-    what went wrong, if anything, and whether that was a copy missing or not intact (so
-    an older step may do)."""
+    (unless it was ``received`` a moment ago and checked as it arrived): what went wrong,
+    if anything, and whether that was a copy missing or not intact (so an older step may
+    do)."""
     slot = copies.own_copy(version)
     if slot is None:
         return f"rank {copies.rank}: no copy of step {version[0]}", True
@@ -86,7 +87,7 @@ def apply_held(
         damage = copy.state_problem()
         if damage is not None:
             return f"rank {copies.rank}: {damage}", True
-        copy_in = CheckedCopyIn(copy, check=not (verified or received))
+        copy_in = CheckedCopyIn(copy, check=not received)
         return _load_checked(
             state_dict, _one_state(copy.state, copy.maps, copy_in), [copy_in], planner, copies.rank
         )
@@ -155,12 +156,10 @@ def apply_resharded(
     rank: int,
     held: Mapping[int, tuple[Any, Held]],
     planner: Any,
-    verified: bool,
 ) -> Outcome:
     """Load the step every old rank's copy in ``held`` (old rank -> its folder and
     descriptor, all on this node) makes up into ``state_dict``, resharded to this job's
-    layout as a load from S3 would be; each copy is checked where the load read from it,
-    unless every copy was ``verified`` whole before (:func:`verify_resharded`)."""
+    layout as a load from S3 would be; each copy is checked where the load read from it."""
     with contextlib.ExitStack() as stack:
         opened: list[tuple[MappedCopy, CheckedCopyIn]] = []
         for old_rank in sorted(held):
@@ -173,7 +172,7 @@ def apply_resharded(
             damage = copy.state_problem()
             if damage is not None:
                 return f"rank {rank}: {damage}", True
-            opened.append((copy, CheckedCopyIn(copy, check=not verified, whole=False)))
+            opened.append((copy, CheckedCopyIn(copy, whole=False)))
 
         def reader() -> StateReader:
             return StateReader([(loads_staged(c.state, c.maps), i) for c, i in opened])

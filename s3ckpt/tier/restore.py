@@ -23,8 +23,10 @@
    rank with no collective: each rank's copy holds exactly the shards it saved, so a
    restart with the same world size and sharding finds every piece it needs; DCP calls
    the ``Stateful`` objects' ``load_state_dict`` as for any load. Every region is checked against its CRC32C, as
-   every S3 read is: as it is read into the model (:mod:`s3ckpt.tier.copy_in`), or, when
-   no committed S3 step could be loaded over a damaged one, before a byte is loaded. One
+   every S3 read is: as it is read into the model (:mod:`s3ckpt.tier.copy_in`), and, when
+   no committed S3 step could be loaded over a damaged one, also before a byte is loaded
+   (a copy rewritten in between, a live run's slot read by another job, is still caught
+   as it lands, and the job walks back). One
    all-gather of the outcomes: if any rank's copy is missing or damaged, the job walks
    back to the next step every rank holds, which loads over it; a rank that could not
    apply (its state no longer matches the copy's) sends every rank on to S3, so no model
@@ -108,8 +110,9 @@ def restore_from_memory(
     # With a committed S3 step to fall back to, each rank checks its copy as it loads it
     # (one pass, copy_in.py): a damaged copy's bytes may land in the model, and the whole
     # job then loads an older step (or S3) over them. With none, every rank's copies are
-    # checked, and the verdicts gathered, before any rank loads a byte: a failed restore
-    # leaves every rank's state untouched.
+    # checked, and the verdicts gathered, before any rank loads a byte: a copy found
+    # damaged leaves every rank's state untouched (and is checked as it lands again, for
+    # a copy rewritten since, by the live run whose slot another job reads).
     check_first = s3_latest is None
     for version, world in _candidates(every, common, copies.world, s3_latest):
         step = version[0]
@@ -126,7 +129,7 @@ def restore_from_memory(
             if check_first and not _all_intact(gather(verdict), step):
                 continue
             outcome = (
-                apply_held(state_dict, copies, version, planner, check_first, received)
+                apply_held(state_dict, copies, version, planner, received)
                 if fetched is None
                 else fetched
             )
@@ -136,7 +139,7 @@ def restore_from_memory(
             held = others[(world, *version)]
             if check_first and not _all_intact(gather(verify_resharded(copies.rank, held)), step):
                 continue
-            outcome = apply_resharded(state_dict, copies.rank, held, planner, check_first)
+            outcome = apply_resharded(state_dict, copies.rank, held, planner)
         outcomes = gather(outcome)
         problems = [p for p, _ in outcomes if p]
         if any(d for _, d in outcomes):

@@ -15,6 +15,7 @@ import torch
 
 from s3ckpt import CheckpointManager, ConfigError, MemoryTier, MemoryTierError
 from s3ckpt.background import held
+from s3ckpt.tier import restore as restore_module
 from s3ckpt.tier.copies import node_copies
 
 pytestmark = [
@@ -129,6 +130,27 @@ def test_a_damaged_copy_is_not_used_the_restore_walks_back(s3_prefix, s3_options
     tier = MemoryTier(keep=2, s3_every=10, root=shm_root)
     snapshots = saving_run(s3_prefix, s3_options, tier, range(1, 4))  # S3: nothing
     flip_a_bit(shm_root, 3)
+    step, restored, loaded = restore(s3_prefix, s3_options, tier)
+    assert step == 2 and restored.tier == "memory"
+    assert_same(loaded, snapshots[2])
+
+
+def test_a_copy_rewritten_after_its_check_is_caught_as_it_lands(
+    s3_prefix, s3_options, shm_root, monkeypatch
+):
+    """With nothing in S3, copies are checked whole before a byte is loaded, and again
+    as they land: a copy rewritten in between (a live run's slot, read by another job)
+    is not loaded as if intact; the restore walks back."""
+    tier = MemoryTier(keep=2, s3_every=10, root=shm_root)
+    snapshots = saving_run(s3_prefix, s3_options, tier, range(1, 4))  # S3: nothing
+    checked_then_applied = restore_module.apply_held
+
+    def rewritten_in_between(state_dict, copies, version, *args, **kwargs):
+        if version[0] == 3:
+            flip_a_bit(shm_root, 3)
+        return checked_then_applied(state_dict, copies, version, *args, **kwargs)
+
+    monkeypatch.setattr(restore_module, "apply_held", rewritten_in_between)
     step, restored, loaded = restore(s3_prefix, s3_options, tier)
     assert step == 2 and restored.tier == "memory"
     assert_same(loaded, snapshots[2])

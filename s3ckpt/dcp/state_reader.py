@@ -45,20 +45,12 @@ def copy_each(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 class StateReader(StorageReader):
-    """Reads ``state`` (one rank's saved state, in memory) as DCP reads a checkpoint."""
+    """Reads the states a save's ranks held (in memory) as DCP reads that checkpoint."""
 
     def __init__(self, states: Sequence[tuple[dict[str, Any], CopyIn]]) -> None:
         """A reader of the state every rank of one save held (rank order), each with the
         ``copy_in`` its chunks are read through."""
         super().__init__()
-        self._set_up(states)
-
-    @classmethod
-    def of_state(cls, state: dict[str, Any], copy_in: CopyIn = copy_each) -> StateReader:
-        """A reader of one rank's state (a load with the world size it was saved with)."""
-        return cls([(state, copy_in)])
-
-    def _set_up(self, states: Sequence[tuple[dict[str, Any], CopyIn]]) -> None:
         self._copy_ins = [copy_in for _, copy_in in states]
         self._planners = []
         plans = []
@@ -72,6 +64,11 @@ class StateReader(StorageReader):
         self._items = {
             item.index: (rank, item) for rank, plan in enumerate(kept) for item in plan.items
         }
+
+    @classmethod
+    def of_state(cls, state: dict[str, Any], copy_in: CopyIn = copy_each) -> StateReader:
+        """A reader of one rank's state (a load with the world size it was saved with)."""
+        return cls([(state, copy_in)])
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass

@@ -125,8 +125,9 @@ def restore_from_memory(
                 continue
             chosen = time.perf_counter()
             received = copies.rank in _fetch_plan(every, version)
-            verdict = verify_held(copies, version, received) if check_first else None
-            if check_first and not _all_intact(gather(verdict), step):
+            if check_first and not _all_intact(
+                gather(verify_held(copies, version, received)), step
+            ):
                 continue
             outcome = (
                 apply_held(state_dict, copies, version, planner, received)

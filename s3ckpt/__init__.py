@@ -76,6 +76,7 @@ from s3ckpt.errors import (
 if TYPE_CHECKING:
     from s3ckpt.background.process import CheckpointProcess
     from s3ckpt.dcp.compat import unwrap
+    from s3ckpt.dcp.local_plan import ReusingSavePlanner
     from s3ckpt.dcp.reader import S3StorageReader
     from s3ckpt.dcp.staging import HostStager
     from s3ckpt.dcp.writer import S3StorageWriter
@@ -92,6 +93,7 @@ _LAZY = {
     "CheckpointProcess": "s3ckpt.background.process",
     "HostStager": "s3ckpt.dcp.staging",
     "MemoryTier": "s3ckpt.tier.options",
+    "ReusingSavePlanner": "s3ckpt.dcp.local_plan",
     "S3StorageReader": "s3ckpt.dcp.reader",
     "S3StorageWriter": "s3ckpt.dcp.writer",
     "SaveMetrics": "s3ckpt.manager",
@@ -128,6 +130,7 @@ __all__ = [
     "InvalidURIError",
     "LocalServerError",
     "MemoryTier",
+    "ReusingSavePlanner",
     "MemoryTierError",
     "NotACheckpointError",
     "ObjectNotFoundError",

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from s3ckpt.background.process import CheckpointProcess
 from s3ckpt.background.worker import Hold
 from s3ckpt.dcp.compat import save_plain
+from s3ckpt.dcp.local_plan import ReusingSavePlanner
 from s3ckpt.dcp.staging import HostStager, plain_state_dict
 from s3ckpt.dcp.writer import S3StorageWriter
 from s3ckpt.errors import CheckpointError, ConfigError
@@ -83,6 +84,8 @@ class BackgroundSaver:
         else:
             self._stager = HostStager()
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s3ckpt-save")
+            # One save at a time on that thread: the planner keeps its local plan.
+            self._planner = ReusingSavePlanner()
             if self.world > 1:
                 ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
                 self._save_group = dist.new_group(ranks=ranks, backend="gloo")
@@ -157,6 +160,9 @@ class BackgroundSaver:
         if self._process is not None:
             return self._process.stage(state_dict, slot)
         assert self._stager is not None
+        # The planner's view of the last copy goes too, so that the stager frees its
+        # tensors here rather than on the upload's thread (HostStager.stage says why).
+        self._planner.state_dict = {}
         return self._stager.stage(plain_state_dict(state_dict))
 
     def _upload(
@@ -176,7 +182,8 @@ class BackgroundSaver:
         assert self._thread is not None
         return self._thread.submit(
             save_plain, staged if staged is not None else {}, storage_writer=writer,
-            planner=planner, process_group=self._save_group, no_dist=self._save_group is None,
+            planner=planner if planner is not None else self._planner,
+            process_group=self._save_group, no_dist=self._save_group is None,
         )  # fmt: skip
 
     def close(self) -> None:

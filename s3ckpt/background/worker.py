@@ -131,8 +131,11 @@ def _join(meeting: Meeting | None) -> None:
 
 def _serve(channel: Channel, *, distributed: bool) -> int:
     from s3ckpt.background.arena import StagingArena
+    from s3ckpt.dcp.local_plan import ReusingSavePlanner
 
     arenas: dict[int, StagingArena] = {}
+    # Per slot (its copies live at its own addresses), when the trainer gave no planner.
+    planners: dict[int, ReusingSavePlanner] = {}
     try:
         while True:
             try:
@@ -144,8 +147,11 @@ def _serve(channel: Channel, *, distributed: bool) -> int:
                 for descriptor, size in zip(fds, message[2], strict=True):
                     arena.adopt(descriptor, size)
             elif message[0] == "save":
-                _, save_id, slot, *rest = message
-                if not _save(channel, arenas.get(slot), save_id, *rest) and distributed:
+                _, save_id, slot, data, writer, planner, hold = message
+                if planner is None:
+                    planner = planners.setdefault(slot, ReusingSavePlanner())
+                saved = _save(channel, arenas.get(slot), save_id, data, writer, planner, hold)
+                if not saved and distributed:
                     return 1
             elif message[0] == "stop":
                 return 0

@@ -221,3 +221,44 @@ def test_bodies_that_are_not_memory_are_left_to_aiohttp():
     other = SimpleNamespace(method="PUT", url="ftp://h/b/k", headers={}, body=b"x")
     assert asyncio.run(sender(stream)) is None
     assert asyncio.run(sender(other)) is None
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_a_head_and_body_sent_together_arrive_whole_and_in_order(loop_kind: str) -> None:
+    """The loop's send: head and body in one ``sendmsg``, then the rest from the
+    writability callback, through a small socket buffer and a slow reader."""
+    from s3ckpt.s3.wire.connection import Connection
+    from s3ckpt.s3.wire.on_loop import send_all
+
+    if loop_kind == "uvloop":
+        import uvloop  # a dependency wherever s3ckpt's loop uses it
+
+        new_loop: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    else:
+        new_loop = asyncio.new_event_loop
+    sender, receiver = socket.socketpair()
+    sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 * 1024)
+    sender.setblocking(False)
+    head, body = b"PUT /k HTTP/1.1\r\n\r\n", bytes(range(251)) * 20_000  # ~5 MB
+    received = bytearray()
+
+    def read_slowly() -> None:
+        while len(received) < len(head) + len(body):
+            chunk = receiver.recv(256 * 1024)
+            if not chunk:
+                return
+            received.extend(chunk)
+            time.sleep(0.001)
+
+    reader = threading.Thread(target=read_slowly)
+    reader.start()
+    loop = new_loop()
+    try:
+        connection = Connection(sender, ("http", "127.0.0.1", 0))
+        loop.run_until_complete(send_all(connection, head, memoryview(body)[:0], memoryview(body)))
+    finally:
+        loop.close()
+        reader.join(timeout=30)
+        sender.close()
+        receiver.close()
+    assert bytes(received) == head + body

@@ -1,0 +1,107 @@
+"""ReusingSavePlanner: DCP's default local plan, made once per layout of the state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from s3ckpt.dcp.local_plan import ReusingSavePlanner, state_layout
+
+
+def _state() -> dict[str, Any]:
+    return {
+        "model": {"w": torch.randn(8, 4), "b": torch.zeros(4, dtype=torch.bfloat16)},
+        "optim": {"step": 3, "lr": [0.1, 0.2], "m": torch.ones(2, 2, dtype=torch.float64)},
+        "flag": torch.tensor(True),
+        "param": torch.nn.Parameter(torch.randn(3)),
+    }
+
+
+def _plans(planner: Any, state: dict[str, Any]) -> Any:
+    planner.set_up_planner(state, is_coordinator=True)
+    return planner.create_local_plan()
+
+
+def _count_is_pinned(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls = [0]
+    original = torch.Tensor.is_pinned
+
+    def counting(self: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "is_pinned", counting)
+    return calls
+
+
+def test_every_save_gets_the_default_planners_plan_and_later_ones_ask_no_tensor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    state = _state()
+    reusing = ReusingSavePlanner()
+    calls = _count_is_pinned(monkeypatch)
+    first = _plans(reusing, state)
+    assert calls[0] > 0  # the first plan is DCP's own
+    for _ in range(3):
+        calls[0] = 0
+        plan = _plans(reusing, state)
+        assert calls[0] == 0  # no tensor call that releases the GIL
+        assert plan == _plans(DefaultSavePlanner(), state) == first
+        assert plan.planner_data == first.planner_data  # the flattening's mappings
+        assert reusing.plan is plan
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda s: s["model"].__setitem__("w", torch.randn(8, 5)),  # shape
+        lambda s: s["model"].__setitem__("b", torch.zeros(4)),  # dtype
+        lambda s: s["model"].__setitem__("w", s["model"]["w"].clone()),  # memory
+        lambda s: s["model"].__setitem__("w", s["model"]["w"].requires_grad_()),
+        lambda s: s["optim"].__setitem__("extra", 7),  # a new value
+        lambda s: s["optim"].pop("m"),  # a value gone
+        lambda s: s.__setitem__("flag", False),  # a tensor became an object
+    ],
+)
+def test_a_state_whose_layout_changed_is_planned_again(change: Any) -> None:
+    state = _state()
+    reusing = ReusingSavePlanner()
+    _plans(reusing, state)
+    change(state)
+    assert _plans(reusing, state) == _plans(DefaultSavePlanner(), state)
+
+
+def test_pinned_memory_is_recorded_as_it_is() -> None:
+    """Pinning belongs to the allocation, which the layout names by its address."""
+    if not torch.cuda.is_available():
+        state = {"w": torch.randn(4)}
+        plan = _plans(ReusingSavePlanner(), state)
+        assert plan.items[0].tensor_data.properties.pin_memory is False
+        return
+    pinned, pageable = torch.randn(4).pin_memory(), torch.randn(4)
+    reusing = ReusingSavePlanner()
+    for tensor, expected in ((pinned, True), (pageable, False), (pinned, True)):
+        plan = _plans(reusing, {"w": tensor})
+        assert plan.items[0].tensor_data.properties.pin_memory is expected
+
+
+def test_a_tensor_subclass_is_planned_at_every_save() -> None:
+    class Marked(torch.Tensor):
+        pass
+
+    state = {"w": torch.randn(4).as_subclass(Marked)}
+    assert state_layout(state) is None
+    assert _plans(ReusingSavePlanner(), state) == _plans(DefaultSavePlanner(), state)
+
+
+def test_a_state_with_a_sharded_value_is_planned_at_every_save() -> None:
+    class Checkpointable:
+        """DCP's ``_Checkpointable`` protocol: it makes its own write items."""
+
+        def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
+            return []
+
+    assert state_layout({"w": torch.randn(2), "shard": Checkpointable()}) is None

@@ -18,7 +18,6 @@ two kinds of TLS differ because what is cheap differs:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import select
 import socket
 import ssl
@@ -131,7 +130,9 @@ class Connection:
         if self.blocking_tls and self.sock.pending():  # type: ignore[attr-defined]
             return False
         try:
-            return not _waiting(self.sock.fileno())
+            poller = select.poll()  # not select.select: file numbers past 1024 are fine
+            poller.register(self.sock, select.POLLIN)
+            return not poller.poll(0)
         except (OSError, ValueError):
             return False
 
@@ -231,36 +232,3 @@ def _secured(
     connection = Connection(sock, origin, session, bios)
     connection._handshake()
     return connection
-
-
-class _PollFd(ctypes.Structure):
-    _fields_ = [("fd", ctypes.c_int), ("events", ctypes.c_short), ("revents", ctypes.c_short)]
-
-
-def _poll_keeping_the_gil() -> object | None:
-    """libc's ``poll`` called with the GIL held (a ``PyDLL`` function): ``select.poll``
-    lets the GIL go and takes it back even for a zero timeout, one retake per request on
-    the loop's thread, which beside a training loop in thread mode costs the training loop
-    a wait (see :mod:`s3ckpt.s3.wire.on_loop`). None where libc cannot be reached so."""
-    try:
-        poll = ctypes.PyDLL(None).poll
-    except (OSError, AttributeError, TypeError):
-        return None
-    poll.argtypes = [ctypes.POINTER(_PollFd), ctypes.c_ulong, ctypes.c_int]
-    poll.restype = ctypes.c_int
-    return poll
-
-
-_libc_poll = _poll_keeping_the_gil()
-
-
-def _waiting(fd: int) -> bool:
-    """Whether ``fd`` has something to read (or an end of stream) right now."""
-    if _libc_poll is not None:
-        entry = _PollFd(fd, select.POLLIN, 0)
-        found = _libc_poll(ctypes.byref(entry), 1, 0)  # type: ignore[operator]
-        if found >= 0:
-            return found > 0
-    poller = select.poll()  # not select.select: file numbers past 1024 are fine
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(0))

@@ -7,14 +7,6 @@ with no thread hand-over and no GIL contention. In worker threads the same sends
 1.1-1.2x the client CPU of a save on the zero-cost server (``benchmarks/zero_cost.py``),
 the threads re-taking the GIL against the loop after every call; over TLS the threads
 win, because encryption runs with the GIL released (:mod:`s3ckpt.s3.wire.uploads`).
-
-Every wake-up of the loop's thread takes the GIL back, which beside a training loop in
-thread mode costs the training loop a wait. So a send registers for writability once and
-sends from the readiness callback itself until the body is gone (not a task woken per
-readiness, which added the wake-up of the task and the closing of a readiness handle per
-socket-full), and a request's head leaves with the body's first bytes in one ``sendmsg``:
-10-11 GIL retakes per part of about 10 MiB instead of 17-21 (counted with a ``perf``
-probe on CPython's ``take_gil``).
 """
 
 from __future__ import annotations
@@ -50,7 +42,8 @@ async def _exchange(
     watch = StallTimer(loop, lambda: connection, timeout, abort_stalled)
     try:
         try:
-            await send_all(connection, head, body)
+            await send_all(connection, head)
+            await send_all(connection, body)
         except OSError as exc:
             error = failure(connection, exc, reused=reused, received=False)
             # The server may have answered (an error) and closed before taking the whole
@@ -82,66 +75,27 @@ async def _response(connection: Connection, reused: bool) -> SmallResponse:
             raise ConnectionResetError("the connection closed before a whole response")
 
 
-async def send_all(connection: Connection, *data: bytes | memoryview) -> None:
-    """Send all of ``data``, in order, on the non-blocking connection, waiting while its
-    socket is full: the one send of every exchange on the loop. Plain TCP sends straight
-    from ``data``'s memory (an upload body is never copied), from the readiness callback
-    once the socket has been full (see the module's docstring); TLS on memory BIOs
-    encrypts it and sends the ciphertext as the socket takes it
-    (:meth:`Connection.send_ready`)."""
+async def send_all(connection: Connection, data: bytes | memoryview) -> None:
+    """Send all of ``data`` on the non-blocking connection, waiting while its socket is
+    full: the one send of every exchange on the loop. Plain TCP sends straight from
+    ``data``'s memory (an upload body is never copied); TLS on memory BIOs encrypts it and
+    sends the ciphertext as the socket takes it (:meth:`Connection.send_ready`)."""
     if connection.session is not None:
-        pending = b"".join(data)
+        pending = bytes(data)
         while not connection.send_ready(pending):
             pending = b""
             await ready(connection, writable=True)
         connection.progress = time.monotonic()
         return
-    unsent = _Unsent(connection, data)
-    if unsent.send():
-        return
-    loop = asyncio.get_running_loop()
-    sent: asyncio.Future[None] = loop.create_future()
-
-    def writable() -> None:
-        if sent.done():
-            return
+    view = memoryview(data)
+    sent = 0
+    while sent < len(view):
         try:
-            if unsent.send():
-                sent.set_result(None)
-        except Exception as exc:  # a socket the stall timer shut down fails here
-            sent.set_exception(exc)
-
-    fd = connection.sock.fileno()
-    loop.add_writer(fd, writable)
-    try:
-        await sent
-    finally:
-        loop.remove_writer(fd)
-
-
-class _Unsent:
-    """What is left of a send's buffers, sent as the socket takes it."""
-
-    def __init__(self, connection: Connection, data: tuple[bytes | memoryview, ...]) -> None:
-        self.connection = connection
-        self.views = [memoryview(piece).cast("B") for piece in data if len(piece)]
-
-    def send(self) -> bool:
-        """Send what the socket takes now; whether everything has gone."""
-        sock = self.connection.sock
-        while self.views:
-            try:
-                count = (
-                    sock.sendmsg(self.views) if len(self.views) > 1 else sock.send(self.views[0])
-                )
-            except BlockingIOError:
-                return False
-            self.connection.progress = time.monotonic()
-            while count and count >= len(self.views[0]):
-                count -= len(self.views.pop(0))
-            if count:
-                self.views[0] = self.views[0][count:]
-        return True
+            sent += connection.sock.send(view[sent:])
+        except BlockingIOError:
+            await ready(connection, writable=True)
+            continue
+        connection.progress = time.monotonic()
 
 
 async def receive_some(connection: Connection, view: memoryview) -> int:

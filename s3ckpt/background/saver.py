@@ -162,7 +162,7 @@ class BackgroundSaver:
         assert self._stager is not None
         # The planner's view of the last copy goes too, so that the stager frees its
         # tensors here rather than on the upload's thread (HostStager.stage says why).
-        self._planner.state_dict = {}
+        self._planner.let_go()
         return self._stager.stage(plain_state_dict(state_dict))
 
     def _upload(

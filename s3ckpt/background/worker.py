@@ -147,10 +147,13 @@ def _serve(channel: Channel, *, distributed: bool) -> int:
                 for descriptor, size in zip(fds, message[2], strict=True):
                     arena.adopt(descriptor, size)
             elif message[0] == "save":
-                _, save_id, slot, data, writer, planner, hold = message
-                if planner is None:
-                    planner = planners.setdefault(slot, ReusingSavePlanner())
+                _, save_id, slot, data, writer, given, hold = message
+                planner = (
+                    given if given is not None else planners.setdefault(slot, ReusingSavePlanner())
+                )
                 saved = _save(channel, arenas.get(slot), save_id, data, writer, planner, hold)
+                if given is None:
+                    planner.let_go()  # its views of the segments, which may be replaced
                 if not saved and distributed:
                     return 1
             elif message[0] == "stop":

@@ -2,13 +2,14 @@
 
 DCP's default planner describes every tensor anew at each save, and its description asks
 ``tensor.is_pinned()``, a torch call that releases the GIL and takes it back. In thread
-mode that call runs on a thread beside the training loop, where each retake waits for the
-loop to let the GIL go and makes the loop wait in turn: for the benchmark's state of 580
-tensors, 580 of the save thread's ~1,900 GIL retakes per save (counted with a ``perf``
-probe on CPython's ``take_gil``). A training loop saves the same layout again and again,
-so :class:`ReusingSavePlanner` keeps the local plan it made and hands it out again while
-every value keeps its kind, dtype, shape, layout, ``requires_grad``, device and memory
-address, all read as attributes that release nothing. The address stands for whether
+mode that runs on a thread beside the training loop, which then has to hand the GIL over:
+for the benchmark's state of 580 tensors, 580 of the save thread's ~1,900 GIL retakes per
+save (counted with a ``perf`` probe on CPython's ``take_gil``), plus the planning's own
+Python (docs/performance.md, "The loop beside a save"). A training loop saves the same
+layout again and again, so :class:`ReusingSavePlanner` keeps the local plan it made and
+hands it out again while every value keeps its kind, dtype, shape, layout,
+``requires_grad``, device and memory address, all read as attributes that release
+nothing. The address stands for whether
 the memory is pinned (it is the same allocation), which is all ``is_pinned`` tells.
 
 Everything else is DCP's :class:`DefaultSavePlanner`: the global plan, deduplication and
@@ -38,6 +39,11 @@ class ReusingSavePlanner(DefaultSavePlanner):
         super().__init__(*args, **kwargs)
         self._layout: tuple[Hashable, ...] | None = None
         self._items: list[Any] = []
+
+    def let_go(self) -> None:
+        """Drop the last save's state dict (the plan stays): its tensors are freed on the
+        calling thread, and a mapping under them can be closed."""
+        self.state_dict = {}
 
     def create_local_plan(self) -> SavePlan:
         # DCP's own plan caching (``enable_plan_caching``) decides what its local plan

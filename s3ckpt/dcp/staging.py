@@ -58,10 +58,10 @@ class HostStager(AsyncStager):
         """Copy ``state_dict`` to host memory; returns once every byte has landed.
 
         The previous copy's tensor objects (not their buffers, which are reused) are
-        freed here, on the caller's thread, and not when the upload's thread lets go of
-        them: freeing a tensor lets the GIL go and takes it back, and on a thread beside
-        the training loop each retake costs the loop a wait (580 per save of the
-        benchmark's state, counted with a ``perf`` probe on CPython's ``take_gil``)."""
+        freed here, on the caller's thread between saves, not on the upload's thread
+        beside the training loop: freeing a tensor lets the GIL go and takes it back,
+        580 hand-overs per save of the benchmark's state there (counted with a ``perf``
+        probe on CPython's ``take_gil``; docs/performance.md, "The loop beside a save")."""
         self._staged = None
         try:
             self._staged = self._copier.stage(

@@ -105,3 +105,13 @@ def test_a_state_with_a_sharded_value_is_planned_at_every_save() -> None:
             return []
 
     assert state_layout({"w": torch.randn(2), "shard": Checkpointable()}) is None
+
+
+def test_letting_go_of_the_state_keeps_the_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    state = _state()
+    reusing = ReusingSavePlanner()
+    first = _plans(reusing, state)
+    reusing.let_go()
+    assert reusing.state_dict == {}  # no tensor of the last save held any more
+    calls = _count_is_pinned(monkeypatch)
+    assert _plans(reusing, state) == first and calls[0] == 0

@@ -9,8 +9,8 @@ Python (docs/performance.md, "The loop beside a save"). A training loop saves th
 layout again and again, so :class:`ReusingSavePlanner` keeps the local plan it made and
 hands it out again while every value keeps its kind, dtype, shape, layout,
 ``requires_grad``, device and memory address, all read as attributes that release
-nothing. The address stands for whether
-the memory is pinned (it is the same allocation), which is all ``is_pinned`` tells.
+nothing. The address stands for whether the memory is pinned (it is the same
+allocation), which is all ``is_pinned`` tells.
 
 Everything else is DCP's :class:`DefaultSavePlanner`: the global plan, deduplication and
 metadata are made at each save, as are the plans of states holding sharded tensors
@@ -38,7 +38,7 @@ class ReusingSavePlanner(DefaultSavePlanner):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._layout: tuple[Hashable, ...] | None = None
-        self._items: list[Any] = []
+        self._made: SavePlan | None = None  # the local plan made for that layout
 
     def let_go(self) -> None:
         """Drop the last save's state dict (the plan stays): its tensors are freed on the
@@ -50,11 +50,11 @@ class ReusingSavePlanner(DefaultSavePlanner):
         # says; such a planner plans as the default does.
         caching = getattr(self, "_enable_plan_caching", False)
         layout = None if caching else state_layout(self.state_dict)
-        if layout is None or layout != self._layout:
-            plan = super().create_local_plan()
-            self._layout, self._items = layout, list(plan.items)
-            return plan
-        plan = SavePlan(list(self._items))
+        if layout is None or layout != self._layout or self._made is None:
+            self._made = super().create_local_plan()
+            self._layout = layout
+            return self._made
+        plan = SavePlan(list(self._made.items))
         if self.flatten_state_dict:
             plan = dataclasses.replace(plan, planner_data=self.mappings)
         self.plan = plan
@@ -66,7 +66,7 @@ def state_layout(state_dict: dict[str, Any]) -> tuple[Hashable, ...] | None:
     holds a sharded tensor (planned at every save)."""
     layout: list[Hashable] = []
     for fqn, value in state_dict.items():
-        if isinstance(value, torch.Tensor) and type(value) in (torch.Tensor, torch.nn.Parameter):
+        if type(value) in (torch.Tensor, torch.nn.Parameter):
             layout.append((
                 fqn, value.dtype, value.layout, value.requires_grad, value.device,
                 tuple(value.shape), value.data_ptr() if value.layout == torch.strided else 0,

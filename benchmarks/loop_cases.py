@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from benchmarks.data import bare_copy_s, make_state, state_nbytes
+from benchmarks.loop_floors import floor_no_network, floor_raw_sockets
 
 warnings.filterwarnings("ignore")
 GiB = 1024**3
@@ -189,6 +190,9 @@ MODES: dict[str, Callable[[], Callable[[dict, int], Any]]] = {
     "dcp_process": s3ckpt_dcp_process,
     "fs_shm_thread": fs_shm_thread,
     "s3torch_thread": s3torch_thread,
+    # what a thread-mode save costs with less Python than any store client (loop_floors)
+    "floor_no_network": floor_no_network,
+    "floor_raw_sockets": floor_raw_sockets,
 }
 
 

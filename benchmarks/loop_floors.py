@@ -1,0 +1,183 @@
+"""Floors for thread-mode saves in the ``loop`` benchmark: what a thread-mode save costs the
+loop with less of the upload in Python than any real store client has.
+
+Both are ``dcp.async_save`` in thread mode with s3ckpt's ``HostStager`` and
+``ReusingSavePlanner`` (the staging and planning of ``dcp_thread`` and the manager's
+thread mode), each item's bytes viewed and CRC32C'd as ``S3StorageWriter`` does; only
+what happens to the bytes differs:
+
+* ``floor_no_network``: nothing is sent. The storage waits ``FLOOR_WAIT_S`` (0.8 s, about
+  a real upload's time here) in one call that lets the GIL go, so that the slowdown is
+  measured over a window as long as a real upload's. What it costs the loop is DCP's own
+  thread-mode machinery, the staging, the plan and the checksums.
+* ``floor_raw_sockets``: the leanest uploader Python can have. Items are cut or packed into
+  16 MiB parts (small ones joined without the GIL, as ``S3StorageWriter`` does), and four
+  threads send each part as one unsigned ``PUT`` on a kept-alive blocking socket (one
+  ``sendall`` for the head, one for the body, the GIL released over each) and read the
+  answer's head: about four GIL hand-overs and a few microseconds of Python per part, no
+  event loop, no signing, no retries, no multipart upload, no manifest. Not a checkpoint:
+  the objects are only bytes, under the case's prefix.
+
+No real save can cost the loop less than ``floor_raw_sockets`` without moving its
+requests out of the interpreter (a native client whose threads never take the GIL).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from s3ckpt.transfer._gather import join
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from s3ckpt.dcp.rank_save import _item_bytes
+from s3ckpt.format.checksums import crc_of
+
+FLOOR_WAIT_S = float(os.environ.get("FLOOR_WAIT_S", "0.8"))
+PART = 16 << 20
+SENDERS = 4
+
+
+class _ViewingWriter(StorageWriter):
+    """A storage that sees every item's bytes as ``S3StorageWriter`` does and stores nothing."""
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        return plans
+
+    def write_data(self, plan: Any, planner: Any) -> Future:
+        views, results = [], []
+        for item in plan.items:
+            view = _item_bytes(item, planner)
+            crc_of(view)
+            views.append(view)
+            results.append(
+                WriteResult(index=item.index, size_in_bytes=len(view), storage_data=None)
+            )
+        self.store(views)
+        future: Future = Future()
+        future.set_result(results)
+        return future
+
+    def store(self, views: list[memoryview]) -> None:
+        time.sleep(FLOOR_WAIT_S)
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        pass
+
+    def storage_meta(self) -> StorageMeta:
+        return StorageMeta()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+
+class _Senders:
+    """Four threads, each with one kept-alive connection, sending parts as plain PUTs."""
+
+    def __init__(self) -> None:
+        url = urlsplit(os.environ["AWS_ENDPOINT_URL"])
+        self.address = (url.hostname, url.port)
+        self.prefix = f"/{os.environ['BENCH_BUCKET']}/{os.environ['BENCH_PREFIX']}/raw"
+        self.parts: queue.Queue[tuple[int, memoryview | bytes, Callable[[], None]]] = queue.Queue()
+        for _ in range(SENDERS):
+            threading.Thread(target=self._send_parts, daemon=True).start()
+
+    def _send_parts(self) -> None:
+        sock = socket.create_connection(self.address)
+        scratch = memoryview(bytearray(65536))
+        while True:
+            number, body, sent = self.parts.get()
+            head = f"PUT {self.prefix}/{number} HTTP/1.1\r\nHost: s3\r\nContent-Length: {len(body)}\r\n\r\n"
+            sock.sendall(head.encode())
+            sock.sendall(body)
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                count = sock.recv_into(scratch)
+                if not count:
+                    raise ConnectionError("the server closed the connection")
+                answer += bytes(scratch[:count])
+            if not answer.startswith(b"HTTP/1.1 200"):
+                raise RuntimeError(f"PUT failed: {answer[:200]!r}")
+            sent()
+
+
+class _RawSocketWriter(_ViewingWriter):
+    senders: _Senders | None = None
+
+    def store(self, views: list[memoryview]) -> None:
+        if _RawSocketWriter.senders is None:
+            _RawSocketWriter.senders = _Senders()
+        parts = _parts(views)
+        left, lock, all_sent = [len(parts)], threading.Lock(), threading.Event()
+
+        def sent() -> None:
+            with lock:
+                left[0] -= 1
+                if not left[0]:
+                    all_sent.set()
+
+        for number, part in enumerate(parts):
+            _RawSocketWriter.senders.parts.put((number, part, sent))
+        all_sent.wait()
+
+
+def _parts(views: list[memoryview]) -> list[memoryview | bytes]:
+    """Large items cut into parts, small ones packed together, in item order."""
+    parts: list[memoryview | bytes] = []
+    small: list[memoryview] = []
+    packed = 0
+    for view in views:
+        if len(view) >= PART // 2:
+            parts.extend(view[start : start + PART] for start in range(0, len(view), PART))
+            continue
+        small.append(view)
+        packed += len(view)
+        if packed >= PART:
+            parts.append(join(small))
+            small, packed = [], 0
+    if small:
+        parts.append(join(small))
+    return parts
+
+
+def _floor(writer: type[_ViewingWriter]) -> Callable[[], Callable[[dict, int], Any]]:
+    def make() -> Callable[[dict, int], Any]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        from s3ckpt import HostStager, ReusingSavePlanner
+
+        stager, planner = HostStager(), ReusingSavePlanner()
+
+        def save(state: dict, i: int) -> Any:
+            response = dcp.async_save(
+                state, storage_writer=writer(), async_stager=stager, planner=planner,
+                async_checkpointer_type=AsyncCheckpointerType.THREAD,
+            )  # fmt: skip
+            return getattr(response, "upload_completion", response)
+
+        return save
+
+    return make
+
+
+floor_no_network = _floor(_ViewingWriter)
+floor_raw_sockets = _floor(_RawSocketWriter)

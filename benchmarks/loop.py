@@ -72,7 +72,7 @@ def measure(
     loops: list[str], modes: list[str], placements: list[str], size_mib: int, reps: int
 ) -> dict[str, Any]:
     cases: list[dict[str, Any]] = []
-    with ZeroS3(pool_mib=min(2 * size_mib + 256, 6144)) as server, \
+    with ZeroS3(pool_mib=min((reps + 2) * size_mib + 256, 6144)) as server, \
             tempfile.TemporaryDirectory(prefix="s3ckpt-loop-") as tmp:  # fmt: skip
         env = {**os.environ, **server.env(), "BENCH_BUCKET": server.bucket,
                "BENCH_SIZE_MIB": str(size_mib), "BENCH_REPS": str(reps), "BENCH_TMP": tmp}  # fmt: skip

@@ -117,13 +117,15 @@ def checkpoint_process() -> Callable[[dict, int], Any]:
     return save
 
 
-def dcp_thread(writer_of: Callable[[int], Any], stager: Any = None) -> Callable[[dict, int], Any]:
+def dcp_thread(
+    writer_of: Callable[[int], Any], stager: Any = None, planner: Any = None
+) -> Callable[[dict, int], Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     def save(state: dict, i: int) -> Any:
         response = dcp.async_save(
-            state, storage_writer=writer_of(i), async_stager=stager,
+            state, storage_writer=writer_of(i), async_stager=stager, planner=planner,
             async_checkpointer_type=AsyncCheckpointerType.THREAD,
         )  # fmt: skip
         return getattr(response, "upload_completion", response)
@@ -132,9 +134,14 @@ def dcp_thread(writer_of: Callable[[int], Any], stager: Any = None) -> Callable[
 
 
 def s3ckpt_dcp_thread() -> Callable[[dict, int], Any]:
-    from s3ckpt import HostStager, S3StorageWriter
+    from s3ckpt import HostStager, ReusingSavePlanner, S3StorageWriter
 
-    return dcp_thread(lambda i: S3StorageWriter(_uri("dcp-thread", i), **_endpoint()), HostStager())
+    # as README asks of dcp.async_save users: one stager and one planner for every save
+    return dcp_thread(
+        lambda i: S3StorageWriter(_uri("dcp-thread", i), **_endpoint()),
+        HostStager(),
+        ReusingSavePlanner(),
+    )
 
 
 def s3ckpt_dcp_process() -> Callable[[dict, int], Any]:

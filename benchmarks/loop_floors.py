@@ -96,7 +96,7 @@ class _Senders:
         url = urlsplit(os.environ["AWS_ENDPOINT_URL"])
         self.address = (url.hostname, url.port)
         self.prefix = f"/{os.environ['BENCH_BUCKET']}/{os.environ['BENCH_PREFIX']}/raw"
-        self.parts: queue.Queue[tuple[int, memoryview | bytes, Callable[[], None]]] = queue.Queue()
+        self.parts: queue.Queue[tuple[int, Any, Callable[[Exception | None], None]]] = queue.Queue()
         for _ in range(SENDERS):
             threading.Thread(target=self._send_parts, daemon=True).start()
 
@@ -105,18 +105,27 @@ class _Senders:
         scratch = memoryview(bytearray(65536))
         while True:
             number, body, sent = self.parts.get()
-            head = f"PUT {self.prefix}/{number} HTTP/1.1\r\nHost: s3\r\nContent-Length: {len(body)}\r\n\r\n"
-            sock.sendall(head.encode())
-            sock.sendall(body)
-            answer = b""
-            while b"\r\n\r\n" not in answer:
-                count = sock.recv_into(scratch)
-                if not count:
-                    raise ConnectionError("the server closed the connection")
-                answer += bytes(scratch[:count])
-            if not answer.startswith(b"HTTP/1.1 200"):
-                raise RuntimeError(f"PUT failed: {answer[:200]!r}")
-            sent()
+            try:
+                self._put(sock, scratch, number, body)
+            except Exception as exc:  # the save fails with it instead of waiting forever
+                sent(exc)
+                sock.close()
+                sock = socket.create_connection(self.address)
+            else:
+                sent(None)
+
+    def _put(self, sock: socket.socket, scratch: memoryview, number: int, body: Any) -> None:
+        head = f"PUT {self.prefix}/{number} HTTP/1.1\r\nHost: s3\r\nContent-Length: {len(body)}\r\n\r\n"
+        sock.sendall(head.encode())
+        sock.sendall(body)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            count = sock.recv_into(scratch)
+            if not count:
+                raise ConnectionError("the server closed the connection")
+            answer += bytes(scratch[:count])
+        if not answer.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(f"PUT failed: {answer[:200]!r}")
 
 
 class _RawSocketWriter(_ViewingWriter):
@@ -126,17 +135,22 @@ class _RawSocketWriter(_ViewingWriter):
         if _RawSocketWriter.senders is None:
             _RawSocketWriter.senders = _Senders()
         parts = _parts(views)
-        left, lock, all_sent = [len(parts)], threading.Lock(), threading.Event()
+        left, errors = [len(parts)], []
+        lock, all_sent = threading.Lock(), threading.Event()
 
-        def sent() -> None:
+        def sent(error: Exception | None) -> None:
             with lock:
                 left[0] -= 1
+                if error is not None:
+                    errors.append(error)
                 if not left[0]:
                     all_sent.set()
 
         for number, part in enumerate(parts):
             _RawSocketWriter.senders.parts.put((number, part, sent))
         all_sent.wait()
+        if errors:
+            raise errors[0]
 
 
 def _parts(views: list[memoryview]) -> list[memoryview | bytes]:

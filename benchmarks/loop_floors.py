@@ -135,7 +135,9 @@ class _RawSocketWriter(_ViewingWriter):
         if _RawSocketWriter.senders is None:
             _RawSocketWriter.senders = _Senders()
         parts = _parts(views)
-        left, errors = [len(parts)], []
+        if not parts:
+            return
+        left, errors = [len(parts)], list[Exception]()
         lock, all_sent = threading.Lock(), threading.Event()
 
         def sent(error: Exception | None) -> None:

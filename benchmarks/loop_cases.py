@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from benchmarks.data import bare_copy_s, make_state, state_nbytes
-from benchmarks.loop_floors import floor_no_network, floor_raw_sockets
+from benchmarks.loop_floors import RawSocketWriter, ViewingWriter
 
 warnings.filterwarnings("ignore")
 GiB = 1024**3
@@ -134,14 +134,22 @@ def dcp_thread(
 
 
 def s3ckpt_dcp_thread() -> Callable[[dict, int], Any]:
-    from s3ckpt import HostStager, ReusingSavePlanner, S3StorageWriter
+    from s3ckpt import S3StorageWriter
 
-    # as README asks of dcp.async_save users: one stager and one planner for every save
-    return dcp_thread(
-        lambda i: S3StorageWriter(_uri("dcp-thread", i), **_endpoint()),
-        HostStager(),
-        ReusingSavePlanner(),
-    )
+    return _s3ckpt_staged(lambda i: S3StorageWriter(_uri("dcp-thread", i), **_endpoint()))
+
+
+def floor(writer: type[ViewingWriter]) -> Callable[[], Callable[[dict, int], Any]]:
+    """``dcp_thread`` with a storage that does less than any store client (loop_floors)."""
+    return lambda: _s3ckpt_staged(lambda i: writer())
+
+
+def _s3ckpt_staged(writer_of: Callable[[int], Any]) -> Callable[[dict, int], Any]:
+    """Thread-mode ``dcp.async_save`` as README asks of its users: one ``HostStager`` and
+    one ``ReusingSavePlanner`` for every save."""
+    from s3ckpt import HostStager, ReusingSavePlanner
+
+    return dcp_thread(writer_of, HostStager(), ReusingSavePlanner())
 
 
 def s3ckpt_dcp_process() -> Callable[[dict, int], Any]:
@@ -198,8 +206,8 @@ MODES: dict[str, Callable[[], Callable[[dict, int], Any]]] = {
     "fs_shm_thread": fs_shm_thread,
     "s3torch_thread": s3torch_thread,
     # what a thread-mode save costs with less Python than any store client (loop_floors)
-    "floor_no_network": floor_no_network,
-    "floor_raw_sockets": floor_raw_sockets,
+    "floor_no_network": floor(ViewingWriter),
+    "floor_raw_sockets": floor(RawSocketWriter),
 }
 
 

@@ -29,7 +29,6 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -39,14 +38,14 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from s3ckpt.dcp.rank_save import _item_bytes
-from s3ckpt.format.checksums import crc_of
+from s3ckpt.format.compression import encode_raw
+from s3ckpt.transfer.parts import DEFAULT_PART_SIZE as PART
 
 FLOOR_WAIT_S = float(os.environ.get("FLOOR_WAIT_S", "0.8"))
-PART = 16 << 20
 SENDERS = 4
 
 
-class _ViewingWriter(StorageWriter):
+class ViewingWriter(StorageWriter):
     """A storage that sees every item's bytes as ``S3StorageWriter`` does and stores nothing."""
 
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -65,7 +64,7 @@ class _ViewingWriter(StorageWriter):
         views, results = [], []
         for item in plan.items:
             view = _item_bytes(item, planner)
-            crc_of(view)
+            encode_raw(view)  # the block CRC32Cs of the writer's index
             views.append(view)
             results.append(
                 WriteResult(index=item.index, size_in_bytes=len(view), storage_data=None)
@@ -96,7 +95,7 @@ class _Senders:
         url = urlsplit(os.environ["AWS_ENDPOINT_URL"])
         self.address = (url.hostname, url.port)
         self.prefix = f"/{os.environ['BENCH_BUCKET']}/{os.environ['BENCH_PREFIX']}/raw"
-        self.parts: queue.Queue[tuple[int, Any, Callable[[Exception | None], None]]] = queue.Queue()
+        self.parts: queue.Queue[tuple[int, Any, queue.Queue[Exception | None]]] = queue.Queue()
         for _ in range(SENDERS):
             threading.Thread(target=self._send_parts, daemon=True).start()
 
@@ -108,11 +107,11 @@ class _Senders:
             try:
                 self._put(sock, scratch, number, body)
             except Exception as exc:  # the save fails with it instead of waiting forever
-                sent(exc)
+                sent.put(exc)
                 sock.close()
                 sock = socket.create_connection(self.address)
             else:
-                sent(None)
+                sent.put(None)
 
     def _put(self, sock: socket.socket, scratch: memoryview, number: int, body: Any) -> None:
         head = f"PUT {self.prefix}/{number} HTTP/1.1\r\nHost: s3\r\nContent-Length: {len(body)}\r\n\r\n"
@@ -128,29 +127,17 @@ class _Senders:
             raise RuntimeError(f"PUT failed: {answer[:200]!r}")
 
 
-class _RawSocketWriter(_ViewingWriter):
+class RawSocketWriter(ViewingWriter):
     senders: _Senders | None = None
 
     def store(self, views: list[memoryview]) -> None:
-        if _RawSocketWriter.senders is None:
-            _RawSocketWriter.senders = _Senders()
+        if RawSocketWriter.senders is None:
+            RawSocketWriter.senders = _Senders()
         parts = _parts(views)
-        if not parts:
-            return
-        left, errors = [len(parts)], list[Exception]()
-        lock, all_sent = threading.Lock(), threading.Event()
-
-        def sent(error: Exception | None) -> None:
-            with lock:
-                left[0] -= 1
-                if error is not None:
-                    errors.append(error)
-                if not left[0]:
-                    all_sent.set()
-
+        sent: queue.Queue[Exception | None] = queue.Queue()
         for number, part in enumerate(parts):
-            _RawSocketWriter.senders.parts.put((number, part, sent))
-        all_sent.wait()
+            RawSocketWriter.senders.parts.put((number, part, sent))
+        errors = [error for error in (sent.get() for _ in parts) if error is not None]
         if errors:
             raise errors[0]
 
@@ -172,28 +159,3 @@ def _parts(views: list[memoryview]) -> list[memoryview | bytes]:
     if small:
         parts.append(join(small))
     return parts
-
-
-def _floor(writer: type[_ViewingWriter]) -> Callable[[], Callable[[dict, int], Any]]:
-    def make() -> Callable[[dict, int], Any]:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-        from s3ckpt import HostStager, ReusingSavePlanner
-
-        stager, planner = HostStager(), ReusingSavePlanner()
-
-        def save(state: dict, i: int) -> Any:
-            response = dcp.async_save(
-                state, storage_writer=writer(), async_stager=stager, planner=planner,
-                async_checkpointer_type=AsyncCheckpointerType.THREAD,
-            )  # fmt: skip
-            return getattr(response, "upload_completion", response)
-
-        return save
-
-    return make
-
-
-floor_no_network = _floor(_ViewingWriter)
-floor_raw_sockets = _floor(_RawSocketWriter)

@@ -51,7 +51,7 @@ DS_BUILD_ENV = DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(abspath $(DS_VENV))/tor
 
 install: $(STAMP)
 
-C_SOURCES := s3ckpt/format/_byteplanes.c s3ckpt/transfer/_gather.c
+C_SOURCES := s3ckpt/format/_byteplanes.c s3ckpt/transfer/_gather.c s3ckpt/s3/wire/_sender.c
 
 # torch is installed first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml setup.py $(C_SOURCES)

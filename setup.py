@@ -1,7 +1,8 @@
 """Builds the optional C helpers; everything else is in pyproject.toml.
 
 ``s3ckpt.format._byteplanes`` (byte grouping for compressed checkpoints) and
-``s3ckpt.transfer._gather`` (parts joined from small items without holding the GIL). Both
+``s3ckpt.transfer._gather`` (parts joined from small items without holding the GIL) and
+``s3ckpt.s3.wire._sender`` (a batch of part uploads sent and answered without the GIL). All
 are optional: without a C compiler the package installs and uses its Python fallbacks
 (slower, same bytes).
 """
@@ -23,6 +24,12 @@ setup(
         Extension(
             "s3ckpt.transfer._gather",
             sources=["s3ckpt/transfer/_gather.c"],
+            extra_compile_args=_FLAGS,
+            optional=True,
+        ),
+        Extension(
+            "s3ckpt.s3.wire._sender",
+            sources=["s3ckpt/s3/wire/_sender.c"],
             extra_compile_args=_FLAGS,
             optional=True,
         ),

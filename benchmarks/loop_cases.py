@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from benchmarks.data import bare_copy_s, make_state, state_nbytes
-from benchmarks.loop_floors import RawSocketWriter, ViewingWriter
+from benchmarks.loop_floors import NativeBatchWriter, RawSocketWriter, ViewingWriter
 
 warnings.filterwarnings("ignore")
 GiB = 1024**3
@@ -208,6 +208,7 @@ MODES: dict[str, Callable[[], Callable[[dict, int], Any]]] = {
     # what a thread-mode save costs with less Python than any store client (loop_floors)
     "floor_no_network": floor(ViewingWriter),
     "floor_raw_sockets": floor(RawSocketWriter),
+    "floor_native_batch": floor(NativeBatchWriter),
 }
 
 

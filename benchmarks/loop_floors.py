@@ -159,3 +159,25 @@ def _parts(views: list[memoryview]) -> list[memoryview | bytes]:
     if small:
         parts.append(join(small))
     return parts
+
+
+class NativeBatchWriter(ViewingWriter):
+    """The raw floor's PUTs, all of a save's parts handed to the native sender at once."""
+
+    def store(self, views: list[memoryview]) -> None:
+        from s3ckpt.s3.wire import _sender
+
+        url = urlsplit(os.environ["AWS_ENDPOINT_URL"])
+        prefix = f"/{os.environ['BENCH_BUCKET']}/{os.environ['BENCH_PREFIX']}/native"
+        requests = [
+            (
+                f"PUT {prefix}/{n} HTTP/1.1\r\nHost: s3\r\nContent-Length: {len(p)}\r\n\r\n".encode(),
+                p,
+            )
+            for n, p in enumerate(_parts(views))
+        ]
+        for code, answer in _sender.exchange(
+            url.hostname, url.port, requests, SENDERS, 10.0, 30.0, None
+        ):
+            if code or not answer.startswith(b"HTTP/1.1 200"):
+                raise RuntimeError(f"PUT failed: {answer[:200]!r}")

@@ -76,6 +76,11 @@ class S3Config:
             transport, over HTTP and HTTPS (:mod:`s3ckpt.s3.wire`); ``False`` leaves them to
             aiohttp. Same signing and verification either way. Endpoints reached through a
             proxy (``proxies`` or the environment) always use aiobotocore for both.
+        native_uploads: with ``direct_uploads``, send batches of parts to plain-HTTP
+            endpoints from native threads that never take the GIL
+            (:mod:`s3ckpt.s3.wire.batch`), so that a thread-mode save costs the training
+            loop less; ``False`` sends each part from the event loop. Same requests, same
+            retries either way; HTTPS endpoints always send each part.
         tls_threads: deprecated name of ``direct_uploads`` (set, it wins, with a warning).
     Retries (:mod:`s3ckpt.s3.retry`):
         deadline_s: time budget of one save's (or load's) requests, all phases together:
@@ -106,6 +111,7 @@ class S3Config:
     read_timeout: float = 120.0
     direct_reads: bool = True
     direct_uploads: bool = True
+    native_uploads: bool = True
     tls_threads: bool | None = None
     max_attempts: int | None = None
     deadline_s: float | None = 900.0
@@ -167,6 +173,7 @@ class S3Config:
             self.read_timeout,
             self.direct_reads,
             self.uploads_on_data_plane(),
+            self.native_uploads,
         )
 
 

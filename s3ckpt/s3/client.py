@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiobotocore.config import AioConfig
@@ -46,6 +48,7 @@ class ClientHandle:
         self.environment = environment  # the AWS variables the client was created under
         self.client: Any = None
         self.slots = asyncio.Semaphore(config.max_concurrency)
+        self._taking_slots = asyncio.Lock()  # see slots_for
         self._ctx: Any = None
         self._lock = asyncio.Lock()
         self.plane: DataPlane | None = None
@@ -78,7 +81,24 @@ class ClientHandle:
             max_concurrency=config.max_concurrency,
             uploads=uploads,
             reads=reads,
+            batches=config.native_uploads,
         )
+
+    @contextlib.asynccontextmanager
+    async def slots_for(self, count: int) -> AsyncIterator[None]:
+        """Hold ``count`` request slots (a batch of parts on ``count`` connections). One
+        holder at a time takes several, so that no two wait for more while each holds
+        some of them."""
+        taken = 0
+        try:
+            async with self._taking_slots:
+                for _ in range(count):
+                    await self.slots.acquire()
+                    taken += 1
+            yield
+        finally:
+            for _ in range(taken):
+                self.slots.release()
 
     def signed_parts(self) -> SignedParts | None:
         """The data plane's part uploads (call after :meth:`get`), or None where the client

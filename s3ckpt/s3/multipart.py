@@ -18,6 +18,7 @@ from s3ckpt.errors import StorageError
 from s3ckpt.s3.error_mapping import error_code
 from s3ckpt.s3.listing import Listings
 from s3ckpt.s3.requests import Body, Requests, flat
+from s3ckpt.s3.wire.batch import NotSent
 
 log = logging.getLogger(__name__)
 
@@ -74,23 +75,55 @@ class MultipartUploads:
             log.warning("could not abort stray uploads of %s: %s", self.requests.where(key), exc)
 
     async def upload_part(
-        self, key: str, upload_id: str, part_number: int, body: Body, crc32c: int | None
+        self,
+        key: str,
+        upload_id: str,
+        part_number: int,
+        body: Body,
+        crc32c: int | None,
+        *,
+        first_try: dict[str, Any] | Exception | None = None,
     ) -> PartResult:
+        """Upload one part, retried under the policy. ``first_try``: the outcome of a try
+        already made (:meth:`try_parts`), which counts as the first: its answer is used,
+        its failure retried (or raised) as any try's; a :class:`NotSent` one is sent now."""
+        params = self._part_params(key, upload_id, part_number, body, crc32c)
+
+        async def attempt(number: int) -> dict[str, Any]:
+            if number == 1 and first_try is not None and not isinstance(first_try, NotSent):
+                if isinstance(first_try, Exception):
+                    raise first_try
+                return first_try
+            return await self.requests.upload_part(params)
+
+        response = await self.requests.retrying("UploadPart", key, attempt)
+        return PartResult(part_number, str(response["ETag"]), params.get("ChecksumCRC32C"))
+
+    async def try_parts(
+        self, key: str, upload_id: str, parts: list[tuple[int, Body, int | None]]
+    ) -> list[dict[str, Any] | Exception] | None:
+        """One try of each ``(part number, body, CRC32C)``, sent together as one batch
+        (:meth:`Requests.try_parts <s3ckpt.s3.requests.Requests.try_parts>`); each outcome
+        goes to :meth:`upload_part` as its ``first_try``. None where parts are sent one
+        at a time."""
+        tries = []
+        for number, body, crc32c in parts:
+            params = self._part_params(key, upload_id, number, body, crc32c)
+            tries.append((number, params["Body"], params.get("ChecksumCRC32C")))
+        return await self.requests.try_parts(key, upload_id, tries)
+
+    def _part_params(
+        self, key: str, upload_id: str, part_number: int, body: Body, crc32c: int | None
+    ) -> dict[str, Any]:
         params: dict[str, Any] = {
             "Key": key,
             "UploadId": upload_id,
             "PartNumber": part_number,
             "Body": flat(body),
         }
-        checksum = (
-            crc32c_header(crc32c) if crc32c is not None and self.requests.config.checksums else None
-        )
-        if checksum:
-            params["ChecksumCRC32C"] = checksum
-        response = await self.requests.retrying(
-            "UploadPart", key, lambda _: self.requests.upload_part(params)
-        )
-        return PartResult(part_number, str(response["ETag"]), checksum)
+        if crc32c is not None and self.requests.config.checksums:
+            params["ChecksumCRC32C"] = crc32c_header(crc32c)
+        return params
 
     async def complete_multipart(
         self,

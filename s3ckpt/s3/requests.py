@@ -121,6 +121,22 @@ class Requests:
                 params.get("ChecksumCRC32C"),
             )
 
+    async def try_parts(
+        self, key: str, upload_id: str, parts: list[tuple[int, memoryview, str | None]]
+    ) -> list[dict[str, Any] | Exception] | None:
+        """One try of each ``(part number, body, checksum)`` of ``key``'s upload, sent as one
+        batch by native threads (:mod:`s3ckpt.s3.wire.batch`) on up to half the client's
+        request slots, held for the batch: what :meth:`upload_part` returns or raises, for
+        each. None where batches are not sent that way: send each part instead."""
+        handle = client_handle(self.config)
+        await handle.get()
+        signed = handle.signed_parts()
+        if signed is None or signed.batch is None:
+            return None
+        connections = max(1, min(len(parts), self.config.max_concurrency // 2))
+        async with handle.slots_for(connections):
+            return await signed.try_parts(self.bucket, key, upload_id, parts, connections)
+
     async def call(self, operation: str, key: str | None, **params: Any) -> dict[str, Any]:
         return await self.retrying(operation, key, lambda _: self.request(operation, params))
 

@@ -103,9 +103,23 @@ class ObjectStore:
         return await self.uploads.create_multipart(key)
 
     async def upload_part(
-        self, key: str, upload_id: str, part_number: int, body: Body, crc32c: int | None
+        self,
+        key: str,
+        upload_id: str,
+        part_number: int,
+        body: Body,
+        crc32c: int | None,
+        *,
+        first_try: dict[str, Any] | Exception | None = None,
     ) -> PartResult:
-        return await self.uploads.upload_part(key, upload_id, part_number, body, crc32c)
+        return await self.uploads.upload_part(
+            key, upload_id, part_number, body, crc32c, first_try=first_try
+        )
+
+    async def try_parts(
+        self, key: str, upload_id: str, parts: list[tuple[int, Body, int | None]]
+    ) -> list[dict[str, Any] | Exception] | None:
+        return await self.uploads.try_parts(key, upload_id, parts)
 
     async def complete_multipart(
         self,

@@ -1,8 +1,10 @@
 """``ObjectStream``: one data object of a rank's save, cut into parts as items arrive.
 
 The producer thread appends items; the stream cuts the object into parts on the fly
-(:class:`~s3ckpt.transfer.parts.PartCutter`) and hands each to the uploader as a request
-(:class:`ObjectRequests`). A part inside one item is sent as a ``memoryview`` of that
+(:class:`~s3ckpt.transfer.parts.PartCutter`) and hands them to the uploader in batches
+(:class:`ObjectRequests`: up to one part per request slot, a quarter of the byte budget),
+each batch one task: sent by native threads as one call where the store can
+(:mod:`s3ckpt.s3.wire.batch`), so the GIL changes hands per batch, not per part. A part inside one item is sent as a ``memoryview`` of that
 item's memory; only parts straddling item boundaries are joined into a fresh buffer
 (:func:`join`). Each part carries its CRC32C: parts of an item are cut on its checksum
 blocks, so that CRC is combined from the item's block CRC32Cs (computed once, for the
@@ -28,10 +30,13 @@ except ImportError:  # pragma: no cover - exercised where no C compiler is avail
 
 
 class ObjectRequests(Protocol):
-    """What a stream asks of the uploader: its requests, run as tasks on the I/O loop."""
+    """What a stream asks of the uploader: its requests, run as tasks on the I/O loop, and
+    how many parts (and bytes) to send as one batch."""
 
     block_size: int
     checksums: bool
+    batch_parts: int
+    batch_bytes: int
 
     def spawn(self, coro: Coroutine[Any, Any, Any], nbytes: int) -> Future[Any]: ...
 
@@ -39,12 +44,12 @@ class ObjectRequests(Protocol):
 
     async def create(self, key: str) -> str: ...
 
-    async def part(
-        self, key: str, created: Future[str], number: int, body: Body, checksum: int | None
-    ) -> PartResult: ...
+    async def parts(
+        self, key: str, created: Future[str], batch: list[tuple[int, Body, int | None]]
+    ) -> list[PartResult]: ...
 
     async def complete(
-        self, key: str, size: int, created: Future[str], parts: list[Future[PartResult]]
+        self, key: str, size: int, created: Future[str], batches: list[Future[list[PartResult]]]
     ) -> Any: ...
 
 
@@ -67,7 +72,10 @@ class ObjectStream:
         self.count = 0
         self.held: list[tuple[Body, int | None]] = []
         self.created: Future[str] | None = None
-        self.parts: list[Future[PartResult]] = []
+        self.batch: list[tuple[int, Body, int | None]] = []  # parts not yet handed over
+        self.batch_bytes = 0
+        self.sent = 0  # parts numbered so far
+        self.batches: list[Future[list[PartResult]]] = []
         self.completion: Future[Any] | None = None  # the object, once stored
 
     def add(self, data: memoryview, crcs: tuple[int, ...] | None = None) -> int:
@@ -92,8 +100,9 @@ class ObjectStream:
             checksum = _combined([(c, len(b)) for b, c in self.held]) if self.checksums else None
             self.completion = up.spawn(up.put(self.key, body, checksum), len(body))
         else:
+            self._hand_over()
             self.completion = up.spawn(
-                up.complete(self.key, self.size, self.created, self.parts), 0
+                up.complete(self.key, self.size, self.created, self.batches), 0
             )
 
     def _emit(self, part: list[tuple[int, int, int]]) -> None:
@@ -129,12 +138,24 @@ class ObjectStream:
         return crc_of(data[start:end])
 
     def _send(self, body: Body, checksum: int | None) -> None:
+        """Number a part and add it to the batch, handed over once full."""
+        up = self.uploader
+        if self.batch and self.batch_bytes + len(body) > up.batch_bytes:
+            self._hand_over()
+        self.sent += 1
+        self.batch.append((self.sent, body, checksum))
+        self.batch_bytes += len(body)
+        if len(self.batch) >= up.batch_parts:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        if not self.batch:
+            return
         up = self.uploader
         assert self.created is not None
-        number = len(self.parts) + 1
-        self.parts.append(
-            up.spawn(up.part(self.key, self.created, number, body, checksum), len(body))
-        )
+        batch, nbytes = self.batch, self.batch_bytes
+        self.batch, self.batch_bytes = [], 0
+        self.batches.append(up.spawn(up.parts(self.key, self.created, batch), nbytes))
 
 
 def _combined(pieces: list[tuple[int | None, int]]) -> int:

@@ -20,6 +20,7 @@ request that fails stops none of the others; what could not be removed is logged
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from collections.abc import Callable, Coroutine, Iterable
@@ -36,7 +37,7 @@ from s3ckpt.transfer.aborts import (
     abort_listed_uploads,
     abort_upload,
 )
-from s3ckpt.transfer.fanout import settled
+from s3ckpt.transfer.fanout import bounded, settled
 from s3ckpt.transfer.object_stream import ObjectStream
 from s3ckpt.transfer.parts import part_limits
 
@@ -121,6 +122,11 @@ class RankUploader:
         self._loop = io_loop()
         limit = store.config.max_bytes_in_flight
         self._budget = _shared_budget(min(limit, in_flight) if in_flight else limit)
+        # Parts go in batches of up to one per request slot and a quarter of the byte
+        # budget: few enough hand-overs per GiB (:mod:`s3ckpt.s3.wire.batch`), and two
+        # batches at once keep every slot busy while one waits for its slowest part.
+        self.batch_parts = store.config.max_concurrency
+        self.batch_bytes = max(1, self._budget.limit // 4)
         self._futures: list[Future[Any]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._upload_ids: dict[str, str] = {}
@@ -224,17 +230,37 @@ class RankUploader:
 
         return await self._unstoppable(self.store.create_multipart(key), record)
 
-    async def part(
-        self, key: str, created: Future[str], number: int, body: Body, checksum: int | None
-    ) -> PartResult:
+    async def parts(
+        self, key: str, created: Future[str], batch: list[tuple[int, Body, int | None]]
+    ) -> list[PartResult]:
+        """Upload a batch of ``(part number, body, CRC32C)``: first tried together
+        (:meth:`ObjectStore.try_parts <s3ckpt.s3.store.ObjectStore.try_parts>`, native
+        threads where the store can), then each part retried on its own as it needs."""
         upload_id = await asyncio.wrap_future(created)
-        return await self.store.upload_part(key, upload_id, number, body, checksum)
+        tries = await self.store.try_parts(key, upload_id, batch)
+        calls = [
+            functools.partial(
+                self.store.upload_part,
+                key,
+                upload_id,
+                number,
+                body,
+                checksum,
+                first_try=None if tries is None else tries[n],
+            )
+            for n, (number, body, checksum) in enumerate(batch)
+        ]
+        return await bounded(calls, limit=len(calls))
 
     async def complete(
-        self, key: str, size: int, created: Future[str], parts: list[Future[PartResult]]
+        self,
+        key: str,
+        size: int,
+        created: Future[str],
+        batches: list[Future[list[PartResult]]],
     ) -> UploadedObject:
         upload_id = await asyncio.wrap_future(created)
-        results = [await asyncio.wrap_future(p) for p in parts]
+        results = [part for b in batches for part in await asyncio.wrap_future(b)]
         etag = await self._unstoppable(self.store.complete_multipart(key, upload_id, results))
         self._upload_ids.pop(key, None)
         return UploadedObject(key, size, etag)

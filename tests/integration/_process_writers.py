@@ -65,11 +65,13 @@ class StalledInSecondPart(S3StorageWriter):
 
         original, marker = MultipartUploads.upload_part, self.marker
 
-        async def stalled(store: Any, key: str, upload_id: str, number: int, *rest: Any) -> Any:
+        async def stalled(
+            store: Any, key: str, upload_id: str, number: int, *rest: Any, **options: Any
+        ) -> Any:
             if number >= 2:
                 Path(marker).touch()
                 await asyncio.sleep(600)
-            return await original(store, key, upload_id, number, *rest)
+            return await original(store, key, upload_id, number, *rest, **options)
 
         MultipartUploads.upload_part = stalled  # type: ignore[method-assign]
         return super().write_data(plan, planner)

@@ -63,9 +63,11 @@ def uri(tls_s3: LocalS3Server, request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def tls_sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The body sizes sent on the data plane (HTTPS in worker threads, HTTP on the loop)."""
+    """The body sizes sent on the data plane (HTTPS in worker threads, HTTP on the loop or
+    in native batches)."""
     sizes: list[int] = []
     send, send_on_loop = uploads.send_request, uploads.on_loop.send_request
+    send_batch = uploads.NativeBatch.send
 
     def counting(connection: Any, head: bytes, body: memoryview) -> Any:
         sizes.append(len(body))
@@ -75,8 +77,13 @@ def tls_sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         sizes.append(len(body))
         return await send_on_loop(pool, origin, head, body)
 
+    async def counting_batch(batch: Any, url: Any, requests: Any, connections: int) -> Any:
+        sizes.extend(len(body) for _, body in requests)
+        return await send_batch(batch, url, requests, connections)
+
     monkeypatch.setattr(uploads, "send_request", counting)
     monkeypatch.setattr(uploads.on_loop, "send_request", counting_on_loop)
+    monkeypatch.setattr(uploads.NativeBatch, "send", counting_batch)
     return sizes
 
 

@@ -23,7 +23,11 @@ server of ``benchmarks/``, 16 requests at once, client CPU per GiB):
 * **in worker threads**: upload bodies over TLS, on blocking ``SSLSocket`` connections,
   whose ``sendall`` encrypts the body straight from the tensor into the kernel's socket
   buffer with the GIL released (a save over HTTPS through aiohttp and asyncio's TLS
-  transport cost 1.99 client CPU-s/GiB against 1.12).
+  transport cost 1.99 client CPU-s/GiB against 1.12);
+* **in native threads**: plain-HTTP part uploads, handed over a batch at a time
+  (:mod:`~.batch`): signed on the loop, sent and answered by C threads that take the GIL
+  back once per batch, not several times per part, which is what a training loop beside
+  a thread-mode save pays for.
 
 Endpoints reached through an HTTP proxy are left to aiobotocore entirely, and so are
 responses the transport cannot receive in place (chunked, redirects).

@@ -1,10 +1,11 @@
-"""The data plane of one client: one connection pool, the part uploads, the upload sender,
-the ranged GETs."""
+"""The data plane of one client: one connection pool, the part uploads (one at a time, or
+in batches sent by native threads), the upload sender, the ranged GETs."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from s3ckpt.s3.wire.batch import NativeBatch, native_batches
 from s3ckpt.s3.wire.gets import RangedGets
 from s3ckpt.s3.wire.pool import ConnectionPool
 from s3ckpt.s3.wire.uploads import BodySender, BodyTransport, SignedParts
@@ -12,7 +13,8 @@ from s3ckpt.s3.wire.uploads import BodySender, BodyTransport, SignedParts
 
 class DataPlane:
     """Part uploads (``parts``), other upload bodies and ranged GETs (``gets``) of
-    ``client``, on one pool."""
+    ``client``, on one pool; ``batches``: batches of parts to plain-HTTP endpoints go to
+    native threads (:mod:`~.batch`) where the sender is built."""
 
     def __init__(
         self,
@@ -24,6 +26,7 @@ class DataPlane:
         max_concurrency: int,
         uploads: bool,
         reads: bool,
+        batches: bool = True,
     ) -> None:
         self.pool = ConnectionPool(
             verify=verify,
@@ -37,7 +40,8 @@ class DataPlane:
             self.gets = RangedGets(client, self.pool)
         if uploads:
             transport = BodyTransport(self.pool)
-            self.parts = SignedParts(client, transport)
+            batch = NativeBatch(self.pool) if batches and native_batches() else None
+            self.parts = SignedParts(client, transport, batch)
             BodySender(transport).register(client)
 
     def stop_reads(self) -> None:

@@ -37,6 +37,7 @@ from s3ckpt._version import __version__
 from s3ckpt.s3.compat_aiobotocore import Response, frozen_credentials, response
 from s3ckpt.s3.compat_botocore import client_error, on_before_send, sign_s3
 from s3ckpt.s3.wire import on_loop
+from s3ckpt.s3.wire.batch import Answer, NativeBatch
 from s3ckpt.s3.wire.exchange import send_request
 from s3ckpt.s3.wire.pool import ConnectionPool
 
@@ -47,8 +48,6 @@ _USER_AGENT = f"s3ckpt/{__version__}"
 MAX_CACHED_OBJECTS = 4096
 # A presigned URL is only read for its path and signing scope, never sent: any lifetime.
 _PRESIGN_EXPIRES_S = 3600
-
-Answer = tuple[int, dict[str, str], bytes]
 
 
 class BodyTransport:
@@ -71,9 +70,12 @@ class SignedParts:
     """UploadPart requests of ``client``'s bucket objects, built, signed and answered on
     the data plane (see the module's docstring)."""
 
-    def __init__(self, client: Any, transport: BodyTransport) -> None:
+    def __init__(
+        self, client: Any, transport: BodyTransport, batch: NativeBatch | None = None
+    ) -> None:
         self.client = client
         self.transport = transport
+        self.batch = batch  # where batches of parts are sent by native threads
         self.redirected = False  # the endpoint redirected a part: the client sends them
         self._objects: dict[tuple[str, str], tuple[SplitResult, str, str]] = {}
 
@@ -88,6 +90,43 @@ class SignedParts:
     ) -> dict[str, Any]:
         """One try of UploadPart; the answer's ``ETag`` (and checksum) as the client's
         ``upload_part`` returns them. Errors are the client's ``ClientError`` s."""
+        split, head = await self._signed(bucket, key, upload_id, part_number, len(body), checksum)
+        return self._result(*await self.transport.send(split, head, body))
+
+    async def try_parts(
+        self,
+        bucket: str,
+        key: str,
+        upload_id: str,
+        parts: list[tuple[int, memoryview, str | None]],
+        connections: int,
+    ) -> list[dict[str, Any] | Exception] | None:
+        """One try of each ``(part number, body, checksum)``, the whole batch sent by native
+        threads (:mod:`~.batch`) on at most ``connections`` connections: for each, what
+        :meth:`upload_part` would return, or the error it would raise (a
+        :class:`~.batch.NotSent` for a part left to the usual path). None where batches
+        cannot go that way (HTTPS, the sender not built): send each part instead."""
+        if self.batch is None:
+            return None
+        requests = []
+        for number, body, checksum in parts:
+            split, head = await self._signed(bucket, key, upload_id, number, len(body), checksum)
+            if split.scheme != "http":
+                return None
+            requests.append((head, body))
+        answers = await self.batch.send(split, requests, connections)
+        return [self._outcome(answer) for answer in answers]
+
+    async def _signed(
+        self,
+        bucket: str,
+        key: str,
+        upload_id: str,
+        part_number: int,
+        length: int,
+        checksum: str | None,
+    ) -> tuple[SplitResult, bytes]:
+        """The part's URL and its request head, signed."""
         base, region, service = await self._object(bucket, key)
         split = base._replace(
             query=f"partNumber={part_number}&uploadId={quote(upload_id, safe='-_.~')}"
@@ -102,9 +141,10 @@ class SignedParts:
             service=service,
             client_config=self.client.meta.config,
         )
-        status, answer, content = await self.transport.send(
-            split, request_head("PUT", split, signed, len(body)), body
-        )
+        return split, request_head("PUT", split, signed, length)
+
+    def _result(self, status: int, answer: dict[str, str], content: bytes) -> dict[str, Any]:
+        """An UploadPart answer as the client's ``upload_part`` returns it, or raises it."""
         if 300 <= status < 400:
             self.redirected = True
         if status >= 300:
@@ -113,6 +153,14 @@ class SignedParts:
         if "x-amz-checksum-crc32c" in answer:
             result["ChecksumCRC32C"] = answer["x-amz-checksum-crc32c"]
         return result
+
+    def _outcome(self, answer: Answer | Exception) -> dict[str, Any] | Exception:
+        if isinstance(answer, Exception):
+            return answer
+        try:
+            return self._result(*answer)
+        except Exception as exc:  # the ClientError the try ends with
+            return exc
 
     async def _object(self, bucket: str, key: str) -> tuple[SplitResult, str, str]:
         """The object's URL as the client addresses it, and the signing region and service."""

@@ -82,18 +82,16 @@ class MultipartUploads:
         body: Body,
         crc32c: int | None,
         *,
-        first_try: dict[str, Any] | Exception | None = None,
+        first_try: Exception | None = None,
     ) -> PartResult:
-        """Upload one part, retried under the policy. ``first_try``: the outcome of a try
-        already made (:meth:`try_parts`), which counts as the first: its answer is used,
-        its failure retried (or raised) as any try's; a :class:`NotSent` one is sent now."""
+        """Upload one part, retried under the policy. ``first_try``: how a try already
+        made failed (:meth:`try_parts`), which counts as the first: retried (or raised) as
+        any try's failure; a :class:`NotSent` one means the part is sent now."""
         params = self._part_params(key, upload_id, part_number, body, crc32c)
 
         async def attempt(number: int) -> dict[str, Any]:
             if number == 1 and first_try is not None and not isinstance(first_try, NotSent):
-                if isinstance(first_try, Exception):
-                    raise first_try
-                return first_try
+                raise first_try
             return await self.requests.upload_part(params)
 
         response = await self.requests.retrying("UploadPart", key, attempt)
@@ -101,16 +99,24 @@ class MultipartUploads:
 
     async def try_parts(
         self, key: str, upload_id: str, parts: list[tuple[int, Body, int | None]]
-    ) -> list[dict[str, Any] | Exception] | None:
+    ) -> list[PartResult | Exception] | None:
         """One try of each ``(part number, body, CRC32C)``, sent together as one batch
-        (:meth:`Requests.try_parts <s3ckpt.s3.requests.Requests.try_parts>`); each outcome
-        goes to :meth:`upload_part` as its ``first_try``. None where parts are sent one
-        at a time."""
+        (:meth:`Requests.try_parts <s3ckpt.s3.requests.Requests.try_parts>`): each part's
+        result, or how its try failed (for :meth:`upload_part`'s ``first_try``). None
+        where parts are sent one at a time."""
         tries = []
         for number, body, crc32c in parts:
             params = self._part_params(key, upload_id, number, body, crc32c)
             tries.append((number, params["Body"], params.get("ChecksumCRC32C")))
-        return await self.requests.try_parts(key, upload_id, tries)
+        outcomes = await self.requests.try_parts(key, upload_id, tries)
+        if outcomes is None:
+            return None
+        return [
+            outcome
+            if isinstance(outcome, Exception)
+            else PartResult(number, str(outcome["ETag"]), checksum)
+            for (number, _, checksum), outcome in zip(tries, outcomes, strict=True)
+        ]
 
     def _part_params(
         self, key: str, upload_id: str, part_number: int, body: Body, crc32c: int | None

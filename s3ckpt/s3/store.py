@@ -110,7 +110,7 @@ class ObjectStore:
         body: Body,
         crc32c: int | None,
         *,
-        first_try: dict[str, Any] | Exception | None = None,
+        first_try: Exception | None = None,
     ) -> PartResult:
         return await self.uploads.upload_part(
             key, upload_id, part_number, body, crc32c, first_try=first_try
@@ -118,7 +118,7 @@ class ObjectStore:
 
     async def try_parts(
         self, key: str, upload_id: str, parts: list[tuple[int, Body, int | None]]
-    ) -> list[dict[str, Any] | Exception] | None:
+    ) -> list[PartResult | Exception] | None:
         return await self.uploads.try_parts(key, upload_id, parts)
 
     async def complete_multipart(

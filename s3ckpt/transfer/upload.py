@@ -235,22 +235,22 @@ class RankUploader:
     ) -> list[PartResult]:
         """Upload a batch of ``(part number, body, CRC32C)``: first tried together
         (:meth:`ObjectStore.try_parts <s3ckpt.s3.store.ObjectStore.try_parts>`, native
-        threads where the store can), then each part retried on its own as it needs."""
+        threads where the store can), then each part that failed retried on its own."""
         upload_id = await asyncio.wrap_future(created)
         tries = await self.store.try_parts(key, upload_id, batch)
+        outcomes: list[PartResult | Exception | None] = (
+            [None] * len(batch) if tries is None else list(tries)
+        )
+        again = [n for n, outcome in enumerate(outcomes) if not isinstance(outcome, PartResult)]
         calls = [
             functools.partial(
-                self.store.upload_part,
-                key,
-                upload_id,
-                number,
-                body,
-                checksum,
-                first_try=None if tries is None else tries[n],
+                self.store.upload_part, key, upload_id, *batch[n], first_try=outcomes[n]
             )
-            for n, (number, body, checksum) in enumerate(batch)
+            for n in again
         ]
-        return await bounded(calls, limit=len(calls))
+        for n, result in zip(again, await bounded(calls, limit=max(1, len(calls))), strict=True):
+            outcomes[n] = result
+        return outcomes  # type: ignore[return-value]  # every one a PartResult now
 
     async def complete(
         self,

@@ -251,3 +251,35 @@ def test_bad_arguments_are_refused():
         _sender.exchange("127.0.0.1", 1, [], 0, 1.0, 1.0, None)
     with pytest.raises(TypeError):
         _sender.exchange("127.0.0.1", 1, [b"not a pair"], 1, 1.0, 1.0, None)
+
+
+def test_batches_taking_several_request_slots_never_wait_on_each_other():
+    """Batches that each want most of the slots, and single requests beside them, all
+    finish: one taker at a time gathers several slots, so no two hold some and wait."""
+    from s3ckpt.config import S3Config
+    from s3ckpt.s3.client import ClientHandle
+
+    handle = ClientHandle(S3Config(max_concurrency=4))
+    peak = [0, 0]  # in use now, most ever
+
+    async def hold(count: int) -> None:
+        async with handle.slots_for(count):
+            peak[0] += count
+            peak[1] = max(peak)
+            await asyncio.sleep(0.01)
+            peak[0] -= count
+
+    async def single() -> None:
+        async with handle.slots:
+            peak[0] += 1
+            peak[1] = max(peak)
+            await asyncio.sleep(0.005)
+            peak[0] -= 1
+
+    async def crowd() -> None:
+        await asyncio.wait_for(
+            asyncio.gather(*(hold(3) for _ in range(6)), *(single() for _ in range(10))), 10
+        )
+
+    asyncio.run(crowd())
+    assert peak[1] <= 4

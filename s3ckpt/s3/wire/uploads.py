@@ -9,8 +9,9 @@ released.
 * **UploadPart** (:class:`SignedParts`), almost every request of a save, never enters the
   client's request machinery: the part's URL is the object's (addressed as the client
   addresses it, learnt once per object from a presigned URL, which also names the
-  signing region), signed by botocore's own SigV4 signer with the client's credentials
-  and payload setting, and an error answer is parsed by the client's own response parser
+  signing region), signed with the client's credentials exactly as botocore's SigV4
+  signer signs it for s3ckpt's client (:mod:`~.signing`, checked against botocore's in
+  the tests), and an error answer is parsed by the client's own response parser
   into the ``ClientError`` it would raise, so :mod:`s3ckpt.s3.retry` and
   :mod:`s3ckpt.s3.error_mapping` see exactly what they saw through the client. Through
   the client an UploadPart costs the I/O loop's thread 0.75-0.85 ms of Python (event
@@ -40,6 +41,7 @@ from s3ckpt.s3.wire import on_loop
 from s3ckpt.s3.wire.batch import Answer, NativeBatch
 from s3ckpt.s3.wire.exchange import send_request
 from s3ckpt.s3.wire.pool import ConnectionPool
+from s3ckpt.s3.wire.signing import PartSigner
 
 # Headers this module writes itself, or that must not be sent as botocore left them.
 _OWN_HEADERS = frozenset({"host", "content-length", "expect", "transfer-encoding", "connection"})
@@ -76,6 +78,7 @@ class SignedParts:
         self.client = client
         self.transport = transport
         self.batch = batch  # where batches of parts are sent by native threads
+        self.signer = PartSigner()
         self.redirected = False  # the endpoint redirected a part: the client sends them
         self._objects: dict[tuple[str, str], tuple[SplitResult, str, str]] = {}
 
@@ -132,14 +135,12 @@ class SignedParts:
             query=f"partNumber={part_number}&uploadId={quote(upload_id, safe='-_.~')}"
         )
         headers = {"x-amz-checksum-crc32c": checksum} if checksum else {}
-        signed = sign_s3(
-            "PUT",
-            split.geturl(),
-            headers,
-            credentials=await frozen_credentials(self.client),
-            region=region,
-            service=service,
-            client_config=self.client.meta.config,
+        credentials = await frozen_credentials(self.client)
+        if credentials is None:  # botocore's signer raises what the client would
+            sign_s3("PUT", split.geturl(), headers, credentials=None, region=region,
+                    service=service, client_config=self.client.meta.config)  # fmt: skip
+        signed = self.signer.sign(
+            split, headers, credentials=credentials, region=region, service=service
         )
         return split, request_head("PUT", split, signed, length)
 

@@ -18,8 +18,10 @@ what happens to the bytes differs:
   event loop, no signing, no retries, no multipart upload, no manifest. Not a checkpoint:
   the objects are only bytes, under the case's prefix.
 
-No real save can cost the loop less than ``floor_raw_sockets`` without moving its
-requests out of the interpreter (a native client whose threads never take the GIL).
+* ``floor_native_batch``: the raw floor's unsigned PUTs, every part of the save handed
+  to s3ckpt's native sender (:mod:`s3ckpt.s3.wire.batch`) in one call: the GIL taken back
+  once for the whole upload. What sending costs the loop when no request of it runs
+  Python.
 """
 
 from __future__ import annotations
@@ -162,7 +164,8 @@ def _parts(views: list[memoryview]) -> list[memoryview | bytes]:
 
 
 class NativeBatchWriter(ViewingWriter):
-    """The raw floor's PUTs, all of a save's parts handed to the native sender at once."""
+    """The raw floor's PUTs, all of a save's parts handed to the native sender at once
+    (four connections, the raw floor's four threads)."""
 
     def store(self, views: list[memoryview]) -> None:
         from s3ckpt.s3.wire import _sender

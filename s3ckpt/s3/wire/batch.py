@@ -5,16 +5,21 @@ A save hands the data plane a batch of parts at a time (:meth:`SignedParts.try_p
 part is, and then the whole batch goes to :mod:`s3ckpt.s3.wire._sender` in one call from
 one worker thread. Its threads send every request from the tensor's memory on their own
 kept-alive connections and read every answer with the GIL released; the worker takes
-the GIL back once, when the batch is done. The sender frames each answer and :func:`answer_of` splits its head.
+the GIL back once, when the batch is done. The sender frames each answer and
+:func:`answer_of` splits its head.
 
-Why: in thread mode the upload shares the trainer's interpreter, and what a training
-loop loses to it is each time an upload thread takes the GIL back, not the bytes sent.
-Sent one request at a time from Python (the event loop's non-blocking sends, or even
-the leanest blocking ``PUT``), a part takes the GIL back four times or more. Beside the
-dispatch-bound loop of ``python -m benchmarks.loop`` (1 GiB, 64 parts, loop pinned alone
-on a core, 3 reps, one run), unsigned PUTs sent that way slowed the loop +30 % (compute
-loop +50 %), the same PUTs in one native batch +17 % (+21 %), and a save that sends
-nothing at all +19 % (+32 %): the batch costs the loop no more than no network at all.
+Why: in thread mode the upload shares the trainer's interpreter. Sent one request at a
+time from Python (the event loop's non-blocking sends, or even the leanest blocking
+``PUT``), a part takes the GIL back four times or more, and runs its parsing and
+bookkeeping with it. Beside the dispatch-bound loop of ``python -m benchmarks.loop``
+(1 GiB, 64 parts, loop pinned alone on a core, 3 reps, one run), unsigned PUTs sent that
+way slowed the loop +30 % (compute loop +50 %), the same PUTs in one native batch +17 %
+(+21 %), and a save that sends nothing at all +19 % (+32 %): the sending itself then
+costs the loop nothing measurable. For a whole thread-mode save (with
+:mod:`~.signing` and the answers split here), the I/O loop's Python per GiB halved
+(cProfile: 0.24 s to 0.12 s) and the client's CPU fell from 0.56-0.77 to 0.44-0.50
+s/GiB; the training loop's slowdown beside it stayed within the benchmark's spread
+(docs/performance.md, "Part uploads in native batches").
 
 This is a transport only, and one try: every answer, every failure, goes back to the
 caller's retry policy (:mod:`s3ckpt.s3.retry`) exactly as a part sent any other way

@@ -4,11 +4,12 @@ The producer thread appends items; the stream cuts the object into parts on the 
 (:class:`~s3ckpt.transfer.parts.PartCutter`) and hands them to the uploader in batches
 (:class:`ObjectRequests`: up to one part per request slot, a quarter of the byte budget),
 each batch one task: sent by native threads as one call where the store can
-(:mod:`s3ckpt.s3.wire.batch`), so the GIL changes hands per batch, not per part. A part inside one item is sent as a ``memoryview`` of that
-item's memory; only parts straddling item boundaries are joined into a fresh buffer
-(:func:`join`). Each part carries its CRC32C: parts of an item are cut on its checksum
-blocks, so that CRC is combined from the item's block CRC32Cs (computed once, for the
-manifest) instead of read from memory a second time.
+(:mod:`s3ckpt.s3.wire.batch`), so the GIL changes hands per batch, not per part. A part
+inside one item is sent as a ``memoryview`` of that item's memory; only parts straddling
+item boundaries are joined into a fresh buffer (:func:`join`). Each part carries its
+CRC32C: parts of an item are cut on its checksum blocks, so that CRC is combined from the
+item's block CRC32Cs (computed once, for the manifest) instead of read from memory a
+second time.
 """
 
 from __future__ import annotations

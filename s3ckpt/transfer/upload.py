@@ -124,7 +124,10 @@ class RankUploader:
         self._budget = _shared_budget(min(limit, in_flight) if in_flight else limit)
         # Parts go in batches of up to one per request slot and a quarter of the byte
         # budget: few enough hand-overs per GiB (:mod:`s3ckpt.s3.wire.batch`), and two
-        # batches at once keep every slot busy while one waits for its slowest part.
+        # batches at once keep every slot busy while one waits for its slowest part. A
+        # batch counts against the budget once handed over: parts packed from small items
+        # (copies; parts of one item are views of it) wait in the batch before that, at
+        # most a quarter of the budget more.
         self.batch_parts = store.config.max_concurrency
         self.batch_bytes = max(1, self._budget.limit // 4)
         self._futures: list[Future[Any]] = []

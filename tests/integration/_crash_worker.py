@@ -68,11 +68,15 @@ def _die_with_parent() -> None:
 
 def _instrument(mode: str) -> None:
     """Announce every part; in ``commit`` mode, hold the manifest PUT forever."""
-    upload_part, put = ObjectStore.upload_part, ObjectStore.put
+    upload_part, try_parts, put = ObjectStore.upload_part, ObjectStore.try_parts, ObjectStore.put
 
     async def announced_part(self: ObjectStore, key: str, *args: Any, **kwargs: Any) -> Any:
         _say(f"part {key}")
         return await upload_part(self, key, *args, **kwargs)
+
+    async def announced_parts(self: ObjectStore, key: str, *args: Any, **kwargs: Any) -> Any:
+        _say(f"part {key}")  # a batch of parts, tried at once
+        return await try_parts(self, key, *args, **kwargs)
 
     async def held_put(self: ObjectStore, key: str, body: Any, **kwargs: Any) -> str:
         if key.endswith("/manifest.json"):
@@ -81,6 +85,7 @@ def _instrument(mode: str) -> None:
         return await put(self, key, body, **kwargs)
 
     ObjectStore.upload_part = announced_part  # type: ignore[method-assign]
+    ObjectStore.try_parts = announced_parts  # type: ignore[method-assign]
     if mode == "commit":
         ObjectStore.put = held_put  # type: ignore[method-assign]
 

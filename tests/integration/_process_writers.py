@@ -64,14 +64,24 @@ class StalledInSecondPart(S3StorageWriter):
         from s3ckpt.s3.multipart import MultipartUploads
 
         original, marker = MultipartUploads.upload_part, self.marker
+        original_batch = MultipartUploads.try_parts
+
+        async def stall() -> None:
+            Path(marker).touch()
+            await asyncio.sleep(600)
 
         async def stalled(
             store: Any, key: str, upload_id: str, number: int, *rest: Any, **options: Any
         ) -> Any:
             if number >= 2:
-                Path(marker).touch()
-                await asyncio.sleep(600)
+                await stall()
             return await original(store, key, upload_id, number, *rest, **options)
 
+        async def stalled_batch(store: Any, key: str, upload_id: str, batch: Any) -> Any:
+            if any(number >= 2 for number, _, _ in batch):  # the upload open, parts unsent
+                await stall()
+            return await original_batch(store, key, upload_id, batch)
+
         MultipartUploads.upload_part = stalled  # type: ignore[method-assign]
+        MultipartUploads.try_parts = stalled_batch  # type: ignore[method-assign]
         return super().write_data(plan, planner)

@@ -24,14 +24,19 @@ def test_an_item_larger_than_max_object_size_gets_parts_sized_for_it(
     s3_prefix: str, make_writer: Any, make_reader: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(parts, "MAX_PARTS", 3)
-    sent: Counter[str] = Counter()
-    upload_part = ObjectStore.upload_part
+    sent: Counter[str] = Counter()  # the highest part number sent, per key
+    upload_part, try_parts = ObjectStore.upload_part, ObjectStore.try_parts
 
-    async def counted(self: ObjectStore, key: str, *args: Any, **kwargs: Any) -> Any:
-        sent[key] += 1
-        return await upload_part(self, key, *args, **kwargs)
+    async def counted(self: ObjectStore, key: str, upload_id: str, number: int, *args, **kw):
+        sent[key] = max(sent[key], number)
+        return await upload_part(self, key, upload_id, number, *args, **kw)
+
+    async def counted_batch(self: ObjectStore, key: str, upload_id: str, batch: Any) -> Any:
+        sent[key] = max(sent[key], *(number for number, _, _ in batch))
+        return await try_parts(self, key, upload_id, batch)
 
     monkeypatch.setattr(ObjectStore, "upload_part", counted)
+    monkeypatch.setattr(ObjectStore, "try_parts", counted_batch)
     state = {
         "small": torch.arange(1000, dtype=torch.float32),
         "huge": torch.arange(10 * MiB, dtype=torch.float32),  # 40 MiB: an object of its own

@@ -117,6 +117,11 @@ def ca_bundle(verify: bool | str) -> str | None:
     return path
 
 
+def no_credentials() -> bce.NoCredentialsError:
+    """What the client raises when it has no credentials to sign with."""
+    return bce.NoCredentialsError()
+
+
 def read_timeout(endpoint_url: str) -> bce.ReadTimeoutError:
     return bce.ReadTimeoutError(endpoint_url=endpoint_url)
 

@@ -31,12 +31,13 @@ internals (:mod:`s3ckpt.s3.compat_botocore`, :mod:`s3ckpt.s3.compat_aiobotocore`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import SplitResult, parse_qs, quote, urlsplit
 
 from s3ckpt._version import __version__
 from s3ckpt.s3.compat_aiobotocore import Response, frozen_credentials, response
-from s3ckpt.s3.compat_botocore import client_error, on_before_send, sign_s3
+from s3ckpt.s3.compat_botocore import client_error, no_credentials, on_before_send
 from s3ckpt.s3.wire import on_loop
 from s3ckpt.s3.wire.batch import Answer, NativeBatch
 from s3ckpt.s3.wire.exchange import send_request
@@ -93,7 +94,8 @@ class SignedParts:
     ) -> dict[str, Any]:
         """One try of UploadPart; the answer's ``ETag`` (and checksum) as the client's
         ``upload_part`` returns them. Errors are the client's ``ClientError`` s."""
-        split, head = await self._signed(bucket, key, upload_id, part_number, len(body), checksum)
+        signed = await self._signer(bucket, key)
+        split, head = signed(upload_id, part_number, len(body), checksum)
         return self._result(*await self.transport.send(split, head, body))
 
     async def try_parts(
@@ -111,38 +113,39 @@ class SignedParts:
         cannot go that way (HTTPS, the sender not built): send each part instead."""
         if self.batch is None:
             return None
-        requests = []
-        for number, body, checksum in parts:
-            split, head = await self._signed(bucket, key, upload_id, number, len(body), checksum)
-            if split.scheme != "http":
-                return None
-            requests.append((head, body))
-        answers = await self.batch.send(split, requests, connections)
+        base, _, _ = await self._object(bucket, key)
+        if base.scheme != "http":
+            return None
+        signed = await self._signer(bucket, key)
+        heads = [signed(upload_id, number, len(body), checksum) for number, body, checksum in parts]
+        requests = [(head, body) for (_, head), (_, body, _) in zip(heads, parts, strict=True)]
+        answers = await self.batch.send(base, requests, connections)
         return [self._outcome(answer) for answer in answers]
 
-    async def _signed(
-        self,
-        bucket: str,
-        key: str,
-        upload_id: str,
-        part_number: int,
-        length: int,
-        checksum: str | None,
-    ) -> tuple[SplitResult, bytes]:
-        """The part's URL and its request head, signed."""
+    async def _signer(
+        self, bucket: str, key: str
+    ) -> Callable[[str, int, int, str | None], tuple[SplitResult, bytes]]:
+        """Signs parts of ``key`` (upload id, part number, length, checksum -> the part's
+        URL and signed request head): the object's URL, scope and credentials looked up
+        once for all of them."""
         base, region, service = await self._object(bucket, key)
-        split = base._replace(
-            query=f"partNumber={part_number}&uploadId={quote(upload_id, safe='-_.~')}"
-        )
-        headers = {"x-amz-checksum-crc32c": checksum} if checksum else {}
         credentials = await frozen_credentials(self.client)
-        if credentials is None:  # botocore's signer raises what the client would
-            sign_s3("PUT", split.geturl(), headers, credentials=None, region=region,
-                    service=service, client_config=self.client.meta.config)  # fmt: skip
-        signed = self.signer.sign(
-            split, headers, credentials=credentials, region=region, service=service
-        )
-        return split, request_head("PUT", split, signed, length)
+        if credentials is None:
+            raise no_credentials()
+
+        def signed(
+            upload_id: str, number: int, length: int, checksum: str | None
+        ) -> tuple[SplitResult, bytes]:
+            split = base._replace(
+                query=f"partNumber={number}&uploadId={quote(upload_id, safe='-_.~')}"
+            )
+            headers = {"x-amz-checksum-crc32c": checksum} if checksum else {}
+            signature = self.signer.sign(
+                split, headers, credentials=credentials, region=region, service=service
+            )
+            return split, request_head("PUT", split, signature, length)
+
+        return signed
 
     def _result(self, status: int, answer: dict[str, str], content: bytes) -> dict[str, Any]:
         """An UploadPart answer as the client's ``upload_part`` returns it, or raises it."""

@@ -9,7 +9,9 @@ computes its expectations from the same deterministic state builders.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -101,6 +103,7 @@ def run_ranks(fn: Any, world_size: int, *args: Any, timeout: float = 120.0) -> N
         try:
             while not context.join(timeout=0.5):
                 if time.monotonic() > deadline:
+                    _dump_stacks(context.processes)
                     raise TimeoutError(
                         f"{world_size} ranks of {fn.__name__} still running after {timeout} s"
                     )
@@ -111,10 +114,20 @@ def run_ranks(fn: Any, world_size: int, *args: Any, timeout: float = 120.0) -> N
                 process.join(timeout=10)
 
 
+def _dump_stacks(processes: list[Any]) -> None:
+    """Ask every rank still running to print its threads' stacks (:func:`_init` registers
+    ``faulthandler`` on SIGUSR1), so that a timed-out test shows where each rank waits."""
+    for process in processes:
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGUSR1)
+    time.sleep(1.0)
+
+
 # -- rank side --------------------------------------------------------------------------------
 
 
 def _init(rank: int, world_size: int, port: int) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)

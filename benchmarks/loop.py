@@ -116,6 +116,8 @@ def summarize(cases: list[dict[str, Any]], *, size_mib: int, reps: int) -> dict[
         samples = case.get("reps") or []
         for field in ("slowdown", "upload_s", "blocked_s", "lost_s_per_gib", "step_during_us"):
             row[field] = statistics.median(s[field] for s in samples) if samples else None
+        # Full collections in the loop's interpreter during the uploads, over every rep.
+        row["full_collections"] = sum(s["collections"][2] for s in samples) if samples else None
         row["step_alone_us"] = (
             statistics.median(s["step_alone_us"] for s in samples)
             if samples else case.get("step_alone_us")
@@ -153,9 +155,11 @@ def _target(name: str, value: float | None, goal: float) -> dict[str, Any]:
 
 def table(report: dict[str, Any]) -> str:
     head = (f"{'loop':<9} {'beside':<19} {'cores':<7} {'step us':>8} {'slowdown':>9} "
-            f"{'upload s':>9} {'blocked s':>10} {'lost s/GiB':>11} {'x copy':>7} {'blocked x copy':>15}")  # fmt: skip
+            f"{'upload s':>9} {'blocked s':>10} {'lost s/GiB':>11} {'x copy':>7} {'blocked x copy':>15} "
+            f"{'full GCs':>9}")  # fmt: skip
     lines = [f"The loop beside a save of {report['size_mib']} MiB (median of "
-             f"{report['reps']} reps)", head, "-" * len(head)]  # fmt: skip
+             f"{report['reps']} reps; full GCs: the loop process's full garbage "
+             "collections during the uploads, all reps)", head, "-" * len(head)]  # fmt: skip
     for row in report["cases"]:
         if row.get("error"):
             lines.append(f"{row['loop']:<9} {row['mode']:<19} {row['placement']:<7} failed")
@@ -165,7 +169,8 @@ def table(report: dict[str, Any]) -> str:
             f"{_f(row['step_alone_us'], 1):>8} {_pct(row['slowdown']):>9} "
             f"{_f(row['upload_s'], 2):>9} {_f(row['blocked_s'], 3):>10} "
             f"{_f(row['lost_s_per_gib'], 3):>11} {_f(row.get('lost_over_copy'), 2):>7} "
-            f"{_f(row.get('blocked_over_copy'), 2):>15}"
+            f"{_f(row.get('blocked_over_copy'), 2):>15} "
+            f"{'-' if row.get('full_collections') is None else row['full_collections']:>9}"
         )
     lines += ["", "Targets (loop alone on a core):"]
     for t in report["targets"]:

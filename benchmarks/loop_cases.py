@@ -18,6 +18,7 @@ training loop's saves after its first are what matter). Environment: that of
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import shutil
@@ -244,6 +245,13 @@ def _steps(step: Callable[[], None], until: Callable[[], bool]) -> tuple[int, fl
     return count, time.perf_counter() - started
 
 
+def _collections() -> list[int]:
+    """This interpreter's garbage collections so far, per generation: the young ones, and
+    the full ones that hold the GIL for the whole heap (about 0.1 s here) wherever the
+    save's allocations set them off."""
+    return [generation["collections"] for generation in gc.get_stats()]
+
+
 def _alone(step: Callable[[], None]) -> float:
     deadline = time.perf_counter() + ALONE_S
     count, elapsed = _steps(step, lambda: time.perf_counter() >= deadline)
@@ -270,11 +278,13 @@ def run(loop: str, mode: str, placement: str, size_mib: int, reps: int) -> dict[
         _place_loop(pinned, on_loop_core=True)
         before = _alone(step)
         _place_loop(pinned, on_loop_core=False)
+        collections = _collections()
         started = time.perf_counter()
         upload = save(state, i)
         blocked = time.perf_counter() - started
         _place_loop(pinned, on_loop_core=True)
         count, elapsed = _steps(step, upload.done)
+        collections = [now - then for now, then in zip(_collections(), collections, strict=True)]
         _place_loop(pinned, on_loop_core=False)
         upload.result()
         _place_loop(pinned, on_loop_core=True)
@@ -286,7 +296,7 @@ def run(loop: str, mode: str, placement: str, size_mib: int, reps: int) -> dict[
         samples.append({
             "blocked_s": blocked, "upload_s": elapsed, "step_alone_us": alone * 1e6,
             "step_during_us": during * 1e6, "slowdown": during / alone - 1,
-            "lost_s_per_gib": lost / gib,
+            "lost_s_per_gib": lost / gib, "collections": collections,
         })  # fmt: skip
     result["reps"] = samples
     return result

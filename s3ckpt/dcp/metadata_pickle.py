@@ -25,6 +25,7 @@ import pickle
 
 from s3ckpt.dcp.compat import Metadata, metadata_global
 from s3ckpt.errors import CorruptCheckpointError, UntrustedPickleError
+from s3ckpt.format.collector import collector_paused
 from s3ckpt.format.layout import StoredItem
 from s3ckpt.format.rank_index import ItemOwners
 
@@ -56,7 +57,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
 
 def dumps(metadata: Metadata) -> bytes:
-    return pickle.dumps(metadata, protocol=4)
+    with collector_paused():  # every object's state is a transient dict
+        return pickle.dumps(metadata, protocol=4)
 
 
 def loads(data: bytes, where: str, *, trust_pickles: bool = False) -> Metadata:
@@ -89,7 +91,8 @@ def check_loadable(data: bytes, where: str) -> None:
     """Before a commit: the metadata about to be written loads as a default load reads it,
     or the save fails, naming the global such a load would refuse."""
     try:
-        loads(data, where)
+        with collector_paused():  # the whole metadata, built and dropped at once
+            loads(data, where)
     except UntrustedPickleError as exc:
         raise UntrustedPickleError(
             f"the metadata of the save into {where} names {exc.refused}, which loads refuse "

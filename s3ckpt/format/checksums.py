@@ -60,6 +60,8 @@ def combine(crc1: int, crc2: int, length2: int) -> int:
     zlib's ``crc32_combine`` for the Castagnoli polynomial: ``crc1`` times ``x^(8 len2)``
     modulo the polynomial, plus ``crc2``; a few microseconds instead of a pass over B.
     """
+    if crc1 == 0:  # A is empty (or CRCs to zero): shifting zero gives zero
+        return crc2
     return _multiply(_shift(length2), crc1) ^ crc2
 
 

@@ -77,6 +77,7 @@ def test_loop_benchmark_smoke_run(tmp_path):
         if mode != "alone":
             assert row["slowdown"] is not None and row["upload_s"] > 0, row
             assert row["lost_s_per_gib"] >= 0 and row["blocked_s"] > 0, row
+            assert row["full_collections"] >= 0, row
     assert {t["target"].split(":")[0] for t in report["targets"]} == {
         "dispatch beside manager_default", "dispatch beside dcp_thread"
     }  # fmt: skip

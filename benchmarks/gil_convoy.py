@@ -20,9 +20,7 @@ import time
 import torch
 from crc32c import crc32c
 
-from benchmarks.loop_cases import dispatch_loop
-
-LOOP_CPU, OTHERS_CPU = {0}, {1}
+from benchmarks.loop_cases import LOOP_CPU, OTHERS_CPU, dispatch_loop
 
 
 def _python(us: float) -> None:

@@ -278,13 +278,15 @@ def run(loop: str, mode: str, placement: str, size_mib: int, reps: int) -> dict[
         _place_loop(pinned, on_loop_core=True)
         before = _alone(step)
         _place_loop(pinned, on_loop_core=False)
-        collections = _collections()
+        collected_before = _collections()
         started = time.perf_counter()
         upload = save(state, i)
         blocked = time.perf_counter() - started
         _place_loop(pinned, on_loop_core=True)
         count, elapsed = _steps(step, upload.done)
-        collections = [now - then for now, then in zip(_collections(), collections, strict=True)]
+        collections = [
+            now - then for now, then in zip(_collections(), collected_before, strict=True)
+        ]
         _place_loop(pinned, on_loop_core=False)
         upload.result()
         _place_loop(pinned, on_loop_core=True)

@@ -94,7 +94,7 @@ class SignedParts:
     ) -> dict[str, Any]:
         """One try of UploadPart; the answer's ``ETag`` (and checksum) as the client's
         ``upload_part`` returns them. Errors are the client's ``ClientError`` s."""
-        signed = await self._signer(bucket, key)
+        signed = await self._signer(*await self._object(bucket, key))
         split, head = signed(upload_id, part_number, len(body), checksum)
         return self._result(*await self.transport.send(split, head, body))
 
@@ -113,22 +113,23 @@ class SignedParts:
         cannot go that way (HTTPS, the sender not built): send each part instead."""
         if self.batch is None:
             return None
-        base, _, _ = await self._object(bucket, key)
+        base, region, service = await self._object(bucket, key)
         if base.scheme != "http":
             return None
-        signed = await self._signer(bucket, key)
-        heads = [signed(upload_id, number, len(body), checksum) for number, body, checksum in parts]
-        requests = [(head, body) for (_, head), (_, body, _) in zip(heads, parts, strict=True)]
+        signed = await self._signer(base, region, service)
+        requests = [
+            (signed(upload_id, number, len(body), checksum)[1], body)
+            for number, body, checksum in parts
+        ]
         answers = await self.batch.send(base, requests, connections)
         return [self._outcome(answer) for answer in answers]
 
     async def _signer(
-        self, bucket: str, key: str
+        self, base: SplitResult, region: str, service: str
     ) -> Callable[[str, int, int, str | None], tuple[SplitResult, bytes]]:
-        """Signs parts of ``key`` (upload id, part number, length, checksum -> the part's
-        URL and signed request head): the object's URL, scope and credentials looked up
-        once for all of them."""
-        base, region, service = await self._object(bucket, key)
+        """Signs parts of the object at ``base`` (:meth:`_object`: its URL, signing region
+        and service): upload id, part number, length, checksum -> the part's URL and
+        signed request head, the credentials looked up once for all of them."""
         credentials = await frozen_credentials(self.client)
         if credentials is None:
             raise no_credentials()

@@ -15,7 +15,12 @@ loop time lost per GiB against a bare copy of the same bytes. Output: a table an
 ``benchmarks/results/loop.json``.
 
     python -m benchmarks.loop [--size-mib 1024] [--reps 2] [--loops dispatch,compute]
-                              [--modes ...] [--placements shared,pinned]
+                              [--modes ...] [--placements shared,pinned] [--state nested]
+
+The state is saved as trainers and the quickstart pass it to DCP, under one top-level
+entry (``{"model": ...}``); ``--state flat`` saves its tensors as top-level entries
+instead, where DCP's thread-mode ``save`` runs its per-entry logging and ``Stateful``
+check once per tensor (:mod:`benchmarks.loop_cases`).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.loop_cases import LOOPS, MODES, OTHERS_CPU
+from benchmarks.loop_cases import LOOPS, MODES, OTHERS_CPU, STATE_SHAPES
 from benchmarks.zero_cost import _delete_prefix
 from benchmarks.zero_server import ZeroS3
 
@@ -51,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loops", default=",".join(LOOPS))
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--placements", default=",".join(PLACEMENTS))
+    parser.add_argument("--state", choices=STATE_SHAPES, default=STATE_SHAPES[0])
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     loops, modes = args.loops.split(","), args.modes.split(",")
@@ -60,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("unknown loop, mode or placement")
     if "pinned" in placements and len(os.sched_getaffinity(0)) < 2:
         parser.error("the pinned placement needs two CPUs")
-    report = measure(loops, modes, placements, args.size_mib, args.reps)
+    report = measure(loops, modes, placements, args.size_mib, args.reps, args.state)
     print(table(report))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "loop.json").write_text(json.dumps(report, indent=2))
@@ -69,13 +75,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(
-    loops: list[str], modes: list[str], placements: list[str], size_mib: int, reps: int
+    loops: list[str],
+    modes: list[str],
+    placements: list[str],
+    size_mib: int,
+    reps: int,
+    state: str = STATE_SHAPES[0],
 ) -> dict[str, Any]:
     cases: list[dict[str, Any]] = []
     with ZeroS3(pool_mib=min((reps + 2) * size_mib + 256, 6144)) as server, \
             tempfile.TemporaryDirectory(prefix="s3ckpt-loop-") as tmp:  # fmt: skip
         env = {**os.environ, **server.env(), "BENCH_BUCKET": server.bucket,
-               "BENCH_SIZE_MIB": str(size_mib), "BENCH_REPS": str(reps), "BENCH_TMP": tmp}  # fmt: skip
+               "BENCH_SIZE_MIB": str(size_mib), "BENCH_REPS": str(reps), "BENCH_TMP": tmp,
+               "BENCH_STATE": state}  # fmt: skip
         for placement in placements:
             _place_server(server, placement)
             for loop in loops:
@@ -83,7 +95,7 @@ def measure(
                     prefix = f"loop-{int(time.time() * 1000)}"
                     cases.append(_run(loop, mode, placement, {**env, "BENCH_PREFIX": prefix}))
                     _delete_prefix(server, prefix)
-    return summarize(cases, size_mib=size_mib, reps=reps)
+    return {**summarize(cases, size_mib=size_mib, reps=reps), "state": state}
 
 
 def _place_server(server: ZeroS3, placement: str) -> None:
@@ -157,7 +169,8 @@ def table(report: dict[str, Any]) -> str:
     head = (f"{'loop':<9} {'beside':<19} {'cores':<7} {'step us':>8} {'slowdown':>9} "
             f"{'upload s':>9} {'blocked s':>10} {'lost s/GiB':>11} {'x copy':>7} {'blocked x copy':>15} "
             f"{'full GCs':>9}")  # fmt: skip
-    lines = [f"The loop beside a save of {report['size_mib']} MiB (median of "
+    shape = "one top-level entry" if report.get("state", "nested") == "nested" else "flat"
+    lines = [f"The loop beside a save of {report['size_mib']} MiB ({shape}; median of "
              f"{report['reps']} reps; full GCs: the loop process's full garbage "
              "collections during the uploads, all reps)", head, "-" * len(head)]  # fmt: skip
     for row in report["cases"]:

@@ -12,10 +12,18 @@ hands it out again while every value keeps its kind, dtype, shape, layout,
 nothing. The address stands for whether the memory is pinned (it is the same
 allocation), which is all ``is_pinned`` tells.
 
-Everything else is DCP's :class:`DefaultSavePlanner`: the global plan, deduplication and
-metadata are made at each save, as are the plans of states holding sharded tensors
-(``DTensor``, ``ShardedTensor``, DCP's ``_Checkpointable``), whose items depend on more
-than their local attributes.
+The coordinator's global plan (deduplication across ranks, the metadata, DCP's validation
+of every chunk's bounds) is a function of the ranks' local plans alone, and DCP makes it
+again at each save: 8 ms of Python for the benchmark's 580 tensors on one rank (on the
+save's thread, beside the loop in thread mode), 24 ms for eight ranks' plans of them. When
+every rank's local plan equals the previous save's, the global plan and a fresh copy of
+its metadata are handed out again: 0.04 ms on one rank. Plans gathered from other ranks
+are compared as values, 13 ms for the eight.
+
+Everything else is DCP's :class:`DefaultSavePlanner`, as are the plans of states holding
+sharded tensors (``DTensor``, ``ShardedTensor``, DCP's ``_Checkpointable``), whose items
+depend on more than their local attributes, and every plan of a planner with DCP's own
+``enable_plan_caching``.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from s3ckpt.dcp.compat import SavePlan, is_sharded_tensor
+from s3ckpt.dcp.compat import Metadata, SavePlan, is_sharded_tensor
 
 
 class ReusingSavePlanner(DefaultSavePlanner):
@@ -39,6 +47,8 @@ class ReusingSavePlanner(DefaultSavePlanner):
         super().__init__(*args, **kwargs)
         self._layout: tuple[Hashable, ...] | None = None
         self._made: SavePlan | None = None  # the local plan made for that layout
+        # The ranks' local plans of the last global plan, and what it returned.
+        self._global: tuple[list[SavePlan], list[SavePlan], Metadata] | None = None
 
     def let_go(self) -> None:
         """Drop the last save's state dict (the plan stays): its tensors are freed on the
@@ -59,6 +69,34 @@ class ReusingSavePlanner(DefaultSavePlanner):
             plan = dataclasses.replace(plan, planner_data=self.mappings)
         self.plan = plan
         return plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        if getattr(self, "_enable_plan_caching", False):
+            return super().create_global_plan(all_plans)
+        if self._global is not None and self._global[0] == all_plans:
+            global_plan, metadata = list(self._global[1]), _fresh(self._global[2])
+            self.global_plan, self.metadata = global_plan, metadata
+            return global_plan, metadata
+        global_plan, metadata = super().create_global_plan(all_plans)
+        # A planner that records this save's storage_meta in the metadata plans anew.
+        reusable = metadata.storage_meta is None
+        self._global = (list(all_plans), list(global_plan), _fresh(metadata)) if reusable else None
+        return global_plan, metadata
+
+
+def _fresh(metadata: Metadata) -> Metadata:
+    """A copy of ``metadata`` whose fields a save may set or fill (the storage's record,
+    the mappings, the entries) are its own: the next save hands out another."""
+    return dataclasses.replace(
+        metadata,
+        state_dict_metadata=dict(metadata.state_dict_metadata),
+        planner_data=_copied(metadata.planner_data),
+        storage_data=None,
+    )
+
+
+def _copied(value: Any) -> Any:
+    return dict(value) if isinstance(value, dict) else value
 
 
 def state_layout(state_dict: dict[str, Any]) -> tuple[Hashable, ...] | None:

@@ -70,6 +70,7 @@ def test_loop_benchmark_smoke_run(tmp_path):
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr[-2000:]
     report = json.loads((tmp_path / "loop.json").read_text())
+    assert report["state"] == "nested"  # saved as trainers pass it: one top-level entry
     rows = {(r["mode"], r["placement"]): r for r in report["cases"]}
     assert set(rows) == {(m, p) for m in ["alone", *modes.split(",")] for p in ("shared", "pinned")}
     for (mode, _), row in rows.items():

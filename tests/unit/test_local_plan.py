@@ -115,3 +115,86 @@ def test_letting_go_of_the_state_keeps_the_plan(monkeypatch: pytest.MonkeyPatch)
     assert reusing.state_dict == {}  # no tensor of the last save held any more
     calls = _count_is_pinned(monkeypatch)
     assert _plans(reusing, state) == first and calls[0] == 0
+
+
+def _global(planner: Any, plans: list[Any]) -> Any:
+    return planner.create_global_plan(plans)
+
+
+def _count_global_planning(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls = [0]
+    original = DefaultSavePlanner.create_global_plan
+
+    def counting(self: Any, all_plans: Any) -> Any:
+        calls[0] += 1
+        return original(self, all_plans)
+
+    monkeypatch.setattr(DefaultSavePlanner, "create_global_plan", counting)
+    return calls
+
+
+def test_the_global_plan_of_unchanged_local_plans_is_handed_out_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    state = _state()
+    reusing = ReusingSavePlanner()
+    calls = _count_global_planning(monkeypatch)
+    first_plans, first_metadata = _global(reusing, [_plans(reusing, state)])
+    assert calls[0] == 1
+    for _ in range(3):
+        calls[0] = 0
+        plans, metadata = _global(reusing, [_plans(reusing, state)])
+        assert calls[0] == 0  # no deduplication, no metadata made, no validation
+        default = DefaultSavePlanner()
+        expected_plans, expected_metadata = _global(default, [_plans(default, state)])
+        assert plans == expected_plans == first_plans
+        assert metadata == expected_metadata
+        assert (reusing.global_plan, reusing.metadata) == (plans, metadata)
+
+
+def test_each_save_gets_metadata_of_its_own() -> None:
+    """The storage fills a save's metadata in (its record); the next save's starts clean."""
+    state = _state()
+    reusing = ReusingSavePlanner()
+    _, first = _global(reusing, [_plans(reusing, state)])
+    first.storage_data = "the first save's record"
+    first.state_dict_metadata["added"] = first.state_dict_metadata["flag"]
+    first.planner_data["added"] = ("added",)
+    _, second = _global(reusing, [_plans(reusing, state)])
+    assert second is not first
+    assert second.storage_data is None
+    assert "added" not in second.state_dict_metadata and "added" not in second.planner_data
+
+
+def test_a_changed_rank_plan_is_planned_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plans gathered from other ranks are compared as values: one changed, all replanned."""
+    import copy
+
+    state, other = _state(), {"other": torch.randn(5)}
+    reusing = ReusingSavePlanner()
+    ours = _plans(reusing, state)
+    theirs = _plans(ReusingSavePlanner(), other)
+    _global(reusing, [ours, copy.deepcopy(theirs)])
+    calls = _count_global_planning(monkeypatch)
+    _global(reusing, [_plans(reusing, state), copy.deepcopy(theirs)])  # unpickled anew
+    assert calls[0] == 0
+    grown = _plans(ReusingSavePlanner(), {**other, "more": torch.randn(2)})
+    plans, metadata = _global(reusing, [_plans(reusing, state), grown])
+    assert calls[0] == 1
+    assert "more" in metadata.state_dict_metadata
+    default = DefaultSavePlanner()
+    assert plans == _global(default, [_plans(default, state), grown])[0]
+
+
+def test_dcps_own_plan_caching_plans_as_dcp_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    import inspect
+
+    if "enable_plan_caching" not in inspect.signature(DefaultSavePlanner.__init__).parameters:
+        pytest.fail("this torch's DefaultSavePlanner has no enable_plan_caching")
+    state = _state()
+    reusing = ReusingSavePlanner(enable_plan_caching=True)
+    reusing._cached_plans_key = "test_dcps_own_plan_caching"  # DCP keeps its caches per class
+    calls = _count_global_planning(monkeypatch)
+    for _ in range(2):
+        _global(reusing, [_plans(reusing, state)])
+    assert calls[0] == 2  # every call goes to DCP, which decides what it reuses

@@ -148,7 +148,7 @@ def test_the_global_plan_of_unchanged_local_plans_is_handed_out_again(
         default = DefaultSavePlanner()
         expected_plans, expected_metadata = _global(default, [_plans(default, state)])
         assert plans == expected_plans == first_plans
-        assert metadata == expected_metadata
+        assert metadata == expected_metadata == first_metadata
         assert (reusing.global_plan, reusing.metadata) == (plans, metadata)
 
 

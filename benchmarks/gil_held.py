@@ -1,0 +1,229 @@
+"""How long each thread of a thread-mode save holds the GIL: ``python -m benchmarks.gil_held``.
+
+The ``loop`` benchmark's slowdowns swing by 20 points and more from rep to rep, so a change
+that takes a few milliseconds of Python out of a save does not show there. What a
+thread-mode save costs a training loop beside it is, to first order, the time the save's
+threads hold the GIL, and that can be measured directly: uprobes on CPython's
+``take_gil`` (its return) and ``drop_gil`` (``perf probe`` on the interpreter's
+libpython), recorded by ``perf`` while saves of the loop benchmark's 1 GiB state run on
+the zero-cost server with no loop beside them. Each hold is a ``take_gil`` return up to
+the thread's next ``drop_gil``; they are summed per thread over each save (from the save
+call to its upload's end), then averaged over the saves.
+
+Threads: ``caller`` (the thread that called save: the staging copy, and DCP's own work
+before it hands over), ``save thread`` (the thread that runs the storage's
+``write_data``: DCP's executor in ``dcp.async_save``, the manager's saver), ``s3ckpt-io``
+(the I/O loop), ``s3ckpt-wire`` (the native batches' threads), and any other. A probe hit
+costs about a microsecond, which the holds include: compare modes within one run.
+
+Needs root, ``perf`` and a libpython with its symbols (probes this run adds are removed
+at its end); each mode runs in its own process (:func:`case`).
+
+    python -m benchmarks.gil_held [--modes dcp_thread,manager_thread,floor_no_network]
+                                  [--saves 6] [--state nested|flat]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.loop_cases import MODES, STATE_SHAPES
+from benchmarks.zero_cost import _delete_prefix
+from benchmarks.zero_server import ZeroS3
+
+GROUP = "s3ckpt_gil"
+EVENTS = (f"{GROUP}:take_gil__return", f"{GROUP}:drop_gil")
+DEFAULT_MODES = "dcp_thread,manager_thread,floor_no_network,floor_native_batch"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--modes", default=DEFAULT_MODES)
+    parser.add_argument("--saves", type=int, default=6)
+    parser.add_argument("--state", choices=STATE_SHAPES, default=STATE_SHAPES[0])
+    args = parser.parse_args(argv)
+    modes = args.modes.split(",")
+    if not set(modes) <= set(MODES):
+        parser.error("unknown mode")
+    added = _add_probes(_libpython())
+    try:
+        rows = _measure(modes, args.saves, args.state)
+    finally:
+        for event in added:
+            subprocess.run(["perf", "probe", "-q", "-d", event], check=False)
+    print(table(rows, args.saves, args.state))
+    return 0
+
+
+def _libpython() -> str:
+    """The file holding the interpreter's ``take_gil``: libpython, or the executable."""
+    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        name = sysconfig.get_config_var("INSTSONAME") or sysconfig.get_config_var("LDLIBRARY")
+        return str(Path(sysconfig.get_config_var("LIBDIR")) / name)
+    return os.path.realpath(sys.executable)
+
+
+def _add_probes(binary: str) -> list[str]:
+    """The two uprobes, under :data:`GROUP`; returns those this call added."""
+    before = _probes()
+    for event, spec in zip(EVENTS, ("take_gil%return", "drop_gil"), strict=True):
+        if event not in before:  # perf names a return probe NAME__return itself
+            name = event.split(":")[1].removesuffix("__return")
+            subprocess.run(
+                ["perf", "probe", "-q", "-x", binary, "-a", f"{GROUP}:{name}={spec}"],
+                check=True, capture_output=True,
+            )  # fmt: skip
+    return sorted(_probes() - before)
+
+
+def _probes() -> set[str]:
+    listed = subprocess.run(["perf", "probe", "-l"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+
+
+def _measure(modes: list[str], saves: int, state: str) -> list[dict[str, Any]]:
+    rows = []
+    # The pool touched in advance matters for upload times, not for the holds measured.
+    with ZeroS3(pool_mib=4096) as server:
+        for mode in modes:
+            print(f"measuring {mode} ...", file=sys.stderr, flush=True)
+            prefix = f"gil-{int(time.time() * 1000)}"
+            env = {**os.environ, **server.env(), "BENCH_BUCKET": server.bucket,
+                   "BENCH_PREFIX": prefix, "BENCH_STATE": state}  # fmt: skip
+            done = subprocess.run(
+                [sys.executable, "-m", "benchmarks.gil_held", "--case", mode, str(saves)],
+                env=env, capture_output=True, text=True, timeout=1200,
+            )  # fmt: skip
+            if done.returncode != 0 or not done.stdout.strip():
+                raise RuntimeError(f"{mode} failed:\n{done.stderr[-3000:]}")
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            _delete_prefix(server, prefix)
+    return rows
+
+
+def case(mode: str, saves: int) -> dict[str, Any]:
+    """In this process: two saves to warm up, then ``saves`` under ``perf record``."""
+    import torch
+
+    from benchmarks.data import make_state
+    from benchmarks.loop_floors import ViewingWriter
+    from s3ckpt.dcp.writer import S3StorageWriter
+
+    torch.set_num_threads(1)
+    save_threads: set[int] = set()
+    for cls in (S3StorageWriter, ViewingWriter):
+        _note_thread(cls, save_threads)
+    state: Any = make_state(1024)
+    state = {"model": state} if os.environ.get("BENCH_STATE", "nested") == "nested" else state
+    save = MODES[mode]()
+    for i in range(2):
+        save(state, i).result()
+    record = Path(os.environ.get("TMPDIR", "/tmp")) / f"s3ckpt-gil-{os.getpid()}.data"
+    events = [arg for event in EVENTS for arg in ("-e", event)]
+    perf = subprocess.Popen(
+        ["perf", "record", "-q", "-k", "mono", *events, "-p", str(os.getpid()), "-o", str(record)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    time.sleep(1.5)  # perf attached
+    windows = []
+    for i in range(2, 2 + saves):
+        started = time.clock_gettime(time.CLOCK_MONOTONIC)
+        save(state, i).result()
+        windows.append((started, time.clock_gettime(time.CLOCK_MONOTONIC)))
+        time.sleep(0.3)
+    perf.send_signal(2)
+    perf.wait()
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    names[threading.main_thread().native_id] = "caller"
+    names.update(dict.fromkeys(save_threads, "save thread"))
+    try:
+        held = _holds(_events(record), windows, names)
+    finally:
+        record.unlink(missing_ok=True)
+    per_save = {who: seconds / saves * 1e3 for who, seconds in held.most_common()}
+    return {
+        "mode": mode,
+        "held_ms_per_save": per_save,
+        "background_ms_per_save": sum(v for k, v in per_save.items() if k != "caller"),
+        "save_s": sum(end - start for start, end in windows) / saves,
+    }
+
+
+def _note_thread(cls: type, threads: set[int]) -> None:
+    """Record which thread runs ``cls.write_data``."""
+    original = cls.write_data
+
+    def write_data(self: Any, *args: Any, **kwargs: Any) -> Any:
+        threads.add(threading.get_native_id())
+        return original(self, *args, **kwargs)
+
+    cls.write_data = write_data  # type: ignore[method-assign]
+
+
+def _events(record: Path) -> list[tuple[int, float, bool]]:
+    """``(thread id, time, taken)`` per probe hit; ``taken`` False for a ``drop_gil``."""
+    out = subprocess.run(
+        ["perf", "script", "-i", str(record), "-F", "tid,time,event"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    events = []
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) >= 3:
+            events.append((int(fields[0]), float(fields[1].rstrip(":")), "take_gil" in fields[2]))
+    return events
+
+
+def _holds(
+    events: list[tuple[int, float, bool]],
+    windows: list[tuple[float, float]],
+    names: dict[int, str],
+) -> collections.Counter[str]:
+    """Seconds of GIL held per thread name, over holds that began inside a window."""
+    held: collections.Counter[str] = collections.Counter()
+    taken: dict[int, float] = {}
+    for tid, at, is_take in events:
+        if is_take:
+            taken[tid] = at
+            continue
+        start = taken.pop(tid, None)
+        if start is None or not any(a <= start <= b for a, b in windows):
+            continue
+        name = names.get(tid, "other")
+        held["s3ckpt-wire" if name.startswith("s3ckpt-wire") else name] += at - start
+    return held
+
+
+def table(rows: list[dict[str, Any]], saves: int, state: str) -> str:
+    who = ("caller", "save thread", "s3ckpt-io", "s3ckpt-wire", "other")
+    head = (
+        f"{'mode':<20} " + " ".join(f"{w:>12}" for w in who) + f" {'background':>11} {'save s':>7}"
+    )
+    lines = [f"GIL held per save, ms ({saves} saves of 1 GiB, state {state}; no loop beside)",
+             head, "-" * len(head)]  # fmt: skip
+    for row in rows:
+        held = row["held_ms_per_save"]
+        others = sum(v for k, v in held.items() if k not in who[:-1])
+        cells = [held.get(w, 0.0) for w in who[:-1]] + [others]
+        lines.append(f"{row['mode']:<20} " + " ".join(f"{c:12.1f}" for c in cells)
+                     + f" {row['background_ms_per_save']:11.1f} {row['save_s']:7.2f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--case"]:
+        print(json.dumps(case(sys.argv[2], int(sys.argv[3]))), flush=True)
+        os._exit(0)  # DCP's and the manager's background threads are not waited for
+    sys.exit(main())

@@ -25,16 +25,21 @@ def _plans(planner: Any, state: dict[str, Any]) -> Any:
     return planner.create_local_plan()
 
 
-def _count_is_pinned(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def _count_calls(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> list[int]:
+    """Count calls of ``owner.name`` (a method) from now on."""
     calls = [0]
-    original = torch.Tensor.is_pinned
+    original = getattr(owner, name)
 
-    def counting(self: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(torch.Tensor, "is_pinned", counting)
+    monkeypatch.setattr(owner, name, counting)
     return calls
+
+
+def _count_is_pinned(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    return _count_calls(monkeypatch, torch.Tensor, "is_pinned")
 
 
 def test_every_save_gets_the_default_planners_plan_and_later_ones_ask_no_tensor(
@@ -122,15 +127,7 @@ def _global(planner: Any, plans: list[Any]) -> Any:
 
 
 def _count_global_planning(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    calls = [0]
-    original = DefaultSavePlanner.create_global_plan
-
-    def counting(self: Any, all_plans: Any) -> Any:
-        calls[0] += 1
-        return original(self, all_plans)
-
-    monkeypatch.setattr(DefaultSavePlanner, "create_global_plan", counting)
-    return calls
+    return _count_calls(monkeypatch, DefaultSavePlanner, "create_global_plan")
 
 
 def test_the_global_plan_of_unchanged_local_plans_is_handed_out_again(

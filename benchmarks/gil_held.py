@@ -7,8 +7,9 @@ threads hold the GIL, and that can be measured directly: uprobes on CPython's
 ``take_gil`` (its return) and ``drop_gil`` (``perf probe`` on the interpreter's
 libpython), recorded by ``perf`` while saves of the loop benchmark's 1 GiB state run on
 the zero-cost server with no loop beside them. Each hold is a ``take_gil`` return up to
-the thread's next ``drop_gil``; they are summed per thread over each save (from the save
-call to its upload's end), then averaged over the saves.
+the thread's next ``drop_gil``; the part of it inside a save (from the save call to its
+upload's end) is summed per thread, then averaged over the saves. A run whose probe hits
+do not pair up (perf lost events) fails rather than under-counts.
 
 Threads: ``caller`` (the thread that called save: the staging copy, and DCP's own work
 before it hands over), ``save thread`` (the thread that runs the storage's
@@ -19,8 +20,8 @@ costs about a microsecond, which the holds include: compare modes within one run
 Needs root, ``perf`` and a libpython with its symbols (probes this run adds are removed
 at its end); each mode runs in its own process (:func:`case`).
 
-    python -m benchmarks.gil_held [--modes dcp_thread,manager_thread,floor_no_network]
-                                  [--saves 6] [--state nested|flat]
+    python -m benchmarks.gil_held [--modes dcp_thread,manager_thread,floor_no_network,
+                                   floor_native_batch] [--saves 6] [--state nested|flat]
 """
 
 from __future__ import annotations
@@ -57,11 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.modes.split(",")
     if not set(modes) <= set(MODES):
         parser.error("unknown mode")
-    added = _add_probes(_libpython())
+    before = _probes()
     try:
+        _add_probes(_libpython(), before)
         rows = _measure(modes, args.saves, args.state)
     finally:
-        for event in added:
+        for event in sorted(_probes() - before):
             subprocess.run(["perf", "probe", "-q", "-d", event], check=False)
     print(table(rows, args.saves, args.state))
     return 0
@@ -75,20 +77,21 @@ def _libpython() -> str:
     return os.path.realpath(sys.executable)
 
 
-def _add_probes(binary: str) -> list[str]:
-    """The two uprobes, under :data:`GROUP`; returns those this call added."""
-    before = _probes()
+def _add_probes(binary: str, present: set[str]) -> None:
+    """The two uprobes, under :data:`GROUP`, where not ``present`` already."""
     for event, spec in zip(EVENTS, ("take_gil%return", "drop_gil"), strict=True):
-        if event not in before:  # perf names a return probe NAME__return itself
+        if event not in present:  # perf names a return probe NAME__return itself
             name = event.split(":")[1].removesuffix("__return")
-            subprocess.run(
+            done = subprocess.run(
                 ["perf", "probe", "-q", "-x", binary, "-a", f"{GROUP}:{name}={spec}"],
-                check=True, capture_output=True,
+                capture_output=True, text=True,
             )  # fmt: skip
-    return sorted(_probes() - before)
+            if done.returncode != 0 or event not in _probes():
+                raise RuntimeError(f"perf probe could not add {event}: {done.stderr.strip()}")
 
 
 def _probes() -> set[str]:
+    """The uprobe events defined now (``perf probe -l``)."""
     listed = subprocess.run(["perf", "probe", "-l"], capture_output=True, text=True).stdout
     return {line.split()[0] for line in listed.splitlines() if line.strip()}
 
@@ -131,20 +134,7 @@ def case(mode: str, saves: int) -> dict[str, Any]:
     for i in range(2):
         save(state, i).result()
     record = Path(os.environ.get("TMPDIR", "/tmp")) / f"s3ckpt-gil-{os.getpid()}.data"
-    events = [arg for event in EVENTS for arg in ("-e", event)]
-    perf = subprocess.Popen(
-        ["perf", "record", "-q", "-k", "mono", *events, "-p", str(os.getpid()), "-o", str(record)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    time.sleep(1.5)  # perf attached
-    windows = []
-    for i in range(2, 2 + saves):
-        started = time.clock_gettime(time.CLOCK_MONOTONIC)
-        save(state, i).result()
-        windows.append((started, time.clock_gettime(time.CLOCK_MONOTONIC)))
-        time.sleep(0.3)
-    perf.send_signal(2)
-    perf.wait()
+    windows = _recorded_saves(save, state, saves, record)
     names = {t.native_id: t.name for t in threading.enumerate()}
     names[threading.main_thread().native_id] = "caller"
     names.update(dict.fromkeys(save_threads, "save thread"))
@@ -159,6 +149,28 @@ def case(mode: str, saves: int) -> dict[str, Any]:
         "background_ms_per_save": sum(v for k, v in per_save.items() if k != "caller"),
         "save_s": sum(end - start for start, end in windows) / saves,
     }
+
+
+def _recorded_saves(save: Any, state: Any, saves: int, record: Path) -> list[tuple[float, float]]:
+    """Run ``saves`` saves one after the other under ``perf record`` (into ``record``);
+    each one's window on the monotonic clock perf stamps its hits with."""
+    events = [arg for event in EVENTS for arg in ("-e", event)]
+    perf = subprocess.Popen(
+        ["perf", "record", "-q", "-k", "mono", *events, "-p", str(os.getpid()), "-o", str(record)],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    time.sleep(1.5)  # perf attached
+    windows = []
+    try:
+        for i in range(2, 2 + saves):
+            started = time.clock_gettime(time.CLOCK_MONOTONIC)
+            save(state, i).result()
+            windows.append((started, time.clock_gettime(time.CLOCK_MONOTONIC)))
+            time.sleep(0.3)
+    finally:
+        perf.send_signal(2)
+        perf.wait()
+    return windows
 
 
 def _note_thread(cls: type, threads: set[int]) -> None:
@@ -191,18 +203,29 @@ def _holds(
     windows: list[tuple[float, float]],
     names: dict[int, str],
 ) -> collections.Counter[str]:
-    """Seconds of GIL held per thread name, over holds that began inside a window."""
+    """Seconds of GIL held per thread name inside the windows (each hold clipped to them).
+
+    Raises where the hits do not pair up: a thread taking the GIL twice without a drop
+    between, or dropping it without a take, beyond the one hold perf may have caught
+    half of at its start or end."""
     held: collections.Counter[str] = collections.Counter()
     taken: dict[int, float] = {}
+    unpaired = 0
     for tid, at, is_take in events:
         if is_take:
+            unpaired += tid in taken
             taken[tid] = at
             continue
         start = taken.pop(tid, None)
-        if start is None or not any(a <= start <= b for a, b in windows):
+        if start is None:
+            unpaired += 1
             continue
-        name = names.get(tid, "other")
-        held["s3ckpt-wire" if name.startswith("s3ckpt-wire") else name] += at - start
+        inside = sum(max(0.0, min(at, b) - max(start, a)) for a, b in windows)
+        if inside:
+            name = names.get(tid, "other")
+            held["s3ckpt-wire" if name.startswith("s3ckpt-wire") else name] += inside
+    if not events or unpaired > 2 * len({tid for tid, _, _ in events}):
+        raise RuntimeError(f"{len(events)} probe hits, {unpaired} unpaired: perf lost events")
     return held
 
 

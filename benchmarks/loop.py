@@ -169,7 +169,8 @@ def table(report: dict[str, Any]) -> str:
     head = (f"{'loop':<9} {'beside':<19} {'cores':<7} {'step us':>8} {'slowdown':>9} "
             f"{'upload s':>9} {'blocked s':>10} {'lost s/GiB':>11} {'x copy':>7} {'blocked x copy':>15} "
             f"{'full GCs':>9}")  # fmt: skip
-    shape = "one top-level entry" if report.get("state", "nested") == "nested" else "flat"
+    # Reports from before the option saved the flat state.
+    shape = "one top-level entry" if report.get("state", "flat") == "nested" else "flat"
     lines = [f"The loop beside a save of {report['size_mib']} MiB ({shape}; median of "
              f"{report['reps']} reps; full GCs: the loop process's full garbage "
              "collections during the uploads, all reps)", head, "-" * len(head)]  # fmt: skip

@@ -309,6 +309,12 @@ def has_lazy_bits(tensor: torch.Tensor) -> bool:
     return any(keys.has(key) for key in _LAZY_KEYS)
 
 
+def plans_cached_by_dcp(planner: Any) -> bool:
+    """Whether ``planner`` was made with DCP's own ``enable_plan_caching`` (its private
+    ``_enable_plan_caching``; False on releases without it)."""
+    return bool(getattr(planner, "_enable_plan_caching", False))
+
+
 def pin_host_memory(tensor: torch.Tensor) -> bool:
     """Page-lock the host memory under ``tensor`` for CUDA (``cudaHostRegister``), so that
     device-to-host copies into it run without a bounce and without blocking; False where
@@ -410,6 +416,7 @@ __all__ = [
     "metadata_global",
     "narrow",
     "pin_host_memory",
+    "plans_cached_by_dcp",
     "remember_metadata_failure",
     "save_skeleton",
     "shard_write_items",

@@ -7,7 +7,7 @@ for the benchmark's state of 580 tensors, 580 of the save thread's ~1,900 GIL re
 save (counted with a ``perf`` probe on CPython's ``take_gil``), plus the planning's own
 Python (docs/performance.md, "The loop beside a save"). A training loop saves the same
 layout again and again, so :class:`ReusingSavePlanner` keeps the local plan it made and
-hands it out again while every value keeps its kind, dtype, shape, layout,
+hands it out again while every value keeps its kind, dtype, shape, strides, layout,
 ``requires_grad``, device and memory address, all read as attributes that release
 nothing. The address stands for whether the memory is pinned (it is the same
 allocation), which is all ``is_pinned`` tells.
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from s3ckpt.dcp.compat import Metadata, SavePlan, is_sharded_tensor
+from s3ckpt.dcp.compat import Metadata, SavePlan, is_sharded_tensor, plans_cached_by_dcp
 
 
 class ReusingSavePlanner(DefaultSavePlanner):
@@ -58,8 +58,7 @@ class ReusingSavePlanner(DefaultSavePlanner):
     def create_local_plan(self) -> SavePlan:
         # DCP's own plan caching (``enable_plan_caching``) decides what its local plan
         # says; such a planner plans as the default does.
-        caching = getattr(self, "_enable_plan_caching", False)
-        layout = None if caching else state_layout(self.state_dict)
+        layout = None if plans_cached_by_dcp(self) else state_layout(self.state_dict)
         if layout is None or layout != self._layout or self._made is None:
             self._made = super().create_local_plan()
             self._layout = layout
@@ -71,7 +70,14 @@ class ReusingSavePlanner(DefaultSavePlanner):
         return plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        if getattr(self, "_enable_plan_caching", False):
+        """The previous global plan again while ``all_plans`` equal the previous ones.
+
+        A planner with DCP's own plan caching gets DCP's: that caching also decides what
+        the ranks' plans say, which this one takes as given. The ranks' plans are kept
+        (on the coordinator only, which alone plans globally) to compare with the next
+        save's: O(items) of memory and one comparison per save, against the planning's
+        O(items x ranks)."""
+        if plans_cached_by_dcp(self):
             return super().create_global_plan(all_plans)
         if self._global is not None and self._global[0] == all_plans:
             global_plan, metadata = list(self._global[1]), _fresh(self._global[2])
@@ -85,8 +91,11 @@ class ReusingSavePlanner(DefaultSavePlanner):
 
 
 def _fresh(metadata: Metadata) -> Metadata:
-    """A copy of ``metadata`` whose fields a save may set or fill (the storage's record,
-    the mappings, the entries) are its own: the next save hands out another."""
+    """A copy of ``metadata`` for one save: the fields a save sets (the storage's record)
+    and the mappings it may extend (the entries, the planner's mappings) are its own; the
+    entries' objects (``TensorStorageMetadata``, chunks, properties) are shared with every
+    other save of the plan, as DCP shares them with the plan's items: nothing changes
+    them after planning."""
     return dataclasses.replace(
         metadata,
         state_dict_metadata=dict(metadata.state_dict_metadata),
@@ -96,6 +105,7 @@ def _fresh(metadata: Metadata) -> Metadata:
 
 
 def _copied(value: Any) -> Any:
+    """A mapping copied (the planner's mappings, a dict), anything else as it is."""
     return dict(value) if isinstance(value, dict) else value
 
 
@@ -108,6 +118,8 @@ def state_layout(state_dict: dict[str, Any]) -> tuple[Hashable, ...] | None:
             layout.append((
                 fqn, value.dtype, value.layout, value.requires_grad, value.device,
                 tuple(value.shape), value.data_ptr() if value.layout == torch.strided else 0,
+                # Strides: in the plan's tensor properties from torch 2.15 on.
+                tuple(value.stride()) if value.layout == torch.strided else (),
             ))  # fmt: skip
         elif isinstance(value, torch.Tensor) or is_sharded_tensor(value):
             return None

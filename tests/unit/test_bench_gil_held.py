@@ -21,10 +21,10 @@ def test_a_hold_runs_from_a_take_to_the_same_threads_next_drop() -> None:
     assert held["s3ckpt-io"] == pytest.approx(0.1)
 
 
-def test_only_holds_begun_inside_a_save_count_and_threads_are_grouped() -> None:
+def test_holds_count_inside_the_saves_only_and_threads_are_grouped() -> None:
     events = [
         (1, 1.0, True),
-        (1, 2.5, False),  # began before the window
+        (1, 2.5, False),  # began before the window: its half inside counts
         (3, 2.1, True),
         (3, 2.2, False),  # a native batch thread
         (4, 2.3, True),
@@ -37,7 +37,20 @@ def test_only_holds_begun_inside_a_save_count_and_threads_are_grouped() -> None:
     ]
     names = {1: "save thread", 3: "s3ckpt-wire_0", 4: "s3ckpt-wire_1"}
     held = _holds(events, [(2.0, 3.0)], names)
-    assert dict(held) == {"s3ckpt-wire": pytest.approx(0.2), "other": pytest.approx(0.1)}
+    assert dict(held) == {
+        "save thread": pytest.approx(0.5),
+        "s3ckpt-wire": pytest.approx(0.2),
+        "other": pytest.approx(0.1),
+    }
+
+
+def test_hits_that_do_not_pair_up_fail_the_run() -> None:
+    """Lost probe hits would make holds look shorter or longer than they were."""
+    lost = [(1, float(n), True) for n in range(10)] + [(1, 10.0, False)]
+    with pytest.raises(RuntimeError, match="unpaired"):
+        _holds(lost, [(0.0, 11.0)], {})
+    with pytest.raises(RuntimeError, match="0 probe hits"):
+        _holds([], [(0.0, 1.0)], {})
 
 
 def test_the_table_has_a_row_per_mode_with_its_background_total() -> None:

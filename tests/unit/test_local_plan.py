@@ -66,6 +66,7 @@ def test_every_save_gets_the_default_planners_plan_and_later_ones_ask_no_tensor(
         lambda s: s["model"].__setitem__("b", torch.zeros(4)),  # dtype
         lambda s: s["model"].__setitem__("w", s["model"]["w"].clone()),  # memory
         lambda s: s["model"].__setitem__("w", s["model"]["w"].requires_grad_()),
+        lambda s: s["optim"]["m"].t_(),  # strides: the same memory, transposed in place
         lambda s: s["optim"].__setitem__("extra", 7),  # a new value
         lambda s: s["optim"].pop("m"),  # a value gone
         lambda s: s.__setitem__("flag", False),  # a tensor became an object
@@ -150,17 +151,21 @@ def test_the_global_plan_of_unchanged_local_plans_is_handed_out_again(
 
 
 def test_each_save_gets_metadata_of_its_own() -> None:
-    """The storage fills a save's metadata in (its record); the next save's starts clean."""
+    """The storage fills a save's metadata in (its record); the next save's starts clean,
+    whether the one filled in was planned or handed out again."""
     state = _state()
     reusing = ReusingSavePlanner()
-    _, first = _global(reusing, [_plans(reusing, state)])
-    first.storage_data = "the first save's record"
-    first.state_dict_metadata["added"] = first.state_dict_metadata["flag"]
-    first.planner_data["added"] = ("added",)
-    _, second = _global(reusing, [_plans(reusing, state)])
-    assert second is not first
-    assert second.storage_data is None
-    assert "added" not in second.state_dict_metadata and "added" not in second.planner_data
+    saves = [_global(reusing, [_plans(reusing, state)])[1]]
+    for _ in range(3):
+        filled = saves[-1]
+        filled.storage_data = "a save's record"
+        filled.state_dict_metadata["added"] = filled.state_dict_metadata["flag"]
+        filled.planner_data["added"] = ("added",)
+        saves.append(_global(reusing, [_plans(reusing, state)])[1])
+        fresh = saves[-1]
+        assert all(fresh is not earlier for earlier in saves[:-1])
+        assert fresh.storage_data is None
+        assert "added" not in fresh.state_dict_metadata and "added" not in fresh.planner_data
 
 
 def test_a_changed_rank_plan_is_planned_again(monkeypatch: pytest.MonkeyPatch) -> None:

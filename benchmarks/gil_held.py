@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.loop_cases import MODES, STATE_SHAPES
+from benchmarks.loop_cases import MODES, STATE_SHAPES, shaped
 from benchmarks.zero_cost import _delete_prefix
 from benchmarks.zero_server import ZeroS3
 
@@ -128,8 +128,7 @@ def case(mode: str, saves: int) -> dict[str, Any]:
     save_threads: set[int] = set()
     for cls in (S3StorageWriter, ViewingWriter):
         _note_thread(cls, save_threads)
-    state: Any = make_state(1024)
-    state = {"model": state} if os.environ.get("BENCH_STATE", "nested") == "nested" else state
+    state = shaped(make_state(1024))
     save = MODES[mode]()
     for i in range(2):
         save(state, i).result()

@@ -267,6 +267,12 @@ def _alone(step: Callable[[], None]) -> float:
     return elapsed / count
 
 
+def shaped(state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """``state`` in the shape ``BENCH_STATE`` names (:data:`STATE_SHAPES`, nested by default)."""
+    nested = os.environ.get("BENCH_STATE", STATE_SHAPES[0]) == STATE_SHAPES[0]
+    return {"model": state} if nested else state
+
+
 def run(loop: str, mode: str, placement: str, size_mib: int, reps: int) -> dict[str, Any]:
     pinned = placement == "pinned"
     torch.set_num_threads(1)
@@ -274,7 +280,7 @@ def run(loop: str, mode: str, placement: str, size_mib: int, reps: int) -> dict[
     step = LOOPS[loop]()
     state = make_state(size_mib)
     gib = state_nbytes(state) / GiB
-    saved = {"model": state} if os.environ.get("BENCH_STATE", "nested") == "nested" else state
+    saved = shaped(state)
     result: dict[str, Any] = {"loop": loop, "mode": mode, "placement": placement,
                               "gib": gib, "copy_s": bare_copy_s(state)}  # fmt: skip
     if mode == "alone":

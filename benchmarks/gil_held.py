@@ -17,6 +17,12 @@ before it hands over), ``save thread`` (the thread that runs the storage's
 (the I/O loop), ``s3ckpt-wire`` (the native batches' threads), and any other. A probe hit
 costs about a microsecond, which the holds include: compare modes within one run.
 
+Holds are counted too (``takes``: a ``take_gil`` return inside a save, per thread but
+the caller): each one is a hand-over, and beside a loop that wants the GIL every
+hand-over costs the loop a wait for the switch as well as the hold itself (20-35 us per
+retake, :mod:`s3ckpt.format.checksums`), so fewer, longer holds cost it less than many
+short ones of the same total.
+
 Needs root, ``perf`` and a libpython with its symbols (probes this run adds are removed
 at its end); each mode runs in its own process (:func:`case`).
 
@@ -138,14 +144,17 @@ def case(mode: str, saves: int) -> dict[str, Any]:
     names[threading.main_thread().native_id] = "caller"
     names.update(dict.fromkeys(save_threads, "save thread"))
     try:
-        held = _holds(_events(record), windows, names)
+        events = _events(record)
+        held = _holds(events, windows, names)
     finally:
         record.unlink(missing_ok=True)
     per_save = {who: seconds / saves * 1e3 for who, seconds in held.most_common()}
+    takes = _takes(events, windows, names)
     return {
         "mode": mode,
         "held_ms_per_save": per_save,
         "background_ms_per_save": sum(v for k, v in per_save.items() if k != "caller"),
+        "background_takes_per_save": sum(n for k, n in takes.items() if k != "caller") / saves,
         "save_s": sum(end - start for start, end in windows) / saves,
     }
 
@@ -221,17 +230,36 @@ def _holds(
             continue
         inside = sum(max(0.0, min(at, b) - max(start, a)) for a, b in windows)
         if inside:
-            name = names.get(tid, "other")
-            held["s3ckpt-wire" if name.startswith("s3ckpt-wire") else name] += inside
+            held[_group(names.get(tid, "other"))] += inside
     if not events or unpaired > 2 * len({tid for tid, _, _ in events}):
         raise RuntimeError(f"{len(events)} probe hits, {unpaired} unpaired: perf lost events")
     return held
 
 
+def _takes(
+    events: list[tuple[int, float, bool]],
+    windows: list[tuple[float, float]],
+    names: dict[int, str],
+) -> collections.Counter[str]:
+    """GIL takes inside the windows, per thread name: the hand-overs."""
+    takes: collections.Counter[str] = collections.Counter()
+    for tid, at, is_take in events:
+        if is_take and any(a <= at <= b for a, b in windows):
+            takes[_group(names.get(tid, "other"))] += 1
+    return takes
+
+
+def _group(name: str) -> str:
+    """The native batches' threads count as one."""
+    return "s3ckpt-wire" if name.startswith("s3ckpt-wire") else name
+
+
 def table(rows: list[dict[str, Any]], saves: int, state: str) -> str:
     who = ("caller", "save thread", "s3ckpt-io", "s3ckpt-wire", "other")
     head = (
-        f"{'mode':<20} " + " ".join(f"{w:>12}" for w in who) + f" {'background':>11} {'save s':>7}"
+        f"{'mode':<20} "
+        + " ".join(f"{w:>12}" for w in who)
+        + f" {'background':>11} {'bg takes':>9} {'save s':>7}"
     )
     lines = [f"GIL held per save, ms ({saves} saves of 1 GiB, state {state}; no loop beside)",
              head, "-" * len(head)]  # fmt: skip
@@ -240,7 +268,8 @@ def table(rows: list[dict[str, Any]], saves: int, state: str) -> str:
         others = sum(v for k, v in held.items() if k not in who[:-1])
         cells = [held.get(w, 0.0) for w in who[:-1]] + [others]
         lines.append(f"{row['mode']:<20} " + " ".join(f"{c:12.1f}" for c in cells)
-                     + f" {row['background_ms_per_save']:11.1f} {row['save_s']:7.2f}")  # fmt: skip
+                     + f" {row['background_ms_per_save']:11.1f}"
+                     + f" {row.get('background_takes_per_save', 0.0):9.0f} {row['save_s']:7.2f}")  # fmt: skip
     return "\n".join(lines)
 
 

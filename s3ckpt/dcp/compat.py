@@ -306,7 +306,7 @@ def has_lazy_bits(tensor: torch.Tensor) -> bool:
     if keys_of is None or len(_LAZY_KEYS) != 2:
         return tensor.is_conj() or tensor.is_neg()
     keys = keys_of(tensor)
-    return any(keys.has(key) for key in _LAZY_KEYS)
+    return keys.has(_LAZY_KEYS[0]) or keys.has(_LAZY_KEYS[1])
 
 
 def plans_cached_by_dcp(planner: Any) -> bool:

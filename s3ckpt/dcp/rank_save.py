@@ -10,11 +10,10 @@ What the rank tells the coordinator is one :class:`RankRecord` shared by all its
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -54,7 +53,11 @@ class RankSave:
     def __init__(self, target: RankTarget, assignment: RankAssignment) -> None:
         self.target = target
         self.assignment = assignment
-        self.encoded: dict[Any, Encoded] = {}
+        # Per item, by its position in the plan: how it was stored, its bytes left out.
+        # Keyed by position, not by DCP's MetadataIndex: hashing that dataclass costs
+        # microseconds, paid several times per item on a thread that shares the GIL with
+        # the training loop in thread mode.
+        self.encoded: list[Encoded] = []
 
     def run(self, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         _refuse_oversized(items)
@@ -71,11 +74,12 @@ class RankSave:
             in_flight=target.compression.max_ahead if target.compression else None,
         )
         placements, uploaded = uploader.upload(self._stream(items, planner))
-        entries = [self._entry(item, placements[item.index], uploaded) for item in items]
-        objects = tuple(
-            ObjectEntry(data_key(rank, save_id, n, spread), o.size, o.etag, rank)
-            for n, o in enumerate(uploaded)
-        )
+        keys = [data_key(rank, save_id, n, spread) for n in range(len(uploaded))]
+        entries = [
+            self._entry(item, self.encoded[n], placements[n], keys, uploaded)
+            for n, item in enumerate(items)
+        ]
+        objects = tuple(ObjectEntry(keys[n], o.size, o.etag, rank) for n, o in enumerate(uploaded))
         index = RankIndex(save_id, rank, tuple(entries))
         key = index_key(rank, save_id, spread)
         try:
@@ -87,17 +91,21 @@ class RankSave:
         # them, so the coordinator receives O(ranks) storage data, not O(items).
         record = RankRecord(rank, ref, objects, save_id)
         return [
-            WriteResult(item.index, self.encoded[item.index].raw_length, record) for item in items
+            WriteResult(item.index, encoded.raw_length, record)
+            for item, encoded in zip(items, self.encoded, strict=True)
         ]
 
+    @staticmethod
     def _entry(
-        self, item: WriteItem, placed: Placement, uploaded: list[UploadedObject]
+        item: WriteItem,
+        encoded: Encoded,
+        placed: Placement,
+        keys: list[str],
+        uploaded: list[UploadedObject],
     ) -> ItemEntry:
         """The item's line in the rank's index: where it went and how to check it."""
-        rank, save_id = self.assignment.rank, self.assignment.save_id
-        encoded = self.encoded[item.index]
         stored = StoredItem(
-            key=data_key(rank, save_id, placed.object, self.target.spread_prefixes),
+            key=keys[placed.object],
             offset=placed.offset,
             length=placed.length,
             crc32c=encoded.crc32c,
@@ -111,7 +119,7 @@ class RankSave:
             fqn=item.index.fqn,
             chunk_offsets=tuple(item.index.offset or ()),
             kind="tensor" if tensor is not None else "bytes",
-            dtype=str(tensor.properties.dtype).removeprefix("torch.") if tensor else None,
+            dtype=_dtype_name(tensor.properties.dtype) if tensor else None,
             shape=tuple(tensor.chunk.sizes) if tensor else None,
             stored=stored,
         )
@@ -126,16 +134,24 @@ class RankSave:
             if options
             else ((item, encode_raw(data)) for item, data, _ in raw)
         )
-        for item, result in encoded:
+        for position, (_, result) in enumerate(encoded):  # in plan order, compressed or not
             # Keep what the storage record needs, not the bytes: the uploader holds the
             # payload only until its parts are sent (bounded by max_bytes_in_flight), so
             # a compressed save never holds the rank's whole compressed state.
-            self.encoded[item.index] = dataclasses.replace(result, payload=_NO_BYTES)
-            yield item.index, result.payload, result.crc32c if result.codec == RAW else None
+            self.encoded.append(
+                Encoded(_NO_BYTES, result.codec, result.raw_length, result.crc32c, result.frames)
+            )
+            yield position, result.payload, result.crc32c if result.codec == RAW else None
             del result
 
 
 _NO_BYTES = memoryview(b"")
+
+
+@functools.cache
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32``: the index's spelling."""
+    return str(dtype).removeprefix("torch.")
 
 
 def rank_name(rank: int | None) -> str:

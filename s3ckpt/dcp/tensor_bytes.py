@@ -12,7 +12,7 @@ every torch method call there releases the GIL and takes it back (``detach``,
 counted with a probe on CPython's ``take_gil``); each retake waits for the loop to let the
 GIL go and makes the loop wait in turn. So the common case, a CPU tensor that is
 contiguous and has no lazy conjugate or negative bit, is checked and viewed by reading
-attributes (``device``, ``is_contiguous``, the dispatch keys, ``data_ptr``, ``nbytes``),
+attributes (``is_cpu``, ``is_contiguous``, the dispatch keys, ``data_ptr``, ``nbytes``),
 which release nothing.
 """
 
@@ -33,7 +33,7 @@ _BYTE_DTYPES = {torch.uint8, torch.int8, torch.bool}
 
 def as_cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` on the CPU, contiguous and dense (copied only when it must be)."""
-    if tensor.device.type == "cpu" and tensor.is_contiguous() and not has_lazy_bits(tensor):
+    if tensor.is_cpu and tensor.is_contiguous() and not has_lazy_bits(tensor):
         return tensor
     tensor = tensor.detach()
     if tensor.device.type != "cpu":

@@ -14,6 +14,11 @@ from crc32c import crc32c
 
 from s3ckpt.errors import CorruptCheckpointError
 
+try:  # the same arithmetic in C (:func:`combine`)
+    from s3ckpt.format._byteplanes import crc32c_combine as _native_combine
+except ImportError:  # pragma: no cover - exercised where no C compiler is available
+    _native_combine = None
+
 # Below this many bytes a CRC32C keeps the GIL: 256 KiB take 8 us, while releasing and
 # retaking the GIL costs a thread beside a training loop (thread mode) a wait for the loop
 # to let it go, and the loop a wait in turn: 20-35 us of the loop's time per retake,
@@ -58,8 +63,16 @@ def combine(crc1: int, crc2: int, length2: int) -> int:
     """The CRC32C of ``A + B`` from ``crc1 = CRC(A)``, ``crc2 = CRC(B)`` and ``len(B)``.
 
     zlib's ``crc32_combine`` for the Castagnoli polynomial: ``crc1`` times ``x^(8 len2)``
-    modulo the polynomial, plus ``crc2``; a few microseconds instead of a pass over B.
+    modulo the polynomial, plus ``crc2``, instead of a pass over B. In C where the format's
+    native module is built (0.2 us a call); the Python below (5-10 us) is the fallback,
+    and the reference the C is tested against.
     """
+    if _native_combine is not None:
+        return _native_combine(crc1, crc2, length2)
+    return _combine_python(crc1, crc2, length2)
+
+
+def _combine_python(crc1: int, crc2: int, length2: int) -> int:
     if crc1 == 0:  # A is empty (or CRCs to zero): shifting zero gives zero
         return crc2
     return _multiply(_shift(length2), crc1) ^ crc2

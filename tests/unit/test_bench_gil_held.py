@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.gil_held import _holds, table
+from benchmarks.gil_held import _holds, _takes, table
 
 
 def test_a_hold_runs_from_a_take_to_the_same_threads_next_drop() -> None:
@@ -63,8 +63,28 @@ def test_the_table_has_a_row_per_mode_with_its_background_total() -> None:
             "uvloop_0": 3.0,
         },
         "background_ms_per_save": 108.0,
+        "background_takes_per_save": 2750.4,
         "save_s": 1.1,
     }
     text = table([row], 6, "nested")
     line = next(line for line in text.splitlines() if line.startswith("dcp_thread"))
-    assert line.split()[1:] == ["140.0", "60.0", "45.0", "0.0", "3.0", "108.0", "1.10"]
+    assert line.split()[1:] == ["140.0", "60.0", "45.0", "0.0", "3.0", "108.0", "2750", "1.10"]
+
+
+def test_takes_are_counted_per_thread_inside_the_saves() -> None:
+    """Every take is a hand-over the loop beside pays for, however short the hold."""
+    events = [
+        (1, 1.0, True),  # before the window
+        (1, 1.5, False),
+        (2, 2.1, True),
+        (2, 2.2, False),
+        (3, 2.3, True),
+        (3, 2.4, False),
+        (4, 2.5, True),
+        (4, 2.6, False),
+        (2, 2.7, True),
+        (2, 3.5, False),  # taken inside, dropped after: a take inside
+        (2, 4.0, True),  # after the window
+    ]
+    names = {1: "caller", 2: "s3ckpt-io", 3: "s3ckpt-wire_0", 4: "s3ckpt-wire_1"}
+    assert dict(_takes(events, [(2.0, 3.0)], names)) == {"s3ckpt-io": 2, "s3ckpt-wire": 2}

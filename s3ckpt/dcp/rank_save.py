@@ -61,6 +61,7 @@ class RankSave:
 
     def run(self, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         _refuse_oversized(items)
+        self.encoded = []
         if not items:  # nothing stored, no index: the manifest lists ranks that stored items
             return []
         target, rank, save_id = self.target, self.assignment.rank, self.assignment.save_id

@@ -396,11 +396,14 @@ static uint32_t combine_multiply(uint32_t a, uint32_t b) {
     return product;
 }
 
-static uint32_t combine_x2n[32]; /* x^(2^k) modulo the polynomial */
+/* x^(2^k) modulo the Castagnoli polynomial repeats every 31 steps (x^(2^31) = x), not every
+ * 32 as for zlib's polynomial: zlib's "k & 31" would pick the wrong power from 2^29 bytes on. */
+#define COMBINE_CYCLE 31
+static uint32_t combine_x2n[COMBINE_CYCLE]; /* x^(2^k) modulo the polynomial */
 
 static void combine_x2n_init(void) {
     uint32_t power = 1u << 30; /* x^1 */
-    for (int k = 0; k < 32; k++) {
+    for (int k = 0; k < COMBINE_CYCLE; k++) {
         combine_x2n[k] = power;
         power = combine_multiply(power, power);
     }
@@ -410,20 +413,37 @@ static void combine_x2n_init(void) {
 static uint32_t combine_shift(unsigned long long length) {
     uint32_t power = 1u << 31; /* x^0 */
     for (unsigned k = 3; length; length >>= 1, k++)
-        if (length & 1) power = combine_multiply(combine_x2n[k & 31], power);
+        if (length & 1) power = combine_multiply(combine_x2n[k % COMBINE_CYCLE], power);
     return power;
+}
+
+/* a CRC32C value from any Python integer (or __index__): OverflowError or ValueError
+ * outside 0..2^32-1 */
+static int crc_value(PyObject *object, uint32_t *out) {
+    PyObject *index = PyNumber_Index(object);
+    if (index == NULL) return 0;
+    unsigned long long value = PyLong_AsUnsignedLongLong(index);
+    Py_DECREF(index);
+    if (value == (unsigned long long)-1 && PyErr_Occurred()) return 0;
+    if (value > 0xFFFFFFFFull) {
+        PyErr_SetString(PyExc_ValueError, "CRC32C values are 32-bit");
+        return 0;
+    }
+    *out = (uint32_t)value;
+    return 1;
 }
 
 static PyObject *crc32c_combine(PyObject *self, PyObject *args) {
     (void)self;
-    unsigned long crc1, crc2;
+    PyObject *crc1, *crc2;
     Py_ssize_t length2;
-    if (!PyArg_ParseTuple(args, "kkn", &crc1, &crc2, &length2)) return NULL;
-    if (crc1 > 0xFFFFFFFFul || crc2 > 0xFFFFFFFFul || length2 < 0) {
-        PyErr_SetString(PyExc_ValueError, "CRC32C values are 32-bit and lengths not negative");
+    uint32_t a, b;
+    if (!PyArg_ParseTuple(args, "OOn", &crc1, &crc2, &length2)) return NULL;
+    if (!crc_value(crc1, &a) || !crc_value(crc2, &b)) return NULL;
+    if (length2 < 0) {
+        PyErr_SetString(PyExc_ValueError, "lengths are not negative");
         return NULL;
     }
-    uint32_t a = (uint32_t)crc1, b = (uint32_t)crc2;
     uint32_t combined =
         a == 0 ? b : combine_multiply(combine_shift((unsigned long long)length2), a) ^ b;
     return PyLong_FromUnsignedLong(combined);

@@ -88,10 +88,34 @@ def test_the_native_combine_is_built_and_agrees_with_the_python_one():
         crc1, crc2 = rng.getrandbits(32), rng.getrandbits(32)
         length = rng.choice([0, 1, rng.randrange(1 << 20), rng.randrange(1 << 43)])
         assert combine(crc1, crc2, length) == checksums._combine_python(crc1, crc2, length)
-    with pytest.raises(ValueError, match="not negative"):
-        combine(1, 2, -1)
-    with pytest.raises(ValueError, match="32-bit"):
-        combine(1 << 32, 2, 3)
+    for combined in (combine, checksums._combine_python):
+        with pytest.raises(ValueError, match="not negative"):
+            combined(1, 2, -1)
+        with pytest.raises(ValueError, match="32-bit"):
+            combined(1 << 32, 2, 3)
+    with pytest.raises(OverflowError):
+        combine(-1, 2, 3)
+    with pytest.raises(OverflowError):
+        combine(1 << 64, 2, 3)
+
+
+@pytest.mark.parametrize("combined", [combine, checksums._combine_python])
+def test_combines_hold_for_pieces_of_512_mib_and_more(combined):
+    """x^(2^k) modulo the Castagnoli polynomial repeats every 31 steps, not 32 as zlib's
+    does: indexed as zlib indexes its own, the shift was wrong from 2^29 bytes on, which a
+    part of 512 MiB or more packed after another item would have carried as its CRC32C.
+    Checked against the CRC of the joined bytes (zero pages: cheap to read), and beyond
+    what can be read, by the shifts multiplying: combining L1 then L2 bytes of zeros-CRC
+    equals combining L1 + L2."""
+    head = crc32c(b"an item before")
+    for length in ((1 << 29) - 1, 1 << 29, (1 << 29) + 12345, 3 << 29):
+        zeros = bytes(length)
+        assert combined(head, crc32c(zeros), length) == crc32c(zeros, head), length
+    rng = random.Random(11)
+    for _ in range(200):
+        first, second = rng.randrange(1 << 40), rng.randrange(1 << 40)
+        crc = rng.getrandbits(32) or 1
+        assert combined(combined(crc, 0, first), 0, second) == combined(crc, 0, first + second)
 
 
 def test_range_crc_comes_from_whole_blocks_only():

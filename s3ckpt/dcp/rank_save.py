@@ -53,15 +53,9 @@ class RankSave:
     def __init__(self, target: RankTarget, assignment: RankAssignment) -> None:
         self.target = target
         self.assignment = assignment
-        # Per item, by its position in the plan: how it was stored, its bytes left out.
-        # Keyed by position, not by DCP's MetadataIndex: hashing that dataclass costs
-        # microseconds, paid several times per item on a thread that shares the GIL with
-        # the training loop in thread mode.
-        self.encoded: list[Encoded] = []
 
     def run(self, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         _refuse_oversized(items)
-        self.encoded = []
         if not items:  # nothing stored, no index: the manifest lists ranks that stored items
             return []
         target, rank, save_id = self.target, self.assignment.rank, self.assignment.save_id
@@ -74,10 +68,15 @@ class RankSave:
             + (64 << 20),
             in_flight=target.compression.max_ahead if target.compression else None,
         )
-        placements, uploaded = uploader.upload(self._stream(items, planner))
+        # Per item, by its position in the plan: how it was stored, its bytes left out.
+        # By position, not by DCP's MetadataIndex: hashing that dataclass costs
+        # microseconds, paid several times per item on a thread that shares the GIL with
+        # the training loop in thread mode.
+        encodings: list[Encoded] = []
+        placements, uploaded = uploader.upload(self._stream(items, planner, encodings))
         keys = [data_key(rank, save_id, n, spread) for n in range(len(uploaded))]
         entries = [
-            self._entry(item, self.encoded[n], placements[n], keys, uploaded)
+            self._entry(item, encodings[n], placements[n], keys, uploaded)
             for n, item in enumerate(items)
         ]
         objects = tuple(ObjectEntry(keys[n], o.size, o.etag, rank) for n, o in enumerate(uploaded))
@@ -93,7 +92,7 @@ class RankSave:
         record = RankRecord(rank, ref, objects, save_id)
         return [
             WriteResult(item.index, encoded.raw_length, record)
-            for item, encoded in zip(items, self.encoded, strict=True)
+            for item, encoded in zip(items, encodings, strict=True)
         ]
 
     @staticmethod
@@ -125,9 +124,12 @@ class RankSave:
             stored=stored,
         )
 
-    def _stream(self, items: list[WriteItem], planner: SavePlanner) -> Iterator[Item]:
-        """``(index, stored bytes, their block CRC32Cs)`` in plan order, each item resolved
-        only when needed (the CRCs are of raw bytes, so compressed items go without)."""
+    def _stream(
+        self, items: list[WriteItem], planner: SavePlanner, encodings: list[Encoded]
+    ) -> Iterator[Item]:
+        """``(position, stored bytes, their block CRC32Cs)`` in plan order, each item
+        resolved only when needed (the CRCs are of raw bytes, so compressed items go
+        without); each item's encoding, its bytes left out, is appended to ``encodings``."""
         raw = ((item, _item_bytes(item, planner), _grouping(item)) for item in items)
         options = self.target.compression
         encoded: Iterator[tuple[WriteItem, Encoded]] = (
@@ -139,7 +141,7 @@ class RankSave:
             # Keep what the storage record needs, not the bytes: the uploader holds the
             # payload only until its parts are sent (bounded by max_bytes_in_flight), so
             # a compressed save never holds the rank's whole compressed state.
-            self.encoded.append(
+            encodings.append(
                 Encoded(_NO_BYTES, result.codec, result.raw_length, result.crc32c, result.frames)
             )
             yield position, result.payload, result.crc32c if result.codec == RAW else None

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from s3ckpt.dcp.rank_save import _item_bytes
-from s3ckpt.format.compression import encode_raw
+from s3ckpt.format.compression import encode_raw_each
 from s3ckpt.transfer.parts import DEFAULT_PART_SIZE as PART
 
 FLOOR_WAIT_S = float(os.environ.get("FLOOR_WAIT_S", "0.8"))
@@ -64,12 +64,11 @@ class ViewingWriter(StorageWriter):
 
     def write_data(self, plan: Any, planner: Any) -> Future:
         views, results = [], []
-        for item in plan.items:
-            view = _item_bytes(item, planner)
-            encode_raw(view)  # the block CRC32Cs of the writer's index
-            views.append(view)
+        viewed = ((item, _item_bytes(item, planner)) for item in plan.items)
+        for item, encoded in encode_raw_each(viewed):  # the block CRC32Cs of the writer's index
+            views.append(encoded.payload)
             results.append(
-                WriteResult(index=item.index, size_in_bytes=len(view), storage_data=None)
+                WriteResult(index=item.index, size_in_bytes=encoded.raw_length, storage_data=None)
             )
         self.store(views)
         future: Future = Future()

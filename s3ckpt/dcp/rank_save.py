@@ -1,7 +1,7 @@
 """One rank's ``write_data``: its items streamed into data objects, then its index object.
 
-Items are resolved one at a time as the uploader asks for them (a GPU tensor is copied to
-the host only when its turn comes), exposed zero-copy or compressed
+Items are resolved as the uploader asks for them, a run of a few MiB at a time (a GPU
+tensor is copied to the host only when its run comes), exposed zero-copy or compressed
 (:mod:`s3ckpt.format.compression`), and packed by :class:`~s3ckpt.transfer.upload.
 RankUploader` into a few data objects; then the rank's index object
 (:mod:`s3ckpt.format.rank_index`) records, per item, where it went and its block CRC32Cs.
@@ -22,7 +22,7 @@ from s3ckpt.dcp.compat import SavePlanner, WriteItem, WriteItemType, WriteResult
 from s3ckpt.dcp.save_identity import RankAssignment
 from s3ckpt.dcp.tensor_bytes import as_cpu_contiguous, tensor_view
 from s3ckpt.errors import ConfigError, S3CkptError
-from s3ckpt.format.compression import RAW, Compression, Encoded, encode_raw, encode_stream
+from s3ckpt.format.compression import RAW, Compression, Encoded, encode_raw_each, encode_stream
 from s3ckpt.format.layout import StoredItem, data_key, index_key
 from s3ckpt.format.manifest import IndexRef, ItemEntry, ObjectEntry
 from s3ckpt.format.rank_index import RankIndex
@@ -127,15 +127,16 @@ class RankSave:
     def _stream(
         self, items: list[WriteItem], planner: SavePlanner, encodings: list[Encoded]
     ) -> Iterator[Item]:
-        """``(position, stored bytes, their block CRC32Cs)`` in plan order, each item
-        resolved only when needed (the CRCs are of raw bytes, so compressed items go
-        without); each item's encoding, its bytes left out, is appended to ``encodings``."""
+        """``(position, stored bytes, their block CRC32Cs)`` in plan order, items resolved
+        only when needed, a run at a time (:func:`~s3ckpt.format.compression.encode_raw_each`;
+        the CRCs are of raw bytes, so compressed items go without); each item's encoding,
+        its bytes left out, is appended to ``encodings``."""
         raw = ((item, _item_bytes(item, planner), _grouping(item)) for item in items)
         options = self.target.compression
         encoded: Iterator[tuple[WriteItem, Encoded]] = (
             encode_stream(raw, options)
             if options
-            else ((item, encode_raw(data)) for item, data, _ in raw)
+            else encode_raw_each((item, data) for item, data, _ in raw)
         )
         for position, (_, result) in enumerate(encoded):  # in plan order, compressed or not
             # Keep what the storage record needs, not the bytes: the uploader holds the

@@ -378,6 +378,76 @@ static PyObject *merge_crc(PyObject *self, PyObject *args) {
 }
 #endif
 
+#ifdef HAVE_CRC32C
+/* block_crcs(buffers, block_size, release_at): per buffer, the tuple of CRC32Cs of its
+ * block_size blocks (an empty buffer has one, of no bytes). Every buffer is checksummed in
+ * one pass with the GIL released once, where the buffers hold release_at bytes or more;
+ * below that the GIL is kept, since handing it back and forth costs a thread beside a
+ * training loop more than checksumming a few small buffers. */
+static PyObject *block_crcs(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *sequence, *fast, *result = NULL;
+    Py_ssize_t block_size, release_at, count, blocks = 0, total = 0, done = 0;
+    if (!PyArg_ParseTuple(args, "Onn", &sequence, &block_size, &release_at)) return NULL;
+    if (block_size < 1) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be positive");
+        return NULL;
+    }
+    fast = PySequence_Fast(sequence, "block_crcs takes a sequence of buffers");
+    if (fast == NULL) return NULL;
+    count = PySequence_Fast_GET_SIZE(fast);
+    Py_buffer *views = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_buffer));
+    uint32_t *crcs = NULL;
+    if (views == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (; done < count; done++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, done), &views[done],
+                               PyBUF_SIMPLE) < 0)
+            goto out;
+        total += views[done].len;
+        blocks += views[done].len ? (views[done].len - 1) / block_size + 1 : 1;
+    }
+    crcs = PyMem_Malloc((size_t)blocks * sizeof(uint32_t));
+    if (crcs == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    PyThreadState *state = total >= release_at ? PyEval_SaveThread() : NULL;
+    uint32_t *next = crcs;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const uint8_t *data = views[i].buf;
+        Py_ssize_t length = views[i].len, start = 0;
+        do {
+            Py_ssize_t size = length - start < block_size ? length - start : block_size;
+            *next++ = crc32c(0, data + start, (size_t)size);
+            start += size;
+        } while (start < length);
+    }
+    if (state != NULL) PyEval_RestoreThread(state);
+    result = PyList_New(count);
+    next = crcs;
+    for (Py_ssize_t i = 0; result != NULL && i < count; i++) {
+        Py_ssize_t n = views[i].len ? (views[i].len - 1) / block_size + 1 : 1;
+        PyObject *tuple = PyTuple_New(n);
+        for (Py_ssize_t k = 0; tuple != NULL && k < n; k++) {
+            PyObject *value = PyLong_FromUnsignedLong(*next++);
+            if (value == NULL) Py_CLEAR(tuple);
+            else PyTuple_SET_ITEM(tuple, k, value);
+        }
+        if (tuple == NULL) Py_CLEAR(result);
+        else PyList_SET_ITEM(result, i, tuple);
+    }
+out:
+    for (Py_ssize_t i = 0; i < done; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    PyMem_Free(crcs);
+    Py_DECREF(fast);
+    return result;
+}
+#endif
+
 /* ---- CRC32C combination (zlib's crc32_combine for the Castagnoli polynomial) ---------- */
 
 #define CRC32C_POLY 0x82F63B78u /* reflected */
@@ -461,6 +531,8 @@ static PyMethodDef methods[] = {
      "split_crc(data, itemsize, out, crc) -> CRC32C of data continuing crc, while splitting."},
     {"merge_crc", merge_crc, METH_VARARGS,
      "merge_crc(planes, out, crc) -> CRC32C of the merged bytes continuing crc."},
+    {"block_crcs", block_crcs, METH_VARARGS,
+     "block_crcs(buffers, block_size, release_at) -> per buffer, its blocks' CRC32Cs."},
 #endif
     {NULL, NULL, 0, NULL},
 };

@@ -2,8 +2,10 @@ import os
 import random
 
 import pytest
+import torch
 from crc32c import crc32c
 
+from s3ckpt.dcp.tensor_bytes import tensor_view
 from s3ckpt.format import checksums
 from s3ckpt.format.checksums import StreamingCheck, block_crcs, combine, range_crc
 from s3ckpt.s3.wire import copy_into
@@ -126,3 +128,40 @@ def test_range_crc_comes_from_whole_blocks_only():
         assert range_crc(blocks, block, len(data), start, end) == crc32c(data[start:end])
     for start, end in ((5, MiB), (0, MiB + 1), (MiB, MiB), (0, len(data) + 1)):
         assert range_crc(blocks, block, len(data), start, end) is None
+
+
+def _buffers(rng: random.Random, block: int) -> list:
+    sizes = [0, 1, block - 1, block, block + 1, 3 * block, 3 * block + 7]
+    sizes += [rng.randrange(1, 5 * block) for _ in range(20)]
+    data = [os.urandom(size) for size in sizes]
+    tensor = torch.arange(10_000, dtype=torch.float32)
+    return data + [memoryview(d) for d in data[:5]] + [tensor_view(tensor[123:9_000])]
+
+
+@pytest.mark.parametrize("block", [1, 64, 1000, 8192])
+def test_block_crcs_of_each_agrees_with_one_crc_per_block(block):
+    """Many buffers' block CRC32Cs in one native pass (the GIL released once for all of
+    them) give what one CRC32C per block gives, empty buffers included (one CRC, of no
+    bytes), in the native module and in the Python fallback."""
+    assert checksums._native_block_crcs is not None  # built wherever the package is here
+    datas = _buffers(random.Random(block), block)
+    expected = [
+        tuple(crc32c(bytes(d)[i : i + block]) for i in range(0, len(d), block)) or (crc32c(b""),)
+        for d in datas
+    ]
+    assert checksums.block_crcs_of_each(datas, block) == expected
+    assert [checksums._block_crcs_python(d, block) for d in datas] == expected
+    assert [block_crcs(d, block) for d in datas] == expected
+    assert checksums.block_crcs_of_each([], block) == []
+
+
+def test_block_crcs_of_each_refuses_what_it_cannot_read():
+    strided = memoryview(bytes(range(100)))[::2]
+    with pytest.raises(ValueError, match="positive"):
+        checksums.block_crcs_of_each([b"abc"], 0)
+    with pytest.raises(ValueError, match="positive"):
+        checksums._block_crcs_python(memoryview(b"abc"), 0)
+    with pytest.raises(BufferError):
+        checksums.block_crcs_of_each([b"ok", strided], 8)
+    with pytest.raises(TypeError):
+        checksums.block_crcs_of_each([b"ok", 3], 8)

@@ -1,8 +1,12 @@
+import itertools
+import os
+
 import pytest
 import torch
 
 from s3ckpt.dcp.tensor_bytes import tensor_view
 from s3ckpt.errors import ConfigError, CorruptCheckpointError
+from s3ckpt.format import compression
 from s3ckpt.format.checksums import block_crcs
 from s3ckpt.format.compression import (
     RAW,
@@ -111,3 +115,38 @@ def test_decoding_a_block_returns_its_crc32c(grouping):
         assert crc == encoded.crc32c[n]
         position += size
     assert bytes(out) == bytes(data)
+
+
+def test_raw_items_are_checksummed_a_run_at_a_time(monkeypatch):
+    """Small items are checksummed a run of RUN_BYTES at a time (one native pass, one GIL
+    hand-over), resolved no further ahead than their run, and come out in order, each with
+    the block CRC32Cs encode_raw gives it alone."""
+    calls = []
+    counted = compression.block_crcs_of_each
+
+    def counting(datas, block_size):
+        calls.append(len(datas))
+        return counted(datas, block_size)
+
+    monkeypatch.setattr(compression, "block_crcs_of_each", counting)
+    small = compression.RUN_BYTES // 40
+    items = [(n, memoryview(os.urandom(small if n % 9 else 3 * BLOCK + 5))) for n in range(100)]
+    pulled = []
+
+    def source():
+        for item in items:
+            pulled.append(item[0])
+            yield item
+
+    stream = compression.encode_raw_each(source(), BLOCK)
+    first = next(stream)
+    sizes = itertools.accumulate(len(data) for _, data in items)
+    first_run = next(n for n, size in enumerate(sizes, 1) if size >= compression.RUN_BYTES)
+    assert first[0] == 0 and len(pulled) == calls[0] == first_run
+    encoded = [first, *stream]
+    assert [key for key, _ in encoded] == list(range(100))
+    for (_, data), (_, result) in zip(items, encoded, strict=True):
+        alone = compression.encode_raw(data, BLOCK)
+        assert result.crc32c == alone.crc32c and result.codec == RAW and result.payload == data
+    assert sum(calls) == 100 and len(calls) < 100 // 5
+    assert list(compression.encode_raw_each(iter([]), BLOCK)) == []

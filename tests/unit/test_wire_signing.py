@@ -13,7 +13,8 @@ from botocore.config import Config
 from botocore.credentials import ReadOnlyCredentials
 
 from s3ckpt.s3.compat_botocore import sign_s3
-from s3ckpt.s3.wire.signing import PartSigner, canonical_query, host_of
+from s3ckpt.s3.wire.signing import PartHeads, PartSigner, canonical_query, host_of
+from s3ckpt.s3.wire.uploads import _USER_AGENT, host_header, request_head
 
 _CONFIG = Config(signature_version="s3v4", s3={"payload_signing_enabled": False})
 _KEYS = ["plain/key.bin", "with space/and+plus/ünï.bin", "a~b_c-d.e/(1)[2]!*'.bin"]
@@ -83,3 +84,32 @@ def test_host_and_query_in_their_canonical_forms():
     assert host_of(urlsplit("http://[::1]:9000/x")) == "[::1]:9000"
     assert canonical_query("uploadId=b&partNumber=2") == "partNumber=2&uploadId=b"
     assert canonical_query("") == ""
+
+
+@pytest.mark.parametrize("origin", _ORIGINS)
+@pytest.mark.parametrize("token", [None, "session/token+=="])
+def test_part_heads_are_the_general_signers_heads_byte_for_byte(origin, token):
+    """The per-upload heads (what parts share worked out once) are the bytes that
+    ``request_head`` makes of ``PartSigner.sign``'s headers, for every origin, key, upload
+    id, part number and checksum, at a given instant and at the current one."""
+    credentials = ReadOnlyCredentials("AKIDEXAMPLE", "secret/key+", token)
+    moment = datetime.datetime(2026, 12, 5, 23, 59, 59, tzinfo=datetime.timezone.utc)
+    signer = PartSigner()
+    for key in _KEYS:
+        base = urlsplit(f"{origin}/{quote(key, safe='/~')}")
+        for upload_id in ("plain", "2~upload/id+with=odd chars"):
+            heads = PartHeads(
+                signer, base, upload_id, credentials=credentials, region="eu-west-3",
+                service="s3", host_header=host_header(base), user_agent=_USER_AGENT,
+            )  # fmt: skip
+            for number, checksum in ((1, None), (7, "yZRlqg=="), (10_000, "AAAAAA==")):
+                url = urlsplit(_url(f"{origin}", key, number, upload_id))
+                headers = {"x-amz-checksum-crc32c": checksum} if checksum else {}
+                signed = signer.sign(
+                    url, headers, credentials=credentials, region="eu-west-3", service="s3",
+                    now=moment,
+                )  # fmt: skip
+                expected = request_head("PUT", url, signed, 5 << 20)
+                assert heads(number, 5 << 20, checksum, now=moment) == expected
+    now = heads(3, 1, None)  # the current second, formatted once and kept
+    assert b"X-Amz-Date: " in now and heads._stamp in now.decode()

@@ -31,9 +31,8 @@ internals (:mod:`s3ckpt.s3.compat_botocore`, :mod:`s3ckpt.s3.compat_aiobotocore`
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
-from urllib.parse import SplitResult, parse_qs, quote, urlsplit
+from urllib.parse import SplitResult, parse_qs, urlsplit
 
 from s3ckpt._version import __version__
 from s3ckpt.s3.compat_aiobotocore import Response, frozen_credentials, response
@@ -42,7 +41,7 @@ from s3ckpt.s3.wire import on_loop
 from s3ckpt.s3.wire.batch import Answer, NativeBatch
 from s3ckpt.s3.wire.exchange import send_request
 from s3ckpt.s3.wire.pool import ConnectionPool
-from s3ckpt.s3.wire.signing import PartSigner
+from s3ckpt.s3.wire.signing import PartHeads, PartSigner
 
 # Headers this module writes itself, or that must not be sent as botocore left them.
 _OWN_HEADERS = frozenset({"host", "content-length", "expect", "transfer-encoding", "connection"})
@@ -94,9 +93,10 @@ class SignedParts:
     ) -> dict[str, Any]:
         """One try of UploadPart; the answer's ``ETag`` (and checksum) as the client's
         ``upload_part`` returns them. Errors are the client's ``ClientError`` s."""
-        signed = await self._signer(*await self._object(bucket, key))
-        split, head = signed(upload_id, part_number, len(body), checksum)
-        return self._result(*await self.transport.send(split, head, body))
+        base, region, service = await self._object(bucket, key)
+        heads = await self._heads(base, region, service, upload_id)
+        head = heads(part_number, len(body), checksum)
+        return self._result(*await self.transport.send(base, head, body))
 
     async def try_parts(
         self,
@@ -116,37 +116,24 @@ class SignedParts:
         base, region, service = await self._object(bucket, key)
         if base.scheme != "http":
             return None
-        signed = await self._signer(base, region, service)
-        requests = [
-            (signed(upload_id, number, len(body), checksum)[1], body)
-            for number, body, checksum in parts
-        ]
+        heads = await self._heads(base, region, service, upload_id)
+        requests = [(heads(number, len(body), checksum), body) for number, body, checksum in parts]
         answers = await self.batch.send(base, requests, connections)
         return [self._outcome(answer) for answer in answers]
 
-    async def _signer(
-        self, base: SplitResult, region: str, service: str
-    ) -> Callable[[str, int, int, str | None], tuple[SplitResult, bytes]]:
-        """Signs parts of the object at ``base`` (:meth:`_object`: its URL, signing region
-        and service): upload id, part number, length, checksum -> the part's URL and
-        signed request head, the credentials looked up once for all of them."""
+    async def _heads(
+        self, base: SplitResult, region: str, service: str, upload_id: str
+    ) -> PartHeads:
+        """Signed heads for the parts of upload ``upload_id`` of the object at ``base``
+        (:meth:`_object`: its URL, signing region and service), the credentials looked up
+        once for all of them."""
         credentials = await frozen_credentials(self.client)
         if credentials is None:
             raise no_credentials()
-
-        def signed(
-            upload_id: str, number: int, length: int, checksum: str | None
-        ) -> tuple[SplitResult, bytes]:
-            split = base._replace(
-                query=f"partNumber={number}&uploadId={quote(upload_id, safe='-_.~')}"
-            )
-            headers = {"x-amz-checksum-crc32c": checksum} if checksum else {}
-            signature = self.signer.sign(
-                split, headers, credentials=credentials, region=region, service=service
-            )
-            return split, request_head("PUT", split, signature, length)
-
-        return signed
+        return PartHeads(
+            self.signer, base, upload_id, credentials=credentials, region=region,
+            service=service, host_header=host_header(base), user_agent=_USER_AGENT,
+        )  # fmt: skip
 
     def _result(self, status: int, answer: dict[str, str], content: bytes) -> dict[str, Any]:
         """An UploadPart answer as the client's ``upload_part`` returns it, or raises it."""
@@ -220,9 +207,7 @@ def memory_of(body: Any) -> memoryview | None:
 def request_head(method: str, url: Any, headers: Any, length: int) -> bytes:
     """The request line and ``headers`` (a mapping) as signed, with ``Host`` and
     ``Content-Length``."""
-    # SigV4 signs the host without the scheme's default port, as aiohttp sends it.
-    default = f":{_DEFAULT_PORTS.get(url.scheme, 0)}"
-    host = url.netloc[: -len(default)] if url.netloc.endswith(default) else url.netloc
+    host = host_header(url)
     target = f"{url.path or '/'}?{url.query}" if url.query else url.path or "/"
     lines = [f"{method} {target} HTTP/1.1", f"Host: {host}", f"Content-Length: {length}"]
     agent = False
@@ -236,3 +221,10 @@ def request_head(method: str, url: Any, headers: Any, length: int) -> bytes:
     if not agent:
         lines.append(f"User-Agent: {_USER_AGENT}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def host_header(url: Any) -> str:
+    """The ``Host`` header's value: SigV4 signs the host without the scheme's default port,
+    as aiohttp sends it."""
+    default = f":{_DEFAULT_PORTS.get(url.scheme, 0)}"
+    return url.netloc[: -len(default)] if url.netloc.endswith(default) else url.netloc

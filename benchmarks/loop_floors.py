@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from s3ckpt.dcp.compat import item_nbytes
 from s3ckpt.dcp.rank_save import _item_bytes
 from s3ckpt.format.compression import encode_raw_each
 from s3ckpt.transfer.parts import DEFAULT_PART_SIZE as PART
@@ -64,7 +65,7 @@ class ViewingWriter(StorageWriter):
 
     def write_data(self, plan: Any, planner: Any) -> Future:
         views, results = [], []
-        viewed = ((item, _item_bytes(item, planner)) for item in plan.items)
+        viewed = ((item, _item_bytes(item, item_nbytes(item), planner)) for item in plan.items)
         for item, encoded in encode_raw_each(viewed):  # the block CRC32Cs of the writer's index
             views.append(encoded.payload)
             results.append(

@@ -55,7 +55,8 @@ class RankSave:
         self.assignment = assignment
 
     def run(self, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
-        _refuse_oversized(items)
+        sizes = [None if i.type == WriteItemType.BYTE_IO else item_nbytes(i) for i in items]
+        _refuse_oversized(items, sizes)
         if not items:  # nothing stored, no index: the manifest lists ranks that stored items
             return []
         target, rank, save_id = self.target, self.assignment.rank, self.assignment.save_id
@@ -64,8 +65,7 @@ class RankSave:
             store,
             lambda n: location.key(data_key(rank, save_id, n, spread)),
             max_object_size=target.max_object_size,
-            size_hint=sum(item_nbytes(i) for i in items if i.type != WriteItemType.BYTE_IO)
-            + (64 << 20),
+            size_hint=sum(size for size in sizes if size) + (64 << 20),
             in_flight=target.compression.max_ahead if target.compression else None,
         )
         # Per item, by its position in the plan: how it was stored, its bytes left out.
@@ -73,7 +73,7 @@ class RankSave:
         # microseconds, paid several times per item on a thread that shares the GIL with
         # the training loop in thread mode.
         encodings: list[Encoded] = []
-        placements, uploaded = uploader.upload(self._stream(items, planner, encodings))
+        placements, uploaded = uploader.upload(self._stream(items, sizes, planner, encodings))
         keys = [data_key(rank, save_id, n, spread) for n in range(len(uploaded))]
         entries = [
             self._entry(item, encodings[n], placements[n], keys, uploaded)
@@ -125,18 +125,25 @@ class RankSave:
         )
 
     def _stream(
-        self, items: list[WriteItem], planner: SavePlanner, encodings: list[Encoded]
+        self,
+        items: list[WriteItem],
+        sizes: list[int | None],
+        planner: SavePlanner,
+        encodings: list[Encoded],
     ) -> Iterator[Item]:
         """``(position, stored bytes, their block CRC32Cs)`` in plan order, items resolved
         only when needed, a run at a time (:func:`~s3ckpt.format.compression.encode_raw_each`;
         the CRCs are of raw bytes, so compressed items go without); each item's encoding,
         its bytes left out, is appended to ``encodings``."""
-        raw = ((item, _item_bytes(item, planner), _grouping(item)) for item in items)
+        viewed = (
+            (item, _item_bytes(item, size, planner))
+            for item, size in zip(items, sizes, strict=True)
+        )
         options = self.target.compression
         encoded: Iterator[tuple[WriteItem, Encoded]] = (
-            encode_stream(raw, options)
+            encode_stream(((item, data, _grouping(item)) for item, data in viewed), options)
             if options
-            else encode_raw_each((item, data) for item, data, _ in raw)
+            else encode_raw_each(viewed)
         )
         for position, (_, result) in enumerate(encoded):  # in plan order, compressed or not
             # Keep what the storage record needs, not the bytes: the uploader holds the
@@ -162,17 +169,19 @@ def rank_name(rank: int | None) -> str:
     return "?" if rank is None else str(rank)
 
 
-def _refuse_oversized(items: list[WriteItem]) -> None:
+def _refuse_oversized(items: list[WriteItem], sizes: list[int | None]) -> None:
     """Before any byte is sent: an item gets at most one object, and S3 objects stop at 5 TiB."""
-    for item in items:
-        if item.type != WriteItemType.BYTE_IO and item_nbytes(item) > MAX_OBJECT_SIZE:
+    for item, size in zip(items, sizes, strict=True):
+        if size is not None and size > MAX_OBJECT_SIZE:
             raise ConfigError(
-                f"{item.index.fqn} is {item_nbytes(item)} bytes: S3 objects are limited to "
+                f"{item.index.fqn} is {size} bytes: S3 objects are limited to "
                 "5 TiB; shard the tensor (DTensor) so that no shard is larger"
             )
 
 
-def _item_bytes(item: WriteItem, planner: SavePlanner) -> memoryview:
+def _item_bytes(item: WriteItem, planned: int | None, planner: SavePlanner) -> memoryview:
+    """The bytes of ``item`` as ``planner`` resolves it; a tensor's must be the ``planned``
+    size (:func:`item_nbytes`, worked out once per item by the caller)."""
     data = planner.resolve_data(item)
     if item.type == WriteItemType.BYTE_IO:
         return data.getbuffer()
@@ -185,10 +194,8 @@ def _item_bytes(item: WriteItem, planner: SavePlanner) -> memoryview:
             f"{item.index.fqn}: {data.layout} tensors are not supported; save tensor.to_dense()"
         )
     view = tensor_view(as_cpu_contiguous(data))
-    if len(view) != item_nbytes(item):
-        raise ValueError(
-            f"item {item.index.fqn} resolved to {len(view)} bytes, planned {item_nbytes(item)}"
-        )
+    if len(view) != planned:
+        raise ValueError(f"item {item.index.fqn} resolved to {len(view)} bytes, planned {planned}")
     return view
 
 

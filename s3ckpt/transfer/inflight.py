@@ -7,7 +7,8 @@ about to commit. So every save keeps a small record, ``<checkpoint>/.s3ckpt-savi
 
 * the coordinator writes it before any rank writes an object (DCP's global planning);
 * every rank rewrites it every :data:`HEARTBEAT_S` while its ``write_data`` runs, and the
-  coordinator again when it starts the commit;
+  coordinator again when it starts the commit, unless it wrote the record itself less
+  than :data:`HEARTBEAT_S` before (the lease then outlasts the commit by minutes);
 * the coordinator deletes it once the save is committed or cleaned up.
 
 A record whose ``LastModified`` (the server's clock) is less than :data:`LEASE_S` old marks

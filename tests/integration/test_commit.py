@@ -269,3 +269,36 @@ def _committed(local_s3, uri: str) -> bool:
         Bucket=location.bucket, Prefix=location.key(MANIFEST_NAME)
     )
     return found.get("KeyCount", 0) > 0
+
+
+@pytest.mark.parametrize("written_s_ago", [0.0, 3600.0])
+def test_the_commit_refreshes_the_in_flight_record_only_once_a_heartbeat_old(
+    s3_prefix, make_writer, list_keys, monkeypatch, written_s_ago
+):
+    """The coordinator writes the save's in-flight record at planning; the commit writes it
+    again only where that was a heartbeat or more ago (a record younger than that holds
+    gc off for minutes more than the commit takes). Either way the record is gone after
+    the commit."""
+    import s3ckpt.dcp.writer as writer_module
+
+    written = []
+    original = writer_module.mark_in_flight
+
+    async def counting(store, location, save_id):
+        written.append(save_id)
+        return await original(store, location, save_id)
+
+    monkeypatch.setattr(writer_module, "mark_in_flight", counting)
+    writer = make_writer(s3_prefix)
+    real_prepare = writer.prepare_global_plan
+
+    def planned_long_ago(plans):
+        result = real_prepare(plans)
+        save_id, at = writer._marked
+        writer._marked = (save_id, at - written_s_ago)
+        return result
+
+    writer.prepare_global_plan = planned_long_ago
+    dcp.save({"a": torch.arange(10.0)}, storage_writer=writer)
+    assert written == [writer.save_id] * (1 if written_s_ago == 0 else 2)
+    assert not [key for key in list_keys(s3_prefix) if ".s3ckpt-saving" in key]

@@ -200,3 +200,48 @@ def test_dcps_own_plan_caching_plans_as_dcp_does(monkeypatch: pytest.MonkeyPatch
     for _ in range(2):
         _global(reusing, [_plans(reusing, state)])
     assert calls[0] == 2  # every call goes to DCP, which decides what it reuses
+
+
+def test_items_resolve_to_what_the_default_planner_resolves() -> None:
+    """Plain tensors and parameters are read straight from the state dict; bytes, a
+    tensor subclass and an offset off the origin go the default planner's way, which
+    resolves (or refuses) them the same."""
+
+    class Marked(torch.Tensor):
+        pass
+
+    state = _state() | {"marked": torch.randn(2).as_subclass(Marked)}
+    ours, theirs = ReusingSavePlanner(), DefaultSavePlanner()
+    plan = _plans(ours, state)
+    assert plan == _plans(theirs, state)
+    for item in plan.items:
+        mine, default = ours.resolve_data(item), theirs.resolve_data(item)
+        if isinstance(default, torch.Tensor):
+            assert mine is default
+        else:
+            assert mine.getvalue() == default.getvalue()  # the pickled bytes of a value
+    tensor_item = next(i for i in plan.items if i.index.fqn == "model.w")
+    off_origin = type(tensor_item)(
+        index=type(tensor_item.index)("model.w", torch.Size([1, 0])),
+        type=tensor_item.type,
+        tensor_data=tensor_item.tensor_data,
+    )
+    for planner in (ours, theirs):
+        with pytest.raises(ValueError, match="can't find by offset"):
+            planner.resolve_data(off_origin)
+        with pytest.raises(ValueError, match="Could not find FQN"):
+            planner.resolve_data(type(tensor_item)(
+                index=type(tensor_item.index)("nope", torch.Size([0, 0])),
+                type=tensor_item.type, tensor_data=tensor_item.tensor_data,
+            ))  # fmt: skip
+
+
+def test_a_subclass_that_transforms_items_is_asked_for_every_item() -> None:
+    class Doubling(ReusingSavePlanner):
+        def transform_object(self, write_item: Any, object: Any) -> Any:
+            return object * 2 if isinstance(object, torch.Tensor) else object
+
+    state = {"w": torch.ones(3)}
+    planner = Doubling()
+    plan = _plans(planner, state)
+    assert torch.equal(planner.resolve_data(plan.items[0]), torch.full((3,), 2.0))

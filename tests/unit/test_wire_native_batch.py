@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import socket
+import sys
 import threading
 import time
 from urllib.parse import urlsplit
@@ -283,3 +285,38 @@ def test_batches_taking_several_request_slots_never_wait_on_each_other():
 
     asyncio.run(crowd())
     assert peak[1] <= 4
+
+
+def _nice_values() -> dict[int, int]:
+    """Each thread of this process and its nice value (``/proc/self/task/*/stat``)."""
+    values = {}
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/stat") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+        values[int(task)] = int(fields[16])
+    return values
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values: Linux")
+def test_the_sender_threads_yield_the_core_to_the_threads_that_hold_the_gil():
+    """The sender's threads run at nice 19, the normal class's lowest priority, so that a
+    Python thread holding the GIL is not kept off the core by them; the caller's own
+    thread keeps its priority."""
+    seen: list[dict[int, int]] = []
+
+    def handle(sock: socket.socket) -> None:
+        while read_request(sock) >= 0:
+            seen.append(_nice_values())  # the sender thread waits for this answer
+            sock.sendall(_ok(1))
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    before = _nice_values()
+    server = _serve(handle)
+    try:
+        [(code, _)] = _exchange(server, [_request(1, b"x" * 1000)], connections=1)
+    finally:
+        server.close()
+    assert code == 0
+    new_threads = {tid: nice for tid, nice in seen[0].items() if tid not in before}
+    assert 19 in new_threads.values()
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base

@@ -75,9 +75,8 @@ class PartSigner:
             )
         )
         scope = f"{stamp[:8]}/{region}/{service}/aws4_request"
-        to_sign = f"{ALGORITHM}\n{stamp}\n{scope}\n{hashlib.sha256(request.encode()).hexdigest()}"
         key = self.signing_key(credentials.secret_key, stamp[:8], region, service)
-        signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+        signature = _signature(key, stamp, scope, request)
         signed["Authorization"] = (
             f"{ALGORITHM} Credential={credentials.access_key}/{scope}, "
             f"SignedHeaders={signed_names}, Signature={signature}"
@@ -145,20 +144,12 @@ class PartHeads:
         stamp = self._stamp_at(now)
         query = f"partNumber={number}&uploadId={self._upload_id}"  # already in sorted order
         token = self._token
-        headers = f"host:{self._host}\n"
-        if checksum:
-            headers += f"x-amz-checksum-crc32c:{' '.join(checksum.split())}\n"
-        headers += f"x-amz-content-sha256:{UNSIGNED_PAYLOAD}\nx-amz-date:{stamp}\n"
-        if token:
-            headers += f"x-amz-security-token:{' '.join(token.split())}\n"
         names = self._names_checksum if checksum else self._names
-        request = f"PUT\n{self._path}\n{query}\n{headers}\n{names}\n{UNSIGNED_PAYLOAD}"
         scope = f"{stamp[:8]}/{self._region}/{self._service}/aws4_request"
-        to_sign = f"{ALGORITHM}\n{stamp}\n{scope}\n{hashlib.sha256(request.encode()).hexdigest()}"
         key = self._signer.signing_key(
             self._credentials.secret_key, stamp[:8], self._region, self._service
         )
-        signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+        signature = _signature(key, stamp, scope, self._request(query, checksum, stamp, names))
         head = f"PUT {self._path}?{query} HTTP/1.1\r\n{self._host_line}Content-Length: {length}\r\n"
         if checksum:
             head += f"x-amz-checksum-crc32c: {checksum}\r\n"
@@ -172,6 +163,16 @@ class PartHeads:
         )
         return head.encode("latin-1")
 
+    def _request(self, query: str, checksum: str | None, stamp: str, names: str) -> str:
+        """The canonical request of a part (header values with their spaces folded)."""
+        headers = f"host:{self._host}\n"
+        if checksum:
+            headers += f"x-amz-checksum-crc32c:{' '.join(checksum.split())}\n"
+        headers += f"x-amz-content-sha256:{UNSIGNED_PAYLOAD}\nx-amz-date:{stamp}\n"
+        if self._token:
+            headers += f"x-amz-security-token:{' '.join(self._token.split())}\n"
+        return f"PUT\n{self._path}\n{query}\n{headers}\n{names}\n{UNSIGNED_PAYLOAD}"
+
     def _stamp_at(self, now: datetime.datetime | None) -> str:
         if now is not None:
             return now.strftime("%Y%m%dT%H%M%SZ")
@@ -180,6 +181,12 @@ class PartHeads:
             self._stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(second))
             self._second = second
         return self._stamp
+
+
+def _signature(key: bytes, stamp: str, scope: str, request: str) -> str:
+    """SigV4's signature of the canonical ``request`` at ``stamp``, with a signing key."""
+    to_sign = f"{ALGORITHM}\n{stamp}\n{scope}\n{hashlib.sha256(request.encode()).hexdigest()}"
+    return hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
 
 
 def host_of(url: SplitResult) -> str:

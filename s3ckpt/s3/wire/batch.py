@@ -21,6 +21,9 @@ costs the loop nothing measurable. For a whole thread-mode save (with
 s/GiB; the training loop's slowdown beside it stayed within the benchmark's spread
 (docs/performance.md, "Part uploads in native batches").
 
+The sender's threads run at nice 19 (``_sender.c`` says why): they never hold the GIL,
+and the save's Python threads, which do, get the core first.
+
 This is a transport only, and one try: every answer, every failure, goes back to the
 caller's retry policy (:mod:`s3ckpt.s3.retry`) exactly as a part sent any other way
 would, and a part whose answer the sender does not read (chunked, say) is marked

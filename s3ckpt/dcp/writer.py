@@ -20,8 +20,9 @@ Lifecycle of a save (the order DCP calls in, see ``torch.distributed.checkpoint.
    CRC32Cs. A failure aborts and deletes everything the rank uploaded.
 5. ``finish(metadata, results)`` (coordinator): records in DCP's metadata which rank
    stored each chunk; refreshes the in-flight record (where the coordinator wrote it
-   more than a heartbeat ago) and checks that every object of the save is there while a worker thread checks that the metadata loads as a default load
-   reads it; writes the metadata object, then the manifest
+   more than a heartbeat ago) and checks that every object of the save is there, while a
+   worker thread checks that the metadata loads as a default load reads it; writes the
+   metadata object, then the manifest
    (:mod:`s3ckpt.transfer.commit`): the commit. Before it, the checkpoint does not exist.
    Then the objects of ``after_commit`` (a trainer's ``latest`` file), so that every
    rank's ``dcp.save`` returns only once they name the committed checkpoint.

@@ -45,9 +45,10 @@ def block_crcs(data: memoryview, block_size: int) -> tuple[int, ...]:
 
 
 def block_crcs_of_each(datas: Sequence[memoryview], block_size: int) -> list[tuple[int, ...]]:
-    """:func:`block_crcs` of each buffer, all of them in one native pass where the format's
-    native module is built: the GIL is released once for every block of every buffer
-    (kept where they hold fewer than :data:`_KEEP_GIL_BELOW` bytes in all).
+    """:func:`block_crcs` of each buffer (bytes, or byte-format memoryviews: blocks are
+    counted in bytes), all of them in one native pass where the format's native module is
+    built: the GIL is released once for every block of every buffer (kept where they hold
+    fewer than :data:`_KEEP_GIL_BELOW` bytes in all).
 
     A thread-mode save's items come here a run at a time (:func:`~s3ckpt.format.compression.
     encode_raw_each`): 512 items of 100 KiB, checksummed one call each, held the GIL for

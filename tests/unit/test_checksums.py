@@ -1,4 +1,5 @@
 import os
+import platform
 import random
 
 import pytest
@@ -143,7 +144,8 @@ def test_block_crcs_of_each_agrees_with_one_crc_per_block(block):
     """Many buffers' block CRC32Cs in one native pass (the GIL released once for all of
     them) give what one CRC32C per block gives, empty buffers included (one CRC, of no
     bytes), in the native module and in the Python fallback."""
-    assert checksums._native_block_crcs is not None  # built wherever the package is here
+    if platform.machine() in ("x86_64", "AMD64"):  # the native CRC32C's platforms
+        assert checksums._native_block_crcs is not None
     datas = _buffers(random.Random(block), block)
     expected = [
         tuple(crc32c(bytes(d)[i : i + block]) for i in range(0, len(d), block)) or (crc32c(b""),)
@@ -164,4 +166,4 @@ def test_block_crcs_of_each_refuses_what_it_cannot_read():
     with pytest.raises(BufferError):
         checksums.block_crcs_of_each([b"ok", strided], 8)
     with pytest.raises(TypeError):
-        checksums.block_crcs_of_each([b"ok", 3], 8)
+        checksums.block_crcs_of_each([b"ok", memoryview(b"ok"), 3], 8)

@@ -291,32 +291,62 @@ def _nice_values() -> dict[int, int]:
     """Each thread of this process and its nice value (``/proc/self/task/*/stat``)."""
     values = {}
     for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/stat") as stat:
-            fields = stat.read().rpartition(")")[2].split()
+        try:
+            with open(f"/proc/self/task/{task}/stat") as stat:
+                fields = stat.read().rpartition(")")[2].split()
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
         values[int(task)] = int(fields[16])
     return values
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values: Linux")
-def test_the_sender_threads_yield_the_core_to_the_threads_that_hold_the_gil():
-    """The sender's threads run at nice 19, the normal class's lowest priority, so that a
-    Python thread holding the GIL is not kept off the core by them; the caller's own
-    thread keeps its priority."""
+@pytest.mark.parametrize(("variable", "expected"), [(None, 19), ("5", 5), ("junk", 19)])
+def test_the_sender_threads_yield_the_core_to_the_threads_that_hold_the_gil(
+    monkeypatch, variable, expected
+):
+    """The threads the sender starts run at nice 19, the normal class's lowest priority
+    (or ``$S3CKPT_SENDER_NICE``), so that a Python thread holding the GIL is not kept off
+    the core by them; the calling thread (a Python thread that holds the GIL for other
+    work, and could not lower its nice value again) keeps its priority and only waits."""
+    if variable is None:
+        monkeypatch.delenv("S3CKPT_SENDER_NICE", raising=False)
+    else:
+        monkeypatch.setenv("S3CKPT_SENDER_NICE", variable)
     seen: list[dict[int, int]] = []
+    server_threads: set[int] = set()
+    lock = threading.Lock()
 
     def handle(sock: socket.socket) -> None:
+        with lock:
+            server_threads.add(threading.get_native_id())
         while read_request(sock) >= 0:
-            seen.append(_nice_values())  # the sender thread waits for this answer
+            time.sleep(0.05)  # every sender thread started meanwhile
+            with lock:
+                seen.append(_nice_values())  # the sender threads wait for these answers
             sock.sendall(_ok(1))
 
-    base = os.getpriority(os.PRIO_PROCESS, 0)
-    before = _nice_values()
+    caller: dict[str, int] = {}
+
+    def call() -> None:
+        caller["tid"] = threading.get_native_id()
+        caller["before"] = os.getpriority(os.PRIO_PROCESS, 0)
+        caller["codes"] = [code for code, _ in _exchange(server, requests, connections=2)]
+        caller["after"] = os.getpriority(os.PRIO_PROCESS, 0)
+
+    requests = [_request(n, b"x" * 1000) for n in range(4)]
     server = _serve(handle)
+    before = set(_nice_values())  # the server's own threads included
     try:
-        [(code, _)] = _exchange(server, [_request(1, b"x" * 1000)], connections=1)
+        thread = threading.Thread(target=call)
+        thread.start()
+        thread.join()
     finally:
         server.close()
-    assert code == 0
-    new_threads = {tid: nice for tid, nice in seen[0].items() if tid not in before}
-    assert 19 in new_threads.values()
-    assert os.getpriority(os.PRIO_PROCESS, 0) == base
+    assert caller["codes"] == [0] * 4
+    assert caller["after"] == caller["before"] < expected
+    others = before | server_threads | {caller["tid"]}
+    senders: dict[int, int] = {}
+    for values in seen:  # a thread is seen at its latest (a nice value only goes up)
+        senders.update((tid, nice) for tid, nice in values.items() if tid not in others)
+    assert len(senders) == 2 and set(senders.values()) == {expected}

@@ -23,7 +23,8 @@
  * makes the threads skip every request they have not started.
  *
  * The threads run at nice 19, the lowest priority of the normal scheduling class (Linux,
- * where a thread has a nice value of its own). They never hold the GIL; the Python
+ * where a thread has a nice value of its own; $S3CKPT_SENDER_NICE sets another value, and
+ * the process's own keeps them at its priority). They never hold the GIL; the Python
  * threads of a save do, and
  * a holder that a sender thread preempts keeps every other Python thread waiting, the
  * training loop's included, for as long as it stays off the core. Traced with the
@@ -46,6 +47,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 #include <sys/socket.h>
@@ -76,6 +78,7 @@ typedef struct {
     struct addrinfo *addresses;
     struct timeval connect_timeout, timeout;
     volatile const char *cancel;
+    int nice; /* the nice value of the batch's threads (sender_nice) */
 } Batch;
 
 static int connect_to(Batch *batch, char *message) {
@@ -283,19 +286,39 @@ static void fail(Job *job, int err, const char *what) {
 }
 
 #define SENDER_NICE 19
+#define SENDER_NICE_VARIABLE "S3CKPT_SENDER_NICE"
 
-/* This thread at nice SENDER_NICE: the threads that hold the GIL get the core first where
- * both want it. Raising a nice value needs no privilege; a failure changes nothing else. */
-static void yield_to_python(void) {
+/* The nice value for a batch's threads: $S3CKPT_SENDER_NICE (-20 to 19), else SENDER_NICE.
+ * Read by the calling thread, which holds the GIL (Python changes the environment under it). */
+static int sender_nice(void) {
+    const char *text = getenv(SENDER_NICE_VARIABLE);
+    if (text == NULL || *text == '\0') {
+        return SENDER_NICE;
+    }
+    char *end;
+    long value = strtol(text, &end, 10);
+    return *end == '\0' && value >= -20 && value <= 19 ? (int)value : SENDER_NICE;
+}
+
+/* This thread at nice ``nice`` where that is lower priority than it has: the threads that
+ * hold the GIL get the core first where both want it. Raising a nice value needs no
+ * privilege; lowering it does, and is not tried. */
+static void yield_to_python(int nice) {
 #ifdef __linux__
-    setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), SENDER_NICE);
+    id_t thread = (id_t)syscall(SYS_gettid);
+    errno = 0;
+    int now = getpriority(PRIO_PROCESS, thread);
+    if (errno == 0 && nice > now) {
+        setpriority(PRIO_PROCESS, thread, nice);
+    }
+#else
+    (void)nice;
 #endif
 }
 
 static void *run_jobs(void *arg) {
     Batch *batch = arg;
     int fd = -1, reused = 0;
-    yield_to_python();
     for (;;) {
         long index = atomic_fetch_add(&batch->next, 1);
         if (index >= batch->count) {
@@ -346,6 +369,16 @@ static void *run_jobs(void *arg) {
         close(fd);
     }
     return NULL;
+}
+
+
+/* A thread of the batch: at nice SENDER_NICE, then the batch's requests. Only threads
+ * started here are reniced: the calling thread is a Python thread (a worker of the
+ * connection pool's executor, which also holds the GIL for other work), and a nice value
+ * once raised cannot be lowered again without privilege, so the caller only waits. */
+static void *sender_thread(void *arg) {
+    yield_to_python(((Batch *)arg)->nice);
+    return run_jobs(arg);
 }
 
 static void release_jobs(Job *jobs, Py_ssize_t count) {
@@ -440,6 +473,7 @@ static PyObject *exchange(PyObject *self, PyObject *args) {
         batch.connect_timeout = seconds(connect_timeout);
         batch.timeout = seconds(timeout);
         batch.cancel = cancel.obj != NULL ? cancel.buf : NULL;
+        batch.nice = sender_nice();
         char service[16];
         snprintf(service, sizeof service, "%d", port);
         struct addrinfo hints = {0};
@@ -452,12 +486,14 @@ static PyObject *exchange(PyObject *self, PyObject *args) {
             int threads = connections < count ? connections : (int)count;
             pthread_t *ids = calloc(threads > 0 ? threads : 1, sizeof(pthread_t));
             int started = 0;
-            for (; ids != NULL && started < threads - 1; started++) {
-                if (pthread_create(&ids[started], NULL, run_jobs, &batch) != 0) {
+            for (; ids != NULL && started < threads; started++) {
+                if (pthread_create(&ids[started], NULL, sender_thread, &batch) != 0) {
                     break;
                 }
             }
-            run_jobs(&batch); /* the calling thread works too */
+            if (started == 0) {
+                run_jobs(&batch); /* no thread could start: the caller sends, at its priority */
+            }
             for (int i = 0; i < started; i++) {
                 pthread_join(ids[i], NULL);
             }

@@ -79,11 +79,6 @@ class ViewingWriter(StorageWriter):
     def store(self, views: list[memoryview]) -> None:
         time.sleep(FLOOR_WAIT_S)
 
-
-def _planned(item: Any) -> int | None:
-    """The item's planned size, as ``RankSave.run`` works it out (None for bytes)."""
-    return None if item.type == WriteItemType.BYTE_IO else item_nbytes(item)
-
     def finish(self, metadata: Any, results: Any) -> None:
         pass
 
@@ -93,6 +88,11 @@ def _planned(item: Any) -> int | None:
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return True
+
+
+def _planned(item: Any) -> int | None:
+    """The item's planned size, as ``RankSave.run`` works it out (None for bytes)."""
+    return None if item.type == WriteItemType.BYTE_IO else item_nbytes(item)
 
 
 class _Senders:

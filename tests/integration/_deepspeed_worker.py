@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine import CheckpointCommitInfo
+from rank_exit import leave
 
 from s3ckpt import ConfigError
 from s3ckpt.integrations.deepspeed import attach, load_checkpoint, save_checkpoint
@@ -47,18 +47,6 @@ def init(rank: int, world_size: int, port: int) -> None:
         timeout=timedelta(seconds=60),
     )
     deepspeed.init_distributed(dist_backend="gloo")
-
-
-def leave() -> None:
-    """Leave the group, then end this rank's process at once, its report written: at a
-    normal interpreter exit a C++ thread left running in the rank (DeepSpeed's CPU
-    communication op, built at its first collective, or gloo's) now and then aborts the
-    process ("terminate called without an active exception", SIGABRT, once in the stage 3
-    save-and-resume), which would fail a test whose every check had passed."""
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def ds_config(stage: int) -> dict[str, Any]:

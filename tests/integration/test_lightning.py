@@ -16,6 +16,9 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from rank_exit import leave
 from same_state import assert_same
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -138,19 +141,40 @@ def test_trainer_saves_to_s3_and_a_new_trainer_resumes_bit_exact(
     assert committed_names(s3_prefix, s3_options) == ["epoch=2-step=6.ckpt", "last.ckpt"]
 
 
+class LeavingSpawnLauncher(_MultiProcessingLauncher):
+    """Lightning's ``ddp_spawn`` launcher whose ranks, once Lightning's work in them is
+    done (rank 0's results queued), leave the gloo group and end (:func:`rank_exit.leave`)
+    instead of tearing the interpreter down with the group alive."""
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)
+        leave()
+
+
+class LeavingDDPSpawn(DDPStrategy):
+    """``strategy="ddp_spawn"`` with :class:`LeavingSpawnLauncher`."""
+
+    def __init__(self) -> None:
+        super().__init__(start_method="spawn")
+
+    def _configure_launcher(self) -> None:
+        self._launcher = LeavingSpawnLauncher(self, start_method=self._start_method)
+
+
 @pytest.mark.distributed
 def test_ddp_spawn_saves_from_rank_zero_and_every_rank_resumes(
     tmp_path, s3_prefix: str, s3_options: dict[str, Any]
 ) -> None:
     """Two CPU ranks (gloo): rank 0 saves alone, both ranks load; the spawned processes
-    get the plugin pickled and configure their own fsspec."""
+    get the plugin pickled and configure their own fsspec (``ddp_spawn`` whose ranks end
+    as :class:`LeavingDDPSpawn` says)."""
 
     def fit(dirpath: str, epochs: int, seed: int, ckpt_path: str | None = None) -> dict:
         module = TinyModule(seed=seed)
         Trainer(
             accelerator="cpu",
             devices=2,
-            strategy="ddp_spawn",
+            strategy=LeavingDDPSpawn(),
             max_epochs=epochs,
             plugins=[S3CheckpointIO(**s3_options)],
             callbacks=[ModelCheckpoint(dirpath=dirpath, save_last=True)],

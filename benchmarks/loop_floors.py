@@ -39,8 +39,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from s3ckpt.dcp.compat import WriteItemType, item_nbytes
-from s3ckpt.dcp.rank_save import _item_bytes
+from s3ckpt.dcp.rank_save import _item_bytes, planned_size
 from s3ckpt.format.compression import encode_raw_each
 from s3ckpt.transfer.parts import DEFAULT_PART_SIZE as PART
 
@@ -65,7 +64,7 @@ class ViewingWriter(StorageWriter):
 
     def write_data(self, plan: Any, planner: Any) -> Future:
         views, results = [], []
-        viewed = ((item, _item_bytes(item, _planned(item), planner)) for item in plan.items)
+        viewed = ((item, _item_bytes(item, planned_size(item), planner)) for item in plan.items)
         for item, encoded in encode_raw_each(viewed):  # the block CRC32Cs of the writer's index
             views.append(encoded.payload)
             results.append(
@@ -88,11 +87,6 @@ class ViewingWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return True
-
-
-def _planned(item: Any) -> int | None:
-    """The item's planned size, as ``RankSave.run`` works it out (None for bytes)."""
-    return None if item.type == WriteItemType.BYTE_IO else item_nbytes(item)
 
 
 class _Senders:

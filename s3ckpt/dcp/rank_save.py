@@ -55,7 +55,7 @@ class RankSave:
         self.assignment = assignment
 
     def run(self, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
-        sizes = [None if i.type == WriteItemType.BYTE_IO else item_nbytes(i) for i in items]
+        sizes = [planned_size(item) for item in items]
         _refuse_oversized(items, sizes)
         if not items:  # nothing stored, no index: the manifest lists ranks that stored items
             return []
@@ -179,9 +179,15 @@ def _refuse_oversized(items: list[WriteItem], sizes: list[int | None]) -> None:
             )
 
 
+def planned_size(item: WriteItem) -> int | None:
+    """The bytes a tensor item will occupy (:func:`item_nbytes`); None for a bytes item,
+    whose size is known only once it is resolved."""
+    return None if item.type == WriteItemType.BYTE_IO else item_nbytes(item)
+
+
 def _item_bytes(item: WriteItem, planned: int | None, planner: SavePlanner) -> memoryview:
     """The bytes of ``item`` as ``planner`` resolves it; a tensor's must be the ``planned``
-    size (:func:`item_nbytes`, worked out once per item by the caller)."""
+    size (:func:`planned_size`, worked out once per item by the caller)."""
     data = planner.resolve_data(item)
     if item.type == WriteItemType.BYTE_IO:
         return data.getbuffer()

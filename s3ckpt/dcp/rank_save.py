@@ -30,7 +30,7 @@ from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer.parts import MAX_OBJECT_SIZE
 from s3ckpt.transfer.rank_index import write_index
-from s3ckpt.transfer.upload import Item, Placement, RankUploader, UploadedObject
+from s3ckpt.transfer.upload import Item, Placement, RankUploader
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +73,20 @@ class RankSave:
         # microseconds, paid several times per item on a thread that shares the GIL with
         # the training loop in thread mode.
         encodings: list[Encoded] = []
-        placements, uploaded = uploader.upload(self._stream(items, sizes, planner, encodings))
-        keys = [data_key(rank, save_id, n, spread) for n in range(len(uploaded))]
-        entries = [
-            self._entry(item, encodings[n], placements[n], keys, uploaded)
-            for n, item in enumerate(items)
-        ]
+        keys: list[str] = []  # of the data objects, by number
+        entries: list[ItemEntry] = []
+
+        def placed(position: int, where: Placement) -> None:
+            """The item's index entry, built as soon as it has its place: a few
+            microseconds an item while the upload goes on, not one hold of milliseconds
+            at its end, which a training loop beside a thread-mode save would wait out."""
+            while len(keys) <= where.object:
+                keys.append(data_key(rank, save_id, len(keys), spread))
+            entries.append(_entry(items[position], encodings[position], where, keys))
+
+        _, uploaded = uploader.upload(self._stream(items, sizes, planner, encodings), placed)
+        if len(entries) != len(items):
+            raise AssertionError(f"{len(entries)} index entries for {len(items)} items")
         objects = tuple(ObjectEntry(keys[n], o.size, o.etag, rank) for n, o in enumerate(uploaded))
         index = RankIndex(save_id, rank, tuple(entries))
         key = index_key(rank, save_id, spread)
@@ -94,35 +102,6 @@ class RankSave:
             WriteResult(item.index, encoded.raw_length, record)
             for item, encoded in zip(items, encodings, strict=True)
         ]
-
-    @staticmethod
-    def _entry(
-        item: WriteItem,
-        encoded: Encoded,
-        placed: Placement,
-        keys: list[str],
-        uploaded: list[UploadedObject],
-    ) -> ItemEntry:
-        """The item's line in the rank's index: where it went and how to check it."""
-        stored = StoredItem(
-            key=keys[placed.object],
-            offset=placed.offset,
-            length=placed.length,
-            crc32c=encoded.crc32c,
-            codec=encoded.codec,
-            etag=uploaded[placed.object].etag,
-            raw_length=None if encoded.codec == RAW else encoded.raw_length,
-            frames=encoded.frames,
-        )
-        tensor = item.tensor_data if item.type != WriteItemType.BYTE_IO else None
-        return ItemEntry(
-            fqn=item.index.fqn,
-            chunk_offsets=tuple(item.index.offset or ()),
-            kind="tensor" if tensor is not None else "bytes",
-            dtype=_dtype_name(tensor.properties.dtype) if tensor else None,
-            shape=tuple(tensor.chunk.sizes) if tensor else None,
-            stored=stored,
-        )
 
     def _stream(
         self,
@@ -157,6 +136,30 @@ class RankSave:
 
 
 _NO_BYTES = memoryview(b"")
+
+
+def _entry(item: WriteItem, encoded: Encoded, placed: Placement, keys: list[str]) -> ItemEntry:
+    """The item's line in the rank's index: where it went and how to check it. The data
+    object's ETag is not in the index (its JSON leaves it out; a reader takes it from the
+    manifest's object list), so an entry is complete before its object is."""
+    stored = StoredItem(
+        key=keys[placed.object],
+        offset=placed.offset,
+        length=placed.length,
+        crc32c=encoded.crc32c,
+        codec=encoded.codec,
+        raw_length=None if encoded.codec == RAW else encoded.raw_length,
+        frames=encoded.frames,
+    )
+    tensor = item.tensor_data if item.type != WriteItemType.BYTE_IO else None
+    return ItemEntry(
+        fqn=item.index.fqn,
+        chunk_offsets=tuple(item.index.offset or ()),
+        kind="tensor" if tensor is not None else "bytes",
+        dtype=_dtype_name(tensor.properties.dtype) if tensor else None,
+        shape=tuple(tensor.chunk.sizes) if tensor else None,
+        stored=stored,
+    )
 
 
 @functools.cache

@@ -138,9 +138,14 @@ class RankUploader:
         self._planned_keys: list[str] = []
         self._created: list[str] = []  # keys whose CreateMultipartUpload was sent
 
-    def upload(self, items: Iterable[Item]) -> tuple[dict[object, Placement], list[UploadedObject]]:
+    def upload(
+        self,
+        items: Iterable[Item],
+        on_placed: Callable[[Any, Placement], None] | None = None,
+    ) -> tuple[dict[object, Placement], list[UploadedObject]]:
         """Upload ``(index, bytes, block CRC32Cs or None)`` items in order; returns where
-        each went, and the objects."""
+        each went, and the objects. ``on_placed(index, placement)`` is called for each
+        item as soon as it has its place, before the next item is taken."""
         placements: dict[object, Placement] = {}
         streams: list[ObjectStream] = []
         try:
@@ -152,7 +157,9 @@ class RankUploader:
                         streams[-1].finish()
                     streams.append(self._open(len(streams), len(data)))
                 offset = streams[-1].add(data, crcs)
-                placements[index] = Placement(len(streams) - 1, offset, len(data))
+                placements[index] = placement = Placement(len(streams) - 1, offset, len(data))
+                if on_placed is not None:
+                    on_placed(index, placement)
             if streams:
                 streams[-1].finish()
             results = [stream.completion.result() for stream in streams]  # type: ignore[union-attr]

@@ -1,0 +1,46 @@
+"""``RankUploader``: items packed in order into objects, each item's place reported as
+soon as it has one (what lets a rank build its index while the upload goes on)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from s3_servers import ON_BOTH
+
+from s3ckpt.s3.loop import io_loop
+from s3ckpt.transfer.upload import Placement, RankUploader
+
+pytestmark = [pytest.mark.integration, ON_BOTH]
+MiB = 1024 * 1024
+
+
+def test_each_place_is_reported_before_the_next_item_is_taken(store, s3_prefix, pending_uploads):
+    prefix = s3_prefix.split("/", 3)[3]
+    sizes = [3 * MiB, 17, 6 * MiB, MiB, 0, 4 * MiB + 5]
+    bodies = [os.urandom(size) for size in sizes]
+    events: list[tuple[str, int]] = []
+    reported: dict[int, Placement] = {}
+
+    def items():
+        for position, body in enumerate(bodies):
+            events.append(("taken", position))
+            yield position, memoryview(body), None
+
+    def placed(position: int, where: Placement) -> None:
+        events.append(("placed", position))
+        reported[position] = where
+
+    uploader = RankUploader(
+        store, lambda n: f"{prefix}/obj-{n}", max_object_size=8 * MiB, size_hint=sum(sizes)
+    )
+    placements, uploaded = uploader.upload(items(), placed)
+
+    assert events == [(what, n) for n in range(len(bodies)) for what in ("taken", "placed")]
+    assert reported == placements
+    assert len(uploaded) > 1  # the 8 MiB bound split the items over objects
+    for position, body in enumerate(bodies):
+        where = placements[position]
+        stored = io_loop().run(store.get(uploaded[where.object].key))
+        assert stored[where.offset : where.offset + where.length] == body
+    assert pending_uploads(s3_prefix) == []

@@ -52,8 +52,8 @@ class ThreadedServer:
 
 
 def read_request(sock: socket.socket, heads: list[bytes] | None = None) -> int:
-    """Read one request (head and Content-Length body); the body's length, -1 at the end.
-    Each head read is appended to ``heads`` where given."""
+    """Read one request (head and Content-Length body, if any); the body's length, -1 at
+    the end. Each head read is appended to ``heads`` where given."""
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(65536)
@@ -64,9 +64,12 @@ def read_request(sock: socket.socket, heads: list[bytes] | None = None) -> int:
     if heads is not None:
         heads.append(head)
     length = next(
-        int(line.split(b":")[1])
-        for line in head.split(b"\r\n")
-        if line.lower().startswith(b"content-length")
+        (
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length")
+        ),
+        0,  # a GET or HEAD
     )
     while len(body) < length:
         body += sock.recv(65536)

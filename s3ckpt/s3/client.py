@@ -34,7 +34,7 @@ from s3ckpt.s3.compat_botocore import on_before_sign
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.wire import DataPlane, proxied
 from s3ckpt.s3.wire.gets import RangedGets
-from s3ckpt.s3.wire.uploads import SignedParts
+from s3ckpt.s3.wire.uploads import SignedUploads
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +100,9 @@ class ClientHandle:
             for _ in range(taken):
                 self.slots.release()
 
-    def signed_parts(self) -> SignedParts | None:
-        """The data plane's part uploads (call after :meth:`get`), or None where the client
-        must send them (no data plane, or the endpoint redirected one)."""
+    def signed_uploads(self) -> SignedUploads | None:
+        """The data plane's part and whole-object uploads (call after :meth:`get`), or None
+        where the client must send them (no data plane, or the endpoint redirected one)."""
         parts = None if self.plane is None else self.plane.parts
         return None if parts is None or parts.redirected else parts
 

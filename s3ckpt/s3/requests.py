@@ -15,6 +15,7 @@ from s3ckpt.s3 import retry
 from s3ckpt.s3.client import ClientHandle, client_handle
 from s3ckpt.s3.compat_botocore import operation_method
 from s3ckpt.s3.error_mapping import error_code, translate_final, translated
+from s3ckpt.s3.wire.uploads import put_headers
 
 Body = bytes | bytearray | memoryview
 
@@ -108,7 +109,7 @@ class Requests:
         (:mod:`s3ckpt.s3.wire.uploads`), else through the client."""
         handle = client_handle(self.config)
         await handle.get()
-        parts = handle.signed_parts()
+        parts = handle.signed_uploads()
         if parts is None:
             return await self.request("UploadPart", params)
         async with handle.slots:
@@ -121,6 +122,19 @@ class Requests:
                 params.get("ChecksumCRC32C"),
             )
 
+    async def put_object(self, params: dict[str, Any]) -> dict[str, Any]:
+        """One try of PutObject (``params`` as the client takes them), holding a request
+        slot: on the data plane where it sends whole objects with these parameters
+        (:mod:`s3ckpt.s3.wire.uploads`), else through the client."""
+        handle = client_handle(self.config)
+        await handle.get()
+        uploads = handle.signed_uploads()
+        headers = put_headers(params)
+        if uploads is None or headers is None:
+            return await self.request("PutObject", params)
+        async with handle.slots:
+            return await uploads.put_object(self.bucket, params["Key"], params["Body"], headers)
+
     async def try_parts(
         self, key: str, upload_id: str, parts: list[tuple[int, memoryview, str | None]]
     ) -> list[dict[str, Any] | Exception] | None:
@@ -130,7 +144,7 @@ class Requests:
         each. None where batches are not sent that way: send each part instead."""
         handle = client_handle(self.config)
         await handle.get()
-        signed = handle.signed_parts()
+        signed = handle.signed_uploads()
         if signed is None or signed.batch is None:
             return None
         connections = max(1, min(len(parts), self.config.max_concurrency // 2))

@@ -1,7 +1,7 @@
-"""Part uploads signed on the data plane, against real servers (SeaweedFS checks every
-SigV4 signature against its identities and every part's CRC32C): they land byte-exact
-without the client sending them, and a refused part is the error the client's own path
-gets."""
+"""Part uploads and whole-object PUTs signed on the data plane, against real servers
+(SeaweedFS checks every SigV4 signature against its identities and every CRC32C): they land
+byte-exact without the client sending them, and a refused one is the error the client's
+own path gets."""
 
 from __future__ import annotations
 
@@ -100,3 +100,47 @@ def test_a_wrong_secret_is_refused_as_through_the_client(local_s3, s3_prefix, s3
         loop.run(owner.abort_multipart(key, upload_id))
     assert type(ours) is type(clients) and ours.code == clients.code == "SignatureDoesNotMatch"
     assert "not-the-secret" not in str(ours)
+
+
+@ON_BOTH
+def test_whole_objects_land_without_the_client_sending_them(local_s3, s3_prefix, s3_options):
+    """PutObject as a save sends it (a CRC32C, a content type, a create that must not
+    replace), keys that need quoting included: stored byte-exact, and a second create
+    of a key is refused as through the client."""
+    store = _store(local_s3, s3_options)
+    location = S3URI.parse(s3_prefix)
+    sent_by_client: list[str] = []
+    bodies = {
+        location.key("manifest.json"): b'{"step": 1}',
+        location.key("with space/ünï+x=y.json"): b"\x00" * 70_000,
+    }
+
+    async def put_all() -> None:
+        client = await client_handle(store.requests.config).get()
+        on_before_send(client, "PutObject", lambda **_: sent_by_client.append("put"))
+        for key, body in bodies.items():
+            await store.put(
+                key, body, mode="create", crc32c=crc_of(memoryview(body)),
+                content_type="application/json",
+            )  # fmt: skip
+
+    io_loop().run(put_all())
+    assert sent_by_client == []
+    for key, body in bodies.items():
+        stored = local_s3.client().get_object(Bucket=local_s3.bucket, Key=key)
+        assert stored["Body"].read() == body
+        assert stored["ContentType"] == "application/json"
+
+
+@ON_BOTH
+def test_a_create_of_a_taken_key_is_refused_as_through_the_client(local_s3, s3_prefix, s3_options):
+    key = S3URI.parse(s3_prefix).key("manifest.json")
+    io_loop().run(_store(local_s3, s3_options).put(key, b"first"))
+    errors = []
+    for direct in (True, False):
+        store = _store(local_s3, s3_options, direct_uploads=direct, max_attempts=1)
+        with pytest.raises(StorageError) as caught:
+            io_loop().run(store.put(key, b"second", mode="create"))
+        errors.append(caught.value)
+    ours, clients = errors
+    assert type(ours) is type(clients) and ours.code == clients.code

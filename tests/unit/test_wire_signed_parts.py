@@ -1,4 +1,4 @@
-"""Part uploads built and signed on the data plane (``s3ckpt.s3.wire.uploads.SignedParts``)
+"""Part uploads built and signed on the data plane (``s3ckpt.s3.wire.uploads.SignedUploads``)
 against a scripted server on loopback: what is sent, that an error answer becomes the
 exception the client's own path raises, and that a redirect hands parts to the client.
 Real signatures are checked by SeaweedFS in tests/integration/test_signed_parts.py."""
@@ -17,7 +17,7 @@ from s3ckpt.errors import StorageError
 from s3ckpt.s3.client import client_handle
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
-from s3ckpt.s3.wire.uploads import SignedParts
+from s3ckpt.s3.wire.uploads import SignedUploads, put_headers
 
 _OK = b'HTTP/1.1 200 OK\r\nETag: "etag-1"\r\nContent-Length: 0\r\n\r\n'
 _NO_SUCH_UPLOAD = (
@@ -150,10 +150,10 @@ def test_a_redirect_hands_this_part_and_every_later_one_to_the_client(serve):
         _upload(config)
     assert caught.value.code == "PermanentRedirect"
 
-    async def parts() -> SignedParts | None:
+    async def parts() -> SignedUploads | None:
         handle = client_handle(config)
         await handle.get()
-        return handle.signed_parts()
+        return handle.signed_uploads()
 
     assert io_loop().run(parts()) is None
     assert _upload(config).etag == '"etag-1"'
@@ -173,6 +173,101 @@ def test_the_object_is_addressed_and_scoped_as_the_presigned_url_says():
                 "aws4_request&X-Amz-Signature=abc"
             )
 
-    parts = SignedParts(Client(), transport=None)  # type: ignore[arg-type]  # never reached
+    parts = SignedUploads(Client(), transport=None)  # type: ignore[arg-type]  # never reached
     found = io_loop().run(parts._object("bkt", "a/b"))
     assert (found[0].geturl(), *found[1:]) == ("https://bkt.s3.example.com/a/b", "us-west-1", "s3")
+
+
+_KEYS = [
+    "run/step-1/manifest.json",
+    "with space/and+plus=eq&amp?q#h/ünïcödé.bin",
+    "a~b_c-d.e/(1)[2]!*'$,;:@.json",
+    "/leading//double/./dots/../x",
+    "percent%20already",
+]
+
+
+@pytest.mark.parametrize("style", ["path", "virtual"])
+def test_a_derived_url_is_the_one_the_client_presigns(serve, style):
+    """The object URLs derived from the bucket's one presigned URL are the URLs the
+    client presigns for each key: path and host, quoting included."""
+    config = _config(9, addressing_style=style)  # never connected to: presigning is local
+
+    async def both() -> list[tuple[Any, Any]]:
+        handle = client_handle(config)
+        await handle.get()
+        uploads = handle.signed_uploads()
+        assert uploads is not None
+        return [
+            (await uploads._address("bucket", key), await uploads._object("bucket", key))
+            for key in _KEYS
+        ]
+
+    for derived, presigned in io_loop().run(both()):
+        assert (derived[0].geturl(), *derived[1:]) == (presigned[0].geturl(), *presigned[1:])
+
+
+def test_a_whole_object_is_put_on_the_data_plane(serve):
+    server, heads = serve(lambda head: _OK)
+    config = _config(server.port)
+    store = ObjectStore(config, "bucket")
+    body = b'{"step": 1}'
+    key = "run/with space/manifest.json"
+    etag = io_loop().run(
+        store.put(key, body, mode="create", crc32c=12345, content_type="application/json")
+    )
+    assert etag == '"etag-1"'
+    line, headers = _fields(heads[-1])
+    assert line == "PUT /bucket/run/with%20space/manifest.json HTTP/1.1"
+    assert headers["content-length"] == str(len(body))
+    assert headers["if-none-match"] == "*"
+    assert headers["content-type"] == "application/json"
+    assert headers["x-amz-checksum-crc32c"] == "AAAwOQ=="
+    assert headers["user-agent"].startswith("s3ckpt/")
+    signed = headers["authorization"].split("SignedHeaders=")[1].split(",")[0].split(";")
+    assert signed == [
+        "content-type", "host", "if-none-match", "x-amz-checksum-crc32c",
+        "x-amz-content-sha256", "x-amz-date",
+    ]  # fmt: skip
+
+
+def test_a_taken_key_and_a_server_error_are_the_errors_the_client_raises(serve):
+    """A create refused (412; the key then read back, and gone again) and a 503, once on
+    the data plane and once through the client: the same s3ckpt error."""
+    taken = (
+        b"<Error><Code>PreconditionFailed</Code><Message>At least one of the pre-conditions"
+        b" you specified did not hold</Message><Condition>If-None-Match</Condition></Error>"
+    )
+    gone = _answer("404 Not Found", b"<Error><Code>NoSuchKey</Code><Message>No</Message></Error>")
+    answers = {
+        "PreconditionFailed": lambda head: (
+            _answer("412 Precondition Failed", taken) if head.startswith(b"PUT") else gone
+        ),
+        "503": lambda head: _answer("503 Service Unavailable"),
+    }
+    for code, answer in answers.items():
+        server, heads = serve(answer)
+        errors = []
+        for direct in (True, False):
+            store = ObjectStore(_config(server.port, direct_uploads=direct), "bucket")
+            with pytest.raises(StorageError) as caught:
+                io_loop().run(store.put("run/manifest.json", b"mine", mode="create"))
+            errors.append(caught.value)
+        puts = [head for head in heads if head.startswith(b"PUT")]
+        assert b"s3ckpt/" in puts[0] and b"aiobotocore" in puts[1]
+        ours, clients = errors
+        assert type(ours) is type(clients) and ours.code == clients.code == code
+        assert str(ours) == str(clients)
+
+
+def test_put_headers_send_only_what_the_data_plane_knows():
+    body = memoryview(b"x")
+    assert put_headers({"Key": "k", "Body": body}) == {}
+    assert put_headers(
+        {"Key": "k", "Body": body, "IfNoneMatch": "*", "ChecksumCRC32C": "AAAAew==",
+         "ContentType": "application/json"}
+    ) == {
+        "If-None-Match": "*", "x-amz-checksum-crc32c": "AAAAew==",
+        "Content-Type": "application/json",
+    }  # fmt: skip
+    assert put_headers({"Key": "k", "Body": body, "Metadata": {"a": "b"}}) is None

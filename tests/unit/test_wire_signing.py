@@ -56,6 +56,33 @@ def test_every_header_is_the_one_botocore_signs(origin, key, token, checksum):
     assert {k.lower(): v for k, v in ours.items()} == {k.lower(): v for k, v in theirs.items()}
 
 
+@pytest.mark.parametrize("origin", _ORIGINS)
+@pytest.mark.parametrize("key", _KEYS)
+@pytest.mark.parametrize("token", [None, "session/token+=="])
+def test_a_whole_object_put_is_signed_as_botocore_signs_it(origin, key, token):
+    """PutObject as ``ObjectStore.put`` sends it: no query, a CRC32C, ``If-None-Match``
+    and a content type."""
+    credentials = ReadOnlyCredentials("AKIDEXAMPLE", "secret/key+", token)
+    url = f"{origin}/{quote(key, safe='/~')}"
+    headers = {
+        "If-None-Match": "*",
+        "x-amz-checksum-crc32c": "yZRlqg==",
+        "Content-Type": "application/json",
+    }
+    theirs = sign_s3(
+        "PUT", url, dict(headers), credentials=credentials, region="us-east-1",
+        service="s3", client_config=_CONFIG,
+    )  # fmt: skip
+    moment = datetime.datetime.strptime(theirs["X-Amz-Date"], "%Y%m%dT%H%M%SZ").replace(
+        tzinfo=datetime.timezone.utc
+    )
+    ours = PartSigner().sign(
+        urlsplit(url), headers, credentials=credentials, region="us-east-1", service="s3",
+        now=moment,
+    )  # fmt: skip
+    assert {k.lower(): v for k, v in ours.items()} == {k.lower(): v for k, v in theirs.items()}
+
+
 def test_signing_keys_are_kept_per_secret_day_region_and_service():
     signer = PartSigner()
     credentials = ReadOnlyCredentials("AKID", "secret", None)

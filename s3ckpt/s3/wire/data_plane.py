@@ -8,7 +8,7 @@ from typing import Any
 from s3ckpt.s3.wire.batch import NativeBatch, native_batches
 from s3ckpt.s3.wire.gets import RangedGets
 from s3ckpt.s3.wire.pool import ConnectionPool
-from s3ckpt.s3.wire.uploads import BodySender, BodyTransport, SignedParts
+from s3ckpt.s3.wire.uploads import BodySender, BodyTransport, SignedUploads
 
 
 class DataPlane:
@@ -35,13 +35,13 @@ class DataPlane:
             max_idle=max_concurrency,
         )
         self.gets: RangedGets | None = None
-        self.parts: SignedParts | None = None
+        self.parts: SignedUploads | None = None
         if reads:
             self.gets = RangedGets(client, self.pool)
         if uploads:
             transport = BodyTransport(self.pool)
             batch = NativeBatch(self.pool) if batches and native_batches() else None
-            self.parts = SignedParts(client, transport, batch)
+            self.parts = SignedUploads(client, transport, batch)
             BodySender(transport).register(client)
 
     def stop_reads(self) -> None:

@@ -11,7 +11,7 @@ signing key kept per secret, day, region and service: about 20 µs. The parts of
 upload are signed by :class:`PartHeads`, which works out once what they share and writes
 each part's whole request head: about 9 µs a part, head included.
 
-Only what :class:`~.uploads.SignedParts` sends is signed here, exactly as botocore signs
+Only what :class:`~.uploads.SignedUploads` sends is signed here, exactly as botocore signs
 it for the client s3ckpt configures (:mod:`s3ckpt.s3.client`: SigV4, payload signing off,
 so ``UNSIGNED-PAYLOAD``): ``PUT`` on the object's URL as the client addresses it, a query
 of ``partNumber`` and ``uploadId``, the part's CRC32C header where it has one, and the

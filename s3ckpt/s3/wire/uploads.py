@@ -6,7 +6,7 @@ tensor, on a kept-alive connection of the pool (:class:`BodyTransport`): from th
 loop over plain HTTP, from a worker thread over TLS, where encryption runs with the GIL
 released.
 
-* **UploadPart** (:class:`SignedParts`), almost every request of a save, never enters the
+* **UploadPart** (:class:`SignedUploads`), almost every request of a save, never enters the
   client's request machinery: the part's URL is the object's (addressed as the client
   addresses it, learnt once per object from a presigned URL, which also names the
   signing region), signed with the client's credentials exactly as botocore's SigV4
@@ -20,10 +20,19 @@ released.
   thread-mode save waits for (docs/performance.md, "The loop beside a save"). A redirect
   (a bucket in another region) sends that part, and every later one, through the client,
   which knows how to follow it.
-* **PutObject** (:class:`BodySender`), one request per small object, is still built,
-  signed and parsed by aiobotocore; this module answers botocore's ``before-send`` for it
-  (the hook botocore offers for answering a request without its HTTP stack) with the
-  response it received, which botocore parses as its own.
+* **PutObject** of whole objects as :meth:`ObjectStore.put
+  <s3ckpt.s3.store.ObjectStore.put>` sends them (a body; a CRC32C, ``If-None-Match: *``
+  and a content type where given): four a save, each checkpoint's marker, index,
+  metadata and manifest, built, signed and answered the same way. The object's URL is
+  derived from one presigned URL per bucket (the bucket's path or host, then the key
+  quoted as botocore quotes it) rather than presigned per key: a presign costs 0.4 ms
+  of Python, and these keys are new every save. Through the client a small PutObject
+  cost the I/O loop 1.47 ms of Python (``time.thread_time``, zero-cost server), and the
+  four fall where a thread-mode save's Python bunches up, as its upload ends and
+  commits (docs/performance.md, "The loop beside a save"). A PutObject with any other
+  parameter goes through the client, whose ``before-send`` this module answers
+  (:class:`BodySender`, the hook botocore offers for answering a request without its
+  HTTP stack) with the response it received, which botocore parses as its own.
 
 The hooks, the signer, the parser and the credentials are botocore's and aiobotocore's
 internals (:mod:`s3ckpt.s3.compat_botocore`, :mod:`s3ckpt.s3.compat_aiobotocore`).
@@ -32,7 +41,7 @@ internals (:mod:`s3ckpt.s3.compat_botocore`, :mod:`s3ckpt.s3.compat_aiobotocore`
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import SplitResult, parse_qs, urlsplit
+from urllib.parse import SplitResult, parse_qs, quote, urlsplit
 
 from s3ckpt._version import __version__
 from s3ckpt.s3.compat_aiobotocore import Response, frozen_credentials, response
@@ -50,6 +59,14 @@ _USER_AGENT = f"s3ckpt/{__version__}"
 MAX_CACHED_OBJECTS = 4096
 # A presigned URL is only read for its path and signing scope, never sent: any lifetime.
 _PRESIGN_EXPIRES_S = 3600
+# The key presigned once per bucket to learn how the client addresses its objects.
+_PROBE_KEY = "s3ckpt-address-probe"
+# PutObject parameters the data plane sends, and their headers (as botocore writes them).
+_PUT_HEADERS = {
+    "ChecksumCRC32C": "x-amz-checksum-crc32c",
+    "IfNoneMatch": "If-None-Match",
+    "ContentType": "Content-Type",
+}
 
 
 class BodyTransport:
@@ -68,9 +85,9 @@ class BodyTransport:
         return await on_loop.send_request(self.pool, origin, head, body)
 
 
-class SignedParts:
-    """UploadPart requests of ``client``'s bucket objects, built, signed and answered on
-    the data plane (see the module's docstring)."""
+class SignedUploads:
+    """UploadPart and PutObject requests of ``client``'s bucket objects, built, signed and
+    answered on the data plane (see the module's docstring)."""
 
     def __init__(
         self, client: Any, transport: BodyTransport, batch: NativeBatch | None = None
@@ -81,6 +98,7 @@ class SignedParts:
         self.signer = PartSigner()
         self.redirected = False  # the endpoint redirected a part: the client sends them
         self._objects: dict[tuple[str, str], tuple[SplitResult, str, str]] = {}
+        self._buckets: dict[str, tuple[SplitResult, str, str, str] | None] = {}
 
     async def upload_part(
         self,
@@ -97,6 +115,22 @@ class SignedParts:
         heads = await self._heads(base, region, service, upload_id)
         head = heads(part_number, len(body), checksum)
         return self._result(*await self.transport.send(base, head, body))
+
+    async def put_object(
+        self, bucket: str, key: str, body: memoryview, headers: dict[str, str]
+    ) -> dict[str, Any]:
+        """One try of PutObject with ``headers`` (as :func:`put_headers` makes them); the
+        answer's ``ETag`` (and checksum) as the client's ``put_object`` returns them.
+        Errors are the client's ``ClientError`` s."""
+        url, region, service = await self._address(bucket, key)
+        credentials = await frozen_credentials(self.client)
+        if credentials is None:
+            raise no_credentials()
+        signed = self.signer.sign(
+            url, headers, credentials=credentials, region=region, service=service
+        )
+        head = request_head("PUT", url, signed, len(body))
+        return self._result(*await self.transport.send(url, head, body), operation="PutObject")
 
     async def try_parts(
         self,
@@ -135,12 +169,18 @@ class SignedParts:
             service=service, host_header=host_header(base), user_agent=_USER_AGENT,
         )  # fmt: skip
 
-    def _result(self, status: int, answer: dict[str, str], content: bytes) -> dict[str, Any]:
-        """An UploadPart answer as the client's ``upload_part`` returns it, or raises it."""
+    def _result(
+        self,
+        status: int,
+        answer: dict[str, str],
+        content: bytes,
+        operation: str = "UploadPart",
+    ) -> dict[str, Any]:
+        """An UploadPart or PutObject answer as the client returns it, or raises it."""
         if 300 <= status < 400:
             self.redirected = True
         if status >= 300:
-            raise client_error(self.client, "UploadPart", status, answer, content)
+            raise client_error(self.client, operation, status, answer, content)
         result = {"ETag": answer.get("etag", "")}
         if "x-amz-checksum-crc32c" in answer:
             result["ChecksumCRC32C"] = answer["x-amz-checksum-crc32c"]
@@ -171,6 +211,37 @@ class SignedParts:
             self._objects.clear()
         self._objects[(bucket, key)] = known
         return known
+
+    async def _address(self, bucket: str, key: str) -> tuple[SplitResult, str, str]:
+        """The object's URL as the client addresses it, and the signing region and service:
+        from the bucket's presigned probe URL with the key in it, quoted as botocore
+        quotes an S3 key; presigned for the key itself where the probe's URL does not end
+        in the probe's key (an addressing this derivation does not know)."""
+        if bucket not in self._buckets:
+            probe, region, service = await self._object(bucket, _PROBE_KEY)
+            self._objects.pop((bucket, _PROBE_KEY), None)
+            known = probe.path.endswith(f"/{_PROBE_KEY}")
+            prefix = probe.path[: -len(_PROBE_KEY)]
+            self._buckets[bucket] = (probe, prefix, region, service) if known else None
+        found = self._buckets[bucket]
+        if found is None:
+            return await self._object(bucket, key)
+        probe, prefix, region, service = found
+        return probe._replace(path=prefix + quote(key, safe="/~")), region, service
+
+
+def put_headers(params: dict[str, Any]) -> dict[str, str] | None:
+    """The headers of a PutObject with ``params`` (as the client takes them), or None
+    where a parameter is one the data plane does not send (the client sends it then)."""
+    headers: dict[str, str] = {}
+    for name, value in params.items():
+        header = _PUT_HEADERS.get(name)
+        if header is None:
+            if name not in ("Key", "Body"):
+                return None
+        else:
+            headers[header] = str(value)
+    return headers
 
 
 class BodySender:

@@ -34,6 +34,7 @@ from s3ckpt.s3.compat_botocore import on_before_sign
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.wire import DataPlane, proxied
 from s3ckpt.s3.wire.gets import RangedGets
+from s3ckpt.s3.wire.heads import SignedHeads
 from s3ckpt.s3.wire.uploads import SignedUploads
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,12 @@ class ClientHandle:
         where the client must send them (no data plane, or the endpoint redirected one)."""
         parts = None if self.plane is None else self.plane.parts
         return None if parts is None or parts.redirected else parts
+
+    def signed_heads(self) -> SignedHeads | None:
+        """The data plane's HEADs (call after :meth:`get`), or None where the client must
+        send them (no data plane, or the endpoint redirected one)."""
+        heads = None if self.plane is None else self.plane.heads
+        return None if heads is None or heads.redirected else heads
 
     async def ranged_gets(self) -> RangedGets | None:
         """The data plane's ranged GETs, or None where aiobotocore must read."""

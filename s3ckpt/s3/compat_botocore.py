@@ -42,7 +42,7 @@ from typing import Any
 from botocore import exceptions as bce
 from botocore import xform_name
 from botocore.auth import S3SigV4Auth
-from botocore.awsrequest import AWSRequest
+from botocore.awsrequest import AWSRequest, HeadersDict
 from botocore.httpsession import create_urllib3_context, get_cert_path
 from botocore.parsers import create_parser
 
@@ -93,15 +93,27 @@ def client_error(
 ) -> bce.ClientError:
     """The exception ``client`` raises for an ``operation`` answered with an error: its
     modeled class for the code (a ``ClientError``), parsed by its own response parser."""
-    model = client.meta.service_model
-    parser = create_parser(model.protocol)
-    parsed = parser.parse(
-        {"status_code": status, "headers": headers, "body": body},
-        model.operation_model(operation).output_shape,
-    )
+    parsed = parsed_answer(client, operation, status, headers, body)
     code = parsed.get("Error", {}).get("Code")
     error_class: type[bce.ClientError] = client.exceptions.from_code(code)
     return error_class(parsed, operation)
+
+
+def parsed_answer(
+    client: Any, operation: str, status: int, headers: dict[str, str], body: bytes
+) -> dict[str, Any]:
+    """An ``operation``'s answer as ``client``'s own response parser reads it: for a
+    success, the dict the client's method returns, less what the client's event handlers
+    do around parsing (``before-parse``: an unreadable ``Expires`` header kept as a
+    string, a ``200`` that carries an error; ``after-call``: none for the operations the
+    data plane sends)."""
+    model = client.meta.service_model
+    parser = create_parser(model.protocol)
+    parsed: dict[str, Any] = parser.parse(
+        {"status_code": status, "headers": HeadersDict(headers), "body": body},
+        model.operation_model(operation).output_shape,
+    )
+    return parsed
 
 
 def default_tls_context() -> ssl.SSLContext:

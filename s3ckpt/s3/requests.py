@@ -18,6 +18,7 @@ from s3ckpt.s3.error_mapping import error_code, translate_final, translated
 from s3ckpt.s3.wire.uploads import put_headers
 
 Body = bytes | bytearray | memoryview
+_HEADS = ("HeadObject", "HeadBucket")
 
 
 def flat(body: Body) -> memoryview:
@@ -97,11 +98,36 @@ class Requests:
         return noted
 
     async def request(self, operation: str, params: dict[str, Any]) -> dict[str, Any]:
-        """One try of one request, holding one of the client's request slots."""
+        """One try of one request, holding one of the client's request slots: on the data
+        plane where it sends such a request (:meth:`_on_data_plane`), else through the
+        client."""
         handle = client_handle(self.config)
         client = await handle.get()
         async with handle.slots:
+            answer = await self._on_data_plane(handle, operation, params)
+            if answer is not None:
+                return answer
             return await operation_method(client, operation)(Bucket=self.bucket, **params)
+
+    async def _on_data_plane(
+        self, handle: ClientHandle, operation: str, params: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """The answer to a whole-object PUT (:func:`~s3ckpt.s3.wire.uploads.put_headers`)
+        or a plain HEAD, sent on the data plane (:mod:`s3ckpt.s3.wire`); None where the
+        client sends it (no data plane, a redirect seen, other parameters)."""
+        if operation == "PutObject":
+            uploads, headers = handle.signed_uploads(), put_headers(params)
+            if uploads is None or headers is None:
+                return None
+            return await uploads.put_object(self.bucket, params["Key"], params["Body"], headers)
+        heads = handle.signed_heads() if operation in _HEADS else None
+        if heads is None:
+            return None
+        if operation == "HeadObject" and params.keys() == {"Key"}:
+            return await heads.head_object(self.bucket, params["Key"])
+        if operation == "HeadBucket" and not params:
+            return await heads.head_bucket(self.bucket)
+        return None
 
     async def upload_part(self, params: dict[str, Any]) -> dict[str, Any]:
         """One try of UploadPart (``params`` as the client takes them), holding a request
@@ -121,19 +147,6 @@ class Requests:
                 params["Body"],
                 params.get("ChecksumCRC32C"),
             )
-
-    async def put_object(self, params: dict[str, Any]) -> dict[str, Any]:
-        """One try of PutObject (``params`` as the client takes them), holding a request
-        slot: on the data plane where it sends whole objects with these parameters
-        (:mod:`s3ckpt.s3.wire.uploads`), else through the client."""
-        handle = client_handle(self.config)
-        await handle.get()
-        uploads = handle.signed_uploads()
-        headers = put_headers(params)
-        if uploads is None or headers is None:
-            return await self.request("PutObject", params)
-        async with handle.slots:
-            return await uploads.put_object(self.bucket, params["Key"], params["Body"], headers)
 
     async def try_parts(
         self, key: str, upload_id: str, parts: list[tuple[int, memoryview, str | None]]

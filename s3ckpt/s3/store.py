@@ -171,7 +171,7 @@ class ObjectStore:
 
         async def attempt(_: int) -> dict[str, Any]:
             try:
-                return await self.requests.put_object(params)
+                return await self.requests.request("PutObject", params)
             except ClientError as exc:
                 if mode == "create" and error_code(exc) in PRECONDITION_CODES:
                     etag = await self._etag_if_holds(key, body)

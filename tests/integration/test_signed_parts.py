@@ -144,3 +144,36 @@ def test_a_create_of_a_taken_key_is_refused_as_through_the_client(local_s3, s3_p
         errors.append(caught.value)
     ours, clients = errors
     assert type(ours) is type(clients) and ours.code == clients.code
+
+
+@ON_BOTH
+def test_heads_are_answered_without_the_client_sending_them(local_s3, s3_prefix, s3_options):
+    """HeadObject and HeadBucket on the data plane: what the client would return, for a
+    key there and one missing, and the bucket; a missing bucket is the client's error."""
+    key = S3URI.parse(s3_prefix).key("with space/ünï.json")
+    local_s3.client().put_object(Bucket=local_s3.bucket, Key=key, Body=b"12345")
+    sent_by_client: list[str] = []
+    store = _store(local_s3, s3_options)
+
+    async def ask() -> tuple[Any, bool, bool]:
+        client = await client_handle(store.requests.config).get()
+        for operation in ("HeadObject", "HeadBucket"):
+            on_before_send(client, operation, lambda op=operation, **_: sent_by_client.append(op))
+        await store.head_bucket()
+        return await store.head(key), await store.exists(key), await store.exists(key + "x")
+
+    meta, there, missing = io_loop().run(ask())
+    assert sent_by_client == []
+    theirs = local_s3.client().head_object(Bucket=local_s3.bucket, Key=key)
+    assert (meta.size, meta.etag, meta.last_modified) == (
+        5, theirs["ETag"], theirs["LastModified"],
+    )  # fmt: skip
+    assert (there, missing) == (True, False)
+    errors = []
+    for direct in (True, False):
+        config = make_config(None, **{**s3_options, "direct_uploads": direct, "max_attempts": 1})
+        with pytest.raises(StorageError) as caught:
+            io_loop().run(ObjectStore(config, "no-such-bucket-s3ckpt").head_bucket())
+        errors.append(caught.value)
+    ours, clients = errors
+    assert type(ours) is type(clients) and ours.code == clients.code

@@ -174,7 +174,7 @@ def test_the_object_is_addressed_and_scoped_as_the_presigned_url_says():
             )
 
     parts = SignedUploads(Client(), transport=None)  # type: ignore[arg-type]  # never reached
-    found = io_loop().run(parts._object("bkt", "a/b"))
+    found = io_loop().run(parts.addresses.presigned("bkt", "a/b"))
     assert (found[0].geturl(), *found[1:]) == ("https://bkt.s3.example.com/a/b", "us-west-1", "s3")
 
 
@@ -199,7 +199,10 @@ def test_a_derived_url_is_the_one_the_client_presigns(serve, style):
         uploads = handle.signed_uploads()
         assert uploads is not None
         return [
-            (await uploads._address("bucket", key), await uploads._object("bucket", key))
+            (
+                await uploads.addresses.derived("bucket", key),
+                await uploads.addresses.presigned("bucket", key),
+            )
             for key in _KEYS
         ]
 

@@ -1,8 +1,9 @@
 """The data plane: every request body and every ranged-GET body, through one transport.
 
-aiobotocore keeps every control request (create, complete and abort of multipart
-uploads, listings, HEADs, deletes, small GETs); part uploads and the whole-object PUTs
-of :class:`~s3ckpt.s3.store.ObjectStore` are built and signed here (:mod:`~.uploads`).
+aiobotocore keeps the other control requests (create, complete and abort of multipart
+uploads, listings, deletes, small GETs); part uploads and the whole-object PUTs of
+:class:`~s3ckpt.s3.store.ObjectStore` (:mod:`~.uploads`) and its HEADs (:mod:`~.heads`)
+are built and signed here, at the URLs the client would use (:mod:`~.addresses`).
 The bytes of checkpoints,
 upload bodies (``UploadPart``, ``PutObject``) and ranged GETs, plain HTTP and HTTPS, go
 through this package alone: one connection pool per client (:mod:`~.pool`: keep-alive,

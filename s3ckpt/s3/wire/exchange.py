@@ -63,9 +63,9 @@ class Exchange:
             raise StaleConnection
         return count
 
-    def response(self) -> SmallResponse:
-        """The whole response, its (small) body included."""
-        response = SmallResponse()
+    def response(self, *, to_head: bool = False) -> SmallResponse:
+        """The whole response, its (small) body included (none ``to_head``)."""
+        response = SmallResponse(to_head=to_head)
         while True:
             count = self.recv_into(self.scratch)
             if response.feed(bytes(self.scratch[:count])):
@@ -92,7 +92,7 @@ def send_request(
         # that answer is the one worth reporting.
         if not answered(connection):
             raise
-    response = exchange.response()
+    response = exchange.response(to_head=is_head(head))
     return response.result(), response.keep_alive
 
 
@@ -106,9 +106,9 @@ class SmallResponse:
     with the head in :meth:`leftover`.
     """
 
-    def __init__(self, *, body_in_place: bool = False) -> None:
+    def __init__(self, *, body_in_place: bool = False, to_head: bool = False) -> None:
         self.body_in_place = body_in_place
-        self.parser = response_parser()
+        self.parser = response_parser("HEAD" if to_head else "GET")
         self.status = 0
         self.headers: dict[str, str] = {}
         self.body = bytearray()
@@ -157,13 +157,20 @@ class SmallResponse:
         return self.status, self.headers, bytes(self.body)
 
 
-def response_parser() -> h11.Connection:
+def response_parser(method: str = "GET") -> h11.Connection:
     """An h11 client connection in the state of one request sent (the request itself was
-    written as bytes; h11 only reads the response)."""
+    written as bytes; h11 only reads the response). ``HEAD``: the response has no body,
+    whatever its ``Content-Length`` says."""
     parser = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEADER_BYTES)
-    parser.send(h11.Request(method="GET", target="/", headers=[("Host", "s3")]))
+    parser.send(h11.Request(method=method, target="/", headers=[("Host", "s3")]))
     parser.send(h11.EndOfMessage())
     return parser
+
+
+def is_head(head: bytes) -> bool:
+    """Whether the request ``head`` (its bytes as sent) is a ``HEAD``, answered without a
+    body."""
+    return head.startswith(b"HEAD ")
 
 
 def answered(connection: Connection) -> bool:

@@ -16,7 +16,13 @@ import time
 
 from s3ckpt.s3.compat_botocore import read_timeout
 from s3ckpt.s3.wire.connection import DRAINED, Connection, Origin, StaleConnection
-from s3ckpt.s3.wire.exchange import MAX_HEADER_BYTES, SmallResponse, answered, failure
+from s3ckpt.s3.wire.exchange import (
+    MAX_HEADER_BYTES,
+    SmallResponse,
+    answered,
+    failure,
+    is_head,
+)
 from s3ckpt.s3.wire.pool import ConnectionPool
 from s3ckpt.s3.wire.stall import StallTimer, abort_stalled
 
@@ -50,13 +56,13 @@ async def _exchange(
             # body: that answer is the one worth reporting.
             if isinstance(error, StaleConnection) or not answered(connection):
                 raise error from exc
-        return await _response(connection, reused)
+        return await _response(connection, reused, to_head=is_head(head))
     finally:
         watch.stop()
 
 
-async def _response(connection: Connection, reused: bool) -> SmallResponse:
-    response = SmallResponse()
+async def _response(connection: Connection, reused: bool, *, to_head: bool) -> SmallResponse:
+    response = SmallResponse(to_head=to_head)
     scratch = memoryview(bytearray(MAX_HEADER_BYTES))
     received = False
     while True:

@@ -50,9 +50,11 @@ class PartSigner:
         region: str,
         service: str,
         now: datetime.datetime | None = None,
+        method: str = "PUT",
     ) -> dict[str, str]:
         """``headers`` and the signer's (``X-Amz-Date``, ``X-Amz-Content-SHA256``, the token
-        where there is one, ``Authorization``) for ``PUT url``, signed at ``now`` (UTC)."""
+        where there is one, ``Authorization``) for ``method url`` (``PUT`` or a request
+        without a body, ``HEAD``), signed at ``now`` (UTC)."""
         moment = now or datetime.datetime.now(datetime.timezone.utc)
         stamp = moment.strftime("%Y%m%dT%H%M%SZ")
         signed = dict(headers)
@@ -66,7 +68,7 @@ class PartSigner:
         signed_names = ";".join(names)
         request = "\n".join(
             (
-                "PUT",
+                method,
                 url.path or "/",
                 canonical_query(url.query),
                 "".join(f"{name}:{canonical[name]}\n" for name in names),

@@ -1,5 +1,5 @@
-"""Upload bodies sent from memory: part uploads built and signed here, whole-object PUTs
-answered for botocore.
+"""Upload bodies sent from memory: part uploads and whole-object PUTs built and signed
+here; the PUTs the client still sends answered for botocore.
 
 Both send the request's head and then its body, straight from the ``memoryview`` of the
 tensor, on a kept-alive connection of the pool (:class:`BodyTransport`): from the event
@@ -24,9 +24,9 @@ released.
   <s3ckpt.s3.store.ObjectStore.put>` sends them (a body; a CRC32C, ``If-None-Match: *``
   and a content type where given): four a save, each checkpoint's marker, index,
   metadata and manifest, built, signed and answered the same way. The object's URL is
-  derived from one presigned URL per bucket (the bucket's path or host, then the key
-  quoted as botocore quotes it) rather than presigned per key: a presign costs 0.4 ms
-  of Python, and these keys are new every save. Through the client a small PutObject
+  derived from one presigned URL per bucket (:mod:`~.addresses`) rather than presigned
+  per key: a presign costs 0.4 ms of Python, and these keys are new every save.
+  Through the client a small PutObject
   cost the I/O loop 1.47 ms of Python (``time.thread_time``, zero-cost server), and the
   four fall where a thread-mode save's Python bunches up, as its upload ends and
   commits (docs/performance.md, "The loop beside a save"). A PutObject with any other
@@ -41,12 +41,13 @@ internals (:mod:`s3ckpt.s3.compat_botocore`, :mod:`s3ckpt.s3.compat_aiobotocore`
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import SplitResult, parse_qs, quote, urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from s3ckpt._version import __version__
 from s3ckpt.s3.compat_aiobotocore import Response, frozen_credentials, response
 from s3ckpt.s3.compat_botocore import client_error, no_credentials, on_before_send
 from s3ckpt.s3.wire import on_loop
+from s3ckpt.s3.wire.addresses import ObjectAddresses
 from s3ckpt.s3.wire.batch import Answer, NativeBatch
 from s3ckpt.s3.wire.exchange import send_request
 from s3ckpt.s3.wire.pool import ConnectionPool
@@ -56,11 +57,6 @@ from s3ckpt.s3.wire.signing import PartHeads, PartSigner
 _OWN_HEADERS = frozenset({"host", "content-length", "expect", "transfer-encoding", "connection"})
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _USER_AGENT = f"s3ckpt/{__version__}"
-MAX_CACHED_OBJECTS = 4096
-# A presigned URL is only read for its path and signing scope, never sent: any lifetime.
-_PRESIGN_EXPIRES_S = 3600
-# The key presigned once per bucket to learn how the client addresses its objects.
-_PROBE_KEY = "s3ckpt-address-probe"
 # PutObject parameters the data plane sends, and their headers (as botocore writes them).
 _PUT_HEADERS = {
     "ChecksumCRC32C": "x-amz-checksum-crc32c",
@@ -97,8 +93,7 @@ class SignedUploads:
         self.batch = batch  # where batches of parts are sent by native threads
         self.signer = PartSigner()
         self.redirected = False  # the endpoint redirected a part: the client sends them
-        self._objects: dict[tuple[str, str], tuple[SplitResult, str, str]] = {}
-        self._buckets: dict[str, tuple[SplitResult, str, str, str] | None] = {}
+        self.addresses = ObjectAddresses(client)
 
     async def upload_part(
         self,
@@ -111,7 +106,7 @@ class SignedUploads:
     ) -> dict[str, Any]:
         """One try of UploadPart; the answer's ``ETag`` (and checksum) as the client's
         ``upload_part`` returns them. Errors are the client's ``ClientError`` s."""
-        base, region, service = await self._object(bucket, key)
+        base, region, service = await self.addresses.presigned(bucket, key)
         heads = await self._heads(base, region, service, upload_id)
         head = heads(part_number, len(body), checksum)
         return self._result(*await self.transport.send(base, head, body))
@@ -122,7 +117,7 @@ class SignedUploads:
         """One try of PutObject with ``headers`` (as :func:`put_headers` makes them); the
         answer's ``ETag`` (and checksum) as the client's ``put_object`` returns them.
         Errors are the client's ``ClientError`` s."""
-        url, region, service = await self._address(bucket, key)
+        url, region, service = await self.addresses.derived(bucket, key)
         credentials = await frozen_credentials(self.client)
         if credentials is None:
             raise no_credentials()
@@ -147,7 +142,7 @@ class SignedUploads:
         cannot go that way (HTTPS, the sender not built): send each part instead."""
         if self.batch is None:
             return None
-        base, region, service = await self._object(bucket, key)
+        base, region, service = await self.addresses.presigned(bucket, key)
         if base.scheme != "http":
             return None
         heads = await self._heads(base, region, service, upload_id)
@@ -159,7 +154,7 @@ class SignedUploads:
         self, base: SplitResult, region: str, service: str, upload_id: str
     ) -> PartHeads:
         """Signed heads for the parts of upload ``upload_id`` of the object at ``base``
-        (:meth:`_object`: its URL, signing region and service), the credentials looked up
+        (its URL, signing region and service), the credentials looked up
         once for all of them."""
         credentials = await frozen_credentials(self.client)
         if credentials is None:
@@ -193,41 +188,6 @@ class SignedUploads:
             return self._result(*answer)
         except Exception as exc:  # the ClientError the try ends with
             return exc
-
-    async def _object(self, bucket: str, key: str) -> tuple[SplitResult, str, str]:
-        """The object's URL as the client addresses it, and the signing region and service."""
-        known = self._objects.get((bucket, key))
-        if known is not None:
-            return known
-        presigned = urlsplit(
-            await self.client.generate_presigned_url(
-                "put_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=_PRESIGN_EXPIRES_S
-            )
-        )
-        # X-Amz-Credential = <key id>/<date>/<region>/<service>/aws4_request
-        scope = parse_qs(presigned.query)["X-Amz-Credential"][0].split("/")
-        known = (presigned._replace(query="", fragment=""), scope[-3], scope[-2])
-        if len(self._objects) >= MAX_CACHED_OBJECTS:
-            self._objects.clear()
-        self._objects[(bucket, key)] = known
-        return known
-
-    async def _address(self, bucket: str, key: str) -> tuple[SplitResult, str, str]:
-        """The object's URL as the client addresses it, and the signing region and service:
-        from the bucket's presigned probe URL with the key in it, quoted as botocore
-        quotes an S3 key; presigned for the key itself where the probe's URL does not end
-        in the probe's key (an addressing this derivation does not know)."""
-        if bucket not in self._buckets:
-            probe, region, service = await self._object(bucket, _PROBE_KEY)
-            self._objects.pop((bucket, _PROBE_KEY), None)
-            known = probe.path.endswith(f"/{_PROBE_KEY}")
-            prefix = probe.path[: -len(_PROBE_KEY)]
-            self._buckets[bucket] = (probe, prefix, region, service) if known else None
-        found = self._buckets[bucket]
-        if found is None:
-            return await self._object(bucket, key)
-        probe, prefix, region, service = found
-        return probe._replace(path=prefix + quote(key, safe="/~")), region, service
 
 
 def put_headers(params: dict[str, Any]) -> dict[str, str] | None:

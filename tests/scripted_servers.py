@@ -1,5 +1,6 @@
 """Threaded servers on loopback that answer each connection with a scripted handler, for
-the data plane's exchanges (``tests/unit/test_wire_uploads.py``, ``test_wire_signed_parts.py``)."""
+the data plane's exchanges (``tests/unit/test_wire_uploads.py``, ``test_wire_signed_parts.py``,
+``test_wire_heads.py``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable
+
+from s3ckpt.config import S3Config
+from s3ckpt.s3.client import client_handle
+from s3ckpt.s3.loop import io_loop
 
 
 class ThreadedServer:
@@ -74,3 +79,34 @@ def read_request(sock: socket.socket, heads: list[bytes] | None = None) -> int:
     while len(body) < length:
         body += sock.recv(65536)
     return length
+
+
+class ScriptedServers:
+    """Servers that answer each request by ``answer(head)`` (``self(answer)``: the server
+    and the heads it received), and the clients made for them (:meth:`client`), closed
+    by :meth:`close`: the clients first, so the servers' connection threads end at once."""
+
+    def __init__(self) -> None:
+        self.servers: list[ThreadedServer] = []
+        self.configs: list[S3Config] = []
+
+    def __call__(self, answer: Callable[[bytes], bytes]) -> tuple[ThreadedServer, list[bytes]]:
+        heads: list[bytes] = []
+
+        def handle(sock: socket.socket) -> None:
+            while read_request(sock, heads) >= 0:
+                sock.sendall(answer(heads[-1]))
+
+        self.servers.append(ThreadedServer(handle))
+        return self.servers[-1], heads
+
+    def client(self, config: S3Config) -> S3Config:
+        """``config``, whose client :meth:`close` closes."""
+        self.configs.append(config)
+        return config
+
+    def close(self) -> None:
+        for config in self.configs:
+            io_loop().run(client_handle(config).aclose())
+        for server in self.servers:
+            server.close()

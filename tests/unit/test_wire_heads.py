@@ -7,15 +7,13 @@ SeaweedFS in tests/integration/test_signed_parts.py."""
 from __future__ import annotations
 
 import datetime
-import socket
-from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 from botocore.config import Config
 from botocore.credentials import ReadOnlyCredentials
-from scripted_servers import ThreadedServer, read_request
+from scripted_servers import ScriptedServers
 
 from s3ckpt.config import S3Config
 from s3ckpt.errors import BucketNotFoundError, StorageError
@@ -35,34 +33,9 @@ _REDIRECT = (
     b"HTTP/1.1 301 Moved Permanently\r\nx-amz-bucket-region: eu-west-1\r\nContent-Length: 0\r\n\r\n"
 )
 
-Answer = Callable[[bytes], bytes]
-_CONFIGS: list[S3Config] = []
 
-
-@pytest.fixture
-def serve() -> Iterator[Callable[[Answer], tuple[ThreadedServer, list[bytes]]]]:
-    servers: list[ThreadedServer] = []
-
-    def start(answer: Answer) -> tuple[ThreadedServer, list[bytes]]:
-        heads: list[bytes] = []
-
-        def handle(sock: socket.socket) -> None:
-            while read_request(sock, heads) >= 0:
-                sock.sendall(answer(heads[-1]))
-
-        servers.append(ThreadedServer(handle))
-        return servers[-1], heads
-
-    yield start
-    for config in _CONFIGS:
-        io_loop().run(client_handle(config).aclose())
-    _CONFIGS.clear()
-    for server in servers:
-        server.close()
-
-
-def _store(port: int, **options: Any) -> ObjectStore:
-    _CONFIGS.append(
+def _store(serve: ScriptedServers, port: int, **options: Any) -> ObjectStore:
+    config = serve.client(
         S3Config(
             endpoint_url=f"http://127.0.0.1:{port}",
             access_key_id="AKIDHEADS",
@@ -72,12 +45,12 @@ def _store(port: int, **options: Any) -> ObjectStore:
             **options,
         )
     )
-    return ObjectStore(_CONFIGS[-1], "bucket")
+    return ObjectStore(config, "bucket")
 
 
 def test_a_head_is_signed_and_its_answer_read_without_a_body(serve):
     server, heads = serve(lambda head: _FOUND)
-    store = _store(server.port, session_token="token-1")
+    store = _store(serve, server.port, session_token="token-1")
     for _ in range(2):  # the kept-alive connection is sound after an answer with no body
         meta = io_loop().run(store.head("run/with space/obj.bin"))
         assert (meta.size, meta.etag) == (1048576, '"etag-7"')
@@ -99,7 +72,7 @@ def test_answers_are_the_clients(serve, direct):
     """Found, missing, a missing bucket: the same results on the data plane and through
     the client (``direct_uploads=False``)."""
     server, heads = serve(lambda head: _MISSING if b"missing" in head.split(b"\r\n")[0] else _FOUND)
-    store = _store(server.port, direct_uploads=direct)
+    store = _store(serve, server.port, direct_uploads=direct)
     assert io_loop().run(store.exists("run/missing")) is False
     assert io_loop().run(store.exists("run/here")) is True
     io_loop().run(store.head_bucket())
@@ -114,7 +87,7 @@ def test_a_redirect_hands_this_head_and_every_later_one_to_the_client(serve):
     server, heads = serve(
         lambda head: _REDIRECT if head.startswith(b"HEAD") and b"s3ckpt/" in head else _FOUND
     )
-    store = _store(server.port)
+    store = _store(serve, server.port)
     with pytest.raises(StorageError):
         io_loop().run(store.head("run/obj"))
     assert io_loop().run(store.head("run/obj")).etag == '"etag-7"'
@@ -122,15 +95,16 @@ def test_a_redirect_hands_this_head_and_every_later_one_to_the_client(serve):
 
 
 @pytest.mark.parametrize("style", ["path", "virtual"])
-def test_the_bucket_url_is_the_one_the_client_presigns(style):
-    config = S3Config(
-        endpoint_url="http://127.0.0.1:9",
-        access_key_id="a",
-        secret_access_key="b",
-        region="us-east-1",
-        addressing_style=style,
+def test_the_bucket_url_is_the_one_the_client_presigns(serve, style):
+    config = serve.client(
+        S3Config(
+            endpoint_url="http://127.0.0.1:9",
+            access_key_id="a",
+            secret_access_key="b",
+            region="us-east-1",
+            addressing_style=style,
+        )
     )
-    _CONFIGS.append(config)
 
     async def both() -> tuple[Any, str]:
         handle = client_handle(config)

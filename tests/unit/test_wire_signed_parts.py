@@ -5,12 +5,10 @@ Real signatures are checked by SeaweedFS in tests/integration/test_signed_parts.
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from scripted_servers import ThreadedServer, read_request
+from scripted_servers import ScriptedServers
 
 from s3ckpt.config import S3Config
 from s3ckpt.errors import StorageError
@@ -39,39 +37,8 @@ def _answer(status: str, body: bytes = b"", *, close: bool = False) -> bytes:
     ).encode() + body
 
 
-Answer = Callable[[bytes], bytes]
-
-
-@pytest.fixture
-def serve() -> Iterator[Callable[[Answer], tuple[ThreadedServer, list[bytes]]]]:
-    """A server answering each request by ``answer(head)``; the heads it received. The
-    clients made for it are closed first, so its connection threads end at once."""
-    servers: list[ThreadedServer] = []
-
-    def start(answer: Answer) -> tuple[ThreadedServer, list[bytes]]:
-        heads: list[bytes] = []
-
-        def handle(sock: socket.socket) -> None:
-            while read_request(sock, heads) >= 0:
-                sock.sendall(answer(heads[-1]))
-
-        servers.append(ThreadedServer(handle))
-        return servers[-1], heads
-
-    yield start
-    for config in _CONFIGS:
-        io_loop().run(client_handle(config).aclose())
-    _CONFIGS.clear()
-    for server in servers:
-        server.close()
-
-
-_CONFIGS: list[S3Config] = []
-
-
-def _config(port: int, **options: Any) -> S3Config:
-    _CONFIGS.append(_made(port, **options))
-    return _CONFIGS[-1]
+def _config(serve: ScriptedServers, port: int, **options: Any) -> S3Config:
+    return serve.client(_made(port, **options))
 
 
 def _made(port: int, **options: Any) -> S3Config:
@@ -97,7 +64,7 @@ def _fields(head: bytes) -> tuple[str, dict[str, str]]:
 
 def test_a_part_is_built_and_signed_on_the_data_plane(serve):
     server, heads = serve(lambda head: _OK)
-    config = _config(server.port, session_token="session-token-1")
+    config = _config(serve, server.port, session_token="session-token-1")
     part = _upload(config)
     assert part.etag == '"etag-1"' and part.part_number == 3
     line, headers = _fields(heads[-1])
@@ -129,7 +96,7 @@ def test_an_error_answer_is_the_error_the_client_raises(serve):
         errors = []
         for direct in (True, False):
             with pytest.raises(StorageError) as caught:
-                _upload(_config(server.port, direct_uploads=direct))
+                _upload(_config(serve, server.port, direct_uploads=direct))
             errors.append(caught.value)
         ours, clients = errors
         assert b"s3ckpt/" in heads[0] and b"aiobotocore" in heads[1]
@@ -145,7 +112,7 @@ def test_a_redirect_hands_this_part_and_every_later_one_to_the_client(serve):
             else _OK
         )
     )
-    config = _config(server.port)
+    config = _config(serve, server.port)
     with pytest.raises(StorageError) as caught:
         _upload(config)
     assert caught.value.code == "PermanentRedirect"
@@ -191,7 +158,7 @@ _KEYS = [
 def test_a_derived_url_is_the_one_the_client_presigns(serve, style):
     """The object URLs derived from the bucket's one presigned URL are the URLs the
     client presigns for each key: path and host, quoting included."""
-    config = _config(9, addressing_style=style)  # never connected to: presigning is local
+    config = _config(serve, 9, addressing_style=style)  # never connected to: presigning is local
 
     async def both() -> list[tuple[Any, Any]]:
         handle = client_handle(config)
@@ -212,7 +179,7 @@ def test_a_derived_url_is_the_one_the_client_presigns(serve, style):
 
 def test_a_whole_object_is_put_on_the_data_plane(serve):
     server, heads = serve(lambda head: _OK)
-    config = _config(server.port)
+    config = _config(serve, server.port)
     store = ObjectStore(config, "bucket")
     body = b'{"step": 1}'
     key = "run/with space/manifest.json"
@@ -252,7 +219,7 @@ def test_a_taken_key_and_a_server_error_are_the_errors_the_client_raises(serve):
         server, heads = serve(answer)
         errors = []
         for direct in (True, False):
-            store = ObjectStore(_config(server.port, direct_uploads=direct), "bucket")
+            store = ObjectStore(_config(serve, server.port, direct_uploads=direct), "bucket")
             with pytest.raises(StorageError) as caught:
                 io_loop().run(store.put("run/manifest.json", b"mine", mode="create"))
             errors.append(caught.value)

@@ -73,9 +73,10 @@ class S3Config:
             straight into the destination memory (:mod:`s3ckpt.s3.wire`); ``False`` sends
             them through aiobotocore like every other request.
         direct_uploads: send upload bodies (parts and PUTs) from memory with s3ckpt's own
-            transport, over HTTP and HTTPS (:mod:`s3ckpt.s3.wire`); ``False`` leaves them to
-            aiohttp. Same signing and verification either way. Endpoints reached through a
-            proxy (``proxies`` or the environment) always use aiobotocore for both.
+            transport, over HTTP and HTTPS (:mod:`s3ckpt.s3.wire`), and HEADs with it;
+            ``False`` leaves them to aiohttp. Same signing and verification either way.
+            Endpoints reached through a proxy (``proxies`` or the environment) always use
+            aiobotocore for both.
         native_uploads: with ``direct_uploads``, send batches of parts to plain-HTTP
             endpoints from native threads that never take the GIL
             (:mod:`s3ckpt.s3.wire.batch`), so that a thread-mode save costs the training

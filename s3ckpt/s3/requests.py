@@ -114,7 +114,7 @@ class Requests:
     ) -> dict[str, Any] | None:
         """The answer to a whole-object PUT (:func:`~s3ckpt.s3.wire.uploads.put_headers`)
         or a plain HEAD, sent on the data plane (:mod:`s3ckpt.s3.wire`); None where the
-        client sends it (no data plane, a redirect seen, other parameters)."""
+        client sends it (no data plane, other parameters, a redirect: then this one too)."""
         if operation == "PutObject":
             uploads, headers = handle.signed_uploads(), put_headers(params)
             if uploads is None or headers is None:

@@ -241,3 +241,17 @@ def test_put_headers_send_only_what_the_data_plane_knows():
         "Content-Type": "application/json",
     }  # fmt: skip
     assert put_headers({"Key": "k", "Body": body, "Metadata": {"a": "b"}}) is None
+
+
+def test_a_redirected_put_is_sent_again_by_the_client_and_so_is_every_later_one(serve):
+    server, heads = serve(
+        lambda head: (
+            _answer("301 Moved Permanently", _REDIRECT)
+            if head.startswith(b"PUT") and b"s3ckpt/" in head
+            else _OK
+        )
+    )
+    store = ObjectStore(_config(serve, server.port), "bucket")
+    for _ in range(2):
+        assert io_loop().run(store.put("run/manifest.json", b"{}", mode="create")) == '"etag-1"'
+    assert [b"s3ckpt/" in head for head in heads] == [True, False, False]

@@ -9,7 +9,7 @@ signed by :class:`~.signing.PartSigner` (checked against botocore's signer), sen
 data plane's pool, and its answer read by the client's own response parser, so callers
 get the dict, or the ``ClientError``, the client would have given them. The object's URL
 comes from :class:`~.addresses.ObjectAddresses`; a redirect (a bucket in another region)
-sends that HEAD, and every later one, through the client.
+sends that HEAD again, and every later one, through the client, which follows it.
 """
 
 from __future__ import annotations
@@ -41,17 +41,18 @@ class SignedHeads:
         self.addresses = addresses
         self.redirected = False  # the endpoint redirected one: the client sends them
 
-    async def head_object(self, bucket: str, key: str) -> dict[str, Any]:
-        """One try of HeadObject: what the client's ``head_object`` returns, or raises."""
+    async def head_object(self, bucket: str, key: str) -> dict[str, Any] | None:
+        """One try of HeadObject: what the client's ``head_object`` returns, or raises;
+        None where the client must ask (the endpoint redirected it)."""
         return await self._head("HeadObject", await self.addresses.derived(bucket, key))
 
     async def head_bucket(self, bucket: str) -> dict[str, Any] | None:
-        """One try of HeadBucket, as :meth:`head_object`; None where the bucket's URL is
-        not one the data plane knows (ask the client)."""
+        """One try of HeadBucket, as :meth:`head_object`; None also where the bucket's URL
+        is not one the data plane knows."""
         address = await self.addresses.bucket(bucket)
         return None if address is None else await self._head("HeadBucket", address)
 
-    async def _head(self, operation: str, address: Address) -> dict[str, Any]:
+    async def _head(self, operation: str, address: Address) -> dict[str, Any] | None:
         url, region, service = address
         credentials = await frozen_credentials(self.client)
         if credentials is None:
@@ -64,6 +65,7 @@ class SignedHeads:
         )
         if 300 <= status < 400:
             self.redirected = True
+            return None
         if status >= 300:
             raise client_error(self.client, operation, status, headers, body)
         # What the client's before-parse handler does with it: an unparsable date must not

@@ -29,8 +29,9 @@ released.
   Through the client a small PutObject
   cost the I/O loop 1.47 ms of Python (``time.thread_time``, zero-cost server), and the
   four fall where a thread-mode save's Python bunches up, as its upload ends and
-  commits (docs/performance.md, "The loop beside a save"). A PutObject with any other
-  parameter goes through the client, whose ``before-send`` this module answers
+  commits (docs/performance.md, "The loop beside a save"). A redirected PutObject is
+  sent again, and every later one, through the client, which follows the redirect. A
+  PutObject with any other parameter goes through the client, whose ``before-send`` this module answers
   (:class:`BodySender`, the hook botocore offers for answering a request without its
   HTTP stack) with the response it received, which botocore parses as its own.
 
@@ -113,10 +114,11 @@ class SignedUploads:
 
     async def put_object(
         self, bucket: str, key: str, body: memoryview, headers: dict[str, str]
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | None:
         """One try of PutObject with ``headers`` (as :func:`put_headers` makes them); the
         answer's ``ETag`` (and checksum) as the client's ``put_object`` returns them.
-        Errors are the client's ``ClientError`` s."""
+        Errors are the client's ``ClientError`` s. None where the client must send it:
+        the endpoint redirected it (nothing was stored), and the client follows."""
         url, region, service = await self.addresses.derived(bucket, key)
         credentials = await frozen_credentials(self.client)
         if credentials is None:
@@ -125,7 +127,11 @@ class SignedUploads:
             url, headers, credentials=credentials, region=region, service=service
         )
         head = request_head("PUT", url, signed, len(body))
-        return self._result(*await self.transport.send(url, head, body), operation="PutObject")
+        status, answer, content = await self.transport.send(url, head, body)
+        if 300 <= status < 400:
+            self.redirected = True
+            return None
+        return self._result(status, answer, content, operation="PutObject")
 
     async def try_parts(
         self,

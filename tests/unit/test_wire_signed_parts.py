@@ -104,14 +104,15 @@ def test_an_error_answer_is_the_error_the_client_raises(serve):
         assert str(ours) == str(clients)
 
 
+def _redirect_data_plane_puts(head: bytes) -> bytes:
+    """A redirect for the PUTs the data plane sends, success for the client's."""
+    if head.startswith(b"PUT") and b"s3ckpt/" in head:
+        return _answer("301 Moved Permanently", _REDIRECT)
+    return _OK
+
+
 def test_a_redirect_hands_this_part_and_every_later_one_to_the_client(serve):
-    server, heads = serve(
-        lambda head: (
-            _answer("301 Moved Permanently", _REDIRECT)
-            if head.startswith(b"PUT") and b"s3ckpt/" in head
-            else _OK
-        )
-    )
+    server, heads = serve(_redirect_data_plane_puts)
     config = _config(serve, server.port)
     with pytest.raises(StorageError) as caught:
         _upload(config)
@@ -244,13 +245,7 @@ def test_put_headers_send_only_what_the_data_plane_knows():
 
 
 def test_a_redirected_put_is_sent_again_by_the_client_and_so_is_every_later_one(serve):
-    server, heads = serve(
-        lambda head: (
-            _answer("301 Moved Permanently", _REDIRECT)
-            if head.startswith(b"PUT") and b"s3ckpt/" in head
-            else _OK
-        )
-    )
+    server, heads = serve(_redirect_data_plane_puts)
     store = ObjectStore(_config(serve, server.port), "bucket")
     for _ in range(2):
         assert io_loop().run(store.put("run/manifest.json", b"{}", mode="create")) == '"etag-1"'

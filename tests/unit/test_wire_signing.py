@@ -32,6 +32,25 @@ def _url(origin: str, key: str, number: int, upload_id: str) -> str:
     return f"{origin}/{quote(key, safe='/~')}?{query}"
 
 
+def _signed_both_ways(
+    url: str, headers: dict[str, str], credentials: ReadOnlyCredentials, region: str
+) -> tuple[dict[str, str], dict[str, str]]:
+    """``PUT url`` with ``headers`` signed by PartSigner and by botocore at the same
+    instant: each one's headers, names lowercased."""
+    theirs = sign_s3(
+        "PUT", url, dict(headers), credentials=credentials, region=region,
+        service="s3", client_config=_CONFIG,
+    )  # fmt: skip
+    moment = datetime.datetime.strptime(theirs["X-Amz-Date"], "%Y%m%dT%H%M%SZ").replace(
+        tzinfo=datetime.timezone.utc
+    )
+    ours = PartSigner().sign(
+        urlsplit(url), headers, credentials=credentials, region=region, service="s3",
+        now=moment,
+    )  # fmt: skip
+    return {k.lower(): v for k, v in ours.items()}, {k.lower(): v for k, v in theirs.items()}
+
+
 @pytest.mark.parametrize("origin", _ORIGINS)
 @pytest.mark.parametrize("key", _KEYS)
 @pytest.mark.parametrize("token", [None, "session/token+=="])
@@ -42,18 +61,8 @@ def test_every_header_is_the_one_botocore_signs(origin, key, token, checksum):
     )
     url = _url(origin, key, 7, "2~upload/id+with=odd chars")
     headers = {"x-amz-checksum-crc32c": checksum} if checksum else {}
-    theirs = sign_s3(
-        "PUT", url, dict(headers), credentials=credentials, region="eu-west-3",
-        service="s3", client_config=_CONFIG,
-    )  # fmt: skip
-    moment = datetime.datetime.strptime(theirs["X-Amz-Date"], "%Y%m%dT%H%M%SZ").replace(
-        tzinfo=datetime.timezone.utc
-    )
-    ours = PartSigner().sign(
-        urlsplit(url), headers, credentials=credentials, region="eu-west-3", service="s3",
-        now=moment,
-    )  # fmt: skip
-    assert {k.lower(): v for k, v in ours.items()} == {k.lower(): v for k, v in theirs.items()}
+    ours, theirs = _signed_both_ways(url, headers, credentials, "eu-west-3")
+    assert ours == theirs
 
 
 @pytest.mark.parametrize("origin", _ORIGINS)
@@ -69,18 +78,8 @@ def test_a_whole_object_put_is_signed_as_botocore_signs_it(origin, key, token):
         "x-amz-checksum-crc32c": "yZRlqg==",
         "Content-Type": "application/json",
     }
-    theirs = sign_s3(
-        "PUT", url, dict(headers), credentials=credentials, region="us-east-1",
-        service="s3", client_config=_CONFIG,
-    )  # fmt: skip
-    moment = datetime.datetime.strptime(theirs["X-Amz-Date"], "%Y%m%dT%H%M%SZ").replace(
-        tzinfo=datetime.timezone.utc
-    )
-    ours = PartSigner().sign(
-        urlsplit(url), headers, credentials=credentials, region="us-east-1", service="s3",
-        now=moment,
-    )  # fmt: skip
-    assert {k.lower(): v for k, v in ours.items()} == {k.lower(): v for k, v in theirs.items()}
+    ours, theirs = _signed_both_ways(url, headers, credentials, "us-east-1")
+    assert ours == theirs
 
 
 def test_signing_keys_are_kept_per_secret_day_region_and_service():

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from s3ckpt.s3.compat_aiobotocore import frozen_credentials
-from s3ckpt.s3.compat_botocore import client_error, no_credentials, parsed_answer
+from s3ckpt.s3.compat_botocore import client_error, parsed_answer
 from s3ckpt.s3.wire.addresses import Address, ObjectAddresses
 from s3ckpt.s3.wire.signing import PartSigner
-from s3ckpt.s3.wire.uploads import BodyTransport, request_head
+from s3ckpt.s3.wire.uploads import BodyTransport, request_head, signing_credentials
 
 _NO_BODY = memoryview(b"")
 
@@ -54,9 +53,7 @@ class SignedHeads:
 
     async def _head(self, operation: str, address: Address) -> dict[str, Any] | None:
         url, region, service = address
-        credentials = await frozen_credentials(self.client)
-        if credentials is None:
-            raise no_credentials()
+        credentials = await signing_credentials(self.client)
         signed = self.signer.sign(
             url, {}, credentials=credentials, region=region, service=service, method="HEAD"
         )

@@ -120,9 +120,7 @@ class SignedUploads:
         Errors are the client's ``ClientError`` s. None where the client must send it:
         the endpoint redirected it (nothing was stored), and the client follows."""
         url, region, service = await self.addresses.derived(bucket, key)
-        credentials = await frozen_credentials(self.client)
-        if credentials is None:
-            raise no_credentials()
+        credentials = await signing_credentials(self.client)
         signed = self.signer.sign(
             url, headers, credentials=credentials, region=region, service=service
         )
@@ -162,9 +160,7 @@ class SignedUploads:
         """Signed heads for the parts of upload ``upload_id`` of the object at ``base``
         (its URL, signing region and service), the credentials looked up
         once for all of them."""
-        credentials = await frozen_credentials(self.client)
-        if credentials is None:
-            raise no_credentials()
+        credentials = await signing_credentials(self.client)
         return PartHeads(
             self.signer, base, upload_id, credentials=credentials, region=region,
             service=service, host_header=host_header(base), user_agent=_USER_AGENT,
@@ -194,6 +190,14 @@ class SignedUploads:
             return self._result(*answer)
         except Exception as exc:  # the ClientError the try ends with
             return exc
+
+
+async def signing_credentials(client: Any) -> Any:
+    """The credentials ``client`` signs with now; the client's own error where it has none."""
+    credentials = await frozen_credentials(client)
+    if credentials is None:
+        raise no_credentials()
+    return credentials
 
 
 def put_headers(params: dict[str, Any]) -> dict[str, str] | None:

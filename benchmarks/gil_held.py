@@ -155,6 +155,7 @@ def case(mode: str, saves: int) -> dict[str, Any]:
         "held_ms_per_save": per_save,
         "background_ms_per_save": sum(v for k, v in per_save.items() if k != "caller"),
         "background_takes_per_save": sum(n for k, n in takes.items() if k != "caller") / saves,
+        "takes_per_save": {k: n / saves for k, n in takes.items()},
         "save_s": sum(end - start for start, end in windows) / saves,
     }
 
@@ -270,6 +271,12 @@ def table(rows: list[dict[str, Any]], saves: int, state: str) -> str:
         lines.append(f"{row['mode']:<20} " + " ".join(f"{c:12.1f}" for c in cells)
                      + f" {row['background_ms_per_save']:11.1f}"
                      + f" {row.get('background_takes_per_save', 0.0):9.0f} {row['save_s']:7.2f}")  # fmt: skip
+    lines += ["", "GIL takes per save (hand-overs), by thread", head.split(" background")[0]]
+    for row in rows:
+        takes = row.get("takes_per_save", {})
+        others = sum(v for k, v in takes.items() if k not in who[:-1])
+        cells = [takes.get(w, 0.0) for w in who[:-1]] + [others]
+        lines.append(f"{row['mode']:<20} " + " ".join(f"{c:12.0f}" for c in cells))
     return "\n".join(lines)
 
 

@@ -7,7 +7,9 @@ writer to DCP's background checkpoint process, so it runs in a spawned 1-rank jo
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -22,9 +24,15 @@ from s3_servers import ON_BOTH
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
-from s3ckpt import BucketNotFoundError, S3StorageReader, S3StorageWriter
+from s3ckpt import (
+    BucketNotFoundError,
+    HostStager,
+    ReusingSavePlanner,
+    S3StorageReader,
+    S3StorageWriter,
+)
 from s3ckpt.format.manifest import MANIFEST_NAME
 from s3ckpt.testing.local_s3 import LocalS3Server
 
@@ -296,3 +304,49 @@ def test_one_writer_reused_for_consecutive_checkpoint_ids(
     assert len(set(save_ids)) == 2
     for uri, state in states.items():
         assert_state_equal(load(local_s3, uri, state), state)
+
+
+def test_previous_copy_is_freed_on_the_callers_thread(
+    local_s3: LocalS3Server, s3_prefix: str
+) -> None:
+    """With one ``HostStager`` and one ``ReusingSavePlanner`` for every save (as README
+    asks), a copy's tensors are freed when the next save stages, on the caller's thread:
+    freeing a tensor lets the GIL go and takes it back, which the upload's thread must not
+    do hundreds of times beside a training loop. The planner lets go of its view of the
+    state once the items are written; otherwise the next save's planning frees them."""
+    stager = _RecordingStager()
+    planner = ReusingSavePlanner()
+    freed_on: list[int] = []
+    for step in range(3):
+        uri = f"{s3_prefix}/step-{step}"
+        dcp.async_save(
+            make_state(step), storage_writer=S3StorageWriter(uri, **server_options(local_s3)),
+            async_stager=stager, planner=planner, async_checkpointer_type=AsyncCheckpointerType.THREAD,
+        ).result(timeout=60)  # fmt: skip
+        if step == 0:
+            for tensor in stager.tensors():
+                weakref.finalize(tensor, lambda: freed_on.append(threading.get_ident()))
+    assert not planner.state_dict  # let go, the plan kept
+    # Those whose storage's copy DCP's copier still holds live on; the rest were freed.
+    assert freed_on
+    assert set(freed_on) == {threading.get_ident()}
+    assert_state_equal(load(local_s3, f"{s3_prefix}/step-2", make_state(2)), make_state(2))
+
+
+class _RecordingStager(HostStager):
+    """A ``HostStager`` that keeps a note of its last copy."""
+
+    def stage(self, state_dict: Any) -> Any:
+        self.last = super().stage(state_dict)
+        return self.last
+
+    def tensors(self) -> list[torch.Tensor]:
+        found: list[torch.Tensor] = []
+        pending = [self.last]
+        while pending:
+            value = pending.pop()
+            if isinstance(value, dict):
+                pending.extend(value.values())
+            elif isinstance(value, torch.Tensor):
+                found.append(value)
+        return found

@@ -84,7 +84,7 @@ class RankSave:
                 keys.append(data_key(rank, save_id, len(keys), spread))
             entries.append(_entry(items[position], encodings[position], where, keys))
 
-        _, uploaded = uploader.upload(self._stream(items, sizes, planner, encodings), placed)
+        uploaded = uploader.upload(self._stream(items, sizes, planner, encodings), placed)
         if len(entries) != len(items):
             raise AssertionError(f"{len(entries)} index entries for {len(items)} items")
         objects = tuple(ObjectEntry(keys[n], o.size, o.etag, rank) for n, o in enumerate(uploaded))

@@ -139,14 +139,12 @@ class RankUploader:
         self._created: list[str] = []  # keys whose CreateMultipartUpload was sent
 
     def upload(
-        self,
-        items: Iterable[Item],
-        on_placed: Callable[[Any, Placement], None] | None = None,
-    ) -> tuple[dict[object, Placement], list[UploadedObject]]:
-        """Upload ``(index, bytes, block CRC32Cs or None)`` items in order; returns where
-        each went, and the objects. ``on_placed(index, placement)`` is called for each
-        item as soon as it has its place, before the next item is taken."""
-        placements: dict[object, Placement] = {}
+        self, items: Iterable[Item], on_placed: Callable[[Any, Placement], None]
+    ) -> list[UploadedObject]:
+        """Upload ``(index, bytes, block CRC32Cs or None)`` items in order; returns the
+        objects. Where each item went is told only to ``on_placed(index, placement)``, as
+        soon as the item has its place and before the next item is taken: the caller keeps
+        what it needs of it, and nothing is collected twice."""
         streams: list[ObjectStream] = []
         try:
             for index, data, crcs in items:
@@ -157,9 +155,7 @@ class RankUploader:
                         streams[-1].finish()
                     streams.append(self._open(len(streams), len(data)))
                 offset = streams[-1].add(data, crcs)
-                placements[index] = placement = Placement(len(streams) - 1, offset, len(data))
-                if on_placed is not None:
-                    on_placed(index, placement)
+                on_placed(index, Placement(len(streams) - 1, offset, len(data)))
             if streams:
                 streams[-1].finish()
             results = [stream.completion.result() for stream in streams]  # type: ignore[union-attr]
@@ -167,7 +163,7 @@ class RankUploader:
             self._fail(exc)
             self._clean_up()
             raise self._error from None  # type: ignore[misc]
-        return placements, results
+        return results
 
     def _open(self, number: int, first_item: int) -> ObjectStream:
         """A new object, its parts sized for the largest it can grow to: the usual bound,

@@ -99,12 +99,9 @@ def encode_raw(data: memoryview, block_size: int = DEFAULT_BLOCK_SIZE) -> Encode
 
 
 # Bytes of items checksummed together by :func:`encode_raw_each`: small enough that the
-# items resolved ahead of their upload stay a small fraction of the bytes in flight (1 GiB
-# by default), large enough that runs of small and mid-sized items cost one GIL hand-over
-# per run. 16 MiB against 4 MiB: the loop benchmark's 1 GiB state
-# (512 items of 100 KB, 64 of 5.6 MiB, 4 of 154 MiB) in 29 runs instead of 81, and its
-# save thread's GIL takes from 104 a save to 52 (``benchmarks.gil_held``).
-RUN_BYTES = 16 << 20
+# items resolved ahead of their upload stay a small fraction of the bytes in flight, large
+# enough that runs of small items cost one GIL hand-over per few dozen items.
+RUN_BYTES = 4 << 20
 
 
 def encode_raw_each(

@@ -1,6 +1,6 @@
 """Threaded servers on loopback that answer each connection with a scripted handler, for
 the data plane's exchanges (``tests/unit/test_wire_uploads.py``, ``test_wire_signed_parts.py``,
-``test_wire_heads.py``)."""
+``test_wire_heads.py``, ``test_wire_calls.py``)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ class ThreadedServer:
         self.handle = handle
         self.context = context
         self.accepted = 0
+        self.bodies: list[bytes] = []  # the request bodies, where the handler records them
         self.threads: list[threading.Thread] = []
         threading.Thread(target=self._serve, daemon=True).start()
 
@@ -56,9 +57,11 @@ class ThreadedServer:
             thread.join(timeout=5)
 
 
-def read_request(sock: socket.socket, heads: list[bytes] | None = None) -> int:
+def read_request(
+    sock: socket.socket, heads: list[bytes] | None = None, bodies: list[bytes] | None = None
+) -> int:
     """Read one request (head and Content-Length body, if any); the body's length, -1 at
-    the end. Each head read is appended to ``heads`` where given."""
+    the end. Each head read is appended to ``heads`` where given, each body to ``bodies``."""
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(65536)
@@ -78,6 +81,8 @@ def read_request(sock: socket.socket, heads: list[bytes] | None = None) -> int:
     )
     while len(body) < length:
         body += sock.recv(65536)
+    if bodies is not None:
+        bodies.append(body)
     return length
 
 
@@ -91,14 +96,19 @@ class ScriptedServers:
         self.configs: list[S3Config] = []
 
     def __call__(self, answer: Callable[[bytes], bytes]) -> tuple[ThreadedServer, list[bytes]]:
+        """A server answering each request by ``answer(head)``, and the heads it receives
+        (its bodies in the server's ``bodies``)."""
         heads: list[bytes] = []
+        bodies: list[bytes] = []
 
         def handle(sock: socket.socket) -> None:
-            while read_request(sock, heads) >= 0:
+            while read_request(sock, heads, bodies) >= 0:
                 sock.sendall(answer(heads[-1]))
 
-        self.servers.append(ThreadedServer(handle))
-        return self.servers[-1], heads
+        server = ThreadedServer(handle)
+        server.bodies = bodies
+        self.servers.append(server)
+        return server, heads
 
     def client(self, config: S3Config) -> S3Config:
         """``config``, whose client :meth:`close` closes."""

@@ -11,17 +11,15 @@ configuration: every store with the same settings shares one connection pool and
 request bound, and a forked child, which gets a new loop, creates its own.
 
 Unless the endpoint is reached through a proxy, the client also owns a
-:class:`~s3ckpt.s3.wire.DataPlane`: upload bodies and ranged GETs, over HTTP and HTTPS,
-travel on its connections (:mod:`s3ckpt.s3.wire` says why); every other request goes
-through aiobotocore.
+:class:`~s3ckpt.s3.wire.DataPlane`: upload bodies, ranged GETs and a save's requests, over
+HTTP and HTTPS, travel on its connections (:mod:`s3ckpt.s3.wire` says why); every other
+request goes through aiobotocore.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import hashlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,6 +31,7 @@ from s3ckpt.config import S3Config, client_environment
 from s3ckpt.s3.compat_botocore import on_before_sign
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.wire import DataPlane, proxied
+from s3ckpt.s3.wire.calls import SignedCalls, content_md5
 from s3ckpt.s3.wire.gets import RangedGets
 from s3ckpt.s3.wire.heads import SignedHeads
 from s3ckpt.s3.wire.uploads import SignedUploads
@@ -113,6 +112,12 @@ class ClientHandle:
         heads = None if self.plane is None else self.plane.heads
         return None if heads is None or heads.redirected else heads
 
+    def signed_calls(self) -> SignedCalls | None:
+        """The data plane's control requests (call after :meth:`get`), or None where the
+        client must send them (no data plane, or the endpoint redirected one)."""
+        calls = None if self.plane is None else self.plane.calls
+        return None if calls is None or calls.redirected else calls
+
     async def ranged_gets(self) -> RangedGets | None:
         """The data plane's ranged GETs, or None where aiobotocore must read."""
         await self.get()
@@ -139,15 +144,12 @@ class ClientHandle:
 
 
 def add_content_md5(request: Any, **_: Any) -> None:
-    """``Content-MD5`` on DeleteObjects: S3 has always required an integrity header there,
-    and stores that predate its CRC checksums (some gateways, older MinIO) accept only
-    MD5, which recent botocore no longer sends."""
+    """:func:`~s3ckpt.s3.wire.calls.content_md5` on the DeleteObjects the client sends."""
     body = request.body or b""
     if isinstance(body, str):
         body = body.encode()
     if isinstance(body, (bytes, bytearray)) and "Content-MD5" not in request.headers:
-        digest = hashlib.md5(body, usedforsecurity=False).digest()
-        request.headers["Content-MD5"] = base64.b64encode(digest).decode()
+        request.headers["Content-MD5"] = content_md5(bytes(body))
 
 
 def create_client(config: S3Config) -> Any:

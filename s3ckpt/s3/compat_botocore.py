@@ -17,6 +17,15 @@ The internals s3ckpt relies on, each behind a function here:
   exception classes: part uploads built on the data plane are signed and their errors
   read exactly as the client would (:func:`sign_s3`, :func:`client_error`,
   :mod:`s3ckpt.s3.wire.uploads`);
+* its request serializer for the client's protocol (``botocore.serialize.create_serializer``,
+  the request dict's ``method``, ``url_path``, ``query_string``, ``headers``, ``body``,
+  joined into a URL as ``botocore.awsrequest.prepare_request_dict`` joins them, with
+  ``botocore.utils.percent_encode_sequence``) and the S3 handlers the client runs around
+  the control requests the data plane sends: ``_handle_200_error`` (a ``200`` whose body is
+  an error document), ``escape_xml_payload`` (DeleteObjects) and
+  ``decode_list_object_v2`` (listings asked with ``EncodingType=url``)
+  (:class:`SerializedRequest`, :func:`serialized`, :func:`answer_status`,
+  :func:`escaped_xml`, :func:`decoded_listing`; :mod:`s3ckpt.s3.wire.calls`);
 * ``botocore.xform_name``, the client method of an API operation (``HeadObject`` ->
   ``head_object``; :func:`operation_method`, :mod:`s3ckpt.s3.requests`);
 * ``botocore.httpsession``'s ``create_urllib3_context`` and ``get_cert_path``, from which
@@ -37,14 +46,17 @@ from __future__ import annotations
 
 import ssl
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from botocore import exceptions as bce
-from botocore import xform_name
+from botocore import handlers, xform_name
 from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest, HeadersDict
 from botocore.httpsession import create_urllib3_context, get_cert_path
 from botocore.parsers import create_parser
+from botocore.serialize import create_serializer
+from botocore.utils import percent_encode_sequence
 
 BEFORE_SIGN = "before-sign.s3.{operation}"
 BEFORE_SEND = "before-send.s3.{operation}"
@@ -116,6 +128,66 @@ def parsed_answer(
     return parsed
 
 
+@dataclass(frozen=True)
+class SerializedRequest:
+    """A request as botocore's serializer builds it: ``query`` is the URL's query as the
+    client sends it (the operation's literal part first, then the encoded parameters),
+    without the ``?``."""
+
+    method: str
+    query: str
+    headers: dict[str, str]
+    body: bytes
+
+
+def serializer(client: Any) -> Any:
+    """A request serializer for ``client``'s protocol, without parameter validation (the
+    client s3ckpt makes validates none, :mod:`s3ckpt.s3.client`)."""
+    return create_serializer(client.meta.service_model.protocol, include_validation=False)
+
+
+def serialized(
+    client: Any, serialize: Any, operation: str, params: dict[str, Any]
+) -> SerializedRequest:
+    """``operation`` with ``params`` (``Bucket`` included) as ``client`` would build it,
+    before the handlers that run after serialization and before signing."""
+    model = client.meta.service_model.operation_model(operation)
+    request = serialize.serialize_to_request(params, model)
+    literal = request["url_path"].partition("?")[2]  # the path is the caller's address
+    encoded = percent_encode_sequence(request["query_string"])
+    query = "&".join(part for part in (literal, encoded) if part)
+    body = request["body"]
+    if isinstance(body, str):
+        body = body.encode("utf-8")
+    headers = {name: str(value) for name, value in request["headers"].items()}
+    return SerializedRequest(request["method"], query, headers, bytes(body or b""))
+
+
+def escaped_xml(body: bytes) -> bytes:
+    """A DeleteObjects body as the client sends it: carriage returns and line feeds in
+    keys written as character references, so the server's XML parser keeps them."""
+    params = {"body": body}
+    handlers.escape_xml_payload(params)
+    escaped: bytes = params["body"]
+    return escaped
+
+
+def answer_status(client: Any, operation: str, status: int, body: bytes) -> int:
+    """The status the client reads an answer as: a ``200`` whose body is an S3 error
+    document (S3 sends them for CompleteMultipartUpload, copies) or cut short is a ``500``."""
+    answer = {"status_code": status, "body": body, "headers": {}}
+    handlers._handle_200_error(client.meta.service_model.operation_model(operation), answer)
+    changed: int = answer["status_code"]
+    return changed
+
+
+def decoded_listing(parsed: dict[str, Any]) -> dict[str, Any]:
+    """A ListObjectsV2 answer asked with ``EncodingType=url`` (as the client asks when the
+    caller does not) with its keys and prefixes decoded, as the client returns it."""
+    handlers.decode_list_object_v2(parsed, {"encoding_type_auto_set": True})
+    return parsed
+
+
 def default_tls_context() -> ssl.SSLContext:
     """A client TLS context with botocore's defaults (protocols, options, ciphers), before
     any verification settings."""
@@ -163,17 +235,23 @@ def cause(exc: bce.BotoCoreError) -> Any:
 __all__ = [
     "BEFORE_SEND",
     "BEFORE_SIGN",
+    "SerializedRequest",
+    "answer_status",
     "ca_bundle",
     "cause",
     "client_error",
     "connect_timeout",
     "connection_failed",
+    "decoded_listing",
     "default_tls_context",
+    "escaped_xml",
     "failed_endpoint",
     "on_before_send",
     "on_before_sign",
     "operation_method",
     "read_timeout",
+    "serialized",
+    "serializer",
     "sign_s3",
     "tls_failed",
 ]

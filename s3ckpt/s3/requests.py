@@ -15,6 +15,7 @@ from s3ckpt.s3 import retry
 from s3ckpt.s3.client import ClientHandle, client_handle
 from s3ckpt.s3.compat_botocore import operation_method
 from s3ckpt.s3.error_mapping import error_code, translate_final, translated
+from s3ckpt.s3.wire.calls import SignedCalls
 from s3ckpt.s3.wire.uploads import put_headers
 
 Body = bytes | bytearray | memoryview
@@ -112,14 +113,18 @@ class Requests:
     async def _on_data_plane(
         self, handle: ClientHandle, operation: str, params: dict[str, Any]
     ) -> dict[str, Any] | None:
-        """The answer to a whole-object PUT (:func:`~s3ckpt.s3.wire.uploads.put_headers`)
-        or a plain HEAD, sent on the data plane (:mod:`s3ckpt.s3.wire`); None where the
-        client sends it (no data plane, other parameters, a redirect: then this one too)."""
+        """The answer to a whole-object PUT (:func:`~s3ckpt.s3.wire.uploads.put_headers`),
+        a plain HEAD or a save's control request (:mod:`s3ckpt.s3.wire.calls`), sent on
+        the data plane (:mod:`s3ckpt.s3.wire`); None where the client sends it (no data
+        plane, other parameters, a redirect: then this one too)."""
         if operation == "PutObject":
             uploads, headers = handle.signed_uploads(), put_headers(params)
             if uploads is None or headers is None:
                 return None
             return await uploads.put_object(self.bucket, params["Key"], params["Body"], headers)
+        if SignedCalls.serves(operation, params):
+            calls = handle.signed_calls()
+            return None if calls is None else await calls.call(self.bucket, operation, params)
         heads = handle.signed_heads() if operation in _HEADS else None
         if heads is None:
             return None

@@ -7,9 +7,10 @@ its config and bucket name, so it pickles and survives ``fork``: the client is c
 lazily on the loop of whichever process uses it.
 
 Requests go through the shared client of :mod:`s3ckpt.s3.client` (path-style, no SHA-256
-payload signing, no botocore checksums: callers pass a CRC32C computed natively), except
-the body of ranged GETs, which :mod:`s3ckpt.s3.get_attempt` receives straight into the
-caller's memory (one attempt; the retries are here).
+payload signing, no botocore checksums: callers pass a CRC32C computed natively), or are
+built, signed and answered as it would on its data plane (:mod:`s3ckpt.s3.wire`: uploads,
+HEADs, a save's other requests), whose ranged GETs :mod:`s3ckpt.s3.get_attempt` receives
+straight into the caller's memory (one attempt; the retries are here).
 
 Failed requests are retried here, by :mod:`s3ckpt.s3.retry` (botocore's own retries are off),
 because a retry must know what the request meant: a ranged GET resumes at the first byte

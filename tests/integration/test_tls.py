@@ -63,18 +63,21 @@ def uri(tls_s3: LocalS3Server, request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def tls_sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The body sizes sent on the data plane (HTTPS in worker threads, HTTP on the loop or
-    in native batches)."""
+    """The upload bodies' sizes sent on the data plane (HTTPS in worker threads, HTTP on
+    the loop or in native batches): its ``PUT`` requests, not the save's other requests
+    it also sends (create and complete of a multipart upload, listings, deletes)."""
     sizes: list[int] = []
     send, send_on_loop = uploads.send_request, uploads.on_loop.send_request
     send_batch = uploads.NativeBatch.send
 
     def counting(connection: Any, head: bytes, body: memoryview) -> Any:
-        sizes.append(len(body))
+        if head.startswith(b"PUT "):
+            sizes.append(len(body))
         return send(connection, head, body)
 
     async def counting_on_loop(pool: Any, origin: Any, head: bytes, body: memoryview) -> Any:
-        sizes.append(len(body))
+        if head.startswith(b"PUT "):
+            sizes.append(len(body))
         return await send_on_loop(pool, origin, head, body)
 
     async def counting_batch(batch: Any, url: Any, requests: Any, connections: int) -> Any:

@@ -79,8 +79,8 @@ def test_a_programming_error_inside_a_request_surfaces_unchanged(monkeypatch):
     config = S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="a", secret_access_key="b")
     store = ObjectStore(config, "bucket")
     with pytest.raises(AttributeError, match="no attribute 'get_object'"):
-        asyncio.run(store.delete_many(["some/key"]))
-    assert calls == ["DeleteObjects"]  # tried once: a bug is not retried
+        asyncio.run(store.copy("some/key", "bucket", "other/key"))
+    assert calls == ["CopyObject"]  # tried once: a bug is not retried
 
 
 def test_socket_and_protocol_errors_are_translated():

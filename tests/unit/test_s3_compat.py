@@ -125,6 +125,40 @@ def test_botocore_hooks_and_aiobotocore_answers_from_a_handler() -> None:
     assert put.body is body and get.method == "GET"
 
 
+def test_botocore_serializer_and_the_handlers_of_a_saves_control_requests() -> None:
+    """The serializer builds the query and body the client sends; the handlers turn a 200
+    carrying an error into a 500, escape line breaks in a DeleteObjects body and decode an
+    encoded listing."""
+
+    async def test(client: Any) -> None:
+        serialize = compat_botocore.serializer(client)
+        create = compat_botocore.serialized(
+            client, serialize, "CreateMultipartUpload",
+            {"Bucket": "b", "Key": "k", "ChecksumAlgorithm": "CRC32C"},
+        )  # fmt: skip
+        assert (create.method, create.query, create.body) == ("POST", "uploads", b"")
+        assert create.headers == {"x-amz-checksum-algorithm": "CRC32C"}
+        listing = compat_botocore.serialized(
+            client, serialize, "ListObjectsV2",
+            {"Bucket": "b", "Prefix": "a b/", "EncodingType": "url"},
+        )  # fmt: skip
+        assert (listing.method, listing.query) == (
+            "GET", "list-type=2&prefix=a%20b%2F&encoding-type=url"
+        )  # fmt: skip
+        operation = "CompleteMultipartUpload"
+        error = b"<Error><Code>InternalError</Code><Message>m</Message></Error>"
+        assert compat_botocore.answer_status(client, operation, 200, error) == 500
+        assert compat_botocore.answer_status(client, operation, 200, b"<Complete") == 500
+        assert compat_botocore.answer_status(client, operation, 200, b"<Done/>") == 200
+        assert compat_botocore.answer_status(client, operation, 404, error) == 404
+
+    _run(test)
+    assert compat_botocore.escaped_xml(b"<Key>a\r\nb</Key>") == b"<Key>a&#xD;&#xA;b</Key>"
+    parsed = {"EncodingType": "url", "Prefix": "a%20b/", "Contents": [{"Key": "a%20b/%0A"}]}
+    decoded = compat_botocore.decoded_listing(parsed)
+    assert (decoded["Prefix"], decoded["Contents"][0]["Key"]) == ("a b/", "a b/\n")
+
+
 def test_aiobotocore_response_reads_its_body_as_aiobotocore_does() -> None:
     answer = compat_aiobotocore.response("https://h/b/k", 200, {"etag": '"x"'}, b"body")
     assert isinstance(answer, AWSResponse) and isinstance(answer, compat_aiobotocore.Response)

@@ -1,9 +1,11 @@
 """The data plane: every request body and every ranged-GET body, through one transport.
 
-aiobotocore keeps the other control requests (create, complete and abort of multipart
-uploads, listings, deletes, small GETs); part uploads and the whole-object PUTs of
-:class:`~s3ckpt.s3.store.ObjectStore` (:mod:`~.uploads`) and its HEADs (:mod:`~.heads`)
-are built and signed here, at the URLs the client would use (:mod:`~.addresses`).
+Part uploads and the whole-object PUTs of :class:`~s3ckpt.s3.store.ObjectStore`
+(:mod:`~.uploads`), its HEADs (:mod:`~.heads`) and the other requests of a save (create
+and complete of its multipart uploads, its listings, its batch deletes: :mod:`~.calls`)
+are built and signed here, at the URLs the client would use (:mod:`~.addresses`), and
+answered as the client answers them; aiobotocore keeps the rest (aborts, copies, small
+GETs, listings of multipart uploads, anything with parameters these do not send).
 The bytes of checkpoints,
 upload bodies (``UploadPart``, ``PutObject``) and ranged GETs, plain HTTP and HTTPS, go
 through this package alone: one connection pool per client (:mod:`~.pool`: keep-alive,

@@ -24,7 +24,7 @@ from s3ckpt.s3.compat_botocore import read_timeout
 from s3ckpt.s3.wire.connection import Connection, StaleConnection
 
 MAX_HEADER_BYTES = 64 * 1024
-MAX_ERROR_BODY = 1024 * 1024
+MAX_SMALL_BODY = 16 * 1024 * 1024  # a listing page of 1000 long keys runs to a few MB
 # Bytes per sendall: each one marks progress for the stall timer, and costs one call.
 SEND_CHUNK = 8 * 1024 * 1024
 
@@ -134,7 +134,7 @@ class SmallResponse:
                         return True
                 elif isinstance(event, h11.Data):
                     self.body += event.data
-                    if len(self.body) > MAX_ERROR_BODY:  # not an S3 document: stop here
+                    if len(self.body) > MAX_SMALL_BODY:  # not an S3 document: stop here
                         return True
                 elif isinstance(event, h11.EndOfMessage):
                     self.keep_alive = self.parser.their_state is h11.DONE and (

@@ -57,6 +57,7 @@ from s3ckpt.s3.wire.signing import PartHeads, PartSigner
 # Headers this module writes itself, or that must not be sent as botocore left them.
 _OWN_HEADERS = frozenset({"host", "content-length", "expect", "transfer-encoding", "connection"})
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+_BODILESS = frozenset({"GET", "HEAD"})
 _USER_AGENT = f"s3ckpt/{__version__}"
 # PutObject parameters the data plane sends, and their headers (as botocore writes them).
 _PUT_HEADERS = {
@@ -247,10 +248,13 @@ def memory_of(body: Any) -> memoryview | None:
 
 def request_head(method: str, url: Any, headers: Any, length: int) -> bytes:
     """The request line and ``headers`` (a mapping) as signed, with ``Host`` and
-    ``Content-Length``."""
+    ``Content-Length`` (which a GET or HEAD without a body goes without, as aiohttp sends
+    them)."""
     host = host_header(url)
     target = f"{url.path or '/'}?{url.query}" if url.query else url.path or "/"
-    lines = [f"{method} {target} HTTP/1.1", f"Host: {host}", f"Content-Length: {length}"]
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {host}"]
+    if length or method not in _BODILESS:
+        lines.append(f"Content-Length: {length}")
     agent = False
     for name, value in headers.items():
         lower = name.lower()

@@ -1,0 +1,143 @@
+"""The control requests of a save built, signed and answered on the data plane: creating
+and completing its multipart uploads, the listings that confirm its objects, the delete
+of its in-flight marker.
+
+A thread-mode save sends five of them, all as its upload ends and commits, and through
+the aiobotocore client each cost the I/O loop 1.1-1.4 ms of Python (event hooks, endpoint
+rules, the user-agent string, the signer, aiohttp; ``time.thread_time`` against the
+zero-cost server): time a training loop beside the save waits for (docs/performance.md,
+"The loop beside a save"). Here the request is built by the client's own serializer (the
+XML bodies, the query, the headers exactly as the client builds them), the handlers the
+client runs for these operations are applied (:mod:`s3ckpt.s3.compat_botocore`: the
+listing's ``EncodingType=url`` and its decoding, DeleteObjects' escaped body and its
+integrity headers, a ``200`` that carries an error), and the request is signed by
+:class:`~.signing.PartSigner`, sent on the data plane's pool and its answer read by the
+client's response parser: callers get the dict, or the ``ClientError``, the client would
+have given them. ``tests/unit/test_wire_calls.py`` checks each request against the one the
+client sends, header for header and byte for byte.
+
+Only the parameters s3ckpt sends are served (:data:`SERVED`); any other request, and
+every one after the endpoint redirected one, goes through the client.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import zlib
+from typing import Any
+
+from s3ckpt.s3.compat_botocore import (
+    answer_status,
+    client_error,
+    decoded_listing,
+    escaped_xml,
+    parsed_answer,
+    serialized,
+    serializer,
+)
+from s3ckpt.s3.wire.addresses import Address, ObjectAddresses
+from s3ckpt.s3.wire.signing import PartSigner
+from s3ckpt.s3.wire.uploads import BodyTransport, request_head, signing_credentials
+
+# The operations served here, with the parameters each may carry (``Bucket`` aside), and
+# whether it is addressed to an object (``Key``) or to the bucket.
+SERVED: dict[str, tuple[bool, frozenset[str]]] = {
+    "CreateMultipartUpload": (True, frozenset({"Key", "ChecksumAlgorithm"})),
+    "CompleteMultipartUpload": (
+        True,
+        frozenset({"Key", "UploadId", "MultipartUpload", "IfNoneMatch"}),
+    ),
+    "ListObjectsV2": (
+        False,
+        frozenset({"Prefix", "Delimiter", "ContinuationToken", "StartAfter"}),
+    ),
+    "DeleteObjects": (False, frozenset({"Delete"})),
+}
+
+
+class SignedCalls:
+    """The control requests of :data:`SERVED`, of ``client``'s buckets, on the data plane."""
+
+    def __init__(
+        self,
+        client: Any,
+        transport: BodyTransport,
+        signer: PartSigner,
+        addresses: ObjectAddresses,
+    ) -> None:
+        self.client = client
+        self.transport = transport
+        self.signer = signer
+        self.addresses = addresses
+        self.serialize = serializer(client)
+        self.redirected = False  # the endpoint redirected one: the client sends them
+
+    @staticmethod
+    def serves(operation: str, params: dict[str, Any]) -> bool:
+        """Whether ``operation`` with ``params`` is sent here (a try may still hand it back)."""
+        served = SERVED.get(operation)
+        return served is not None and params.keys() <= served[1]
+
+    async def call(
+        self, bucket: str, operation: str, params: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """One try of ``operation`` (one :meth:`serves`): what the client's method returns,
+        or raises; None where the client must send it (the endpoint redirected it, or the
+        bucket's URL is not one the data plane knows)."""
+        on_object, _ = SERVED[operation]
+        address = await (
+            self.addresses.derived(bucket, params["Key"])
+            if on_object
+            else self.addresses.bucket(bucket)
+        )
+        if address is None:
+            return None
+        return await self._send(bucket, operation, params, address)
+
+    async def _send(
+        self, bucket: str, operation: str, params: dict[str, Any], address: Address
+    ) -> dict[str, Any] | None:
+        listing = operation == "ListObjectsV2"
+        if listing:  # what the client adds to a listing, decoded below
+            params = {**params, "EncodingType": "url"}
+        request = serialized(self.client, self.serialize, operation, {"Bucket": bucket, **params})
+        headers, body = request.headers, request.body
+        if operation == "DeleteObjects":
+            body = escaped_xml(body)
+            headers = {**headers, **integrity_headers(body)}
+        url, region, service = address
+        url = url._replace(query=request.query)
+        credentials = await signing_credentials(self.client)
+        signed = self.signer.sign(
+            url, headers, credentials=credentials, region=region, service=service,
+            method=request.method,
+        )  # fmt: skip
+        head = request_head(request.method, url, signed, len(body))
+        status, answer, content = await self.transport.send(url, head, memoryview(body))
+        if 300 <= status < 400:
+            self.redirected = True
+            return None
+        status = answer_status(self.client, operation, status, content)
+        if status >= 300:
+            raise client_error(self.client, operation, status, answer, content)
+        parsed = parsed_answer(self.client, operation, status, answer, content)
+        return decoded_listing(parsed) if listing else parsed
+
+
+def integrity_headers(body: bytes) -> dict[str, str]:
+    """What DeleteObjects carries to prove its body: the CRC32 the client adds to an
+    operation that requires a checksum, and :func:`content_md5`."""
+    crc = zlib.crc32(body).to_bytes(4, "big")
+    return {
+        "x-amz-sdk-checksum-algorithm": "CRC32",
+        "x-amz-checksum-crc32": base64.b64encode(crc).decode("ascii"),
+        "Content-MD5": content_md5(body),
+    }
+
+
+def content_md5(body: bytes) -> str:
+    """``Content-MD5`` of ``body``: S3 has always required an integrity header on
+    DeleteObjects, and stores that predate its CRC checksums (some gateways, older MinIO)
+    accept only MD5, which recent botocore no longer sends."""
+    return base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode("ascii")

@@ -255,29 +255,35 @@ def _group(name: str) -> str:
     return "s3ckpt-wire" if name.startswith("s3ckpt-wire") else name
 
 
+_WHO = ("caller", "save thread", "s3ckpt-io", "s3ckpt-wire", "other")
+
+
 def table(rows: list[dict[str, Any]], saves: int, state: str) -> str:
-    who = ("caller", "save thread", "s3ckpt-io", "s3ckpt-wire", "other")
     head = (
         f"{'mode':<20} "
-        + " ".join(f"{w:>12}" for w in who)
+        + " ".join(f"{w:>12}" for w in _WHO)
         + f" {'background':>11} {'bg takes':>9} {'save s':>7}"
     )
     lines = [f"GIL held per save, ms ({saves} saves of 1 GiB, state {state}; no loop beside)",
              head, "-" * len(head)]  # fmt: skip
     for row in rows:
-        held = row["held_ms_per_save"]
-        others = sum(v for k, v in held.items() if k not in who[:-1])
-        cells = [held.get(w, 0.0) for w in who[:-1]] + [others]
+        cells = _cells(row["held_ms_per_save"])
         lines.append(f"{row['mode']:<20} " + " ".join(f"{c:12.1f}" for c in cells)
                      + f" {row['background_ms_per_save']:11.1f}"
                      + f" {row.get('background_takes_per_save', 0.0):9.0f} {row['save_s']:7.2f}")  # fmt: skip
     lines += ["", "GIL takes per save (hand-overs), by thread", head.split(" background")[0]]
     for row in rows:
-        takes = row.get("takes_per_save", {})
-        others = sum(v for k, v in takes.items() if k not in who[:-1])
-        cells = [takes.get(w, 0.0) for w in who[:-1]] + [others]
+        cells = _cells(row.get("takes_per_save", {}))
         lines.append(f"{row['mode']:<20} " + " ".join(f"{c:12.0f}" for c in cells))
     return "\n".join(lines)
+
+
+def _cells(by_thread: dict[str, float]) -> list[float]:
+    """The named threads' values, then the sum of every other thread's as "other"."""
+    named = _WHO[:-1]
+    return [by_thread.get(w, 0.0) for w in named] + [
+        sum(v for k, v in by_thread.items() if k not in named)
+    ]
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.wire import DataPlane, proxied
 from s3ckpt.s3.wire.calls import SignedCalls, content_md5
 from s3ckpt.s3.wire.gets import RangedGets
-from s3ckpt.s3.wire.heads import SignedHeads
 from s3ckpt.s3.wire.uploads import SignedUploads
 
 log = logging.getLogger(__name__)
@@ -106,15 +105,9 @@ class ClientHandle:
         parts = None if self.plane is None else self.plane.parts
         return None if parts is None or parts.redirected else parts
 
-    def signed_heads(self) -> SignedHeads | None:
-        """The data plane's HEADs (call after :meth:`get`), or None where the client must
-        send them (no data plane, or the endpoint redirected one)."""
-        heads = None if self.plane is None else self.plane.heads
-        return None if heads is None or heads.redirected else heads
-
     def signed_calls(self) -> SignedCalls | None:
-        """The data plane's control requests (call after :meth:`get`), or None where the
-        client must send them (no data plane, or the endpoint redirected one)."""
+        """The data plane's HEADs and control requests (call after :meth:`get`), or None
+        where the client must send them (no data plane, or the endpoint redirected one)."""
         calls = None if self.plane is None else self.plane.calls
         return None if calls is None or calls.redirected else calls
 

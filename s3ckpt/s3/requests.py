@@ -19,7 +19,6 @@ from s3ckpt.s3.wire.calls import SignedCalls
 from s3ckpt.s3.wire.uploads import put_headers
 
 Body = bytes | bytearray | memoryview
-_HEADS = ("HeadObject", "HeadBucket")
 
 
 def flat(body: Body) -> memoryview:
@@ -113,10 +112,11 @@ class Requests:
     async def _on_data_plane(
         self, handle: ClientHandle, operation: str, params: dict[str, Any]
     ) -> dict[str, Any] | None:
-        """The answer to a whole-object PUT (:func:`~s3ckpt.s3.wire.uploads.put_headers`),
-        a plain HEAD or a save's control request (:mod:`s3ckpt.s3.wire.calls`), sent on
-        the data plane (:mod:`s3ckpt.s3.wire`); None where the client sends it (no data
-        plane, other parameters, a redirect: then this one too)."""
+        """The answer to a whole-object PUT (:func:`~s3ckpt.s3.wire.uploads.put_headers`)
+        or another of a save's requests (:mod:`s3ckpt.s3.wire.calls`: HEADs, multipart
+        create and complete, listings, batch deletes), sent on the data plane
+        (:mod:`s3ckpt.s3.wire`); None where the client sends it (no data plane, other
+        parameters, a redirect: then this one too)."""
         if operation == "PutObject":
             uploads, headers = handle.signed_uploads(), put_headers(params)
             if uploads is None or headers is None:
@@ -125,13 +125,6 @@ class Requests:
         if SignedCalls.serves(operation, params):
             calls = handle.signed_calls()
             return None if calls is None else await calls.call(self.bucket, operation, params)
-        heads = handle.signed_heads() if operation in _HEADS else None
-        if heads is None:
-            return None
-        if operation == "HeadObject" and params.keys() == {"Key"}:
-            return await heads.head_object(self.bucket, params["Key"])
-        if operation == "HeadBucket" and not params:
-            return await heads.head_bucket(self.bucket)
         return None
 
     async def upload_part(self, params: dict[str, Any]) -> dict[str, Any]:

@@ -248,3 +248,6 @@ def test_other_parameters_go_through_the_client():
     assert not SignedCalls.serves("CreateMultipartUpload", {"Key": "k", "ContentType": "x"})
     assert not SignedCalls.serves("ListObjectsV2", {"Prefix": "p", "MaxKeys": 5})
     assert not SignedCalls.serves("AbortMultipartUpload", {"Key": "k", "UploadId": "u"})
+    assert SignedCalls.serves("HeadObject", {"Key": "k"}) and SignedCalls.serves("HeadBucket", {})
+    assert not SignedCalls.serves("HeadObject", {"Key": "k", "Range": "bytes=0-1"})
+    assert not SignedCalls.serves("HeadObject", {})  # an object's request names its key

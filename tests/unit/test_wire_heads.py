@@ -1,4 +1,4 @@
-"""HEADs built, signed and answered on the data plane (``s3ckpt.s3.wire.heads``) against a
+"""HEADs built, signed and answered on the data plane (``s3ckpt.s3.wire.calls``) against a
 scripted server on loopback: what is sent, that a HEAD's answer (a ``Content-Length``
 and no body) is read whole, that an answer is what the client's own path returns or
 raises, and that a redirect hands HEADs to the client. Real signatures are checked by

@@ -1,9 +1,9 @@
 """The data plane: every request body and every ranged-GET body, through one transport.
 
 Part uploads and the whole-object PUTs of :class:`~s3ckpt.s3.store.ObjectStore`
-(:mod:`~.uploads`), its HEADs (:mod:`~.heads`) and the other requests of a save (create
-and complete of its multipart uploads, its listings, its batch deletes: :mod:`~.calls`)
-are built and signed here, at the URLs the client would use (:mod:`~.addresses`), and
+(:mod:`~.uploads`) and the other requests of a save (its HEADs, create and complete of its
+multipart uploads, its listings, its batch deletes: :mod:`~.calls`) are built and signed
+here, at the URLs the client would use (:mod:`~.addresses`), and
 answered as the client answers them; aiobotocore keeps the rest (aborts, copies, small
 GETs, listings of multipart uploads, anything with parameters these do not send).
 The bytes of checkpoints,

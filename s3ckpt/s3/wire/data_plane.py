@@ -8,15 +8,14 @@ from typing import Any
 from s3ckpt.s3.wire.batch import NativeBatch, native_batches
 from s3ckpt.s3.wire.calls import SignedCalls
 from s3ckpt.s3.wire.gets import RangedGets
-from s3ckpt.s3.wire.heads import SignedHeads
 from s3ckpt.s3.wire.pool import ConnectionPool
 from s3ckpt.s3.wire.uploads import BodySender, BodyTransport, SignedUploads
 
 
 class DataPlane:
-    """Part uploads and whole-object PUTs (``parts``), other upload bodies, HEADs
-    (``heads``), a save's control requests (``calls``) and ranged GETs (``gets``) of
-    ``client``, on one pool; ``batches``: batches of parts to plain-HTTP endpoints go to
+    """Part uploads and whole-object PUTs (``parts``), other upload bodies, a save's other
+    requests (``calls``: HEADs, multipart create and complete, listings, batch deletes)
+    and ranged GETs (``gets``) of ``client``, on one pool; ``batches``: batches of parts to plain-HTTP endpoints go to
     native threads (:mod:`~.batch`) where the sender is built."""
 
     def __init__(
@@ -39,7 +38,6 @@ class DataPlane:
         )
         self.gets: RangedGets | None = None
         self.parts: SignedUploads | None = None
-        self.heads: SignedHeads | None = None
         self.calls: SignedCalls | None = None
         if reads:
             self.gets = RangedGets(client, self.pool)
@@ -47,7 +45,6 @@ class DataPlane:
             transport = BodyTransport(self.pool)
             batch = NativeBatch(self.pool) if batches and native_batches() else None
             self.parts = SignedUploads(client, transport, batch)
-            self.heads = SignedHeads(client, transport, self.parts.signer, self.parts.addresses)
             self.calls = SignedCalls(client, transport, self.parts.signer, self.parts.addresses)
             BodySender(transport).register(client)
 

@@ -11,13 +11,16 @@ signing key kept per secret, day, region and service: about 20 µs. The parts of
 upload are signed by :class:`PartHeads`, which works out once what they share and writes
 each part's whole request head: about 9 µs a part, head included.
 
-Only what :class:`~.uploads.SignedUploads` sends is signed here, exactly as botocore signs
-it for the client s3ckpt configures (:mod:`s3ckpt.s3.client`: SigV4, payload signing off,
-so ``UNSIGNED-PAYLOAD``): ``PUT`` on the object's URL as the client addresses it, a query
-of ``partNumber`` and ``uploadId``, the part's CRC32C header where it has one, and the
-session token where the credentials carry one. ``tests/unit/test_wire_signing.py``
-checks every header against botocore's signer for the same request at the same instant;
-SeaweedFS checks the signatures themselves (``tests/integration/test_signed_parts.py``).
+Only what the data plane sends is signed here, exactly as botocore signs it for the
+client s3ckpt configures (:mod:`s3ckpt.s3.client`: SigV4, payload signing off, so
+``UNSIGNED-PAYLOAD``): the parts and PUTs of :class:`~.uploads.SignedUploads` (``PUT`` on
+the object's URL as the client addresses it, a query of ``partNumber`` and ``uploadId``,
+the part's CRC32C header where it has one) and the requests of
+:class:`~.calls.SignedCalls` (the method, query and headers the client's serializer
+built), with the session token where the credentials carry one.
+``tests/unit/test_wire_signing.py`` and ``tests/unit/test_wire_calls.py`` check the
+signatures against botocore's signer for the same request at the same instant; SeaweedFS
+checks them itself (``tests/integration/test_signed_parts.py`` and every save).
 """
 
 from __future__ import annotations

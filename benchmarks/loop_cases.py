@@ -21,6 +21,19 @@ blocked, the upload's time, and the loop time lost:
 ``blocked + upload x (1 - step alone / step during)``. A warm-up save runs first (a
 training loop's saves after its first are what matter). Environment: that of
 :mod:`benchmarks.cases`.
+
+A step's slowdown has two factors, and each rep measures both from the loop thread's own
+CPU time (:func:`time.thread_time`) and its voluntary context switches:
+
+- ``waiting``: the step's wall time over its CPU time during the upload, minus one. A
+  thread alone on its core is off it only while it sleeps, and beside a thread-mode save
+  it sleeps waiting for the GIL (``sleeps`` counts them): what the save's own threads
+  cost the loop. Its slowdown on a host where the loop's CPU per step stays as it was;
+- ``cpu_growth``: the step's CPU time during the upload over alone, minus one. On a
+  shared host it moves with the neighbours (caches, memory bandwidth, the hypervisor),
+  beside the checkpoint process as much as beside a thread; ``alone_drift`` (the step
+  alone after the upload over before it, minus one) shows how far it moves with nothing
+  saving at all.
 """
 
 from __future__ import annotations
@@ -29,12 +42,14 @@ import atexit
 import gc
 import json
 import os
+import resource
 import shutil
 import sys
 import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -246,12 +261,38 @@ def _place_loop(pinned: bool, on_loop_core: bool) -> None:
         os.sched_setaffinity(0, LOOP_CPU if on_loop_core else OTHERS_CPU)
 
 
-def _steps(step: Callable[[], None], until: Callable[[], bool]) -> tuple[int, float]:
-    count, started = 0, time.perf_counter()
+@dataclass(frozen=True)
+class Stepped:
+    """A stretch of steps: how many, their wall and the loop thread's CPU time, and how
+    often the thread slept (voluntary context switches)."""
+
+    count: int
+    wall_s: float
+    cpu_s: float
+    sleeps: int
+
+    @property
+    def step_s(self) -> float:
+        return self.wall_s / max(self.count, 1)
+
+    @property
+    def step_cpu_s(self) -> float:
+        return self.cpu_s / max(self.count, 1)
+
+
+def _sleeps_so_far() -> int:
+    """This thread's voluntary context switches (Linux: ``RUSAGE_THREAD``)."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+
+
+def _steps(step: Callable[[], None], until: Callable[[], bool]) -> Stepped:
+    count, sleeps = 0, _sleeps_so_far()
+    cpu, started = time.thread_time(), time.perf_counter()
     while not until():
         step()
         count += 1
-    return count, time.perf_counter() - started
+    wall, cpu = time.perf_counter() - started, time.thread_time() - cpu
+    return Stepped(count, wall, cpu, _sleeps_so_far() - sleeps)
 
 
 def _collections() -> list[int]:
@@ -261,10 +302,9 @@ def _collections() -> list[int]:
     return [generation["collections"] for generation in gc.get_stats()]
 
 
-def _alone(step: Callable[[], None]) -> float:
+def _alone(step: Callable[[], None]) -> Stepped:
     deadline = time.perf_counter() + ALONE_S
-    count, elapsed = _steps(step, lambda: time.perf_counter() >= deadline)
-    return elapsed / count
+    return _steps(step, lambda: time.perf_counter() >= deadline)
 
 
 def shaped(state: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -285,7 +325,9 @@ def run(loop: str, mode: str, placement: str, size_mib: int, reps: int) -> dict[
                               "gib": gib, "copy_s": bare_copy_s(state)}  # fmt: skip
     if mode == "alone":
         _place_loop(pinned, on_loop_core=True)
-        result["step_alone_us"] = _alone(step) * 1e6
+        alone = _alone(step)
+        result["step_alone_us"] = alone.step_s * 1e6
+        result["step_cpu_alone_us"] = alone.step_cpu_s * 1e6
         return result
     save = MODES[mode]()
     save(saved, 0).result()  # warm-up: processes started, memory allocated
@@ -299,7 +341,7 @@ def run(loop: str, mode: str, placement: str, size_mib: int, reps: int) -> dict[
         upload = save(saved, i)
         blocked = time.perf_counter() - started
         _place_loop(pinned, on_loop_core=True)
-        count, elapsed = _steps(step, upload.done)
+        during = _steps(step, upload.done)
         collections = [
             now - then for now, then in zip(_collections(), collected_before, strict=True)
         ]
@@ -308,16 +350,27 @@ def run(loop: str, mode: str, placement: str, size_mib: int, reps: int) -> dict[
         _place_loop(pinned, on_loop_core=True)
         after = _alone(step)
         _place_loop(pinned, on_loop_core=False)
-        alone = (before + after) / 2
-        during = elapsed / max(count, 1)
-        lost = blocked + elapsed * max(0.0, 1 - alone / during)
-        samples.append({
-            "blocked_s": blocked, "upload_s": elapsed, "step_alone_us": alone * 1e6,
-            "step_during_us": during * 1e6, "slowdown": during / alone - 1,
-            "lost_s_per_gib": lost / gib, "collections": collections,
-        })  # fmt: skip
+        samples.append({**_rep(before, during, after, blocked, gib), "collections": collections})
     result["reps"] = samples
     return result
+
+
+def _rep(
+    before: Stepped, during: Stepped, after: Stepped, blocked: float, gib: float
+) -> dict[str, Any]:
+    """One rep's measures (the module's docstring says what each means)."""
+    alone = (before.step_s + after.step_s) / 2
+    cpu_alone = (before.step_cpu_s + after.step_cpu_s) / 2
+    lost = blocked + during.wall_s * max(0.0, 1 - alone / during.step_s)
+    return {
+        "blocked_s": blocked, "upload_s": during.wall_s, "step_alone_us": alone * 1e6,
+        "step_during_us": during.step_s * 1e6, "slowdown": during.step_s / alone - 1,
+        "lost_s_per_gib": lost / gib, "step_cpu_alone_us": cpu_alone * 1e6,
+        "step_cpu_during_us": during.step_cpu_s * 1e6,
+        "waiting": during.step_s / during.step_cpu_s - 1,
+        "cpu_growth": during.step_cpu_s / cpu_alone - 1, "sleeps": during.sleeps,
+        "alone_drift": after.step_s / before.step_s - 1,
+    }  # fmt: skip
 
 
 if __name__ == "__main__":

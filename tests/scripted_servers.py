@@ -99,14 +99,12 @@ class ScriptedServers:
         """A server answering each request by ``answer(head)``, and the heads it receives
         (its bodies in the server's ``bodies``)."""
         heads: list[bytes] = []
-        bodies: list[bytes] = []
 
-        def handle(sock: socket.socket) -> None:
-            while read_request(sock, heads, bodies) >= 0:
+        def handle(sock: socket.socket) -> None:  # runs once a client connects: ``server`` is set
+            while read_request(sock, heads, server.bodies) >= 0:
                 sock.sendall(answer(heads[-1]))
 
         server = ThreadedServer(handle)
-        server.bodies = bodies
         self.servers.append(server)
         return server, heads
 

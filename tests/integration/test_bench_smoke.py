@@ -75,10 +75,17 @@ def test_loop_benchmark_smoke_run(tmp_path):
     assert set(rows) == {(m, p) for m in ["alone", *modes.split(",")] for p in ("shared", "pinned")}
     for (mode, _), row in rows.items():
         assert row["error"] is None, row
+        assert row["step_alone_us"] > 0 and row["step_cpu_alone_us"] > 0, row
         if mode != "alone":
             assert row["slowdown"] is not None and row["upload_s"] > 0, row
             assert row["lost_s_per_gib"] >= 0 and row["blocked_s"] > 0, row
             assert row["full_collections"] >= 0, row
+            # the slowdown's two factors, from the loop thread's own clock and sleeps
+            (rep,) = row["reps"]
+            factors = (1 + rep["waiting"]) * (1 + rep["cpu_growth"])
+            alone_ratio = rep["step_alone_us"] / rep["step_cpu_alone_us"]
+            assert factors == pytest.approx((1 + rep["slowdown"]) * alone_ratio, rel=1e-6)
+            assert rep["waiting"] > -0.05 and rep["sleeps"] >= 0, rep
     assert {t["target"].split(":")[0] for t in report["targets"]} == {
         "dispatch beside manager_default", "dispatch beside dcp_thread"
     }  # fmt: skip

@@ -15,8 +15,9 @@ loop time lost per GiB against a bare copy of the same bytes; and the slowdown's
 factors (:mod:`benchmarks.loop_cases`): ``waiting``, the loop's time off its core over
 its CPU time (beside a thread-mode save, its waits for the GIL: what the save's threads
 cost it), and ``cpu/step``, the growth of the loop's CPU time per step (what the host's
-neighbours cost it, beside any mode). Output: a table and ``benchmarks/results/loop.json``
-(per case the medians, and every rep in order).
+neighbours cost it, beside any mode), with the loop time lost counting the waiting alone.
+Output: a table and ``benchmarks/results/loop.json`` (per case the medians, and every rep
+in order).
 
     python -m benchmarks.loop [--size-mib 1024] [--reps 2] [--loops dispatch,compute]
                               [--modes ...] [--placements shared,pinned] [--state nested]
@@ -51,7 +52,8 @@ THREAD_MODES = ("manager_thread", "dcp_thread")
 DEFAULT_SLOWDOWN_MAX, DEFAULT_LOST_OVER_COPY_MAX, THREAD_SLOWDOWN_MAX = 0.05, 1.2, 0.20
 # Each case's medians over its reps (benchmarks.loop_cases says what each measures).
 MEDIANS = ("slowdown", "upload_s", "blocked_s", "lost_s_per_gib", "step_during_us",
-           "step_cpu_during_us", "waiting", "cpu_growth", "sleeps", "alone_drift")  # fmt: skip
+           "step_cpu_during_us", "waiting", "lost_waiting_s_per_gib", "cpu_growth", "sleeps",
+           "alone_drift")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,7 +132,7 @@ def summarize(cases: list[dict[str, Any]], *, size_mib: int, reps: int) -> dict[
     """Per case the median over its reps; the targets."""
     rows = []
     for case in cases:
-        row = {k: case.get(k) for k in ("loop", "mode", "placement", "error")}
+        row = {k: case.get(k) for k in ("loop", "mode", "placement", "error", "gib")}
         row["copy_s_per_gib"] = case["copy_s"] / case["gib"] if "copy_s" in case else None
         samples = case.get("reps") or []
         for field in MEDIANS:
@@ -143,6 +145,7 @@ def summarize(cases: list[dict[str, Any]], *, size_mib: int, reps: int) -> dict[
             )
         if row["lost_s_per_gib"] is not None and row["copy_s_per_gib"]:
             row["lost_over_copy"] = row["lost_s_per_gib"] / row["copy_s_per_gib"]
+            row["lost_waiting_over_copy"] = row["lost_waiting_s_per_gib"] / row["copy_s_per_gib"]
             row["blocked_over_copy"] = row["blocked_s"] / (row["copy_s_per_gib"] * case["gib"])
         row["reps"] = samples  # in order: a process's first timed save apart from the rest
         rows.append(row)
@@ -164,6 +167,9 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             found.append(_target(f"{name}: waiting", row.get("waiting"), DEFAULT_SLOWDOWN_MAX))
             found.append(_target(f"{name}: lost / copy", row.get("lost_over_copy"),
                                  DEFAULT_LOST_OVER_COPY_MAX))  # fmt: skip
+            found.append(_target(f"{name}: lost waiting / copy",
+                                 row.get("lost_waiting_over_copy"),
+                                 DEFAULT_LOST_OVER_COPY_MAX))  # fmt: skip
             found.append(_target(f"{name}: blocked / copy", row.get("blocked_over_copy"),
                                  DEFAULT_LOST_OVER_COPY_MAX))  # fmt: skip
         if row["mode"] in THREAD_MODES:
@@ -180,7 +186,8 @@ def _target(name: str, value: float | None, goal: float) -> dict[str, Any]:
 def table(report: dict[str, Any]) -> str:
     head = (f"{'loop':<9} {'beside':<19} {'cores':<7} {'step us':>8} {'slowdown':>9} "
             f"{'waiting':>8} {'cpu/step':>9} {'sleeps':>7} {'drift':>6} "
-            f"{'upload s':>9} {'blocked s':>10} {'lost s/GiB':>11} {'x copy':>7} {'blocked x copy':>15} "
+            f"{'upload s':>9} {'blocked s':>10} {'lost s/GiB':>11} {'x copy':>7} {'waiting x':>10} "
+            f"{'blocked x copy':>15} "
             f"{'full GCs':>9}")  # fmt: skip
     # Reports from before the option saved the flat state.
     shape = "one top-level entry" if report.get("state", "flat") == "nested" else "flat"
@@ -188,8 +195,9 @@ def table(report: dict[str, Any]) -> str:
              f"{report['reps']} reps; slowdown = (1 + waiting) x (1 + cpu/step) - 1: waiting, "
              "its time off its core over its CPU time; cpu/step, its CPU time per step over "
              "alone; sleeps, its waits in an upload; drift, its step alone after an upload over "
-             "before; full GCs: the loop process's full garbage collections during the "
-             "uploads, all reps)", head, "-" * len(head)]  # fmt: skip
+             "before; waiting x: the time lost counting only the waiting (blocked + upload x "
+             "waiting / (1 + waiting)) over the copy; full GCs: the loop process's full "
+             "garbage collections during the uploads, all reps)", head, "-" * len(head)]  # fmt: skip
     for row in report["cases"]:
         if row.get("error"):
             lines.append(f"{row['loop']:<9} {row['mode']:<19} {row['placement']:<7} failed")
@@ -201,6 +209,7 @@ def table(report: dict[str, Any]) -> str:
             f"{_f(row.get('sleeps'), 0):>7} {_pct(row.get('alone_drift')):>6} "
             f"{_f(row['upload_s'], 2):>9} {_f(row['blocked_s'], 3):>10} "
             f"{_f(row['lost_s_per_gib'], 3):>11} {_f(row.get('lost_over_copy'), 2):>7} "
+            f"{_f(row.get('lost_waiting_over_copy'), 2):>10} "
             f"{_f(row.get('blocked_over_copy'), 2):>15} "
             f"{'-' if row.get('full_collections') is None else row['full_collections']:>9}"
         )

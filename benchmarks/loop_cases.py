@@ -29,6 +29,8 @@ CPU time (:func:`time.thread_time`) and its voluntary context switches:
   thread alone on its core is off it only while it sleeps, and beside a thread-mode save
   it sleeps waiting for the GIL (``sleeps`` counts them): what the save's own threads
   cost the loop. Its slowdown on a host where the loop's CPU per step stays as it was;
+  ``lost_waiting_s_per_gib`` is the loop time lost counted the same way (the time
+  blocked, and the upload's time off the core: ``upload x waiting / (1 + waiting)``);
 - ``cpu_growth``: the step's CPU time during the upload over alone, minus one. On a
   shared host it moves with the neighbours (caches, memory bandwidth, the hypervisor),
   beside the checkpoint process as much as beside a thread; ``alone_drift`` (the step
@@ -362,12 +364,15 @@ def _rep(
     alone = (before.step_s + after.step_s) / 2
     cpu_alone = (before.step_cpu_s + after.step_cpu_s) / 2
     lost = blocked + during.wall_s * max(0.0, 1 - alone / during.step_s)
+    waiting = during.step_s / during.step_cpu_s - 1
     return {
         "blocked_s": blocked, "upload_s": during.wall_s, "step_alone_us": alone * 1e6,
         "step_during_us": during.step_s * 1e6, "slowdown": during.step_s / alone - 1,
         "lost_s_per_gib": lost / gib, "step_cpu_alone_us": cpu_alone * 1e6,
         "step_cpu_during_us": during.step_cpu_s * 1e6,
-        "waiting": during.step_s / during.step_cpu_s - 1,
+        "waiting": waiting, "lost_waiting_s_per_gib": (
+            blocked + during.wall_s * waiting / (1 + waiting)
+        ) / gib,
         "cpu_growth": during.step_cpu_s / cpu_alone - 1, "sleeps": during.sleeps,
         "alone_drift": after.step_s / before.step_s - 1,
     }  # fmt: skip

@@ -86,6 +86,9 @@ def test_loop_benchmark_smoke_run(tmp_path):
             alone_ratio = rep["step_alone_us"] / rep["step_cpu_alone_us"]
             assert factors == pytest.approx((1 + rep["slowdown"]) * alone_ratio, rel=1e-6)
             assert rep["waiting"] > -0.05 and rep["sleeps"] >= 0, rep
+            off_core = rep["upload_s"] * rep["waiting"] / (1 + rep["waiting"])
+            lost_waiting = (rep["blocked_s"] + off_core) / row["gib"]
+            assert rep["lost_waiting_s_per_gib"] == pytest.approx(lost_waiting), rep
     assert {t["target"].split(":")[0] for t in report["targets"]} == {
         "dispatch beside manager_default", "dispatch beside dcp_thread"
     }  # fmt: skip

@@ -93,6 +93,17 @@ def _shared_budget(limit: int) -> _ByteBudget:
     return resources[key]
 
 
+async def _result_of(future: Future[T]) -> T:
+    """``future``'s result, on the I/O loop. One already done is read at once: wrapped
+    (``asyncio.wrap_future``), its copy is set through ``call_soon_threadsafe``, which wakes
+    the loop through its self-pipe even from the loop's own thread, a GIL hand-over for
+    nothing beside a thread-mode save's training loop (about ten a save: each batch's
+    upload id, the object's finished batches)."""
+    if future.done() and not future.cancelled():
+        return future.result()
+    return await asyncio.wrap_future(future)
+
+
 class RankUploader:
     """Uploads the objects of one rank's save. Use once, from one thread.
 
@@ -242,7 +253,7 @@ class RankUploader:
         """Upload a batch of ``(part number, body, CRC32C)``: first tried together
         (:meth:`ObjectStore.try_parts <s3ckpt.s3.store.ObjectStore.try_parts>`, native
         threads where the store can), then each part that failed retried on its own."""
-        upload_id = await asyncio.wrap_future(created)
+        upload_id = await _result_of(created)
         tries = await self.store.try_parts(key, upload_id, batch)
         outcomes: list[PartResult | Exception | None] = (
             [None] * len(batch) if tries is None else list(tries)
@@ -265,8 +276,8 @@ class RankUploader:
         created: Future[str],
         batches: list[Future[list[PartResult]]],
     ) -> UploadedObject:
-        upload_id = await asyncio.wrap_future(created)
-        results = [part for b in batches for part in await asyncio.wrap_future(b)]
+        upload_id = await _result_of(created)
+        results = [part for b in batches for part in await _result_of(b)]
         etag = await self._unstoppable(self.store.complete_multipart(key, upload_id, results))
         self._upload_ids.pop(key, None)
         return UploadedObject(key, size, etag)

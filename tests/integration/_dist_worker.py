@@ -127,6 +127,9 @@ def _dump_stacks(processes: list[Any]) -> None:
 
 
 def _init(rank: int, world_size: int, port: int) -> None:
+    # A rank that dies of a signal (a native library's abort, a crash) prints every
+    # thread's Python stack first, so the failed test shows where it was.
+    faulthandler.enable(all_threads=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)

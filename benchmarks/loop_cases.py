@@ -364,7 +364,8 @@ def _rep(
     alone = (before.step_s + after.step_s) / 2
     cpu_alone = (before.step_cpu_s + after.step_cpu_s) / 2
     lost = blocked + during.wall_s * max(0.0, 1 - alone / during.step_s)
-    waiting = during.step_s / during.step_cpu_s - 1
+    # an upload done before the loop's first step leaves no CPU time to divide by
+    waiting = during.wall_s / during.cpu_s - 1 if during.cpu_s > 0 else 0.0
     return {
         "blocked_s": blocked, "upload_s": during.wall_s, "step_alone_us": alone * 1e6,
         "step_during_us": during.step_s * 1e6, "slowdown": during.step_s / alone - 1,

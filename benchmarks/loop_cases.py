@@ -366,14 +366,13 @@ def _rep(
     lost = blocked + during.wall_s * max(0.0, 1 - alone / during.step_s)
     # an upload done before the loop's first step leaves no CPU time to divide by
     waiting = during.wall_s / during.cpu_s - 1 if during.cpu_s > 0 else 0.0
+    off_core = during.wall_s * waiting / (1 + waiting)  # the upload's time off the core
     return {
         "blocked_s": blocked, "upload_s": during.wall_s, "step_alone_us": alone * 1e6,
         "step_during_us": during.step_s * 1e6, "slowdown": during.step_s / alone - 1,
         "lost_s_per_gib": lost / gib, "step_cpu_alone_us": cpu_alone * 1e6,
         "step_cpu_during_us": during.step_cpu_s * 1e6,
-        "waiting": waiting, "lost_waiting_s_per_gib": (
-            blocked + during.wall_s * waiting / (1 + waiting)
-        ) / gib,
+        "waiting": waiting, "lost_waiting_s_per_gib": (blocked + off_core) / gib,
         "cpu_growth": during.step_cpu_s / cpu_alone - 1, "sleeps": during.sleeps,
         "alone_drift": after.step_s / before.step_s - 1,
     }  # fmt: skip

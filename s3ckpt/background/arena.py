@@ -101,6 +101,7 @@ class StagingArena:
         self, *, pin: bool = False, root: Path | None = None, limit: int | None = None
     ) -> None:
         self.segments: list[Segment] = []
+        self._views: dict[Region, torch.Tensor] = {}  # the last copy's regions, as tensors
         self._pin = pin
         self.root = root
         self.limit = limit  # the most bytes one copy may take (a memory tier's max_bytes)
@@ -156,6 +157,16 @@ class StagingArena:
     def view(self, region: Region) -> torch.Tensor:
         return self.segments[region.segment].view(region.offset, region.nbytes)
 
+    def views(self, regions: list[Region]) -> list[torch.Tensor]:
+        """Each region as a uint8 tensor over exactly its bytes. A training loop's state
+        gets the same regions every save: their tensors are kept from the last call and
+        handed out again, not made anew (a ``frombuffer`` each, 1.5 us here)."""
+        kept, self._views = self._views, {}
+        for region in regions:
+            view = kept.get(region)
+            self._views[region] = self.view(region) if view is None else view
+        return [self._views[region] for region in regions]
+
     def locate(self, data_ptr: int, nbytes: int) -> Region | None:
         """The region of the arena a storage at ``data_ptr`` occupies, if it lies in one."""
         for index, segment in enumerate(self.segments):
@@ -170,6 +181,7 @@ class StagingArena:
 
     def close(self) -> None:
         segments, self.segments = self.segments, []
+        self._views = {}  # views hold the mappings open
         for segment in segments:
             segment.close()
 

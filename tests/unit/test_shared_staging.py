@@ -81,6 +81,42 @@ def test_a_stage_is_a_copy_with_shared_storages_strides_and_values_kept():
         arena.close()
 
 
+def test_storages_of_every_length_and_alignment_are_copied_byte_for_byte():
+    """The copy views both sides as the widest words the length and the source's address
+    allow: odd lengths and odd addresses fall back to narrower ones, never lose a byte."""
+    backing = bytearray(range(256)) * 4
+    live = {
+        f"{length}@{offset}": torch.frombuffer(backing, dtype=torch.uint8, count=length,
+                                               offset=offset)
+        for length in (1, 2, 3, 4, 6, 8, 12, 24, 1000) for offset in (0, 1, 2, 4, 8)
+    }  # fmt: skip
+    live["empty"] = torch.empty(0)
+    arena = StagingArena()
+    try:
+        for _ in range(2):  # the second copy goes into the regions' kept tensors
+            copy = stage(arena, live).state_dict
+            for key, tensor in live.items():
+                assert copy[key].tolist() == tensor.tolist(), key
+            backing[:] = bytes(255 - b for b in backing)  # the next copy sees new bytes
+    finally:
+        arena.close()
+
+
+def test_the_regions_tensors_are_kept_for_the_next_copy_only():
+    arena = StagingArena()
+    try:
+        regions, _ = arena.allocate([100, 200])
+        first = arena.views(regions)
+        assert [v.nbytes for v in first] == [100, 200]
+        assert all(a is b for a, b in zip(arena.views(regions), first, strict=True))
+        other, _ = arena.allocate([300])
+        assert arena.views(other)[0].nbytes == 300
+        # the regions of two copies ago are made anew, not kept forever
+        assert arena.views(regions)[0] is not first[0]
+    finally:
+        arena.close()
+
+
 def test_staged_state_pickles_by_reference_and_unpickles_over_the_same_memory():
     arena = StagingArena()
     try:

@@ -53,7 +53,7 @@ DEFAULT_SLOWDOWN_MAX, DEFAULT_LOST_OVER_COPY_MAX, THREAD_SLOWDOWN_MAX = 0.05, 1.
 # Each case's medians over its reps (benchmarks.loop_cases says what each measures).
 MEDIANS = ("slowdown", "upload_s", "blocked_s", "lost_s_per_gib", "step_during_us",
            "step_cpu_during_us", "waiting", "lost_waiting_s_per_gib", "cpu_growth", "sleeps",
-           "alone_drift")  # fmt: skip
+           "alone_drift", "lost_over_copy", "lost_waiting_over_copy", "blocked_over_copy")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,9 +133,10 @@ def summarize(cases: list[dict[str, Any]], *, size_mib: int, reps: int) -> dict[
     rows = []
     for case in cases:
         row = {k: case.get(k) for k in ("loop", "mode", "placement", "error", "gib")}
-        row["copy_s_per_gib"] = case["copy_s"] / case["gib"] if "copy_s" in case else None
         samples = case.get("reps") or []
-        for field in MEDIANS:
+        copies = [s["copy_s"] for s in samples] or ([case["copy_s"]] if "copy_s" in case else [])
+        row["copy_s_per_gib"] = statistics.median(copies) / case["gib"] if copies else None
+        for field in MEDIANS:  # each over-the-copy ratio within its rep, then the median
             row[field] = statistics.median(s[field] for s in samples) if samples else None
         # Full collections in the loop's interpreter during the uploads, over every rep.
         row["full_collections"] = sum(s["collections"][2] for s in samples) if samples else None
@@ -143,10 +144,6 @@ def summarize(cases: list[dict[str, Any]], *, size_mib: int, reps: int) -> dict[
             row[field] = (
                 statistics.median(s[field] for s in samples) if samples else case.get(field)
             )
-        if row["lost_s_per_gib"] is not None and row["copy_s_per_gib"]:
-            row["lost_over_copy"] = row["lost_s_per_gib"] / row["copy_s_per_gib"]
-            row["lost_waiting_over_copy"] = row["lost_waiting_s_per_gib"] / row["copy_s_per_gib"]
-            row["blocked_over_copy"] = row["blocked_s"] / (row["copy_s_per_gib"] * case["gib"])
         row["reps"] = samples  # in order: a process's first timed save apart from the rest
         rows.append(row)
     report = {"size_mib": size_mib, "reps": reps, "cases": rows}

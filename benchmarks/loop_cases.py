@@ -18,9 +18,11 @@ storage's.
 
 Per rep: the loop's time per step alone and during the upload, the time the save call
 blocked, the upload's time, and the loop time lost:
-``blocked + upload x (1 - step alone / step during)``. A warm-up save runs first (a
-training loop's saves after its first are what matter). Environment: that of
-:mod:`benchmarks.cases`.
+``blocked + upload x (1 - step alone / step during)``; and each of these over a bare copy
+of the state timed just before the save, on the save's core (``copy_s``; the host's
+memory bandwidth drifts too much for one copy per case to serve every rep). A warm-up
+save runs first (a training loop's saves after its first are what matter). Environment:
+that of :mod:`benchmarks.cases`.
 
 A step's slowdown has two factors, and each rep measures both from the loop thread's own
 CPU time (:func:`time.thread_time`) and its voluntary context switches:
@@ -46,6 +48,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -56,7 +59,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.data import bare_copy_s, make_state, state_nbytes
+from benchmarks.data import BareCopy, make_state, state_nbytes
 from benchmarks.loop_floors import NativeBatchWriter, RawSocketWriter, ViewingWriter
 
 warnings.filterwarnings("ignore")
@@ -323,8 +326,9 @@ def run(loop: str, mode: str, placement: str, size_mib: int, reps: int) -> dict[
     state = make_state(size_mib)
     gib = state_nbytes(state) / GiB
     saved = shaped(state)
-    result: dict[str, Any] = {"loop": loop, "mode": mode, "placement": placement,
-                              "gib": gib, "copy_s": bare_copy_s(state)}  # fmt: skip
+    floor = BareCopy(state)
+    result: dict[str, Any] = {"loop": loop, "mode": mode, "placement": placement, "gib": gib,
+                              "copy_s": statistics.median(floor.time() for _ in range(3))}  # fmt: skip
     if mode == "alone":
         _place_loop(pinned, on_loop_core=True)
         alone = _alone(step)
@@ -338,6 +342,7 @@ def run(loop: str, mode: str, placement: str, size_mib: int, reps: int) -> dict[
         _place_loop(pinned, on_loop_core=True)
         before = _alone(step)
         _place_loop(pinned, on_loop_core=False)
+        copy = floor.time()  # on the save's core, just before it
         collected_before = _collections()
         started = time.perf_counter()
         upload = save(saved, i)
@@ -352,15 +357,17 @@ def run(loop: str, mode: str, placement: str, size_mib: int, reps: int) -> dict[
         _place_loop(pinned, on_loop_core=True)
         after = _alone(step)
         _place_loop(pinned, on_loop_core=False)
-        samples.append({**_rep(before, during, after, blocked, gib), "collections": collections})
+        samples.append({**_rep(before, during, after, blocked, copy, gib),
+                        "collections": collections})  # fmt: skip
     result["reps"] = samples
     return result
 
 
 def _rep(
-    before: Stepped, during: Stepped, after: Stepped, blocked: float, gib: float
+    before: Stepped, during: Stepped, after: Stepped, blocked: float, copy: float, gib: float
 ) -> dict[str, Any]:
-    """One rep's measures (the module's docstring says what each means)."""
+    """One rep's measures (the module's docstring says what each means); ``copy``, the
+    bare copy timed just before the save, what its times over the copy are over."""
     alone = (before.step_s + after.step_s) / 2
     cpu_alone = (before.step_cpu_s + after.step_cpu_s) / 2
     lost = blocked + during.wall_s * max(0.0, 1 - alone / during.step_s)
@@ -374,7 +381,9 @@ def _rep(
         "step_cpu_during_us": during.step_cpu_s * 1e6,
         "waiting": waiting, "lost_waiting_s_per_gib": (blocked + off_core) / gib,
         "cpu_growth": during.step_cpu_s / cpu_alone - 1, "sleeps": during.sleeps,
-        "alone_drift": after.step_s / before.step_s - 1,
+        "alone_drift": after.step_s / before.step_s - 1, "copy_s": copy,
+        "lost_over_copy": lost / copy, "lost_waiting_over_copy": (blocked + off_core) / copy,
+        "blocked_over_copy": blocked / copy,
     }  # fmt: skip
 
 

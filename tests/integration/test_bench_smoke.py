@@ -89,6 +89,12 @@ def test_loop_benchmark_smoke_run(tmp_path):
             off_core = rep["upload_s"] * rep["waiting"] / (1 + rep["waiting"])
             lost_waiting = (rep["blocked_s"] + off_core) / row["gib"]
             assert rep["lost_waiting_s_per_gib"] == pytest.approx(lost_waiting), rep
+            # each over-the-copy ratio against the bare copy timed beside its own save
+            assert rep["copy_s"] > 0 and row["copy_s_per_gib"] == rep["copy_s"] / row["gib"]
+            assert rep["blocked_over_copy"] == pytest.approx(rep["blocked_s"] / rep["copy_s"])
+            assert row["lost_over_copy"] == pytest.approx(
+                rep["lost_s_per_gib"] * row["gib"] / rep["copy_s"]
+            ), row
     assert {t["target"].split(":")[0] for t in report["targets"]} == {
         "dispatch beside manager_default", "dispatch beside dcp_thread"
     }  # fmt: skip

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -86,13 +87,14 @@ class CheckpointWorker:
         planner: Any,
         hold: Hold | None,
         stages: Stages,
+        reply: Callable[[Any], Any] | None = None,
     ) -> Future[Any]:
         future, save_id = self._register(writer, stages)
         if not future.done():
             # a closed channel: the reader thread fails the future with the exit status
             with contextlib.suppress(ChannelClosed):
                 self._send_segments(slot)
-                self._channel.send(("save", save_id, slot, data, writer, planner, hold))
+                self._channel.send(("save", save_id, slot, data, writer, planner, hold, reply))
         return future
 
     def _register(self, writer: Any, stages: Stages) -> tuple[Future[Any], int]:

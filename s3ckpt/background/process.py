@@ -35,7 +35,7 @@ import logging
 import os
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
@@ -198,19 +198,25 @@ class CheckpointProcess:
         hold: Hold | None = None,
         held: Future[None] | None = None,
         replicated: Future[None] | None = None,
+        reply: Callable[[Any], Any] | None = None,
     ) -> Future[Any]:
         """Send a copy staged in ``slot`` to the checkpoint process; its save's future.
         With ``hold``, the process first records the copy as a memory-tier checkpoint
         (``held`` resolves then), then exchanges copies with its peers if the hold says
         so (``replicated`` resolves once every process of the exchange recorded what it
-        received); ``writer`` may then be None (held only, not uploaded)."""
+        received); ``writer`` may then be None (held only, not uploaded).
+
+        The future resolves to DCP's metadata, or with ``reply`` (a function the process
+        can unpickle) to what it makes of it there: the metadata of a state of 580
+        tensors is 88 KB, whose unpickling on the reader thread holds this process's GIL
+        2.3-2.6 ms at the end of every upload, beside the training loop."""
         worker = self._worker
         assert worker is not None
         data = dumps_staged(staged.state_dict, self._arenas[slot])
         if hold is not None:
             regions = tuple((r.segment, r.offset, r.nbytes) for r in staged.regions)
             hold = dataclasses.replace(hold, regions=regions)
-        future = worker.save(slot, data, writer, planner, hold, (held, replicated))
+        future = worker.save(slot, data, writer, planner, hold, (held, replicated), reply)
         self._inflight = future
         return future
 

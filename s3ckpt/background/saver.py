@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,7 +57,11 @@ class Keep:
 
 class BackgroundSaver:
     """The staging memory, the upload's runner and the save group of one manager or
-    strategy. With several ranks, every rank constructs it at the same point."""
+    strategy. With several ranks, every rank constructs it at the same point.
+
+    Each save's future resolves to DCP's metadata, or to ``reply`` of it, made where the
+    save ran (in process mode, the checkpoint process: only that crosses to the trainer,
+    see :meth:`CheckpointProcess.submit`)."""
 
     def __init__(
         self,
@@ -65,9 +69,11 @@ class BackgroundSaver:
         process_group: Any = None,
         *,
         memory_slots: Sequence[Path] = (),
+        reply: Callable[[Any], Any] | None = None,
         **process_options: Any,
     ) -> None:
         self.mode = mode
+        self._reply = reply
         self._group = process_group
         distributed = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(process_group) if distributed else 1
@@ -174,14 +180,14 @@ class BackgroundSaver:
                     staged = self._process.stage({}, keep.slot)
                 return self._process.submit(
                     staged, writer, planner, slot=keep.slot, hold=keep.hold, held=keep.held,
-                    replicated=keep.replicated,
+                    replicated=keep.replicated, reply=self._reply,
                 )  # fmt: skip
             if staged is None:
                 staged = self._process.stage({})
-            return self._process.submit(staged, writer, planner)
+            return self._process.submit(staged, writer, planner, reply=self._reply)
         assert self._thread is not None
         return self._thread.submit(
-            save_plain, staged if staged is not None else {}, storage_writer=writer,
+            _replying, self._reply, staged if staged is not None else {}, storage_writer=writer,
             planner=planner if planner is not None else self._planner,
             process_group=self._save_group, no_dist=self._save_group is None,
         )  # fmt: skip
@@ -232,3 +238,9 @@ class CopyFailed(S3StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         raise CheckpointError(self.reason)
+
+
+def _replying(reply: Callable[[Any], Any] | None, state: dict[str, Any], **options: Any) -> Any:
+    """A thread-mode save: DCP's metadata, or ``reply`` of it."""
+    metadata = save_plain(state, **options)
+    return metadata if reply is None else reply(metadata)

@@ -33,6 +33,7 @@ import socket
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -147,11 +148,13 @@ def _serve(channel: Channel, *, distributed: bool) -> int:
                 for descriptor, size in zip(fds, message[2], strict=True):
                     arena.adopt(descriptor, size)
             elif message[0] == "save":
-                _, save_id, slot, data, writer, given, hold = message
+                _, save_id, slot, data, writer, given, hold, reply = message
                 planner = (
                     given if given is not None else planners.setdefault(slot, ReusingSavePlanner())
                 )
-                saved = _save(channel, arenas.get(slot), save_id, data, writer, planner, hold)
+                saved = _save(
+                    channel, arenas.get(slot), save_id, data, writer, planner, hold, reply
+                )
                 if given is None:
                     planner.let_go()  # its views of the segments, which may be replaced
                 if not saved and distributed:
@@ -172,8 +175,10 @@ def _save(
     writer: Any,
     planner: Any,
     hold: Hold | None,
+    reply: Callable[[Any], Any] | None = None,
 ) -> bool:
-    """Run one save (hold its copy, upload it); whether it completed."""
+    """Run one save (hold its copy, upload it); whether it completed. Its answer carries
+    ``reply`` of DCP's metadata, or the metadata itself."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -198,7 +203,7 @@ def _save(
         log.debug("save %d failed", save_id, exc_info=True)
         _answer(channel, ("failed", save_id, _portable(exc)))
         return False
-    _answer(channel, ("saved", save_id, metadata))
+    _answer(channel, ("saved", save_id, metadata if reply is None else reply(metadata)))
     return True
 
 

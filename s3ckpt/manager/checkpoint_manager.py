@@ -70,6 +70,7 @@ from s3ckpt.manager.policy import (
     Retention,
     SaveMetrics,
     checkpoint_name,
+    state_bytes,
     validate_options,
 )
 from s3ckpt.s3.client import prepare_client
@@ -157,9 +158,13 @@ class CheckpointManager:
         )  # fmt: skip
         slots = self._tier.copies.slots if self._tier is not None else ()
         limit = {"slot_limit": memory_tier.max_bytes} if memory_tier is not None else {}
+        # a save's future brings back only the state's bytes (for its metrics), not DCP's
+        # metadata: the checkpoint process would send it to this process to unpickle
         self._saves = (
             None if async_mode == "sync"
-            else BackgroundSaver(async_mode, process_group, memory_slots=slots, **limit)
+            else BackgroundSaver(
+                async_mode, process_group, memory_slots=slots, reply=state_bytes, **limit
+            )
         )  # fmt: skip
         self.last_restore: Restored | None = None
         self._retention = Retention(self.location, self.config, keep_last, keep_every)
@@ -373,7 +378,8 @@ class CheckpointManager:
             log.warning("%s was committed by someone else; not saved", checkpoint_name(step))
             return False
         elapsed = time.perf_counter() - started
-        self._ledger.committed_ok(step, metadata, time.perf_counter() - t0, elapsed, waited)
+        nbytes = state_bytes(metadata)
+        self._ledger.committed_ok(step, nbytes, time.perf_counter() - t0, elapsed, waited)
         return True
 
     # -- waiting and closing ---------------------------------------------------------------

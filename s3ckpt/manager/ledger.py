@@ -23,7 +23,7 @@ from typing import Any
 from s3ckpt.dcp.compat import unwrap
 from s3ckpt.errors import CheckpointExistsError
 from s3ckpt.manager.committed import CommittedSteps
-from s3ckpt.manager.policy import Retention, SaveMetrics, checkpoint_name, state_bytes
+from s3ckpt.manager.policy import Retention, SaveMetrics, checkpoint_name
 
 log = logging.getLogger("s3ckpt.manager")
 
@@ -80,7 +80,7 @@ class SaveLedger:
                 upload = time.perf_counter() - inflight.started
                 inflight.metrics = self.committed_ok(
                     inflight.step,
-                    inflight.future.result(),
+                    inflight.future.result(),  # the state's bytes (the saver's reply)
                     inflight.blocked_s,
                     upload,
                     inflight.waited_s,
@@ -96,15 +96,13 @@ class SaveLedger:
     def committed_ok(
         self,
         step: int,
-        metadata: Any,
+        nbytes: int,
         blocked: float,
         upload: float,
         waited: float,
         tier_times: dict[str, float | None] | None = None,
     ) -> SaveMetrics:
-        metrics = SaveMetrics.of(
-            step, blocked, upload, state_bytes(metadata), waited, **(tier_times or {})
-        )
+        metrics = SaveMetrics.of(step, blocked, upload, nbytes, waited, **(tier_times or {}))
         self._committed.add([step])
         self._record(metrics)
         if self._rank == 0:

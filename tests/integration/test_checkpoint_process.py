@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from _dist_worker import run_ranks
+from torch.distributed.checkpoint.metadata import Metadata
 from _process_writers import HeldAfterUpload, StalledInSecondPart
 
 from s3ckpt import (
@@ -42,6 +43,11 @@ def state_of(seed: int, n: int = 4) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     weights = {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(n)}
     return {"model": weights, "tied": weights["w0"], "step": seed, "ids": torch.arange(7)}
+
+
+def tensor_bytes(state: dict[str, Any]) -> int:
+    """The tensor bytes DCP saves of a :func:`state_of` (the tied tensor under both names)."""
+    return sum(t.nbytes for t in state["model"].values()) + state["tied"].nbytes + 7 * 8
 
 
 def load(uri: str, make_reader, like: dict[str, Any]) -> dict[str, Any]:
@@ -80,7 +86,7 @@ def test_saves_reuse_one_process_and_its_staging_memory(s3_prefix, make_writer, 
         for seed in (1, 2, 3):
             state = state_of(seed)
             future = process.async_save(state, storage_writer=make_writer(f"{s3_prefix}/s{seed}"))
-            assert future.result(timeout=120) is not None  # DCP's Metadata
+            assert isinstance(future.result(timeout=120), Metadata)  # as dcp.async_save
             assert_same(load(f"{s3_prefix}/s{seed}", make_reader, state), state)
             if held is None:
                 held, segments = process.staging_bytes, list(process.arena().segments)
@@ -208,9 +214,25 @@ def test_the_manager_saves_from_its_checkpoint_process_by_default(s3_prefix, s3_
         assert alive(pid) and pid != os.getpid()
         assert manager.save(1, state) is True
         metrics = manager.wait()
-        assert metrics is not None and metrics.bytes >= 4 * MIB
+        assert metrics is not None and metrics.bytes == tensor_bytes(state)
         assert manager.steps() == [1]
     assert not alive(pid)
+
+
+def test_a_save_answers_what_its_reply_makes_of_the_metadata_in_the_process(
+    s3_prefix, make_writer
+):
+    """The trainer gets back only what it asks for: the manager asks for the state's
+    bytes, so DCP's whole metadata never crosses to it."""
+    from s3ckpt.manager.policy import state_bytes
+
+    state = state_of(6)
+    with CheckpointProcess() as process:
+        process.wait_idle()
+        process.refresh()
+        staged = process.stage(state)
+        future = process.submit(staged, make_writer(f"{s3_prefix}/r"), reply=state_bytes)
+        assert future.result(timeout=120) == tensor_bytes(state)
 
 
 SCRIPT = """\

@@ -212,7 +212,7 @@ class CheckpointProcess:
         2.3-2.6 ms at the end of every upload, beside the training loop."""
         worker = self._worker
         assert worker is not None
-        data = dumps_staged(staged.state_dict, self._arenas[slot])
+        data = dumps_staged(staged.state_dict, self._arenas[slot], staged.placed)
         if hold is not None:
             regions = tuple((r.segment, r.offset, r.nbytes) for r in staged.regions)
             hold = dataclasses.replace(hold, regions=regions)

@@ -29,12 +29,14 @@ _StorageKey = tuple[int, torch.device, int]  # data_ptr, device, nbytes
 @dataclass
 class Staged:
     """One save's copy: the state with arena tensors, the segments it added, and the
-    regions its bytes lie in."""
+    regions its bytes lie in; ``placed``, the region of each arena tensor made for the
+    state (by ``id``), so that pickling it need not look each one up again."""
 
     state_dict: dict[str, Any]
     new_segments: list[Segment]
     nbytes: int
     regions: list[Region] = field(default_factory=list)
+    placed: dict[int, Region] = field(default_factory=dict)
 
 
 @dataclass
@@ -42,7 +44,8 @@ class _Copies:
     """The storages a state holds, in the order they were met, and their copies."""
 
     storages: dict[_StorageKey, torch.UntypedStorage] = field(default_factory=dict)
-    copies: dict[_StorageKey, torch.UntypedStorage] = field(default_factory=dict)
+    copies: dict[_StorageKey, tuple[torch.UntypedStorage, Region]] = field(default_factory=dict)
+    placed: dict[int, Region] = field(default_factory=dict)  # each copy_of's, by id
 
     def note(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -50,10 +53,11 @@ class _Copies:
 
     def copy_of(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` over the copy of its storage: same dtype, offset, shape, strides."""
-        storage = self.copies[_key(tensor.untyped_storage())]
+        storage, region = self.copies[_key(tensor.untyped_storage())]
         staged = torch.empty(0, dtype=tensor.dtype).set_(
             storage, tensor.storage_offset(), tensor.size(), tensor.stride()
         )
+        self.placed[id(staged)] = region
         return staged.requires_grad_() if tensor.requires_grad else staged
 
 
@@ -91,7 +95,7 @@ def stage(arena: StagingArena, state_dict: dict[str, Any]) -> Staged:
         return value
 
     nbytes = sum(region.nbytes for region in regions)
-    return Staged(_walk(state_dict, replace), added, nbytes, regions)
+    return Staged(_walk(state_dict, replace), added, nbytes, regions, copies.placed)
 
 
 def _copy_all(
@@ -109,19 +113,18 @@ def _copy_all(
     (a stage of 580 small tensors, all Python: 8.7-9.1 ms -> 6.7-7.2 ms)."""
     devices: set[torch.device] = set()
     targets = arena.views(regions)
-    for (key, storage), target in zip(storages, targets, strict=True):
-        copies.copies[key] = target.untyped_storage()
+    for (key, storage), target, region in zip(storages, targets, regions, strict=True):
+        copies.copies[key] = target.untyped_storage(), region
         nbytes = storage.nbytes()
         if nbytes == 0:
             continue
         words = _WORDS.get(_word_width(nbytes, storage.data_ptr()), torch.uint8)
-        source = torch.empty(0, dtype=words, device=storage.device).set_(
-            storage, 0, (nbytes // words.itemsize,)
-        )
-        on_device = storage.device.type != "cpu"
+        device = storage.device
+        source = torch.empty(0, dtype=words, device=device).set_(storage)  # all its words
+        on_device = device.type != "cpu"
         target.view(words).copy_(source, non_blocking=on_device)
         if on_device:
-            devices.add(storage.device)
+            devices.add(device)
     return devices
 
 

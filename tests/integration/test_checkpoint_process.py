@@ -23,8 +23,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from _dist_worker import run_ranks
-from torch.distributed.checkpoint.metadata import Metadata
 from _process_writers import HeldAfterUpload, StalledInSecondPart
+from torch.distributed.checkpoint.metadata import Metadata
 
 from s3ckpt import (
     BucketNotFoundError,
@@ -219,9 +219,7 @@ def test_the_manager_saves_from_its_checkpoint_process_by_default(s3_prefix, s3_
     assert not alive(pid)
 
 
-def test_a_save_answers_what_its_reply_makes_of_the_metadata_in_the_process(
-    s3_prefix, make_writer
-):
+def test_a_save_answers_what_its_reply_makes_of_the_metadata_in_the_process(s3_prefix, make_writer):
     """The trainer gets back only what it asks for: the manager asks for the state's
     bytes, so DCP's whole metadata never crosses to it."""
     from s3ckpt.manager.policy import state_bytes

@@ -96,7 +96,7 @@ def dumps_staged(
 ) -> bytes:
     """``state`` pickled with its arena tensors by reference. ``placed``: the region of
     tensors known to be plain arena tensors (by ``id``; a stage's own): taken as they are,
-    without the checks and the look-up any other tensor gets (580 tensors: 2.9 -> 1.3 ms
+    without the checks and the look-up any other tensor gets (580 tensors: 2.9 -> 1.2 ms
     of the save's blocking)."""
     buffer = io.BytesIO()
     _ArenaPickler(buffer, arena, placed or {}).dump(state)

@@ -199,11 +199,12 @@ def _save(
         state = loads_staged(data, segments)
         distributed = dist.is_initialized()
         metadata = dcp.save(state, storage_writer=writer, planner=planner, no_dist=not distributed)
+        answer = metadata if reply is None else reply(metadata)
     except BaseException as exc:
         log.debug("save %d failed", save_id, exc_info=True)
         _answer(channel, ("failed", save_id, _portable(exc)))
         return False
-    _answer(channel, ("saved", save_id, metadata if reply is None else reply(metadata)))
+    _answer(channel, ("saved", save_id, answer))
     return True
 
 

@@ -231,6 +231,14 @@ def test_a_save_answers_what_its_reply_makes_of_the_metadata_in_the_process(s3_p
         staged = process.stage(state)
         future = process.submit(staged, make_writer(f"{s3_prefix}/r"), reply=state_bytes)
         assert future.result(timeout=120) == tensor_bytes(state)
+        # a reply that fails fails its save with the error, and the process stays
+        pid = process.pid
+        failing = process.submit(process.stage(state), make_writer(f"{s3_prefix}/f"), reply=len)
+        with pytest.raises(CheckpointProcessError, match="has no len"):
+            failing.result(timeout=120)
+        process.wait_idle()
+        process.refresh()
+        assert process.pid == pid
 
 
 SCRIPT = """\

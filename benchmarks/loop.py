@@ -6,9 +6,9 @@ Python, how a GPU trainer's Python thread launches kernels; ``compute``: a small
 forward and backward), each alone, then beside every way of saving (s3ckpt's manager in
 its default process mode and in thread mode, ``CheckpointProcess.async_save``,
 ``dcp.async_save`` with s3ckpt's writer in thread and process mode, and the peers: DCP's
-``FileSystemWriter`` to /dev/shm and s3torchconnector's writer, thread mode; and three
-floors for thread mode, :mod:`benchmarks.loop_floors`); with the two
-cores shared by everything, then with the loop's thread alone on one core (everything else
+``FileSystemWriter`` to /dev/shm and s3torchconnector's writer, thread mode; and the
+floors, :mod:`benchmarks.loop_floors`: three for thread mode, one for the checkpoint
+process); with the two cores shared by everything, then with the loop's thread alone on one core (everything else
 on the other: the loop then competes for the GIL, not for a core). Reported per case: the
 loop's slowdown during the upload, the upload's time, the time the save blocked, and the
 loop time lost per GiB against a bare copy of the same bytes; and the slowdown's two

@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from benchmarks.data import BareCopy, make_state, state_nbytes
-from benchmarks.loop_floors import NativeBatchWriter, RawSocketWriter, ViewingWriter
+from benchmarks.loop_floors import NativeBatchWriter, ProcessFloor, RawSocketWriter, ViewingWriter
 
 warnings.filterwarnings("ignore")
 GiB = 1024**3
@@ -239,6 +239,8 @@ MODES: dict[str, Callable[[], Callable[[dict, int], Any]]] = {
     "floor_no_network": floor(ViewingWriter),
     "floor_raw_sockets": floor(RawSocketWriter),
     "floor_native_batch": floor(NativeBatchWriter),
+    # what any uploader in its own process costs the loop on this host (loop_floors)
+    "floor_process": lambda: ProcessFloor().save,
 }
 
 

@@ -22,29 +22,48 @@ what happens to the bytes differs:
   to s3ckpt's native sender (:mod:`s3ckpt.s3.wire.batch`) in one call: the GIL taken back
   once for the whole upload. What sending costs the loop when no request of it runs
   Python.
+
+One floor is for the checkpoint process instead (the manager's default):
+
+* ``floor_process``: what any uploader in its own process costs the loop on this host.
+  The save copies the state into shared memory kept from save to save (the default's
+  blocking), and a child process started once (:mod:`benchmarks.floor_sender`) sends those
+  bytes as the native floor's unsigned PUTs: no checksums, signing, multipart upload or
+  manifest, no Python per part. The loop shares no interpreter with it, so what is left
+  of its slowdown is the host's: the memory traffic of the bytes crossing loopback (the
+  kernel's copies on both sides) and of the server storing them, beside the loop's core.
 """
 
 from __future__ import annotations
 
+import atexit
+import itertools
+import mmap
 import os
 import queue
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future as SaveFuture
 from typing import Any
 from urllib.parse import urlsplit
 
+import torch
 from s3ckpt.transfer._gather import join
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from benchmarks.floor_sender import SENDERS, put_head, send_parts
 from s3ckpt.dcp.rank_save import _item_bytes, planned_size
 from s3ckpt.format.compression import encode_raw_each
 from s3ckpt.transfer.parts import DEFAULT_PART_SIZE as PART
 
 FLOOR_WAIT_S = float(os.environ.get("FLOOR_WAIT_S", "0.8"))
-SENDERS = 4
 
 
 class ViewingWriter(StorageWriter):
@@ -115,7 +134,7 @@ class _Senders:
                 sent.put(None)
 
     def _put(self, sock: socket.socket, scratch: memoryview, number: int, body: Any) -> None:
-        sock.sendall(_put_head(f"{self.prefix}/{number}", len(body)))
+        sock.sendall(put_head(f"{self.prefix}/{number}", len(body)))
         sock.sendall(body)
         answer = b""
         while b"\r\n\r\n" not in answer:
@@ -142,11 +161,6 @@ class RawSocketWriter(ViewingWriter):
             raise errors[0]
 
 
-def _put_head(path: str, length: int) -> bytes:
-    """An unsigned PUT's head: the zero-cost server takes any request."""
-    return f"PUT {path} HTTP/1.1\r\nHost: s3\r\nContent-Length: {length}\r\n\r\n".encode()
-
-
 def _parts(views: list[memoryview]) -> list[memoryview | bytes]:
     """Large items cut into parts, small ones packed together, in item order."""
     parts: list[memoryview | bytes] = []
@@ -171,13 +185,70 @@ class NativeBatchWriter(ViewingWriter):
     (four connections, the raw floor's four threads)."""
 
     def store(self, views: list[memoryview]) -> None:
-        from s3ckpt.s3.wire import _sender
+        send_parts(
+            _parts(views), f"/{os.environ['BENCH_BUCKET']}/{os.environ['BENCH_PREFIX']}/native"
+        )
 
-        url = urlsplit(os.environ["AWS_ENDPOINT_URL"])
-        prefix = f"/{os.environ['BENCH_BUCKET']}/{os.environ['BENCH_PREFIX']}/native"
-        requests = [(_put_head(f"{prefix}/{n}", len(p)), p) for n, p in enumerate(_parts(views))]
-        for code, answer in _sender.exchange(
-            url.hostname, url.port, requests, SENDERS, 10.0, 30.0, None
-        ):
-            if code or not answer.startswith(b"HTTP/1.1 200"):
-                raise RuntimeError(f"PUT failed: {answer[:200]!r}")
+
+class ProcessFloor:
+    """``floor_process`` (the module's docstring): ``save(state, number)`` copies ``state``'s
+    tensors into the shared mapping and has the child send it; the first save starts the
+    child, which inherits the caller's CPUs."""
+
+    def __init__(self) -> None:
+        self.fd, self.path = tempfile.mkstemp(prefix="s3ckpt-floor-", dir="/dev/shm")
+        self.targets: list[torch.Tensor] = []
+        self.child: subprocess.Popen[str] | None = None
+        atexit.register(self.close)
+
+    def save(self, state: dict[str, Any], number: int) -> SaveFuture[int]:
+        tensors = list(_tensors(state))
+        if self.child is None:
+            self._start(tensors)
+        for target, tensor in zip(self.targets, tensors, strict=True):
+            target.copy_(tensor)
+        assert self.child is not None and self.child.stdin is not None
+        self.child.stdin.write(f"{number}\n")
+        self.child.stdin.flush()
+        sent: SaveFuture[int] = SaveFuture()
+        threading.Thread(target=self._answer, args=(sent,), daemon=True).start()
+        return sent
+
+    def _start(self, tensors: list[torch.Tensor]) -> None:
+        sizes = [-(-t.nbytes // 64) * 64 for t in tensors]  # each tensor 64-byte aligned
+        total = sum(sizes)
+        os.ftruncate(self.fd, total)
+        flat = torch.frombuffer(mmap.mmap(self.fd, total), dtype=torch.uint8)
+        self.targets = [
+            flat[start : start + t.nbytes].view(t.dtype).view(t.shape)
+            for start, t in zip(itertools.accumulate(sizes[:-1], initial=0), tensors, strict=True)
+        ]
+        self.child = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.floor_sender", self.path, str(total)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    def _answer(self, sent: SaveFuture[int]) -> None:
+        assert self.child is not None and self.child.stdout is not None
+        line = self.child.stdout.readline().strip()
+        if line.isdigit():
+            sent.set_result(int(line))
+        else:
+            sent.set_exception(RuntimeError(f"the floor's sender: {line or 'exited'}"))
+
+    def close(self) -> None:
+        """Stop the child (its stdin closed) and remove the shared file."""
+        if self.child is not None and self.child.stdin is not None:
+            self.child.stdin.close()
+            self.child.wait(timeout=30)
+        os.close(self.fd)
+        os.unlink(self.path)
+
+
+def _tensors(state: dict[str, Any]) -> Iterator[torch.Tensor]:
+    """The state's tensors, in order, nested dicts walked."""
+    for value in state.values():
+        if isinstance(value, dict):
+            yield from _tensors(value)
+        else:
+            yield value

@@ -61,7 +61,7 @@ def test_loop_benchmark_smoke_run(tmp_path):
     """The loop benchmark's cases run, in both placements, and report each measure."""
     import os
 
-    modes = "manager_default,checkpoint_process,dcp_thread"
+    modes = "manager_default,checkpoint_process,dcp_thread,floor_process"
     completed = subprocess.run(
         [sys.executable, "-m", "benchmarks.loop", "--size-mib", "8", "--reps", "1",
          "--loops", "dispatch", "--modes", modes, "--out", str(tmp_path)],

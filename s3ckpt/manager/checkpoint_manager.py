@@ -56,7 +56,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from s3ckpt.background.ranks import Ranks
-from s3ckpt.background.saver import BackgroundSaver
+from s3ckpt.background.saver import BackgroundSaver, state_bytes
 from s3ckpt.config import S3URI, S3Config, make_config
 from s3ckpt.dcp.compat import unwrap
 from s3ckpt.dcp.reader import S3StorageReader
@@ -70,7 +70,6 @@ from s3ckpt.manager.policy import (
     Retention,
     SaveMetrics,
     checkpoint_name,
-    state_bytes,
     validate_options,
 )
 from s3ckpt.s3.client import prepare_client

@@ -122,21 +122,6 @@ class SaveMetrics:
         )
 
 
-def state_bytes(metadata: Any) -> int:
-    """Tensor bytes of the state saved (uncompressed), from the metadata DCP's save returns:
-    what the throughput of a save is measured in."""
-    total = 0
-    for md in getattr(metadata, "state_dict_metadata", {}).values():
-        properties, size = getattr(md, "properties", None), getattr(md, "size", None)
-        if properties is None or size is None:
-            continue  # a non-tensor item
-        numel = 1
-        for extent in size:
-            numel *= int(extent)
-        total += numel * properties.dtype.itemsize
-    return total
-
-
 def retention_victims(
     infos: Iterable[catalog.CheckpointInfo],
     *,

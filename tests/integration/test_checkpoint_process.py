@@ -222,7 +222,7 @@ def test_the_manager_saves_from_its_checkpoint_process_by_default(s3_prefix, s3_
 def test_a_save_answers_what_its_reply_makes_of_the_metadata_in_the_process(s3_prefix, make_writer):
     """The trainer gets back only what it asks for: the manager asks for the state's
     bytes, so DCP's whole metadata never crosses to it."""
-    from s3ckpt.manager.policy import state_bytes
+    from s3ckpt.background.saver import state_bytes
 
     state = state_of(6)
     with CheckpointProcess() as process:

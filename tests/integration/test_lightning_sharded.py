@@ -19,6 +19,7 @@ import contextlib
 import copy
 import importlib
 import json
+import logging
 import os
 import re
 import signal
@@ -221,7 +222,10 @@ def test_a_kill_during_an_async_save_leaves_it_invisible_and_the_previous_one_lo
 
 
 def test_async_saves_keep_the_previous_checkpoint_until_the_next_one_commits(
-    s3_prefix: str, s3_options: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    s3_prefix: str,
+    s3_options: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Top-k rotation asks to remove A while B uploads: A goes once B commits, and stays
     when B fails. The upload works from the host copy made when the save started. (Thread
@@ -244,9 +248,12 @@ def test_async_saves_keep_the_previous_checkpoint_until_the_next_one_commits(
     state["w"].add_(100)  # training goes on while b uploads
     store.remove(f"{s3_prefix}/a")
     assert committed_names(s3_prefix, s3_options) == ["a"]  # b is not committed yet
-    gate.set()
-    store.wait()
+    with caplog.at_level(logging.DEBUG, logger="s3ckpt.integrations.lightning.background"):
+        gate.set()
+        store.wait()
     assert committed_names(s3_prefix, s3_options) == ["b"]
+    # the save brought back the state's tensor bytes (8 float32), not DCP's metadata
+    assert f"{s3_prefix}/b saved: 32 bytes of tensors" in caplog.text
     loaded = {"w": torch.zeros(8)}
     assert store.load(loaded, f"{s3_prefix}/b", weights_only=True) == {"epoch": 1}
     assert torch.equal(loaded["w"], torch.arange(8.0))  # the copy staged at save time

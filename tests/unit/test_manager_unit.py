@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from s3ckpt import S3StorageWriter
 from s3ckpt.background import saver as saver_module
+from s3ckpt.background.saver import state_bytes
 from s3ckpt.catalog import CheckpointInfo
 from s3ckpt.errors import BucketNotFoundError, CheckpointError, CheckpointExistsError, ConfigError
 from s3ckpt.manager import checkpoint_manager as manager_module
@@ -25,7 +26,6 @@ from s3ckpt.manager.policy import (
     checkpoint_name,
     parse_step,
     retention_victims,
-    state_bytes,
 )
 
 NOW = 1_000_000.0

@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from s3ckpt.background.saver import BackgroundSaver, SaverMode
+from s3ckpt.background.saver import BackgroundSaver, SaverMode, state_bytes
 from s3ckpt.dcp.writer import S3StorageWriter
 from s3ckpt.errors import CheckpointNotFoundError
 
@@ -55,7 +55,8 @@ class BackgroundSaves:
         """Wait for the save in flight, copy ``state`` to host memory, start its upload."""
         self.wait()
         if self._saver is None:
-            self._saver = BackgroundSaver(self._mode)
+            # only the state's bytes come back (logged), not DCP's metadata to unpickle
+            self._saver = BackgroundSaver(self._mode, reply=state_bytes)
         save = _Save(uri)
         save.future, failure = self._saver.start(state, writer, uri)
         save.future.add_done_callback(lambda future: self._settle(save, future))
@@ -100,6 +101,7 @@ class BackgroundSaves:
                 if kept:
                     log.warning("%s was not saved; keeping %s", save.uri, ", ".join(kept))
                 return
+            log.debug("%s saved: %d bytes of tensors", save.uri, future.result())
             for uri in kept:
                 try:
                     self._remove(uri)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -350,3 +351,51 @@ class _RecordingStager(HostStager):
             elif isinstance(value, torch.Tensor):
                 found.append(value)
         return found
+
+
+@pytest.fixture
+def one_rank_mesh() -> Iterator[Any]:
+    """A gloo group of one rank in this process, and a one-dimensional mesh over it."""
+    import torch.distributed as dist
+    from s3_servers import held_port
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with held_port() as port:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_dtensor_over_a_view_inside_its_storage_is_staged_and_saved(
+    local_s3: LocalS3Server, s3_prefix: str, one_rank_mesh: Any
+) -> None:
+    """A DTensor whose local tensor starts inside a larger storage (a shard cut from a
+    bigger tensor or a flat buffer) is copied as its local tensor and saved as it is:
+    DCP's own stager fails on it ("invalid python storage")."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    buffer = torch.arange(48.0)
+    state = {
+        "w": DTensor.from_local(buffer[8:32].view(6, 4), one_rank_mesh, [Replicate()]),
+        "b": DTensor.from_local(buffer[40:], one_rank_mesh, [Replicate()]),
+    }
+    stager = HostStager()
+    staged = stager.stage(state)
+    assert type(staged["w"]) is DTensor and staged["w"].placements == (Replicate(),)
+    assert torch.equal(staged["w"].to_local(), buffer[8:32].view(6, 4))
+    buffer.add_(100)  # a copy: the source changing leaves it as it was
+    assert torch.equal(staged["w"].to_local(), torch.arange(8.0, 32.0).view(6, 4))
+    assert torch.equal(staged["b"].to_local(), torch.arange(40.0, 48.0))
+    future = dcp.async_save(
+        state, storage_writer=S3StorageWriter(s3_prefix, **server_options(local_s3)),
+        async_stager=stager,
+    )  # fmt: skip
+    future.result(timeout=60)
+    target = {k: DTensor.from_local(torch.zeros_like(v.to_local()), one_rank_mesh, [Replicate()])
+              for k, v in state.items()}  # fmt: skip
+    dcp.load(target, storage_reader=S3StorageReader(s3_prefix, **server_options(local_s3)))
+    assert torch.equal(target["w"].to_local(), buffer[8:32].view(6, 4))
+    assert torch.equal(target["b"].to_local(), buffer[40:])
+    stager.close()

@@ -86,6 +86,13 @@ def test_dcp_storage_copier_keeps_buffers_until_closed():
     # every copy goes through _stage_untyped_storage, which records its source device
     assert copier.devices == {torch.device("cpu")}
     copier.close()
+    # a DTensor is copied through these (a DTensor's spec, made again around its copy)
+    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+    from torch.distributed.tensor import DTensor
+
+    assert callable(StateDictStager._offload_tensor)
+    assert callable(StateDictStager.deepcopy_with_tensor_offload)
+    assert "_spec" in DTensor.__slots__
 
 
 def test_the_private_names_the_checkpoint_process_relies_on_exist():

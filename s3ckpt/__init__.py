@@ -75,6 +75,7 @@ from s3ckpt.errors import (
 
 if TYPE_CHECKING:
     from s3ckpt.background.process import CheckpointProcess
+    from s3ckpt.catalog.steps import step_name, step_of
     from s3ckpt.dcp.compat import unwrap
     from s3ckpt.dcp.local_plan import ReusingSavePlanner
     from s3ckpt.dcp.reader import S3StorageReader
@@ -102,6 +103,8 @@ _LAZY = {
     "copy_checkpoint": "s3ckpt.interop.copy",
     "export_checkpoint": "s3ckpt.interop.export",
     "import_checkpoint": "s3ckpt.interop.imports",
+    "step_name": "s3ckpt.catalog.steps",
+    "step_of": "s3ckpt.catalog.steps",
     "unwrap": "s3ckpt.dcp.compat",
 }
 
@@ -150,5 +153,7 @@ __all__ = [
     "copy_checkpoint",
     "export_checkpoint",
     "import_checkpoint",
+    "step_name",
+    "step_of",
     "unwrap",
 ]

@@ -21,6 +21,7 @@
     │   ├── IncompleteSaveError                an object of the save vanished before its commit
     │   ├── CheckpointReplacedError            overwritten while a multi-rank load read it
     │   ├── CorruptCheckpointError             checksum or size mismatch, unreadable manifest
+    │   ├── ForeignObjectError                 a manifest.json that is not s3ckpt's
     │   ├── UntrustedPickleError               a pickle names a Python global loads refuse
     │   ├── CheckpointProcessError             the checkpoint process died or could not start
     │   ├── MemoryTierError                    the memory tier's root lacks the room or access
@@ -133,6 +134,11 @@ class CheckpointReplacedError(CheckpointError):
 
 class CorruptCheckpointError(CheckpointError):
     """Stored bytes do not match their recorded size or checksum, or a manifest is unreadable."""
+
+
+class ForeignObjectError(CheckpointError):
+    """An object under a name s3ckpt writes is not s3ckpt's (another tool's
+    ``manifest.json``): no checkpoint is there, and s3ckpt leaves the object alone."""
 
 
 class UntrustedPickleError(CheckpointError):

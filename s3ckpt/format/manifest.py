@@ -22,7 +22,7 @@ from typing import Any
 
 from crc32c import crc32c
 
-from s3ckpt.errors import CorruptCheckpointError
+from s3ckpt.errors import CorruptCheckpointError, ForeignObjectError
 from s3ckpt.format.layout import StoredItem
 
 MANIFEST_NAME = "manifest.json"
@@ -189,11 +189,11 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
-        data = unsealed(data, where)
+        """Parse a manifest object. :class:`ForeignObjectError` at once for a body that
+        is not s3ckpt's (:func:`s3ckpt_body`); :class:`CorruptCheckpointError` for one
+        that is, damaged (a checksum mismatch, a field missing), which is worth a re-read."""
+        raw = s3ckpt_body(data, where)
         try:
-            raw: dict[str, Any] = json.loads(data)
-            if raw.get("format") != FORMAT_NAME:
-                raise ValueError("not an s3ckpt manifest")
             if int(raw["version"]) > FORMAT_VERSION:
                 raise ValueError(
                     f"format version {raw['version']} is newer than this s3ckpt supports ({FORMAT_VERSION})"
@@ -245,6 +245,53 @@ def unsealed(data: bytes, where: str) -> bytes:
     if end < 0 or not claimed.isdigit() or crc32c(body) != int(claimed):
         raise CorruptCheckpointError(f"checksum mismatch in manifest {where}")
     return body
+
+
+def s3ckpt_body(data: bytes, where: str) -> dict[str, Any]:
+    """The JSON object of a manifest that is s3ckpt's, its checksum checked when sealed.
+
+    s3ckpt's manifests are sealed (:func:`sealed`) or, written by 0.1.0, start with
+    ``{"format":"s3ckpt"``; both carry ``"format": "s3ckpt"`` and a ``version``. Any other
+    body (not JSON, JSON without those fields, another tool's manifest) raises
+    :class:`ForeignObjectError` naming ``where`` at once: it is not a checkpoint, and
+    reading it again would not make it one. A sealed body that fails its checksum, a 0.1.0
+    one cut short, or one whose opening is s3ckpt's but for one byte (damage in transit)
+    short, raises :class:`CorruptCheckpointError`.
+    """
+    ours = data.startswith(_SEAL) or data.startswith(_UNSEALED_OURS)
+    if not ours and (_one_off(data, _SEAL) or _one_off(data, _UNSEALED_OURS)):
+        raise CorruptCheckpointError(f"unreadable manifest {where}: a byte of its opening is wrong")
+    body = unsealed(data, where) if data.startswith(_SEAL) else data
+    try:
+        raw = json.loads(body)
+    except ValueError as exc:  # UnicodeDecodeError included
+        if ours:
+            raise CorruptCheckpointError(f"unreadable manifest {where}: {exc}") from exc
+        raise ForeignObjectError(_foreign(where, "not JSON")) from None
+    if not isinstance(raw, dict):
+        raise ForeignObjectError(_foreign(where, f"a JSON {type(raw).__name__}, not an object"))
+    found = raw.get("format")
+    if found is not None and found != FORMAT_NAME:
+        raise ForeignObjectError(_foreign(where, f'JSON of another format, "format": {found!r}'))
+    if found is None or "version" not in raw:
+        raise ForeignObjectError(_foreign(where, 'JSON without s3ckpt\'s "format" and "version"'))
+    return raw
+
+
+_UNSEALED_OURS = _UNSEALED_START + b'"' + FORMAT_NAME.encode() + b'"'
+
+
+def _one_off(data: bytes, opening: bytes) -> bool:
+    """Whether ``data`` opens with ``opening`` but for one byte: an s3ckpt manifest
+    damaged in transit, to be read again, not taken for another tool's."""
+    head = data[: len(opening)]
+    if len(head) != len(opening):
+        return False
+    return sum(a != b for a, b in zip(head, opening, strict=True)) == 1
+
+
+def _foreign(where: str, why: str) -> str:
+    return f"{where} is not s3ckpt's ({why}): not a checkpoint; s3ckpt leaves it alone"
 
 
 def new_save_id() -> str:

@@ -3,7 +3,7 @@ import pickle
 
 import pytest
 
-from s3ckpt.errors import CorruptCheckpointError
+from s3ckpt.errors import CorruptCheckpointError, ForeignObjectError
 from s3ckpt.format.layout import StoredItem, index_key
 from s3ckpt.format.manifest import (
     FORMAT_VERSION,
@@ -106,11 +106,13 @@ def test_unreadable_index_list_is_corrupt():
         Manifest.from_json(json.dumps(raw).encode(), "s3://b/m")
 
 
-def test_garbage_is_corrupt():
-    with pytest.raises(CorruptCheckpointError):
+def test_garbage_is_foreign_and_a_damaged_manifest_corrupt():
+    with pytest.raises(ForeignObjectError, match="s3://b/m is not s3ckpt's"):
         Manifest.from_json(b"\x00not json", "s3://b/m")
-    with pytest.raises(CorruptCheckpointError):
+    with pytest.raises(ForeignObjectError):
         Manifest.from_json(b"[]", "s3://b/m")
+    with pytest.raises(CorruptCheckpointError):
+        Manifest.from_json(_manifest(1).to_json()[:-9], "s3://b/m")
     with pytest.raises(CorruptCheckpointError, match="index object"):
         RankIndex.from_json(b"[]", "s3://b/i", {})
 

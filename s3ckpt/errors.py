@@ -21,6 +21,7 @@
     │   ├── IncompleteSaveError                an object of the save vanished before its commit
     │   ├── CheckpointReplacedError            overwritten while a multi-rank load read it
     │   ├── CorruptCheckpointError             checksum or size mismatch, unreadable manifest
+    │   ├── StateMismatchError                 a strict load's state does not take the save as saved
     │   ├── ForeignObjectError                 a manifest.json that is not s3ckpt's
     │   ├── UntrustedPickleError               a pickle names a Python global loads refuse
     │   ├── CheckpointProcessError             the checkpoint process died or could not start
@@ -139,6 +140,23 @@ class CorruptCheckpointError(CheckpointError):
 class ForeignObjectError(CheckpointError):
     """An object under a name s3ckpt writes is not s3ckpt's (another tool's
     ``manifest.json``): no checkpoint is there, and s3ckpt leaves the object alone."""
+
+
+class StateMismatchError(CheckpointError):
+    """A strict load (``strict=True``) found saved entries that no rank's target takes, or
+    targets that would take an entry with a dtype or shape conversion; nothing was
+    loaded. ``dropped``: entry -> saved bytes (None if unknown); ``converted``: entry ->
+    (the conversion, bytes)."""
+
+    def __init__(
+        self,
+        message: str,
+        dropped: dict[str, int | None] | None = None,
+        converted: dict[str, tuple[str, int]] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.dropped = dict(dropped or {})
+        self.converted = dict(converted or {})
 
 
 class UntrustedPickleError(CheckpointError):

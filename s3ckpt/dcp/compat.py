@@ -404,6 +404,78 @@ def chunk_shapes(metadata: Metadata) -> dict[MetadataIndex, tuple[torch.dtype, t
     return shapes
 
 
+def load_targets(planner: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]] | None:
+    """What a load planner loads into: the state dict handed to ``dcp.load`` (after
+    ``Stateful`` objects gave their ``state_dict()``), its flattened view (FQN -> target)
+    and the path of every flattened FQN in the former; None for a planner that does not
+    keep them. DCP's ``DefaultLoadPlanner`` keeps them as ``original_state_dict``,
+    ``state_dict`` and ``mappings`` (attributes of the class, not of the planner API)."""
+    original = getattr(planner, "original_state_dict", None)
+    flat = getattr(planner, "state_dict", None)
+    mappings = getattr(planner, "mappings", None)
+    if not getattr(planner, "flatten_state_dict", False):
+        return None
+    if not isinstance(original, dict) or not isinstance(flat, dict):
+        return None
+    if not isinstance(mappings, dict):
+        return None
+    return original, flat, mappings
+
+
+def read_items_for(
+    fqn: str, md: Any, offsets: Sequence[int], sizes: Sequence[int]
+) -> list[ReadItem]:
+    """DCP's read items that fill a local chunk (``offsets``/``sizes`` in the stored
+    tensor ``fqn``) from the chunks stored, or read a non-tensor entry whole (DCP's
+    ``create_read_items_for_chunk_list``, and its private ``_create_read_items`` for
+    bytes)."""
+    from torch.distributed.checkpoint.planner_helpers import (
+        _create_read_items,
+        create_read_items_for_chunk_list,
+    )
+
+    if isinstance(md, BytesStorageMetadata):
+        return _create_read_items(fqn, md, None)
+    chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+    return create_read_items_for_chunk_list(fqn, md, [chunk])
+
+
+def dtensor_spec_of(tensor: Any) -> tuple[Any, tuple[Any, ...]] | None:
+    """A ``DTensor``'s mesh and placements; None for anything else."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return None
+    return tensor.device_mesh, tuple(tensor.placements)
+
+
+def as_dtensor(local: torch.Tensor, spec: tuple[Any, tuple[Any, ...]], shape: Sequence[int]) -> Any:
+    """``local`` (this rank's shard of a tensor of global ``shape``) as a ``DTensor`` with
+    the mesh and placements of ``spec``, no collective."""
+    from torch.distributed.tensor import DTensor
+
+    mesh, placements = spec
+    stride = torch.empty(tuple(shape), device="meta").stride()
+    return DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride
+    )
+
+
+def local_chunk_of(
+    shape: Sequence[int], spec: tuple[Any, tuple[Any, ...]]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Offsets and sizes of this rank's shard of a ``DTensor`` of global ``shape`` laid out
+    as ``spec`` (DTensor's private ``compute_local_shape_and_global_offset``); None when
+    this rank is outside the mesh."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = spec
+    if mesh.get_coordinate() is None:
+        return None
+    sizes, offsets = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
+    return tuple(offsets), tuple(sizes)
+
+
 __all__ = [
     "TORCH_VERSION",
     "BytesStorageMetadata",
@@ -424,15 +496,20 @@ __all__ = [
     "WriteItem",
     "WriteItemType",
     "WriteResult",
+    "as_dtensor",
     "chunk_shapes",
     "default_store_host",
     "disabled_torch_function",
+    "dtensor_spec_of",
     "is_sharded_tensor",
     "item_nbytes",
+    "load_targets",
+    "local_chunk_of",
     "metadata_global",
     "narrow",
     "pin_host_memory",
     "plans_cached_by_dcp",
+    "read_items_for",
     "remember_metadata_failure",
     "save_skeleton",
     "shard_write_items",

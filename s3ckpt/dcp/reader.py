@@ -32,6 +32,14 @@ Lifecycle of a load (the order DCP calls in):
    :class:`~s3ckpt.errors.CheckpointReplacedError` (:mod:`s3ckpt.dcp.overwrites`), which DCP
    hands to every rank. Only a
    load of one rank follows the overwrite, reading every item again from the newer save.
+
+A load restores what was saved, or says what it did not. An optimizer placed in the state
+as itself (``{"model": model, "optim": optimizer}``) gets every saved moment even when it
+is fresh (:mod:`s3ckpt.dcp.optimizer_state`: in ``prepare_local_plan`` and ``read_data``).
+Saved entries no rank's target took, and entries loaded with a dtype or shape conversion,
+are logged once as one warning after the reads, or with ``strict=True`` raise
+:class:`~s3ckpt.errors.StateMismatchError` before any byte is loaded
+(:mod:`s3ckpt.dcp.load_report`).
 """
 
 from __future__ import annotations
@@ -59,7 +67,9 @@ from s3ckpt.dcp.compat import (
     remember_metadata_failure,
 )
 from s3ckpt.dcp.fetch import ItemFetch, ReadSource
+from s3ckpt.dcp.load_report import LoadReport
 from s3ckpt.dcp.location import S3Location
+from s3ckpt.dcp.optimizer_state import Fills, plan_fills
 from s3ckpt.dcp.overwrites import (
     LoadAgreement,
     check_agreement,
@@ -114,6 +124,11 @@ class S3StorageReader(S3Location, StorageReader):
         bounce_bytes: host memory (page-locked where CUDA is available) that items
             loaded into device memory pass through, in slabs of about ``request_size``
             (:mod:`s3ckpt.dcp.device_load`); 256 MiB by default.
+        strict: raise :class:`~s3ckpt.errors.StateMismatchError` before any byte is
+            loaded when a saved entry would be left out (no rank's target takes it) or
+            loaded with a dtype or shape conversion (each rank checks its own targets
+            before its first read). ``False`` (the default): load, then log what was left
+            out or converted as one warning (logger ``s3ckpt.dcp.load_report``).
     """
 
     _dcp_call = "dcp.load"
@@ -129,6 +144,7 @@ class S3StorageReader(S3Location, StorageReader):
         trust_pickles: bool = False,
         process_group: dist.ProcessGroup | None = None,
         bounce_bytes: int = device_load.DEFAULT_BOUNCE_BYTES,
+        strict: bool = False,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -146,6 +162,9 @@ class S3StorageReader(S3Location, StorageReader):
         self.metadata: Metadata | None = None
         self.storage_data: dict[MetadataIndex, StoredItem] = {}
         self._shapes: dict[MetadataIndex, tuple[torch.dtype, torch.Size]] = {}
+        self.strict = strict
+        self._report = LoadReport("", strict)
+        self._fills = Fills([])
 
     # -- DCP lifecycle --------------------------------------------------------------------
 
@@ -156,6 +175,8 @@ class S3StorageReader(S3Location, StorageReader):
 
     def read_metadata(self) -> Metadata:
         self._start_budget()  # the first call of every load
+        self._report = LoadReport(str(self.location), self.strict)
+        self._fills = Fills([])
         try:
             metadata = self._read_metadata()
         except S3CkptError as exc:
@@ -197,9 +218,15 @@ class S3StorageReader(S3Location, StorageReader):
         self._shapes = chunk_shapes(metadata)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        if self.metadata is None:
+            return plan
+        plan, fills = plan_fills(self.metadata, plan)  # optimizer state with no target
+        self._fills = Fills(fills)
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        if self.metadata is not None:
+            self._report.find_dropped(self.metadata, plans, self._stored_size)
         # The coordinator names the save it planned from, and how many ranks load: every
         # rank checks that it read the same save, and only a lone rank follows an overwrite.
         agreed = LoadAgreement(self._manifest().save_id, len(plans))
@@ -208,9 +235,14 @@ class S3StorageReader(S3Location, StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         agreed = plan.storage_data if isinstance(plan.storage_data, LoadAgreement) else None
         self._check_agreement(agreed)
+        report = self._report
+        targets, plan = self._fills.planner(planner, plan)
+        if self.metadata is not None:
+            report.check_targets(plan, targets, self.metadata)
+            targets = report.watching(targets, self.metadata)
         for _ in range(metadata_read.OVERWRITES_FOLLOWED):
             try:
-                self._read_all(plan, planner)
+                self._read_all(plan, targets)
                 break
             except ObjectNotFoundError as exc:
                 if agreed is None or agreed.ranks != 1:
@@ -222,6 +254,9 @@ class S3StorageReader(S3Location, StorageReader):
             )
         if self.retries:
             log.info("load of %s: %d request(s) retried", self.location, self.retries)
+        self._fills.install(planner)
+        report.add_left_out(self._fills.left_out, self.metadata)
+        report.finish()
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -237,6 +272,13 @@ class S3StorageReader(S3Location, StorageReader):
         self.storage_data = io_loop().run(
             _stored_items(self._store(), location, self._manifest(), metadata, plan)
         )
+
+    def _stored_size(self, fqn: str) -> int | None:
+        """A non-tensor entry's stored bytes, where the metadata records them (format 1)."""
+        stored = self.metadata.storage_data if self.metadata is not None else None
+        if not isinstance(stored, dict):
+            return None
+        return sum(item.size for index, item in stored.items() if index.fqn == fqn) or None
 
     def _manifest(self) -> Manifest:
         if self.manifest is None:

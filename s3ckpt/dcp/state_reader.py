@@ -18,6 +18,11 @@ the one that save wrote: DCP's coordinator planner merges the ranks' plans (repl
 items kept once, as a save keeps them), so a job with another world size or sharding
 loads from them as it would load the checkpoint from S3, each chunk read from the state
 that holds it, through that state's ``copy_in``.
+
+As :class:`~s3ckpt.dcp.reader.S3StorageReader` does, a fresh optimizer placed in the state
+gets every saved moment (:mod:`s3ckpt.dcp.optimizer_state`), and what the load leaves out
+or converts is logged once as one warning (:mod:`s3ckpt.dcp.load_report`), or raised
+before a byte is loaded when ``strict``.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from s3ckpt.dcp.compat import narrow
+from s3ckpt.dcp.load_report import LoadReport
+from s3ckpt.dcp.optimizer_state import Fills, plan_fills
 
 CopyIn = Callable[[Sequence[tuple[torch.Tensor, torch.Tensor]]], None]
 """Copies each ``(source, target)`` pair's source into its target (same shape)."""
@@ -47,10 +54,16 @@ def copy_each(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
 class StateReader(StorageReader):
     """Reads the states a save's ranks held (in memory) as DCP reads that checkpoint."""
 
-    def __init__(self, states: Sequence[tuple[dict[str, Any], CopyIn]]) -> None:
+    def __init__(
+        self, states: Sequence[tuple[dict[str, Any], CopyIn]], *, strict: bool = False
+    ) -> None:
         """A reader of the state every rank of one save held (rank order), each with the
-        ``copy_in`` its chunks are read through."""
+        ``copy_in`` its chunks are read through. ``strict``: raise
+        :class:`~s3ckpt.errors.StateMismatchError` before loading when an entry would be
+        left out or converted (else one warning after the load)."""
         super().__init__()
+        self._report = LoadReport("the memory tier's copy", strict)
+        self._fills = Fills([])
         self._copy_ins = [copy_in for _, copy_in in states]
         self._planners = []
         plans = []
@@ -66,9 +79,11 @@ class StateReader(StorageReader):
         }
 
     @classmethod
-    def of_state(cls, state: dict[str, Any], copy_in: CopyIn = copy_each) -> StateReader:
+    def of_state(
+        cls, state: dict[str, Any], copy_in: CopyIn = copy_each, *, strict: bool = False
+    ) -> StateReader:
         """A reader of one rank's state (a load with the world size it was saved with)."""
-        return cls([(state, copy_in)])
+        return cls([(state, copy_in)], strict=strict)
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -84,12 +99,28 @@ class StateReader(StorageReader):
         pass
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        self._report = LoadReport(self._report.where, self._report.strict)
+        plan, fills = plan_fills(self._metadata, plan)  # optimizer state with no target
+        self._fills = Fills(fills)
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        self._report.find_dropped(self._metadata, plans)
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        report, fills = self._report, self._fills
+        targets, plan = fills.planner(planner, plan)
+        report.check_targets(plan, targets, self._metadata)
+        self._read(plan, report.watching(targets, self._metadata))
+        fills.install(planner)
+        report.add_left_out(fills.left_out, self._metadata)
+        report.finish()
+        done: torch.futures.Future[None] = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         _check_covered(plan, planner, self._metadata)
         copies: list[tuple[ReadItem, torch.Tensor, torch.Tensor]] = []
         by_rank: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -108,9 +139,6 @@ class StateReader(StorageReader):
             self._copy_ins[rank](pairs)
         for item, _, target in copies:
             planner.commit_tensor(item, target)
-        done: torch.futures.Future[None] = torch.futures.Future()
-        done.set_result(None)
-        return done
 
 
 def _check_covered(plan: LoadPlan, planner: LoadPlanner, metadata: Metadata) -> None:

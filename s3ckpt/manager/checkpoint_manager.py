@@ -107,6 +107,12 @@ class CheckpointManager:
         memory_tier: hold every save in shared memory on the node too, and write to S3
             only the steps it says (:class:`~s3ckpt.MemoryTier`; process mode only). Its
             root is checked at construction.
+        strict: a load raises :class:`~s3ckpt.errors.StateMismatchError`, before any byte
+            is loaded, when a saved entry would be left out (no rank's state takes it) or
+            loaded with a dtype or shape conversion. ``False`` (the default): such a load
+            goes ahead and logs what it left out or converted as one warning (logger
+            ``s3ckpt.dcp.load_report``). Either way, optimizers placed in the state as
+            themselves get their saved state (:mod:`s3ckpt.dcp.optimizer_state`).
     """
 
     def __init__(
@@ -126,6 +132,7 @@ class CheckpointManager:
         writer_options: dict[str, Any] | None = None,
         reader_options: dict[str, Any] | None = None,
         memory_tier: MemoryTier | None = None,
+        strict: bool = False,
         **options: Any,
     ) -> None:
         validate_options(keep_last, keep_every, if_busy, async_mode)
@@ -140,6 +147,7 @@ class CheckpointManager:
         self.on_saved = on_saved
         self.writer_options = dict(writer_options or {})
         self.reader_options = dict(reader_options or {})
+        self.strict = strict
         self.metrics: deque[SaveMetrics] = deque(maxlen=max_metrics)
         self._ranks = Ranks(process_group)
         if self._ranks.rank == 0:  # the rank that lists S3 first, at a load or the first save
@@ -259,7 +267,7 @@ class CheckpointManager:
             self.uri_of(step),
             config=self.config,
             process_group=self._ranks.shared(),
-            **self.reader_options,
+            **{"strict": self.strict, **self.reader_options},
         )
         try:
             dcp.load(

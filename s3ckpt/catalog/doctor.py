@@ -21,11 +21,19 @@ from crc32c import crc32c
 
 from s3ckpt.catalog.unpublish import probe_conditional_delete, record_conditional_deletes
 from s3ckpt.config import S3URI, S3Config, make_config
-from s3ckpt.errors import PreconditionFailedError, S3CkptError, StorageError
+from s3ckpt.errors import (
+    BucketNotFoundError,
+    NotS3EndpointError,
+    PreconditionFailedError,
+    S3CkptError,
+    StorageError,
+)
 from s3ckpt.s3.client import client_handle, tls_verify
+from s3ckpt.s3.compat_botocore import configured_endpoint, ignored_s3_endpoint
 from s3ckpt.s3.error_mapping import UNSUPPORTED_CODES, translated
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore, PartResult
+from s3ckpt.units import human_bytes, human_rate
 
 Status = Literal["ok", "degraded", "failed"]
 MiB = 1024 * 1024
@@ -40,8 +48,12 @@ class Check:
 
 @dataclass
 class Diagnosis:
+    """``endpoint``: the URL requests go to, as the client resolved it; ``endpoint_source``:
+    where it was configured (:func:`endpoint_source`)."""
+
     uri: str
     endpoint: str
+    endpoint_source: str = ""
     checks: list[Check] = field(default_factory=list)
     plan: list[str] = field(default_factory=list)  # what s3ckpt will do on this store
 
@@ -58,7 +70,7 @@ class _Probe:
     def __init__(self, store: ObjectStore, location: S3URI, sample: int) -> None:
         self.store, self.location, self.sample = store, location, sample
         self.scratch = location.key(f".s3ckpt-doctor-{secrets.token_hex(6)}")
-        self.diagnosis = Diagnosis(str(location), store.config.endpoint_url or "(AWS default)")
+        self.diagnosis = Diagnosis(str(location), store.config.endpoint_url or "(unresolved)")
 
     def key(self, name: str) -> str:
         return f"{self.scratch}/{name}"
@@ -95,23 +107,44 @@ class _Probe:
 
     async def _reach(self) -> bool:
         config = self.store.config
-        verify = tls_verify(config)
-        scheme = (config.endpoint_url or "https://").split(":", 1)[0]
-        tls = (
-            "plain HTTP (no TLS)"
-            if scheme == "http"
-            else "TLS not verified"
-            if verify is False
-            else f"TLS verified against {'the CA bundle ' + verify if isinstance(verify, str) else 'botocore default CA bundle'}"
-        )
         try:
-            await self.store.head_bucket()
-        except StorageError as exc:
+            with translated("CreateClient", self.store.bucket):
+                client = await client_handle(config).get()
+        except S3CkptError as exc:
             self.add("endpoint, credentials, bucket", "failed", str(exc))
             return False
-        self.add("endpoint and TLS", "ok", f"{self.diagnosis.endpoint} answers; {tls}")
+        endpoint = self.diagnosis.endpoint = str(client.meta.endpoint_url)
+        self.diagnosis.endpoint_source = endpoint_source(config, endpoint)
+        try:
+            await self.store.head_bucket()
+        except BucketNotFoundError as exc:
+            await self._not_s3_or(exc)
+            return False
+        except StorageError as exc:
+            self.add("endpoint, credentials, bucket", "failed", f"{exc}{self._at()}")
+            return False
+        detail = (
+            f"{endpoint} ({self.diagnosis.endpoint_source}) answers; {_transport(config, endpoint)}"
+        )
+        self.add("endpoint and TLS", "ok", detail)
         self.add("credentials and bucket", "ok", f"s3://{self.store.bucket} is accessible")
         return True
+
+    async def _not_s3_or(self, missing: StorageError) -> None:
+        """A HEAD's bare 404 is S3's "no such bucket", and a web server's too: a listing,
+        which S3 explains with an XML error, tells them apart."""
+        try:
+            async for _ in self.store.list(self.scratch + "/"):
+                break
+        except NotS3EndpointError as exc:
+            self.add("endpoint, credentials, bucket", "failed", f"{exc}{self._at()}")
+            return
+        except StorageError:
+            pass
+        self.add("endpoint, credentials, bucket", "failed", f"{missing}{self._at()}")
+
+    def _at(self) -> str:
+        return f" (endpoint {self.diagnosis.endpoint}, {self.diagnosis.endpoint_source})"
 
     async def _access(self) -> None:
         key, body = self.key("access"), b"s3ckpt doctor"
@@ -262,12 +295,12 @@ class _Probe:
         started = time.perf_counter()
         await self.store.get(key)
         get = time.perf_counter() - started
-        mb = self.sample / 1e6
         self.add(
             "throughput sample",
             "ok",
-            f"PUT {mb / put:.0f} MB/s, GET {mb / get:.0f} MB/s ({self.sample // MiB} MiB, one "
-            "request each: a sanity check, not what parallel saves reach)",
+            f"PUT {human_rate(self.sample / put)}, GET {human_rate(self.sample / get)} "
+            f"({human_bytes(self.sample)}, one request each: a sanity check, not what "
+            "parallel saves reach)",
         )
 
     async def _clean_up(self) -> None:
@@ -279,6 +312,43 @@ class _Probe:
                 await self.store.abort_multipart(upload.key, upload.upload_id)
         except S3CkptError:
             pass  # nothing more to do: the scratch prefix is named in every check's detail
+
+
+def endpoint_source(config: S3Config, endpoint: str) -> str:
+    """Where ``endpoint``, the URL the client for ``config`` sends requests to, came from:
+    the configuration's ``endpoint_url`` (``--endpoint-url``), the environment, the AWS
+    config file's profile or services section, or none (AWS's own endpoint)."""
+    if config.endpoint_url is not None:
+        return "from --endpoint-url / S3Config.endpoint_url"
+    found = configured_endpoint(config.profile, endpoint)
+    if found is None:
+        ignored = ignored_s3_endpoint(config.profile)
+        note = (
+            f"; the endpoint_url {ignored} in the s3 section of profile "
+            f"{config.profile or 'default'} is not read: AWS tools take it from a "
+            "services section"
+            if ignored
+            else ""
+        )
+        return f"AWS's own endpoint: none configured{note}"
+    where = f"profile {found.profile} in {found.config_file}"
+    return {
+        "environment_service": "from AWS_ENDPOINT_URL_S3",
+        "environment_global": "from AWS_ENDPOINT_URL",
+        "config_service": f"from s3's endpoint_url in [services {found.services}] of {where}",
+        "config_global": f"from the endpoint_url of {where}",
+    }.get(found.location, f"from {found.location} ({where})")
+
+
+def _transport(config: S3Config, endpoint: str) -> str:
+    """What protects the connection: TLS and how it is verified, or nothing."""
+    if not endpoint.lower().startswith("https:"):
+        return "plain HTTP: the connection is not encrypted (no TLS)"
+    verify = tls_verify(config)
+    if verify is False:
+        return "TLS, certificate not verified (--no-verify-ssl / verify=False)"
+    bundle = f"the CA bundle {verify}" if isinstance(verify, str) else "botocore's CA bundle"
+    return f"TLS verified against {bundle}"
 
 
 def diagnose(

@@ -270,6 +270,7 @@ def doctor_json(diagnosis: Diagnosis) -> dict[str, Any]:
     return {
         "uri": diagnosis.uri,
         "endpoint": diagnosis.endpoint,
+        "endpoint_source": diagnosis.endpoint_source,
         "checks": [
             {"check": c.name, "status": c.status, "detail": c.detail} for c in diagnosis.checks
         ],

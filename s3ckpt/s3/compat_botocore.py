@@ -39,11 +39,25 @@ The internals s3ckpt relies on, each behind a function here:
   :func:`tls_failed`), and messages read them back (:func:`failed_endpoint`,
   :func:`cause`, :mod:`s3ckpt.s3.error_mapping`).
 
+* the ``after-call.s3`` event (``http_response``, ``parsed``), emitted with every answer
+  the client parses, errors included, before it returns or raises: each answer's
+  ``ResponseMetadata`` names the endpoint that gave it (:func:`note_endpoints`,
+  :func:`answering_endpoint`; answers read on the data plane get it in
+  :func:`client_error` and :func:`parsed_answer`), which errors name
+  (:mod:`s3ckpt.s3.error_mapping`);
+* ``botocore.configprovider.ConfiguredEndpointProvider``, the chain a session resolves a
+  client's configured endpoint URL with (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``,
+  the profile's services section, the profile's ``endpoint_url``: its
+  ``_ENDPOINT_URL_LOOKUP_ORDER`` and ``_get_endpoint_url_<location>`` methods), which
+  says where the endpoint a client uses came from (:func:`configured_endpoint`,
+  :mod:`s3ckpt.catalog.doctor`).
+
 ``tests/unit/test_s3_compat.py`` fails loudly when a botocore release changes any of them.
 """
 
 from __future__ import annotations
 
+import os
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,13 +67,17 @@ from botocore import exceptions as bce
 from botocore import handlers, xform_name
 from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest, HeadersDict
+from botocore.configprovider import ConfiguredEndpointProvider
 from botocore.httpsession import create_urllib3_context, get_cert_path
 from botocore.parsers import create_parser
 from botocore.serialize import create_serializer
+from botocore.session import Session
 from botocore.utils import percent_encode_sequence
 
 BEFORE_SIGN = "before-sign.s3.{operation}"
 BEFORE_SEND = "before-send.s3.{operation}"
+AFTER_CALL = "after-call.s3"
+ENDPOINT_KEY = "S3ckptEndpoint"  # in an answer's ResponseMetadata: the endpoint that gave it
 
 
 def on_before_sign(client: Any, operation: str, handler: Callable[..., Any]) -> None:
@@ -72,6 +90,75 @@ def on_before_send(client: Any, operation: str, handler: Callable[..., Any]) -> 
     """Call ``handler(request=..., **kwargs)`` on every signed ``operation`` request of
     ``client``; a response it returns is used instead of sending the request."""
     client.meta.events.register(BEFORE_SEND.format(operation=operation), handler)
+
+
+def note_endpoints(client: Any) -> None:
+    """Name the client's endpoint in the ``ResponseMetadata`` of every answer it parses,
+    successes and errors (a ``ClientError``'s ``response``) alike."""
+    endpoint = client.meta.endpoint_url
+
+    def note(parsed: Any = None, **_: Any) -> None:
+        if isinstance(parsed, dict):
+            parsed.setdefault("ResponseMetadata", {})[ENDPOINT_KEY] = endpoint
+
+    client.meta.events.register(AFTER_CALL, note)
+
+
+def answering_endpoint(response: dict[str, Any]) -> str | None:
+    """The endpoint that gave an answer (a parsed response or a ``ClientError``'s
+    ``response``), where s3ckpt's client noted it."""
+    endpoint = response.get("ResponseMetadata", {}).get(ENDPOINT_KEY)
+    return str(endpoint) if endpoint else None
+
+
+@dataclass(frozen=True)
+class ConfiguredEndpoint:
+    """Where the endpoint URL an S3 client uses was configured: ``location`` in botocore's
+    words (``environment_service``: ``AWS_ENDPOINT_URL_S3``; ``environment_global``:
+    ``AWS_ENDPOINT_URL``; ``config_service``: ``s3``'s ``endpoint_url`` in the services
+    section ``services`` that the profile names; ``config_global``: the profile's own
+    ``endpoint_url``), the profile and the config file read."""
+
+    location: str
+    profile: str
+    config_file: str
+    services: str | None
+
+
+def configured_endpoint(profile: str | None, endpoint_url: str) -> ConfiguredEndpoint | None:
+    """Where ``endpoint_url``, the endpoint of an S3 client made for ``profile`` (None: the
+    environment's, else ``default``) without an explicit endpoint, was configured, looked
+    up in botocore's own order; None when it was not configured (botocore's endpoint for
+    the region, or a configured one that the client ignores)."""
+    session = Session(profile=profile)
+    scoped = session.get_scoped_config()
+    chain = ConfiguredEndpointProvider(
+        full_config=session.full_config, scoped_config=scoped, client_name="s3"
+    )
+    for location in chain._ENDPOINT_URL_LOOKUP_ORDER:
+        found = getattr(chain, f"_get_endpoint_url_{location}")()
+        if not found:
+            continue
+        if found.rstrip("/") != endpoint_url.rstrip("/"):
+            return None
+        config_file = os.path.expanduser(str(session.get_config_variable("config_file")))
+        services = scoped.get("services")
+        return ConfiguredEndpoint(
+            str(location),
+            session.profile or "default",
+            config_file,
+            str(services) if services else None,
+        )
+    return None
+
+
+def ignored_s3_endpoint(profile: str | None) -> str | None:
+    """An ``endpoint_url`` written in the profile's own ``s3`` section (``s3 =`` followed
+    by indented settings, where botocore reads ``addressing_style`` and the like), which
+    botocore does not use as an endpoint: only a services section's ``s3`` is read."""
+    nested = Session(profile=profile).get_scoped_config().get("s3")
+    found = nested.get("endpoint_url") if isinstance(nested, dict) else None
+    return str(found) if found else None
 
 
 def operation_method(client: Any, operation: str) -> Callable[..., Any]:
@@ -125,6 +212,7 @@ def parsed_answer(
         {"status_code": status, "headers": HeadersDict(headers), "body": body},
         model.operation_model(operation).output_shape,
     )
+    parsed.setdefault("ResponseMetadata", {})[ENDPOINT_KEY] = client.meta.endpoint_url
     return parsed
 
 
@@ -233,19 +321,26 @@ def cause(exc: bce.BotoCoreError) -> Any:
 
 
 __all__ = [
+    "AFTER_CALL",
     "BEFORE_SEND",
     "BEFORE_SIGN",
+    "ENDPOINT_KEY",
+    "ConfiguredEndpoint",
     "SerializedRequest",
     "answer_status",
+    "answering_endpoint",
     "ca_bundle",
     "cause",
     "client_error",
+    "configured_endpoint",
     "connect_timeout",
     "connection_failed",
     "decoded_listing",
     "default_tls_context",
     "escaped_xml",
     "failed_endpoint",
+    "ignored_s3_endpoint",
+    "note_endpoints",
     "on_before_send",
     "on_before_sign",
     "operation_method",

@@ -5,6 +5,18 @@ operation, bucket and key, and carry the server's error code; they never contain
 credentials (botocore's own messages do not, and nothing here adds them). Whether a
 failure is retried is decided earlier, on the raw exception, by :mod:`s3ckpt.s3.retry`;
 :func:`translate_final` words the error that ends the retries.
+
+An answer that is not S3's becomes :class:`~s3ckpt.errors.NotS3EndpointError`, naming
+the endpoint and the status: botocore reads an error with no S3 error document as the
+code ``"404"`` (the status) with the reason phrase as its message, which would otherwise
+read as a missing bucket or key. S3 answers every request but a HEAD with an XML error
+document, so such an answer to any other request is not S3's; a HEAD's error has no body,
+so a HEAD's bare ``404`` keeps its meaning unless the answer is a web page: HTML, with
+none of the ``x-amz`` headers every S3 server sends (some, moto among them, label their
+empty answers ``text/html``). Bare statuses that stores do send without a body (``405``
+and ``501`` for what they do not implement, :data:`UNSUPPORTED_CODES`) and those retried
+(throttling, 5xx from a proxy) keep theirs too. A web page answering ``HeadBucket`` or a
+listing with ``200`` is caught by :func:`check_s3_answer`.
 """
 
 from __future__ import annotations
@@ -12,16 +24,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import aiohttp
 import h11
 from botocore import exceptions as bce
+from botocore.parsers import ResponseParserError
 
 from s3ckpt.errors import (
     AccessDeniedError,
     BucketNotFoundError,
     DeadlineExceededError,
     EndpointError,
+    NotS3EndpointError,
     ObjectNotFoundError,
     PreconditionFailedError,
     S3CkptError,
@@ -29,7 +44,7 @@ from s3ckpt.errors import (
     TransientStorageError,
 )
 from s3ckpt.s3 import retry
-from s3ckpt.s3.compat_botocore import cause, failed_endpoint
+from s3ckpt.s3.compat_botocore import answering_endpoint, cause, failed_endpoint
 from s3ckpt.s3.retry import ShortReadError
 
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
@@ -50,6 +65,9 @@ PRECONDITION_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequest
 UNSUPPORTED_CODES = frozenset(
     {"NotImplemented", "501", "MethodNotAllowed", "405", "InvalidRequest", "InvalidArgument"}
 )
+# Operations S3 answers with no body, errors included.
+_BODILESS = frozenset({"HeadObject", "HeadBucket"})
+NOT_S3 = "this endpoint does not answer like an S3 server"
 _ENDPOINT_ERRORS = (
     bce.EndpointConnectionError,
     bce.ConnectTimeoutError,
@@ -78,6 +96,23 @@ def translate(
         return exc
     where = f"s3://{bucket}/{key}" if key else (f"s3://{bucket}" if bucket else "")
     ctx = {"operation": operation, "bucket": bucket, "key": key}
+    if isinstance(exc, bce.ClientError) and not_s3_error(exc, operation):
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return _not_s3(
+            exc.response,
+            operation,
+            where,
+            f"HTTP {status}",
+            code=str(status),
+            bucket=bucket,
+            key=key,
+        )
+    if isinstance(exc, ResponseParserError):
+        return NotS3EndpointError(
+            f"{NOT_S3}: the endpoint answered {operation} {where} with a body that is not "
+            "S3's XML; check the endpoint URL (--endpoint-url, AWS_ENDPOINT_URL)",
+            **ctx,
+        )
     if isinstance(exc, bce.ClientError):
         code = error_code(exc)
         message = exc.response.get("Error", {}).get("Message") or ""
@@ -105,6 +140,56 @@ def translate(
     if isinstance(exc, bce.BotoCoreError):
         return StorageError(f"{operation} {where} failed: {exc}", **ctx)
     return StorageError(f"{operation} {where} failed: {type(exc).__name__}: {exc}", **ctx)
+
+
+def not_s3_error(exc: bce.ClientError, operation: str) -> bool:
+    """Whether an error answer is not S3's (see the module docstring): no S3 error code,
+    a status S3 always explains in an XML body, or an HTML page."""
+    metadata = exc.response.get("ResponseMetadata", {})
+    status = metadata.get("HTTPStatusCode")
+    code = exc.response.get("Error", {}).get("Code")
+    if not isinstance(status, int) or status < 400 or (code and code != str(status)):
+        return False
+    if retry.is_retryable(exc):
+        return False
+    if _web_page(metadata):
+        return True
+    return operation not in _BODILESS and str(status) not in UNSUPPORTED_CODES
+
+
+def check_s3_answer(operation: str, response: dict[str, Any], bucket: str | None) -> None:
+    """Raise :class:`~s3ckpt.errors.NotS3EndpointError` for a successful answer that is a
+    web page (a web server's ``200``): S3 answers bucket requests with XML or no body, and
+    always with its ``x-amz`` headers."""
+    metadata = response.get("ResponseMetadata", {})
+    if _web_page(metadata):
+        where = f"s3://{bucket}" if bucket else ""
+        status = metadata.get("HTTPStatusCode")
+        raise _not_s3(response, operation, where, f"HTTP {status}", code=str(status), bucket=bucket)
+
+
+def _web_page(metadata: dict[str, Any]) -> bool:
+    """An HTML answer without a single ``x-amz`` header (``x-amz-request-id``, moto's
+    ``x-amzn-requestid``): a web server's, not an S3 server's."""
+    headers = {str(k).lower(): str(v) for k, v in (metadata.get("HTTPHeaders") or {}).items()}
+    if any(name.startswith("x-amz") for name in headers):
+        return False
+    content_type = headers.get("content-type", "").split(";")[0].strip().lower()
+    return content_type in ("text/html", "application/xhtml+xml")
+
+
+def _not_s3(
+    response: dict[str, Any], operation: str, where: str, status: str, **ctx: Any
+) -> NotS3EndpointError:
+    metadata = response.get("ResponseMetadata", {})
+    endpoint = answering_endpoint(response) or "the endpoint"
+    body = "a web page" if _web_page(metadata) else "no S3 error"
+    return NotS3EndpointError(
+        f"{NOT_S3}: {endpoint} answered {operation} {where} with {status} and {body}; "
+        "check the endpoint URL (--endpoint-url, AWS_ENDPOINT_URL)",
+        operation=operation,
+        **ctx,
+    )
 
 
 def _class_for_code(code: str, key: str | None, retryable: bool) -> type[StorageError]:
@@ -184,6 +269,7 @@ STORE_ERRORS: tuple[type[BaseException], ...] = (
     asyncio.TimeoutError,
     TimeoutError,
     ShortReadError,
+    ResponseParserError,
 )
 
 

@@ -33,7 +33,7 @@ from s3ckpt.config import S3Config
 from s3ckpt.errors import PreconditionFailedError, StorageError
 from s3ckpt.s3 import get_attempt, retry
 from s3ckpt.s3.client import client_handle
-from s3ckpt.s3.error_mapping import PRECONDITION_CODES, error_code
+from s3ckpt.s3.error_mapping import PRECONDITION_CODES, check_s3_answer, error_code
 from s3ckpt.s3.get_attempt import ResumingSink
 from s3ckpt.s3.listing import Listings, ObjectMeta, PendingUpload
 from s3ckpt.s3.multipart import MultipartUploads, PartResult, crc32c_header
@@ -246,7 +246,10 @@ class ObjectStore:
         return True
 
     async def head_bucket(self) -> None:
-        await self.requests.call("HeadBucket", None)
+        """Whether the bucket is there, and the endpoint an S3 server (a web server's
+        HTML page raises :class:`~s3ckpt.errors.NotS3EndpointError`)."""
+        response = await self.requests.call("HeadBucket", None)
+        check_s3_answer("HeadBucket", response, self.bucket)
 
     async def server_time(self) -> float | None:
         """The store's clock, from the ``Date`` header of a ``HeadBucket`` response (seconds

@@ -4,11 +4,11 @@
 
     S3CkptError
     ├── ConfigError (ValueError)               bad options or arguments
-    │   ├── InvalidURIError                    not an s3://bucket/key URI
+    │   ├── InvalidURIError                    not an s3://bucket/key URI, or a key too long
+    │   ├── UnpicklableStateError              a state value the checkpoint process cannot rebuild
     │   └── OutputExistsError (FileExistsError)  an export's output holds files, no overwrite
     ├── StorageError                           the object store said no
     │   ├── EndpointError (ConnectionError)    unreachable endpoint, TLS failure, timeout
-    │   │   └── NotS3EndpointError             the endpoint answers, but not as S3 does
     │   ├── AccessDeniedError (PermissionError) wrong or missing credentials, no permission
     │   ├── BucketNotFoundError
     │   ├── ObjectNotFoundError (FileNotFoundError)
@@ -30,16 +30,29 @@
     │   └── NotACheckpointError                an import source in no format s3ckpt reads
     └── LocalServerError                       the embedded S3 server could not start
 
-Messages name the bucket, key and operation involved and never contain credentials.
+Messages name the bucket, key and operation involved and never contain credentials, nor
+terminal escape sequences (torch colours some of the text an error carries: removed here).
 The standard-library bases let callers who do not know s3ckpt still catch the
 natural category (``except FileNotFoundError``).
 """
 
 from __future__ import annotations
 
+import re
+
+_ESCAPES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # ANSI colours and styles (CSI sequences)
+
 
 class S3CkptError(Exception):
     """Base class of every error raised by s3ckpt."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(plain_text(arg) if isinstance(arg, str) else arg for arg in args))
+
+
+def plain_text(text: str) -> str:
+    """``text`` without terminal escape sequences (torch's bold and colours)."""
+    return _ESCAPES.sub("", text) if "\x1b" in text else text
 
 
 class ConfigError(S3CkptError, ValueError):
@@ -47,7 +60,20 @@ class ConfigError(S3CkptError, ValueError):
 
 
 class InvalidURIError(ConfigError):
-    """A checkpoint location is not a valid ``s3://bucket/prefix`` URI."""
+    """A checkpoint location is not a valid ``s3://bucket/prefix`` URI, or its prefix is
+    too long for the keys a save writes under it (S3 keys are at most 1,024 bytes)."""
+
+
+class UnpicklableStateError(ConfigError):
+    """A value of the state (``key``: its path, ``extra.obj``) cannot be rebuilt by the
+    checkpoint process, which unpickles the state in a fresh interpreter: a class or
+    function of ``__main__`` or defined inside a function, a lambda, a module that
+    process cannot import, or anything pickle refuses. Found by ``save()`` before
+    anything is copied or uploaded."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class OutputExistsError(ConfigError, FileExistsError):
@@ -80,13 +106,6 @@ class StorageError(S3CkptError):
 
 class EndpointError(StorageError, ConnectionError):
     """The endpoint could not be reached, the TLS handshake failed, or a request timed out."""
-
-
-class NotS3EndpointError(EndpointError):
-    """The endpoint answered, but not as an S3 server does: an error with no S3 error in
-    its body (an HTML page, an empty body), or an HTML page where S3 sends its XML. The
-    endpoint is most likely not the S3 service (a web server, a console's port, a path
-    missing from the URL); ``code`` is the HTTP status it answered with."""
 
 
 class AccessDeniedError(StorageError, PermissionError):

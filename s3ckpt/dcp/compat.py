@@ -6,8 +6,9 @@ how DCP's ``Metadata`` pickles (the globals its pickle refers to,
 background process (:func:`stop_async_save_process`), how to lay out a ``torch.save``
 file without its tensors' bytes (:func:`save_skeleton`, for export), and DCP's storage
 copier that keeps staging buffers (:func:`storage_copier`, for :mod:`s3ckpt.dcp.staging`),
-and how a rank's failure travels among gathered results (:func:`wrap_exception`, for the
-Megatron integration).
+how a rank's failure travels among gathered results (:func:`wrap_exception`, for the
+Megatron integration), and which frame of ``dcp.load`` asks a reader for the metadata
+(:func:`read_by_dcp_load`, so that a failed read is reported once, as itself).
 ``tests/unit/test_compat.py`` and ``tests/unit/test_export_formats.py`` fail loudly when a
 torch release changes any of them.
 """
@@ -15,9 +16,11 @@ torch release changes any of them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
+from types import CodeType, FrameType
 from typing import Any, Protocol
 
 import torch
@@ -171,6 +174,42 @@ def unwrap(exc: BaseException) -> BaseException:
 
 
 _metadata_failures: dict[int, BaseException] = {}
+
+
+def read_by_dcp_load(caller: FrameType | None) -> bool:
+    """Whether ``caller``, the frame that called a reader's ``read_metadata``, is the
+    planning step of ``dcp.load`` (``local_step`` in DCP's private ``_load_state_dict``).
+
+    DCP catches a failure raised there, logs it on the root logger as a warning with its
+    whole traceback ("Global metadata is not found. Falling back to rank local
+    metadata."), then raises ``AssertionError("metadata is None; ...")`` in its place.
+    A reader called from there returns :func:`stand_in_metadata` instead and raises its
+    error from ``set_up_storage_reader``, DCP's next call, outside that ``try``: DCP then
+    hands the error itself to every rank, and logs nothing. False on a torch whose
+    ``_load_state_dict`` has no such step (the reader raises then, as anywhere else).
+    """
+    return caller is not None and caller.f_code is _dcp_load_step()
+
+
+@functools.cache
+def _dcp_load_step() -> CodeType | None:
+    import inspect
+
+    from torch.distributed.checkpoint import state_dict_loader
+
+    load = getattr(state_dict_loader, "_load_state_dict", None)
+    code = getattr(inspect.unwrap(load), "__code__", None) if load is not None else None
+    for const in code.co_consts if code is not None else ():
+        if isinstance(const, CodeType) and const.co_name == "local_step":
+            return const
+    return None
+
+
+def stand_in_metadata() -> Metadata:
+    """An empty ``Metadata``: what a reader whose metadata read failed gives ``dcp.load``'s
+    planning step (:func:`read_by_dcp_load`); the planner only keeps it, and the reader
+    raises its error at DCP's next call."""
+    return Metadata(state_dict_metadata={})
 
 
 def wrap_exception(exc: BaseException) -> Any:
@@ -509,10 +548,12 @@ __all__ = [
     "narrow",
     "pin_host_memory",
     "plans_cached_by_dcp",
+    "read_by_dcp_load",
     "read_items_for",
     "remember_metadata_failure",
     "save_skeleton",
     "shard_write_items",
+    "stand_in_metadata",
     "stop_async_save_process",
     "tensor_subclass_of",
     "unpin_host_memory",

@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -64,7 +65,9 @@ from s3ckpt.dcp.compat import (
     ReadItem,
     StorageReader,
     chunk_shapes,
+    read_by_dcp_load,
     remember_metadata_failure,
+    stand_in_metadata,
 )
 from s3ckpt.dcp.fetch import ItemFetch, ReadSource
 from s3ckpt.dcp.load_report import LoadReport
@@ -160,6 +163,7 @@ class S3StorageReader(S3Location, StorageReader):
         self.bounce_bytes = bounce_bytes
         self.manifest: Manifest | None = None
         self.metadata: Metadata | None = None
+        self._failure: S3CkptError | None = None  # of read_metadata, for dcp.load
         self.storage_data: dict[MetadataIndex, StoredItem] = {}
         self._shapes: dict[MetadataIndex, tuple[torch.dtype, torch.Size]] = {}
         self.strict = strict
@@ -181,6 +185,9 @@ class S3StorageReader(S3Location, StorageReader):
             metadata = self._read_metadata()
         except S3CkptError as exc:
             remember_metadata_failure(exc)  # for unwrap(): dcp.load replaces the exception
+            if read_by_dcp_load(sys._getframe(1)):  # raised at DCP's next call, as itself
+                self._failure = exc
+                return stand_in_metadata()
             raise
         remember_metadata_failure(None)
         return metadata
@@ -209,6 +216,9 @@ class S3StorageReader(S3Location, StorageReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
+        failure, self._failure = self._failure, None
+        if failure is not None:  # the metadata read failed (see read_metadata)
+            raise failure
         if metadata.storage_data is None:
             raise CorruptCheckpointError(
                 f"checkpoint metadata at {self.location} has no storage data"

@@ -58,10 +58,10 @@ import torch.distributed.checkpoint as dcp
 from s3ckpt.background.ranks import Ranks
 from s3ckpt.background.saver import BackgroundSaver, state_bytes
 from s3ckpt.config import S3URI, S3Config, make_config
-from s3ckpt.dcp.compat import unwrap
+from s3ckpt.dcp.compat import CheckpointException, unwrap
 from s3ckpt.dcp.reader import S3StorageReader
 from s3ckpt.dcp.writer import S3StorageWriter
-from s3ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError
+from s3ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError, S3CkptError
 from s3ckpt.manager.committed import CommittedSteps
 from s3ckpt.manager.ledger import InFlight, SaveLedger
 from s3ckpt.manager.policy import (
@@ -277,7 +277,7 @@ class CheckpointManager:
                 no_dist=self._no_dist,
             )
         except BaseException as exc:
-            _reraise(exc)
+            _reraise(exc, f"loading {self.uri_of(step)}")
         self._went_on_from(step)
         log.info("loaded %s in %.2f s", checkpoint_name(step), time.perf_counter() - started)
 
@@ -349,7 +349,7 @@ class CheckpointManager:
         try:
             future, failure = self._saves.start(state_dict, writer, name, keep=keep)
         except BaseException as exc:
-            _reraise(exc)
+            _reraise(exc, f"saving {name}")
         now = time.perf_counter()
         inflight = InFlight(
             step, future, now, now - started, waited, to_s3=to_s3,
@@ -381,7 +381,7 @@ class CheckpointManager:
             )
         except BaseException as exc:
             if not isinstance(unwrap(exc), CheckpointExistsError):
-                _reraise(exc)
+                _reraise(exc, f"saving {self.uri_of(step)}")
             log.warning("%s was committed by someone else; not saved", checkpoint_name(step))
             return False
         elapsed = time.perf_counter() - started
@@ -435,15 +435,29 @@ class CheckpointManager:
         inflight = self._inflight
         if inflight is not None:
             inflight.done.wait()
-        self._ledger.raise_failure()
+        try:
+            self._ledger.raise_failure()
+        except Exception as exc:
+            _reraise(exc, "the background save")
 
 
-def _reraise(exc: BaseException) -> NoReturn:
-    """Raise the s3ckpt error inside DCP's ``CheckpointException`` (chained), else ``exc``."""
+def _reraise(exc: BaseException, doing: str = "") -> NoReturn:
+    """Raise ``exc`` as an s3ckpt error, chained to it: the one a rank raised inside DCP's
+    ``CheckpointException`` (a ``BaseException``, which ``except Exception`` misses), or
+    ``exc`` itself if it is one, else a :class:`~s3ckpt.errors.CheckpointError` whose
+    first line is ``doing`` and ``exc``'s own (a planner's ``RuntimeError``, an
+    ``AssertionError`` of DCP's). ``KeyboardInterrupt`` and the like go on as they are."""
     error = unwrap(exc)
-    if error is exc:
-        raise exc
-    raise error from exc
+    if isinstance(error, S3CkptError) or not isinstance(error, (Exception, CheckpointException)):
+        if error is exc:
+            raise exc
+        raise error from exc
+    if isinstance(error, CheckpointException):  # one without failures: its first word only
+        text = str(error.args[0]) if error.args else ""
+    else:
+        text = str(error)
+    cause = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    raise CheckpointError(f"{doing} failed: {cause}" if doing else cause) from exc
 
 
 __all__ = ["AsyncMode", "CheckpointManager", "IfBusy", "SaveMetrics", "checkpoint_name"]

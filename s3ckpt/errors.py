@@ -9,6 +9,7 @@
     │   └── OutputExistsError (FileExistsError)  an export's output holds files, no overwrite
     ├── StorageError                           the object store said no
     │   ├── EndpointError (ConnectionError)    unreachable endpoint, TLS failure, timeout
+    │   │   └── NotS3EndpointError             the endpoint answers, but not as S3 does
     │   ├── AccessDeniedError (PermissionError) wrong or missing credentials, no permission
     │   ├── BucketNotFoundError
     │   ├── ObjectNotFoundError (FileNotFoundError)
@@ -106,6 +107,13 @@ class StorageError(S3CkptError):
 
 class EndpointError(StorageError, ConnectionError):
     """The endpoint could not be reached, the TLS handshake failed, or a request timed out."""
+
+
+class NotS3EndpointError(EndpointError):
+    """The endpoint answered, but not as an S3 server does: an error with no S3 error in
+    its body (an HTML page, an empty body), or an HTML page where S3 sends its XML. The
+    endpoint is most likely not the S3 service (a web server, a console's port, a path
+    missing from the URL); ``code`` is the HTTP status it answered with."""
 
 
 class AccessDeniedError(StorageError, PermissionError):

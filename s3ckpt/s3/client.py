@@ -28,7 +28,8 @@ from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
 
 from s3ckpt.config import S3Config, client_environment
-from s3ckpt.s3.compat_botocore import on_before_sign
+from s3ckpt.errors import ConfigError
+from s3ckpt.s3.compat_botocore import note_endpoints, on_before_sign
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.wire import DataPlane, proxied
 from s3ckpt.s3.wire.calls import SignedCalls, content_md5
@@ -60,8 +61,15 @@ class ClientHandle:
             async with self._lock:
                 if self.client is None:
                     self._ctx = create_client(self.config)
-                    client = await self._ctx.__aenter__()
+                    try:
+                        client = await self._ctx.__aenter__()
+                    except ValueError as exc:  # botocore's "Invalid endpoint: ..."
+                        raise ConfigError(
+                            f"no S3 client can be made: {exc} (check --endpoint-url, "
+                            "AWS_ENDPOINT_URL, AWS_ENDPOINT_URL_S3 and the AWS config file)"
+                        ) from exc
                     on_before_sign(client, "DeleteObjects", add_content_md5)
+                    note_endpoints(client)  # errors name the endpoint that answered
                     self.plane = self._data_plane(client)
                     self.client = client
         return self.client

@@ -2,32 +2,32 @@
 
 Kept apart from the commands so that every rendering rule is unit-tested once, and free of
 third-party imports so that ``s3ckpt ls`` starts instantly. Durations are parsed here too
-(``--older-than 7d``), with the same units they are printed in.
+(``--older-than 7d``), with the same units they are printed in. Sizes are
+:func:`s3ckpt.units.human_bytes`, the one size format of logs and the CLI alike.
 """
 
 from __future__ import annotations
 
 import re
 import time
+import unicodedata
 from collections.abc import Sequence
 
 from s3ckpt.errors import ConfigError
+from s3ckpt.units import human_bytes
 
-_SIZE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+__all__ = [
+    "display_width",
+    "format_time",
+    "human_bytes",
+    "human_duration",
+    "iso_time",
+    "parse_duration",
+    "table",
+]
+
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
-
-
-def human_bytes(n: int) -> str:
-    """``1536`` -> ``1.5 KiB``: binary units, three significant digits, exact below 1 KiB."""
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in _SIZE_UNITS[1:]:
-        value /= 1024
-        if value < 1024 or unit == _SIZE_UNITS[-1]:
-            return f"{value:.3g} {unit}" if value < 1000 else f"{value:.0f} {unit}"
-    raise AssertionError("unreachable")
 
 
 def human_duration(seconds: float) -> str:
@@ -72,18 +72,32 @@ def table(
 ) -> str:
     """Columns padded to their widest cell, two spaces apart; ``right`` lists right-aligned columns.
 
-    Trailing spaces are stripped so the output diffs and greps cleanly.
+    Widths are what a terminal shows (:func:`display_width`: a CJK character takes two
+    columns), so names in any script line up. Trailing spaces are stripped so the output
+    diffs and greps cleanly.
     """
     cells = [[str(h) for h in headers], *[[_cell(v) for v in row] for row in rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    widths = [max(display_width(row[i]) for row in cells) for i in range(len(headers))]
     lines = []
     for row in cells:
-        padded = [
-            value.rjust(width) if i in right else value.ljust(width)
-            for i, (value, width) in enumerate(zip(row, widths, strict=True))
-        ]
+        padded = []
+        for i, (value, width) in enumerate(zip(row, widths, strict=True)):
+            fill = " " * (width - display_width(value))
+            padded.append(fill + value if i in right else value + fill)
         lines.append("  ".join(padded).rstrip())
     return "\n".join(lines)
+
+
+def display_width(text: str) -> int:
+    """The columns ``text`` takes on a terminal: East Asian Wide and Fullwidth characters
+    two, combining marks and other zero-width characters none, every other one."""
+    return sum(_char_width(c) for c in text)
+
+
+def _char_width(char: str) -> int:
+    if unicodedata.combining(char) or unicodedata.category(char) in ("Mn", "Me", "Cf"):
+        return 0
+    return 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
 
 
 def _cell(value: object) -> str:

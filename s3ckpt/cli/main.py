@@ -9,14 +9,17 @@ and import in :mod:`s3ckpt.cli.interop_commands`, memory (the node's memory tier
 Exit statuses: 0 success; 1 a problem found (damage reported by verify, no committed
 checkpoint where one was named, an unreadable manifest); 2 a usage, configuration or
 connection error (bad options, unreachable endpoint, denied access, missing bucket, any
-store failure). Errors are one line on stderr: ``s3ckpt <command>: error: ...``; a reader
-that goes away (``| head``) ends the command quietly.
+store failure). Errors are one line on stderr: ``s3ckpt <command>: error: ...``; with
+``--json`` stdout then carries ``{"error": "...", "exit": N}`` (whatever failed: a usage
+error, the store, a refusal), so a script always gets a JSON document. A reader that goes
+away (``| head``) ends the command quietly. ``s3ckpt --version`` prints the version.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shlex
 import signal
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, NoReturn
 
+from s3ckpt._version import __version__
 from s3ckpt.cli import commands, interop_commands, memory_commands
 from s3ckpt.errors import ConfigError, EndpointError, S3CkptError, StorageError
 
@@ -181,20 +185,49 @@ COMMANDS: tuple[Command, ...] = (
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage errors as one line on stderr (exit 2), like every other error."""
+    """Usage errors as one line on stderr (exit 2), like every other error; with
+    ``json_errors`` set, also as the ``--json`` failure document on stdout."""
+
+    json_errors = False
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        text = f"{message} (see {self.prog} --help)"
+        if self.json_errors:
+            print_failure(text, 2)
+        self.exit(2, f"{self.prog}: error: {text}\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
+    """The ``s3ckpt`` parser; ``json_errors``: usage errors also print the ``--json``
+    failure document."""
     parser = _Parser(prog="s3ckpt", description="S3 checkpoint engine for PyTorch: tools.")
+    parser.add_argument("--version", action="version", version=f"s3ckpt {__version__}")
+    parser.json_errors = json_errors
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS:
         sub_parser = sub.add_parser(command.name, help=command.help, description=command.help)
+        sub_parser.json_errors = json_errors
         command.add_arguments(sub_parser)
         sub_parser.set_defaults(_run=command.run)
     return parser
+
+
+def print_failure(message: str, status: int) -> None:
+    """The ``--json`` form of a failure, on stdout: ``{"error": message, "exit": status}``."""
+    with contextlib.suppress(OSError):
+        print(json.dumps({"error": message, "exit": status}), flush=True)
+
+
+def wants_json(argv: Sequence[str]) -> bool:
+    """Whether the command line asks for ``--json`` (as argparse reads it: before any
+    ``--``, or an unambiguous abbreviation such as ``--js``), known before parsing so that
+    a usage error is reported in JSON too."""
+    for arg in argv:
+        if arg == "--":
+            return False
+        if len(arg) >= 3 and "--json".startswith(arg):
+            return True
+    return False
 
 
 class CommandTimeout(EndpointError):
@@ -246,22 +279,37 @@ def _run(args: argparse.Namespace, scope: CancelScope | None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``s3ckpt`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)  # --help and usage errors raise SystemExit (0, 2)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = wants_json(argv)
+    # --help, --version and usage errors raise SystemExit (0, 0, 2)
+    args = build_parser(json_errors=as_json).parse_args(argv)
     prefix = f"s3ckpt {args.command}: error:"
+    as_json = bool(getattr(args, "json", False))
     try:
         with _bounded(getattr(args, "timeout", None)) as scope:
             status = _run(args, scope)
             sys.stdout.flush()
             return status
     except (ConfigError, StorageError) as exc:
-        print(f"{prefix} {exc}", file=sys.stderr)
-        return 2
+        return _failed(prefix, exc, 2, as_json)
     except S3CkptError as exc:
-        print(f"{prefix} {exc}", file=sys.stderr)
-        return 1
+        return _failed(prefix, exc, 1, as_json)
     except BrokenPipeError:  # `s3ckpt ls ... | head`: the reader left; so do we, quietly
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
     except KeyboardInterrupt:
+        if as_json:
+            print_failure("interrupted", 130)
         return 130
+    except Exception as exc:  # a bug: its traceback follows, and Python exits 1
+        if as_json:
+            print_failure(f"internal error: {type(exc).__name__}: {exc}", 1)
+        raise
+
+
+def _failed(prefix: str, exc: BaseException, status: int, as_json: bool) -> int:
+    print(f"{prefix} {exc}", file=sys.stderr)
+    if as_json:
+        print_failure(str(exc), status)
+    return status

@@ -15,6 +15,8 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
+from s3ckpt.units import human_bytes, human_rate
+
 WARMUP_STEPS = 5  # first steps of each process: allocator and kernel warm-up, not training
 _BARS = "▁▂▃▄▅▆▇█"
 
@@ -156,11 +158,12 @@ def summary_lines(
         continuity_line(result, killed),
         "",
         f"steps              {total} to train, {steps_run} run ({steps_run - total} redone after the crash)",
-        f"checkpoints        {t.saves} committed ({t.megabytes:.1f} MB each), 1 interrupted by SIGKILL",
+        f"checkpoints        {t.saves} committed ({human_bytes(t.megabytes * 1e6)} each), 1 "
+        "interrupted by SIGKILL",
         f"mean step time     {1000 * t.clean_s:.0f} ms with no checkpoint in progress, "
         f"{1000 * t.overall_s:.0f} ms overall with checkpoints (overhead {t.overhead_pct:+.1f}%)",
         f"blocked per save   {t.blocked_mean_s:.3f} s mean, {t.blocked_max_s:.3f} s max "
         "(the loop waits only for the copy to host memory)",
         f"upload             {t.upload_mean_s:.2f} s per checkpoint in the background, "
-        f"{t.throughput_mb_s:.1f} MB/s",
+        f"{human_rate(t.throughput_mb_s * 1e6)}",
     ]

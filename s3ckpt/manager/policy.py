@@ -21,6 +21,7 @@ from s3ckpt import catalog
 from s3ckpt.catalog.retention import Candidate, plan_retention, validate_rules
 from s3ckpt.config import S3URI, S3Config
 from s3ckpt.errors import ConfigError
+from s3ckpt.units import human_bytes, human_rate
 
 log = logging.getLogger("s3ckpt.manager")
 
@@ -112,13 +113,13 @@ class SaveMetrics:
             held += f", replicated after {self.replicated_s:.3f} s"
         if not self.to_s3:
             return (
-                f"{checkpoint_name(self.step)} held in memory: {self.bytes / 1e6:.1f} MB "
+                f"{checkpoint_name(self.step)} held in memory: {human_bytes(self.bytes)} "
                 f"on this rank, blocked {self.blocked_s:.3f} s{held}"
             )
         return (
-            f"{checkpoint_name(self.step)} committed: {self.bytes / 1e6:.1f} MB, "
+            f"{checkpoint_name(self.step)} committed: {human_bytes(self.bytes)}, "
             f"blocked {self.blocked_s:.3f} s, upload {self.upload_s:.2f} s "
-            f"({self.throughput_mb_s:.1f} MB/s){held}"
+            f"({human_rate(self.throughput_mb_s * 1e6)}){held}"
         )
 
 

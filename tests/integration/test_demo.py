@@ -34,7 +34,7 @@ def test_quick_demo_crashes_resumes_and_summarizes():
     assert redone and int(redone.group(1)) >= 20, out
     for label in ("steps ", "checkpoints ", "mean step time ", "blocked per save ", "upload "):
         assert re.search(rf"^  {label}", out, re.MULTILINE), label
-    assert "overhead" in out and "MB/s" in out
+    assert "overhead" in out and "MiB/s" in out
     assert "$ s3ckpt ls" in out and "$ s3ckpt prune" in out and "$ s3ckpt gc" in out
     assert "abort upload" in out or "delete uncommitted" in out or "delete unreferenced" in out
     assert "demo finished in" in out

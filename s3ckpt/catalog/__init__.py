@@ -6,6 +6,8 @@ scripts manage checkpoints without importing torch. One module per operation:
 * :mod:`~s3ckpt.catalog.api`: the functions scripts and the CLI call (sync and ``a``-async);
 * :mod:`~s3ckpt.catalog.scan`: one listing of a prefix, grouped by checkpoint;
 * :mod:`~s3ckpt.catalog.retention`: which checkpoints a retention policy deletes (pure);
+* :mod:`~s3ckpt.catalog.steps`, :mod:`~s3ckpt.catalog.run_listing`: how steps are named,
+  and the steps under a run, for every reader of steps;
 * :mod:`~s3ckpt.catalog.verify`: re-read a checkpoint and check every size and CRC32C;
 * :mod:`~s3ckpt.catalog.gc`: leftovers of failed saves, after a grace period;
 * :mod:`~s3ckpt.catalog.grace`: ``gc``'s grace periods;
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
     )
     from s3ckpt.catalog.gc import AbortedUpload, Garbage, GcReport, collect_garbage
     from s3ckpt.catalog.retention import Decision
+    from s3ckpt.catalog.run_listing import RunSteps, run_steps
     from s3ckpt.catalog.verify import Problem, VerifyReport, verify_checkpoint
 
 # Resolved on first use: the S3 stack behind them takes a while to import, and the CLI
@@ -64,6 +67,7 @@ _LAZY = {
         ("AbortedUpload", "Garbage", "GcReport", "collect_garbage"), "s3ckpt.catalog.gc"
     ),
     "Decision": "s3ckpt.catalog.retention",
+    **dict.fromkeys(("RunSteps", "run_steps"), "s3ckpt.catalog.run_listing"),
     **dict.fromkeys(("Problem", "VerifyReport", "verify_checkpoint"), "s3ckpt.catalog.verify"),
 }
 
@@ -80,6 +84,7 @@ __all__ = [
     "Problem",
     "PruneReport",
     "Removed",
+    "RunSteps",
     "VerifyReport",
     "acommitted_names",
     "ais_committed",
@@ -92,6 +97,7 @@ __all__ = [
     "list_checkpoints",
     "prune",
     "remove_checkpoint",
+    "run_steps",
     "show_checkpoint",
     "verify_checkpoint",
 ]

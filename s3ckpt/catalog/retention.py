@@ -9,6 +9,13 @@ Order ("oldest first"): checkpoints are ordered by name with numbers compared as
 step, and the step is what "newest" means to someone resuming training. Names without
 numbers sort alphabetically.
 
+Step names (:mod:`s3ckpt.catalog.steps`, the rule ``CheckpointManager`` reads by): a name
+that looks like a step but is not one (``step-12a``, ``step-300.hf-source``, ``step--1``)
+is never counted nor deleted (``not a step``). A step named twice in one folder
+(``step-300`` and ``step-0000000300``) counts once, by the name it is known by (the
+padded one); the other name goes with it: kept while it is kept (``same step as NAME``),
+deleted when it expires.
+
 Superseded checkpoints: a run that rolls back (resumes from ``step-300`` while a run that
 died left ``step-400``) and then commits ``step-310`` has abandoned ``step-400``: training
 goes on from 310, and a restart must resume from there. So a checkpoint is *superseded*
@@ -34,6 +41,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from s3ckpt.catalog.steps import leaf, not_a_step, same_step
 from s3ckpt.errors import ConfigError
 
 _NUMBER = re.compile(r"(\d+)")
@@ -113,8 +121,11 @@ def plan_retention(
     """A decision for every candidate, oldest first (see the module docstring for the rules)."""
     validate_rules(keep_last, keep_every, older_than)
     everything = order(candidates)
-    replaced_by = superseded(everything)
-    current = [c for c in everything if c.name not in replaced_by]
+    not_steps = {c.name for c in everything if not_a_step(leaf(c.name)) is not None}
+    counted = [c for c in everything if c.name not in not_steps]
+    replaced_by = superseded(counted)
+    shadow_of = same_step(c.name for c in counted if c.name not in replaced_by)
+    current = [c for c in counted if c.name not in replaced_by and c.name not in shadow_of]
     reasons: dict[str, tuple[str | None, str]] = {}
     for position, candidate in enumerate(current):
         from_newest = len(current) - 1 - position
@@ -124,6 +135,12 @@ def plan_retention(
         candidate = next(c for c in everything if c.name == name)
         reason = _keep_reason(candidate, None, 0, now, keep_every, older_than, force=True)
         reasons[name] = (reason, f"superseded by {by}")
+    for name, main in shadow_of.items():  # goes with the name its step is known by
+        busy = next(c for c in everything if c.name == name).busy
+        kept, why = reasons[main]
+        reasons[name] = ("save in flight" if busy else kept and f"same step as {main}", why)
+    for name in not_steps:
+        reasons[name] = ("not a step", "")
     return [
         Decision(
             c.name, c.time, reasons[c.name][0] is None, reasons[c.name][0] or reasons[c.name][1]

@@ -23,7 +23,7 @@ from s3ckpt.errors import ConfigError
 
 PREFIX = "step-"
 _STEP = re.compile(r"step-([0-9]+)")
-_LOOKS_LIKE = re.compile(r"step", re.IGNORECASE)
+_LOOKS_LIKE = re.compile(r"step(?:[-_]|[0-9]|$)", re.IGNORECASE)
 
 
 def step_name(step: int) -> str:
@@ -43,7 +43,7 @@ def step_of(name: str) -> int | None:
 
 def not_a_step(name: str) -> str | None:
     """Why ``name`` looks like a step but is not one (for the log), or None when it is a
-    step or does not look like one (``latest``, ``best-model``)."""
+    step or does not look like one (``latest``, ``best-model``, ``steps``)."""
     if step_of(name) is not None or not _LOOKS_LIKE.match(name):
         return None
     rest = name[len(PREFIX) :] if name.startswith(PREFIX) else None
@@ -83,3 +83,26 @@ def by_step(names: Iterable[str]) -> tuple[dict[int, str], dict[int, list[str]]]
     chosen = {step: preferred(found) for step, found in named.items()}
     doubles = {step: sorted(found) for step, found in named.items() if len(found) > 1}
     return chosen, doubles
+
+
+def leaf(name: str) -> str:
+    """The last part of a checkpoint name relative to a listed prefix (``run2/step-3`` ->
+    ``step-3``): the part that names the step."""
+    return name.rsplit("/", 1)[-1]
+
+
+def same_step(names: Iterable[str]) -> dict[str, str]:
+    """The names of a step named more than once in one folder, each mapped to the name
+    the step is known by (:func:`preferred`, which maps to nobody):
+    ``{"step-300": "step-0000000300"}``. Names may hold a folder (``run2/step-300``)."""
+    folders: dict[tuple[str, int], list[str]] = {}
+    for name in names:
+        step = step_of(leaf(name))
+        if step is not None:
+            folders.setdefault((name[: len(name) - len(leaf(name))], step), []).append(name)
+    shadows: dict[str, str] = {}
+    for (folder, _), found in folders.items():
+        if len(found) > 1:
+            main = folder + preferred(leaf(n) for n in found)
+            shadows.update((n, main) for n in found if n != main)
+    return shadows

@@ -15,7 +15,9 @@ not have: its commit is ``step-N/manifest.json``), ``_purge_stale_checkpoints`` 
   replaces it atomically, as the file system version overwrites;
 * loads go through :class:`~s3ckpt.S3StorageReader`;
 * the latest step is the highest *committed* ``step-N`` (a save killed half-way is never
-  picked);
+  picked); any ``step-<digits>`` name is a step (:func:`s3ckpt.step_of`), so steps that
+  ``s3ckpt.CheckpointManager`` wrote (``step-0000000300``) are found and loaded too, and a
+  step named both ways is read from the padded name (logged);
 * retention, after each save but the last (as torchtitan does), keeps the ``keep_latest_k``
   newest steps, the one just saved (committed or still uploading) included, and deletes
   the older committed ones through the catalog (manifest first) on torchtitan's purge
@@ -71,7 +73,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
-import re
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -87,6 +88,7 @@ from torchtitan.components.checkpointer.base import purge_thread
 
 from s3ckpt import catalog
 from s3ckpt.background.process import CheckpointProcess
+from s3ckpt.catalog.steps import leaf, step_of
 from s3ckpt.config import S3Config, make_config
 from s3ckpt.dcp.reader import S3StorageReader
 from s3ckpt.dcp.writer import S3StorageWriter
@@ -99,7 +101,6 @@ from s3ckpt.tier.restore import Restored
 
 log = logging.getLogger(__name__)
 
-_STEP = re.compile(r"step-(\d+)")
 _SECRETS = frozenset({"access_key_id", "secret_access_key", "session_token"})
 HF_SOURCE = ".hf-source"  # step-N + this: the model an HF export at step-N is written from
 HF_CONFIG_FILES = ("config.json", "generation_config.json")  # copied from hf_assets_path
@@ -168,6 +169,8 @@ class S3CheckpointManager(CheckpointManager):
         self.memory_tier = memory_tier_of(config.memory_tier) if config.memory_tier else None
         self.tiered: TieredCheckpointProcess | None = None
         self.last_restore: Restored | None = None
+        self.named_steps: dict[int, str] = {}  # step -> URI, from the last discovery
+        self._noted: set[str] = set()  # names discovery logged as not steps
         if not config.enable:
             super().__init__(config, **kwargs)
             return
@@ -228,10 +231,9 @@ class S3CheckpointManager(CheckpointManager):
     def _save_tiered(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: Any) -> Any:
         """Hold the step in memory; upload it too when the tier's ``s3_every`` says so."""
         assert self.memory_tier is not None
-        match = _STEP.fullmatch(checkpoint_id.rsplit("/", 1)[-1])
-        if match is None:
+        step = step_of(leaf(checkpoint_id))
+        if step is None:
             raise CheckpointError(f"{checkpoint_id} does not end in step-N: no step to hold")
-        step = int(match.group(1))
         writer = self._writer(checkpoint_id) if self.memory_tier.to_s3(step) else None
         save = self._tiered_process().async_save(state_dict, step, storage_writer=writer)
         return _as_torchtitan_expects(save.done, async_mode)
@@ -349,14 +351,27 @@ class S3CheckpointManager(CheckpointManager):
     # -- steps and retention ------------------------------------------------------------
 
     def committed_steps(self, folder: str = "") -> dict[int, str]:
-        """The committed ``step-N`` checkpoints directly under ``folder``: step -> URI."""
-        found = catalog.list_checkpoints(folder or self.folder, config=self.s3_config)
-        steps = {}
-        for info in found:
-            match = _STEP.fullmatch(info.name)
-            if info.committed and match:
-                steps[int(match.group(1))] = info.uri
+        """The committed steps directly under ``folder``: step -> URI. Any ``step-<digits>``
+        name is a step (:func:`s3ckpt.step_of`: ``step-0000000300``, written by
+        ``s3ckpt.CheckpointManager``, is step 300); of two names of one step, the padded
+        one. What is not taken for a step is logged once (``step-300.hf-source``...)."""
+        where = folder or self.folder
+        found = catalog.run_steps(where, config=self.s3_config)
+        for note in (n for n in found.notes if n.name not in self._noted):
+            self._noted.add(note.name)
+            log.log(logging.WARNING if note.warn else logging.INFO, "%s: %s", where, note.why)
+        steps = {step: f"{where.rstrip('/')}/{name}" for step, name in found.names.items()}
+        if where == self.folder:
+            self.named_steps = steps
         return steps
+
+    def _create_checkpoint_id(self, step: int, folder: str = "") -> str:
+        """``<folder>/step-N``, torchtitan's name, unless discovery found the step committed
+        under another name (``step-0000000300``): loads and saves of the step then use it."""
+        known = self.named_steps.get(step)
+        if known is not None and (folder or self.folder) == self.folder:
+            return known
+        return super()._create_checkpoint_id(step, folder)
 
     def _find_load_step(self, folder: str = "") -> int:
         if not (folder or self.folder).startswith("s3://"):
@@ -391,9 +406,9 @@ class S3CheckpointManager(CheckpointManager):
         steps = self.committed_steps()
         # As in torchtitan, the save just started counts among the k kept, committed or not.
         kept = set(steps)
-        latest = _STEP.fullmatch(self.saved_last.rsplit("/", 1)[-1]) if self.saved_last else None
-        if latest:
-            kept.add(int(latest.group(1)))
+        latest = step_of(leaf(self.saved_last)) if self.saved_last else None
+        if latest is not None:
+            kept.add(latest)
         for step in sorted(kept)[: -self.keep_latest_k]:
             if step in steps:
                 self.purge_queue.put(steps[step])

@@ -9,8 +9,11 @@ nothing for the upload), or on a worker thread (thread mode), both run by
 no ``if __name__ == "__main__":`` guard, no process group for a single process. The
 rules:
 
-* **Names.** Step ``N`` lives at ``<uri>/step-<N:010d>``, zero-padded so that plain LIST
-  order is step order. ``steps()`` lists the committed ones (one LIST, on rank 0).
+* **Names.** Step ``N`` is saved to ``<uri>/step-<N:010d>`` (:func:`s3ckpt.step_name`),
+  zero-padded so that plain LIST order is step order. ``steps()`` lists the committed
+  ones (one LIST, on rank 0), reading any ``step-<digits>`` name as a step
+  (:func:`s3ckpt.step_of`: ``step-300`` from another writer is step 300, loaded from
+  there); what is not read as a step is logged once (:mod:`s3ckpt.manager.committed`).
 * **At most one save in flight.** The host memory of the copy is kept and reused from
   save to save, so a save cannot stage before the previous upload is done:
   ``if_busy="wait"`` (default) waits for it, ``"skip"`` skips the new save. With several
@@ -202,8 +205,10 @@ class CheckpointManager:
     # -- names and listing ---------------------------------------------------------------
 
     def uri_of(self, step: int) -> str:
-        """Where step ``step`` is (or would be) saved."""
-        return str(self.location.child(checkpoint_name(step)))
+        """Where step ``step`` is committed, or would be saved: ``<uri>/step-<N:010d>``,
+        unless the last listing found it only under another name (``step-300``, written
+        by another tool: :func:`s3ckpt.step_of`). No request."""
+        return str(self.location.child(self._committed.name(step)))
 
     def steps(self) -> list[int]:
         """Committed steps, ascending: one LIST on rank 0, broadcast to the other ranks.
@@ -264,7 +269,7 @@ class CheckpointManager:
         self._settle()
         started = time.perf_counter()
         reader = S3StorageReader(
-            self.uri_of(step),
+            str(self.location.child(self._committed.resolve(step))),
             config=self.config,
             process_group=self._ranks.shared(),
             **{"strict": self.strict, **self.reader_options},
@@ -367,9 +372,8 @@ class CheckpointManager:
         return True
 
     def _writer(self, step: int, replace: bool) -> S3StorageWriter:
-        return S3StorageWriter(
-            self.uri_of(step), config=self.config, overwrite=replace, **self.writer_options
-        )
+        uri = str(self.location.child(checkpoint_name(step)))  # the manager's own name
+        return S3StorageWriter(uri, config=self.config, overwrite=replace, **self.writer_options)
 
     def _save_sync(
         self, step: int, state: dict[str, Any], writer: S3StorageWriter, t0: float, waited: float

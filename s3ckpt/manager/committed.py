@@ -13,6 +13,12 @@ skipped), and finding out must cost the blocked training loop as little as possi
   names and commit times only, no manifest read. A step missing from that listing costs
   no request later; a step in it is confirmed with one HEAD, since a rollback's
   retention may have deleted it since;
+* steps are read by the rule of :mod:`s3ckpt.catalog.steps`: any ``step-<digits>`` name
+  (``step-300``, written by another tool, is step 300) and, of two names of one step, the
+  padded one. Each listing says under which name a step is committed (what ``load``
+  reads), and the first also lists the run's top level: every name there that is not
+  used as a step (``step-12a``, a step folder without a manifest, a step named twice) is
+  logged once, on rank 0, with the reason;
 * when that listing fails, each save asks with one HEAD;
 * a step another writer commits after the listing is caught by the commit itself
   (``CheckpointExistsError``: logged, not saved).
@@ -28,13 +34,15 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from s3ckpt import catalog
+from s3ckpt.catalog.run_listing import RunSteps
 from s3ckpt.config import S3URI, S3Config
 from s3ckpt.errors import S3CkptError
-from s3ckpt.manager.policy import checkpoint_name, parse_step
+from s3ckpt.manager.policy import checkpoint_name
 
 log = logging.getLogger("s3ckpt.manager")
 
 OnRank0 = Callable[[Callable[[], Any]], Any]
+Listing = tuple[frozenset[int], list[int], dict[int, str]]  # every step, current ones, names
 
 
 class CommittedSteps:
@@ -49,11 +57,16 @@ class CommittedSteps:
         self._listed: frozenset[int] | None = None  # when listed: a HEAD confirms these
         self._list_tried = False
         self._loaded: int | None = None  # the step the run went on from, if it loaded one
+        self._names: dict[int, str] = {}  # steps listed under another name than checkpoint_name
+        self._noted: set[str] = set()  # the notes logged already (rank 0)
+        self._noted_once = False  # whether the run's top level was listed for notes
 
     def add(self, steps: Iterable[int]) -> None:
         """Steps seen committed (a commit of this manager's, or one that lost to another)."""
         with self._lock:
-            self._seen.update(steps)
+            for step in steps:
+                self._seen.add(step)
+                self._names.pop(step, None)  # committed under this manager's own name
 
     def loaded(self, step: int) -> None:
         """The run goes on from ``step``: what is saved above it from now on is this run's."""
@@ -70,37 +83,64 @@ class CommittedSteps:
 
     def current(self) -> list[int]:
         """The committed steps not superseded by a rollback, ascending (one listing, on
-        rank 0). The listing also serves :meth:`includes`."""
-        every, current = self._on_rank0(self._listing)
-        self._remember(every)
+        rank 0). The listing also serves :meth:`includes` and :meth:`name`."""
+        every, current, names = self._on_rank0(self._listing)
+        self._remember(every, names)
         return current
+
+    def name(self, step: int) -> str:
+        """The name ``step`` is committed under, as last listed: :func:`checkpoint_name`
+        unless the listing found it only under another (``step-300``). No request."""
+        with self._lock:
+            return self._names.get(step) or checkpoint_name(step)
+
+    def resolve(self, step: int) -> str:
+        """:meth:`name`, listing first (on rank 0, every rank calls it) when the prefix was
+        never listed; a listing that fails leaves :func:`checkpoint_name`."""
+        if not self._list_tried:
+            outcome = self._on_rank0(self._listing_or_none)
+            self._list_tried = True
+            if outcome is not None:
+                self._remember(outcome[0], outcome[2])
+        return self.name(step)
 
     def includes(self, step: int) -> bool:
         """Whether ``step`` is committed (see the module docstring for what that costs)."""
         with self._lock:
             if step in self._seen:
                 return True
-        if not self._list_tried:
-            outcome = self._on_rank0(self._listing_or_none)
-            self._list_tried = True
-            if outcome is not None:
-                self._remember(outcome[0])
+        self.resolve(step)
         if self._listed is not None and step not in self._listed:
             return False
-        uri = str(self._location.child(checkpoint_name(step)))
+        uri = str(self._location.child(self.name(step)))
         return bool(self._on_rank0(lambda: catalog.is_committed(uri, config=self._config)))
 
-    def _remember(self, every: frozenset[int]) -> None:
-        self._listed, self._list_tried = every, True
+    def _remember(self, every: frozenset[int], names: dict[int, str]) -> None:
+        with self._lock:
+            self._listed, self._list_tried = every, True
+            self._names = names
 
-    def _listing(self) -> tuple[frozenset[int], list[int]]:
-        """Every committed step, and those not superseded by a rollback."""
-        names = catalog.committed_names(str(self._location), config=self._config)
-        steps = [(parse_step(name), later) for name, later in names.items()]
-        every = frozenset(step for step, _ in steps if step is not None)
-        return every, sorted(step for step, later in steps if step is not None and not later)
+    def _listing(self) -> Listing:
+        """Every committed step, those not superseded by a rollback, and the steps
+        committed under another name than :func:`checkpoint_name` (rank 0; the first
+        listing also lists the run's top level for :meth:`_note`)."""
+        found = catalog.run_steps(
+            str(self._location), folders=not self._noted_once, config=self._config
+        )
+        self._note(found)
+        names = {s: n for s, n in found.names.items() if n != checkpoint_name(s)}
+        return frozenset(found.names), found.current(), names
 
-    def _listing_or_none(self) -> tuple[frozenset[int], list[int]] | None:
+    def _note(self, found: RunSteps) -> None:
+        """Log, once per manager, each name under the run that is not used as a step."""
+        self._noted_once = True
+        for note in found.notes:
+            if note.name not in self._noted:
+                self._noted.add(note.name)
+                level = logging.WARNING if note.warn else logging.INFO
+                log.log(level, "%s: %s; not used as a step", self._location, note.why)
+
+    def _listing_or_none(self) -> Listing | None:
         try:
             return self._listing()
         except S3CkptError as exc:

@@ -1,5 +1,6 @@
 """The torch-free half of :class:`~s3ckpt.manager.CheckpointManager`: names, options, metrics,
-and retention in the background.
+and retention in the background. How steps are named is :mod:`s3ckpt.catalog.steps`'s,
+shared with every other reader of steps.
 
 Kept apart so that the rules a training run depends on (how steps are named and sorted,
 which checkpoints retention may delete, what a save's metrics mean) are pure functions
@@ -10,7 +11,6 @@ thing that needs torch: driving DCP's saves and loads.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from s3ckpt import catalog
 from s3ckpt.catalog.retention import Candidate, plan_retention, validate_rules
+from s3ckpt.catalog.steps import step_name, step_of
 from s3ckpt.config import S3URI, S3Config
 from s3ckpt.errors import ConfigError
 from s3ckpt.units import human_bytes, human_rate
@@ -31,25 +32,16 @@ AsyncMode = Literal["thread", "process", "sync"]
 """Where the upload runs: the rank's checkpoint process, a thread of the training process,
 or the caller (``dcp.save``)."""
 
-_NAME = re.compile(r"^step-(\d+)$")
-
 
 def checkpoint_name(step: int) -> str:
-    """``step-0000000100``: ten digits, so plain lexicographic (LIST) order is step order."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ConfigError(f"step must be a non-negative int, got {step!r}")
-    return f"step-{step:010d}"
+    """``step-0000000100``: the name the manager saves a step under (:func:`s3ckpt.step_name`)."""
+    return step_name(step)
 
 
 def parse_step(name: str) -> int | None:
-    """The step of a checkpoint name the manager writes (:func:`checkpoint_name`), else
-    None: ``step-100``, written by another tool under the same prefix, is not step 100
-    (the manager would load and prune ``step-0000000100`` for it)."""
-    match = _NAME.match(name)
-    if match is None:
-        return None
-    step = int(match.group(1))
-    return step if checkpoint_name(step) == name else None
+    """The step of a checkpoint name (:func:`s3ckpt.step_of`): ``step-100`` and
+    ``step-0000000100`` are both 100."""
+    return step_of(name)
 
 
 def validate_options(
@@ -131,16 +123,17 @@ def retention_victims(
     protect: str,
     now: float,
 ) -> list[str]:
-    """Names retention deletes: committed ``step-N`` checkpoints the policy expires.
+    """Names retention deletes: committed steps (:func:`s3ckpt.step_of`: ``step-300`` as
+    well as ``step-0000000300``) the policy expires, by the rules ``s3ckpt prune`` applies.
 
     Never ``protect`` (the checkpoint just written, which is not the highest step after a
-    rollback) and never anything the manager did not name (other runs or checkpoints kept
-    by hand under the same prefix).
+    rollback) and never a name that is not a step (other runs, checkpoints kept by hand
+    under the same prefix, ``step-300.hf-source``).
     """
     mine = [
         Candidate(i.name, i.time, i.in_flight)
         for i in infos
-        if i.committed and parse_step(i.name) is not None
+        if i.committed and step_of(i.name) is not None
     ]
     decisions = plan_retention(mine, keep_last=keep_last or 0, keep_every=keep_every, now=now)
     return [d.name for d in decisions if d.delete and d.name != protect]

@@ -159,20 +159,20 @@ def test_metrics_callback_and_sync_mode(s3_prefix, s3_options):
     assert set(metrics.as_dict()) >= {"step", "blocked_s", "upload_s", "bytes", "throughput_mb_s"}
 
 
-def test_checkpoints_named_by_others_are_not_its_steps(s3_prefix, s3_options):
-    """``step-100`` saved by hand under the manager's prefix is not step 100: not listed,
-    not loaded (as ``step-0000000100``, which does not exist), not pruned."""
+def test_checkpoints_named_by_others_are_its_steps(s3_prefix, s3_options):
+    """``step-100`` saved by hand under the manager's prefix is step 100: listed, loaded
+    from ``step-100``, and pruned like the manager's own (``s3ckpt.step_of``)."""
     other = f"{s3_prefix}/step-100"
     dcp.save({"w": torch.ones(8)}, storage_writer=S3StorageWriter(other, **s3_options))
     state = {"w": torch.zeros(8)}
     with CheckpointManager(s3_prefix, keep_last=0, async_mode="sync", **s3_options) as manager:
-        assert manager.steps() == [] and manager.load_latest(state) is None
-        assert torch.equal(state["w"], torch.zeros(8))
+        assert manager.steps() == [100] and manager.uri_of(100) == other
+        assert manager.load_latest(state) == 100 and torch.equal(state["w"], torch.ones(8))
         manager.save(200, state)
         manager.save(300, state)
-    # close() waited for retention (keep_last=0): step 200 went, step-100 stayed
+    # close() waited for retention (keep_last=0): only the newest stayed
     names = [i.name for i in catalog.list_checkpoints(s3_prefix, **s3_options)]
-    assert sorted(names) == ["step-0000000300", "step-100"]
+    assert names == ["step-0000000300"]
 
 
 def test_skip_policy_skips_while_uploading(s3_prefix, s3_options, monkeypatch):

@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -17,6 +18,7 @@ from s3ckpt import S3StorageWriter
 from s3ckpt.background import saver as saver_module
 from s3ckpt.background.saver import state_bytes
 from s3ckpt.catalog import CheckpointInfo
+from s3ckpt.catalog.run_listing import RunSteps, steps_named
 from s3ckpt.errors import BucketNotFoundError, CheckpointError, CheckpointExistsError, ConfigError
 from s3ckpt.manager import checkpoint_manager as manager_module
 from s3ckpt.manager import committed as committed_module
@@ -56,10 +58,10 @@ def test_only_manager_names_parse(name):
 
 
 @pytest.mark.parametrize("name", ["step-42", "step-00042", "step-00000000042"])
-def test_names_the_manager_did_not_write_are_not_its_steps(name):
-    """``step-42`` (another tool's, under the same prefix) would be loaded and pruned as
-    ``step-0000000042`` if it counted as step 42."""
-    assert parse_step(name) is None
+def test_any_step_digits_name_is_that_step(name):
+    """``step-42`` (another tool's, under the same prefix) is step 42: the manager lists,
+    loads and prunes it under that name (:mod:`s3ckpt.catalog.steps`)."""
+    assert parse_step(name) == 42
 
 
 # -- metrics ----------------------------------------------------------------------------------
@@ -208,15 +210,19 @@ class FakeDCP:
         self._pending(index).set_exception(wrapped)
 
 
+def listing(names: Any) -> Callable[..., RunSteps]:
+    """A stand-in for ``catalog.run_steps`` listing ``names`` (name -> the name superseding
+    it, or None), or what the function ``names`` returns (or raises) when called."""
+    return lambda *a, **k: steps_named(names(*a, **k) if callable(names) else names)
+
+
 @pytest.fixture
 def fake(monkeypatch) -> FakeDCP:
     fake = FakeDCP()
     monkeypatch.setattr(manager_module.dcp, "save", fake.save)  # a synchronous save
     monkeypatch.setattr(saver_module, "save_plain", fake.save)  # the background one
     monkeypatch.setattr(manager_module, "S3StorageWriter", fake.writer)
-    monkeypatch.setattr(
-        committed_module.catalog, "committed_names", lambda *a, **k: {checkpoint_name(5): None}
-    )
+    monkeypatch.setattr(committed_module.catalog, "run_steps", listing({checkpoint_name(5): None}))
     monkeypatch.setattr(
         committed_module.catalog, "is_committed", lambda uri, **k: uri.endswith(checkpoint_name(5))
     )
@@ -437,7 +443,7 @@ def test_earlier_steps_are_listed_once_not_asked_per_save(fake, monkeypatch):
         heads.append(uri)
         return True
 
-    monkeypatch.setattr(committed_module.catalog, "committed_names", listed)
+    monkeypatch.setattr(committed_module.catalog, "run_steps", listing(listed))
     monkeypatch.setattr(committed_module.catalog, "is_committed", head)
     manager = make()
     assert manager.save(5, {}) is False  # listed, and confirmed with one HEAD
@@ -457,7 +463,7 @@ def test_a_listed_step_deleted_since_is_saved(fake, monkeypatch):
     asks with a HEAD and saves it."""
     present = {checkpoint_name(300), checkpoint_name(400)}
     monkeypatch.setattr(
-        committed_module.catalog, "committed_names", lambda *a, **k: dict.fromkeys(present)
+        committed_module.catalog, "run_steps", listing(lambda *a, **k: dict.fromkeys(present))
     )
     monkeypatch.setattr(
         committed_module.catalog, "is_committed", lambda uri, **k: uri.rsplit("/", 1)[1] in present
@@ -478,8 +484,8 @@ def test_after_a_rollback_the_steps_above_it_are_saved_over_the_abandoned_run(fa
     once this run committed them, they are kept like any other."""
     monkeypatch.setattr(
         committed_module.catalog,
-        "committed_names",
-        lambda *a, **k: dict.fromkeys(checkpoint_name(s) for s in (300, 400, 500)),
+        "run_steps",
+        listing(dict.fromkeys(checkpoint_name(s) for s in (300, 400, 500))),
     )
     heads: list[str] = []
     monkeypatch.setattr(
@@ -515,7 +521,7 @@ def test_a_failed_listing_falls_back_to_a_head_per_save(fake, monkeypatch):
         heads.append(uri)
         return uri.endswith(checkpoint_name(5))
 
-    monkeypatch.setattr(committed_module.catalog, "committed_names", broken)
+    monkeypatch.setattr(committed_module.catalog, "run_steps", listing(broken))
     monkeypatch.setattr(committed_module.catalog, "is_committed", head)
     manager = make()
     assert manager.save(5, {}) is False

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from s3ckpt.catalog.clock import store_time
+from s3ckpt.catalog.grace import DEFAULT_GRACE
 from s3ckpt.catalog.reporting import SILENT, Reporter
 from s3ckpt.catalog.retention import (
     Candidate,
@@ -35,6 +36,7 @@ from s3ckpt.catalog.scan import (
     open_store,
     read_committed,
     scan_checkpoints,
+    timestamp,
 )
 from s3ckpt.catalog.unpublish import conditional_deletes, unpublish
 from s3ckpt.config import S3URI, S3Config
@@ -42,7 +44,9 @@ from s3ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    ForeignObjectError,
 )
+from s3ckpt.format.layout import HEARTBEAT_S, LEASE_S, SAVING_PREFIX
 from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
@@ -52,6 +56,10 @@ from s3ckpt.transfer.rank_index import with_items
 
 log = logging.getLogger(__name__)
 
+# Writers refresh their in-flight record every HEARTBEAT_S: one silent for two of those has
+# missed a refresh, and its save has most likely stopped (gc still waits out the lease).
+SILENT_S = 2 * HEARTBEAT_S
+
 
 @dataclass(frozen=True)
 class CheckpointInfo:
@@ -59,7 +67,7 @@ class CheckpointInfo:
 
     name: str  # relative to the listed prefix; "" is the prefix itself
     uri: str
-    committed: bool
+    committed: bool  # an s3ckpt manifest is there (never for a foreign one)
     time: float  # commit time (manifest LastModified), else the newest object's
     # Committed: the committed save's objects, manifest included (from the manifest).
     # Uncommitted: every s3ckpt object in the directory (from the listing).
@@ -72,6 +80,15 @@ class CheckpointInfo:
     in_flight: bool = False  # a save is writing here now (a live in-flight record)
     superseded_by: str | None = None  # a lower step committed after it (a rollback)
     damaged: str | None = None  # why the manifest could not be read (when it was read)
+    foreign: str | None = None  # why the manifest.json there is not s3ckpt's: no checkpoint
+    silent: float | None = None  # seconds since the live in-flight record was refreshed
+    left: int = 0  # objects a save that stopped left here (with ``uploads``: what gc removes)
+    gc_after: float | None = None  # when gc (default grace) removes them (store clock)
+
+    @property
+    def running(self) -> bool:
+        """A save is writing here and refreshed its record within :data:`SILENT_S`."""
+        return self.in_flight and (self.silent is None or self.silent < SILENT_S)
 
 
 @dataclass(frozen=True)
@@ -104,33 +121,86 @@ def _extent(group: Group, manifest: Manifest | None) -> tuple[int, int]:
     return len(group.objects) + (1 if group.committed else 0), group.bytes
 
 
+# What reading a manifest for ``ls`` found: the manifest, why it is damaged (str), that it
+# is not s3ckpt's, or None (no manifest, or it need not be read).
+Read = Manifest | str | ForeignObjectError | None
+
+
 def _info(
     location: S3URI,
     group: Group,
-    read: Manifest | str | None,
+    read: Read,
     now: float,
     superseded_by: str | None,
     details: bool,
 ) -> CheckpointInfo:
-    """One row of ``ls``; ``read`` is the manifest, or why it could not be read."""
+    """One row of ``ls``; ``read`` is what reading its manifest found."""
     manifest = read if isinstance(read, Manifest) else None
+    foreign = read if isinstance(read, ForeignObjectError) else None
     save_id = manifest.save_id if manifest else group.committed_save_hint()
     objects, size = _extent(group, manifest)
+    silent, left, gc_after = _stopped(group, None if foreign else save_id, now)
     return CheckpointInfo(
         name=group.name,
         uri=str(child(location, group.name)),
-        committed=group.committed,
+        committed=group.committed and foreign is None,
         time=group.newest,
         bytes=size,
         objects=objects,
         ranks=manifest.world_size if manifest else group.ranks(save_id),
         items=manifest.item_count if manifest and details else None,
-        save_id=save_id,
+        save_id=None if foreign else save_id,
         uploads=len(group.uploads),
         in_flight=group.in_flight(now),
         superseded_by=superseded_by,
         damaged=read if isinstance(read, str) else None,
+        foreign=str(foreign) if foreign else None,
+        silent=silent,
+        left=left,
+        gc_after=gc_after,
     )
+
+
+def _stopped(
+    group: Group, save_id: str | None, now: float
+) -> tuple[float | None, int, float | None]:
+    """What a save that stopped (killed, crashed) left in ``group``, from the listing: how
+    long the live in-flight record has been silent (None: no live record), the objects
+    left, and when ``gc`` with its default grace removes them and the open uploads (None:
+    nothing left, or a save refreshed its record within :data:`SILENT_S`: it is running).
+
+    Left are: the objects of an uncommitted directory; in a committed one, those of other
+    saves written after the commit (an overwrite that stopped; a save the commit replaced
+    is no crash's) and every in-flight record (the committed save's own, when its
+    coordinator stopped before deleting it). ``gc`` removes them once the newest of them,
+    and of the open uploads, is older than its grace, and not while a record is live.
+    """
+    # The records Group.in_flight counts: refreshed within the lease, after the commit, and
+    # not the committed save's own.
+    done = SAVING_PREFIX + str(save_id) if group.committed else None
+    commit = timestamp(group.manifest) if group.manifest is not None else None
+    live = [
+        timestamp(m)
+        for m in group.saving
+        if now - timestamp(m) < LEASE_S
+        and (done is None or not m.key.endswith(done))
+        and (commit is None or timestamp(m) > commit)
+    ]
+    silent = now - max(live) if live else None
+    if silent is not None and silent < SILENT_S:
+        return silent, 0, None
+    if commit is not None:
+        stale = [
+            o.meta for o in group.objects if o.save_id != save_id and timestamp(o.meta) > commit
+        ]
+    else:
+        stale = [o.meta for o in group.objects]
+    left = [*stale, *group.saving]
+    started = [u.initiated.timestamp() for u in group.uploads if u.initiated is not None]
+    if not left and not group.uploads:
+        return silent, 0, None
+    newest = max([*(timestamp(m) for m in left), *started], default=now)
+    return silent, len(left), newest + DEFAULT_GRACE
 
 
 async def alist_checkpoints(
@@ -146,10 +216,14 @@ async def alist_checkpoints(
     Costs one request when the prefix holds at most 1000 objects, else one delimiter
     listing per directory (:func:`~s3ckpt.catalog.scan.scan_checkpoints`, never a page per
     1000 objects) plus a GET of each committed manifest for its size and ranks, and, where
-    in-flight records were listed, a ``HeadBucket`` for the store's clock.
-    ``details`` reads every manifest, for exact ranks, items and save id (an unreadable
-    manifest marks its checkpoint ``damaged`` instead of failing the listing). What could
-    not be listed is appended to ``problems`` (logged when it is None).
+    in-flight records were listed, a ``HeadBucket`` for the store's clock. A manifest whose
+    directory shows no metadata object (every s3ckpt commit writes one just before its
+    manifest) is read too: one that is not s3ckpt's (:class:`ForeignObjectError`) makes
+    its directory ``foreign``, never committed, listed with ``include_uncommitted`` only
+    (else reported in ``problems``). ``details`` reads every manifest, for exact ranks,
+    items and save id (an unreadable manifest marks its checkpoint ``damaged`` instead of
+    failing the listing). What could not be listed is appended to ``problems`` (logged
+    when it is None).
     """
     scanned = await scan_checkpoints(store, location)
     if include_uncommitted and (problem := await add_uploads(store, location, scanned)):
@@ -157,14 +231,23 @@ async def alist_checkpoints(
     groups = [g for g in scanned.groups.values() if g.committed or include_uncommitted]
     # In-flight records are judged by the store's clock; asked only when there are some.
     now = await store_time(store) if any(g.saving for g in groups) else time.time()
-    manifests: list[Manifest | str | None] = await bounded(
+    manifests: list[Read] = await bounded(
         [lambda g=g: _maybe_manifest(store, child(location, g.name), g, details) for g in groups]
     )
-    replaced = superseded(Candidate(g.name, g.newest) for g in groups if g.committed)
-    infos = [
-        _info(location, g, m, now, replaced.get(g.name), details)
+    if not include_uncommitted:
+        for foreign in (m for m in manifests if isinstance(m, ForeignObjectError)):
+            _report(f"{foreign} (ls --all lists it as foreign)", problems)
+    ours = [
+        (g, m)
         for g, m in zip(groups, manifests, strict=True)
+        if include_uncommitted or not isinstance(m, ForeignObjectError)
     ]
+    replaced = superseded(
+        Candidate(g.name, g.newest)
+        for g, m in ours
+        if g.committed and not isinstance(m, ForeignObjectError)
+    )
+    infos = [_info(location, g, m, now, replaced.get(g.name), details) for g, m in ours]
     return sorted(infos, key=lambda i: (natural_key(i.name), i.time, i.name))
 
 
@@ -175,12 +258,19 @@ def _report(problem: str, problems: list[str] | None) -> None:
         problems.append(problem)
 
 
+def _suspect(group: Group) -> bool:
+    """A committed directory whose listing shows no metadata object: every s3ckpt commit
+    writes one just before its manifest, so the manifest may be another tool's."""
+    return group.committed and group.committed_save_hint() is None
+
+
 async def _maybe_manifest(
     store: ObjectStore, location: S3URI, group: Group, details: bool = True
-) -> Manifest | str | None:
+) -> Read:
     """The manifest, None if there is none (or it is not needed: the listing saw every
-    object and no details were asked for), or why it is unreadable."""
-    if not group.committed or not (details or group.shallow):
+    object, all of them s3ckpt's, and no details were asked for), why it is unreadable,
+    or the error saying it is not s3ckpt's."""
+    if not group.committed or not (details or group.shallow or _suspect(group)):
         return None
     try:
         return await read_manifest(store, location)
@@ -188,6 +278,17 @@ async def _maybe_manifest(
         return None
     except CorruptCheckpointError as exc:
         return str(exc)
+    except ForeignObjectError as exc:
+        return exc
+
+
+async def _ours(store: ObjectStore, location: S3URI, groups: list[Group]) -> list[Group]:
+    """The committed ``groups`` whose manifest is s3ckpt's, as far as the listing and a
+    GET of each suspect manifest (:func:`_suspect`) tell: no other is a checkpoint."""
+    found = await bounded(
+        [lambda g=g: _maybe_manifest(store, child(location, g.name), g, False) for g in groups]
+    )
+    return [g for g, m in zip(groups, found, strict=True) if not isinstance(m, ForeignObjectError)]
 
 
 async def acommitted_names(store: ObjectStore, location: S3URI) -> dict[str, str | None]:
@@ -196,10 +297,11 @@ async def acommitted_names(store: ObjectStore, location: S3URI) -> dict[str, str
 
     The listing of :func:`alist_checkpoints` without its manifest GETs: names and commit
     times are all it needs, so it costs one request up to 1000 objects under the prefix
-    and one per directory past that, what a training loop may afford to wait for.
+    and one per directory past that, what a training loop may afford to wait for. Only a
+    manifest whose directory shows no metadata object is read: a foreign one is left out.
     """
     scanned = await scan_checkpoints(store, location)
-    groups = [g for g in scanned.groups.values() if g.committed]
+    groups = await _ours(store, location, [g for g in scanned.groups.values() if g.committed])
     replaced = superseded(Candidate(g.name, g.newest) for g in groups)
     return {g.name: replaced.get(g.name) for g in groups}
 
@@ -304,13 +406,19 @@ async def remove_groups(
 async def aremove_checkpoint(
     store: ObjectStore, location: S3URI, *, progress: Reporter = SILENT
 ) -> Removed:
-    """Delete the committed checkpoint at ``location`` (manifest first)."""
+    """Delete the committed checkpoint at ``location`` (manifest first).
+
+    Raises :class:`CheckpointNotFoundError` if there is no manifest, and
+    :class:`ForeignObjectError`, deleting nothing, if the manifest is not s3ckpt's."""
     manifest_key = location.key(MANIFEST_NAME)
     try:
         meta = await store.head(manifest_key)
+        await read_manifest(store, location)  # ForeignObjectError: not s3ckpt's, left alone
     except FileNotFoundError as exc:
         await store.head_bucket()
         raise CheckpointNotFoundError(f"no committed checkpoint at {location}") from exc
+    except CorruptCheckpointError:
+        pass  # s3ckpt's, damaged: its manifest is deleted alone (unpublish)
     group = Group("", manifest=meta)
     why: dict[str, str] = {}
     removed, changed = await remove_groups(store, location, [group], progress, why=why)
@@ -345,9 +453,12 @@ async def aprune(
     """Apply a retention policy (:func:`s3ckpt.catalog.retention.plan_retention`) to the committed
     checkpoints under ``location``. Saves that are in flight have no manifest and are not
     candidates, and a committed checkpoint being overwritten is kept; a checkpoint
-    committed after the listing is not seen, so it survives."""
+    committed after the listing is not seen, so it survives. A directory whose manifest is
+    not s3ckpt's is no candidate either (read as :func:`alist_checkpoints` reads them, and
+    again just before any delete: :func:`~s3ckpt.catalog.unpublish.unpublish`)."""
     listed = await scan_checkpoints(store, location)
-    groups = {g.name: g for g in listed.groups.values() if g.committed}
+    committed = [g for g in listed.groups.values() if g.committed]
+    groups = {g.name: g for g in await _ours(store, location, committed)}  # no foreign one
     if now is None and (older_than is not None or any(g.saving for g in groups.values())):
         now = await store_time(store)  # ages are the store's: commit times, in-flight records
     decisions = plan_retention(

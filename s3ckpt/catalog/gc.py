@@ -49,7 +49,7 @@ from s3ckpt.catalog.scan import (
     timestamp,
 )
 from s3ckpt.config import S3URI, S3Config
-from s3ckpt.errors import CorruptCheckpointError
+from s3ckpt.errors import CorruptCheckpointError, ForeignObjectError
 from s3ckpt.format.layout import LEASE_S
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectMeta, ObjectStore, PendingUpload
@@ -206,6 +206,9 @@ async def _unreferenced(
             manifest = await read_manifest(store, where)
         except (FileNotFoundError, CorruptCheckpointError) as exc:
             problems.append(f"{where}: manifest unreadable, left alone ({exc})")
+            return None
+        except ForeignObjectError as exc:
+            problems.append(f"{where}: left alone: {exc}")
             return None
         listed = {where.key(k) for k in manifest.all_keys()}
         replaced_at = timestamp(group.manifest) if group.manifest else now

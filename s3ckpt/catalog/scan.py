@@ -15,8 +15,12 @@ format (``docs/format.md``); the directory holding them names the checkpoint:
   conditional writes (:mod:`s3ckpt.transfer.commit`);
 * ``<name>/.s3ckpt-probe-<hex>``: left by an interrupted conditional-write probe.
 
-Anything else is not s3ckpt's and is never counted or deleted. ``name`` is relative to the
-listed prefix and may contain slashes; ``""`` is the prefix itself.
+Anything else is not s3ckpt's and is never counted or deleted: a name close to these but
+not of their form (``data/model.bin``, ``data/r0-1-0.bin``, ``metadata.pkl``) is another
+tool's. A ``manifest.json`` whose body is not s3ckpt's makes its directory *foreign*, no
+checkpoint (:func:`s3ckpt.format.manifest.s3ckpt_body`; read by the operations, not here).
+``name`` is relative to the listed prefix and may contain slashes; ``""`` is the prefix
+itself.
 """
 
 from __future__ import annotations
@@ -48,8 +52,11 @@ _METADATA = re.compile(_DIR + r"metadata-(?P<save>[0-9a-f]+)\.pkl$")
 _PROBE = re.compile(_DIR + r"\.s3ckpt-probe-[0-9a-f]+$")
 _SAVING = re.compile(_DIR + re.escape(SAVING_PREFIX) + r"[0-9a-f]+$")
 _CLAIM = re.compile(_DIR + re.escape(CLAIM_PREFIX) + r"[0-9a-f]+$")
-_DATA = re.compile(_DIR + r"data/(?:[0-9a-f]{1,3}/)?r(?P<rank>\d+)-(?P<save>[0-9a-f]+)-\d+\.bin$")
-_INDEX = re.compile(_DIR + r"index/(?:[0-9a-f]{1,3}/)?r(?P<rank>\d+)-(?P<save>[0-9a-f]+)\.json$")
+# As layout.data_key and index_key write them: ranks of 5 digits or more, parts of 4 or more.
+_DATA = re.compile(
+    _DIR + r"data/(?:[0-9a-f]{1,3}/)?r(?P<rank>\d{5,})-(?P<save>[0-9a-f]+)-\d{4,}\.bin$"
+)
+_INDEX = re.compile(_DIR + r"index/(?:[0-9a-f]{1,3}/)?r(?P<rank>\d{5,})-(?P<save>[0-9a-f]+)\.json$")
 
 
 def timestamp(meta: ObjectMeta) -> float:

@@ -30,7 +30,12 @@ from dataclasses import dataclass
 from s3ckpt.catalog.clock import store_time
 from s3ckpt.catalog.scan import timestamp
 from s3ckpt.config import S3URI
-from s3ckpt.errors import CorruptCheckpointError, PreconditionFailedError, StorageError
+from s3ckpt.errors import (
+    CorruptCheckpointError,
+    ForeignObjectError,
+    PreconditionFailedError,
+    StorageError,
+)
 from s3ckpt.format.layout import LEASE_S, SAVING_PREFIX
 from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
 from s3ckpt.s3.error_mapping import UNSUPPORTED_CODES
@@ -149,9 +154,10 @@ async def unpublish(
 
     Returns what is left to delete, or why the checkpoint was left alone: the manifest was
     replaced since the listing (a save recommitted it), a save started there meanwhile
-    (stores without conditional deletes), or it is gone (another prune got there first;
+    (stores without conditional deletes), it is gone (another prune got there first;
     when the manifest is deleted concurrently after it was read, the objects it listed
-    are still deleted). An unreadable manifest is deleted alone; its objects are then
+    are still deleted), or it is not s3ckpt's (:class:`ForeignObjectError`: nothing is
+    deleted). An unreadable manifest of s3ckpt's is deleted alone; its objects are then
     gc's. ``now``: the store's clock (:mod:`s3ckpt.catalog.clock`), read when needed if
     None; ``conditional``: whether the store honours conditional deletes, probed if None.
     """
@@ -161,6 +167,8 @@ async def unpublish(
         return "removed since the listing"
     except CorruptCheckpointError:
         manifest = None
+    except ForeignObjectError as exc:  # not s3ckpt's: no checkpoint, nothing to delete
+        return str(exc)
     key = location.key(MANIFEST_NAME)
     if conditional is None:
         conditional = await conditional_deletes(store, location)

@@ -115,7 +115,9 @@ def ls_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_ls(args: argparse.Namespace) -> int:
-    """Exit 1 when a manifest could not be read (``--details``); the rest is listed."""
+    """Exit 1 when a manifest could not be read (``--details``); the rest is listed. A
+    directory whose manifest is not s3ckpt's is no problem of s3ckpt's (exit 0): with
+    ``--all`` it is listed as ``foreign``, without it a warning says so."""
     from s3ckpt.catalog import list_checkpoints
 
     problems: list[str] = []
@@ -140,6 +142,8 @@ def run_ls(args: argparse.Namespace) -> int:
     for info in infos:
         if info.damaged:
             print(f"s3ckpt: ls: {info.uri}: {info.damaged}", file=sys.stderr)
+        if info.foreign:
+            print(f"s3ckpt: ls: note: {info.foreign}", file=sys.stderr)
     return 1 if any(i.damaged for i in infos) else 0
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from s3ckpt.cli import states
 from s3ckpt.cli.humanize import format_time, human_bytes, human_duration, iso_time, table
 
 if TYPE_CHECKING:
@@ -22,21 +23,8 @@ if TYPE_CHECKING:
     from s3ckpt.format.manifest import Manifest
 
 
-def _status(info: CheckpointInfo) -> str:
-    if info.damaged:
-        return "damaged"
-    if info.committed:
-        status = "committed"
-        if info.superseded_by:
-            status += f", superseded by {info.superseded_by}"
-        return status + (", overwrite in flight" if info.in_flight else "")
-    if info.in_flight:
-        return "saving"
-    return (
-        f"uncommitted ({info.uploads} open upload{'s' if info.uploads != 1 else ''})"
-        if info.uploads
-        else "uncommitted"
-    )
+def _status(info: CheckpointInfo, now: float) -> str:
+    return states.status(info, now)  # the states: s3ckpt.cli.states
 
 
 # -- ls -------------------------------------------------------------------------------------
@@ -46,7 +34,7 @@ def info_json(info: CheckpointInfo, now: float) -> dict[str, Any]:
     return {
         "name": info.name,
         "uri": info.uri,
-        "status": _status(info),
+        "status": _status(info, now),
         "time": iso_time(info.time),
         "timestamp": info.time,
         "age_seconds": round(now - info.time, 3),
@@ -59,6 +47,10 @@ def info_json(info: CheckpointInfo, now: float) -> dict[str, Any]:
         "in_flight": info.in_flight,
         "superseded_by": info.superseded_by,
         "damaged": info.damaged,
+        "foreign": info.foreign,
+        "silent_seconds": None if info.silent is None else round(info.silent, 3),
+        "left_objects": info.left,
+        "gc_after": None if info.gc_after is None else iso_time(info.gc_after),
     }
 
 
@@ -69,7 +61,7 @@ def info_table(infos: list[CheckpointInfo], now: float, *, status: bool, items: 
     rows = [
         [
             info.name or ".",
-            _status(info),
+            _status(info, now),
             format_time(info.time),
             human_duration(now - info.time),
             human_bytes(info.bytes),
@@ -79,7 +71,7 @@ def info_table(infos: list[CheckpointInfo], now: float, *, status: bool, items: 
         for info in infos
     ]
     # Damaged and superseded checkpoints are worth a status column even without --all.
-    status = status or any(i.damaged or i.superseded_by for i in infos)
+    status = status or any(i.damaged or i.superseded_by or i.gc_after for i in infos)
     keep = [
         i for i, h in enumerate(headers) if (h != "STATUS" or status) and (h != "ITEMS" or items)
     ]

@@ -1,0 +1,284 @@
+"""Objects that are not s3ckpt's, as a user meets them through ``s3ckpt``: never listed as
+checkpoints, never read as one, never deleted; and what a stopped save left, said plainly.
+
+Commands run as an operator runs them (``python -m s3ckpt`` in a child process, where log
+records reach stderr), except where the store's clock is moved forward (in-process). Every
+foreign object is checked afterwards with a raw boto3 client, byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from _cli_runner import entry_point
+from s3_servers import ON_BOTH
+
+from s3ckpt.config import S3URI
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    ON_BOTH,  # SeaweedFS and moto
+]
+
+FOREIGN_MANIFESTS = {
+    "json/step-2": b'{"hello": 1}',  # what a user found listed as committed, and lost to rm
+    "text/step-2": b"written by another tool\n",
+    "other/step-2": b'{"format": "orbax-checkpoint", "version": 3, "items": []}',
+    "list/step-2": b"[1, 2, 3]",
+}
+
+
+class Raw:
+    """The bucket through boto3 alone, for putting and checking foreign objects."""
+
+    def __init__(self, server, prefix: str) -> None:
+        self.client, self.location = server.client(), S3URI.parse(prefix)
+        self.bucket = self.location.bucket
+
+    def put(self, rel: str, body: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self.location.key(rel), Body=body)
+
+    def get(self, rel: str) -> bytes | None:
+        try:
+            got = self.client.get_object(Bucket=self.bucket, Key=self.location.key(rel))
+        except self.client.exceptions.NoSuchKey:
+            return None
+        return got["Body"].read()
+
+    def keys(self, rel: str = "") -> set[str]:
+        prefix = self.location.key(rel)
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=prefix
+        )
+        return {
+            o["Key"][len(self.location.key("")) :] for p in pages for o in p.get("Contents", [])
+        }
+
+    def intact(self, objects: dict[str, bytes]) -> None:
+        for rel, body in objects.items():
+            assert self.get(rel) == body, f"{rel} was changed or deleted"
+
+
+def _save(make_writer, uri: str, value: float = 1.0) -> None:
+    dcp.save({"w": torch.full((64,), value), "step": int(value)}, storage_writer=make_writer(uri))
+
+
+@pytest.fixture
+def s3ckpt(local_s3, tmp_path):
+    """``python -m s3ckpt ARGV`` in a child process, against the test's server."""
+    return lambda *argv: entry_point(local_s3, tmp_path, *argv)
+
+
+def _one_line_refusal(result, command: str, where: str) -> None:
+    assert result.code == 1, (result.code, result.err)
+    assert result.err.count("\n") == 1, result.err
+    assert result.err.startswith(f"s3ckpt {command}: error: {where}/manifest.json is not s3ckpt's")
+    assert "reading it again" not in result.err
+
+
+def test_a_foreign_manifest_is_no_checkpoint_for_any_command(
+    s3ckpt, local_s3, s3_prefix, make_writer, tmp_path
+):
+    raw = Raw(local_s3, s3_prefix)
+    foreign = {f"{d}/manifest.json": body for d, body in FOREIGN_MANIFESTS.items()}
+    foreign["json/step-2/weights.bin"] = b"\x00" * 100  # the other tool's data beside it
+    for rel, body in foreign.items():
+        raw.put(rel, body)
+    _save(make_writer, f"{s3_prefix}/json/step-1")  # a real checkpoint beside them
+
+    listed = s3ckpt("ls", s3_prefix, "--all", "--json")
+    assert listed.code == 0 and "reading it again" not in listed.err
+    rows = {r["name"]: r for r in listed.json()}
+    assert rows["json/step-1"]["status"] == "committed"
+    for name in FOREIGN_MANIFESTS:
+        row = rows[name]
+        assert row["status"] == "foreign" and row["save_id"] is None, row
+        assert row["foreign"].startswith(f"{s3_prefix}/{name}/manifest.json is not s3ckpt's")
+        assert f"{name}/manifest.json is not s3ckpt's" in listed.err  # one note each
+    table = s3ckpt("ls", s3_prefix, "--all")
+    lines = {line.split()[0]: line.split()[1] for line in table.out.splitlines()[1:]}
+    assert lines == {"json/step-1": "committed", **dict.fromkeys(FOREIGN_MANIFESTS, "foreign")}
+    committed_only = s3ckpt("ls", s3_prefix, "--json")
+    assert [r["name"] for r in committed_only.json()] == ["json/step-1"]
+    assert committed_only.code == 0 and committed_only.err.count("is not s3ckpt's") == 4
+
+    junk = f"{s3_prefix}/json/step-2"
+    for command in ("show", "verify", "rm"):
+        _one_line_refusal(s3ckpt(command, junk), command, junk)
+    _one_line_refusal(s3ckpt("cp", junk, f"{s3_prefix}/copy/step-2"), "cp", junk)
+    _one_line_refusal(s3ckpt("export", junk, str(tmp_path / "out")), "export", junk)
+    assert not (tmp_path / "out").exists()
+    for name in ("text/step-2", "other/step-2", "list/step-2"):
+        _one_line_refusal(s3ckpt("rm", f"{s3_prefix}/{name}"), "rm", f"{s3_prefix}/{name}")
+    # A destination holding another tool's manifest is not overwritten either.
+    into = s3ckpt("cp", f"{s3_prefix}/json/step-1", junk, "--overwrite")
+    _one_line_refusal(into, "cp", junk)
+    raw.intact(foreign)
+    assert not raw.keys("copy/")
+
+    dry = s3ckpt("prune", s3_prefix, "--keep-last", "0", "--force", "--dry-run", "--json")
+    assert dry.code == 0 and [d["name"] for d in dry.json()["deleted"]] == ["json/step-1"]
+    assert [k["name"] for k in dry.json()["kept"]] == []
+    pruned = s3ckpt("prune", s3_prefix, "--keep-last", "0", "--force", "--json")
+    assert pruned.code == 0 and [d["name"] for d in pruned.json()["deleted"]] == ["json/step-1"]
+    collected = s3ckpt(
+        "gc", s3_prefix, "--older-than", "0s", "--force", "--in-flight-lease", "0s", "--json"
+    )
+    assert collected.code == 0 and collected.json()["objects"] == 0
+    raw.intact(foreign)
+    assert raw.keys() == set(foreign)  # everything s3ckpt's is gone, nothing else
+
+
+# Names beside what s3ckpt writes inside a checkpoint, close to its own but not of their form
+# (docs/format.md), and objects beside the checkpoints.
+LOOKALIKES = {
+    "step-1/README.md": b"notes",
+    "step-1/Manifest.json": b"{}",
+    "step-1/manifest.json.bak": b'{"format": "s3ckpt"}',
+    "step-1/metadata.pkl": b"pickle-ish",
+    "step-1/metadata-final.pkl": b"not hex",
+    "step-1/data/model.bin": b"\x01" * 64,
+    "step-1/data/r0-abc-0.bin": b"\x02" * 64,
+    "step-1/data/r00000-abc.bin": b"\x03" * 64,
+    "step-1/data/zz/r00000-0123456789abcdef-0000.bin": b"\x04" * 64,
+    "step-1/index/r0.json": b"[]",
+    "step-1/index/r00000.json": b"[]",
+    "step-1/.s3ckpt-saving-notes": b"x",
+    "step-1/.s3ckpt-claim-mine": b"x",
+    "step-1/.s3ckpt-probe-zz": b"x",
+    "notes.txt": b"beside the checkpoints",
+    "step-1.tar": b"an archive",
+    "scratch/data/model.bin": b"\x05" * 64,
+    "scratch/metadata.json": b"{}",
+}
+
+
+def test_objects_beside_and_inside_checkpoints_survive_gc_prune_and_rm(
+    s3ckpt, local_s3, s3_prefix, make_writer
+):
+    raw = Raw(local_s3, s3_prefix)
+    for step in (1, 2, 3):
+        _save(make_writer, f"{s3_prefix}/step-{step}", float(step))
+    for rel, body in LOOKALIKES.items():
+        raw.put(rel, body)
+    ours = raw.keys() - set(LOOKALIKES)
+
+    listed = s3ckpt("ls", s3_prefix, "--all", "--json").json()
+    assert [(r["name"], r["status"]) for r in listed] == [
+        ("step-1", "committed"),
+        ("step-2", "committed"),
+        ("step-3", "committed"),
+    ]
+    sizes = {r["name"]: r["objects"] for r in listed}
+    assert sizes["step-1"] == sizes["step-2"]  # the lookalikes are not counted as s3ckpt's
+
+    dead = ["--older-than", "0s", "--force", "--in-flight-lease", "0s", "--json"]
+    collected = s3ckpt("gc", s3_prefix, *dead)
+    assert collected.code == 0 and collected.json()["objects"] == 0, collected.out
+    raw.intact(LOOKALIKES)
+
+    pruned = s3ckpt("prune", s3_prefix, "--keep-last", "2", "--json")
+    assert pruned.code == 0 and [d["name"] for d in pruned.json()["deleted"]] == ["step-1"]
+    removed = s3ckpt("rm", f"{s3_prefix}/step-2")
+    assert removed.code == 0 and removed.out.startswith(f"removed {s3_prefix}/step-2 (")
+    assert s3ckpt("gc", s3_prefix, *dead).json()["objects"] == 0
+    raw.intact(LOOKALIKES)
+    left = raw.keys()
+    assert left - set(LOOKALIKES) == {k for k in ours if k.startswith("step-3/")}
+    assert s3ckpt("verify", f"{s3_prefix}/step-3").code == 0
+
+
+def test_a_foreign_manifest_over_a_stopped_save_keeps_every_object(
+    s3ckpt, local_s3, s3_prefix, make_writer
+):
+    """A directory holding another tool's manifest.json and s3ckpt objects of a save that
+    died there: no checkpoint, nothing in it deleted by prune or gc."""
+    raw = Raw(local_s3, s3_prefix)
+    writer = make_writer(f"{s3_prefix}/step-5")
+    writer.finish = lambda metadata, results: (_ for _ in ()).throw(RuntimeError("died"))  # type: ignore[method-assign]
+    with pytest.raises(BaseException, match="died"):
+        dcp.save({"w": torch.ones(16)}, storage_writer=writer)
+    raw.put("step-5/manifest.json", b'{"tool": "another", "files": ["weights.bin"]}')
+    before = {rel: raw.get(rel) for rel in raw.keys("")}
+
+    rows = s3ckpt("ls", s3_prefix, "--all", "--json").json()
+    assert [(r["name"], r["status"]) for r in rows] == [("step-5", "foreign")]
+    dead = ["--older-than", "0s", "--force", "--in-flight-lease", "0s", "--json"]
+    assert (
+        s3ckpt("prune", s3_prefix, "--keep-last", "0", "--force", "--json").json()["deleted"] == []
+    )
+    gc = s3ckpt("gc", s3_prefix, *dead).json()
+    assert all(".s3ckpt-saving-" in k for d in gc["deleted"] for k in d["keys"])  # only its record
+    raw.intact({rel: body for rel, body in before.items() if ".s3ckpt-saving-" not in rel})
+
+
+# -- what a stopped save left --------------------------------------------------------------
+
+
+@pytest.fixture
+def later(monkeypatch):
+    """Move the store's clock, as ``ls`` reads it, forward by some seconds."""
+    from s3ckpt.catalog import api
+
+    real = api.store_time
+
+    def move(seconds: float) -> None:
+        async def moved(store):
+            return await real(store) + seconds
+
+        monkeypatch.setattr(api, "store_time", moved)
+
+    return move
+
+
+def test_ls_says_what_a_stopped_overwrite_left_and_when_gc_removes_it(
+    cli, local_s3, s3_prefix, make_writer, later
+):
+    raw = Raw(local_s3, s3_prefix)
+    _save(make_writer, f"{s3_prefix}/step-1")
+    time.sleep(1.1)  # the overwrite starts after the commit, in the store's whole seconds too
+    writer = make_writer(f"{s3_prefix}/step-1", overwrite=True)
+    writer.finish = lambda metadata, results: (_ for _ in ()).throw(RuntimeError("killed"))  # type: ignore[method-assign]
+    with pytest.raises(BaseException, match="killed"):
+        dcp.save({"w": torch.zeros(64), "step": 1}, storage_writer=writer)
+    upload = raw.client.create_multipart_upload(
+        Bucket=raw.bucket, Key=raw.location.key(f"step-1/data/r00000-{writer.save_id}-0001.bin")
+    )
+
+    def status() -> tuple[str, dict]:
+        result = cli("ls", s3_prefix, "--all", "--json")
+        assert result.code == 0, result.err
+        (row,) = result.json()
+        return row["status"], row
+
+    now, row = status()
+    assert now == "committed, overwrite in flight"  # its record was refreshed just now
+    assert row["in_flight"] and row["gc_after"] is None
+
+    later(3 * 60)  # two heartbeats missed: most likely stopped, but gc still waits
+    silent, row = status()
+    quiet = r"committed, overwrite silent 3m( \d+s)? \(stopped\?\): (\d+) objects, 1 open upload"
+    assert re.fullmatch(quiet + r" left; gc removes them in 59m( \d+s)?", silent), silent
+    assert row["in_flight"] and 180 <= row["silent_seconds"] < 200 and row["left_objects"] >= 2
+
+    later(10 * 60)  # past the lease: what the crash left, plainly
+    stopped, row = status()
+    left = r"committed, a stopped save left (\d+) objects, 1 open upload; gc removes them in 59m"
+    assert re.fullmatch(left + r"( \d+s)?", stopped), stopped
+    assert not row["in_flight"] and row["gc_after"].endswith("Z")
+    table = cli("ls", s3_prefix)  # without --all, a status column says it too
+    assert "a stopped save left" in table.out and "STATUS" in table.out
+
+    # gc agrees: nothing goes inside its grace, everything of the stopped save after it.
+    early = cli("gc", s3_prefix, "--older-than", "15m", "--dry-run", "--json").json()
+    assert early["deleted"] == [] and early["aborted_uploads"] == []
+    raw.client.abort_multipart_upload(
+        Bucket=raw.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+    )
+    assert json.loads(cli("show", f"{s3_prefix}/step-1", "--json").out)["save_id"] != writer.save_id

@@ -282,3 +282,38 @@ def test_ls_says_what_a_stopped_overwrite_left_and_when_gc_removes_it(
         Bucket=raw.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
     )
     assert json.loads(cli("show", f"{s3_prefix}/step-1", "--json").out)["save_id"] != writer.save_id
+
+
+def test_the_python_api_refuses_and_lists_a_foreign_manifest_as_the_commands_do(
+    local_s3, s3_prefix, s3_options, make_writer
+):
+    from s3ckpt import catalog
+    from s3ckpt.errors import CheckpointError, ForeignObjectError
+    from s3ckpt.interop.copy import copy_checkpoint
+
+    raw = Raw(local_s3, s3_prefix)
+    raw.put("step-2/manifest.json", FOREIGN_MANIFESTS["json/step-2"])
+    _save(make_writer, f"{s3_prefix}/step-1")
+    junk = f"{s3_prefix}/step-2"
+    for call in (
+        lambda: catalog.show_checkpoint(junk, **s3_options),
+        lambda: catalog.verify_checkpoint(junk, **s3_options),
+        lambda: catalog.remove_checkpoint(junk, **s3_options),
+        lambda: copy_checkpoint(junk, f"{s3_prefix}/copy", **s3_options),
+    ):
+        with pytest.raises(ForeignObjectError, match=f"^{junk}/manifest.json is not s3ckpt's"):
+            call()
+    assert issubclass(ForeignObjectError, CheckpointError)
+
+    problems: list[str] = []
+    assert [
+        i.name for i in catalog.list_checkpoints(s3_prefix, problems=problems, **s3_options)
+    ] == ["step-1"]
+    assert len(problems) == 1 and "step-2/manifest.json is not s3ckpt's" in problems[0]
+    everything = catalog.list_checkpoints(s3_prefix, include_uncommitted=True, **s3_options)
+    foreign = [i for i in everything if i.foreign]
+    assert [(i.name, i.committed, i.save_id) for i in foreign] == [("step-2", False, None)]
+    assert list(catalog.committed_names(s3_prefix, **s3_options)) == ["step-1"]
+    report = catalog.prune(s3_prefix, keep_last=1, **s3_options)
+    assert [d.name for d in report.decisions] == ["step-1"] and report.removed == []
+    raw.intact({"step-2/manifest.json": FOREIGN_MANIFESTS["json/step-2"]})

@@ -48,6 +48,7 @@ from s3ckpt.background.arena import StagingArena
 from s3ckpt.background.channel import dumps_staged
 from s3ckpt.background.child import CheckpointWorker
 from s3ckpt.background.meeting import MeetingWatch
+from s3ckpt.background.rebuild import ChildImports
 from s3ckpt.background.stage import Staged, stage
 from s3ckpt.background.worker import Hello, Hold, Meeting
 from s3ckpt.dcp.compat import default_store_host
@@ -117,6 +118,7 @@ class CheckpointProcess:
             self._arenas.append(StagingArena(pin=pin))
         self._store, self._address = self._meeting_place()
         self._generation = 0
+        self._imports = ChildImports()
         self._worker: CheckpointWorker | None = None
         self._inflight: Future[Any] | None = None
         self._closed = False
@@ -185,8 +187,10 @@ class CheckpointProcess:
 
     def stage(self, state_dict: dict[str, Any], slot: int = 0) -> Staged:
         """Copy ``state_dict`` into the arena of ``slot`` (the previous save must be
-        finished)."""
-        return stage(self._arenas[slot], plain_state_dict(state_dict))
+        finished). A value the checkpoint process could not unpickle (a class of
+        ``__main__``, a lambda...) raises :class:`~s3ckpt.errors.UnpicklableStateError`
+        naming its key, before anything is copied."""
+        return stage(self._arenas[slot], plain_state_dict(state_dict), self._imports)
 
     def submit(
         self,

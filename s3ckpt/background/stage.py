@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from s3ckpt.background.arena import Region, Segment, StagingArena
+from s3ckpt.background.rebuild import PLAIN_VALUES, ChildImports
 from s3ckpt.background.shards import StagedShards
 from s3ckpt.dcp.compat import has_lazy_bits, is_sharded_tensor, shard_write_items
 
@@ -61,12 +62,18 @@ class _Copies:
         return staged.requires_grad_() if tensor.requires_grad else staged
 
 
-def stage(arena: StagingArena, state_dict: dict[str, Any]) -> Staged:
+def stage(
+    arena: StagingArena, state_dict: dict[str, Any], imports: ChildImports | None = None
+) -> Staged:
     """Copy ``state_dict`` (values already plain: no ``Stateful``) into ``arena``; returns
-    once every byte has landed. The arena's previous copy is overwritten."""
+    once every byte has landed. The arena's previous copy is overwritten. With
+    ``imports``, the values kept as they are (neither tensors nor plain numbers and
+    strings) are first checked to be what that process can unpickle
+    (:mod:`s3ckpt.background.rebuild`): one that is not raises before anything is copied."""
     copies = _Copies()
     sharded: dict[int, list[tuple[Any, torch.Tensor]]] = {}
     resolved: dict[int, torch.Tensor] = {}  # lazy conjugate/negative views, materialized
+    kept: list[Any] = []  # values pickled with the save as they are
 
     def note(value: Any) -> Any:
         if _copyable(value):  # the common case first: a plain tensor is not sharded
@@ -77,9 +84,13 @@ def stage(arena: StagingArena, state_dict: dict[str, Any]) -> Staged:
             pieces = sharded[id(value)] = shard_write_items(value)
             for _, shard in pieces:
                 copies.note(shard)
+        elif type(value) not in PLAIN_VALUES:
+            kept.append(value)
         return value
 
     _walk(state_dict, note)
+    if imports is not None:
+        imports.check(kept, state_dict)
     storages = list(copies.storages.items())
     regions, added = arena.allocate([storage.nbytes() for _, storage in storages])
     devices = _copy_all(arena, storages, regions, copies)

@@ -245,6 +245,28 @@ class S3URI:
         return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
 
 
+MAX_KEY_BYTES = 1024  # S3's limit on an object key, in bytes of UTF-8
+
+
+def check_key_room(location: S3URI, longest: str, what: str) -> None:
+    """Refuse ``location`` (with :class:`~s3ckpt.errors.InvalidURIError`) when ``longest``,
+    the longest name written under it, would make a key longer than S3 takes
+    (:data:`MAX_KEY_BYTES` of UTF-8): found where the location is given, not as
+    ``KeyTooLongError`` halfway through a save. ``what`` names the location's role."""
+    size = len(location.key(longest).encode())
+    if size <= MAX_KEY_BYTES:
+        return
+    prefix = len(location.prefix.encode())
+    room = max(MAX_KEY_BYTES - (size - prefix), 0)
+    shown = location.prefix if prefix <= 80 else location.prefix[:60] + "..."
+    raise InvalidURIError(
+        f"{what} s3://{location.bucket}/{shown} is too long: its prefix is {prefix:,} bytes "
+        f"of UTF-8, and the longest key saved under it (the prefix and {longest!r}) would be "
+        f"{size:,} bytes, over S3's limit of {MAX_KEY_BYTES:,} bytes; a prefix of at most "
+        f"{room:,} bytes fits"
+    )
+
+
 def _valid_bucket(name: str) -> bool:
     if not 3 <= len(name) <= 63:
         return False

@@ -45,7 +45,7 @@ from crc32c import crc32c
 from torch.futures import Future
 
 from s3ckpt._version import __version__
-from s3ckpt.config import S3URI, S3Config, make_config
+from s3ckpt.config import MAX_KEY_BYTES, S3URI, S3Config, check_key_room, make_config
 from s3ckpt.dcp import metadata_pickle as dcp_metadata
 from s3ckpt.dcp.compat import (
     TORCH_VERSION,
@@ -61,13 +61,23 @@ from s3ckpt.dcp.location import S3Location
 from s3ckpt.dcp.owners import ChunkPositions
 from s3ckpt.dcp.rank_save import RankRecord, RankSave, RankTarget, rank_name
 from s3ckpt.dcp.save_identity import RankAssignment, claim
-from s3ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError, S3CkptError
+from s3ckpt.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    ConfigError,
+    InvalidURIError,
+    S3CkptError,
+)
 from s3ckpt.format.compression import Compression
 from s3ckpt.format.layout import (
     DEFAULT_MAX_OBJECT_SIZE,
     HEARTBEAT_S,
     SPREAD_WIDTHS,
+    claim_key,
+    data_key,
+    index_key,
     metadata_key,
+    saving_key,
 )
 from s3ckpt.format.manifest import (
     MANIFEST_NAME,
@@ -154,6 +164,13 @@ class S3StorageWriter(S3Location, StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._set_location(checkpoint_id)
         self.save_id = new_save_id()
+
+    def _set_location(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
+        """Parse the location and refuse one whose keys S3 could not hold (the longest a
+        save writes under it, :func:`longest_name`)."""
+        super()._set_location(checkpoint_id)
+        if checkpoint_id is not None and self.location is not None:
+            check_key_room(self.location, longest_name(self.spread_prefixes), "checkpoint")
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -386,8 +403,34 @@ def _after_commit_objects(objects: Mapping[str, bytes] | None) -> tuple[tuple[S3
             raise ConfigError(
                 f"after_commit bodies must be bytes, got {type(body).__name__} for {uri}"
             )
-        checked.append((S3URI.parse(uri), bytes(body)))
+        target = S3URI.parse(uri)
+        size = len(target.prefix.encode())
+        if size > MAX_KEY_BYTES:
+            raise InvalidURIError(
+                f"after_commit key {target.prefix[:60]!r}... is {size:,} bytes of UTF-8, over "
+                f"S3's limit of {MAX_KEY_BYTES:,} bytes"
+            )
+        checked.append((target, bytes(body)))
     return tuple(checked)
+
+
+def longest_name(spread: int = 0) -> str:
+    """The longest name a save writes under its checkpoint's prefix, with ``spread``
+    (``spread_prefixes``): a data object's, its rank and object number as wide as their
+    names are padded (``data/<hex>/r00000-<save id>-0000.bin``), unless an index, the
+    metadata, an in-flight record or a claim is longer. What must fit in S3's key
+    limit with the prefix."""
+    save_id = "0" * len(new_save_id())
+    spread = spread if spread in SPREAD_WIDTHS else max(SPREAD_WIDTHS)  # refused elsewhere
+    names = (
+        data_key(0, save_id, 0, spread),
+        index_key(0, save_id, spread),
+        metadata_key(save_id),
+        saving_key(save_id),
+        claim_key(save_id),
+        MANIFEST_NAME,
+    )
+    return max(names, key=len)
 
 
 def _save_ids(records: list[RankRecord], coordinator: str) -> list[str]:

@@ -60,10 +60,10 @@ import torch.distributed.checkpoint as dcp
 
 from s3ckpt.background.ranks import Ranks
 from s3ckpt.background.saver import BackgroundSaver, state_bytes
-from s3ckpt.config import S3URI, S3Config, make_config
+from s3ckpt.config import S3URI, S3Config, check_key_room, make_config
 from s3ckpt.dcp.compat import CheckpointException, unwrap
 from s3ckpt.dcp.reader import S3StorageReader
-from s3ckpt.dcp.writer import S3StorageWriter
+from s3ckpt.dcp.writer import S3StorageWriter, longest_name
 from s3ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError, S3CkptError
 from s3ckpt.manager.committed import CommittedSteps
 from s3ckpt.manager.ledger import InFlight, SaveLedger
@@ -149,6 +149,8 @@ class CheckpointManager:
         self.if_busy, self.async_mode, self.overwrite = if_busy, async_mode, overwrite
         self.on_saved = on_saved
         self.writer_options = dict(writer_options or {})
+        spread = self.writer_options.get("spread_prefixes", 0)  # every step's keys must fit
+        check_key_room(self.location, f"{checkpoint_name(0)}/{longest_name(spread)}", "run")
         self.reader_options = dict(reader_options or {})
         self.strict = strict
         self.metrics: deque[SaveMetrics] = deque(maxlen=max_metrics)

@@ -46,8 +46,11 @@ import torch.distributed as dist
 from s3ckpt.background.process import DEFAULT_TIMEOUT_S, check_usable
 from s3ckpt.background.ranks import Ranks
 from s3ckpt.background.saver import BackgroundSaver
+from s3ckpt.catalog.steps import step_name
+from s3ckpt.config import S3URI, check_key_room
 from s3ckpt.dcp.compat import unwrap
-from s3ckpt.errors import ConfigError
+from s3ckpt.dcp.writer import longest_name
+from s3ckpt.errors import ConfigError, InvalidURIError
 from s3ckpt.tier.options import MemoryTier
 from s3ckpt.tier.rank import RankTier
 from s3ckpt.tier.restore import Restored
@@ -119,6 +122,7 @@ class TieredCheckpointProcess:
             raise ConfigError(f"memory_tier must be a MemoryTier, got {memory_tier!r}")
         if not isinstance(run, str) or not run:
             raise ConfigError(f"run must name the run's S3 location, got {run!r}")
+        _check_step_keys(run)
         self.memory_tier = memory_tier
         ranks = Ranks(process_group)
         self.world, self.rank = ranks.world, ranks.rank
@@ -257,6 +261,16 @@ class TieredCheckpointProcess:
 
     def _check_open(self) -> None:
         check_usable(self, self._closed, self._pid)
+
+
+def _check_step_keys(run: str) -> None:
+    """Refuse a run whose steps' checkpoints (``<run>/step-<N:010d>``, as the manager and
+    the examples name them) would hold keys longer than S3 takes."""
+    try:
+        location = S3URI.parse(run, require_prefix=False)
+    except InvalidURIError:
+        return  # a run named otherwise only keys the held copies
+    check_key_room(location, f"{step_name(0)}/{longest_name()}", "run")
 
 
 def _resolve_with(target: Future[None], source: Future[None]) -> None:

@@ -95,10 +95,16 @@ class Group:
         (``LastModified`` from the server's clock, and ``now`` too: callers read it from
         the store, :mod:`s3ckpt.catalog.clock`, never from this machine). The record of the
         save the manifest names does not count: that save has committed (and died before
-        deleting its record)."""
+        deleting its record). Nor does a record last written before the commit (in an
+        earlier second: ``LastModified`` has whole seconds): a save killed there, then
+        saved again by a resumed run, leaves one, and a live save rewrites its record
+        every ``HEARTBEAT_S``."""
         done = self.committed_save_hint()
+        committed_at = timestamp(self.manifest) if self.manifest is not None else None
         return any(
-            now - timestamp(m) < lease and not m.key.endswith(SAVING_PREFIX + str(done))
+            now - timestamp(m) < lease
+            and not m.key.endswith(SAVING_PREFIX + str(done))
+            and (committed_at is None or timestamp(m) >= committed_at)
             for m in self.saving
         )
 

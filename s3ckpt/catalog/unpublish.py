@@ -111,8 +111,9 @@ async def changed_since(
     """Why the checkpoint at ``location`` must be left alone, or None: its manifest is
     still the one ``listed`` (same ETag) and no save other than ``save_id`` (the one the
     manifest names) holds a live in-flight record there (refreshed within ``lease`` of
-    ``now``, the store's clock). A manifest gone meanwhile is no reason: see
-    :func:`unpublish`."""
+    ``now``, the store's clock, and since the listed commit: as
+    :meth:`~s3ckpt.catalog.scan.Group.in_flight` judges). A manifest gone meanwhile is no
+    reason: see :func:`unpublish`."""
 
     async def manifest() -> ObjectMeta | None:
         try:
@@ -132,8 +133,46 @@ async def changed_since(
     if current is not None and current.etag != listed.etag:
         return "recommitted since the listing"
     done = SAVING_PREFIX + str(save_id)
-    if any(not r.key.endswith(done) and now - timestamp(r) < lease for r in saving):
+    committed_at = timestamp(listed)  # a record last written before it is a dead save's
+    if any(
+        not r.key.endswith(done) and now - timestamp(r) < lease and timestamp(r) >= committed_at
+        for r in saving
+    ):
         return "a save started there since the listing"
+    return None
+
+
+async def not_as_written(store: ObjectStore, location: S3URI, manifest: Manifest) -> str | None:
+    """Why an object at a key ``manifest`` lists is not the one its save wrote, or None.
+
+    Another tool may have written its own object over one of s3ckpt's: deleting "the
+    objects the manifest lists" would then delete what is not s3ckpt's. One listing of the
+    checkpoint's directory shows each object's size, and its ETag, which the manifest
+    records for data objects (index and metadata objects: their size): an object that
+    differs makes the whole checkpoint be left alone, its manifest included, so that
+    nothing treats the object as a stopped save's either. Objects gone are no reason.
+    """
+    prefix = location.key("")
+    found = {m.key[len(prefix) :]: m async for m in store.list(prefix)}
+    recorded: dict[str, tuple[int, str | None]] = {
+        o.key: (o.size, o.etag) for o in manifest.objects
+    }
+    recorded.update((i.key, (i.size, None)) for i in manifest.indexes)
+    recorded[manifest.metadata_key] = (manifest.metadata_size, None)
+    for key, (size, etag) in sorted(recorded.items()):
+        meta = found.get(key)
+        if meta is None:
+            continue
+        if meta.size != size:
+            differs = f"{meta.size} bytes, recorded {size}"
+        elif etag is not None and meta.etag.strip('"') != etag.strip('"'):
+            differs = f"ETag {meta.etag}, recorded {etag}"
+        else:
+            continue
+        return (
+            f"{location}/{key} is not the object its manifest recorded ({differs}): "
+            "not s3ckpt's; the checkpoint is left as it is"
+        )
     return None
 
 

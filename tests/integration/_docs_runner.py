@@ -26,6 +26,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -148,12 +149,15 @@ def main(plan_path: str, report_path: str) -> int:
         if plan.get("prelude"):
             scope |= supplied_names(plan)
         print(f"--- {name}", flush=True)
+        began = time.monotonic()
         try:
             exec(compile(code, name, "exec"), scope)
             error = None
         except BaseException:  # reported with the block; the run stops
             error = traceback.format_exc()
-        report.append({"block": name, "error": error, **watch.take()})
+        watched = watch.take()  # waits for the block's futures
+        seconds = round(time.monotonic() - began, 2)
+        report.append({"block": name, "error": error, "seconds": seconds, **watched})
         if error is not None:
             print(error, file=sys.stderr, flush=True)
             status = 1

@@ -1,12 +1,17 @@
 """README.md's and docs/cli.md's code, run as written against the embedded server.
 
-Each ``python`` block runs in a fresh interpreter, in order, after a preamble that
-defines only what the text leaves to the reader (the state, a training step) and imports
-nothing for the block; then every ``s3ckpt`` command of the ``sh`` blocks runs as typed
-(``make`` lines are the suite's own). The endpoint the text names
-(``https://flashblade.example.com``, ``https://fb.example.com``, ``endpoint_url=...``) is
-the server's, and its buckets (``bucket``, ``archive``, ``ckpt``) exist there; that is the
-only change made to the text. docs/quickstart.md has its own test (``test_quickstart.py``).
+README.md's ``python`` blocks define everything they use: they run as written, in order,
+twice in a row against the same store, each run in a fresh interpreter
+(``_docs_runner.py``: each block in a namespace of its own, so a name or an import a block
+lacks fails here as it would for a reader). The second run resumes where the first left
+off (its manager restores a step and saves none twice, its ``dcp.load`` finds the step the
+first run saved), and a future any block created that failed fails the test. Then every
+``s3ckpt`` command of the ``sh`` blocks runs as typed (``make`` lines are the suite's own).
+docs/cli.md's Python runs once, from the checkpoints its earlier sections' commands made.
+The endpoint the text names (``https://flashblade.example.com``, ``https://fb.example.com``,
+``endpoint_url=...``) is the server's, and its buckets (``bucket``, ``archive``, ``ckpt``)
+exist there; that is the only change made to the text. docs/quickstart.md has its own test
+(``test_quickstart.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _docs_runner import assert_whole, run_blocks
 
 from s3ckpt.testing.local_s3 import LocalS3Server
 
@@ -27,26 +33,6 @@ pytestmark = [pytest.mark.integration]
 
 ROOT = Path(__file__).resolve().parents[2]
 PLACEHOLDERS = ("https://flashblade.example.com", "https://fb.example.com")
-
-# What the text leaves to the reader: a training state with a model in it, a step.
-PREAMBLE = """
-def _left_to_the_reader():
-    import torch
-
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 4)
-
-    def train_step(*_):
-        with torch.no_grad():
-            model.weight.add_(0.01)
-
-    return {"model": model.state_dict(), "step": 7}, {"model": model.state_dict()}, train_step
-
-
-state_dict, state, train_step = _left_to_the_reader()
-total_steps = 201
-del _left_to_the_reader
-"""
 
 # The checkpoints and the file docs/cli.md's Python examples start from (made by its
 # earlier sections' commands there).
@@ -64,6 +50,10 @@ torch.save({"weight": torch.ones(4, 8)}, "pytorch_model.bin")
 
 def blocks(text: str, language: str) -> list[str]:
     return re.findall(rf"^```{language}\n(.*?)^```", text, re.S | re.M)
+
+
+def named(path: str, code: list[str], endpoint: str) -> list[tuple[str, str]]:
+    return [(f"{path}, python block {i}", as_run_here(c, endpoint)) for i, c in enumerate(code, 1)]
 
 
 def as_run_here(code: str, endpoint: str) -> str:
@@ -97,6 +87,10 @@ class Reader:
     def python(self, code: str) -> None:
         self._run(["-c", as_run_here(code, self.endpoint)], code, timeout=300)
 
+    def blocks(self, path: str, code: list[str]) -> list[dict]:
+        """One run of ``code``'s blocks in a fresh interpreter (``_docs_runner.py``)."""
+        return run_blocks(named(path, code, self.endpoint), env=self.env, cwd=self.cwd)
+
     def s3ckpt(self, *args: str) -> str:
         return self._run(["-m", "s3ckpt", *args], f"s3ckpt {shlex.join(args)}", timeout=120)
 
@@ -119,19 +113,27 @@ def reader(tmp_path: Path):
         yield Reader(server, tmp_path)
 
 
-def test_the_readme_runs_as_written(reader: Reader) -> None:
+def test_the_readme_runs_as_written_twice(reader: Reader) -> None:
     text = (ROOT / "README.md").read_text()
     code, commands = blocks(text, "python"), s3ckpt_commands(text, reader.endpoint)
     assert len(code) == 2 and len(commands) == 10
-    for block in code:
-        reader.python(PREAMBLE + block)
+    first = reader.blocks("README.md", code)
+    assert_whole(first, resumed=False)
+    assert first[0]["futures"] == 1 and first[1]["saved"] == [0, 100, 200]
+    second = reader.blocks("README.md", code)
+    assert_whole(second, resumed=True)
+    assert second[0]["futures"] == 0  # the dcp example loaded what the first run saved
+    assert second[1]["restored"] == [200] and second[1]["saved"] == []
     reader.python("import torch; torch.save({'weight': torch.ones(2, 2)}, 'pytorch_model.bin')")
     for command in commands:
         reader.s3ckpt(*command[1:])
-    listed = json.loads(reader.s3ckpt("ls", "s3://bucket/run1", "--json"))
-    steps = [row["name"] for row in listed]
-    assert "step-100" not in steps  # the last command removed it
-    assert "step-0000000100" in steps and "step-0000000200" in steps  # the manager's saves
+    assert json.loads(reader.s3ckpt("ls", "s3://bucket/run1", "--json")) == []  # rm took it
+    listed = json.loads(reader.s3ckpt("ls", "s3://bucket/run2", "--json"))
+    assert [row["name"] for row in listed] == [
+        "step-0000000000",
+        "step-0000000100",
+        "step-0000000200",
+    ]  # the manager's saves
     assert (reader.cwd / "hf" / "model.safetensors").exists()
     shown = json.loads(reader.s3ckpt("show", "s3://archive/run1/step-100", "--json"))
     assert shown["items"]
@@ -142,8 +144,7 @@ def test_the_cli_guides_python_runs_as_written(reader: Reader) -> None:
     code = blocks((ROOT / "docs" / "cli.md").read_text(), "python")
     assert len(code) == 2
     reader.python(CLI_SETUP)
-    for block in code:
-        reader.python(PREAMBLE + block)
+    assert_whole(reader.blocks("docs/cli.md", code), resumed=False)
     names = [row["name"] for row in json.loads(reader.s3ckpt("ls", "s3://ckpt/run1", "--json"))]
     assert names == ["step-200"]  # remove_checkpoint took step-100
     assert json.loads(reader.s3ckpt("ls", "s3://archive/run1", "--json"))[0]["name"] == "step-200"

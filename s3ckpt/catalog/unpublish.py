@@ -142,6 +142,40 @@ async def changed_since(
     return None
 
 
+async def not_as_written(store: ObjectStore, location: S3URI, manifest: Manifest) -> str | None:
+    """Why an object at a key ``manifest`` lists is not the one its save wrote, or None.
+
+    Another tool may have written its own object over one of s3ckpt's: deleting "the
+    objects the manifest lists" would then delete what is not s3ckpt's. One listing of the
+    checkpoint's directory shows each object's size, and its ETag, which the manifest
+    records for data objects (index and metadata objects: their size): an object that
+    differs makes the whole checkpoint be left alone, its manifest included, so that
+    nothing treats the object as a stopped save's either. Objects gone are no reason.
+    """
+    prefix = location.key("")
+    found = {m.key[len(prefix) :]: m async for m in store.list(prefix)}
+    recorded: dict[str, tuple[int, str | None]] = {
+        o.key: (o.size, o.etag) for o in manifest.objects
+    }
+    recorded.update((i.key, (i.size, None)) for i in manifest.indexes)
+    recorded[manifest.metadata_key] = (manifest.metadata_size, None)
+    for key, (size, etag) in sorted(recorded.items()):
+        meta = found.get(key)
+        if meta is None:
+            continue
+        if meta.size != size:
+            differs = f"{meta.size} bytes, recorded {size}"
+        elif etag is not None and meta.etag.strip('"') != etag.strip('"'):
+            differs = f"ETag {meta.etag}, recorded {etag}"
+        else:
+            continue
+        return (
+            f"{location}/{key} is not the object its manifest recorded ({differs}): "
+            "not s3ckpt's; the checkpoint is left as it is"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class Unpublished:
     keys: list[str]  # the manifest's objects, relative to the checkpoint
@@ -161,8 +195,9 @@ async def unpublish(
     replaced since the listing (a save recommitted it), a save started there meanwhile
     (stores without conditional deletes), it is gone (another prune got there first;
     when the manifest is deleted concurrently after it was read, the objects it listed
-    are still deleted), or it is not s3ckpt's (:class:`ForeignObjectError`: nothing is
-    deleted). An unreadable manifest of s3ckpt's is deleted alone; its objects are then
+    are still deleted), or it, or an object at a key it lists, is not s3ckpt's
+    (:class:`ForeignObjectError`, :func:`not_as_written`: nothing is deleted). An
+    unreadable manifest of s3ckpt's is deleted alone; its objects are then
     gc's. ``now``: the store's clock (:mod:`s3ckpt.catalog.clock`), read when needed if
     None; ``conditional``: whether the store honours conditional deletes, probed if None.
     """
@@ -174,6 +209,8 @@ async def unpublish(
         manifest = None
     except ForeignObjectError as exc:  # not s3ckpt's: no checkpoint, nothing to delete
         return str(exc)
+    if manifest is not None and (replaced := await not_as_written(store, location, manifest)):
+        return replaced
     key = location.key(MANIFEST_NAME)
     if conditional is None:
         conditional = await conditional_deletes(store, location)

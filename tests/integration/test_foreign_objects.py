@@ -317,3 +317,30 @@ def test_the_python_api_refuses_and_lists_a_foreign_manifest_as_the_commands_do(
     report = catalog.prune(s3_prefix, keep_last=1, **s3_options)
     assert [d.name for d in report.decisions] == ["step-1"] and report.removed == []
     raw.intact({"step-2/manifest.json": FOREIGN_MANIFESTS["json/step-2"]})
+
+
+def test_an_object_another_tool_wrote_over_a_listed_key_keeps_its_checkpoint(
+    s3ckpt, local_s3, s3_prefix, make_writer
+):
+    """rm and prune delete the objects a manifest lists only while they are the ones its
+    save wrote: one another tool replaced (same key, same size, other bytes) is not
+    deleted, nor is anything of its checkpoint; the others go as usual."""
+    raw = Raw(local_s3, s3_prefix)
+    for step in (1, 2):
+        _save(make_writer, f"{s3_prefix}/step-{step}", float(step))
+    (data,) = [k for k in raw.keys("step-1/data/")]
+    theirs = bytes(255 - b for b in raw.get(data))
+    raw.put(data, theirs)
+    step1 = {rel: raw.get(rel) for rel in raw.keys("step-1/")}
+
+    refused = s3ckpt("rm", f"{s3_prefix}/step-1")
+    assert refused.code == 1 and refused.err.count("\n") == 1, refused.err
+    assert f"{s3_prefix}/{data} is not the object its manifest recorded (ETag " in refused.err
+    assert "not s3ckpt's" in refused.err
+    pruned = s3ckpt("prune", s3_prefix, "--keep-last", "0", "--force", "--json")
+    assert pruned.code == 1 and [d["name"] for d in pruned.json()["deleted"]] == ["step-2"]
+    assert pruned.json()["changed"] == ["step-1"] and "not s3ckpt's" in pruned.err
+    dead = ["--older-than", "0s", "--force", "--in-flight-lease", "0s", "--json"]
+    assert s3ckpt("gc", s3_prefix, *dead).json()["objects"] == 0
+    raw.intact(step1)
+    assert raw.keys() == set(step1)

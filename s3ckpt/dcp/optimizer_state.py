@@ -81,7 +81,7 @@ def plan_fills(metadata: Metadata, plan: LoadPlan) -> tuple[LoadPlan, list[Fill]
     if not owners:
         return plan, []
     taken = {(m["owner"], m["pid"]) for m in map(_STATE_ENTRY.match, reads) if m is not None}
-    regions = _regions(plan)
+    by_shape = _by_shape(_regions(plan), entries, owners)
     fills: list[Fill] = []
     items: list[ReadItem] = []
     for fqn, md in entries.items():
@@ -90,7 +90,7 @@ def plan_fills(metadata: Metadata, plan: LoadPlan) -> tuple[LoadPlan, list[Fill]
             continue
         if (match["owner"], match["pid"]) in taken:
             continue
-        fill = _fill_for(fqn, match, md, entries, regions)
+        fill = _fill_for(fqn, match, md, by_shape)
         if fill is None:
             log.debug("%s: no single region of its shape to load it as; left out", fqn)
             continue
@@ -117,34 +117,44 @@ def _regions(plan: LoadPlan) -> dict[str, set[tuple[tuple[int, ...], tuple[int, 
     return regions
 
 
+_Region = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+_Twins = tuple[tuple[str, ...], frozenset[_Region]]
+
+
+def _by_shape(
+    regions: dict[str, set[_Region]], entries: dict[str, Any], owners: set[str]
+) -> dict[tuple[int, ...], _Twins]:
+    """The tensor targets outside the optimizers that the rank holds one region of, by
+    their saved global shape, with the regions they hold (scalars left out: a step count
+    is never a shard)."""
+    prefixes = tuple(owner + "." for owner in owners)
+    found: dict[tuple[int, ...], list[tuple[str, _Region]]] = {}
+    for target, held in sorted(regions.items()):
+        stored = entries.get(target)
+        if target.startswith(prefixes) or not isinstance(stored, TensorStorageMetadata):
+            continue
+        if len(held) == 1 and len(stored.size) > 0:
+            found.setdefault(tuple(stored.size), []).append((target, next(iter(held))))
+    return {
+        shape: (tuple(t for t, _ in twins), frozenset(r for _, r in twins))
+        for shape, twins in found.items()
+    }
+
+
 def _fill_for(
-    fqn: str,
-    match: re.Match[str],
-    md: Any,
-    entries: dict[str, Any],
-    regions: dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]],
+    fqn: str, match: re.Match[str], md: Any, by_shape: dict[tuple[int, ...], _Twins]
 ) -> Fill | None:
     owner, pid, name = match["owner"], int(match["pid"]), match["name"]
     if not isinstance(md, TensorStorageMetadata):
         return Fill(fqn, owner, pid, name, (), (), (), (), tensor=False)
     shape = tuple(md.size)
-    whole = ((0,) * len(shape), shape)
-    twins: list[str] = []
-    found: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
-    if shape:  # a scalar (a step count) is never a shard
-        for target, held in sorted(regions.items()):
-            stored = entries.get(target)
-            if target.startswith(owner + ".") or not isinstance(stored, TensorStorageMetadata):
-                continue
-            if tuple(stored.size) == shape and len(held) == 1:
-                twins.append(target)
-                found |= held
+    twins, found = by_shape.get(shape, ((), frozenset()))
     if len(found) > 1:
         return None
-    offsets, sizes = found.pop() if found else whole
-    return Fill(
-        fqn, owner, pid, name, offsets, sizes, shape, tuple(twins), True, md.properties.dtype
-    )
+    offsets, sizes = next(iter(found)) if found else ((0,) * len(shape), shape)
+    return Fill(fqn, owner, pid, name, offsets, sizes, shape, twins, True, md.properties.dtype)
 
 
 class Fills:
@@ -164,8 +174,11 @@ class Fills:
         if not self.fills:
             return planner, plan
         targets = load_targets(planner)
+        specs: dict[tuple[int, ...], set[Any]] = {}  # the twins' layouts, per shape
         for fill in list(self.fills.values()):
-            if targets is None or not _allocate(fill, targets[1]):
+            if targets is not None and fill.shape not in specs:
+                specs[fill.shape] = {dtensor_spec_of(targets[1].get(t)) for t in fill.twins}
+            if targets is None or not _allocate(fill, specs[fill.shape]):
                 self.left_out.append(self.fills.pop(fill.fqn).fqn)
         left_out = set(self.left_out)
         items = [item for item in plan.items if item.dest_index.fqn not in left_out]
@@ -179,8 +192,9 @@ class Fills:
         if targets is None or not self.fills:
             return
         original, _, mappings = targets
+        states = _states_of(original, mappings, {fill.owner for fill in self.fills.values()})
         for fill in self.fills.values():
-            state = _state_of(original, mappings, fill.owner)
+            state = states.get(fill.owner)
             if state is None:
                 self.left_out.append(fill.fqn)
                 continue
@@ -188,17 +202,16 @@ class Fills:
         log.debug("optimizer state read beyond the targets: %s", ", ".join(self.fills))
 
 
-def _allocate(fill: Fill, flat: dict[str, Any]) -> bool:
-    """Give a tensor fill its tensor (a ``DTensor`` like its twins'); False if its twins
-    disagree on what it is or where this rank's shard lies."""
+def _allocate(fill: Fill, specs: set[Any]) -> bool:
+    """Give a tensor fill its tensor (a ``DTensor`` of its twins' layout, ``specs``); False
+    if its twins disagree on what it is or where this rank's shard lies."""
     if not fill.tensor:
         return True
     assert fill.dtype is not None
-    specs = {dtensor_spec_of(flat.get(twin)) for twin in fill.twins}
-    local = torch.empty(fill.sizes, dtype=fill.dtype)
     if len(specs) > 1:
         return False
-    spec = specs.pop() if specs else None
+    spec = next(iter(specs)) if specs else None
+    local = torch.empty(fill.sizes, dtype=fill.dtype)
     if spec is None:
         if fill.sizes != fill.shape:  # a shard of a plain tensor: no layout to give it
             return False
@@ -214,23 +227,30 @@ def _local(value: Any) -> torch.Tensor:
     return value.to_local() if hasattr(value, "to_local") else value
 
 
-def _state_of(
-    original: dict[str, Any], mappings: dict[str, Any], owner: str
-) -> dict[Any, Any] | None:
-    """The ``state`` dict of the optimizer state dict flattened as ``owner``."""
+def _states_of(
+    original: dict[str, Any], mappings: dict[str, Any], owners: set[str]
+) -> dict[str, dict[Any, Any]]:
+    """The ``state`` dict of each optimizer state dict flattened as one of ``owners``,
+    found through the path of one of its ``param_groups`` entries."""
+    states: dict[str, dict[Any, Any]] = {}
     for fqn, path in mappings.items():
-        if not fqn.startswith(owner + _GROUPS):
+        if _GROUPS not in fqn:
             continue
-        for end in range(len(path)):
-            if ".".join(map(str, path[:end])) == owner:
-                node: Any = original
-                for key in path[:end]:
-                    node = node[key]
-                state = node.get("state") if isinstance(node, dict) else None
-                if state is None and isinstance(node, dict):
-                    state = node["state"] = {}
-                return state if isinstance(state, dict) else None
-    return None
+        owner = fqn[: fqn.index(_GROUPS)]
+        if owner in states or owner not in owners:
+            continue
+        for end in range(1, len(path)):
+            if ".".join(map(str, path[:end])) != owner:
+                continue
+            node: Any = original
+            for key in path[:end]:
+                node = node[key]
+            if isinstance(node, dict):
+                state = node.setdefault("state", {})
+                if isinstance(state, dict):
+                    states[owner] = state
+            break
+    return states
 
 
 class _FillingPlanner:

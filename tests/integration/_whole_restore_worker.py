@@ -8,7 +8,8 @@ is ``{"model": model, "optim": optimizer, "sched": scheduler}``, the objects the
 to step LAST; ``resume`` builds a fresh model and optimizer (other initial weights), loads
 the latest checkpoint and trains the same steps from there. Each writes the loss of
 every step after the checkpoint, the weights and the optimizer state at the end, what the
-load returned and the optimizer's state right after the load.
+load returned, the optimizer's state right after the load and the warnings of s3ckpt's
+load report.
 
 ``how``: ``process`` / ``thread`` (CheckpointManager), ``tiered``
 (TieredCheckpointProcess, restored from memory), ``dcp`` (plain dcp.save / dcp.load with
@@ -20,6 +21,7 @@ the optimizer saved before its first step).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -81,7 +83,20 @@ def optimizer_state(optimizer: Any) -> dict[int, dict[str, torch.Tensor]]:
     }
 
 
+class Reports(logging.Handler):
+    """The warnings of s3ckpt's load report, kept."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+        logging.getLogger("s3ckpt.dcp.load_report").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def main(how: str, phase: str, config: dict[str, Any], out: Path) -> None:
+    reports = Reports()
     sharded = how.startswith("fsdp")
     if sharded:
         rank = int(os.environ.get("RANK", "0"))
@@ -107,6 +122,7 @@ def main(how: str, phase: str, config: dict[str, Any], out: Path) -> None:
     record["weights"] = {k: local(v).clone() for k, v in model.state_dict().items()}
     record["optim"] = optimizer_state(optimizer)
     record["lrs"] = [group["lr"] for group in optimizer.param_groups]
+    record["reports"] = reports.lines
     torch.save(record, out)
     if sharded:
         dist.destroy_process_group()

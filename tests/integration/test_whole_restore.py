@@ -48,7 +48,8 @@ def _free_port() -> int:
 
 def run_phase(how: str, phase: str, config: Path, out: Path, ranks: int = 1) -> None:
     """Run the worker's ``phase`` in fresh processes (one per rank), as a user runs a script."""
-    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    paths = [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(ranks))
     procs = [
         subprocess.Popen(
@@ -104,6 +105,7 @@ def assert_same_run(straight: dict[str, Any], resumed: dict[str, Any]) -> None:
         for key, value in entry.items():
             assert torch.equal(resumed["optim"][pid][key], value), (pid, key)
     assert resumed["lrs"] == straight["lrs"]
+    assert resumed["reports"] == [], "a whole restore reports nothing left out"
 
 
 @pytest.mark.parametrize("how", ["process", "thread", "tiered", "dcp"])

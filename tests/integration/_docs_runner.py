@@ -69,7 +69,12 @@ def _failure(future: Any) -> str | None:
         error = future.exception(timeout=WAIT_S)
     except BaseException as exc:  # a timeout or a cancellation is a failure too
         return repr(exc)
-    return None if error is None else f"{type(error).__name__}: {error}"
+    if error is None:
+        return None
+    from s3ckpt import unwrap
+
+    error = unwrap(error)  # the s3ckpt error inside DCP's CheckpointException
+    return f"{type(error).__name__}: {error}"
 
 
 def _wrap(owner: Any, name: str, record: Any) -> None:

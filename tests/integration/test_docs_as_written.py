@@ -151,3 +151,27 @@ def test_the_cli_guides_python_runs_as_written(reader: Reader) -> None:
     assert (reader.cwd / "llama-hf" / "model.safetensors").exists()
     imported = json.loads(reader.s3ckpt("ls", "s3://ckpt/imported", "--json"))
     assert [row["name"] for row in imported] == ["step-0"]
+
+
+def test_the_runs_fail_on_a_dropped_failed_future_and_on_a_name_from_another_block(
+    reader: Reader,
+) -> None:
+    """What the runs above rest on: a future a block never checked, failed, is reported;
+    a block sees no name another block defined."""
+    dropped = """
+import torch
+import torch.distributed.checkpoint as dcp
+from s3ckpt import S3StorageWriter
+
+state, uri = {"w": torch.ones(4)}, "s3://bucket/drop/step-1"
+dcp.async_save(state, storage_writer=S3StorageWriter(uri)).result()
+dcp.async_save(state, storage_writer=S3StorageWriter(uri))  # fails (committed), dropped
+"""
+    report = run_blocks([("dropped", dropped)], env=reader.env, cwd=reader.cwd)
+    assert report[0]["futures"] == 2
+    assert len(report[0]["failed"]) == 1 and "CheckpointExistsError" in report[0]["failed"][0]
+    with pytest.raises(AssertionError, match="a save failed"):
+        assert_whole(report, resumed=False)
+    blocks = [("defines", "import json\nsteps = 3\n"), ("uses", "print(json.dumps(steps))\n")]
+    with pytest.raises(AssertionError, match="NameError: name 'json' is not defined"):
+        run_blocks(blocks, env=reader.env, cwd=reader.cwd)

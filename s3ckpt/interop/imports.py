@@ -38,6 +38,9 @@ from s3ckpt.dcp.consolidate import load_all, read_contents
 from s3ckpt.dcp.writer import S3StorageWriter
 from s3ckpt.errors import NotACheckpointError
 from s3ckpt.interop.formats import INDEX_NAME
+from s3ckpt.s3.loop import io_loop
+from s3ckpt.s3.store import ObjectStore
+from s3ckpt.transfer.commit import committed_save_id
 
 DCP_METADATA = ".metadata"
 _SAFETENSORS_HEADER_LIMIT = 100 * 1024 * 1024  # what safetensors itself accepts
@@ -67,14 +70,16 @@ def import_checkpoint(
 
     Raises :class:`~s3ckpt.errors.NotACheckpointError` if ``source`` is none of the
     formats above, :class:`~s3ckpt.errors.CheckpointExistsError` if ``destination`` is
-    committed and ``overwrite`` is not set.
+    committed and ``overwrite`` is not set, :class:`~s3ckpt.errors.ForeignObjectError`
+    (nothing written) if the ``manifest.json`` there is not s3ckpt's.
     """
     path = Path(source)
     location = destination if isinstance(destination, S3URI) else S3URI.parse(destination)
     kind, state = read_source(path)
-    writer = S3StorageWriter(
-        str(location), config=make_config(config, **options), overwrite=overwrite
-    )
+    s3 = make_config(config, **options)
+    if overwrite:  # the save replaces the manifest there: ForeignObjectError if not s3ckpt's
+        io_loop().run(committed_save_id(ObjectStore(s3, location.bucket), location))
+    writer = S3StorageWriter(str(location), config=s3, overwrite=overwrite)
     try:
         with single_process():
             dcp.save(state, storage_writer=writer, no_dist=True)

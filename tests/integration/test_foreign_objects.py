@@ -344,3 +344,16 @@ def test_an_object_another_tool_wrote_over_a_listed_key_keeps_its_checkpoint(
     assert s3ckpt("gc", s3_prefix, *dead).json()["objects"] == 0
     raw.intact(step1)
     assert raw.keys() == set(step1)
+
+
+def test_import_never_writes_over_a_foreign_manifest(s3ckpt, local_s3, s3_prefix, tmp_path):
+    raw = Raw(local_s3, s3_prefix)
+    raw.put("step-2/manifest.json", FOREIGN_MANIFESTS["other/step-2"])
+    source = tmp_path / "weights.pt"
+    torch.save({"w": torch.ones(8)}, source)
+    for extra in ((), ("--overwrite",)):
+        result = s3ckpt("import", str(source), f"{s3_prefix}/step-2", *extra)
+        assert result.code == 1 and result.err.count("\n") == 1, result.err
+    assert "is not s3ckpt's" in result.err  # with --overwrite: named as foreign
+    raw.intact({"step-2/manifest.json": FOREIGN_MANIFESTS["other/step-2"]})
+    assert raw.keys() == {"step-2/manifest.json"}

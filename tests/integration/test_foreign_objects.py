@@ -237,51 +237,72 @@ def later(monkeypatch):
     return move
 
 
-def test_ls_says_what_a_stopped_overwrite_left_and_when_gc_removes_it(
+def _killed(make_writer, uri: str, **options) -> str:
+    """A save into ``uri`` whose process died before its commit: its objects and its
+    in-flight record stay. Returns its save id."""
+    writer = make_writer(uri, **options)
+    writer.finish = lambda metadata, results: (_ for _ in ()).throw(RuntimeError("killed"))  # type: ignore[method-assign]
+    with pytest.raises(BaseException, match="killed"):
+        dcp.save({"w": torch.zeros(64), "step": 1}, storage_writer=writer)
+    return writer.save_id
+
+
+def test_ls_says_what_a_stopped_save_left_and_when_gc_removes_it(
     cli, local_s3, s3_prefix, make_writer, later
 ):
     raw = Raw(local_s3, s3_prefix)
     _save(make_writer, f"{s3_prefix}/step-1")
     time.sleep(1.1)  # the overwrite starts after the commit, in the store's whole seconds too
-    writer = make_writer(f"{s3_prefix}/step-1", overwrite=True)
-    writer.finish = lambda metadata, results: (_ for _ in ()).throw(RuntimeError("killed"))  # type: ignore[method-assign]
-    with pytest.raises(BaseException, match="killed"):
-        dcp.save({"w": torch.zeros(64), "step": 1}, storage_writer=writer)
+    overwrite = _killed(make_writer, f"{s3_prefix}/step-1", overwrite=True)
     upload = raw.client.create_multipart_upload(
-        Bucket=raw.bucket, Key=raw.location.key(f"step-1/data/r00000-{writer.save_id}-0001.bin")
+        Bucket=raw.bucket, Key=raw.location.key(f"step-1/data/r00000-{overwrite}-0001.bin")
     )
+    _killed(make_writer, f"{s3_prefix}/step-2")  # died before its first commit
 
-    def status() -> tuple[str, dict]:
+    def status() -> dict[str, dict]:
         result = cli("ls", s3_prefix, "--all", "--json")
         assert result.code == 0, result.err
-        (row,) = result.json()
-        return row["status"], row
+        return {row["name"]: row for row in result.json()}
 
-    now, row = status()
-    assert now == "committed, overwrite in flight"  # its record was refreshed just now
-    assert row["in_flight"] and row["gc_after"] is None
+    rows = status()
+    assert rows["step-1"]["status"] == "committed, overwrite in flight"  # refreshed just now
+    assert rows["step-2"]["status"] == "saving"
+    assert all(r["in_flight"] and r["gc_after"] is None for r in rows.values())
 
     later(3 * 60)  # two heartbeats missed: most likely stopped, but gc still waits
-    silent, row = status()
+    rows = status()
     quiet = r"committed, overwrite silent 3m( \d+s)? \(stopped\?\): (\d+) objects, 1 open upload"
-    assert re.fullmatch(quiet + r" left; gc removes them in 59m( \d+s)?", silent), silent
+    gone = r" left; gc removes them in 59m( \d+s)?"
+    assert re.fullmatch(quiet + gone, rows["step-1"]["status"]), rows["step-1"]
+    assert re.fullmatch(
+        r"uncommitted, save silent 3m( \d+s)? \(stopped\?\): \d+ objects" + gone,
+        rows["step-2"]["status"],
+    ), rows["step-2"]
+    row = rows["step-1"]
     assert row["in_flight"] and 180 <= row["silent_seconds"] < 200 and row["left_objects"] >= 2
 
     later(10 * 60)  # past the lease: what the crash left, plainly
-    stopped, row = status()
+    rows = status()
     left = r"committed, a stopped save left (\d+) objects, 1 open upload; gc removes them in 59m"
-    assert re.fullmatch(left + r"( \d+s)?", stopped), stopped
-    assert not row["in_flight"] and row["gc_after"].endswith("Z")
+    assert re.fullmatch(left + r"( \d+s)?", rows["step-1"]["status"]), rows["step-1"]
+    assert re.fullmatch(r"uncommitted, save stopped: \d+ objects" + gone, rows["step-2"]["status"])
+    assert not any(r["in_flight"] for r in rows.values())
+    assert all(r["gc_after"].endswith("Z") for r in rows.values())
     table = cli("ls", s3_prefix)  # without --all, a status column says it too
     assert "a stopped save left" in table.out and "STATUS" in table.out
 
-    # gc agrees: nothing goes inside its grace, everything of the stopped save after it.
-    early = cli("gc", s3_prefix, "--older-than", "15m", "--dry-run", "--json").json()
-    assert early["deleted"] == [] and early["aborted_uploads"] == []
+    # gc agrees: nothing inside its grace, and past it exactly what ls counted.
+    early = cli("gc", s3_prefix, "--older-than", "15m", "--in-flight-lease", "0s", "--dry-run")
+    assert "would remove 0 object(s), 0 B, and " in early.out  # (SeaweedFS dates uploads oddly)
+    dead = ["--older-than", "0s", "--force", "--in-flight-lease", "0s", "--dry-run", "--json"]
+    report = cli("gc", s3_prefix, *dead).json()
+    counted = {n: sum(d["objects"] for d in report["deleted"] if d["name"] == n) for n in rows}
+    assert counted == {n: r["left_objects"] for n, r in rows.items()}, report
+    assert [u["key"] for u in report["aborted_uploads"]] == [upload["Key"]]
     raw.client.abort_multipart_upload(
         Bucket=raw.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
     )
-    assert json.loads(cli("show", f"{s3_prefix}/step-1", "--json").out)["save_id"] != writer.save_id
+    assert json.loads(cli("show", f"{s3_prefix}/step-1", "--json").out)["save_id"] != overwrite
 
 
 def test_the_python_api_refuses_and_lists_a_foreign_manifest_as_the_commands_do(

@@ -19,11 +19,22 @@ logs each once).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from s3ckpt.catalog.clock import store_time
 from s3ckpt.catalog.retention import Candidate, superseded
-from s3ckpt.catalog.scan import Scan, child, open_store, relative, scan_checkpoints
+from s3ckpt.catalog.scan import (
+    Group,
+    Scan,
+    child,
+    open_store,
+    relative,
+    scan_checkpoints,
+    timestamp,
+)
 from s3ckpt.catalog.steps import leaf, not_a_step, preferred, step_of
 from s3ckpt.config import S3URI, S3Config
 from s3ckpt.s3.loop import io_loop
@@ -45,6 +56,19 @@ class Note:
     warn: bool
 
 
+Record = tuple[str, float]  # an in-flight record: its key and LastModified (store clock)
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A committed step name: its commit time and the in-flight records that mark a save
+    writing into it (an overwrite), as :meth:`~s3ckpt.catalog.scan.Group.in_flight`
+    judges them."""
+
+    time: float
+    writing: frozenset[Record] = frozenset()
+
+
 @dataclass(frozen=True)
 class RunSteps:
     """The committed steps directly under a run's prefix."""
@@ -52,6 +76,7 @@ class RunSteps:
     names: dict[int, str]  # step -> the name it is known by (the padded one if named twice)
     superseded: dict[int, str] = field(default_factory=dict)  # step -> the name superseding it
     notes: list[Note] = field(default_factory=list)
+    committed: dict[str, Committed] = field(default_factory=dict)  # every committed step name
 
     def current(self) -> list[int]:
         """The committed steps a rollback has not superseded, ascending: the ones training
@@ -88,12 +113,18 @@ def steps_named(committed: dict[str, str | None]) -> RunSteps:
     return RunSteps(names, by, notes)
 
 
-def read_steps(scanned: Scan, folders: list[str] | None = None) -> RunSteps:
+def read_steps(scanned: Scan, folders: list[str] | None = None, now: float = 0.0) -> RunSteps:
     """The steps of a scan of the run's prefix (pure); ``folders``: the names at the
-    run's top level, when they were listed."""
+    run's top level, when they were listed; ``now``: the store's time, for the in-flight
+    records' lease."""
     groups = [g for g in scanned.groups.values() if g.committed]
     replaced = superseded(Candidate(g.name, g.newest) for g in groups)
     found = steps_named({g.name: replaced.get(g.name) for g in groups})
+    found.committed.update(
+        (g.name, Committed(g.newest, _writing(g, now)))
+        for g in groups
+        if step_of(g.name) is not None
+    )
     for group in sorted(scanned.groups.values(), key=lambda g: g.name):
         if not group.committed and step_of(group.name) is not None:
             why = f"{group.name} holds no committed checkpoint ({_DIED})"
@@ -107,6 +138,12 @@ def read_steps(scanned: Scan, folders: list[str] | None = None) -> RunSteps:
         elif why := not_a_step(name):
             found.notes.append(Note(name, why, warn=True))
     return found
+
+
+def _writing(group: Group, now: float) -> frozenset[Record]:
+    """The records that make ``group`` in flight, each judged alone."""
+    alone = (m for m in group.saving if dataclasses.replace(group, saving=[m]).in_flight(now))
+    return frozenset((m.key, timestamp(m)) for m in alone)
 
 
 async def arun_steps(store: ObjectStore, location: S3URI, *, folders: bool = False) -> RunSteps:
@@ -134,7 +171,10 @@ async def arun_steps(store: ObjectStore, location: S3URI, *, folders: bool = Fal
         n for n in names if n not in scanned.groups and (step_of(n) is not None or not_a_step(n))
     ][:_FOLDERS_CHECKED]
     held = await bounded([lambda n=n: holds_objects(n) for n in candidates])
-    return read_steps(scanned, [n for n, h in zip(candidates, held, strict=True) if h])
+    # in-flight records are judged by the store's clock; asked only when there are some
+    writing = any(g.saving for g in scanned.groups.values() if g.committed)
+    now = await store_time(store) if writing else time.time()
+    return read_steps(scanned, [n for n, h in zip(candidates, held, strict=True) if h], now)
 
 
 def run_steps(

@@ -10,6 +10,7 @@ thing that needs torch: driving DCP's saves and loads.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -144,6 +145,14 @@ class Retention:
 
     Deleting is a LIST and a few DELETEs: cheap, but never worth blocking training for,
     and never worth failing a run for, so errors are logged, not raised.
+
+    ``keep_last`` counts committed checkpoints, and a save that died does not change the
+    count: a checkpoint marked busy only by in-flight records written before this
+    manager's first commit (a save of an earlier run of the job, killed while it
+    overwrote the checkpoint, whose record stays fresh for minutes) is not a save in
+    flight. A save still running from before would have rewritten its record since
+    (every ``HEARTBEAT_S``); one that has not yet is no worse off for the deletion (its
+    commit writes the checkpoint again).
     """
 
     def __init__(
@@ -153,6 +162,7 @@ class Retention:
         self.keep_last, self.keep_every = keep_last, keep_every
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="s3ckpt-retention")
         self._last: Future[None] | None = None
+        self._since: float | None = None  # the store's time of this manager's first commit
 
     @property
     def enabled(self) -> bool:
@@ -174,6 +184,11 @@ class Retention:
     def _apply(self, step: int) -> None:
         try:
             infos = catalog.list_checkpoints(str(self.location), config=self.config)
+            if self._since is None:
+                mine = (i.time for i in infos if i.committed and i.name == checkpoint_name(step))
+                self._since = next(mine, None)
+            if self._since is not None and any(i.committed and i.in_flight for i in infos):
+                infos = self._without_dead_saves(infos, self._since)
             victims = retention_victims(
                 infos,
                 keep_last=self.keep_last,
@@ -192,3 +207,18 @@ class Retention:
                 log.info("retention: removed %s", name)
             except Exception as exc:  # the next run retries; a missing one is already gone
                 log.warning("retention: could not remove %s: %s", name, exc)
+
+    def _without_dead_saves(
+        self, infos: list[catalog.CheckpointInfo], since: float
+    ) -> list[catalog.CheckpointInfo]:
+        """``infos``, with checkpoints whose in-flight records all predate ``since`` no
+        longer in flight (one more listing, for the records' times; see the class)."""
+        listed = catalog.run_steps(str(self.location), config=self.config).committed
+        dead = {
+            name
+            for name, found in listed.items()
+            if found.writing and all(at < since for _, at in found.writing)
+        }
+        for name in sorted(dead):
+            log.info("%s: the save that was overwriting it died; not a save in flight", name)
+        return [dataclasses.replace(i, in_flight=False) if i.name in dead else i for i in infos]

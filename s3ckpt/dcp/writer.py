@@ -414,15 +414,20 @@ def _after_commit_objects(objects: Mapping[str, bytes] | None) -> tuple[tuple[S3
     return tuple(checked)
 
 
+PROBE_NAME = ".s3ckpt-probe-" + "0" * 32  # transfer.commit's probe of If-None-Match: *
+
+
 def longest_name(spread: int = 0) -> str:
     """The longest name a save writes under its checkpoint's prefix, with ``spread``
-    (``spread_prefixes``): a data object's, its rank and object number as wide as their
-    names are padded (``data/<hex>/r00000-<save id>-0000.bin``), unless an index, the
-    metadata, an in-flight record or a claim is longer. What must fit in S3's key
-    limit with the prefix."""
+    (``spread_prefixes``): the object that probes a store for conditional writes
+    (:data:`PROBE_NAME`, at a process's first commit to a bucket), else a data object's,
+    its rank and object number as wide as their names are padded
+    (``data/<hex>/r00000-<save id>-0000.bin``), or an index, the metadata, an in-flight
+    record or a claim where longer. What must fit in S3's key limit with the prefix."""
     save_id = "0" * len(new_save_id())
     spread = spread if spread in SPREAD_WIDTHS else max(SPREAD_WIDTHS)  # refused elsewhere
     names = (
+        PROBE_NAME,
         data_key(0, save_id, 0, spread),
         index_key(0, save_id, spread),
         metadata_key(save_id),

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from s3ckpt.dcp.compat import unwrap
-from s3ckpt.errors import CheckpointExistsError
+from s3ckpt.errors import CheckpointExistsError, S3CkptError
 from s3ckpt.manager.committed import CommittedSteps
 from s3ckpt.manager.policy import Retention, SaveMetrics, checkpoint_name
 
@@ -136,7 +136,12 @@ class SaveLedger:
             log.warning("%s was committed by someone else; not saved", name)
             self._committed.add([step])
             return
-        log.error("background save of %s failed: %s", name, error, exc_info=error)
+        # an s3ckpt error says what went wrong in its message (its traceback at DEBUG)
+        expected = isinstance(error, S3CkptError)
+        log.error(
+            "background save of %s failed: %s", name, error, exc_info=None if expected else error
+        )
+        log.debug("background save of %s failed", name, exc_info=error)
         if hasattr(error, "add_note"):
             error.add_note(f"CheckpointManager: the background save of {name} failed")
         with self._lock:

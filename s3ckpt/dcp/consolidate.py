@@ -28,6 +28,7 @@ from s3ckpt.dcp.compat import (
     TensorStorageMetadata,
     single_process,
 )
+from s3ckpt.dcp.load_report import reading_part
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def load_full(
     ``reader`` makes a fresh storage reader (one ``dcp.load`` each).
     """
     state = {t.fqn: torch.empty(t.shape, dtype=t.dtype) for t in tensors}
-    with single_process():
+    with single_process(), reading_part():  # a window: the rest is left out on purpose
         dcp.load(state, storage_reader=reader(), no_dist=True)
     return state
 
@@ -101,7 +102,7 @@ def load_all(reader: Callable[[], StorageReader], found: Contents) -> dict[str, 
     state: dict[str, object] = load_full(reader, found.tensors)
     if found.others:
         others: dict[str, object] = dict.fromkeys(found.others)
-        with single_process():
+        with single_process(), reading_part():
             dcp.load(others, storage_reader=reader(), no_dist=True)
         state.update(others)
     return state

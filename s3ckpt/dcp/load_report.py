@@ -17,13 +17,19 @@ entries left out, each rank's the conversions of its own targets. With ``strict=
 load raises :class:`~s3ckpt.errors.StateMismatchError` instead, before any byte is loaded:
 the coordinator in planning (DCP hands the error to every rank), each rank for its
 conversions before its first read.
+
+Loads that read part of a checkpoint on purpose (an export's windows) run under
+:func:`reading_part`: what they leave out is not reported. Loads under :func:`strict_loads`
+are strict whatever their reader was given (the manager's restores from the memory tier).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +50,35 @@ log = logging.getLogger(__name__)
 SHOWN = 8
 """Entries named in a report; the rest are counted."""
 
+_PART: ContextVar[bool] = ContextVar("s3ckpt_reading_part", default=False)
+_STRICT: ContextVar[bool] = ContextVar("s3ckpt_strict_loads", default=False)
+
+
+@contextlib.contextmanager
+def reading_part() -> Iterator[None]:
+    """The loads of this block read part of a checkpoint on purpose: the saved entries
+    their targets leave out are not reported (conversions still are)."""
+    token = _PART.set(True)
+    try:
+        yield
+    finally:
+        _PART.reset(token)
+
+
+@contextlib.contextmanager
+def strict_loads(strict: bool = True) -> Iterator[None]:
+    """The loads of this block are strict if ``strict``, whatever their readers were given."""
+    token = _STRICT.set(strict)
+    try:
+        yield
+    finally:
+        _STRICT.reset(token)
+
+
+def report_for(where: str, strict: bool) -> LoadReport:
+    """A fresh report for a load of ``where`` (strict if asked, or under :func:`strict_loads`)."""
+    return LoadReport(where, strict or _STRICT.get())
+
 
 @dataclass
 class LoadReport:
@@ -63,6 +98,8 @@ class LoadReport:
     ) -> None:
         """On the coordinator: the saved entries no rank's plan reads (``stored_size``
         gives a non-tensor entry's bytes, if known). Raises if ``strict``."""
+        if _PART.get():
+            return
         read = {item.storage_index.fqn for plan in plans for item in plan.items}
         self.dropped = {
             fqn: _saved_bytes(md) if isinstance(md, TensorStorageMetadata) else stored_size(fqn)
@@ -186,4 +223,4 @@ def _bytes(n: int) -> str:
     return f"{n} B"
 
 
-__all__ = ["SHOWN", "LoadReport"]
+__all__ = ["SHOWN", "LoadReport", "reading_part", "report_for", "strict_loads"]

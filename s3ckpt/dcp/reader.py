@@ -70,7 +70,7 @@ from s3ckpt.dcp.compat import (
     stand_in_metadata,
 )
 from s3ckpt.dcp.fetch import ItemFetch, ReadSource
-from s3ckpt.dcp.load_report import LoadReport
+from s3ckpt.dcp.load_report import LoadReport, report_for
 from s3ckpt.dcp.location import S3Location
 from s3ckpt.dcp.optimizer_state import Fills, plan_fills
 from s3ckpt.dcp.overwrites import (
@@ -179,7 +179,7 @@ class S3StorageReader(S3Location, StorageReader):
 
     def read_metadata(self) -> Metadata:
         self._start_budget()  # the first call of every load
-        self._report = LoadReport(str(self.location), self.strict)
+        self._report = report_for(str(self.location), self.strict)
         self._fills = Fills([])
         try:
             metadata = self._read_metadata()

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from s3ckpt.dcp.compat import narrow
-from s3ckpt.dcp.load_report import LoadReport
+from s3ckpt.dcp.load_report import LoadReport, report_for
 from s3ckpt.dcp.optimizer_state import Fills, plan_fills
 
 CopyIn = Callable[[Sequence[tuple[torch.Tensor, torch.Tensor]]], None]
@@ -62,6 +62,7 @@ class StateReader(StorageReader):
         :class:`~s3ckpt.errors.StateMismatchError` before loading when an entry would be
         left out or converted (else one warning after the load)."""
         super().__init__()
+        self._strict = strict
         self._report = LoadReport("the memory tier's copy", strict)
         self._fills = Fills([])
         self._copy_ins = [copy_in for _, copy_in in states]
@@ -99,7 +100,7 @@ class StateReader(StorageReader):
         pass
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        self._report = LoadReport(self._report.where, self._report.strict)
+        self._report = report_for(self._report.where, self._strict)
         plan, fills = plan_fills(self._metadata, plan)  # optimizer state with no target
         self._fills = Fills(fills)
         return plan

@@ -62,6 +62,7 @@ from s3ckpt.background.ranks import Ranks
 from s3ckpt.background.saver import BackgroundSaver, state_bytes
 from s3ckpt.config import S3URI, S3Config, check_key_room, make_config
 from s3ckpt.dcp.compat import CheckpointException, unwrap
+from s3ckpt.dcp.load_report import strict_loads
 from s3ckpt.dcp.reader import S3StorageReader
 from s3ckpt.dcp.writer import S3StorageWriter, longest_name
 from s3ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError, S3CkptError
@@ -249,7 +250,8 @@ class CheckpointManager:
         started = time.perf_counter()
         step = self.latest_step()
         if self._tier is not None:
-            restored = self._tier.restore(state_dict, step)
+            with strict_loads(self.strict):
+                restored = self._tier.restore(state_dict, step)
             if restored is not None:
                 self._went_on_from(restored.step)
                 self.last_restore = restored

@@ -26,9 +26,11 @@ import torch.distributed.checkpoint as dcp
 
 from s3ckpt import (
     CheckpointManager,
+    MemoryTier,
     S3StorageReader,
     S3StorageWriter,
     StateMismatchError,
+    export_checkpoint,
 )
 
 HERE = Path(__file__).parent
@@ -248,3 +250,33 @@ def test_strict_manager_raises_and_loads_nothing(
     assert raised.value.dropped == {"extra": 12}
     assert "'extra' (12 B)" in str(raised.value)
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())
+
+
+def test_strict_manager_with_memory_tier_loads_nothing_from_memory(
+    s3_options: dict[str, Any], s3_prefix: str, shm_root: Path
+) -> None:
+    tier = MemoryTier(keep=2, s3_every=1, root=shm_root)
+    with CheckpointManager(s3_prefix, memory_tier=tier, **s3_options) as manager:
+        manager.save(1, {"model": _model(), "extra": torch.ones(3)})
+        manager.wait()
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with (
+        CheckpointManager(s3_prefix, memory_tier=tier, strict=True, **s3_options) as manager,
+        pytest.raises(StateMismatchError) as raised,
+    ):
+        manager.load_latest({"model": fresh})
+    assert raised.value.dropped == {"extra": 12}
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())
+
+
+def test_export_windows_report_nothing(
+    s3_options: dict[str, Any], s3_prefix: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An export loads a window of tensors at a time: the rest is left out on purpose."""
+    uri = f"{s3_prefix}/ckpt"
+    _saved(uri, s3_options)
+    with caplog.at_level(logging.WARNING, logger="s3ckpt"):
+        export_checkpoint(uri, tmp_path / "out", window=64, **s3_options)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert _report_lines(caplog) == []

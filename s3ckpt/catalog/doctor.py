@@ -7,6 +7,12 @@ and gives one :class:`Check`: ``ok``, ``degraded`` (s3ckpt works, with a fallbac
 ``failed`` (s3ckpt cannot work). Requests are not retried (a doctor reports what it sees)
 and time out after ``read_timeout``. The throughput sample is small and bounded; it says
 whether the path is sane, not what a real save reaches.
+
+The first check names the endpoint exactly as requests will use it (the URL the S3
+client resolved, from ``--endpoint-url``, the environment or the AWS config file) and
+where it came from (:func:`endpoint_source`), then the transport: TLS and what verifies
+it for ``https``, and for ``http`` that nothing is encrypted. An endpoint that answers
+but not as S3 does fails it with :class:`~s3ckpt.errors.NotS3EndpointError`'s message.
 """
 
 from __future__ import annotations

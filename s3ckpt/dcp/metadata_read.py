@@ -21,7 +21,7 @@ from s3ckpt.config import S3URI
 from s3ckpt.dcp import metadata_pickle as dcp_metadata
 from s3ckpt.dcp.compat import Metadata, StorageMeta
 from s3ckpt.dcp.process_group import SharedReads, portable
-from s3ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignObjectError
+from s3ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from s3ckpt.format.manifest import Manifest
 from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer.checked import get_checked, sized_and_summed
@@ -56,9 +56,6 @@ async def committed_manifest(store: ObjectStore, location: S3URI) -> Manifest:
     own error)."""
     try:
         return await read_manifest(store, location)
-    except ForeignObjectError:
-        await store.head_bucket()  # a web server's page is no manifest: the endpoint is wrong
-        raise
     except FileNotFoundError as exc:
         await store.head_bucket()
         raise CheckpointNotFoundError(

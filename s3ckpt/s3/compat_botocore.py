@@ -41,9 +41,10 @@ The internals s3ckpt relies on, each behind a function here:
 
 * the ``after-call.s3`` event (``http_response``, ``parsed``), emitted with every answer
   the client parses, errors included, before it returns or raises: each answer's
-  ``ResponseMetadata`` names the endpoint that gave it (:func:`note_endpoints`,
-  :func:`answering_endpoint`; answers read on the data plane get it in
-  :func:`client_error` and :func:`parsed_answer`), which errors name
+  ``ResponseMetadata`` names the endpoint that gave it and the status it sent, which
+  ``_handle_200_error`` may have turned into a 500 (:func:`note_endpoints`,
+  :func:`answering_endpoint`, :func:`answered_status`; answers read on the data plane
+  get them in :func:`client_error` and :func:`parsed_answer`), which errors name
   (:mod:`s3ckpt.s3.error_mapping`);
 * ``botocore.configprovider.ConfiguredEndpointProvider``, the chain a session resolves a
   client's configured endpoint URL with (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``,
@@ -78,6 +79,7 @@ BEFORE_SIGN = "before-sign.s3.{operation}"
 BEFORE_SEND = "before-send.s3.{operation}"
 AFTER_CALL = "after-call.s3"
 ENDPOINT_KEY = "S3ckptEndpoint"  # in an answer's ResponseMetadata: the endpoint that gave it
+STATUS_KEY = "S3ckptStatus"  # and the status it sent (botocore reads a 200 it cannot parse as 500)
 
 
 def on_before_sign(client: Any, operation: str, handler: Callable[..., Any]) -> None:
@@ -97,9 +99,11 @@ def note_endpoints(client: Any) -> None:
     successes and errors (a ``ClientError``'s ``response``) alike."""
     endpoint = client.meta.endpoint_url
 
-    def note(parsed: Any = None, **_: Any) -> None:
+    def note(parsed: Any = None, http_response: Any = None, **_: Any) -> None:
         if isinstance(parsed, dict):
-            parsed.setdefault("ResponseMetadata", {})[ENDPOINT_KEY] = endpoint
+            metadata = parsed.setdefault("ResponseMetadata", {})
+            metadata[ENDPOINT_KEY] = endpoint
+            metadata[STATUS_KEY] = getattr(http_response, "status_code", None)
 
     client.meta.events.register(AFTER_CALL, note)
 
@@ -109,6 +113,13 @@ def answering_endpoint(response: dict[str, Any]) -> str | None:
     ``response``), where s3ckpt's client noted it."""
     endpoint = response.get("ResponseMetadata", {}).get(ENDPOINT_KEY)
     return str(endpoint) if endpoint else None
+
+
+def answered_status(response: dict[str, Any]) -> int | None:
+    """The HTTP status the endpoint sent with an answer, where s3ckpt's client noted it:
+    ``HTTPStatusCode`` is 500 for a 200 whose body botocore could not read."""
+    status = response.get("ResponseMetadata", {}).get(STATUS_KEY)
+    return status if isinstance(status, int) else None
 
 
 @dataclass(frozen=True)
@@ -188,11 +199,19 @@ def sign_s3(
 
 
 def client_error(
-    client: Any, operation: str, status: int, headers: dict[str, str], body: bytes
+    client: Any,
+    operation: str,
+    status: int,
+    headers: dict[str, str],
+    body: bytes,
+    answered: int | None = None,
 ) -> bce.ClientError:
     """The exception ``client`` raises for an ``operation`` answered with an error: its
-    modeled class for the code (a ``ClientError``), parsed by its own response parser."""
+    modeled class for the code (a ``ClientError``), parsed by its own response parser;
+    ``answered``: the status the endpoint sent, where :func:`answer_status` read it as
+    another."""
     parsed = parsed_answer(client, operation, status, headers, body)
+    parsed["ResponseMetadata"][STATUS_KEY] = status if answered is None else answered
     code = parsed.get("Error", {}).get("Code")
     error_class: type[bce.ClientError] = client.exceptions.from_code(code)
     return error_class(parsed, operation)
@@ -212,7 +231,9 @@ def parsed_answer(
         {"status_code": status, "headers": HeadersDict(headers), "body": body},
         model.operation_model(operation).output_shape,
     )
-    parsed.setdefault("ResponseMetadata", {})[ENDPOINT_KEY] = client.meta.endpoint_url
+    metadata = parsed.setdefault("ResponseMetadata", {})
+    metadata[ENDPOINT_KEY] = client.meta.endpoint_url
+    metadata.setdefault(STATUS_KEY, status)
     return parsed
 
 
@@ -325,9 +346,11 @@ __all__ = [
     "BEFORE_SEND",
     "BEFORE_SIGN",
     "ENDPOINT_KEY",
+    "STATUS_KEY",
     "ConfiguredEndpoint",
     "SerializedRequest",
     "answer_status",
+    "answered_status",
     "answering_endpoint",
     "ca_bundle",
     "cause",

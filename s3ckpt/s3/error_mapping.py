@@ -15,8 +15,11 @@ so a HEAD's bare ``404`` keeps its meaning unless the answer is a web page: HTML
 none of the ``x-amz`` headers every S3 server sends (some, moto among them, label their
 empty answers ``text/html``). Bare statuses that stores do send without a body (``405``
 and ``501`` for what they do not implement, :data:`UNSUPPORTED_CODES`) and those retried
-(throttling, 5xx from a proxy) keep theirs too. A web page answering ``HeadBucket`` or a
-listing with ``200`` is caught by :func:`check_s3_answer`.
+(throttling, 5xx) keep theirs too, unless the answer is a web page; a gateway's page
+(502, 503, 504, a proxy in front of a store that may be fine) stays transient. A web
+page that answered ``200`` where botocore expects XML is retried as a 500 (botocore reads
+an unreadable ``200`` as one) and then named with the ``200`` it was. A web page answering ``HeadBucket`` or a
+request with ``200`` is caught by :func:`check_s3_answer`.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from s3ckpt.errors import (
     TransientStorageError,
 )
 from s3ckpt.s3 import retry
-from s3ckpt.s3.compat_botocore import answering_endpoint, cause, failed_endpoint
+from s3ckpt.s3.compat_botocore import answered_status, answering_endpoint, cause, failed_endpoint
 from s3ckpt.s3.retry import ShortReadError
 
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
@@ -65,6 +68,8 @@ PRECONDITION_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequest
 UNSUPPORTED_CODES = frozenset(
     {"NotImplemented", "501", "MethodNotAllowed", "405", "InvalidRequest", "InvalidArgument"}
 )
+# What a gateway in front of a store answers, with its own page, while the store is down.
+_GATEWAY = frozenset({502, 503, 504})
 # Operations S3 answers with no body, errors included.
 _BODILESS = frozenset({"HeadObject", "HeadBucket"})
 NOT_S3 = "this endpoint does not answer like an S3 server"
@@ -97,7 +102,8 @@ def translate(
     where = f"s3://{bucket}/{key}" if key else (f"s3://{bucket}" if bucket else "")
     ctx = {"operation": operation, "bucket": bucket, "key": key}
     if isinstance(exc, bce.ClientError) and not_s3_error(exc, operation):
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        metadata = exc.response.get("ResponseMetadata", {})
+        status = answered_status(exc.response) or metadata.get("HTTPStatusCode")
         return _not_s3(
             exc.response,
             operation,
@@ -150,22 +156,28 @@ def not_s3_error(exc: bce.ClientError, operation: str) -> bool:
     code = exc.response.get("Error", {}).get("Code")
     if not isinstance(status, int) or status < 400 or (code and code != str(status)):
         return False
+    if _web_page(metadata):
+        return status not in _GATEWAY  # a proxy's page, in front of a store that may be fine
     if retry.is_retryable(exc):
         return False
-    if _web_page(metadata):
-        return True
     return operation not in _BODILESS and str(status) not in UNSUPPORTED_CODES
 
 
-def check_s3_answer(operation: str, response: dict[str, Any], bucket: str | None) -> None:
+def check_s3_answer(
+    operation: str, response: dict[str, Any], bucket: str | None, key: str | None = None
+) -> None:
     """Raise :class:`~s3ckpt.errors.NotS3EndpointError` for a successful answer that is a
-    web page (a web server's ``200``): S3 answers bucket requests with XML or no body, and
-    always with its ``x-amz`` headers."""
-    metadata = response.get("ResponseMetadata", {})
-    if _web_page(metadata):
-        where = f"s3://{bucket}" if bucket else ""
+    web page (a web server's ``200``): S3 answers with its ``x-amz`` headers, always
+    (an object stored as ``text/html`` comes back with them too). Every request of
+    :class:`~s3ckpt.s3.requests.Requests` is checked; an answer without metadata (a part
+    upload's, built by the data plane) has nothing to check."""
+    metadata = response.get("ResponseMetadata")
+    if metadata and _web_page(metadata):
+        where = f"s3://{bucket}/{key}" if key else (f"s3://{bucket}" if bucket else "")
         status = metadata.get("HTTPStatusCode")
-        raise _not_s3(response, operation, where, f"HTTP {status}", code=str(status), bucket=bucket)
+        raise _not_s3(
+            response, operation, where, f"HTTP {status}", code=str(status), bucket=bucket, key=key
+        )
 
 
 def _web_page(metadata: dict[str, Any]) -> bool:

@@ -10,7 +10,6 @@ from datetime import datetime
 from typing import Any
 
 from s3ckpt.errors import StorageError
-from s3ckpt.s3.error_mapping import check_s3_answer
 from s3ckpt.s3.requests import Requests
 
 _LAST_CHARACTER = "\U0010ffff"
@@ -64,7 +63,6 @@ class Listings:
         params, seen = dict(base), set()
         while True:
             response = await self.requests.call("ListObjectsV2", None, **params)
-            check_s3_answer("ListObjectsV2", response, self.requests.bucket)
             contents = response.get("Contents", [])
             for item in contents:
                 yield ObjectMeta(

@@ -14,7 +14,7 @@ from s3ckpt.config import S3Config
 from s3ckpt.s3 import retry
 from s3ckpt.s3.client import ClientHandle, client_handle
 from s3ckpt.s3.compat_botocore import operation_method
-from s3ckpt.s3.error_mapping import error_code, translate_final, translated
+from s3ckpt.s3.error_mapping import check_s3_answer, error_code, translate_final, translated
 from s3ckpt.s3.wire.calls import SignedCalls
 from s3ckpt.s3.wire.uploads import put_headers
 
@@ -105,9 +105,10 @@ class Requests:
         client = await handle.get()
         async with handle.slots:
             answer = await self._on_data_plane(handle, operation, params)
-            if answer is not None:
-                return answer
-            return await operation_method(client, operation)(Bucket=self.bucket, **params)
+            if answer is None:
+                answer = await operation_method(client, operation)(Bucket=self.bucket, **params)
+        check_s3_answer(operation, answer, self.bucket, params.get("Key"))  # no web pages
+        return answer
 
     async def _on_data_plane(
         self, handle: ClientHandle, operation: str, params: dict[str, Any]

@@ -195,6 +195,7 @@ class ObjectStore:
         async with handle.slots:
             response = await client.get_object(Bucket=self.bucket, Key=key)
             async with response["Body"] as stream:
+                check_s3_answer("GetObject", response, self.bucket, key)  # no web pages
                 return await stream.read(), str(response.get("ETag", ""))
 
     async def _etag_if_holds(self, key: str, body: Body) -> str | None:
@@ -246,10 +247,7 @@ class ObjectStore:
         return True
 
     async def head_bucket(self) -> None:
-        """Whether the bucket is there, and the endpoint an S3 server (a web server's
-        HTML page raises :class:`~s3ckpt.errors.NotS3EndpointError`)."""
-        response = await self.requests.call("HeadBucket", None)
-        check_s3_answer("HeadBucket", response, self.bucket)
+        await self.requests.call("HeadBucket", None)
 
     async def server_time(self) -> float | None:
         """The store's clock, from the ``Date`` header of a ``HeadBucket`` response (seconds

@@ -128,9 +128,9 @@ class SignedCalls:
         if 300 <= status < 400:
             self.redirected = True
             return None
-        status = answer_status(self.client, operation, status, content)
+        answered, status = status, answer_status(self.client, operation, status, content)
         if status >= 300:
-            raise client_error(self.client, operation, status, answer, content)
+            raise client_error(self.client, operation, status, answer, content, answered)
         # What the client's before-parse handler does with it: an unparsable date must not
         # fail the request; nothing here reads it.
         answer.pop("expires", None)

@@ -139,7 +139,8 @@ def _info(
     foreign = read if isinstance(read, ForeignObjectError) else None
     save_id = manifest.save_id if manifest else group.committed_save_hint()
     objects, size = _extent(group, manifest)
-    silent, left, gc_after = _stopped(group, None if foreign else save_id, now)
+    # A foreign directory is no save's: gc leaves it alone (but s3ckpt's own records).
+    silent, left, gc_after = (None, 0, None) if foreign else _stopped(group, save_id, now)
     return CheckpointInfo(
         name=group.name,
         uri=str(child(location, group.name)),

@@ -209,6 +209,7 @@ def test_a_foreign_manifest_over_a_stopped_save_keeps_every_object(
 
     rows = s3ckpt("ls", s3_prefix, "--all", "--json").json()
     assert [(r["name"], r["status"]) for r in rows] == [("step-5", "foreign")]
+    assert rows[0]["left_objects"] == 0 and rows[0]["gc_after"] is None  # no save's leftovers
     dead = ["--older-than", "0s", "--force", "--in-flight-lease", "0s", "--json"]
     assert (
         s3ckpt("prune", s3_prefix, "--keep-last", "0", "--force", "--json").json()["deleted"] == []

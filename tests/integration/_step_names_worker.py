@@ -4,7 +4,7 @@ Endpoint and credentials come from the ``AWS_*`` environment. Every state is one
 filled with a number that says which save wrote it.
 
 * ``manager URI LAST KEEP_LAST [ROLLBACK]``: a ``CheckpointManager`` (process mode, the
-  default) that goes on from its latest step (after ``load(ROLLBACK)`` when given: a
+  default; ``KEEP_LAST`` may be ``none``) that goes on from its latest step (after ``load(ROLLBACK)`` when given: a
   rollback) and saves every step after it up to ``LAST``, waiting for each. Prints
   ``resumed <step or None>``, ``staged <step>`` and ``committed <step>``.
 * ``tiered URI ROOT STEP...``: a ``TieredCheckpointProcess`` holding each step in memory
@@ -36,7 +36,7 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
-def manager(uri: str, last: int, keep_last: int, rollback: int | None) -> None:
+def manager(uri: str, last: int, keep_last: int | None, rollback: int | None) -> None:
     current = state(-1.0)
     on_saved = lambda metrics: say(f"committed {metrics.step}")  # noqa: E731
     with CheckpointManager(uri, keep_last=keep_last, on_saved=on_saved) as checkpoints:
@@ -77,7 +77,8 @@ def main(argv: list[str]) -> None:
     command, uri, *rest = argv
     if command == "manager":
         rollback = int(rest[2]) if len(rest) > 2 else None
-        manager(uri, int(rest[0]), int(rest[1]), rollback)
+        keep_last = None if rest[1] == "none" else int(rest[1])
+        manager(uri, int(rest[0]), keep_last, rollback)
     elif command == "tiered":
         tiered(uri, rest[0], [int(s) for s in rest[1:]])
     elif command == "latest":

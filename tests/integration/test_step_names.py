@@ -303,6 +303,32 @@ def test_keep_last_after_a_save_killed_mid_upload(s3_prefix, s3_options, local_s
     assert committed(s3_prefix, s3_options) == [s3ckpt.step_name(s) for s in (7, 8, 9)]
 
 
+def test_prune_after_a_save_killed_mid_upload(s3_prefix, s3_options, local_s3, tmp_path):
+    """A run without retention killed while step 2 uploads, resumed up to 4: the dead
+    save's record in the step 2 the resumed run committed is no save in flight to ``ls``
+    or to ``s3ckpt prune --keep-last 2``, which deletes 1 and 2."""
+    held = environment(local_s3, tmp_path, hold=f"{s3ckpt.step_name(2)}/data/")
+    killed_mid_upload(held, "manager", s3_prefix, "100", "none")
+    time.sleep(1.1)
+    env = environment(local_s3, tmp_path)
+    assert run(env, "manager", s3_prefix, "4", "none")[0] == "resumed 1"
+    listed = catalog.list_checkpoints(s3_prefix, **s3_options)
+    assert [(i.name, i.in_flight) for i in listed] == [
+        (s3ckpt.step_name(s), False) for s in (1, 2, 3, 4)
+    ]
+    pruned = subprocess.run(
+        [sys.executable, "-m", "s3ckpt", "prune", s3_prefix, "--keep-last", "2", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert pruned.returncode == 0, pruned.stderr
+    deleted = [d["name"] for d in json.loads(pruned.stdout)["deleted"]]
+    assert deleted == [s3ckpt.step_name(1), s3ckpt.step_name(2)]
+    assert committed(s3_prefix, s3_options) == [s3ckpt.step_name(s) for s in (3, 4)]
+
+
 def test_keep_last_after_an_overwrite_killed_mid_upload(s3_prefix, s3_options, local_s3, tmp_path):
     """Steps 1-5 committed (3, 4, 5 kept); a rollback to 3 is SIGKILLed while it saves
     4 over the abandoned run's 4. Its in-flight record stays fresh for minutes in a

@@ -72,6 +72,7 @@ from s3ckpt.errors import (
     StateMismatchError,
     StorageError,
     TransientStorageError,
+    UnpicklableStateError,
     UntrustedPickleError,
 )
 
@@ -152,6 +153,7 @@ __all__ = [
     "TierSave",
     "TieredCheckpointProcess",
     "TransientStorageError",
+    "UnpicklableStateError",
     "UntrustedPickleError",
     "__version__",
     "copy_checkpoint",

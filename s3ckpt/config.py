@@ -46,8 +46,12 @@ class S3Config:
     """How to reach the object store and how hard to drive it.
 
     Connection:
-        endpoint_url: e.g. ``https://flashblade.example.com``; ``None`` uses ``AWS_ENDPOINT_URL``
-            or AWS itself.
+        endpoint_url: e.g. ``https://flashblade.example.com``; ``None`` lets botocore
+            resolve it as the AWS CLI does: ``AWS_ENDPOINT_URL_S3``, else
+            ``AWS_ENDPOINT_URL``, else the AWS config file's ``endpoint_url`` for ``s3`` in
+            the services section the profile names, else the profile's own
+            ``endpoint_url``, else AWS itself. ``s3ckpt doctor`` reports which one
+            requests use (:func:`s3ckpt.catalog.doctor.endpoint_source`).
         region, profile: as in the AWS CLI.
         access_key_id, secret_access_key, session_token: explicit credentials (hidden from repr).
         addressing_style: ``"path"`` (FlashBlade's default), ``"virtual"`` or ``"auto"``.

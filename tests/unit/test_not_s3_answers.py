@@ -5,13 +5,16 @@ server's pages become NotS3EndpointError naming the endpoint and the status."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiobotocore.session import AioSession
 from botocore.exceptions import ClientError
 from botocore.parsers import ResponseParserError
+from botocore.stub import Stubber
 
 from s3ckpt.catalog.doctor import endpoint_source
 from s3ckpt.config import S3Config
@@ -22,7 +25,12 @@ from s3ckpt.errors import (
     StorageError,
     TransientStorageError,
 )
-from s3ckpt.s3.compat_botocore import ENDPOINT_KEY, answering_endpoint
+from s3ckpt.s3.compat_botocore import (
+    ENDPOINT_KEY,
+    answered_status,
+    answering_endpoint,
+    note_endpoints,
+)
 from s3ckpt.s3.error_mapping import UNSUPPORTED_CODES, check_s3_answer, translate
 
 ENDPOINT = "http://127.0.0.1:8000"
@@ -150,3 +158,24 @@ def test_an_endpoint_in_a_profiles_own_s3_section_is_said_to_be_unread(aws_confi
     source = endpoint_source(S3Config(), "https://s3.amazonaws.com")
     assert source.startswith("AWS's own endpoint: none configured")
     assert "http://nested:6 in the s3 section of profile default is not read" in source
+
+
+def test_the_client_notes_the_endpoint_and_status_of_its_answers():
+    """botocore's after-call event reaches the hook with errors too (a botocore release
+    that stops emitting it there fails here)."""
+
+    async def head() -> ClientError:
+        async with AioSession().create_client(
+            "s3", region_name="us-east-1", endpoint_url=ENDPOINT,
+            aws_access_key_id="a", aws_secret_access_key="b",
+        ) as client:  # fmt: skip
+            note_endpoints(client)
+            with Stubber(client) as stub:
+                stub.add_client_error("head_bucket", "404", http_status_code=404)
+                with pytest.raises(ClientError) as raised:
+                    await client.head_bucket(Bucket="b")
+        return raised.value
+
+    error = asyncio.run(head())
+    assert answering_endpoint(error.response) == ENDPOINT
+    assert answered_status(error.response) == 404

@@ -29,6 +29,7 @@ from s3ckpt.config import S3URI
 from s3ckpt.demo import report
 from s3ckpt.manager.policy import checkpoint_name, parse_step
 from s3ckpt.testing.local_s3 import LocalS3Server
+from s3ckpt.units import human_bytes
 
 _STARTED = re.compile(r"^save (step-\d+) started")
 
@@ -122,7 +123,7 @@ def inspect_crash(args: argparse.Namespace, server: LocalS3Server, killed: str) 
     open_uploads = len(uploads.get("Uploads", []))
     for info in infos:
         state = "committed" if info.committed else "NOT committed (no manifest)"
-        say(f"  {info.name}  {state:27} {info.objects:2d} objects {info.bytes / 2**20:6.1f} MiB")
+        say(f"  {info.name}  {state:27} {info.objects:2d} objects {human_bytes(info.bytes):>9}")
     victim = next((i for i in infos if i.name == killed), None)
     if victim is None or not victim.committed:
         left = f"{victim.objects} object(s)" if victim else "no objects"

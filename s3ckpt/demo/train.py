@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from s3ckpt import CheckpointManager, SaveMetrics
 from s3ckpt.demo.corpus import Corpus, generate
 from s3ckpt.demo.model import ModelConfig, TinyGPT
+from s3ckpt.units import human_bytes
 
 BATCH, SEQ_LEN, WARMUP = 16, 64, 20
 
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     corpus, model, train_state = build(args.steps, args.seed)
     state = {"app": train_state}
     size = sum(p.numel() for p in model.parameters())
-    events.say(f"model: {size / 1e6:.1f} M parameters, {size * 12 / 2**20:.0f} MiB of state")
+    events.say(f"model: {size / 1e6:.1f} M parameters, {human_bytes(size * 12)} of state")
 
     def on_saved(metrics: SaveMetrics) -> None:
         events.record(kind="save", **metrics.as_dict())

@@ -1,3 +1,4 @@
+import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
@@ -140,3 +141,54 @@ class _Checkpointable:
 
     def __get_tensor_shard__(self, index: object) -> torch.Tensor:
         return self.local
+
+
+def test_a_metadata_failure_in_dcp_load_reaches_every_caller_as_itself(caplog):
+    """``read_by_dcp_load`` pins the frame of ``dcp.load`` that reads the metadata: a reader
+    that fails there hands DCP ``stand_in_metadata`` and raises at its next call, so DCP
+    logs no warning with the traceback and carries the error itself, not its own
+    ``AssertionError("metadata is None; ...")``. Called from anywhere else, it raises."""
+    import logging
+    import sys
+
+    import torch.distributed.checkpoint as dcp
+
+    from s3ckpt import CheckpointNotFoundError
+    from s3ckpt.dcp.compat import StorageReader, read_by_dcp_load, stand_in_metadata
+
+    missing = CheckpointNotFoundError("no committed checkpoint at s3://b/x (no manifest)")
+
+    class Missing(StorageReader):
+        failure = None
+
+        def reset(self, checkpoint_id=None): ...
+
+        def read_metadata(self):
+            if not read_by_dcp_load(sys._getframe(1)):
+                raise missing
+            self.failure = missing
+            return stand_in_metadata()
+
+        def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
+            raise self.failure
+
+        def prepare_local_plan(self, plan): return plan  # fmt: skip
+
+        def prepare_global_plan(self, plans): return plans  # fmt: skip
+
+        def read_data(self, plan, planner): raise AssertionError("no read")  # fmt: skip
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id): return True  # fmt: skip
+
+    with pytest.raises(CheckpointNotFoundError):
+        Missing().read_metadata()
+    with (
+        caplog.at_level(logging.WARNING),
+        pytest.warns(UserWarning, match="disabled"),  # DCP's, for every no_dist call
+        pytest.raises(CheckpointException) as info,
+    ):
+        dcp.load({"w": torch.zeros(2)}, storage_reader=Missing(), no_dist=True)
+    assert unwrap(info.value) is missing
+    assert [failure for failure, _ in info.value.failures.values()] == [missing]
+    assert "metadata is not found" not in caplog.text

@@ -113,6 +113,7 @@ def reader(tmp_path: Path):
         yield Reader(server, tmp_path)
 
 
+@pytest.mark.timeout(600)  # two runs of every example, then the commands
 def test_the_readme_runs_as_written_twice(reader: Reader) -> None:
     text = (ROOT / "README.md").read_text()
     code, commands = blocks(text, "python"), s3ckpt_commands(text, reader.endpoint)

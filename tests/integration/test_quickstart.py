@@ -77,6 +77,7 @@ def commands(text: str) -> list[list[str]]:
     ]
 
 
+@pytest.mark.timeout(600)  # two runs of every example: about 2 minutes on a quiet 2-core host
 def test_the_quickstart_runs_as_written_twice(tmp_path: Path) -> None:
     text = QUICKSTART.read_text()
     (_, prelude), *blocks = python_blocks(text)

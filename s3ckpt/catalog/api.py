@@ -108,6 +108,7 @@ class PruneReport:
     changed: list[str]  # changed since the listing (recommitted, a save started): left alone
     dry_run: bool
     why_changed: dict[str, str] = field(default_factory=dict)  # name -> why it was left alone
+    foreign: list[str] = field(default_factory=list)  # directories not s3ckpt's, left alone: why
 
 
 # -- ls -----------------------------------------------------------------------------------
@@ -283,12 +284,17 @@ async def _maybe_manifest(
         return exc
 
 
-async def _ours(store: ObjectStore, location: S3URI, groups: list[Group]) -> list[Group]:
+async def _ours(
+    store: ObjectStore, location: S3URI, groups: list[Group], foreign: list[str] | None = None
+) -> list[Group]:
     """The committed ``groups`` whose manifest is s3ckpt's, as far as the listing and a
-    GET of each suspect manifest (:func:`_suspect`) tell: no other is a checkpoint."""
+    GET of each suspect manifest (:func:`_suspect`) tell: no other is a checkpoint. Why
+    each other one is not s3ckpt's is appended to ``foreign``."""
     found = await bounded(
         [lambda g=g: _maybe_manifest(store, child(location, g.name), g, False) for g in groups]
     )
+    if foreign is not None:
+        foreign += [str(m) for m in found if isinstance(m, ForeignObjectError)]
     return [g for g, m in zip(groups, found, strict=True) if not isinstance(m, ForeignObjectError)]
 
 
@@ -456,10 +462,16 @@ async def aprune(
     candidates, and a committed checkpoint being overwritten is kept; a checkpoint
     committed after the listing is not seen, so it survives. A directory whose manifest is
     not s3ckpt's is no candidate either (read as :func:`alist_checkpoints` reads them, and
-    again just before any delete: :func:`~s3ckpt.catalog.unpublish.unpublish`)."""
+    again just before any delete: :func:`~s3ckpt.catalog.unpublish.unpublish`): why is in
+    :attr:`PruneReport.foreign`, and :class:`ForeignObjectError` is raised when it is
+    ``location`` itself."""
     listed = await scan_checkpoints(store, location)
     committed = [g for g in listed.groups.values() if g.committed]
-    groups = {g.name: g for g in await _ours(store, location, committed)}  # no foreign one
+    foreign: list[str] = []
+    groups = {g.name: g for g in await _ours(store, location, committed, foreign)}
+    mine = f"s3://{store.bucket}/{location.key(MANIFEST_NAME)} "  # as read_manifest names it
+    if itself := [f for f in foreign if f.startswith(mine)]:
+        raise ForeignObjectError(itself[0])  # the prefix itself: refused, as rm refuses it
     if now is None and (older_than is not None or any(g.saving for g in groups.values())):
         now = await store_time(store)  # ages are the store's: commit times, in-flight records
     decisions = plan_retention(
@@ -486,10 +498,10 @@ async def aprune(
             )
             for g, m in zip(victims, manifests, strict=True)
         ]
-        return PruneReport(decisions, removed, [], dry_run=True)
+        return PruneReport(decisions, removed, [], dry_run=True, foreign=foreign)
     why: dict[str, str] = {}
     removed, changed = await remove_groups(store, location, victims, progress, now=now, why=why)
-    return PruneReport(decisions, removed, changed, dry_run=False, why_changed=why)
+    return PruneReport(decisions, removed, changed, dry_run=False, why_changed=why, foreign=foreign)
 
 
 def prune(

@@ -229,6 +229,8 @@ def run_prune(args: argparse.Namespace) -> int:
         config=config_from(args),
     )
     emit(args, output.prune_json(report), output.prune_text(report))
+    for foreign in report.foreign:  # never candidates: said, not an error
+        print(f"s3ckpt: prune: note: {foreign}", file=sys.stderr)
     for name in report.changed:  # the policy was not carried out for these: say so, exit 1
         why = report.why_changed.get(name, "changed since the listing")
         print(f"s3ckpt: prune: {name or '.'}: {why}; kept", file=sys.stderr)

@@ -174,6 +174,7 @@ def prune_json(report: PruneReport) -> dict[str, Any]:
         "kept": [{"name": d.name, "reason": d.reason} for d in report.decisions if not d.delete],
         "changed": report.changed,
         "why_changed": report.why_changed,
+        "foreign": report.foreign,
         "bytes": sum(r.bytes for r in report.removed),
     }
 

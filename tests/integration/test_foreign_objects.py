@@ -125,6 +125,10 @@ def test_a_foreign_manifest_is_no_checkpoint_for_any_command(
     dry = s3ckpt("prune", s3_prefix, "--keep-last", "0", "--force", "--dry-run", "--json")
     assert dry.code == 0 and [d["name"] for d in dry.json()["deleted"]] == ["json/step-1"]
     assert [k["name"] for k in dry.json()["kept"]] == []
+    assert dry.err.count("s3ckpt: prune: note: ") == 4 and "reading it again" not in dry.err
+    assert sorted(dry.json()["foreign"]) == sorted(rows[n]["foreign"] for n in FOREIGN_MANIFESTS)
+    itself = s3ckpt("prune", junk, "--keep-last", "0", "--force")  # pointed at it: refused
+    _one_line_refusal(itself, "prune", junk)
     pruned = s3ckpt("prune", s3_prefix, "--keep-last", "0", "--force", "--json")
     assert pruned.code == 0 and [d["name"] for d in pruned.json()["deleted"]] == ["json/step-1"]
     collected = s3ckpt(

@@ -372,7 +372,7 @@ class CheckpointManager:
             )
         future.add_done_callback(lambda _: self._ledger.finished(inflight))
         if failure is not None:
-            _reraise(failure)
+            _reraise(failure, f"saving {name}")
         return True
 
     def _writer(self, step: int, replace: bool) -> S3StorageWriter:

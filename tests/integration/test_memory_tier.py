@@ -13,7 +13,7 @@ import _manager_worker as worker
 import pytest
 import torch
 
-from s3ckpt import CheckpointManager, ConfigError, MemoryTier, MemoryTierError
+from s3ckpt import CheckpointError, CheckpointManager, ConfigError, MemoryTier, MemoryTierError
 from s3ckpt.background import held
 from s3ckpt.tier import restore as restore_module
 from s3ckpt.tier.copies import node_copies
@@ -245,8 +245,8 @@ def test_a_state_that_no_longer_matches_falls_back_to_s3(s3_prefix, s3_options, 
     state["extra"] = torch.zeros(3)  # a key no copy has: nothing from memory is applied
     with CheckpointManager(s3_prefix, memory_tier=tier, **s3_options) as manager:
         # memory's step 3 does not fit (a warning), so S3's step 2 is loaded; it lacks the
-        # key too: DCP's own error, raised as the manager's load raises it
-        with pytest.raises(RuntimeError, match="Missing key in checkpoint state_dict: extra"):
+        # key too: DCP's own error, named in the manager's CheckpointError (chained)
+        with pytest.raises(CheckpointError, match="Missing key in checkpoint state_dict: extra"):
             manager.load_latest(state)
         assert manager.last_restore is None
     del state["extra"]

@@ -24,6 +24,10 @@ rules:
   :class:`~s3ckpt.errors.CheckpointProcessError`; the next save starts a fresh one.
   A rank whose copy to host memory fails raises at once and still starts its save, which
   fails in planning, so every rank raises at its next call and none waits in a collective.
+  Whatever fails, the manager raises an s3ckpt error (``except Exception`` catches it):
+  DCP's ``CheckpointException`` (a ``BaseException``) and any other error a save or load
+  meets become the s3ckpt error inside, or a :class:`~s3ckpt.errors.CheckpointError`
+  whose first line names them, chained to the original.
 * **Existing steps are kept**: re-saving a committed step (a resumed loop re-running it,
   seen committed by this manager or by an earlier run: :mod:`s3ckpt.manager.committed`
   says how that is found at little cost) is skipped with an INFO line and returns False,
@@ -323,6 +327,11 @@ class CheckpointManager:
         Returns True once staged, False when skipped (busy under ``if_busy="skip"``, or
         ``step`` already committed). A previous save's failure is raised here first, and
         this step is then not saved: call ``save`` again to save it.
+
+        In process mode, a value the checkpoint process could not unpickle (a class or
+        function of the script's ``__main__`` or defined in a function, a lambda) raises
+        :class:`~s3ckpt.errors.UnpicklableStateError` naming its key, before anything is
+        copied or uploaded (:mod:`s3ckpt.background.rebuild`).
 
         With a memory tier the copy is also held in memory, and uploaded only if ``s3``
         says so (default: ``MemoryTier.to_s3(step)``); every rank must pass the same

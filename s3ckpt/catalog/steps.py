@@ -9,9 +9,10 @@ restore, the integrations) accepts any ``step-<digits>`` name as step ``int(digi
 (:func:`step_of`).
 
 Two committed names of one step (``step-300`` and ``step-0000000300``) resolve to one:
-the padded name when it is among them, else the shortest (:func:`preferred`). A name
-that looks like a step but is not one (``step-12a``, ``step-300.hf-source``,
-``step--1``) is never taken for one: :func:`not_a_step` says why, for the log.
+the padded name when it is among them, else the shortest (:func:`preferred`,
+:func:`same_step`). A name that looks like a step but is not one (``step-12a``,
+``step-300.hf-source``, ``step--1``) is never taken for one: :func:`not_a_step` says
+why, for the log. :mod:`s3ckpt.catalog.run_listing` applies these to a run's listing.
 """
 
 from __future__ import annotations
@@ -69,20 +70,6 @@ def preferred(names: Iterable[str]) -> str:
     step = step_of(ordered[0])
     padded = step_name(step) if step is not None else None
     return padded if padded in ordered else ordered[0]
-
-
-def by_step(names: Iterable[str]) -> tuple[dict[int, str], dict[int, list[str]]]:
-    """The step names among ``names``: step -> the name it is known by
-    (:func:`preferred`), and step -> every name of it, for the steps named more than once
-    (sorted, the preferred one included)."""
-    named: dict[int, list[str]] = {}
-    for name in names:
-        step = step_of(name)
-        if step is not None:
-            named.setdefault(step, []).append(name)
-    chosen = {step: preferred(found) for step, found in named.items()}
-    doubles = {step: sorted(found) for step, found in named.items() if len(found) > 1}
-    return chosen, doubles
 
 
 def leaf(name: str) -> str:

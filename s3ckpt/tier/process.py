@@ -12,9 +12,12 @@ which takes the place of ``dcp.async_save`` and of the first step of a restore::
             tiered.async_save(state_dict, step, storage_writer=writer)
     ...
     # after a restart, on every rank:
-    restored = tiered.restore_latest(state_dict, s3_latest=newest_committed_step_or_None)
-    if restored is None and newest_committed_step_or_None is not None:
-        dcp.load(state_dict, storage_reader=S3StorageReader(...))
+    committed = s3ckpt.catalog.run_steps("s3://ckpt/run")  # any step-<digits> name is a step
+    s3_latest = committed.latest()
+    restored = tiered.restore_latest(state_dict, s3_latest=s3_latest)
+    if restored is None and s3_latest is not None:
+        name = committed.names[s3_latest]  # the name it is committed under
+        dcp.load(state_dict, storage_reader=S3StorageReader(f"s3://ckpt/run/{name}"))
 
 The lifecycle:
 

@@ -10,8 +10,8 @@ step, and the step is what "newest" means to someone resuming training. Names wi
 numbers sort alphabetically.
 
 Step names (:mod:`s3ckpt.catalog.steps`, the rule ``CheckpointManager`` reads by): a name
-that looks like a step but is not one (``step-12a``, ``step-300.hf-source``, ``step--1``)
-is never counted nor deleted (``not a step``). A step named twice in one folder
+that starts as a step name but is not one (``step-12a``, ``step-300.hf-source``,
+``step--1``) is never counted nor deleted (``not a step``). A step named twice in one folder
 (``step-300`` and ``step-0000000300``) counts once, by the name it is known by (the
 padded one); the other name goes with it: kept while it is kept (``same step as NAME``),
 deleted when it expires.
@@ -41,7 +41,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from s3ckpt.catalog.steps import leaf, not_a_step, same_step
+from s3ckpt.catalog.steps import misnamed, same_step
 from s3ckpt.errors import ConfigError
 
 _NUMBER = re.compile(r"(\d+)")
@@ -121,7 +121,7 @@ def plan_retention(
     """A decision for every candidate, oldest first (see the module docstring for the rules)."""
     validate_rules(keep_last, keep_every, older_than)
     everything = order(candidates)
-    not_steps = {c.name for c in everything if not_a_step(leaf(c.name)) is not None}
+    not_steps = {c.name for c in everything if misnamed(c.name)}
     counted = [c for c in everything if c.name not in not_steps]
     replaced_by = superseded(counted)
     shadow_of = same_step(c.name for c in counted if c.name not in replaced_by)

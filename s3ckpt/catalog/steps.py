@@ -72,6 +72,14 @@ def preferred(names: Iterable[str]) -> str:
     return padded if padded in ordered else ordered[0]
 
 
+def misnamed(name: str) -> bool:
+    """Whether ``name`` (its last part) starts as a step name and is not one: ``step-12a``,
+    ``step-300.hf-source``, ``step--1``. Retention never counts or deletes such a name;
+    names further from it (``step_300``, ``best``) are other tools' conventions."""
+    last = leaf(name)
+    return last.startswith(PREFIX) and step_of(last) is None
+
+
 def leaf(name: str) -> str:
     """The last part of a checkpoint name relative to a listed prefix (``run2/step-3`` ->
     ``step-3``): the part that names the step."""

@@ -104,6 +104,15 @@ def test_retention_counts_a_step_named_twice_once_and_never_a_name_that_is_no_st
     assert not any(d.delete for d in plan_retention(odd, keep_last=0, force=True, now=NOW))
 
 
+def test_other_naming_conventions_are_pruned_as_before():
+    """``step_1`` is no step name, but nothing like a misspelt one either: another tool's
+    convention, which ``prune`` orders and expires as it always did."""
+    candidates = [Candidate("step_1", NOW - 9), Candidate("step_2", NOW - 8)]
+    assert [d.name for d in plan_retention(candidates, keep_last=1, now=NOW) if d.delete] == [
+        "step_1"
+    ]
+
+
 def test_a_runs_steps_from_committed_names():
     found = steps_named(
         {

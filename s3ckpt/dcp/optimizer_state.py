@@ -177,7 +177,7 @@ class Fills:
         specs: dict[tuple[int, ...], set[Any]] = {}  # the twins' layouts, per shape
         for fill in list(self.fills.values()):
             if targets is not None and fill.shape not in specs:
-                specs[fill.shape] = {dtensor_spec_of(targets[1].get(t)) for t in fill.twins}
+                specs[fill.shape] = {_layout(targets[1].get(t)) for t in fill.twins}
             if targets is None or not _allocate(fill, specs[fill.shape]):
                 self.left_out.append(self.fills.pop(fill.fqn).fqn)
         left_out = set(self.left_out)
@@ -202,16 +202,24 @@ class Fills:
         log.debug("optimizer state read beyond the targets: %s", ", ".join(self.fills))
 
 
-def _allocate(fill: Fill, specs: set[Any]) -> bool:
-    """Give a tensor fill its tensor (a ``DTensor`` of its twins' layout, ``specs``); False
-    if its twins disagree on what it is or where this rank's shard lies."""
+def _layout(target: Any) -> tuple[Any, torch.device | None]:
+    """A target's ``DTensor`` layout (None for a plain tensor) and the device of its shard."""
+    spec = dtensor_spec_of(target)
+    return spec, _local(target).device if spec is not None else None
+
+
+def _allocate(fill: Fill, layouts: set[tuple[Any, torch.device | None]]) -> bool:
+    """Give a tensor fill its tensor: a ``DTensor`` of its twins' layout (``layouts``), its
+    shard on their device, else a plain tensor in host memory (``load_state_dict`` moves it
+    to its parameter's device). False if its twins disagree on what it is or where this
+    rank's shard lies."""
     if not fill.tensor:
         return True
     assert fill.dtype is not None
-    if len(specs) > 1:
+    if len(layouts) > 1:
         return False
-    spec = next(iter(specs)) if specs else None
-    local = torch.empty(fill.sizes, dtype=fill.dtype)
+    spec, device = next(iter(layouts)) if layouts else (None, None)
+    local = torch.empty(fill.sizes, dtype=fill.dtype, device=device)
     if spec is None:
         if fill.sizes != fill.shape:  # a shard of a plain tensor: no layout to give it
             return False

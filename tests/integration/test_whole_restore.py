@@ -280,3 +280,49 @@ def test_export_windows_report_nothing(
         export_checkpoint(uri, tmp_path / "out", window=64, **s3_options)
     assert sorted(p.name for p in (tmp_path / "out").iterdir())
     assert _report_lines(caplog) == []
+
+
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(2):
+        optimizer.zero_grad()
+        model(torch.full((3, 4), float(step))).square().sum().backward()
+        optimizer.step()
+    return model, optimizer
+
+
+def _same_optimizer_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
+    mine, theirs = a.state_dict()["state"], b.state_dict()["state"]
+    return mine.keys() == theirs.keys() and all(
+        torch.equal(mine[pid][k], theirs[pid][k]) for pid in mine for k in mine[pid]
+    )
+
+
+def test_checkpoints_of_state_dicts_load_into_objects_and_back(
+    s3_options: dict[str, Any], s3_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint saved from ``optimizer.state_dict()`` loads into a fresh optimizer
+    placed in the state; one saved from the optimizer loads into a fresh optimizer's
+    ``state_dict()``, which the script then hands to ``load_state_dict``."""
+    model, optimizer = _trained()
+    old_form = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    dcp.save(old_form, storage_writer=S3StorageWriter(f"{s3_prefix}/old", **s3_options))
+    dcp.save(
+        {"model": model, "optim": optimizer},
+        storage_writer=S3StorageWriter(f"{s3_prefix}/new", **s3_options),
+    )
+    with caplog.at_level(logging.WARNING, logger="s3ckpt"):
+        fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=0.01)
+        reader = S3StorageReader(f"{s3_prefix}/old", **s3_options)
+        dcp.load({"model": fresh, "optim": fresh_optimizer}, storage_reader=reader)
+        assert _same_optimizer_state(fresh_optimizer, optimizer)
+
+        fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=0.01)
+        state = {"model": fresh.state_dict(), "optim": fresh_optimizer.state_dict()}
+        dcp.load(state, storage_reader=S3StorageReader(f"{s3_prefix}/new", **s3_options))
+        fresh_optimizer.load_state_dict(state["optim"])
+        assert _same_optimizer_state(fresh_optimizer, optimizer)
+    assert _report_lines(caplog) == []

@@ -50,7 +50,7 @@ from s3ckpt.format.layout import HEARTBEAT_S, LEASE_S, SAVING_PREFIX
 from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
-from s3ckpt.transfer.commit import read_manifest
+from s3ckpt.transfer.commit import manifest_exists, read_manifest
 from s3ckpt.transfer.fanout import bounded
 from s3ckpt.transfer.rank_index import with_items
 
@@ -236,6 +236,7 @@ async def alist_checkpoints(
     manifests: list[Read] = await bounded(
         [lambda g=g: _maybe_manifest(store, child(location, g.name), g, details) for g in groups]
     )
+    manifests = [_damaged_if_ours(g, m) for g, m in zip(groups, manifests, strict=True)]
     if not include_uncommitted:
         for foreign in (m for m in manifests if isinstance(m, ForeignObjectError)):
             _report(f"{foreign} (ls --all lists it as foreign)", problems)
@@ -253,6 +254,15 @@ async def alist_checkpoints(
     return sorted(infos, key=lambda i: (natural_key(i.name), i.time, i.name))
 
 
+def _damaged_if_ours(group: Group, read: Read) -> Read:
+    """A manifest that is not s3ckpt's over a directory holding s3ckpt's own objects is an
+    s3ckpt checkpoint whose manifest was replaced: listed ``damaged`` (``ls`` exits 1),
+    not ``foreign``. The commands that delete still refuse it (its manifest is not ours)."""
+    if isinstance(read, ForeignObjectError) and group.objects:
+        return f"unreadable manifest: {read}"
+    return read
+
+
 def _report(problem: str, problems: list[str] | None) -> None:
     if problems is None:
         log.warning("%s", problem)
@@ -263,7 +273,7 @@ def _report(problem: str, problems: list[str] | None) -> None:
 def _suspect(group: Group) -> bool:
     """A committed directory whose listing shows no metadata object: every s3ckpt commit
     writes one just before its manifest, so the manifest may be another tool's."""
-    return group.committed and group.committed_save_hint() is None
+    return group.suspect
 
 
 async def _maybe_manifest(
@@ -321,8 +331,13 @@ def committed_names(
 
 
 async def ais_committed(store: ObjectStore, location: S3URI) -> bool:
-    """Whether a checkpoint is committed at ``location`` (one HEAD)."""
-    return await store.exists(location.key(MANIFEST_NAME))
+    """Whether a checkpoint is committed at ``location``: one GET of its manifest
+    (:func:`~s3ckpt.transfer.commit.manifest_exists`); a ``manifest.json`` that is not
+    s3ckpt's is no checkpoint (False)."""
+    try:
+        return await manifest_exists(store, location)
+    except ForeignObjectError:
+        return False
 
 
 def is_committed(uri: str | S3URI, *, config: S3Config | None = None, **options: Any) -> bool:

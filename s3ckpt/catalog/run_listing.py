@@ -4,7 +4,11 @@ What ``CheckpointManager`` (``steps()``, ``load_latest``), the integrations and 
 that name their own checkpoints (``TieredCheckpointProcess``'s ``s3_latest``) ask of a
 run: which steps are committed, under which name, and which of them a rollback
 superseded. It costs the listing ``ls`` makes (one request up to 1000 objects under the
-prefix, then one per directory) and no manifest read; ``folders=True`` adds one
+prefix, then one per directory) and no manifest read but where the listing cannot tell
+a checkpoint from another tool's ``manifest.json``: a directory with a manifest and no
+metadata object (every s3ckpt commit writes one just before its manifest) has its
+manifest read, and one that is not s3ckpt's is no step (as the catalog reads them,
+:func:`~s3ckpt.catalog.api.alist_checkpoints`); ``folders=True`` adds one
 delimiter listing of the run's top level (one request per 1000 names) to find folders
 named like steps that hold no s3ckpt checkpoint at all (a safetensors export, another
 tool's format), and one request for each such folder (at most 16) to see that it holds
@@ -12,7 +16,7 @@ anything.
 
 What the rule leaves out is never left out silently: every name that looks like a step
 but is not one, every step named twice and every step folder without a committed
-checkpoint comes back as a :class:`Note` for the caller to log (``CheckpointManager``
+checkpoint (or whose ``manifest.json`` is another tool's) comes back as a :class:`Note` for the caller to log (``CheckpointManager``
 logs each once).
 """
 
@@ -37,8 +41,10 @@ from s3ckpt.catalog.scan import (
 )
 from s3ckpt.catalog.steps import leaf, not_a_step, preferred, step_of
 from s3ckpt.config import S3URI, S3Config
+from s3ckpt.errors import ForeignObjectError
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
+from s3ckpt.transfer.commit import manifest_exists
 from s3ckpt.transfer.fanout import bounded
 
 _FOLDERS_CHECKED = 16  # folders named like steps, outside any checkpoint, looked into at most
@@ -49,7 +55,7 @@ _DIED = "a save in flight, or one that died: s3ckpt gc removes its objects"
 class Note:
     """A name under the run that is not used as a step, and why; ``warn``: worth a
     WARNING (a name that looks wrong, a step named twice), else INFO (an uncommitted or
-    foreign step folder: a save that died, an export)."""
+    foreign step folder: a save that died, an export, another tool's manifest.json)."""
 
     name: str
     why: str
@@ -113,11 +119,18 @@ def steps_named(committed: dict[str, str | None]) -> RunSteps:
     return RunSteps(names, by, notes)
 
 
-def read_steps(scanned: Scan, folders: list[str] | None = None, now: float = 0.0) -> RunSteps:
+def read_steps(
+    scanned: Scan,
+    folders: list[str] | None = None,
+    now: float = 0.0,
+    foreign: dict[str, str] | None = None,
+) -> RunSteps:
     """The steps of a scan of the run's prefix (pure); ``folders``: the names at the
     run's top level, when they were listed; ``now``: the store's time, for the in-flight
-    records' lease."""
-    groups = [g for g in scanned.groups.values() if g.committed]
+    records' lease; ``foreign``: the directories whose ``manifest.json`` is not s3ckpt's,
+    each with why (no checkpoint, so no step)."""
+    foreign = foreign or {}
+    groups = [g for g in scanned.groups.values() if g.committed and g.name not in foreign]
     replaced = superseded(Candidate(g.name, g.newest) for g in groups)
     found = steps_named({g.name: replaced.get(g.name) for g in groups})
     found.committed.update(
@@ -126,7 +139,11 @@ def read_steps(scanned: Scan, folders: list[str] | None = None, now: float = 0.0
         if step_of(g.name) is not None
     )
     for group in sorted(scanned.groups.values(), key=lambda g: g.name):
-        if not group.committed and step_of(group.name) is not None:
+        if group.name in foreign and step_of(group.name) is not None:
+            found.notes.append(Note(group.name, foreign[group.name], False))
+        elif group.name in foreign and (why := not_a_step(group.name)):
+            found.notes.append(Note(group.name, why, warn=True))
+        elif not group.committed and step_of(group.name) is not None:
             why = f"{group.name} holds no committed checkpoint ({_DIED})"
             found.notes.append(Note(group.name, why, False))
         elif not group.committed and (why := not_a_step(group.name)):
@@ -166,15 +183,30 @@ async def arun_steps(store: ObjectStore, location: S3URI, *, folders: bool = Fal
         finally:
             await listing.aclose()  # type: ignore[attr-defined]
 
+    async def not_ours(name: str) -> str | None:
+        """Why the manifest of ``name`` is not s3ckpt's; None when it is (or is gone)."""
+        try:
+            await manifest_exists(store, child(location, name))
+        except ForeignObjectError as exc:
+            return str(exc)
+        return None
+
     scanned, names = await asyncio.gather(scan_checkpoints(store, location), top_level())
     candidates = [
         n for n in names if n not in scanned.groups and (step_of(n) is not None or not_a_step(n))
     ][:_FOLDERS_CHECKED]
-    held = await bounded([lambda n=n: holds_objects(n) for n in candidates])
+    # Only a manifest whose directory shows no metadata object may be another tool's.
+    suspects = [g.name for g in scanned.groups.values() if g.suspect]
+    held, why = await asyncio.gather(
+        bounded([lambda n=n: holds_objects(n) for n in candidates]),
+        bounded([lambda n=n: not_ours(n) for n in suspects]),
+    )
+    foreign = {n: w for n, w in zip(suspects, why, strict=True) if w is not None}
     # in-flight records are judged by the store's clock; asked only when there are some
     writing = any(g.saving for g in scanned.groups.values() if g.committed)
     now = await store_time(store) if writing else time.time()
-    return read_steps(scanned, [n for n, h in zip(candidates, held, strict=True) if h], now)
+    folders_held = [n for n, h in zip(candidates, held, strict=True) if h]
+    return read_steps(scanned, folders_held, now, foreign)
 
 
 def run_steps(

@@ -109,6 +109,13 @@ class Group:
         )
 
     @property
+    def suspect(self) -> bool:
+        """Committed, and its listing shows no metadata object: every s3ckpt commit writes
+        one just before its manifest, so the manifest may be another tool's (read it to
+        tell, :func:`s3ckpt.format.manifest.check_s3ckpt`)."""
+        return self.committed and self.committed_save_hint() is None
+
+    @property
     def bytes(self) -> int:
         return sum(o.meta.size for o in self.objects) + (self.manifest.size if self.manifest else 0)
 

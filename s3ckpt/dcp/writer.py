@@ -5,9 +5,11 @@ Lifecycle of a save (the order DCP calls in, see ``torch.distributed.checkpoint.
 0. ``reset(checkpoint_id)`` (all ranks, when ``checkpoint_id`` is passed to ``dcp.save``):
    point the writer at a location and start a new save id.
 1. ``set_up_storage_writer(is_coordinator, rank=...)`` (all ranks).
-2. ``prepare_local_plan(plan)`` (all ranks): the coordinator checks that the bucket exists
-   and, unless ``overwrite=True``, that no checkpoint is committed at the location yet,
-   so a doomed save fails before any byte is uploaded.
+2. ``prepare_local_plan(plan)`` (all ranks): the coordinator reads the manifest at the
+   location (one GET, :func:`~s3ckpt.transfer.commit.manifest_exists`): a missing bucket,
+   a ``manifest.json`` that is not s3ckpt's (overwrite or not: s3ckpt never writes over
+   another tool's) and, unless ``overwrite=True``, a committed checkpoint fail the save
+   before any object is written.
 3. ``prepare_global_plan(plans)`` (coordinator): gives every rank its rank number and the
    coordinator's save id, which names all objects of this save.
 4. ``write_data(plan, planner)`` (all ranks, :mod:`s3ckpt.dcp.rank_save`): under the
@@ -87,7 +89,13 @@ from s3ckpt.format.manifest import (
 from s3ckpt.format.rank_index import ItemOwners
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
-from s3ckpt.transfer.commit import commit_manifest, committed_save_id, confirm_objects
+from s3ckpt.transfer.commit import (
+    PROBE_NAME,
+    commit_manifest,
+    committed_save_id,
+    confirm_objects,
+    manifest_exists,
+)
 from s3ckpt.transfer.inflight import Heartbeat, clear_in_flight, mark_in_flight
 from s3ckpt.transfer.parts import MAX_OBJECT_SIZE, MIN_PART_SIZE
 
@@ -103,7 +111,9 @@ class S3StorageWriter(S3Location, StorageWriter):
         endpoint_url: the S3 endpoint, e.g. ``https://flashblade.example.com``.
         config: an :class:`~s3ckpt.config.S3Config`; keyword ``options`` override its fields.
         overwrite: replace a committed checkpoint at the location (atomically); by default
-            saving over one raises :class:`~s3ckpt.errors.CheckpointExistsError`.
+            saving over one raises :class:`~s3ckpt.errors.CheckpointExistsError`. A
+            ``manifest.json`` there that is not s3ckpt's is never replaced: the save
+            raises :class:`~s3ckpt.errors.ForeignObjectError` before writing anything.
         max_object_size: the largest data object a rank writes before starting another.
         compression: ``"zstd"`` (or a :class:`~s3ckpt.format.compression.Compression`) to store
             items zstd-compressed per checksum block, floating-point ones byte-grouped;
@@ -284,9 +294,9 @@ class S3StorageWriter(S3Location, StorageWriter):
     # -- helpers ---------------------------------------------------------------------------
 
     async def _check_target(self) -> None:
+        """One GET of the manifest (see the module docstring, step 2)."""
         store, location = self._store(), self._require_location()
-        await store.head_bucket()
-        if not self.overwrite and await store.exists(location.key(MANIFEST_NAME)):
+        if await manifest_exists(store, location) and not self.overwrite:
             raise CheckpointExistsError(
                 f"Checkpoint already exists: {location} is already committed; pass "
                 "overwrite=True to replace it"
@@ -414,13 +424,10 @@ def _after_commit_objects(objects: Mapping[str, bytes] | None) -> tuple[tuple[S3
     return tuple(checked)
 
 
-PROBE_NAME = ".s3ckpt-probe-" + "0" * 32  # transfer.commit's probe of If-None-Match: *
-
-
 def longest_name(spread: int = 0) -> str:
     """The longest name a save writes under its checkpoint's prefix, with ``spread``
     (``spread_prefixes``): the object that probes a store for conditional writes
-    (:data:`PROBE_NAME`, at a process's first commit to a bucket), else a data object's,
+    (:data:`~s3ckpt.transfer.commit.PROBE_NAME`, at a process's first commit to a bucket), else a data object's,
     its rank and object number as wide as their names are padded
     (``data/<hex>/r00000-<save id>-0000.bin``), or an index, the metadata, an in-flight
     record or a claim where longer. What must fit in S3's key limit with the prefix."""

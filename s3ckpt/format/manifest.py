@@ -281,6 +281,20 @@ def s3ckpt_body(data: bytes, where: str) -> dict[str, Any]:
 _UNSEALED_OURS = _UNSEALED_START + b'"' + FORMAT_NAME.encode() + b'"'
 
 
+def check_s3ckpt(data: bytes, where: str) -> None:
+    """Raise :class:`ForeignObjectError` naming ``where`` if the manifest object ``data``
+    is not s3ckpt's (:func:`s3ckpt_body`); return for one that is, intact or damaged.
+
+    Every manifest s3ckpt writes opens with its seal (0.1.0's with ``{"format":"s3ckpt"``),
+    which decides without parsing the body; only another opening is parsed."""
+    if data.startswith((_SEAL, _UNSEALED_OURS)):
+        return
+    try:
+        s3ckpt_body(data, where)
+    except CorruptCheckpointError:  # s3ckpt's, damaged
+        return
+
+
 def _one_off(data: bytes, opening: bytes) -> bool:
     """Whether ``data`` opens with ``opening`` but for one byte: an s3ckpt manifest
     damaged in transit, to be read again, not taken for another tool's."""

@@ -40,7 +40,7 @@ from s3ckpt.errors import (
     StorageError,
 )
 from s3ckpt.format.layout import CLAIM_PREFIX, claim_key
-from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
+from s3ckpt.format.manifest import MANIFEST_NAME, Manifest, check_s3ckpt
 from s3ckpt.s3.error_mapping import UNSUPPORTED_CODES
 from s3ckpt.s3.store import ObjectMeta, ObjectStore
 from s3ckpt.transfer.checked import get_checked
@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 CLAIM_ROUNDS = 8  # attempts of the claim protocol before a contended commit gives up
 CLAIM_BACKOFF_S = 0.2  # first backoff; doubles per round, with full jitter
 CLAIM_MAX_AGE_S = 600.0  # a claim held longer than this (own clock) is given up, not used
+PROBE_PREFIX = ".s3ckpt-probe-"  # a probe object's name: this, then hex digits
+PROBE_NAME = PROBE_PREFIX + "0" * 32  # as long as the conditional-write probe's (a uuid4's hex)
 
 
 async def read_manifest(store: ObjectStore, location: S3URI) -> Manifest:
@@ -59,6 +61,23 @@ async def read_manifest(store: ObjectStore, location: S3URI) -> Manifest:
     key = location.key(MANIFEST_NAME)
     where = f"s3://{store.bucket}/{key}"
     return await get_checked(store, key, lambda body: Manifest.from_json(body, where))
+
+
+async def manifest_exists(store: ObjectStore, location: S3URI) -> bool:
+    """Whether a manifest is committed at ``location``, from one GET of it.
+
+    A GET, not a HEAD: its body tells s3ckpt's manifest from another tool's
+    ``manifest.json`` (:class:`~s3ckpt.errors.ForeignObjectError`, raised), and its error
+    a missing bucket (:class:`~s3ckpt.errors.BucketNotFoundError`, raised) from a missing
+    manifest (False), which a HEAD's bodiless 404 cannot. A damaged s3ckpt manifest is
+    committed all the same (True): it is not read again (:func:`check_s3ckpt`)."""
+    key = location.key(MANIFEST_NAME)
+    try:
+        body = await store.get(key)
+    except FileNotFoundError:  # ObjectNotFoundError; a missing bucket is not one
+        return False
+    check_s3ckpt(body, f"s3://{store.bucket}/{key}")
+    return True
 
 
 async def confirm_objects(store: ObjectStore, location: S3URI, sizes: dict[str, int]) -> None:
@@ -122,7 +141,7 @@ async def supports_conditional_create(store: ObjectStore, location: S3URI) -> bo
 
 
 async def _probe(store: ObjectStore, location: S3URI) -> bool:
-    key = location.key(f".s3ckpt-probe-{uuid.uuid4().hex}")
+    key = location.key(PROBE_PREFIX + uuid.uuid4().hex)
     try:
         await store.put(key, b"1", mode="create")
         try:

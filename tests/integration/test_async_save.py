@@ -212,7 +212,8 @@ def test_failed_save_raises_through_the_future(local_s3: LocalS3Server) -> None:
         future.result(timeout=60)
     found = [e for e in worker.find_exceptions(raised.value) if isinstance(e, BucketNotFoundError)]
     assert len(found) == 1, worker.find_exceptions(raised.value)
-    assert found[0].bucket == MISSING_BUCKET and found[0].operation == "HeadBucket", vars(found[0])
+    # The save's first request: the coordinator's read of the manifest there.
+    assert found[0].bucket == MISSING_BUCKET and found[0].operation == "GetObject", vars(found[0])
     # DCP reports per-rank failures: rank 0 (the only one) failed planning.
     assert set(raised.value.failures) == {0}
     # Nothing was created: not the bucket, so neither objects, uploads nor a manifest.

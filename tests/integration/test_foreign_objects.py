@@ -9,7 +9,11 @@ foreign object is checked afterwards with a raw boto3 client, byte for byte.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -65,8 +69,9 @@ class Raw:
             assert self.get(rel) == body, f"{rel} was changed or deleted"
 
 
-def _save(make_writer, uri: str, value: float = 1.0) -> None:
-    dcp.save({"w": torch.full((64,), value), "step": int(value)}, storage_writer=make_writer(uri))
+def _save(make_writer, uri: str, value: float = 1.0, **options) -> None:
+    state = {"w": torch.full((64,), value), "step": int(value)}
+    dcp.save(state, storage_writer=make_writer(uri, **options))
 
 
 @pytest.fixture
@@ -383,3 +388,100 @@ def test_import_never_writes_over_a_foreign_manifest(s3ckpt, local_s3, s3_prefix
     assert "is not s3ckpt's" in result.err  # with --overwrite: named as foreign
     raw.intact({"step-2/manifest.json": FOREIGN_MANIFESTS["other/step-2"]})
     assert raw.keys() == {"step-2/manifest.json"}
+
+
+def test_a_save_never_writes_over_a_foreign_manifest(local_s3, s3_prefix, s3_options, make_writer):
+    """dcp.save, with overwrite=True or not, and CheckpointManager.save refuse a location
+    whose manifest.json is another tool's with ForeignObjectError, before writing anything."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    import s3ckpt
+    from s3ckpt import catalog
+
+    raw = Raw(local_s3, s3_prefix)
+    theirs = {
+        "step-2/manifest.json": FOREIGN_MANIFESTS["other/step-2"],
+        f"{s3ckpt.step_name(7)}/manifest.json": FOREIGN_MANIFESTS["json/step-2"],
+    }
+    for rel, body in theirs.items():
+        raw.put(rel, body)
+    for overwrite in (False, True):
+        with pytest.raises(CheckpointException) as raised:
+            _save(make_writer, f"{s3_prefix}/step-2", overwrite=overwrite)
+        error = s3ckpt.unwrap(raised.value)
+        assert isinstance(error, s3ckpt.ForeignObjectError), (overwrite, error)
+        assert str(error).startswith(f"{s3_prefix}/step-2/manifest.json is not s3ckpt's")
+    assert not catalog.is_committed(f"{s3_prefix}/step-2", **s3_options)
+
+    state = {"w": torch.full((64,), 7.0)}
+    with s3ckpt.CheckpointManager(s3_prefix, async_mode="sync", **s3_options) as manager:
+        for step, overwrite in ((7, False), (7, True)):
+            manager.overwrite = overwrite
+            with pytest.raises(s3ckpt.ForeignObjectError, match="is not s3ckpt's"):
+                manager.save(step, state)
+        assert manager.steps() == []
+    raw.intact(theirs)
+    assert raw.keys() == set(theirs)  # no object of any save: nothing was written
+
+
+LATEST = """\
+import json, logging, sys, warnings
+
+import torch
+
+import s3ckpt
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
+state = {"w": torch.zeros(64), "step": 0}
+with s3ckpt.CheckpointManager(sys.argv[1], async_mode="sync") as manager:
+    first = manager.steps()
+    loaded = manager.load_latest(state)
+    print(json.dumps({"steps": first, "again": manager.steps(), "loaded": loaded,
+                      "value": float(state["w"][0]), "uri": manager.uri_of(loaded)}))
+"""
+
+
+def test_a_fresh_manager_skips_a_foreign_step_folder_and_says_why(
+    local_s3, s3_prefix, s3_options, make_writer, tmp_path
+):
+    """A run holding another tool's step-0000000005/manifest.json and a real step 3: a
+    manager in a fresh process lists step 3 only, loads it, and logs the reason once."""
+    import s3ckpt
+    from s3ckpt import catalog
+
+    raw = Raw(local_s3, s3_prefix)
+    foreign = f"{s3ckpt.step_name(5)}/manifest.json"
+    raw.put(foreign, FOREIGN_MANIFESTS["other/step-2"])
+    _save(make_writer, f"{s3_prefix}/{s3ckpt.step_name(3)}", 3.0)
+    env = {**os.environ, **local_s3.env()}
+    env["AWS_CONFIG_FILE"] = env["AWS_SHARED_CREDENTIALS_FILE"] = str(tmp_path / "none")
+    script = tmp_path / "latest.py"
+    script.write_text(textwrap.dedent(LATEST))
+    done = subprocess.run(
+        [sys.executable, str(script), s3_prefix],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert found == {
+        "steps": [3],
+        "again": [3],
+        "loaded": 3,
+        "value": 3.0,
+        "uri": f"{s3_prefix}/{s3ckpt.step_name(3)}",
+    }
+    why = f"{s3_prefix}/{foreign} is not s3ckpt's"
+    noted = [line for line in done.stderr.splitlines() if why in line]
+    assert len(noted) == 1, done.stderr[-3000:]  # once per manager, at INFO
+    assert noted[0].startswith("INFO ") and noted[0].endswith("not used as a step"), noted
+
+    listed = catalog.run_steps(s3_prefix, **s3_options)
+    assert listed.names == {3: s3ckpt.step_name(3)} and listed.latest() == 3
+    assert [n.name for n in listed.notes] == [s3ckpt.step_name(5)]
+    assert not catalog.is_committed(f"{s3_prefix}/{s3ckpt.step_name(5)}", **s3_options)
+    assert catalog.is_committed(f"{s3_prefix}/{s3ckpt.step_name(3)}", **s3_options)
+    raw.intact({foreign: FOREIGN_MANIFESTS["other/step-2"]})

@@ -255,10 +255,11 @@ async def alist_checkpoints(
 
 
 def _damaged_if_ours(group: Group, read: Read) -> Read:
-    """A manifest that is not s3ckpt's over a directory holding s3ckpt's own objects is an
-    s3ckpt checkpoint whose manifest was replaced: listed ``damaged`` (``ls`` exits 1),
-    not ``foreign``. The commands that delete still refuse it (its manifest is not ours)."""
-    if isinstance(read, ForeignObjectError) and group.objects:
+    """A manifest that is not s3ckpt's beside an s3ckpt metadata object (which a commit
+    writes just before its manifest) is an s3ckpt checkpoint whose manifest was replaced:
+    listed ``damaged`` (``ls`` exits 1), not ``foreign``. Beside a stopped save's data
+    objects alone it stays ``foreign``. The commands that delete refuse both."""
+    if isinstance(read, ForeignObjectError) and any(o.rank is None for o in group.objects):
         return f"unreadable manifest: {read}"
     return read
 

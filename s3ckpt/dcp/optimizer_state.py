@@ -27,6 +27,7 @@ left out, and the load's report names them (:mod:`s3ckpt.dcp.load_report`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from dataclasses import dataclass, field
@@ -98,7 +99,7 @@ def plan_fills(metadata: Metadata, plan: LoadPlan) -> tuple[LoadPlan, list[Fill]
         items += read_items_for(fqn, md, fill.offsets, fill.sizes)
     if not fills:
         return plan, []
-    return LoadPlan(list(plan.items) + items, plan.storage_data, plan.planner_data), fills
+    return dataclasses.replace(plan, items=list(plan.items) + items), fills
 
 
 def _regions(plan: LoadPlan) -> dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]]:
@@ -182,9 +183,7 @@ class Fills:
                 self.left_out.append(self.fills.pop(fill.fqn).fqn)
         left_out = set(self.left_out)
         items = [item for item in plan.items if item.dest_index.fqn not in left_out]
-        return _FillingPlanner(planner, self.fills), LoadPlan(
-            items, plan.storage_data, plan.planner_data
-        )
+        return _FillingPlanner(planner, self.fills), dataclasses.replace(plan, items=items)
 
     def install(self, planner: LoadPlanner) -> None:
         """Hand every fill to the optimizer state dict it belongs to (after the reads)."""

@@ -38,7 +38,7 @@ from s3ckpt.format.layout import CLAIM_PREFIX, LEASE_S, SAVING_PREFIX
 from s3ckpt.format.manifest import Manifest
 from s3ckpt.s3.error_mapping import UNSUPPORTED_CODES
 from s3ckpt.s3.store import ObjectMeta, ObjectStore, PendingUpload
-from s3ckpt.transfer.commit import read_manifest
+from s3ckpt.transfer.commit import PROBE_PREFIX, read_manifest
 from s3ckpt.transfer.fanout import bounded
 
 DELETE_BATCH = 1000  # keys per DeleteObjects request, S3's maximum
@@ -49,7 +49,7 @@ _SAVE_FOLDERS = ("data", "index")  # folders of a save's objects inside a checkp
 _DIR = r"^(?:(?P<dir>.*)/)?"
 _MANIFEST = re.compile(_DIR + r"manifest\.json$")
 _METADATA = re.compile(_DIR + r"metadata-(?P<save>[0-9a-f]+)\.pkl$")
-_PROBE = re.compile(_DIR + r"\.s3ckpt-probe-[0-9a-f]+$")
+_PROBE = re.compile(_DIR + re.escape(PROBE_PREFIX) + r"[0-9a-f]+$")
 _SAVING = re.compile(_DIR + re.escape(SAVING_PREFIX) + r"[0-9a-f]+$")
 _CLAIM = re.compile(_DIR + re.escape(CLAIM_PREFIX) + r"[0-9a-f]+$")
 # As layout.data_key and index_key write them: ranks of 5 digits or more, parts of 4 or more.
@@ -93,20 +93,45 @@ class Group:
     def in_flight(self, now: float, lease: float = LEASE_S) -> bool:
         """Whether a save is running here: an in-flight record refreshed within ``lease``
         (``LastModified`` from the server's clock, and ``now`` too: callers read it from
-        the store, :mod:`s3ckpt.catalog.clock`, never from this machine). The record of the
-        save the manifest names does not count: that save has committed (and died before
-        deleting its record). Nor does a record last written before the commit (in an
-        earlier second: ``LastModified`` has whole seconds): a save killed there, then
-        saved again by a resumed run, leaves one, and a live save rewrites its record
-        every ``HEARTBEAT_S``."""
-        done = self.committed_save_hint()
+        the store, :mod:`s3ckpt.catalog.clock`, never from this machine).
+
+        In a committed directory, only records written since the commit count: a save
+        killed before it, then saved again by a resumed run, leaves one, and a live save
+        rewrites its record every ``HEARTBEAT_S``. ``LastModified`` has whole seconds, so a
+        record of the commit's own second counts too (an overwrite may have started
+        then), unless it is the committed save's own (that save has committed, and died
+        before deleting its record), which the listing tells only where
+        :meth:`committed_save` is sure of it."""
         committed_at = timestamp(self.manifest) if self.manifest is not None else None
+        own = self.committed_save() if committed_at is not None else None
         return any(
             now - timestamp(m) < lease
-            and not m.key.endswith(SAVING_PREFIX + str(done))
             and (committed_at is None or timestamp(m) >= committed_at)
+            and not (own is not None and m.key.endswith(SAVING_PREFIX + own))
             for m in self.saving
         )
+
+    def committed_save(self) -> str | None:
+        """The save id the manifest names, where the listing alone is sure of it; else None.
+
+        The committed save wrote its metadata object just before its manifest, so in the
+        commit's second or earlier; a save that started after the commit writes its own
+        later, but within the same second when it is quick: ``LastModified`` has whole
+        seconds. So the hint (:meth:`committed_save_hint`) is sure when its metadata is
+        the only newest one not written after the manifest, and older than the commit's
+        second or the only one at all; a metadata object of the commit's second beside
+        older ones may be a running overwrite's, and then nothing is sure."""
+        if self.manifest is None:
+            return None
+        commit = timestamp(self.manifest)
+        before = [o for o in self.objects if o.rank is None and timestamp(o.meta) <= commit]
+        if not before:
+            return None
+        newest = max(timestamp(o.meta) for o in before)
+        at_newest = {o.save_id for o in before if timestamp(o.meta) == newest}
+        if len(at_newest) > 1 or (newest >= commit and len({o.save_id for o in before}) > 1):
+            return None
+        return at_newest.pop()
 
     @property
     def suspect(self) -> bool:

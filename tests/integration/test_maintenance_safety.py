@@ -24,9 +24,11 @@ from s3ckpt import catalog
 from s3ckpt.catalog import api as catalog_api
 from s3ckpt.catalog import unpublish as unpublish_module
 from s3ckpt.catalog.gc import acollect_garbage
+from s3ckpt.catalog.scan import scan_checkpoints, timestamp
 from s3ckpt.catalog.unpublish import conditional_deletes, probe_conditional_delete
 from s3ckpt.cli.main import main
 from s3ckpt.config import S3URI, make_config
+from s3ckpt.dcp import writer as writer_module
 from s3ckpt.format.layout import saving_key
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
@@ -121,6 +123,79 @@ class PausedSave:
         self._go.set()
         self.thread.join(120)
         assert self.error is None, self.error
+
+
+class HeldCommit:
+    """An overwrite held after its metadata object is written, before its manifest: the
+    last moment a listing can take it for the committed save."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.reached, self._go = threading.Event(), threading.Event()
+        real = writer_module.commit_manifest
+
+        async def held(*args, **kwargs):
+            self.reached.set()
+            while not self._go.is_set():
+                await asyncio.sleep(0.02)  # the I/O loop serves the test's prune meanwhile
+            return await real(*args, **kwargs)
+
+        monkeypatch.setattr(writer_module, "commit_manifest", held)
+
+    def save(self, writer, value: float) -> threading.Thread:
+        self.reached.clear()
+        self._go.clear()
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                dcp.save(_state(value), storage_writer=writer)
+            except BaseException as exc:
+                failed.append(exc)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        assert self.reached.wait(120), failed
+        thread.failed = failed  # type: ignore[attr-defined]
+        return thread
+
+    def release(self, thread: threading.Thread) -> None:
+        self._go.set()
+        thread.join(120)
+        assert not thread.failed, thread.failed  # type: ignore[attr-defined]
+
+
+def test_prune_keeps_a_checkpoint_whose_overwrite_commits_in_the_second_of_its_last_commit(
+    s3_prefix, make_writer, make_reader, store, monkeypatch
+):
+    """Overwrites of step-1 follow each other, each held between its metadata object and
+    its manifest; each starts right after the previous commit, so on most attempts its
+    record and metadata object share the commit's second (``LastModified`` has whole
+    seconds), where the newest metadata before the commit is the overwrite's, not the
+    committed save's. Every attempt, same second or not, prune keeps step-1 as a save in
+    flight; the listing of that second itself is pinned in
+    ``tests/unit/test_in_flight_seconds.py``."""
+    location = S3URI.parse(s3_prefix)
+    dcp.save(_state(1), storage_writer=make_writer(f"{s3_prefix}/step-1"))
+    dcp.save(_state(2), storage_writer=make_writer(f"{s3_prefix}/step-2"))
+    hold = HeldCommit(monkeypatch)
+    seconds_shared = 0
+    for attempt in range(4):
+        value = 10.0 + attempt
+        thread = hold.save(make_writer(f"{s3_prefix}/step-1", overwrite=True), value)
+        try:
+            step1 = io_loop().run(scan_checkpoints(store, location)).groups["step-1"]
+            assert step1.manifest is not None
+            newest = max(timestamp(o.meta) for o in step1.objects if o.rank is None)
+            seconds_shared += newest == timestamp(step1.manifest)
+            report = io_loop().run(
+                catalog_api.aprune(store, location, keep_last=0, force=True, dry_run=True)
+            )
+        finally:
+            hold.release(thread)
+        kept = {d.name: d.reason for d in report.decisions if not d.delete}
+        assert kept == {"step-1": "save in flight"}, (attempt, seconds_shared)
+        assert [r.name for r in report.removed] == ["step-2"]
+        assert _loads(make_reader, f"{s3_prefix}/step-1", value)
 
 
 def test_the_probe_sees_which_stores_honour_conditional_deletes(

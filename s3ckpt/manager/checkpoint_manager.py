@@ -57,7 +57,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -65,11 +65,12 @@ import torch.distributed.checkpoint as dcp
 from s3ckpt.background.ranks import Ranks
 from s3ckpt.background.saver import BackgroundSaver, state_bytes
 from s3ckpt.config import S3URI, S3Config, check_key_room, make_config
-from s3ckpt.dcp.compat import CheckpointException, unwrap
+from s3ckpt.dcp.compat import unwrap
+from s3ckpt.dcp.failure import reraise as _reraise
 from s3ckpt.dcp.load_report import strict_loads
 from s3ckpt.dcp.reader import S3StorageReader
 from s3ckpt.dcp.writer import S3StorageWriter, longest_name
-from s3ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError, S3CkptError
+from s3ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError
 from s3ckpt.manager.committed import CommittedSteps
 from s3ckpt.manager.ledger import InFlight, SaveLedger
 from s3ckpt.manager.policy import (
@@ -456,25 +457,6 @@ class CheckpointManager:
             self._ledger.raise_failure()
         except Exception as exc:
             _reraise(exc, "the background save")
-
-
-def _reraise(exc: BaseException, doing: str = "") -> NoReturn:
-    """Raise ``exc`` as an s3ckpt error, chained to it: the one a rank raised inside DCP's
-    ``CheckpointException`` (a ``BaseException``, which ``except Exception`` misses), or
-    ``exc`` itself if it is one, else a :class:`~s3ckpt.errors.CheckpointError` whose
-    first line is ``doing`` and ``exc``'s own (a planner's ``RuntimeError``, an
-    ``AssertionError`` of DCP's). ``KeyboardInterrupt`` and the like go on as they are."""
-    error = unwrap(exc)
-    if isinstance(error, S3CkptError) or not isinstance(error, (Exception, CheckpointException)):
-        if error is exc:
-            raise exc
-        raise error from exc
-    if isinstance(error, CheckpointException):  # one without failures: its first word only
-        text = str(error.args[0]) if error.args else ""
-    else:
-        text = str(error)
-    cause = f"{type(error).__name__}: {text}" if text else type(error).__name__
-    raise CheckpointError(f"{doing} failed: {cause}" if doing else cause) from exc
 
 
 __all__ = ["AsyncMode", "CheckpointManager", "IfBusy", "SaveMetrics", "checkpoint_name"]

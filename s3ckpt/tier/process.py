@@ -8,7 +8,8 @@ which takes the place of ``dcp.async_save`` and of the first step of a restore::
     tiered = TieredCheckpointProcess("s3://ckpt/run", MemoryTier(keep=2, s3_every=10))
     for step in ...:
         if step % 5 == 0:
-            writer = S3StorageWriter(f"s3://ckpt/run/step-{step}") if tiered.memory_tier.to_s3(step) else None
+            uri = f"s3://ckpt/run/{s3ckpt.step_name(step)}"  # step-0000000300, as the manager names it
+            writer = S3StorageWriter(uri) if tiered.memory_tier.to_s3(step) else None
             tiered.async_save(state_dict, step, storage_writer=writer)
     ...
     # after a restart, on every rank:
@@ -40,7 +41,8 @@ from __future__ import annotations
 
 import logging
 import os
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import CancelledError, Future, InvalidStateError
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +53,7 @@ from s3ckpt.background.ranks import Ranks
 from s3ckpt.background.saver import BackgroundSaver
 from s3ckpt.catalog.steps import step_name
 from s3ckpt.config import S3URI, check_key_room
-from s3ckpt.dcp.compat import unwrap
+from s3ckpt.dcp.failure import reraise
 from s3ckpt.dcp.writer import longest_name
 from s3ckpt.errors import ConfigError, InvalidURIError
 from s3ckpt.tier.options import MemoryTier
@@ -87,14 +89,16 @@ class TierSave:
 
     def result(self, timeout: float | None = None) -> Any:
         """Wait for the whole save; DCP's ``Metadata`` (None if held only), or raise the
-        save's s3ckpt error."""
+        save's s3ckpt error: the one a rank raised inside DCP's ``CheckpointException``,
+        else a :class:`~s3ckpt.errors.CheckpointError` naming the failure, chained to it
+        (as :class:`~s3ckpt.CheckpointManager` raises). A ``timeout`` that runs out raises
+        ``TimeoutError`` (the save goes on), a cancelled save ``CancelledError``."""
         try:
             return self.done.result(timeout)
-        except Exception as exc:
-            error = unwrap(exc)
-            if error is exc:
-                raise
-            raise error from exc
+        except (FutureTimeoutError, CancelledError):
+            raise
+        except BaseException as exc:
+            reraise(exc, f"the save of step {self.step}")
 
 
 class TieredCheckpointProcess:

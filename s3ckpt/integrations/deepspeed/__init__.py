@@ -58,8 +58,10 @@ from __future__ import annotations
 try:
     import deepspeed  # noqa: F401
 except ImportError as exc:
+    from s3ckpt._install import install_hint
+
     raise ImportError(
-        "s3ckpt.integrations.deepspeed needs DeepSpeed: pip install 's3ckpt[deepspeed]' "
+        f"s3ckpt.integrations.deepspeed needs DeepSpeed, in {install_hint('deepspeed')} "
         "(DeepSpeed 0.19 is an sdist; on a CPU-only host: DS_BUILD_OPS=0 pip install "
         "--no-build-isolation deepspeed)"
     ) from exc

@@ -27,7 +27,7 @@ Two ways in, depending on who writes the checkpoint:
 Either way ``ModelCheckpoint``'s top-k rotation removes checkpoints through the catalog,
 and :func:`last_checkpoint` finds the newest committed one under a prefix
 (``fit(ckpt_path="last")`` cannot list ``s3://``). Lightning's private names are used in
-:mod:`~s3ckpt.integrations.lightning.compat` alone. Needs ``pip install 's3ckpt[lightning]'``.
+:mod:`~s3ckpt.integrations.lightning.compat` alone. Needs the ``lightning`` extra (``pip install './s3ckpt[lightning]'`` from a checkout).
 """
 
 from __future__ import annotations
@@ -35,9 +35,11 @@ from __future__ import annotations
 try:
     import lightning  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised with lightning hidden
+    from s3ckpt._install import install_hint
+
     raise ImportError(
-        "s3ckpt.integrations.lightning needs PyTorch Lightning and s3fs: "
-        "pip install 's3ckpt[lightning]'"
+        "s3ckpt.integrations.lightning needs PyTorch Lightning and s3fs, in "
+        + install_hint("lightning")
     ) from exc
 
 from s3ckpt.integrations.lightning.checkpoint_io import (

@@ -21,7 +21,7 @@ through :class:`~s3ckpt.S3StorageWriter` and loaded back whole, without a templa
 What Lightning does around the plugin, and how it is covered:
 
 * ``ModelCheckpoint`` checks ``dirpath`` and checkpoint names through fsspec, i.e. s3fs
-  for ``s3://`` (``pip install 's3ckpt[lightning]'`` installs it). The plugin points s3fs at
+  for ``s3://`` (``pip install './s3ckpt[lightning]'`` installs it). The plugin points s3fs at
   the same endpoint when it is created (:func:`~s3ckpt.integrations.fsspec_s3.configure_fsspec`;
   ``configure_fsspec=False`` leaves fsspec alone).
 * Saving over an existing path (``last.ckpt`` is rewritten at every save) replaces the

@@ -43,8 +43,10 @@ try:
 except ModuleNotFoundError as exc:  # pragma: no cover - exercised in a subprocess
     if (exc.name or "").split(".")[0] != "megatron":
         raise
+    from s3ckpt._install import install_hint
+
     raise ModuleNotFoundError(
-        "s3ckpt.integrations.megatron needs megatron-core: pip install 's3ckpt[megatron]'",
+        f"s3ckpt.integrations.megatron needs megatron-core, in {install_hint('megatron')}",
         name=exc.name,
     ) from exc
 

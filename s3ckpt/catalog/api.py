@@ -41,6 +41,7 @@ from s3ckpt.catalog.scan import (
 from s3ckpt.catalog.unpublish import conditional_deletes, unpublish
 from s3ckpt.config import S3URI, S3Config
 from s3ckpt.errors import (
+    BucketNotFoundError,
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -334,10 +335,11 @@ def committed_names(
 async def ais_committed(store: ObjectStore, location: S3URI) -> bool:
     """Whether a checkpoint is committed at ``location``: one GET of its manifest
     (:func:`~s3ckpt.transfer.commit.manifest_exists`); a ``manifest.json`` that is not
-    s3ckpt's is no checkpoint (False)."""
+    s3ckpt's is no checkpoint, nor is anything in a missing bucket (False: a save there
+    says why)."""
     try:
         return await manifest_exists(store, location)
-    except ForeignObjectError:
+    except (ForeignObjectError, BucketNotFoundError):
         return False
 
 

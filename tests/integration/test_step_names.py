@@ -152,7 +152,9 @@ def test_a_fresh_manager_resumes_from_the_steps_a_tiered_script_wrote(
 def test_a_fresh_manager_resumes_from_steps_a_plain_writer_wrote(
     s3_prefix, s3_options, local_s3, tmp_path
 ):
-    for step in (5, 40, 9):
+    # Saved in step order: a lower step committed after a higher one is a rollback, which
+    # supersedes the higher one (s3ckpt.catalog.retention). "step-40" < "step-9" as names.
+    for step in (5, 9, 40):
         save_as(f"{s3_prefix}/step-{step}", step, s3_options)
     found = latest(environment(local_s3, tmp_path), s3_prefix)
     assert found["steps"] == [5, 9, 40]  # by number, not by name

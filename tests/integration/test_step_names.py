@@ -164,14 +164,16 @@ def test_a_fresh_manager_resumes_from_steps_a_plain_writer_wrote(
 @ON_BOTH
 def test_padded_and_unpadded_names_mix(s3_prefix, s3_options, caplog):
     """A step named both ways resolves to the padded name, with a warning naming both."""
+    # Committed in step order: a lower step committed after a higher one is a rollback,
+    # which supersedes the higher one (s3ckpt.catalog.retention).
     save_as(f"{s3_prefix}/step-100", 100, s3_options)
-    save_as(f"{s3_prefix}/step-300", -3, s3_options)
-    save_as(f"{s3_prefix}/{s3ckpt.step_name(300)}", 300, s3_options)
     state = {"w": torch.zeros(64 * 1024)}
     caplog.set_level(logging.INFO, logger="s3ckpt")
     with CheckpointManager(s3_prefix, async_mode="sync", **s3_options) as manager:
         state["w"].fill_(200)
         assert manager.save(200, state) is True  # the manager's own name
+        save_as(f"{s3_prefix}/step-300", -3, s3_options)
+        save_as(f"{s3_prefix}/{s3ckpt.step_name(300)}", 300, s3_options)
         assert manager.steps() == [100, 200, 300]
         assert manager.uri_of(100) == f"{s3_prefix}/step-100"
         assert manager.uri_of(200) == f"{s3_prefix}/step-0000000200"

@@ -72,7 +72,17 @@ class S3Config:
             per endpoint and bucket, ``False`` uses the claim protocol, correct on stores
             without conditional writes (``docs/format.md``).
         connect_timeout, read_timeout: seconds; a connection that stalls for longer than
-            ``read_timeout`` counts as failed and is retried.
+            ``read_timeout`` counts as failed and is retried (within ``stall_timeout_s``).
+        stall_timeout_s: how long a request may make no progress at all before its save
+            (or load) fails with :class:`~s3ckpt.errors.StoreStalledError` instead of
+            retrying until ``deadline_s``: each try of a request is stopped after
+            ``stall_timeout_s / 2`` (or ``read_timeout``, where shorter) without a byte
+            sent or received, and is tried again on a fresh connection; once consecutive
+            stopped tries of one request add up to ``stall_timeout_s`` of silence, the
+            store counts as stalled (a store that filled up may hang instead of
+            answering). Only silence counts: a slow link that keeps moving bytes never
+            trips it, however long a part takes. Default 60 s; ``None``: no stall limit,
+            stalled tries are retried until the deadline.
         direct_reads: receive ranged GETs of checkpoint data with s3ckpt's own transport,
             straight into the destination memory (:mod:`s3ckpt.s3.wire`); ``False`` sends
             them through aiobotocore like every other request.
@@ -120,6 +130,7 @@ class S3Config:
     tls_threads: bool | None = None
     max_attempts: int | None = None
     deadline_s: float | None = 900.0
+    stall_timeout_s: float | None = 60.0
 
     def __post_init__(self) -> None:
         if self.endpoint_url is not None:
@@ -144,6 +155,10 @@ class S3Config:
             raise ConfigError("timeouts must be positive")
         if self.deadline_s is not None and not self.deadline_s > 0:
             raise ConfigError(f"deadline_s must be positive or None, got {self.deadline_s}")
+        if self.stall_timeout_s is not None and not self.stall_timeout_s > 0:
+            raise ConfigError(
+                f"stall_timeout_s must be positive or None, got {self.stall_timeout_s}"
+            )
         if self.tls_threads is not None:
             warnings.warn(
                 "S3Config(tls_threads=...) is deprecated: use direct_uploads, which also "
@@ -156,6 +171,14 @@ class S3Config:
         """Whether upload bodies go through s3ckpt's transport (``direct_uploads``, or the
         deprecated ``tls_threads`` where it is set)."""
         return self.direct_uploads if self.tls_threads is None else self.tls_threads
+
+    def idle_timeout(self) -> float:
+        """Seconds one try of a request may go without moving a byte before it is stopped
+        (and retried): ``read_timeout``, or half of ``stall_timeout_s`` where that is
+        shorter, so that two silent tries make a stall."""
+        if self.stall_timeout_s is None:
+            return self.read_timeout
+        return min(self.read_timeout, self.stall_timeout_s / 2)
 
     def replace(self, **changes: object) -> S3Config:
         """A copy with some fields changed (validated again)."""
@@ -175,7 +198,7 @@ class S3Config:
             tuple(sorted((self.proxies or {}).items())),
             self.max_concurrency,
             self.connect_timeout,
-            self.read_timeout,
+            self.idle_timeout(),
             self.direct_reads,
             self.uploads_on_data_plane(),
             self.native_uploads,

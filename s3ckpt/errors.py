@@ -14,8 +14,10 @@
     │   ├── BucketNotFoundError
     │   ├── ObjectNotFoundError (FileNotFoundError)
     │   ├── PreconditionFailedError            a conditional write lost its race
+    │   ├── StoreFullError                     the store is full, over quota, or the object too large
     │   └── TransientStorageError              throttling or 5xx that outlived the retries
-    │       └── DeadlineExceededError          the save's (or load's) retry budget ran out
+    │       ├── DeadlineExceededError          the save's (or load's) retry budget ran out
+    │       └── StoreStalledError              the store stopped taking (or sending) bytes
     ├── CheckpointError                        checkpoint-level problems
     │   ├── CheckpointNotFoundError (FileNotFoundError)  no committed manifest
     │   ├── CheckpointExistsError (FileExistsError)      saving over a commit without overwrite
@@ -132,6 +134,15 @@ class PreconditionFailedError(StorageError):
     """A conditional request (``If-None-Match: *``) found the object already there."""
 
 
+class StoreFullError(StorageError):
+    """The store refused the bytes for lack of room: it is full (HTTP 507,
+    ``InsufficientStorage``, MinIO's ``XMinioStorageFull``), the bucket or its owner is
+    over quota (``QuotaExceeded``, as Ceph RGW answers), or the object is larger than the
+    store takes (``EntityTooLarge``; ``code`` tells which). Not retried: room does not
+    come back by asking again. Nothing of the save is committed; the previous checkpoint
+    stays the loadable one."""
+
+
 class TransientStorageError(StorageError):
     """Throttling or a server error that persisted through every retry."""
 
@@ -139,6 +150,15 @@ class TransientStorageError(StorageError):
 class DeadlineExceededError(TransientStorageError):
     """A request failed after the time budget of its save or load (``S3Config.deadline_s``)
     was spent, so it was not retried; the cause is the last failure."""
+
+
+class StoreStalledError(TransientStorageError):
+    """A request made no progress for ``S3Config.stall_timeout_s``: its tries, each on a
+    fresh connection, moved no byte and got no answer (a store that filled up and hangs
+    instead of answering, a gateway that stopped forwarding). The save fails then rather
+    than at its deadline, and is not retried further; the message names the operation,
+    the key and the store's last answer to this process. The store may recover: the
+    next save tries again."""
 
 
 class CheckpointError(S3CkptError):

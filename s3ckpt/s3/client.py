@@ -31,6 +31,7 @@ from s3ckpt.config import S3Config, client_environment
 from s3ckpt.errors import ConfigError
 from s3ckpt.s3.compat_botocore import note_endpoints, on_before_sign
 from s3ckpt.s3.loop import io_loop
+from s3ckpt.s3.retry import StoreAnswers
 from s3ckpt.s3.wire import DataPlane, proxied
 from s3ckpt.s3.wire.calls import SignedCalls, content_md5
 from s3ckpt.s3.wire.gets import RangedGets
@@ -55,6 +56,7 @@ class ClientHandle:
         # Whether the endpoint has answered a request of this process: until it has, a
         # connection it refuses is more likely a wrong endpoint than a blip (retry.py).
         self.answered = False
+        self.answers = StoreAnswers()  # when it last answered (stalls: retry.py)
 
     async def get(self) -> Any:
         if self.client is None:
@@ -84,7 +86,7 @@ class ClientHandle:
             client,
             verify=tls_verify(config),
             connect_timeout=config.connect_timeout,
-            read_timeout=config.read_timeout,
+            read_timeout=config.idle_timeout(),  # stalls: S3Config.stall_timeout_s
             max_concurrency=config.max_concurrency,
             uploads=uploads,
             reads=reads,
@@ -160,7 +162,7 @@ def create_client(config: S3Config) -> Any:
         s3={"addressing_style": config.addressing_style, "payload_signing_enabled": False},
         max_pool_connections=config.max_concurrency,
         connect_timeout=config.connect_timeout,
-        read_timeout=config.read_timeout,
+        read_timeout=config.idle_timeout(),  # stalls: S3Config.stall_timeout_s
         retries={"total_max_attempts": 1},  # s3ckpt.s3.retry is the one retry layer
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
@@ -229,7 +231,9 @@ def prepare_client(config: S3Config) -> None:
 def _retire(handle: ClientHandle) -> None:
     """Close a replaced client later: its requests in flight get ``read_timeout`` twice
     over (a request silent for longer fails anyway) to finish."""
-    delay = RETIRE_AFTER_READ_TIMEOUTS * handle.config.read_timeout + handle.config.connect_timeout
+    delay = (
+        RETIRE_AFTER_READ_TIMEOUTS * handle.config.idle_timeout() + handle.config.connect_timeout
+    )
     loop = asyncio.get_running_loop()
     loop.call_later(delay, lambda: loop.create_task(handle.aclose()))
 

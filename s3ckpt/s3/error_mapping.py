@@ -20,6 +20,13 @@ and ``501`` for what they do not implement, :data:`UNSUPPORTED_CODES`) and those
 page that answered ``200`` where botocore expects XML is retried as a 500 (botocore reads
 an unreadable ``200`` as one) and then named with the ``200`` it was. A web page answering ``HeadBucket`` or a
 request with ``200`` is caught by :func:`check_s3_answer`.
+
+A store with no room left says so in its own words (:data:`FULL_CODES`,
+:data:`TOO_LARGE_CODES`: ``507``, ``QuotaExceeded``, ``XMinioStorageFull``,
+``EntityTooLarge``...): those become :class:`~s3ckpt.errors.StoreFullError`, whose message
+says the store is full, over quota, or the object too large. A store that stops reading
+without answering (some do when full) is found by the stall limit of
+:mod:`s3ckpt.s3.retry`, worded here as :class:`~s3ckpt.errors.StoreStalledError`.
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ from s3ckpt.errors import (
     PreconditionFailedError,
     S3CkptError,
     StorageError,
+    StoreFullError,
+    StoreStalledError,
     TransientStorageError,
 )
 from s3ckpt.s3 import retry
@@ -68,6 +77,13 @@ PRECONDITION_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequest
 UNSUPPORTED_CODES = frozenset(
     {"NotImplemented", "501", "MethodNotAllowed", "405", "InvalidRequest", "InvalidArgument"}
 )
+# What stores answer when they have no room for the bytes: S3's and RGW's quota error,
+# HTTP 507 (a bare status, or RGW's and others' code for it), MinIO's full disks, and the
+# object over the store's size limit. Not retried (none is in retry.RETRYABLE_CODES).
+FULL_CODES = frozenset(
+    {"QuotaExceeded", "InsufficientStorage", "507", "XMinioStorageFull", "StorageFull"}
+)
+TOO_LARGE_CODES = frozenset({"EntityTooLarge", "XMinioEntityTooLarge"})
 # What a gateway in front of a store answers, with its own page, while the store is down.
 _GATEWAY = frozenset({502, 503, 504})
 # Operations S3 answers with no body, errors included.
@@ -128,6 +144,8 @@ def translate(
             text = f"no such bucket: s3://{bucket} ({detail})"
         elif cls is AccessDeniedError:
             text = f"access denied to {where or 'the store'}: check the credentials ({detail})"
+        elif cls is StoreFullError:
+            text = _full_message(code, operation, where, detail)
         else:
             text = f"{operation} {where} failed: {code}{': ' + message if message else ''}"
         return cls(text, code=code, **ctx)
@@ -160,7 +178,7 @@ def not_s3_error(exc: bce.ClientError, operation: str) -> bool:
         return status not in _GATEWAY  # a proxy's page, in front of a store that may be fine
     if retry.is_retryable(exc):
         return False
-    return operation not in _BODILESS and str(status) not in UNSUPPORTED_CODES
+    return operation not in _BODILESS and str(status) not in UNSUPPORTED_CODES | FULL_CODES
 
 
 def check_s3_answer(
@@ -204,9 +222,25 @@ def _not_s3(
     )
 
 
+def _full_message(code: str, operation: str, where: str, detail: str) -> str:
+    """What a "no room" answer means, said plainly."""
+    if code in TOO_LARGE_CODES:
+        what = "the object is larger than the store accepts"
+        hint = "a smaller part_size or max_object_size keeps objects within its limit"
+    elif code in ("QuotaExceeded",):
+        what = "the bucket (or its owner) is over its quota on the store"
+        hint = "raise the quota, or free space (s3ckpt prune, s3ckpt gc)"
+    else:
+        what = "the store is full: it has no room for more bytes"
+        hint = "free space (s3ckpt prune, s3ckpt gc) or add capacity"
+    return f"{operation} {where} refused: {what} ({detail}); {hint}"
+
+
 def _class_for_code(code: str, key: str | None, retryable: bool) -> type[StorageError]:
     """The error class of an S3 error response; what :mod:`s3ckpt.s3.retry` retries (and
     so only gives up on after every attempt) is a :class:`TransientStorageError`."""
+    if code in FULL_CODES or code in TOO_LARGE_CODES:
+        return StoreFullError
     if code in _NO_BUCKET:
         return BucketNotFoundError
     if code in _NOT_FOUND:
@@ -252,12 +286,26 @@ def translate_final(
     operation: str,
     bucket: str | None = None,
     key: str | None = None,
+    stalled: float = 0.0,
+    last_answer: str = "",
 ) -> S3CkptError:
-    """The error for a request that was retried and still failed (``last`` failure)."""
+    """The error for a request that was retried and still failed (``last`` failure);
+    ``stalled``: the seconds of silence after which the stall limit stopped it
+    (:mod:`s3ckpt.s3.retry`), and ``last_answer`` what the store last answered."""
     error = translate(last, operation=operation, bucket=bucket, key=key)
     if not isinstance(error, StorageError):
         return error
     ctx = {"operation": operation, "code": error.code, "bucket": bucket, "key": key}
+    if stalled:
+        where = f"s3://{bucket}/{key}" if key else f"s3://{bucket}"
+        return StoreStalledError(
+            f"{operation} {where} stalled: the store moved no byte of it and sent no "
+            f"answer for {stalled:.0f} s ({attempts} tries; S3Config.stall_timeout_s); "
+            f"{last_answer or 'no earlier answer is known'}. A store that is full or "
+            "overloaded may stop reading instead of answering: the save (or load) ends "
+            "now rather than at its deadline (S3Config.deadline_s)",
+            **ctx,
+        )
     if out_of_time:
         return DeadlineExceededError(
             f"{error}; not retried after {attempts} attempt(s): the time budget of this save "

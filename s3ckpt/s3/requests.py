@@ -63,11 +63,16 @@ class Requests:
             deadline=self.deadline,
             tally=self.tally,
             endpoint_answered=lambda: handle.answered,
+            stall_timeout=self.config.stall_timeout_s,
+            idle_timeout=self.config.idle_timeout(),
+            answers=handle.answers,
         )
         with translated(operation, self.bucket, key):
             try:
                 return await retry.run(
-                    self._answered(attempt, handle), policy, what=f"{operation} {self.where(key)}"
+                    self._answered(attempt, handle, operation),
+                    policy,
+                    what=f"{operation} {self.where(key)}",
                 )
             except retry.RetryError as exc:
                 raise translate_final(
@@ -77,22 +82,31 @@ class Requests:
                     operation=operation,
                     bucket=self.bucket,
                     key=key,
+                    stalled=exc.stalled,
+                    last_answer=handle.answers.describe(),
                 ) from exc.last
 
     @staticmethod
     def _answered(
-        attempt: Callable[[int], Awaitable[T]], handle: ClientHandle
+        attempt: Callable[[int], Awaitable[T]], handle: ClientHandle, operation: str
     ) -> Callable[[int], Awaitable[T]]:
         """``attempt``, noting that the endpoint answers when it returns or fails with an
-        S3 error response (which only a reachable endpoint sends)."""
+        S3 error response (which only a reachable endpoint sends), and when
+        (:class:`~s3ckpt.s3.retry.StoreAnswers`, for stalls)."""
 
         async def noted(number: int) -> T:
+            answers = handle.answers
+            answers.asking()
             try:
                 result = await attempt(number)
-            except ClientError:
+            except ClientError as exc:
                 handle.answered = True
+                answers.note(f"{operation} {error_code(exc)}")
                 raise
+            finally:
+                answers.done()
             handle.answered = True
+            answers.note(f"{operation} OK")
             return result
 
         return noted
@@ -161,7 +175,17 @@ class Requests:
             return None
         connections = max(1, min(len(parts), self.config.max_concurrency // 2))
         async with handle.slots_for(connections):
-            return await signed.try_parts(self.bucket, key, upload_id, parts, connections)
+            handle.answers.asking()
+            try:
+                outcomes = await signed.try_parts(self.bucket, key, upload_id, parts, connections)
+            finally:
+                handle.answers.done()
+        for outcome in outcomes or ():
+            if isinstance(outcome, ClientError):
+                handle.answers.note(f"UploadPart {error_code(outcome)}")
+            elif not isinstance(outcome, Exception):
+                handle.answers.note("UploadPart OK")
+        return outcomes
 
     async def call(self, operation: str, key: str | None, **params: Any) -> dict[str, Any]:
         return await self.retrying(operation, key, lambda _: self.request(operation, params))

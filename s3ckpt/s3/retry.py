@@ -18,6 +18,18 @@ recognised as our own write. Three bounds keep a failing save from hanging:
   connection (or lets it time out) is given :data:`UNANSWERED_ENDPOINT_ATTEMPTS` tries, a
   few seconds: a wrong endpoint fails in seconds rather than at the deadline. Once it has
   answered, a refused connection is a blip (a restart, a failover) like any other.
+* a stall limit (``S3Config.stall_timeout_s``): a try that moves no byte for the
+  client's idle timeout (``S3Config.idle_timeout``: half the limit, or ``read_timeout``
+  where shorter) is stopped and tried again on a fresh connection (one connection
+  silently dropped is a blip); once consecutive stopped tries of one request add up to
+  the limit, the request stops with :class:`RetryError` ``stalled``, which
+  :mod:`s3ckpt.s3.error_mapping` words as a stalled store. A store that filled up
+  may hang instead of answering: its saves then fail in about the limit instead of at the
+  deadline. The limit is also reached when a try was stopped for silence and the whole
+  store has answered nothing to this process for that long while asked
+  (:class:`StoreAnswers`). Only silence counts (each stopped try was silent for the
+  whole idle timeout), so a slow link that keeps moving bytes never trips it. Any other
+  failure, an answer included, starts the count again.
 
 Only failures that a retry can fix are retried: throttling, 5xx, ``RequestTimeout``,
 ``BadDigest`` (bytes damaged in transit), dropped and reset connections, timeouts
@@ -39,7 +51,7 @@ from typing import TypeVar
 import aiohttp
 from botocore import exceptions as bce
 
-from s3ckpt.errors import S3CkptError, TransientStorageError
+from s3ckpt.errors import S3CkptError, StoreStalledError, TransientStorageError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -80,6 +92,54 @@ _CONNECT_FAILURES = (
 )
 
 
+# A try stopped because its connection moved no byte for the idle timeout: every route
+# reports it as botocore's ReadTimeoutError (the data plane's timers, the native sender's
+# socket timeouts, aiobotocore); a body read from aiohttp's stream, as aiohttp's own.
+_SILENT_TRIES = (bce.ReadTimeoutError, aiohttp.SocketTimeoutError)
+
+
+def is_stall(exc: BaseException) -> bool:
+    """Whether a try ended because its connection went silent (no byte either way for
+    the idle timeout), rather than with an answer or a dropped connection."""
+    return isinstance(exc, _SILENT_TRIES)
+
+
+class StoreAnswers:
+    """When the store last answered this process (any request, any route), and since
+    when it has been asked something without a pause (a request's try in flight): how
+    long the whole store has been silent, which a stalled request's error reports and
+    which ends its retries sooner (:meth:`RetryPolicy.stalled`). One per client."""
+
+    def __init__(self) -> None:
+        self.last_at: float | None = None
+        self.last = ""
+        self.waiting = 0  # tries in flight
+        self.asked_at = 0.0  # when tries in flight last went from none to some
+
+    def asking(self) -> None:
+        if self.waiting == 0:
+            self.asked_at = time.monotonic()
+        self.waiting += 1
+
+    def done(self) -> None:
+        self.waiting -= 1
+
+    def note(self, what: str) -> None:
+        """The store answered (``what``: the operation and its outcome)."""
+        self.last_at, self.last = time.monotonic(), what
+
+    def silence(self) -> float:
+        """Seconds the store has been asked without answering anything."""
+        since = self.asked_at if self.last_at is None else max(self.last_at, self.asked_at)
+        return time.monotonic() - since
+
+    def describe(self) -> str:
+        if self.last_at is None:
+            return "the store has not answered any request of this process"
+        ago = time.monotonic() - self.last_at
+        return f"the store's last answer to this process was {self.last}, {ago:.0f} s ago"
+
+
 @dataclass
 class Tally:
     """Retries counted over every request of one save or load (its metrics)."""
@@ -101,6 +161,26 @@ class RetryPolicy:
     # asked at each failure, so that a request that started before any answer came is
     # retried as a blip once another request has had one.
     endpoint_answered: bool | Callable[[], bool] = True
+    # The stall limit (S3Config.stall_timeout_s; None: none) and how long each stopped
+    # try was silent (S3Config.idle_timeout()).
+    stall_timeout: float | None = None
+    idle_timeout: float = 0.0
+    answers: StoreAnswers | None = None
+
+    def stalled(self, silent_tries: int) -> float | None:
+        """The seconds of silence that make a request stalled after ``silent_tries``
+        consecutive tries each silent for the idle timeout, or None where it is not:
+        those tries add up to the stall limit, or the last one was silent and the whole
+        store has answered nothing for the limit (tries of other requests stalled too:
+        batches of parts that went silent one after another on each connection)."""
+        limit = self.stall_timeout
+        if limit is None or self.idle_timeout <= 0 or silent_tries < 1:
+            return None
+        silence = silent_tries * self.idle_timeout
+        if self.answers is not None:
+            silence = max(silence, self.answers.silence())
+        # A tolerance for the float sum: two tries of half the limit make the limit.
+        return silence if silence >= limit * (1 - 1e-9) else None
 
     def attempt_limit(self, failure: BaseException) -> int | None:
         """The most tries of a request that just failed with ``failure``."""
@@ -123,11 +203,14 @@ class RetryPolicy:
 class RetryError(Exception):
     """Raised by :func:`run` when it stops retrying; ``last`` is the final failure."""
 
-    def __init__(self, last: BaseException, attempts: int, *, out_of_time: bool) -> None:
+    def __init__(
+        self, last: BaseException, attempts: int, *, out_of_time: bool, stalled: float = 0.0
+    ) -> None:
         super().__init__(f"gave up after {attempts} attempt(s): {last!r}")
         self.last = last
         self.attempts = attempts
         self.out_of_time = out_of_time
+        self.stalled = stalled  # seconds of silence, where the request stalled
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -135,7 +218,7 @@ def is_retryable(exc: BaseException) -> bool:
     if isinstance(exc, bce.ClientError):
         return _retryable_response(exc)
     if isinstance(exc, S3CkptError):  # already translated: its class says it all
-        return isinstance(exc, TransientStorageError)
+        return isinstance(exc, TransientStorageError) and not isinstance(exc, StoreStalledError)
     if isinstance(exc, (bce.SSLError, aiohttp.ClientSSLError)):
         return False  # a certificate does not become valid by asking again
     if isinstance(exc, ShortReadError):
@@ -171,10 +254,12 @@ async def run(
     """Call ``attempt(n)`` for n = 1, 2, ... until it returns, fails for good, or time is up.
 
     Non-retryable failures propagate unchanged; when retrying stops, :class:`RetryError`
-    carries the last failure. ``n`` lets an attempt know it may be repeating a request
-    whose response was lost.
+    carries the last failure (``stalled``: the seconds of silence, where the stall limit
+    stopped it). ``n`` lets an attempt know it may be repeating a request whose response
+    was lost.
     """
     number = 1
+    silent = 0  # consecutive tries stopped for silence
     while True:
         try:
             return await attempt(number)
@@ -183,6 +268,10 @@ async def run(
         except Exception as exc:
             if not is_retryable(exc):
                 raise
+            silent = silent + 1 if is_stall(exc) else 0
+            silence = policy.stalled(silent)
+            if silence is not None:
+                raise RetryError(exc, number, out_of_time=False, stalled=silence) from exc
             limit = policy.attempt_limit(exc)
             if limit is not None and number >= limit:
                 raise RetryError(exc, number, out_of_time=False) from exc

@@ -14,7 +14,9 @@ every multipart upload this save created is aborted (by its id; only those whose
 CreateMultipartUpload response never arrived are found by listing the save's unique keys),
 and objects already completed are deleted (:mod:`s3ckpt.transfer.aborts`). One clean-up
 request that fails stops none of the others; what could not be removed is logged, for
-``gc``.
+``gc``, and the save's error says so. The clean-up is bounded: after a stalled store
+(:class:`~s3ckpt.errors.StoreStalledError`), whose clean-up requests would stall too, by
+one idle timeout of the store.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import posixpath
 import threading
 from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from s3ckpt.errors import StorageError, StoreStalledError
 from s3ckpt.format.layout import DEFAULT_BLOCK_SIZE
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import Body, ObjectStore, PartResult
@@ -46,6 +50,26 @@ T = TypeVar("T")
 # (index, stored bytes, their block CRC32Cs when known): what the uploader is fed.
 Item = tuple[object, memoryview, tuple[int, ...] | None]
 CLEAN_UP_TIMEOUT_S = 120.0
+CLEAN_UP_GRACE_S = 10.0  # for the cancelled clean-up's requests to end
+
+
+def _left_for_gc(error: BaseException | None, bucket: str, keys: list[str]) -> BaseException | None:
+    """``error`` (one of the store's) saying that what the save wrote is left for gc."""
+    if not isinstance(error, StorageError) or not keys:
+        return error
+    prefix = posixpath.dirname(keys[0])
+    where = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+    left = type(error)(
+        f"{error}; the clean-up could not remove what this save wrote (its open multipart "
+        f"uploads and data objects under {where}): `s3ckpt gc {where}` removes them once "
+        "its grace has passed",
+        operation=error.operation,
+        code=error.code,
+        bucket=error.bucket,
+        key=error.key,
+    )
+    left.__cause__ = error.__cause__
+    return left
 
 
 @dataclass(frozen=True)
@@ -217,12 +241,21 @@ class RankUploader:
             raise self._error
 
     def _clean_up(self) -> None:
+        """Abort and delete what the save wrote, within a bound: :data:`CLEAN_UP_TIMEOUT_S`,
+        or one idle timeout of the store (``S3Config.idle_timeout``) after a stall, since
+        the clean-up's requests go to the store that just stopped answering. What it
+        could not remove is logged and, for the store's errors, named in the error."""
+        bound = CLEAN_UP_TIMEOUT_S
+        if isinstance(self._error, StoreStalledError):
+            bound = min(bound, self.store.config.idle_timeout())
         try:
-            self._loop.submit(self._abandon()).result(timeout=CLEAN_UP_TIMEOUT_S)
+            within = asyncio.wait_for(self._abandon(), bound)  # cancelled when out of time
+            self._loop.submit(within).result(timeout=bound + CLEAN_UP_GRACE_S)
         except Exception as exc:  # the original error matters more than a failed clean-up
-            log.warning(
-                "clean-up after a failed save was incomplete (gc removes the rest): %s", exc
-            )
+            timed_out = isinstance(exc, (TimeoutError, asyncio.TimeoutError))
+            reason = f"did not finish within {bound:.0f} s" if timed_out else f"failed: {exc}"
+            log.warning("clean-up after a failed save %s (gc removes the rest)", reason)
+            self._error = _left_for_gc(self._error, self.store.bucket, self._planned_keys)
 
     # -- I/O side (event loop) --------------------------------------------------------
 

@@ -30,6 +30,8 @@ from s3ckpt.errors import CheckpointProcessError, S3CkptError
 
 log = logging.getLogger("s3ckpt.background")
 
+STOP_TIMEOUT_S = 5.0  # a ready process exits at once when asked; killed after this
+
 
 class CheckpointWorker:
     """One started checkpoint process: its pipe, its reader thread, its saves' futures."""
@@ -40,7 +42,6 @@ class CheckpointWorker:
         arenas: list[StagingArena],
         rank: int,
         meeting: MeetingWatch | None = None,
-        nice: int = 0,
     ) -> None:
         self._arenas = arenas
         self._rank = rank
@@ -54,6 +55,10 @@ class CheckpointWorker:
         self.failed = False
         self.gone = False
         self._start_error: BaseException | None = None
+        self._ready = threading.Event()  # set once it answered ready, or is gone
+        self._hurried = False
+        self._nice = hello.nice
+        self._closing = False  # killed by stop() before it was ready
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._popen = subprocess.Popen(
@@ -65,7 +70,6 @@ class CheckpointWorker:
         finally:
             theirs.close()
         self.pid = self._popen.pid
-        _lower_priority(self.pid, nice)
         self._channel = Channel(ours)
         self._channel.send(hello)
         self._reader = threading.Thread(
@@ -74,6 +78,38 @@ class CheckpointWorker:
         self._reader.start()
         if meeting is not None:
             meeting.watch(self._stop_meeting)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the process answered ready (its imports, client and meeting done)."""
+        return self._ready.is_set() and not self.gone
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait until the process is ready; :class:`~s3ckpt.errors.CheckpointProcessError`
+        if it died first or could not start, or if ``timeout`` seconds pass first."""
+        if not self._ready.wait(timeout):
+            raise CheckpointProcessError(
+                f"the checkpoint process of rank {self._rank} (pid {self.pid}) was not "
+                f"ready after {timeout:g} s"
+            )
+        if self.gone:
+            self._reader.join()  # its pending saves failed, its exit status is known
+            raise self._died("while starting")
+
+    def hurry(self) -> None:
+        """Someone waits for this process's save: run it at the trainer's priority, where
+        the trainer may raise a priority it lowered (privileged, or ``RLIMIT_NICE``);
+        else nothing changes. :meth:`relax` undoes it."""
+        if self._nice is None or self._hurried or not self.ready:
+            return
+        self._hurried = True
+        _set_nice(self.pid, os.getpriority(os.PRIO_PROCESS, 0))
+
+    def relax(self) -> None:
+        """Back to the niceness the process saves at, after :meth:`hurry`."""
+        if self._hurried and self._nice is not None:
+            self._hurried = False
+            _set_nice(self.pid, self._nice)
 
     def healthy(self, world: int) -> bool:
         """Alive, and (with several ranks) its last save did not fail."""
@@ -126,10 +162,11 @@ class CheckpointWorker:
         with self._lock:
             self.gone = True
             pending, self._pending = self._pending, {}
+        self._ready.set()
         meeting = self._meeting
         before_meeting = meeting is not None and not meeting.is_met
         if before_meeting and self._stopped_because is None:
-            meeting.abandon(self._exit_status())
+            meeting.abandon("was closed" if self._closing else self._exit_status())
         if pending:
             error = self._died("while meeting its peers" if before_meeting else "during the save")
             for future, writer, held in pending.values():
@@ -142,6 +179,7 @@ class CheckpointWorker:
         if kind == "ready":
             if self._meeting is not None:
                 self._meeting.met()
+            self._ready.set()
             return
         if kind in ("held", "replicated"):
             with self._lock:
@@ -204,14 +242,19 @@ class CheckpointWorker:
             "the save is not committed, and the next save starts a new process"
         )
 
-    def stop(self, timeout: float = 60.0) -> None:
-        """Ask the process to exit (once its save is done), then make sure it has."""
-        with contextlib.suppress(ChannelClosed, OSError):
-            self._channel.send(("stop",))
-        try:
-            self._popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            log.warning("the checkpoint process %d did not stop; killing it", self.pid)
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """End the process, with no save in flight: one still starting is killed at once
+        (nothing of it is lost; its start-up could take seconds more), a ready one is
+        asked to exit and killed if it has not within ``timeout`` seconds."""
+        if self._ready.is_set():
+            with contextlib.suppress(ChannelClosed, OSError):
+                self._channel.send(("stop",))
+            try:
+                self._popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("the checkpoint process %d did not stop; killing it", self.pid)
+        if self._popen.poll() is None:
+            self._closing = True
             self._popen.kill()
             self._popen.wait()
         self._channel.close()
@@ -260,14 +303,25 @@ def worker_environment() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
 
 
-def _lower_priority(pid: int, by: int) -> None:
-    """Give the child ``by`` more niceness than this process, before it starts any thread
-    (Linux keeps a nice value per thread; threads it starts later inherit it), so that
-    where the trainer and its checkpoint process want the same core, the trainer gets it."""
+def child_niceness(by: int) -> int | None:
+    """The niceness a checkpoint process saves at: ``by`` more than this process's (at
+    most 19); None when ``by`` is 0 (it stays at the trainer's)."""
     if by <= 0:
-        return
+        return None
+    return min(19, os.getpriority(os.PRIO_PROCESS, 0) + by)
+
+
+def _set_nice(pid: int, nice: int) -> None:
+    """Set every thread of process ``pid`` to ``nice`` (one value per thread on Linux);
+    a value this process may not set (a raise of priority, unprivileged) is left as is."""
     try:
-        mine = os.getpriority(os.PRIO_PROCESS, 0)
-        os.setpriority(os.PRIO_PROCESS, pid, min(19, mine + by))
-    except OSError:  # the child is gone already: its start failure is reported elsewhere
-        log.debug("could not lower the checkpoint process's priority", exc_info=True)
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:  # it is gone: its end is reported elsewhere
+        return
+    for task in tasks:
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(task), nice)
+        except PermissionError:
+            return
+        except OSError:  # a thread that ended meanwhile
+            continue

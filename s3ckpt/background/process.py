@@ -7,8 +7,11 @@ process only copies the state into a :class:`~s3ckpt.background.arena.StagingAre
 shares with its checkpoint process, and sends it a description of the copy; the process
 runs ``dcp.save`` of it with the given writer. The lifecycle:
 
-1. **Start.** The process is started when this object is constructed (a fresh interpreter
-   running :mod:`s3ckpt.background.worker`; its imports overlap with training). With
+1. **Start.** The process is started when this object is constructed, which does not
+   wait for it: a fresh interpreter running :mod:`s3ckpt.background.worker` imports what
+   a save runs and makes the S3 client of ``config`` while training goes on, at the
+   trainer's priority, then answers ready (:meth:`prepare` waits for that; a save sent
+   earlier waits in the process for what is left of its start-up). With
    several ranks, every rank constructs it at the same point: rank 0 opens a store the
    checkpoint processes meet at (at ``MASTER_ADDR``, else where the default group met),
    and the processes form a gloo group of their own. A process that dies before the group
@@ -23,19 +26,21 @@ runs ``dcp.save`` of it with the given writer. The lifecycle:
    on every rank, together. Nothing of a failed save is committed: the manifest is
    written last.
 4. **Close** (:meth:`close`, or the interpreter's exit): wait for the save in flight,
-   stop the process, unmap the arena. The memory has no name anywhere, so nothing is left
-   behind, whichever process ends first and however.
+   stop the process (one still starting is killed at once; a ready one exits when asked,
+   and is killed after a few seconds if it has not), unmap the arena. The memory has no
+   name anywhere, so nothing is left behind, whichever process ends first and however.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import logging
 import os
 import sys
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
@@ -46,7 +51,7 @@ import torch.distributed as dist
 
 from s3ckpt.background.arena import StagingArena
 from s3ckpt.background.channel import dumps_staged
-from s3ckpt.background.child import CheckpointWorker
+from s3ckpt.background.child import CheckpointWorker, child_niceness
 from s3ckpt.background.meeting import MeetingWatch
 from s3ckpt.background.rebuild import ChildImports
 from s3ckpt.background.stage import Staged, stage
@@ -87,11 +92,16 @@ class CheckpointProcess:
             tier's ``max_bytes``): a larger state fails its save with
             :class:`~s3ckpt.errors.MemoryTierError` before a byte is copied.
         nice: how much lower the checkpoint process's CPU priority is than the trainer's
-            (added to the trainer's nice value; default ``$S3CKPT_CHECKPOINT_NICE``, else
-            10; 0: the same). Where the two
-            want the same core, the training loop gets it, and the upload (or
-            replication) goes on in the time the loop leaves; on a node with idle cores
-            it changes nothing.
+            while it saves (added to the trainer's nice value; default
+            ``$S3CKPT_CHECKPOINT_NICE``, else 10; 0: the same). Where the two want the
+            same core, the training loop gets it, and the upload (or replication) goes
+            on in the time the loop leaves; on a node with idle cores it changes
+            nothing. Its start-up runs at the trainer's priority (the first save waits
+            for it), and while the trainer waits for a save (the next save, ``wait``,
+            ``close``) the process runs at the trainer's priority again where the
+            trainer may raise a priority (privileged, or ``RLIMIT_NICE``).
+        config: the :class:`~s3ckpt.S3Config` the saves will use: the process makes its
+            client as it starts, so the first save does not (optional).
     """
 
     def __init__(
@@ -103,8 +113,10 @@ class CheckpointProcess:
         memory_slots: Sequence[Path] = (),
         slot_limit: int | None = None,
         nice: int | None = None,
+        config: Any = None,
     ) -> None:
         self._nice = _niceness(nice)
+        self._config = config
         self._group = process_group
         distributed = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(process_group) if distributed else 1
@@ -140,6 +152,24 @@ class CheckpointProcess:
         return self._arenas[slot]
 
     @property
+    def ready(self) -> bool:
+        """Whether the process has started and answered ready."""
+        worker = self._worker
+        return worker is not None and worker.ready
+
+    def prepare(self, timeout_s: float | None = None) -> None:
+        """Wait until the checkpoint process is ready to save (imports done, client made,
+        with several ranks its group formed). Optional: a save does not need it; it lets
+        a script know, before its loop starts, that the first save will not wait for the
+        start-up, or that the process cannot start: then it raises
+        :class:`~s3ckpt.errors.CheckpointProcessError` (as after ``timeout_s`` seconds),
+        and the next save starts a fresh process."""
+        self._check_open()
+        worker = self._worker
+        assert worker is not None
+        worker.wait_ready(timeout_s)
+
+    @property
     def staging_bytes(self) -> int:
         """Host memory held for staging."""
         return sum(arena.nbytes for arena in self._arenas)
@@ -161,9 +191,25 @@ class CheckpointProcess:
         inflight = self._inflight
         if inflight is not None:
             try:
-                inflight.exception()
+                if not inflight.done():
+                    with self.hurried():
+                        inflight.exception()
             finally:
                 self._inflight = None
+
+    @contextlib.contextmanager
+    def hurried(self) -> Iterator[None]:
+        """While the trainer waits for this process's save: the process runs at the
+        trainer's priority, where the trainer may raise a priority it lowered."""
+        worker = self._worker
+        if worker is None:
+            yield
+            return
+        worker.hurry()
+        try:
+            yield
+        finally:
+            worker.relax()
 
     def refresh(self, agree: Any = None) -> list[Any]:
         """Start fresh checkpoint processes where one is needed: this rank's died, or (with
@@ -278,8 +324,9 @@ class CheckpointProcess:
             prefix = f"s3ckpt-checkpoint-process/{self._generation}"
             meeting = Meeting(host, port, prefix, self.rank, self.world, self._timeout_s)
             watch = MeetingWatch(self._store, prefix, self.rank)
-        hello = Hello(list(sys.path), logging.getLogger("s3ckpt").getEffectiveLevel(), meeting)
-        self._worker = CheckpointWorker(hello, self._arenas, self.rank, watch, self._nice)
+        level = logging.getLogger("s3ckpt").getEffectiveLevel()
+        hello = Hello(list(sys.path), level, meeting, self._config, child_niceness(self._nice))
+        self._worker = CheckpointWorker(hello, self._arenas, self.rank, watch)
 
     def _stop_worker(self) -> None:
         worker, self._worker = self._worker, None

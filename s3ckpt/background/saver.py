@@ -19,6 +19,7 @@ it on every rank, so no rank waits for this one in the save's collectives.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
@@ -100,6 +101,16 @@ class BackgroundSaver:
     def process(self) -> CheckpointProcess | None:
         """The checkpoint process (process mode)."""
         return self._process
+
+    def prepare(self, timeout_s: float | None = None) -> None:
+        """Process mode: wait until the checkpoint process is ready
+        (:meth:`CheckpointProcess.prepare`); thread mode has nothing to wait for."""
+        if self._process is not None:
+            self._process.prepare(timeout_s)
+
+    def hurried(self) -> contextlib.AbstractContextManager[None]:
+        """Around a wait for the save in flight (:meth:`CheckpointProcess.hurried`)."""
+        return self._process.hurried() if self._process is not None else contextlib.nullcontext()
 
     def ready(self, describe: str, agree: Any = None) -> None:
         """Get ready for the next save (:meth:`start` does it when not done): wait for the

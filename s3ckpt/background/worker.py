@@ -3,8 +3,12 @@
 Started by :class:`~s3ckpt.background.process.CheckpointProcess` as a fresh interpreter
 running this module, never the training script: nothing of ``__main__`` runs again here,
 so a script needs no ``if __name__ == "__main__":`` guard. It receives over the socket
-``FD``, in order: a :class:`Hello` (the trainer's ``sys.path``, the log level, and with
-several ranks where the checkpoint processes meet); then any number of ``segments``
+``FD``, in order: a :class:`Hello` (the trainer's ``sys.path``, the log level, with
+several ranks where the checkpoint processes meet, the S3 configuration its saves will
+use, and the niceness to save at), answered ``ready`` once the process has imported
+what a save runs, made that configuration's S3 client, met its peers and lowered its
+priority (the start-up runs at the trainer's priority: it is the first save's wait);
+then any number of ``segments``
 messages (staging memory of one arena to map, as descriptors) and ``save`` messages (an
 arena, a staged state by reference, a writer or None, a planner, and a :class:`Hold` or
 None), each answered with ``saved`` (the DCP metadata, None without a writer) or
@@ -63,6 +67,8 @@ class Hello:
     sys_path: list[str]
     log_level: int
     meeting: Meeting | None
+    config: Any = None  # the S3Config of the saves to come: its client is made at start
+    nice: int | None = None  # the niceness the process saves at, once ready
 
 
 @dataclass(frozen=True)
@@ -92,12 +98,46 @@ def main(fd: int) -> int:
     logging.getLogger("s3ckpt").setLevel(hello.log_level)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     try:
+        _load(hello.config)
         _join(hello.meeting)
     except Exception as exc:
         _answer(channel, ("failed", None, _portable(exc)))
         return 1
+    if hello.nice is not None:
+        _renice(hello.nice)
     _answer(channel, ("ready", os.getpid()))
     return _serve(channel, distributed=hello.meeting is not None)
+
+
+def _load(config: Any) -> None:
+    """Import what a save runs (DCP, the writer a save's message unpickles, the planner)
+    and make ``config``'s S3 client (aiobotocore's service model is the first request's
+    largest cost), so that the first save finds them done. A client that cannot be made
+    is left for the first request to report."""
+    import torch.distributed.checkpoint  # noqa: F401
+
+    from s3ckpt.dcp import local_plan, writer  # noqa: F401
+
+    if config is None:
+        return
+    from s3ckpt.s3.client import client_handle
+    from s3ckpt.s3.loop import io_loop
+
+    async def make() -> None:
+        await client_handle(config).get()
+
+    try:
+        io_loop().run(make())
+    except Exception:
+        log.debug("the S3 client could not be made ahead of the first save", exc_info=True)
+
+
+def _renice(nice: int) -> None:
+    """Set every thread of this process to ``nice`` (Linux keeps one value per thread;
+    threads started later inherit their starter's)."""
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.setpriority(os.PRIO_PROCESS, int(task), nice)
 
 
 def _die_with_trainer(fd: int) -> None:
@@ -266,4 +306,11 @@ def _leave(distributed: bool) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1])))
+    code = main(int(sys.argv[1]))
+    # Nothing is left to do once the trainer's socket is done with: the interpreter's
+    # teardown (torch's, the I/O loop's) would only delay the trainer's close.
+    logging.shutdown()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)

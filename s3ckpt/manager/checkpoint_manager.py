@@ -51,6 +51,7 @@ rules:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -99,9 +100,10 @@ class CheckpointManager:
             the same as ``s3ckpt prune``'s; ``keep_last=0`` keeps only the newest and the
             ``keep_every`` steps); ``None`` for both keeps everything.
         if_busy: ``"wait"`` for the previous upload (default), or ``"skip"`` this save.
-        async_mode: ``"process"`` (default: the rank's checkpoint process, started with the
-            manager), ``"thread"`` (a worker thread of this process) or ``"sync"`` (plain
-            ``dcp.save``).
+        async_mode: ``"process"`` (default: the rank's checkpoint process, started by
+            the constructor without waiting for it, so that it is ready by the first
+            save; :meth:`prepare` waits for it), ``"thread"`` (a worker thread of this
+            process) or ``"sync"`` (plain ``dcp.save``).
         overwrite: replace an already committed step instead of skipping the save.
         process_group: the ranks that checkpoint together (default: the default group). With
             several ranks, every rank of the group constructs the manager at the same point:
@@ -181,7 +183,8 @@ class CheckpointManager:
         self._saves = (
             None if async_mode == "sync"
             else BackgroundSaver(
-                async_mode, process_group, memory_slots=slots, reply=state_bytes, **limit
+                async_mode, process_group, memory_slots=slots, reply=state_bytes,
+                config=self.config, **limit,
             )
         )  # fmt: skip
         self.last_restore: Restored | None = None
@@ -409,6 +412,20 @@ class CheckpointManager:
 
     # -- waiting and closing ---------------------------------------------------------------
 
+    def prepare(self, timeout_s: float | None = None) -> None:
+        """Wait until the checkpoint process (process mode) is ready to save. Optional:
+        the constructor starts it without waiting, and a save made before it is ready
+        waits only for the rest of its start-up. Call it to know, before the loop starts,
+        that the first save will find the process ready, or that it cannot start:
+        :class:`~s3ckpt.errors.CheckpointProcessError` then (also after ``timeout_s``
+        seconds), and the next save starts a fresh process. Returns at once in thread and
+        sync modes."""
+        self._check_process()
+        if self._closed:
+            raise CheckpointError(f"{self!r} is closed")
+        if self._saves is not None:
+            self._saves.prepare(timeout_s)
+
     def wait(self) -> SaveMetrics | None:
         """Wait for the save in flight and the retention after it; raise a failed save's error.
 
@@ -451,8 +468,9 @@ class CheckpointManager:
     def _settle(self) -> None:
         """Wait for the save in flight, then raise its failure (once) if it failed."""
         inflight = self._inflight
-        if inflight is not None:
-            inflight.done.wait()
+        if inflight is not None and not inflight.done.is_set():
+            with self._saves.hurried() if self._saves is not None else contextlib.nullcontext():
+                inflight.done.wait()
         try:
             self._ledger.raise_failure()
         except Exception as exc:

@@ -24,8 +24,8 @@ The lifecycle:
 
 1. **Construct** on every rank at the same point (as :class:`~s3ckpt.CheckpointProcess`):
    one all-gather of node names lays out the replicas, the rank's checkpoint process
-   starts, and with replicas a gloo group of the same ranks is made for the restore's
-   fetches (never the loop's own groups).
+   starts (not waited for: :meth:`prepare` does), and with replicas a gloo group of the
+   same ranks is made for the restore's fetches (never the loop's own groups).
 2. **Save** (:meth:`async_save`): wait for the save in flight, copy the state into the
    rank's next memory slot (the only part the loop waits for); the checkpoint process
    then records it (``held``), sends it to its replica peers (``replicated``) and, with a
@@ -192,8 +192,15 @@ class TieredCheckpointProcess:
     def wait(self) -> None:
         """Wait for the save in flight to finish (its outcome is its :class:`TierSave`'s)."""
         save, self._inflight = self._inflight, None
-        if save is not None:
-            save.done.exception()
+        if save is not None and not save.done.done():
+            with self._saves.hurried():
+                save.done.exception()
+
+    def prepare(self, timeout_s: float | None = None) -> None:
+        """Wait until this rank's checkpoint process, started by the constructor without
+        waiting, is ready to save (:meth:`CheckpointProcess.prepare`; optional)."""
+        self._check_open()
+        self._saves.prepare(timeout_s)
 
     # -- what is held, and restoring -------------------------------------------------------
 

@@ -25,6 +25,7 @@ import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -95,7 +96,12 @@ class BackgroundSaver:
             self._planner = ReusingSavePlanner()
             if self.world > 1:
                 ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-                self._save_group = dist.new_group(ranks=ranks, backend="gloo")
+                # its collectives wait as long as the checkpoint processes' would
+                timeout = process_options.get("timeout_s")
+                self._save_group = dist.new_group(
+                    ranks=ranks, backend="gloo",
+                    timeout=None if timeout is None else timedelta(seconds=timeout),
+                )  # fmt: skip
 
     @property
     def process(self) -> CheckpointProcess | None:

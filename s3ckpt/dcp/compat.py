@@ -8,7 +8,8 @@ file without its tensors' bytes (:func:`save_skeleton`, for export), and DCP's s
 copier that keeps staging buffers (:func:`storage_copier`, for :mod:`s3ckpt.dcp.staging`),
 how a rank's failure travels among gathered results (:func:`wrap_exception`, for the
 Megatron integration), and which frame of ``dcp.load`` asks a reader for the metadata
-(:func:`read_by_dcp_load`, so that a failed read is reported once, as itself).
+(:func:`read_by_dcp_load`, so that a failed read is reported once, as itself), and how
+long a process group's collectives wait (:func:`group_timeout`, its backend's options).
 ``tests/unit/test_compat.py`` and ``tests/unit/test_export_formats.py`` fail loudly when a
 torch release changes any of them.
 """
@@ -397,6 +398,19 @@ def default_store_host() -> str | None:
     while not isinstance(store, dist.TCPStore) and hasattr(store, "underlying_store"):
         store = store.underlying_store
     return store.host if isinstance(store, dist.TCPStore) else None
+
+
+def group_timeout(group: Any = None) -> float | None:
+    """Seconds a collective of ``group`` (default: the default group) waits for its peers,
+    as the job set it at ``init_process_group`` (its CPU backend's options); None where
+    torch does not say."""
+    import torch.distributed as dist
+
+    try:
+        backend = (group or dist.group.WORLD)._get_backend(torch.device("cpu"))
+        return float(backend.options._timeout.total_seconds())
+    except Exception:
+        return None
 
 
 def save_skeleton(tensors: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], path: str) -> None:

@@ -63,10 +63,11 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from s3ckpt.background.process import DEFAULT_TIMEOUT_S
 from s3ckpt.background.ranks import Ranks
 from s3ckpt.background.saver import BackgroundSaver, state_bytes
 from s3ckpt.config import S3URI, S3Config, check_key_room, make_config
-from s3ckpt.dcp.compat import unwrap
+from s3ckpt.dcp.compat import group_timeout, unwrap
 from s3ckpt.dcp.failure import reraise as _reraise
 from s3ckpt.dcp.load_report import strict_loads
 from s3ckpt.dcp.reader import S3StorageReader
@@ -184,7 +185,8 @@ class CheckpointManager:
             None if async_mode == "sync"
             else BackgroundSaver(
                 async_mode, process_group, memory_slots=slots, reply=state_bytes,
-                config=self.config, **limit,
+                config=self.config, timeout_s=_collective_timeout(self.config, process_group),
+                **limit,
             )
         )  # fmt: skip
         self.last_restore: Restored | None = None
@@ -478,3 +480,19 @@ class CheckpointManager:
 
 
 __all__ = ["AsyncMode", "CheckpointManager", "IfBusy", "SaveMetrics", "checkpoint_name"]
+
+
+_SAVE_MARGIN_S = 10.0  # a save's own work around its requests: staging, plans, metadata
+
+
+def _collective_timeout(config: S3Config, group: dist.ProcessGroup | None) -> float:
+    """How long a rank of a save waits for the others in a collective: as long as the
+    job's own collectives wait, and as long as another rank's requests may take (its
+    ``deadline_s``, one request's ``read_timeout`` past it, and a margin), so that a rank
+    cut off from its peers ends the save everywhere within the deadline, not half an hour
+    later (a new gloo group's timeout). Without a deadline, half an hour."""
+    if config.deadline_s is None:
+        return DEFAULT_TIMEOUT_S
+    bound = config.deadline_s + config.read_timeout + _SAVE_MARGIN_S
+    job = group_timeout(group) if dist.is_available() and dist.is_initialized() else None
+    return max(bound, job or 0.0)

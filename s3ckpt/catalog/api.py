@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from s3ckpt.catalog.clock import store_time
 from s3ckpt.catalog.grace import DEFAULT_GRACE
+from s3ckpt.catalog.purge import keeps_versions, purge
 from s3ckpt.catalog.reporting import SILENT, Reporter
 from s3ckpt.catalog.retention import (
     Candidate,
@@ -36,9 +37,10 @@ from s3ckpt.catalog.scan import (
     open_store,
     read_committed,
     scan_checkpoints,
+    single_save_name,
     timestamp,
 )
-from s3ckpt.catalog.unpublish import conditional_deletes, unpublish
+from s3ckpt.catalog.unpublish import Unpublished, conditional_deletes, unpublish
 from s3ckpt.config import S3URI, S3Config
 from s3ckpt.errors import (
     BucketNotFoundError,
@@ -100,6 +102,11 @@ class Removed:
     uri: str
     objects: int
     bytes: int
+    # On a bucket with versioning on: versions of its objects deleted by id, and their
+    # bytes (:mod:`s3ckpt.catalog.purge`); also counted in ``objects`` and ``bytes``
+    # where they are the versions that were current.
+    versions: int = 0
+    version_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -425,7 +432,38 @@ async def remove_groups(
     progress.start("deleting objects", len(keys), "objects")
     await delete_keys(store, keys, progress)
     progress.finish()
+    if removed and await keeps_versions(store):
+        etags = {g.name: g.manifest.etag for g in groups if g.manifest is not None}
+        removed = await bounded(
+            [lambda r=r: _purged(store, location, r, results, groups, etags) for r in removed]
+        )
     return removed, changed
+
+
+async def _purged(
+    store: ObjectStore,
+    location: S3URI,
+    removed: Removed,
+    results: list[Unpublished | str],
+    groups: list[Group],
+    etags: dict[str, str],
+) -> Removed:
+    """``removed``, after the versions its delete left were deleted by id
+    (:mod:`s3ckpt.catalog.purge`): those of the manifest's objects and of the manifest
+    deleted, and of the in-flight records and claims already deleted at its level."""
+    where = child(location, removed.name)
+    result = next(r for g, r in zip(groups, results, strict=True) if g.name == removed.name)
+    assert isinstance(result, Unpublished)
+    level = where.key("")
+    names = {where.key(k) for k in [*result.keys, MANIFEST_NAME]}
+
+    def wanted(key: str) -> bool:
+        rest = key[len(level) :]
+        return key in names or ("/" not in rest and single_save_name(rest) is not None)
+
+    manifest_etags = {where.key(MANIFEST_NAME): etags[removed.name]}
+    purged = await purge(store, level, wanted, lambda key, latest: True, manifest_etags)
+    return replace(removed, versions=purged.versions, version_bytes=purged.bytes)
 
 
 async def aremove_checkpoint(

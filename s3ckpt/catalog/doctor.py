@@ -8,6 +8,12 @@ and gives one :class:`Check`: ``ok``, ``degraded`` (s3ckpt works, with a fallbac
 and time out after ``read_timeout``. The throughput sample is small and bounded; it says
 whether the path is sane, not what a real save reaches.
 
+On a bucket with versioning on (``Enabled`` or ``Suspended``), the versioning check says
+what that means for space (a delete keeps the bytes as a noncurrent version), whether a
+delete by version id frees them (what ``prune``, ``gc`` and ``rm`` do with s3ckpt's own
+versions), and whether a lifecycle rule expires noncurrent versions; the clean-up deletes
+the scratch prefix's versions by id.
+
 The first check names the endpoint exactly as requests will use it (the URL the S3
 client resolved, from ``--endpoint-url``, the environment or the AWS config file) and
 where it came from (:func:`endpoint_source`), then the transport: TLS and what verifies
@@ -39,10 +45,15 @@ from s3ckpt.s3.compat_botocore import configured_endpoint, ignored_s3_endpoint
 from s3ckpt.s3.error_mapping import UNSUPPORTED_CODES, translated
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore, PartResult
+from s3ckpt.s3.versions import delete_versions, list_versions, versioning
 from s3ckpt.units import human_bytes, human_rate
 
 Status = Literal["ok", "degraded", "failed"]
 MiB = 1024 * 1024
+LIFECYCLE_HINT = (
+    "add a rule with NoncurrentVersionExpiration (and ExpiredObjectDeleteMarker) to free "
+    "what other writers' deletes leave (docs/compatibility.md, versioned buckets)"
+)
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,7 @@ class _Probe:
     def __init__(self, store: ObjectStore, location: S3URI, sample: int) -> None:
         self.store, self.location, self.sample = store, location, sample
         self.scratch = location.key(f".s3ckpt-doctor-{secrets.token_hex(6)}")
+        self.versioned = False  # deletes keep versions: the clean-up deletes them by id
         self.diagnosis = Diagnosis(str(location), store.config.endpoint_url or "(unresolved)")
 
     def key(self, name: str) -> str:
@@ -89,6 +101,7 @@ class _Probe:
             if await self._reach():
                 for check in (
                     self._access,
+                    self._versioning,
                     self._conditional,
                     self._conditional_deletes,
                     self._checksums,
@@ -163,6 +176,73 @@ class _Probe:
             self.add("list, put, get, delete", "failed", "the store did not give back what it took")
         else:
             self.add("list, put, get, delete", "ok", f"under {self.location}")
+
+    async def _versioning(self) -> None:
+        try:
+            state = await versioning(self.store)
+        except StorageError as exc:  # a policy without s3:GetBucketVersioning, say
+            self.add(
+                "bucket versioning",
+                "degraded",
+                f"unknown: GetBucketVersioning failed ({exc.code}): commits probe conditional "
+                "writes at every commit, and if versioning is on, deletes keep the bytes "
+                f"as noncurrent versions; {LIFECYCLE_HINT}",
+            )
+            return
+        if state == "never":
+            self.add("bucket versioning", "ok", "off: a delete frees its object's space")
+            return
+        self.versioned = True
+        rule = await self._noncurrent_rule()
+        meaning = (
+            f"{state}: a delete only adds a delete marker, and the bytes stay as a "
+            "noncurrent version; prune, gc and rm then delete the versions s3ckpt's saves "
+            "wrote, by version id"
+        )
+        try:
+            freed = await self._delete_by_version()
+        except StorageError as exc:
+            if exc.code not in {*UNSUPPORTED_CODES, "AccessDenied", "403"}:
+                raise
+            freed = f"but deleting a version by id failed ({exc.code})"
+        if freed:  # the versions stay: only a lifecycle rule frees them
+            self.add("bucket versioning", "degraded", f"{meaning}, {freed}; {rule}")
+            self.diagnosis.plan.append("deletes leave noncurrent versions (see versioning)")
+            return
+        self.add("bucket versioning", "ok", f"{meaning}; {rule}")
+        self.diagnosis.plan.append(
+            f"prune, gc and rm delete the versions s3ckpt wrote by version id (versioning {state})"
+        )
+
+    async def _delete_by_version(self) -> str:
+        """Write, delete and then delete by id every version of a scratch object: ""
+        when no version with bytes is left (a marker may be: it holds none), else what
+        was left."""
+        key = self.key("versions")
+        await self.store.put(key, b"1")
+        await self.store.delete_many([key])
+        entries = [v async for v in list_versions(self.store, key) if v.key == key]
+        await delete_versions(self.store, entries)
+        if [v async for v in list_versions(self.store, key) if v.key == key and not v.marker]:
+            return "but a version deleted by id stayed"
+        return ""
+
+    async def _noncurrent_rule(self) -> str:
+        """What the bucket's lifecycle rules do with noncurrent versions, or the rule to set."""
+        try:
+            config = await self.store.requests.call("GetBucketLifecycleConfiguration", None)
+        except StorageError as exc:
+            if exc.code not in {*UNSUPPORTED_CODES, "NoSuchLifecycleConfiguration"}:
+                return f"its lifecycle rules could not be read ({exc.code}): {LIFECYCLE_HINT}"
+            config = {}
+        days = [
+            r["NoncurrentVersionExpiration"].get("NoncurrentDays")
+            for r in config.get("Rules") or []
+            if r.get("Status") == "Enabled" and r.get("NoncurrentVersionExpiration")
+        ]
+        if days:
+            return f"a lifecycle rule expires noncurrent versions after {min(days)} day(s)"
+        return f"no lifecycle rule expires noncurrent versions: {LIFECYCLE_HINT}"
 
     async def _conditional(self) -> None:
         key = self.key("conditional")
@@ -314,6 +394,9 @@ class _Probe:
             keys = [m.key async for m in self.store.list(self.scratch + "/")]
             if keys:
                 await self.store.delete_many(keys)
+            if self.versioned:  # every version under the scratch prefix is the doctor's
+                left = [v async for v in list_versions(self.store, self.scratch + "/")]
+                await delete_versions(self.store, left)
             async for upload in self.store.list_multipart_uploads(self.scratch + "/"):
                 await self.store.abort_multipart(upload.key, upload.upload_id)
         except S3CkptError:

@@ -14,6 +14,10 @@ storage. ``gc`` removes, under a prefix:
 * in-flight records and conditional-write probes older than ``grace``, and commit claims
   older than :data:`CLAIM_GRACE`, whatever ``grace``.
 
+On a bucket with versioning on, it then deletes by version id the versions of s3ckpt's
+objects that are deleted (:mod:`s3ckpt.catalog.purge` says which are s3ckpt's), so the
+space is freed: one ``ListObjectVersions`` of the prefix more.
+
 It never deletes a manifest, and never touches a directory where a save is in flight: one
 whose in-flight record was refreshed within its lease (:mod:`s3ckpt.transfer.inflight`),
 or with a multipart upload started inside the grace period. ``LastModified`` and
@@ -35,6 +39,7 @@ from typing import Any
 
 from s3ckpt.catalog.clock import store_time
 from s3ckpt.catalog.grace import DEFAULT_GRACE, MIN_SAFE_GRACE
+from s3ckpt.catalog.purge import Purged, keeps_versions, own_versions, purge
 from s3ckpt.catalog.reporting import SILENT, Reporter
 from s3ckpt.catalog.scan import (
     Group,
@@ -46,6 +51,7 @@ from s3ckpt.catalog.scan import (
     open_store,
     relative,
     scan,
+    single_save_name,
     timestamp,
 )
 from s3ckpt.config import S3URI, S3Config
@@ -53,6 +59,7 @@ from s3ckpt.errors import CorruptCheckpointError, ForeignObjectError
 from s3ckpt.format.layout import LEASE_S
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectMeta, ObjectStore, PendingUpload
+from s3ckpt.s3.versions import ObjectVersion, list_versions
 from s3ckpt.transfer.commit import CLAIM_MAX_AGE_S, read_manifest
 from s3ckpt.transfer.fanout import bounded
 
@@ -87,6 +94,10 @@ class GcReport:
     garbage: list[Garbage] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # directories skipped, and why
     in_flight: list[str] = field(default_factory=list)  # directories left alone: saves running
+    # On a bucket with versioning on: noncurrent versions and delete markers of s3ckpt's
+    # objects deleted by id, and their bytes (:mod:`s3ckpt.catalog.purge`)
+    versions: int = 0
+    version_bytes: int = 0
 
     @property
     def objects(self) -> int:
@@ -135,7 +146,44 @@ async def acollect_garbage(
     ]
     if not dry_run:
         await _remove(store, report, progress)
+    if await keeps_versions(store):
+        await _purge_versions(store, location, listing, busy, report, cutoff)
     return report
+
+
+async def _purge_versions(
+    store: ObjectStore,
+    location: S3URI,
+    listing: Scan,
+    busy: set[str | None],
+    report: GcReport,
+    cutoff: float,
+) -> None:
+    """On a bucket with versioning on, delete by id the versions of s3ckpt's objects that
+    are deleted (:mod:`s3ckpt.catalog.purge`): those this run deleted, and those whose
+    delete marker is older than the grace, outside directories where a save is in flight
+    and directories whose ``manifest.json`` may be another tool's (:attr:`Group.suspect`).
+    A dry run counts them."""
+    removed = {k for g in report.garbage for k in g.keys}
+    left_alone = {g.name for g in listing.groups.values() if g.suspect} | busy
+
+    def wanted(key: str) -> bool:
+        name = single_save_name(relative(location.prefix, key))
+        return name is not None and name not in left_alone
+
+    def deleted(key: str, latest: ObjectVersion) -> bool:
+        made = latest.last_modified.timestamp() if latest.last_modified else math.inf
+        return key in removed or made <= cutoff
+
+    if report.dry_run:  # the keys this run would delete still have current versions
+        listed = [e async for e in list_versions(store, _list_prefix(location)) if wanted(e.key)]
+        entries = [e for e in listed if not (e.key in removed and e.latest)]
+        chosen, kept = own_versions(entries, deleted, {})
+        purged = Purged(len(chosen), sum(e.size for e in chosen), kept)
+    else:
+        purged = await purge(store, _list_prefix(location), wanted, deleted, dry_run=False)
+    report.versions, report.version_bytes = purged.versions, purged.bytes
+    report.problems += purged.kept
 
 
 def _list_prefix(location: S3URI) -> str:

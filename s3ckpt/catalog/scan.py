@@ -194,6 +194,16 @@ class Scan:
         return self.groups[name]
 
 
+def single_save_name(rel: str) -> str | None:
+    """The checkpoint directory of ``rel`` (relative to the listed prefix) if it is a name
+    s3ckpt gives one save's object (metadata, data, index, in-flight record, claim,
+    probe: each carries the save's random id), else None."""
+    for pattern in (_METADATA, _DATA, _INDEX, _SAVING, _CLAIM, _PROBE):
+        if match := pattern.match(rel):
+            return match["dir"] or ""
+    return None
+
+
 def data_directory(rel: str) -> str | None:
     """The checkpoint directory of a data object key (relative), None if it is not one."""
     match = _DATA.match(rel)

@@ -40,6 +40,7 @@ from s3ckpt.format.layout import LEASE_S, SAVING_PREFIX
 from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
 from s3ckpt.s3.error_mapping import UNSUPPORTED_CODES
 from s3ckpt.s3.store import ObjectMeta, ObjectStore
+from s3ckpt.s3.versions import delete_every_version, versioning
 from s3ckpt.transfer.commit import read_manifest
 
 log = logging.getLogger(__name__)
@@ -94,10 +95,21 @@ async def conditional_deletes(store: ObjectStore, location: S3URI) -> bool:
     except StorageError as exc:
         log.info("could not probe conditional deletes (%s); re-checking before deletes", exc)
         return False
+    await _free_probe(store, key)
     if not honoured:  # s3ckpt doctor says so too
         log.info("%s; manifests are re-checked just before they are deleted", detail)
     record_conditional_deletes(store, honoured)
     return honoured
+
+
+async def _free_probe(store: ObjectStore, key: str) -> None:
+    """On a bucket with versioning on, delete the probe's versions by id (the probe
+    deleted the object: its bytes stay as versions there)."""
+    try:
+        if await versioning(store) != "never":
+            await delete_every_version(store, key)
+    except StorageError as exc:
+        log.warning("could not delete the versions of probe object %s: %s", key, exc)
 
 
 async def changed_since(

@@ -164,6 +164,7 @@ def removed_json(removed: Removed) -> dict[str, Any]:
         "uri": removed.uri,
         "objects": removed.objects,
         "bytes": removed.bytes,
+        **_versions(removed.versions, removed.version_bytes),
     }
 
 
@@ -229,7 +230,13 @@ def gc_json(report: GcReport) -> dict[str, Any]:
         "bytes": report.bytes,
         "in_flight": report.in_flight,
         "problems": report.problems,
+        **_versions(report.versions, report.version_bytes),
     }
+
+
+def _versions(versions: int, nbytes: int) -> dict[str, int]:
+    """Versions deleted by id on a bucket with versioning on (none: no keys)."""
+    return {"versions": versions, "version_bytes": nbytes} if versions else {}
 
 
 def gc_text(report: GcReport) -> str:
@@ -250,6 +257,8 @@ def gc_text(report: GcReport) -> str:
         f"{verb} {report.objects} object(s), {human_bytes(report.bytes)}, and "
         f"{len(report.uploads)} upload(s) (grace {human_duration(report.grace)})"
     )
+    if report.versions:  # a bucket with versioning on
+        summary += f"; {report.versions} old version(s), {human_bytes(report.version_bytes)}"
     parts = (
         [table(["ACTION", "WHAT", "OBJECTS", "SIZE", "AGE"], rows, right=[2, 3])] if rows else []
     )

@@ -7,8 +7,9 @@ and the CLI look at manifests only, so a save that died half-way is invisible.
 Commit modes (``docs/format.md`` states the protocol and its assumptions):
 
 * ``create`` on a store that honours ``If-None-Match: *`` (probed once per endpoint and
-  bucket): one conditional ``PutObject``; of writers racing for the same id exactly one
-  wins, the others get :class:`CommitConflictError`.
+  bucket, and again when the bucket's versioning state changes:
+  :func:`supports_conditional_create`): one conditional ``PutObject``; of writers racing
+  for the same id exactly one wins, the others get :class:`CommitConflictError`.
 * ``create`` on a store without conditional writes (it ignores the header, or rejects it):
   the *claim* protocol. A writer PUTs its own claim object (a key unique to its save),
   then LISTs the claims, then HEADs the manifest. Alone and no manifest: it PUTs the
@@ -43,6 +44,7 @@ from s3ckpt.format.layout import CLAIM_PREFIX, claim_key
 from s3ckpt.format.manifest import MANIFEST_NAME, Manifest, check_s3ckpt
 from s3ckpt.s3.error_mapping import UNSUPPORTED_CODES
 from s3ckpt.s3.store import ObjectMeta, ObjectStore
+from s3ckpt.s3.versions import delete_every_version, versioning
 from s3ckpt.transfer.checked import get_checked
 from s3ckpt.transfer.fanout import bounded
 
@@ -127,20 +129,49 @@ async def committed_save_id(store: ObjectStore, location: S3URI) -> str | None:
 
 # -- conditional-write support ----------------------------------------------------------
 
-_conditional_support: dict[tuple[str | None, str], bool] = {}
+# (endpoint, bucket) -> (the bucket's versioning state when probed, whether honoured)
+_conditional_support: dict[tuple[str | None, str], tuple[str, bool]] = {}
 
 
 async def supports_conditional_create(store: ObjectStore, location: S3URI) -> bool:
-    """Whether the endpoint honors ``If-None-Match: *`` (probed once, then cached)."""
+    """Whether the endpoint honours ``If-None-Match: *`` now.
+
+    Probed once per endpoint and bucket, and again whenever the bucket's versioning state
+    differs from the one the probe ran under: a store may honour the header on a bucket
+    without versioning and ignore it with versioning on (Ceph RGW does). So each call
+    costs one ``GetBucketVersioning``, whatever the save's size; a store that refuses it
+    (a policy without ``s3:GetBucketVersioning``) is probed at every call instead (three
+    small requests). What remains is a switch between that request and the commit's PUT
+    (``docs/compatibility.md``, "Versioned buckets")."""
     if store.config.conditional_commit is not None:
         return store.config.conditional_commit
+    state = await _versioning_or_unknown(store)
     cache_key = (store.config.endpoint_url, store.bucket)
-    if cache_key not in _conditional_support:
-        _conditional_support[cache_key] = await _probe(store, location)
-    return _conditional_support[cache_key]
+    known = _conditional_support.get(cache_key)
+    if known is not None and known[0] == state and state != "unknown":
+        return known[1]
+    if known is not None and known[0] != state:
+        log.warning(
+            "versioning of s3://%s is %s, was %s when conditional writes were probed: "
+            "probing again",
+            store.bucket,
+            state,
+            known[0],
+        )
+    honoured = await _probe(store, location, versioned=state in ("Enabled", "Suspended"))
+    _conditional_support[cache_key] = (state, honoured)
+    return honoured
 
 
-async def _probe(store: ObjectStore, location: S3URI) -> bool:
+async def _versioning_or_unknown(store: ObjectStore) -> str:
+    try:
+        return await versioning(store)
+    except StorageError as exc:
+        log.info("cannot read the versioning of s3://%s (%s): probing", store.bucket, exc.code)
+        return "unknown"
+
+
+async def _probe(store: ObjectStore, location: S3URI, *, versioned: bool = False) -> bool:
     key = location.key(PROBE_PREFIX + uuid.uuid4().hex)
     try:
         await store.put(key, b"1", mode="create")
@@ -158,10 +189,16 @@ async def _probe(store: ObjectStore, location: S3URI) -> bool:
             return False
         raise
     finally:
-        try:
-            await store.delete_many([key])
-        except StorageError as exc:
-            log.warning("could not delete probe object %s: %s", key, exc)
+        await _remove_probe(store, key, versioned)
+
+
+async def _remove_probe(store: ObjectStore, key: str, versioned: bool) -> None:
+    """Delete the probe object; on a versioned bucket each of its versions by id, which a
+    plain delete would keep (all are the probe's: the name is its own)."""
+    try:
+        await (delete_every_version(store, key) if versioned else store.delete_many([key]))
+    except StorageError as exc:
+        log.warning("could not delete probe object %s: %s", key, exc)
 
 
 async def commit_manifest(

@@ -23,6 +23,7 @@ CHECKS = {
     "endpoint and TLS",
     "credentials and bucket",
     "list, put, get, delete",
+    "bucket versioning",
     "conditional writes",
     "conditional deletes",
     "CRC32C on uploads",

@@ -155,7 +155,7 @@ class CheckpointWorker:
             while True:
                 message, _ = self._channel.receive()
                 self._settle(message)
-        except ChannelClosed:
+        except (ChannelClosed, ConnectionError):  # a reset: it died with our data unread
             pass
         except Exception:  # never leave a save's future unresolved
             log.exception("reading from the checkpoint process %d failed", self.pid)

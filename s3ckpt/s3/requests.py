@@ -5,6 +5,7 @@ here and not in botocore).
 
 from __future__ import annotations
 
+from asyncio import CancelledError
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -100,11 +101,14 @@ class Requests:
             try:
                 result = await attempt(number)
             except ClientError as exc:
+                answers.done(silent=False)
                 handle.answered = True
                 answers.note(f"{operation} {error_code(exc)}")
                 raise
-            finally:
-                answers.done()
+            except BaseException as exc:  # silence, a dropped connection, cancellation
+                answers.done(silent=retry.is_stall(exc) or isinstance(exc, CancelledError))
+                raise
+            answers.done(silent=False)
             handle.answered = True
             answers.note(f"{operation} OK")
             return result
@@ -175,16 +179,19 @@ class Requests:
             return None
         connections = max(1, min(len(parts), self.config.max_concurrency // 2))
         async with handle.slots_for(connections):
-            handle.answers.asking()
+            answers = handle.answers
+            answers.asking()
             try:
                 outcomes = await signed.try_parts(self.bucket, key, upload_id, parts, connections)
-            finally:
-                handle.answers.done()
+            except BaseException as exc:
+                answers.done(silent=isinstance(exc, CancelledError))
+                raise
+        answers.done(silent=any(retry.is_stall(o) for o in outcomes or ()))
         for outcome in outcomes or ():
             if isinstance(outcome, ClientError):
-                handle.answers.note(f"UploadPart {error_code(outcome)}")
+                answers.note(f"UploadPart {error_code(outcome)}")
             elif not isinstance(outcome, Exception):
-                handle.answers.note("UploadPart OK")
+                answers.note("UploadPart OK")
         return outcomes
 
     async def call(self, operation: str, key: str | None, **params: Any) -> dict[str, Any]:

@@ -106,32 +106,40 @@ def is_stall(exc: BaseException) -> bool:
 
 class StoreAnswers:
     """When the store last answered this process (any request, any route), and since
-    when it has been asked something without a pause (a request's try in flight): how
-    long the whole store has been silent, which a stalled request's error reports and
-    which ends its retries sooner (:meth:`RetryPolicy.stalled`). One per client."""
+    when it has been silent while asked (its tries ending in silence, or still in
+    flight): how long the whole store has been silent, which a stalled request's error
+    reports and which ends its retries sooner (:meth:`RetryPolicy.stalled`). One per
+    client."""
 
     def __init__(self) -> None:
         self.last_at: float | None = None
         self.last = ""
         self.waiting = 0  # tries in flight
-        self.asked_at = 0.0  # when tries in flight last went from none to some
+        self.silent_since: float | None = None  # None: not asked since its last answer
 
     def asking(self) -> None:
-        if self.waiting == 0:
-            self.asked_at = time.monotonic()
+        """A try goes to the store."""
+        if self.silent_since is None:
+            self.silent_since = time.monotonic()
         self.waiting += 1
 
-    def done(self) -> None:
+    def done(self, *, silent: bool) -> None:
+        """A try ended; ``silent``: stopped for silence (or cancelled: nothing was
+        heard). One that failed otherwise (a dropped connection) with nothing else in
+        flight ends the silence too."""
         self.waiting -= 1
+        if not silent and self.waiting == 0:
+            self.silent_since = None
 
     def note(self, what: str) -> None:
         """The store answered (``what``: the operation and its outcome)."""
         self.last_at, self.last = time.monotonic(), what
+        self.silent_since = None
 
     def silence(self) -> float:
         """Seconds the store has been asked without answering anything."""
-        since = self.asked_at if self.last_at is None else max(self.last_at, self.asked_at)
-        return time.monotonic() - since
+        since = self.silent_since
+        return 0.0 if since is None else time.monotonic() - since
 
     def describe(self) -> str:
         if self.last_at is None:

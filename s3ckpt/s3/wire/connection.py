@@ -24,7 +24,12 @@ import ssl
 import time
 from collections.abc import Callable
 
-from s3ckpt.s3.compat_botocore import connect_timeout, connection_failed, tls_failed
+from s3ckpt.s3.compat_botocore import (
+    connect_timeout,
+    connection_failed,
+    read_timeout,
+    tls_failed,
+)
 
 Origin = tuple[str, str, int]  # scheme, host, port
 # Ciphertext moved per socket call on the loop's TLS connections.
@@ -194,7 +199,9 @@ def open_connection(
 ) -> Connection:
     """Connect to ``origin`` (blocking; call in a worker thread) and, over HTTPS, shake
     hands: a blocking ``SSLSocket`` for worker threads (``blocking``), else TLS on memory
-    BIOs for the loop. Errors are the ones botocore raises for the same failures."""
+    BIOs for the loop. Errors are the ones botocore raises for the same failures; a
+    handshake the endpoint accepted the connection for and then left unanswered is a
+    read timeout (silence, as :mod:`s3ckpt.s3.retry` counts stalls), not a connect one."""
     scheme, host, port = origin
     endpoint = f"{scheme}://{host}:{port}"
     try:
@@ -211,9 +218,9 @@ def open_connection(
     except ssl.SSLError as exc:
         sock.close()
         raise tls_failed(endpoint, exc) from exc
-    except TimeoutError as exc:
+    except TimeoutError as exc:  # connected, then silent: a stalled endpoint, as a read
         sock.close()
-        raise connect_timeout(endpoint) from exc
+        raise read_timeout(endpoint) from exc
     except OSError as exc:
         sock.close()
         raise connection_failed(endpoint, exc) from exc

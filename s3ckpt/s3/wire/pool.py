@@ -111,7 +111,12 @@ class ConnectionPool:
         if connection is None:
             loop = asyncio.get_running_loop()
             connect = functools.partial(self._connect, origin, blocking=False)
-            connection = await loop.run_in_executor(self.executor, connect)
+            opening = loop.run_in_executor(self.executor, connect)
+            try:
+                connection = await asyncio.shield(opening)
+            except asyncio.CancelledError:  # the connection it opens is closed, unused
+                opening.add_done_callback(_close_unused)
+                raise
         if connection.sock.gettimeout() != 0.0:  # setblocking is a system call (and a GIL release)
             connection.sock.setblocking(False)
         connection.progress = time.monotonic()
@@ -193,9 +198,18 @@ class ConnectionPool:
             while not future.done():
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.wait([future])
+            if not future.cancelled():
+                future.exception()  # what the cut-off call ended with is nobody's to report
             raise
         finally:
             watch.stop()
+
+
+def _close_unused(opening: asyncio.Future[Connection]) -> None:
+    """Close the connection a cancelled checkout opened (its failure, if it failed, is
+    nobody's to report)."""
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().close()
 
 
 class _Attempt:

@@ -119,9 +119,15 @@ TEST_ENVS := $(STAMP) $(TITAN_STAMP) $(NEWEST_STAMP) $(DS_STAMP) $(DLIO_STAMP)
 envs:
 	@$(MAKE) --no-print-directory -j5 --output-sync=target $(TEST_ENVS)
 
-# The five phases of `make test`, one pytest run each. Each environment names the other's
+# The phases of `make test`, one pytest run each. Each environment names the other's
 # python, for the tests that save on one torch release and load on the other
-# (tests/integration/test_torch_releases.py).
+# (tests/integration/test_torch_releases.py). The two large phases run their tests in
+# TEST_WORKERS parallel workers (pytest-xdist; most tests wait on servers and child
+# processes, so more workers than cores pays), then the tests marked `serial` (those that
+# time themselves or look at the whole machine's state) alone.
+TEST_WORKERS ?= 3
+PARALLEL = -n $(TEST_WORKERS) -m "not serial"
+ALONE = -m serial
 TEST_MAIN = S3CKPT_OTHER_TORCH_PYTHON=$(NEWEST_VENV)/bin/python $(BIN)/python -m pytest \
 	--ignore=$(TITAN_TESTS) --ignore=$(DS_TESTS) --ignore=$(DLIO_TESTS)
 TEST_TITAN = $(TITAN_VENV)/bin/python -m pytest $(TITAN_TESTS)
@@ -139,13 +145,15 @@ test: envs
 		name=$$1; shift; echo "$$*"; start=$$(date +%s); \
 		env "$$@"; code=$$?; seconds=$$(($$(date +%s) - start)); \
 		if [ $$code -eq 0 ]; then outcome=passed; else outcome="FAILED (pytest exit $$code)"; failed=1; fi; \
-		summary="$$summary$$(printf '  %-13s %4dm%02ds  %s' "$$name" $$((seconds / 60)) $$((seconds % 60)) "$$outcome")\n"; \
+		summary="$$summary$$(printf '  %-14s %4dm%02ds  %s' "$$name" $$((seconds / 60)) $$((seconds % 60)) "$$outcome")\n"; \
 	}; \
-	phase main $(TEST_MAIN); \
+	phase main $(TEST_MAIN) $(PARALLEL); \
+	phase main-serial $(TEST_MAIN) $(ALONE); \
 	phase torchtitan $(TEST_TITAN); \
 	phase deepspeed $(TEST_DS); \
 	phase dlio $(TEST_DLIO); \
-	phase torch-newest $(TEST_NEWEST); \
+	phase torch-newest $(TEST_NEWEST) $(PARALLEL); \
+	phase newest-serial $(TEST_NEWEST) $(ALONE); \
 	printf '\nmake test: wall time per phase\n%b' "$$summary"; \
 	exit $$failed
 

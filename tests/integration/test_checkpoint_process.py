@@ -254,6 +254,7 @@ print(manager._saves.process.pid, flush=True)
 """
 
 
+@pytest.mark.serial  # compares the whole of /dev/shm before and after
 def test_a_script_without_main_guard_or_close_saves_and_exits_cleanly(
     s3_prefix, s3_options, local_s3, tmp_path
 ):

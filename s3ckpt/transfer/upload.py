@@ -57,7 +57,8 @@ def _left_for_gc(error: BaseException | None, bucket: str, keys: list[str]) -> B
     """``error`` (one of the store's) saying that what the save wrote is left for gc."""
     if not isinstance(error, StorageError) or not keys:
         return error
-    prefix = posixpath.dirname(keys[0])
+    # The checkpoint's own prefix where the keys are a save's data objects (layout.data_key)
+    prefix = keys[0].rpartition("/data/")[0] or posixpath.dirname(keys[0])
     where = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
     left = type(error)(
         f"{error}; the clean-up could not remove what this save wrote (its open multipart "

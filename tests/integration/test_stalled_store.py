@@ -8,8 +8,12 @@ what it left for ``gc``, and once the store takes bytes again the next save comm
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -103,3 +107,33 @@ def test_a_save_to_a_store_that_stopped_taking_bytes_fails_within_the_stall_limi
         loaded = {k: torch.zeros_like(v) for k, v in _state(0).items()}
         dcp.load(loaded, storage_reader=S3StorageReader(f"{uri}/b", **options))
         assert all(torch.equal(loaded[k], v) for k, v in _state(3).items())
+
+
+WORKER = Path(__file__).with_name("_stalled_manager_worker.py")
+
+
+@pytest.mark.subprocess
+def test_a_training_script_learns_of_a_stalled_store_within_the_limit_and_saves_again(
+    seaweedfs_s3, s3_prefix
+):
+    """In a fresh process, as a training script meets it: the manager's save to a store
+    that stopped taking bytes fails within the stall limit (2 s there, against a
+    900 s deadline), raised at the next call; the previous step still loads; once the
+    store takes bytes again, the next save commits and loads."""
+    server = seaweedfs_s3
+    url = urlsplit(server.endpoint_url)
+    args = [url.hostname, str(url.port), server.access_key, server.secret_key, server.region]
+    done = subprocess.run(
+        [sys.executable, str(WORKER), *args, s3_prefix],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["raised"] == "StoreStalledError" and report["stalled"], report
+    assert report["store_stopped"]
+    assert report["failed_after_s"] < 12, report  # limit 2 s + clean-up; deadline 900 s
+    assert "stalled" in report["message"] and "s3ckpt gc" in report["message"], report
+    assert report["latest_after_failure"] == 1 and report["previous_loads"], report
+    assert report["latest_after_retry"] == 3 and report["retry_loads"], report

@@ -20,7 +20,8 @@ joined by shaped links that tests can cut, flap, partition and throttle.
 * ranks are processes started in their node's namespace (``ip netns exec``) with the
   environment ``torch.distributed`` and s3ckpt read: ``MASTER_ADDR`` (the first node's
   address), ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-  ``LOCAL_WORLD_SIZE``, ``S3CKPT_MEMORY_ROOT``, ``S3CKPT_NODE`` and the ``AWS_*``
+  ``LOCAL_WORLD_SIZE``, ``S3CKPT_MEMORY_ROOT``, ``S3CKPT_NODE``, ``GLOO_SOCKET_IFNAME``
+  (the node's link) and the ``AWS_*``
   variables of the server: gloo and the memory tier's replication go node to node over
   the links, uploads over the node's link and the storage link.
 
@@ -186,6 +187,7 @@ class Cluster:
             "LOCAL_WORLD_SIZE": str(per_node),
             "S3CKPT_MEMORY_ROOT": str(node.shm),
             "S3CKPT_NODE": node.name,
+            "GLOO_SOCKET_IFNAME": node.link.inner,  # not the address the host name resolves to
         }
 
     def start_ranks(

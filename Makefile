@@ -169,6 +169,7 @@ bench: $(BENCH_STAMP) $(TIERPEERS_STAMP)
 	$(BIN)/python -m benchmarks.run
 	$(BIN)/python -m benchmarks.zero_cost
 	$(BIN)/python -m benchmarks.loop
+	$(BIN)/python -m benchmarks.durable
 	$(BIN)/python -m benchmarks.staging
 	$(BIN)/python -m benchmarks.memory_tier
 	$(BIN)/python -m benchmarks.torch_checkpointing

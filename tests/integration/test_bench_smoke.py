@@ -180,3 +180,40 @@ def test_mlperf_checkpoint_benchmark_smoke_run(tmp_path):
         figures = report["figures"][kind]
         assert figures["runs"] == 2 and figures["slowest_rank_s"] > 0
         assert 0 < figures["smallest_rank_GBps"] <= figures["aggregate_GBps"]
+
+
+def test_durable_benchmark_smoke_run(tmp_path):
+    """The time-to-durable benchmark runs a user's script per mode in a fresh process and
+    reports each save's times, the ratios and the verdict (never a failure on them).
+    About 35 s on a loaded two-core host, most of it process mode's: a fresh process
+    imports torch, and its checkpoint process starts and imports torch too."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.durable", "--size-mib", "4", "--reps", "1",
+         "--loads", "0", "--modes", "process,thread", "--saves", "3", "--every-s", "0.3",
+         "--alone-s", "0.1", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    report = json.loads((tmp_path / "durable.json").read_text())
+    rows = {(r["mode"], r["load"]): r for r in report["rows"]}
+    assert set(rows) == {("process", 0), ("thread", 0)}
+    for row in rows.values():
+        assert row["runs"] == 1 and row["errors"] == [], row
+        for field in ("construct_s", "first_to_held_s", "first_to_committed_s",
+                      "warm_to_committed_s", "second_blocked_s", "close_s"):  # fmt: skip
+            assert row[field]["best"] == row[field]["median"] >= 0, (field, row)
+        assert row["first_to_replicated_s"] is None  # one node: no peer to replicate to
+    for case in report["cases"]:
+        saves = case["saves"]
+        assert [s["step"] for s in saves] == [1, 2, 3]
+        for save in saves:  # the copy is made before the commit, both after the call
+            assert 0 < save["to_held_s"] <= save["to_committed_s"], save
+        assert case["close_after_commit_s"] <= case["close_s"]
+    (ratio,) = report["ratios"]
+    assert ratio["load"] == 0 and ratio["first_to_committed_s"] > 0
+    assert {t["target"] for t in report["targets"]} >= {
+        "0 busy: process / thread time to committed, first save",
+        "0 busy, thread: close() after the last commit, s",
+    }  # fmt: skip
+    assert "Verdict (printed, not a test)" in completed.stdout
+    assert "| process | 0 |" in completed.stdout and "| thread | 0 |" in completed.stdout

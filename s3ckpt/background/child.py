@@ -30,7 +30,7 @@ from s3ckpt.errors import CheckpointProcessError, S3CkptError
 
 log = logging.getLogger("s3ckpt.background")
 
-STOP_TIMEOUT_S = 5.0  # a ready process exits at once when asked; killed after this
+STOP_TIMEOUT_S = 1.0  # a ready process exits at once when asked; killed after this
 
 
 class CheckpointWorker:
@@ -245,8 +245,10 @@ class CheckpointWorker:
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """End the process, with no save in flight: one still starting is killed at once
         (nothing of it is lost; its start-up could take seconds more), a ready one is
-        asked to exit and killed if it has not within ``timeout`` seconds."""
+        asked to exit (at the trainer's priority where it may be raised) and killed if it
+        has not within ``timeout`` seconds."""
         if self._ready.is_set():
+            self.hurry()
             with contextlib.suppress(ChannelClosed, OSError):
                 self._channel.send(("stop",))
             try:

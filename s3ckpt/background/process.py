@@ -27,7 +27,7 @@ runs ``dcp.save`` of it with the given writer. The lifecycle:
    written last.
 4. **Close** (:meth:`close`, or the interpreter's exit): wait for the save in flight,
    stop the process (one still starting is killed at once; a ready one exits when asked,
-   and is killed after a few seconds if it has not), unmap the arena. The memory has no
+   and is killed after a second if it has not), unmap the arena. The memory has no
    name anywhere, so nothing is left behind, whichever process ends first and however.
 """
 

@@ -54,6 +54,7 @@
 #include <sys/time.h>
 #include <sys/resource.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 #ifdef __linux__
 #include <sys/syscall.h>
@@ -77,9 +78,13 @@ typedef struct {
     atomic_long next;
     struct addrinfo *addresses;
     struct timeval connect_timeout, timeout;
+    struct timeval send_slice; /* SO_SNDTIMEO: a send call waits at most this long */
+    double timeout_s;          /* seconds a request may go without a byte moving */
     volatile const char *cancel;
     int nice; /* the nice value of the batch's threads (sender_nice) */
 } Batch;
+
+#define SEND_SLICES 4 /* a send call waits a quarter of the timeout at most */
 
 static int connect_to(Batch *batch, char *message) {
     int last = ECONNREFUSED;
@@ -95,7 +100,7 @@ static int connect_to(Batch *batch, char *message) {
         setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &batch->connect_timeout,
                    sizeof batch->connect_timeout);
         if (connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
-            setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &batch->timeout, sizeof batch->timeout);
+            setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &batch->send_slice, sizeof batch->send_slice);
             setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &batch->timeout, sizeof batch->timeout);
             return fd;
         }
@@ -106,14 +111,26 @@ static int connect_to(Batch *batch, char *message) {
     return -last;
 }
 
-/* Sends the head and the body as one stream; 0, or an errno. */
-static int send_request(int fd, Job *job) {
+static double now_s(void) {
+    struct timespec at;
+    clock_gettime(CLOCK_MONOTONIC, &at);
+    return (double)at.tv_sec + (double)at.tv_nsec * 1e-9;
+}
+
+/* Sends the head and the body as one stream; 0, or an errno (ETIMEDOUT once no byte has
+ * moved for ``timeout_s``). A send call that times out after moving some bytes returns
+ * them, having waited its whole timeout: with that timeout the request's own, a body
+ * the server stopped reading would take two or three timeouts to fail. So each call waits
+ * at most a slice of it (SEND_SLICES), and the silence is what adds up: calls that moved
+ * nothing, since the last that moved something. */
+static int send_request(int fd, Job *job, double timeout_s) {
     struct iovec vec[2] = {
         {job->head.buf, (size_t)job->head.len},
         {job->body.buf, (size_t)job->body.len},
     };
     struct iovec *at = vec;
     int left = 2;
+    double silent_since = now_s();
     while (left > 0) {
         struct msghdr msg = {0};
         msg.msg_iov = at;
@@ -123,8 +140,15 @@ static int send_request(int fd, Job *job) {
             if (errno == EINTR) {
                 continue;
             }
-            return (errno == EAGAIN || errno == EWOULDBLOCK) ? ETIMEDOUT : errno;
+            if (errno != EAGAIN && errno != EWOULDBLOCK) {
+                return errno;
+            }
+            if (now_s() - silent_since >= timeout_s) {
+                return ETIMEDOUT;
+            }
+            continue;
         }
+        silent_since = now_s();
         while (left > 0 && (size_t)sent >= at->iov_len) {
             sent -= (ssize_t)at->iov_len;
             at++;
@@ -340,7 +364,7 @@ static void *run_jobs(void *arg) {
                 reused = 0;
             }
             int keep = 0, got = 0;
-            int err = send_request(fd, job);
+            int err = send_request(fd, job, batch->timeout_s);
             const char *what = "send";
             if (err == 0) {
                 err = read_answer(fd, job, &keep, &got);
@@ -472,6 +496,8 @@ static PyObject *exchange(PyObject *self, PyObject *args) {
         atomic_init(&batch.next, 0);
         batch.connect_timeout = seconds(connect_timeout);
         batch.timeout = seconds(timeout);
+        batch.send_slice = seconds(timeout / SEND_SLICES);
+        batch.timeout_s = timeout;
         batch.cancel = cancel.obj != NULL ? cancel.buf : NULL;
         batch.nice = sender_nice();
         char service[16];

@@ -172,6 +172,7 @@ bench: $(BENCH_STAMP) $(TIERPEERS_STAMP)
 	$(BIN)/python -m benchmarks.durable
 	$(BIN)/python -m benchmarks.staging
 	$(BIN)/python -m benchmarks.memory_tier
+	$(BIN)/python -m benchmarks.links
 	$(BIN)/python -m benchmarks.torch_checkpointing
 	$(BIN)/python -m benchmarks.mlperf_checkpoint
 

@@ -5,16 +5,17 @@ here and not in botocore).
 
 from __future__ import annotations
 
-from asyncio import CancelledError
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from botocore.exceptions import ClientError
 
 from s3ckpt.config import S3Config
+from s3ckpt.errors import StoreStalledError
 from s3ckpt.s3 import retry
 from s3ckpt.s3.client import ClientHandle, client_handle
-from s3ckpt.s3.compat_botocore import operation_method
+from s3ckpt.s3.compat_botocore import operation_method, read_timeout
 from s3ckpt.s3.error_mapping import check_s3_answer, error_code, translate_final, translated
 from s3ckpt.s3.wire.calls import SignedCalls
 from s3ckpt.s3.wire.uploads import put_headers
@@ -70,13 +71,14 @@ class Requests:
         )
         with translated(operation, self.bucket, key):
             try:
-                return await retry.run(
+                running = retry.run(
                     self._answered(attempt, handle, operation),
                     policy,
                     what=f"{operation} {self.where(key)}",
                 )
+                return await self._while_stalled(running, handle)
             except retry.RetryError as exc:
-                raise translate_final(
+                error = translate_final(
                     exc.last,
                     exc.attempts,
                     out_of_time=exc.out_of_time,
@@ -85,7 +87,27 @@ class Requests:
                     key=key,
                     stalled=exc.stalled,
                     last_answer=handle.answers.describe(),
-                ) from exc.last
+                )
+                handle.answers.stalled = handle.answers.stalled or isinstance(
+                    error, StoreStalledError
+                )
+                raise error from exc.last
+
+    async def _while_stalled(self, running: Awaitable[T], handle: ClientHandle) -> T:
+        """``running``; on a store that stalled a request and has answered nothing since,
+        cut short after :data:`~s3ckpt.s3.retry.STILL_STALLED_S` (or the idle timeout,
+        where shorter) as stalled again."""
+        answers = handle.answers
+        if not answers.stalled or self.config.stall_timeout_s is None:
+            return await running
+        wait = min(retry.STILL_STALLED_S, self.config.idle_timeout())
+        try:
+            return await asyncio.wait_for(running, wait)
+        except TimeoutError:
+            silent = read_timeout(self.config.endpoint_url or "the endpoint")
+            raise retry.RetryError(
+                silent, 1, out_of_time=False, stalled=max(answers.silence(), wait)
+            ) from None
 
     @staticmethod
     def _answered(
@@ -106,7 +128,7 @@ class Requests:
                 answers.note(f"{operation} {error_code(exc)}")
                 raise
             except BaseException as exc:  # silence, a dropped connection, cancellation
-                answers.done(silent=retry.is_stall(exc) or isinstance(exc, CancelledError))
+                answers.done(silent=retry.is_stall(exc) or isinstance(exc, asyncio.CancelledError))
                 raise
             answers.done(silent=False)
             handle.answered = True
@@ -184,7 +206,7 @@ class Requests:
             try:
                 outcomes = await signed.try_parts(self.bucket, key, upload_id, parts, connections)
             except BaseException as exc:
-                answers.done(silent=isinstance(exc, CancelledError))
+                answers.done(silent=isinstance(exc, asyncio.CancelledError))
                 raise
         answers.done(silent=any(retry.is_stall(o) for o in outcomes or ()))
         for outcome in outcomes or ():

@@ -29,7 +29,9 @@ recognised as our own write. Three bounds keep a failing save from hanging:
   store has answered nothing to this process for that long while asked
   (:class:`StoreAnswers`). Only silence counts (each stopped try was silent for the
   whole idle timeout), so a slow link that keeps moving bytes never trips it. Any other
-  failure, an answer included, starts the count again.
+  failure, an answer included, starts the count again. Once a request has stalled, the
+  requests that follow while the store still answers nothing (the failed save's
+  clean-up) wait :data:`STILL_STALLED_S` at most.
 
 Only failures that a retry can fix are retried: throttling, 5xx, ``RequestTimeout``,
 ``BadDigest`` (bytes damaged in transit), dropped and reset connections, timeouts
@@ -82,6 +84,10 @@ class ShortReadError(Exception):
 
 
 ATTEMPTS_WITHOUT_DEADLINE = 10
+# How long a request may wait, at most, on a store that stalled a request of this process
+# and has answered nothing since (a failed save's clean-up, its in-flight record): it is
+# still stalled most likely, and the error it ends with should not wait for it once more.
+STILL_STALLED_S = 10.0
 UNANSWERED_ENDPOINT_ATTEMPTS = 4
 # Failures to open a connection at all (nothing was sent).
 _CONNECT_FAILURES = (
@@ -116,6 +122,7 @@ class StoreAnswers:
         self.last = ""
         self.waiting = 0  # tries in flight
         self.silent_since: float | None = None  # None: not asked since its last answer
+        self.stalled = False  # a request stalled, and the store has not answered since
 
     def asking(self) -> None:
         """A try goes to the store."""
@@ -135,6 +142,7 @@ class StoreAnswers:
         """The store answered (``what``: the operation and its outcome)."""
         self.last_at, self.last = time.monotonic(), what
         self.silent_since = None
+        self.stalled = False
 
     def silence(self) -> float:
         """Seconds the store has been asked without answering anything."""

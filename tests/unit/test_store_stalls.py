@@ -4,6 +4,7 @@ full" answers (:mod:`s3ckpt.s3.error_mapping`) in isolation."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 from botocore import exceptions as bce
@@ -20,6 +21,7 @@ from s3ckpt.errors import (
 )
 from s3ckpt.s3 import retry
 from s3ckpt.s3.error_mapping import translate, translate_final
+from s3ckpt.s3.requests import Requests
 
 SILENT = bce.ReadTimeoutError(endpoint_url="http://x")
 
@@ -146,3 +148,21 @@ def test_a_store_with_no_room_says_so(code, status, says):
     assert not isinstance(error, (NotS3EndpointError, TransientStorageError))
     assert says in str(error) and "s3://b/k" in str(error)
     assert not retry.is_retryable(exc)
+
+
+def test_a_request_to_a_store_still_stalled_waits_a_short_while_at_most():
+    """After a stall, and until the store answers anything, a request (the failed save's
+    clean-up, its in-flight record) is cut short instead of waiting out its own limit."""
+    requests = Requests(S3Config(stall_timeout_s=0.4), "b")  # idle timeout 0.2 s
+    handle = SimpleNamespace(answers=retry.StoreAnswers())
+    handle.answers.stalled = True
+
+    async def hangs() -> None:
+        await asyncio.sleep(30)
+
+    with pytest.raises(retry.RetryError) as info:
+        asyncio.run(requests._while_stalled(hangs(), handle))  # type: ignore[arg-type]
+    assert info.value.stalled >= 0.2 and retry.is_stall(info.value.last)
+    handle.answers.note("HeadBucket OK")  # the store answers again: no more cutting short
+    assert not handle.answers.stalled
+    assert asyncio.run(requests._while_stalled(asyncio.sleep(0.3, "done"), handle)) == "done"  # type: ignore[arg-type]

@@ -51,6 +51,7 @@ _SUBNET_BITS = 28
 _NAME = re.compile(rf"^{PREFIX}(\d+)-")
 _HOST_NAME = re.compile(rf"^{HOST_LINK}(\d+)$")
 _MIN_BURST = 64 << 10  # a GSO packet of a veth is up to 64 KiB
+_live: set[int] = set()  # pids of this process's networks that are up
 
 
 class NetnsUnavailableError(LocalServerError):
@@ -249,9 +250,15 @@ class Network:
 
     def create(self) -> None:
         """The switch, its bridge and the host link. Stale harnesses' leftovers (and this
-        pid's, from a dead process) are removed first."""
+        pid's, from a dead process) are removed first. One network per process at a time
+        (its names and addresses are the pid's)."""
         check_available()
+        if self.pid in _live:
+            raise NetnsUnavailableError(
+                f"process {self.pid} already has a network up: remove it before making another"
+            )
         sweep_stale([self.pid])
+        _live.add(self.pid)
         self._add_namespace(self.switch)
         ip("link", "add", "br0", "type", "bridge", namespace=self.switch)
         ip("link", "set", "br0", "up", namespace=self.switch)
@@ -302,6 +309,7 @@ class Network:
             delete_namespace(namespace)
         self.namespaces.clear()
         ip("link", "delete", self.host_link, check=False)
+        _live.discard(self.pid)
 
     def _add_namespace(self, namespace: str) -> None:
         ip("netns", "add", namespace)

@@ -34,6 +34,7 @@ s3ckpt releases that kept no in-flight record.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +56,7 @@ from s3ckpt.catalog.scan import (
     timestamp,
 )
 from s3ckpt.config import S3URI, S3Config
-from s3ckpt.errors import CorruptCheckpointError, ForeignObjectError
+from s3ckpt.errors import CorruptCheckpointError, ForeignObjectError, StorageError
 from s3ckpt.format.layout import LEASE_S
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectMeta, ObjectStore, PendingUpload
@@ -176,10 +177,7 @@ async def _purge_versions(
         return key in removed or made <= cutoff
 
     if report.dry_run:  # the keys this run would delete still have current versions
-        listed = [e async for e in list_versions(store, _list_prefix(location)) if wanted(e.key)]
-        entries = [e for e in listed if not (e.key in removed and e.latest)]
-        chosen, kept = own_versions(entries, deleted, {})
-        purged = Purged(len(chosen), sum(e.size for e in chosen), kept)
+        purged = await _countable(store, location, wanted, deleted, removed)
     else:
         purged = await purge(store, _list_prefix(location), wanted, deleted, dry_run=False)
     report.versions, report.version_bytes = purged.versions, purged.bytes
@@ -293,6 +291,24 @@ def _probes(location: S3URI, listing: Scan, cutoff: float, now: float) -> list[G
     for probe in old:
         by_dir.setdefault(relative(location.prefix, probe.key).rpartition("/")[0], []).append(probe)
     return [_garbage(name, "probe", metas, now) for name, metas in by_dir.items()]
+
+
+async def _countable(
+    store: ObjectStore,
+    location: S3URI,
+    wanted: Callable[[str], bool],
+    deleted: Callable[[str, ObjectVersion], bool],
+    removed: set[str],
+) -> Purged:
+    """What :func:`_purge_versions` would delete, in a dry run: the current versions of
+    the keys the run would delete count as deleted already (they are counted as garbage)."""
+    try:
+        listed = [e async for e in list_versions(store, _list_prefix(location)) if wanted(e.key)]
+    except StorageError as exc:
+        return Purged(kept=[f"old versions cannot be listed ({exc})"])
+    entries = [e for e in listed if not (e.key in removed and e.latest)]
+    chosen, kept = own_versions(entries, deleted, {})
+    return Purged(len(chosen), sum(e.size for e in chosen), kept)
 
 
 async def _remove(store: ObjectStore, report: GcReport, progress: Reporter) -> None:

@@ -115,13 +115,24 @@ async def purge(
     dry_run: bool = False,
 ) -> Purged:
     """List the versions under ``prefix``, keep those of keys ``wanted`` picks, and
-    delete (unless ``dry_run``) the ones :func:`own_versions` chooses."""
-    entries = [e async for e in list_versions(store, prefix) if wanted(e.key)]
-    chosen, kept = own_versions(entries, deleted, manifest_etags or {})
+    delete (unless ``dry_run``) the ones :func:`own_versions` chooses. A store that
+    refuses the listing or the deletes (credentials without ``s3:ListBucketVersions`` or
+    ``s3:DeleteObjectVersion``) leaves the versions where they are: said in ``kept``,
+    not raised, since the command's own deletes are done."""
+    try:
+        entries = [e async for e in list_versions(store, prefix) if wanted(e.key)]
+        chosen, kept = own_versions(entries, deleted, manifest_etags or {})
+        if chosen and not dry_run:
+            await delete_versions(store, chosen)
+    except StorageError as exc:
+        reason = (
+            f"s3://{store.bucket}/{prefix}: old versions not deleted ({exc}); a lifecycle "
+            "rule with NoncurrentVersionExpiration frees them"
+        )
+        log.warning("%s", reason)
+        return Purged(kept=[reason])
     for reason in kept:
         log.warning("%s", reason)
-    if chosen and not dry_run:
-        await delete_versions(store, chosen)
     return Purged(len(chosen), sum(e.size for e in chosen), kept)
 
 

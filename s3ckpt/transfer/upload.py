@@ -16,7 +16,7 @@ and objects already completed are deleted (:mod:`s3ckpt.transfer.aborts`). One c
 request that fails stops none of the others; what could not be removed is logged, for
 ``gc``, and the save's error says so. The clean-up is bounded: after a stalled store
 (:class:`~s3ckpt.errors.StoreStalledError`), whose clean-up requests would stall too, by
-one idle timeout of the store.
+:data:`~s3ckpt.s3.retry.STILL_STALLED_S`.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 from s3ckpt.errors import StorageError, StoreStalledError
 from s3ckpt.format.layout import DEFAULT_BLOCK_SIZE
 from s3ckpt.s3.loop import io_loop
+from s3ckpt.s3.retry import STILL_STALLED_S
 from s3ckpt.s3.store import Body, ObjectStore, PartResult
 from s3ckpt.transfer.aborts import (
     CLEAN_UP_REQUESTS,
@@ -243,12 +244,13 @@ class RankUploader:
 
     def _clean_up(self) -> None:
         """Abort and delete what the save wrote, within a bound: :data:`CLEAN_UP_TIMEOUT_S`,
-        or one idle timeout of the store (``S3Config.idle_timeout``) after a stall, since
-        the clean-up's requests go to the store that just stopped answering. What it
-        could not remove is logged and, for the store's errors, named in the error."""
+        or after a stall :data:`~s3ckpt.s3.retry.STILL_STALLED_S` (the store's idle timeout,
+        where shorter), since the clean-up's requests go to the store that just stopped
+        answering. What it could not remove is logged and, for the store's errors, named
+        in the error."""
         bound = CLEAN_UP_TIMEOUT_S
         if isinstance(self._error, StoreStalledError):
-            bound = min(bound, self.store.config.idle_timeout())
+            bound = min(bound, self.store.config.idle_timeout(), STILL_STALLED_S)
         try:
             within = asyncio.wait_for(self._abandon(), bound)  # cancelled when out of time
             self._loop.submit(within).result(timeout=bound + CLEAN_UP_GRACE_S)

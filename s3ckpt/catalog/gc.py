@@ -15,8 +15,9 @@ storage. ``gc`` removes, under a prefix:
   older than :data:`CLAIM_GRACE`, whatever ``grace``.
 
 On a bucket with versioning on, it then deletes by version id the versions of s3ckpt's
-objects that are deleted (:mod:`s3ckpt.catalog.purge` says which are s3ckpt's), so the
-space is freed: one ``ListObjectVersions`` of the prefix more.
+objects that are deleted (:func:`_purge_versions` says which deletes it follows,
+:mod:`s3ckpt.catalog.purge` which versions are s3ckpt's), so the space is freed: one
+``ListObjectVersions`` of the prefix more.
 
 It never deletes a manifest, and never touches a directory where a save is in flight: one
 whose in-flight record was refreshed within its lease (:mod:`s3ckpt.transfer.inflight`),
@@ -34,21 +35,22 @@ s3ckpt releases that kept no in-flight record.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from s3ckpt.catalog.clock import store_time
 from s3ckpt.catalog.grace import DEFAULT_GRACE, MIN_SAFE_GRACE
-from s3ckpt.catalog.purge import Purged, keeps_versions, own_versions, purge
+from s3ckpt.catalog.purge import keeps_versions, own_versions
 from s3ckpt.catalog.reporting import SILENT, Reporter
 from s3ckpt.catalog.scan import (
     Group,
     Scan,
+    bookkeeping_name,
     child,
     data_directory,
     delete_keys,
     list_uploads,
+    manifest_directory,
     open_store,
     relative,
     scan,
@@ -60,7 +62,7 @@ from s3ckpt.errors import CorruptCheckpointError, ForeignObjectError, StorageErr
 from s3ckpt.format.layout import LEASE_S
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectMeta, ObjectStore, PendingUpload
-from s3ckpt.s3.versions import ObjectVersion, list_versions
+from s3ckpt.s3.versions import ObjectVersion, delete_versions, list_versions
 from s3ckpt.transfer.commit import CLAIM_MAX_AGE_S, read_manifest
 from s3ckpt.transfer.fanout import bounded
 
@@ -161,27 +163,45 @@ async def _purge_versions(
     cutoff: float,
 ) -> None:
     """On a bucket with versioning on, delete by id the versions of s3ckpt's objects that
-    are deleted (:mod:`s3ckpt.catalog.purge`): those this run deleted, and those whose
-    delete marker is older than the grace, outside directories where a save is in flight
-    and directories whose ``manifest.json`` may be another tool's (:attr:`Group.suspect`).
-    A dry run counts them."""
+    are deleted (:mod:`s3ckpt.catalog.purge` says which versions are s3ckpt's): those of
+    the keys this run deleted, and of those deleted longer ago than the grace where no
+    checkpoint could be restored from them: in-flight records, claims and probes, and a
+    save's objects in a directory where no manifest was ever kept (no version of one is
+    listed: a deleted checkpoint's data beside its manifest's old version may be someone's
+    way back, after a delete by another tool). Directories where a save is in flight, or
+    whose ``manifest.json`` may be another tool's (:attr:`Group.suspect`), are left alone.
+    A dry run counts, the current versions of the keys it would delete as deleted."""
     removed = {k for g in report.garbage for k in g.keys}
     left_alone = {g.name for g in listing.groups.values() if g.suspect} | busy
-
-    def wanted(key: str) -> bool:
-        name = single_save_name(relative(location.prefix, key))
-        return name is not None and name not in left_alone
+    try:
+        listed = [e async for e in list_versions(store, _list_prefix(location))]
+    except StorageError as exc:
+        report.problems.append(f"old versions not listed, so not deleted ({exc})")
+        return
+    rel = {e.key: relative(location.prefix, e.key) for e in listed}
+    manifests = {manifest_directory(r) for r in rel.values()} - {None}
 
     def deleted(key: str, latest: ObjectVersion) -> bool:
         made = latest.last_modified.timestamp() if latest.last_modified else math.inf
-        return key in removed or made <= cutoff
+        restorable = single_save_name(rel[key]) in manifests and not bookkeeping_name(rel[key])
+        return key in removed or (made <= cutoff and not restorable)
 
-    if report.dry_run:  # the keys this run would delete still have current versions
-        purged = await _countable(store, location, wanted, deleted, removed)
-    else:
-        purged = await purge(store, _list_prefix(location), wanted, deleted, dry_run=False)
-    report.versions, report.version_bytes = purged.versions, purged.bytes
-    report.problems += purged.kept
+    entries = [
+        e
+        for e in listed
+        if single_save_name(rel[e.key]) not in left_alone
+        and single_save_name(rel[e.key]) is not None
+        and not (report.dry_run and e.key in removed and e.latest)
+    ]
+    chosen, kept = own_versions(entries, deleted, {})
+    report.problems += kept
+    if chosen and not report.dry_run:
+        try:
+            await delete_versions(store, chosen)
+        except StorageError as exc:
+            report.problems.append(f"old versions not deleted ({exc})")
+            return
+    report.versions, report.version_bytes = len(chosen), sum(e.size for e in chosen)
 
 
 def _list_prefix(location: S3URI) -> str:
@@ -291,24 +311,6 @@ def _probes(location: S3URI, listing: Scan, cutoff: float, now: float) -> list[G
     for probe in old:
         by_dir.setdefault(relative(location.prefix, probe.key).rpartition("/")[0], []).append(probe)
     return [_garbage(name, "probe", metas, now) for name, metas in by_dir.items()]
-
-
-async def _countable(
-    store: ObjectStore,
-    location: S3URI,
-    wanted: Callable[[str], bool],
-    deleted: Callable[[str, ObjectVersion], bool],
-    removed: set[str],
-) -> Purged:
-    """What :func:`_purge_versions` would delete, in a dry run: the current versions of
-    the keys the run would delete count as deleted already (they are counted as garbage)."""
-    try:
-        listed = [e async for e in list_versions(store, _list_prefix(location)) if wanted(e.key)]
-    except StorageError as exc:
-        return Purged(kept=[f"old versions cannot be listed ({exc})"])
-    entries = [e for e in listed if not (e.key in removed and e.latest)]
-    chosen, kept = own_versions(entries, deleted, {})
-    return Purged(len(chosen), sum(e.size for e in chosen), kept)
 
 
 async def _remove(store: ObjectStore, report: GcReport, progress: Reporter) -> None:

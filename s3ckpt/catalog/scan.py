@@ -204,6 +204,18 @@ def single_save_name(rel: str) -> str | None:
     return None
 
 
+def bookkeeping_name(rel: str) -> bool:
+    """Whether ``rel`` names an in-flight record, a commit claim or a probe: objects only
+    s3ckpt writes and deletes, which no checkpoint needs once they are deleted."""
+    return any(p.match(rel) for p in (_SAVING, _CLAIM, _PROBE))
+
+
+def manifest_directory(rel: str) -> str | None:
+    """The checkpoint directory of ``rel`` if it names a manifest, else None."""
+    match = _MANIFEST.match(rel)
+    return (match["dir"] or "") if match else None
+
+
 def data_directory(rel: str) -> str | None:
     """The checkpoint directory of a data object key (relative), None if it is not one."""
     match = _DATA.match(rel)

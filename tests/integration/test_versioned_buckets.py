@@ -198,6 +198,34 @@ def test_rm_prune_and_gc_delete_s3ckpts_versions_and_keep_other_writers(
     assert torch.equal(_load(f"{run}/step-3", options), state_of(3)["w"])
 
 
+def test_gc_keeps_the_versions_of_a_checkpoint_another_tool_deleted(
+    local_s3: Any, bucket: str
+) -> None:
+    """A committed checkpoint deleted by another tool (every key, as ``aws s3 rm
+    --recursive`` does): gc deletes no version of its manifest or data, so removing the
+    delete markers brings it back whole."""
+    client, options = local_s3.client(), _options(local_s3)
+    _enable(client, bucket)
+    uri = f"s3://{bucket}/run/step-7"
+    _save(uri, 7.0, options)
+    keys = [c["Key"] for c in client.list_objects_v2(Bucket=bucket, Prefix="run/")["Contents"]]
+    client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys]})
+    kept = [v for v in _versions(client, bucket, "run/") if v[0] in keys and not v[2]]
+
+    store = ObjectStore(make_config(None, **options), bucket)
+    gc = io_loop().run(
+        acollect_garbage(store, S3URI.parse(f"s3://{bucket}/run"), grace=0, now=time.time() + 60)
+    )
+    assert gc.garbage == [] and gc.problems == []
+    after = _versions(client, bucket, "run/")
+    assert all(v in after for v in kept)  # nothing of the checkpoint's versions went
+
+    markers = [{"Key": k, "VersionId": vid} for k, vid, marker, _ in after if marker]
+    client.delete_objects(Bucket=bucket, Delete={"Objects": markers})
+    assert torch.equal(_load(uri, options), state_of(7)["w"])
+    assert catalog.verify_checkpoint(uri, config=make_config(None, **options)).ok
+
+
 def test_ls_verify_and_load_see_the_current_versions_of_an_overwritten_checkpoint(
     local_s3: Any, bucket: str
 ) -> None:

@@ -93,13 +93,15 @@ class CheckpointProcess:
             :class:`~s3ckpt.errors.MemoryTierError` before a byte is copied.
         nice: how much lower the checkpoint process's CPU priority is than the trainer's
             while it saves (added to the trainer's nice value; default
-            ``$S3CKPT_CHECKPOINT_NICE``, else 10; 0: the same). Where the two want the
-            same core, the training loop gets it, and the upload (or replication) goes
-            on in the time the loop leaves; on a node with idle cores it changes
-            nothing. Its start-up runs at the trainer's priority (the first save waits
-            for it), and while the trainer waits for a save (the next save, ``wait``,
-            ``close``) the process runs at the trainer's priority again where the
-            trainer may raise a priority (privileged, or ``RLIMIT_NICE``).
+            ``$S3CKPT_CHECKPOINT_NICE``, else :func:`default_niceness`: 10 where the
+            trainer may raise a priority back, with ``CAP_SYS_NICE`` or ``RLIMIT_NICE``,
+            else 0; 0: the same). Where the two want the same core, the training loop
+            gets it, and the upload (or replication) goes on in the time the loop
+            leaves; on a node with idle cores it changes nothing. Its start-up runs at
+            the trainer's priority (the first save waits for it), and while the trainer
+            waits for a save (the next save, ``wait``, ``close``) the process runs at
+            the trainer's priority again where the trainer may raise it
+            (docs/decisions/0001-checkpoint-process-priority.md).
         config: the :class:`~s3ckpt.S3Config` the saves will use: the process makes its
             client as it starts, so the first save does not (optional).
     """
@@ -345,9 +347,36 @@ def check_usable(owner: object, closed: bool, pid: int) -> None:
         )
 
 
+def default_niceness() -> int:
+    """The default ``nice``: 10 where this process may raise a priority it lowered (so
+    a save it waits for runs at its own priority again), else 0: lowered for good, a
+    save on a node whose cores stay busy would be starved, waits included."""
+    return 10 if may_raise_priority() else 0
+
+
+def may_raise_priority() -> bool:
+    """Whether this process may set a thread of its own user back to its own nice
+    value after raising it: ``CAP_SYS_NICE``, or an ``RLIMIT_NICE`` that reaches it."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        caps = int(next(line for line in status.splitlines() if line.startswith("CapEff:"))[7:], 16)
+    except (OSError, StopIteration, ValueError):
+        caps = 0
+    if caps & (1 << _CAP_SYS_NICE):
+        return True
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    lowest = 20 - soft if soft != resource.RLIM_INFINITY else -20
+    return lowest <= os.getpriority(os.PRIO_PROCESS, 0)
+
+
+_CAP_SYS_NICE = 23
+
+
 def _niceness(nice: int | None) -> int:
     if nice is None:
-        text = os.environ.get(NICE_VARIABLE, "10")
+        text = os.environ.get(NICE_VARIABLE) or str(default_niceness())
         try:
             nice = int(text)
         except ValueError:

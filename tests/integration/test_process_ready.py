@@ -12,6 +12,7 @@ a script that exits without closing leaves no process behind.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from s3ckpt import CheckpointManager, CheckpointProcessError, catalog
+from s3ckpt.background.process import default_niceness
 
 pytestmark = pytest.mark.subprocess
 
@@ -88,7 +90,8 @@ def test_the_process_is_ready_before_the_first_save(s3_prefix, s3_options, monke
         assert "libtorch" in loaded_libraries(pid)  # imported before the first save
         mine = os.getpriority(os.PRIO_PROCESS, 0)
         for thread in Path(f"/proc/{pid}/task").iterdir():
-            assert os.getpriority(os.PRIO_PROCESS, int(thread.name)) == min(19, mine + 10)
+            lowered = min(19, mine + default_niceness())
+            assert os.getpriority(os.PRIO_PROCESS, int(thread.name)) == lowered
         assert manager.save(1, state_of(1)) is True
         assert manager.wait() is not None
         assert process.pid == pid  # the save ran in the process prepared
@@ -237,3 +240,43 @@ def test_a_save_beside_two_busy_processes_completes(s3_prefix, s3_options, local
             process.kill()
             process.wait()
     assert catalog.is_committed(f"{s3_prefix}/step-0000000001", **s3_options)
+
+
+UNPRIVILEGED = """\
+import json, os
+from pathlib import Path
+from s3ckpt import CheckpointProcess
+from s3ckpt.background.process import may_raise_priority
+
+with CheckpointProcess() as process:
+    process.prepare(timeout_s=120)
+    tasks = Path(f"/proc/{process.pid}/task").iterdir()
+    nice = sorted({os.getpriority(os.PRIO_PROCESS, int(t.name)) for t in tasks})
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    print(json.dumps({"may_raise": may_raise_priority(), "nice": nice, "mine": mine}))
+"""
+
+
+def test_a_trainer_that_cannot_raise_a_priority_back_saves_at_its_own(
+    s3_options, tmp_path, monkeypatch
+):
+    """Without ``CAP_SYS_NICE`` (and with ``RLIMIT_NICE`` at 0), a priority lowered for
+    the upload could not be raised while the trainer waits for it: the process stays at
+    the trainer's priority by default."""
+    import json
+
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or os.geteuid() != 0:
+        pytest.skip("needs root and setpriv to drop CAP_SYS_NICE from a child")
+    monkeypatch.delenv("S3CKPT_CHECKPOINT_NICE", raising=False)
+    script = tmp_path / "unprivileged.py"
+    script.write_text(UNPRIVILEGED)
+    done = subprocess.run(
+        [setpriv, "--bounding-set", "-sys_nice", "--inh-caps", "-sys_nice",
+         sys.executable, str(script)],
+        capture_output=True, text=True, timeout=240, env=script_env(s3_options), cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["may_raise"] is False
+    assert report["nice"] == [report["mine"]]

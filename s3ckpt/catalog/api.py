@@ -32,12 +32,12 @@ from s3ckpt.catalog.retention import (
 from s3ckpt.catalog.scan import (
     Group,
     add_uploads,
+    bookkeeping_name,
     child,
     delete_keys,
     open_store,
     read_committed,
     scan_checkpoints,
-    single_save_name,
     timestamp,
 )
 from s3ckpt.catalog.unpublish import Unpublished, conditional_deletes, unpublish
@@ -450,7 +450,7 @@ async def _purged(
 ) -> Removed:
     """``removed``, after the versions its delete left were deleted by id
     (:mod:`s3ckpt.catalog.purge`): those of the manifest's objects and of the manifest
-    deleted, and of the in-flight records and claims already deleted at its level."""
+    deleted, and of the in-flight records, claims and probes already deleted at its level."""
     where = child(location, removed.name)
     result = next(r for g, r in zip(groups, results, strict=True) if g.name == removed.name)
     assert isinstance(result, Unpublished)
@@ -459,7 +459,7 @@ async def _purged(
 
     def wanted(key: str) -> bool:
         rest = key[len(level) :]
-        return key in names or ("/" not in rest and single_save_name(rest) is not None)
+        return key in names or ("/" not in rest and bookkeeping_name(rest))
 
     manifest_etags = {where.key(MANIFEST_NAME): etags[removed.name]}
     purged = await purge(store, level, wanted, lambda key, latest: True, manifest_etags)

@@ -9,6 +9,8 @@ Deleting a committed checkpoint always removes its manifest first, so readers st
 seeing it at once, and then exactly the objects that manifest lists. Anything else in the
 directory (objects of failed or in-flight saves) is left to ``gc``, which alone applies a
 grace period; that is what keeps a save running next to a ``prune`` or ``rm`` unharmed.
+On a bucket with versioning on, the versions those deletes leave are then deleted by id
+where they are s3ckpt's (:mod:`s3ckpt.catalog.purge`).
 """
 
 from __future__ import annotations

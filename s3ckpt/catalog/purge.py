@@ -19,8 +19,9 @@ that s3ckpt's own saves wrote at the keys they deleted. Which versions those are
   first); the versions of earlier commits (overwrites) are left to a lifecycle rule.
 
 Only a key whose current entry is a delete marker is touched (it is deleted: the
-operation's own delete, or, for ``gc``, one older than its grace), so no reader's view
-changes: a noncurrent version never becomes current again once a newer entry exists.
+operation's own delete, or, for ``gc``, an older one it may follow:
+:func:`s3ckpt.catalog.gc._purge_versions`), so no reader's view changes: a noncurrent
+version never becomes current again once a newer entry exists.
 The markers of a key whose versions are all deleted go too. A key's versions of
 another writer keep its markers, so nothing of theirs reappears. Costs one
 ``ListObjectVersions`` of each deleted checkpoint (``rm``, ``prune``) or of the prefix

@@ -293,7 +293,8 @@ def test_versioning_switched_on_between_saves_keeps_one_winner_among_racing_writ
     :class:`IgnoresConditionalWhenVersioned`). Racing for the same checkpoint ids, exactly
     one writer commits each, the others get CommitConflictError, and the checkpoint holds
     the winner's bytes: each commit read the bucket's versioning, saw it changed since its
-    probe, probed again, and used the claim protocol."""
+    probe, probed again, and used the claim protocol. (About 15-20 s a server: the writers
+    are processes started with ``spawn``, each importing torch; the probe is per process.)"""
     writers, rounds = 2, 3
     spawn = multiprocessing.get_context("spawn")
     with IgnoresConditionalWhenVersioned(local_s3, bucket) as proxy:

@@ -175,6 +175,7 @@ class CheckpointManager:
             else RankTier(
                 memory_tier, str(self.location), self._ranks.rank, self._ranks.world,
                 self._ranks.gather, process_group,
+                _collective_timeout(self.config, process_group),
             )
         )  # fmt: skip
         slots = self._tier.copies.slots if self._tier is not None else ()

@@ -133,7 +133,9 @@ class TieredCheckpointProcess:
         self.memory_tier = memory_tier
         ranks = Ranks(process_group)
         self.world, self.rank = ranks.world, ranks.rank
-        self._tier = RankTier(memory_tier, run, self.rank, self.world, ranks.gather, process_group)
+        self._tier = RankTier(
+            memory_tier, run, self.rank, self.world, ranks.gather, process_group, timeout_s
+        )
         try:
             self._saves = BackgroundSaver(
                 "process", process_group, memory_slots=self._tier.copies.slots,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -43,6 +44,7 @@ class RankTier:
         world: int,
         gather: Gather,
         process_group: dist.ProcessGroup | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         self.tier, self.run, self.rank, self.world = tier, run, rank, world
         self._gather = gather
@@ -55,11 +57,14 @@ class RankTier:
         self.replicating = any(self.targets)  # the same on every rank
         self.copies = LocalCopies(tier, run, rank, world, replica_sources(self.targets, rank))
         # a restore's fetches from peers: a gloo group of the manager's ranks, made here,
-        # where every rank constructs the manager (never the loop's own groups)
+        # where every rank constructs the manager (never the loop's own groups); its
+        # collectives wait ``timeout_s`` (default: a new group's, half an hour), as the
+        # checkpoint processes' do, so a peer cut off mid-fetch fails the restore in time
         self._fetch_group = None
         if self.replicating:
             ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-            self._fetch_group = dist.new_group(ranks=ranks, backend="gloo")
+            timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+            self._fetch_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
 
     def keep(self, step: int) -> Keep:
         """Where this save's copy is held (that slot emptied first), and, with several

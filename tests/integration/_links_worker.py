@@ -11,6 +11,8 @@ namespace by :class:`s3ckpt.testing.cluster.Cluster`, which sets ``RANK``, ``WOR
 * ``pause_commit``: the coordinator writes ``commit`` into the out folder just before
   step 2's manifest is written, and waits for ``go`` there (so the test cuts a link at
   the commit; a thread-mode manager commits in the rank's own process);
+* ``lose_node1`` (restore, tier): node 1's memory is removed first, so its rank
+  restores from node 0's replica of its copy; mark ``restoring`` just before;
 * ``deadline_s``, ``read_timeout``, ``timeout_s`` (the gloo groups' collectives), ``mib``
   (each rank's state).
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -169,10 +172,22 @@ class Run:
             committed = catalog.run_steps(self.uri, **self.options)
             s3_latest = committed.latest()
             tier = MemoryTier(keep=2, s3_every=1, node=os.environ["S3CKPT_NODE"])
+            if self.config.get("lose_node1") and self.rank == 1:
+                shutil.rmtree(os.environ["S3CKPT_MEMORY_ROOT"])  # node 1 lost its memory
             with TieredCheckpointProcess(
                 self.uri, tier, timeout_s=self.config["timeout_s"]
             ) as tiered:
-                restored = tiered.restore_latest(target, s3_latest)
+                dist.barrier()
+                started = time.monotonic()
+                self.mark("restoring")
+                self.report["restore"] = self.outcome(
+                    started,
+                    lambda: self.report.update(got=tiered.restore_latest(target, s3_latest)),
+                )
+                if not self.report["restore"]["ok"]:
+                    self.write_report()
+                    return
+                restored = self.report.pop("got")
             if restored is not None:
                 step, where = restored.step, restored.tier
             elif s3_latest is not None:

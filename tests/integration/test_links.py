@@ -114,7 +114,9 @@ def save_job(cluster: Cluster, tmp_path: Path, uri: str, **config: Any) -> Job:
     return job
 
 
-def restored(cluster: Cluster, tmp_path: Path, uri: str, tier: bool = False) -> tuple[Any, Any]:
+def restored(
+    cluster: Cluster, tmp_path: Path, uri: str, tier: bool = False, name: str = "restore"
+) -> tuple[Any, Any]:
     """The step (and tier) a fresh job restores, every rank the same and bit-exact: the
     two ranks again with the memory tier (their nodes' copies), else this process alone
     (both ranks' state, over the host's link)."""
@@ -126,7 +128,7 @@ def restored(cluster: Cluster, tmp_path: Path, uri: str, tier: bool = False) -> 
         assert step is not None
         assert same(state, {**make_state(0, step, BASE["mib"]), **make_state(1, step, BASE["mib"])})
         return step, "s3"
-    job = Job(cluster, tmp_path / "restore", mode="restore", uri=uri, tier=tier)
+    job = Job(cluster, tmp_path / name, mode="restore", uri=uri, tier=tier)
     reports = job.finish(within=90)
     assert all(r["whole"] for r in reports), reports
     assert len({(r["step"], r["tier"]) for r in reports}) == 1, reports
@@ -261,6 +263,22 @@ def test_a_partition_between_the_nodes_during_replication_fails_cleanly(links, t
     links.network.heal()
     assert committed(links, uri) == [1]
     assert restored(links, tmp_path, uri, tier=True) == (2, "memory")
+
+
+def test_a_node_cut_during_a_restore_from_its_peer_fails_on_every_rank(links, tmp_path, uri):
+    """Node 1 lost its memory; its rank receives its copy from node 0's replica when node
+    1's link is cut: the restore fails on both ranks within the collective timeouts (the
+    job's group and the tier's ``timeout_s``, which its fetch group waits too, not a new
+    group's half hour). With the link back, the next restore loads step 2 whole."""
+    job = save_job(links, tmp_path, uri, tier=True, pause_commit=False)
+    assert_saved_everywhere(job.finish(within=BOUND_S + 30))
+    restore = Job(links, tmp_path / "lost", mode="restore", uri=uri, tier=True, lose_node1=True)
+    restore.wait_for("restoring", 1)
+    time.sleep(0.2)
+    links.node(1).cut()
+    assert_failed_everywhere(restore.finish(within=BOUND_S + 10), "restore")
+    links.node(1).restore()
+    assert restored(links, tmp_path, uri, tier=True, name="again")[0] == 2
 
 
 # -- the harness itself --------------------------------------------------------------------

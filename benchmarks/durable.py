@@ -50,6 +50,7 @@ COMMITTED_RATIO_MAX, CLOSE_AFTER_COMMIT_MAX = 1.2, 1.0
 # What each row shows: (field, label, format); each as "best / median" over the rounds.
 MEASURES = (
     ("construct_s", "construct s", "{:.2f}"),
+    ("ready_s", "ready s", "{:.2f}"),
     ("first_to_held_s", "1st held s", "{:.2f}"),
     ("first_to_replicated_s", "1st repl. s", "{:.2f}"),
     ("first_to_committed_s", "1st commit s", "{:.2f}"),
@@ -154,6 +155,7 @@ def flatten(case: dict[str, Any]) -> dict[str, float | None]:
     first, second = case["saves"][0], case["saves"][1]
     return {
         "construct_s": case["construct_s"],
+        "ready_s": case.get("ready_s"),
         "first_to_held_s": first["to_held_s"],
         "first_to_replicated_s": first["to_replicated_s"],
         "first_to_committed_s": first["to_committed_s"],

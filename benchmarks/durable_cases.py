@@ -100,6 +100,8 @@ def run(mode: str) -> dict[str, Any]:
         uri, keep_last=2, async_mode=async_mode, memory_tier=tier, on_saved=on_saved
     )
     constructed = clock()
+    process = getattr(manager._saves, "process", None)  # None in thread mode
+    ready_at: float | None = None
     calls: list[tuple[float, float]] = []  # (called, returned) per save
     for i in range(1, saves + 1):
         due = constructed + i * every
@@ -109,6 +111,8 @@ def run(mode: str) -> dict[str, Any]:
             took = clock() - started
             if i == 1:
                 stretches.add("startup", took)
+                if ready_at is None and process is not None and process.ready:
+                    ready_at = clock()
             elif manager.busy:
                 stretches.add("first" if i == 2 else "during", took)
             else:
@@ -136,6 +140,9 @@ def run(mode: str) -> dict[str, Any]:
     return {
         "mode": mode, "gib": state_nbytes(state["model"]) / GiB, "every_s": every,
         "construct_s": constructed - constructing, "saves": saves_out,
+        # construction to the checkpoint process ready (None: thread mode, or not
+        # ready when the first save came)
+        "ready_s": None if ready_at is None else ready_at - constructed,
         "close_s": closed - calls[-1][1],
         "close_after_commit_s": closed - max(last_commit, calls[-1][1]),
         "step_alone_us": alone,

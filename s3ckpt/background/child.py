@@ -25,6 +25,7 @@ from typing import Any
 from s3ckpt.background.arena import StagingArena
 from s3ckpt.background.channel import Channel, ChannelClosed
 from s3ckpt.background.meeting import MeetingWatch
+from s3ckpt.background.priority import Contention
 from s3ckpt.background.worker import Hello, Hold
 from s3ckpt.errors import CheckpointProcessError, S3CkptError
 
@@ -56,8 +57,13 @@ class CheckpointWorker:
         self.gone = False
         self._start_error: BaseException | None = None
         self._ready = threading.Event()  # set once it answered ready, or is gone
-        self._hurried = False
+        # the niceness it saves at (None: the trainer's), and why it runs at the trainer's
+        # for now: a save waited for (hurried), or other work filling the cores (contended)
         self._nice = hello.nice
+        self._trainer_nice = os.getpriority(os.PRIO_PROCESS, 0)
+        self._hurried = self._contended = self._raised = False
+        self._priority_lock = threading.Lock()
+        self._contention: Contention | None = None
         self._closing = False  # killed by stop() before it was ready
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -100,16 +106,46 @@ class CheckpointWorker:
         """Someone waits for this process's save: run it at the trainer's priority, where
         the trainer may raise a priority it lowered (privileged, or ``RLIMIT_NICE``);
         else nothing changes. :meth:`relax` undoes it."""
-        if self._nice is None or self._hurried or not self.ready:
+        if self._nice is None or not self.ready:
             return
         self._hurried = True
-        _set_nice(self.pid, os.getpriority(os.PRIO_PROCESS, 0))
+        self._apply_priority()
 
     def relax(self) -> None:
-        """Back to the niceness the process saves at, after :meth:`hurry`."""
-        if self._hurried and self._nice is not None:
+        """Back to the niceness the process saves at, after :meth:`hurry` (unless other
+        work fills the node's cores: :mod:`s3ckpt.background.priority`)."""
+        if self._hurried:
             self._hurried = False
-            _set_nice(self.pid, self._nice)
+            self._apply_priority()
+
+    def _contention_changed(self, contended: bool) -> None:
+        self._contended = contended
+        self._apply_priority()
+
+    def _apply_priority(self) -> None:
+        """The trainer's priority while a save is waited for or other work fills the
+        cores, else the niceness the process saves at."""
+        if self._nice is None:
+            return
+        with self._priority_lock:
+            raise_it = self._hurried or self._contended
+            if raise_it != self._raised and not self.gone:
+                self._raised = raise_it
+                _set_nice(self.pid, self._trainer_nice if raise_it else self._nice)
+
+    def _watch_contention(self) -> None:
+        """Sample the demand for cores while saves are in flight, where the process saves
+        at a lowered priority."""
+        if self._nice is None:
+            return
+        with self._lock:
+            active = bool(self._pending) and not self.gone
+        if active and self._contention is None:
+            self._contention = Contention(self.pid, self._contention_changed)
+        if self._contention is not None:
+            self._contention.watch(active)
+            if not active and self._contended:  # an idle process's priority is moot
+                self._contention_changed(False)
 
     def healthy(self, world: int) -> bool:
         """Alive, and (with several ranks) its last save did not fail."""
@@ -126,6 +162,7 @@ class CheckpointWorker:
         reply: Callable[[Any], Any] | None = None,
     ) -> Future[Any]:
         future, save_id = self._register(writer, stages)
+        self._watch_contention()
         if not future.done():
             # a closed channel: the reader thread fails the future with the exit status
             with contextlib.suppress(ChannelClosed):
@@ -163,10 +200,14 @@ class CheckpointWorker:
             self.gone = True
             pending, self._pending = self._pending, {}
         self._ready.set()
+        if self._contention is not None:
+            self._contention.stop()
         meeting = self._meeting
         before_meeting = meeting is not None and not meeting.is_met
         if before_meeting and self._stopped_because is None:
             meeting.abandon("was closed" if self._closing else self._exit_status())
+        if meeting is not None:
+            meeting.end()
         if pending:
             error = self._died("while meeting its peers" if before_meeting else "during the save")
             for future, writer, held in pending.values():
@@ -190,6 +231,7 @@ class CheckpointWorker:
             return
         with self._lock:
             pending = self._pending.pop(message[1], None) if message[1] is not None else None
+        self._watch_contention()
         future = pending[0] if pending is not None else None
         if kind == "saved" and future is not None:
             future.set_result(message[2])

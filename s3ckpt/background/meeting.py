@@ -29,6 +29,7 @@ import torch.distributed as dist
 log = logging.getLogger("s3ckpt.background")
 
 POLL_S = 0.5  # how often a trainer looks at the store while its process meets its peers
+END_TIMEOUT_S = 10.0  # a look at the store in progress: the store's own timeout bounds it
 _ABANDONED = "abandoned"
 
 
@@ -40,10 +41,22 @@ class MeetingWatch:
         self._store = dist.PrefixStore(f"{prefix}/meeting", store)
         self._rank = rank
         self._met = threading.Event()
+        self._ended = threading.Event()  # met, or this rank's process gone: stop watching
+        self._thread: threading.Thread | None = None
 
     def met(self) -> None:
         """This rank's process is in the group: the meeting no longer needs watching."""
         self._met.set()
+        self._ended.set()
+
+    def end(self) -> None:
+        """This rank's process is gone: stop watching, and wait for the watch to have
+        stopped (a thread left inside a call on the store when the interpreter exits
+        aborts it)."""
+        self._ended.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=END_TIMEOUT_S)
 
     @property
     def is_met(self) -> bool:
@@ -59,12 +72,13 @@ class MeetingWatch:
     def watch(self, stop_process: Callable[[str], None]) -> None:
         """Until this rank's process has met its peers, call ``stop_process(reason)``
         as soon as another rank abandons the meeting (a daemon thread)."""
-        threading.Thread(
+        self._thread = threading.Thread(
             target=self._watch, args=(stop_process,), name="s3ckpt-meeting-watch", daemon=True
-        ).start()
+        )
+        self._thread.start()
 
     def _watch(self, stop_process: Callable[[str], None]) -> None:
-        while not self._met.wait(POLL_S):
+        while not self._ended.wait(POLL_S):
             try:
                 if not self._store.check([_ABANDONED]):
                     continue
@@ -72,6 +86,6 @@ class MeetingWatch:
             except Exception:  # rank 0's store is gone: the job ends without us
                 log.debug("stopped watching the checkpoint processes' meeting", exc_info=True)
                 return
-            if not self._met.is_set():
+            if not self._ended.is_set():
                 stop_process(reason)
             return

@@ -98,9 +98,11 @@ class CheckpointProcess:
             else 0; 0: the same). Where the two want the same core, the training loop
             gets it, and the upload (or replication) goes on in the time the loop
             leaves; on a node with idle cores it changes nothing. Its start-up runs at
-            the trainer's priority (the first save waits for it), and while the trainer
-            waits for a save (the next save, ``wait``, ``close``) the process runs at
-            the trainer's priority again where the trainer may raise it
+            the trainer's priority (the first save waits for it); where the trainer
+            may raise it, the process runs at the trainer's priority again while the
+            trainer waits for a save (the next save, ``wait``, ``close``) and while
+            other work fills every core (:mod:`s3ckpt.background.priority`), where a
+            lowered priority would starve the save
             (docs/decisions/0001-checkpoint-process-priority.md).
         config: the :class:`~s3ckpt.S3Config` the saves will use: the process makes its
             client as it starts, so the first save does not (optional).

@@ -15,13 +15,14 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from s3ckpt import CheckpointManager, CheckpointProcessError, catalog
+from s3ckpt import CheckpointManager, CheckpointProcess, CheckpointProcessError, catalog
 from s3ckpt.background.process import default_niceness
 
 pytestmark = pytest.mark.subprocess
@@ -280,3 +281,74 @@ def test_a_trainer_that_cannot_raise_a_priority_back_saves_at_its_own(
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["may_raise"] is False
     assert report["nice"] == [report["mine"]]
+
+
+def _nice_of(pid: int) -> set[int]:
+    return {
+        os.getpriority(os.PRIO_PROCESS, int(t.name)) for t in Path(f"/proc/{pid}/task").iterdir()
+    }
+
+
+def _privileged() -> None:
+    from s3ckpt.background.process import may_raise_priority
+
+    if not may_raise_priority():
+        pytest.skip("the process saves at the trainer's priority where it may not be raised back")
+
+
+def test_a_save_waited_for_or_beside_full_cores_runs_at_the_trainer_s_priority(monkeypatch):
+    """Where the trainer may raise a priority back, its process saves at +10, at the
+    trainer's priority while other work fills the cores or the save is waited for, and
+    at +10 again once neither holds."""
+    _privileged()
+    monkeypatch.delenv("S3CKPT_CHECKPOINT_NICE", raising=False)
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    lowered = min(19, mine + 10)
+    with CheckpointProcess() as process:
+        process.prepare(timeout_s=120)
+        worker, pid = process._worker, process.pid
+        assert _nice_of(pid) == {lowered}
+        worker._contention_changed(True)
+        assert _nice_of(pid) == {mine}
+        worker.hurry()
+        worker._contention_changed(False)
+        assert _nice_of(pid) == {mine}  # still waited for
+        worker.relax()
+        assert _nice_of(pid) == {lowered}
+        worker.hurry()
+        worker.relax()
+        assert _nice_of(pid) == {lowered}
+
+
+@pytest.mark.serial
+def test_a_save_beside_processes_filling_the_cores_is_not_starved(s3_prefix, s3_options):
+    """More busy processes at the trainer's priority than cores: within about a second
+    of demand sampled, the process saving at +10 runs at the trainer's priority (not a
+    tenth of a core's share), without anyone waiting for the save; back at +10 after."""
+    _privileged()
+    from s3ckpt import S3StorageWriter
+
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    cores = os.cpu_count() or 1
+    state = state_of(3, mib=256)
+    with CheckpointProcess(nice=10) as process:
+        process.prepare(timeout_s=120)
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores + 1)]  # fmt: skip
+        try:
+            writer = S3StorageWriter(f"{s3_prefix}/busy", **s3_options)
+            future = process.async_save(state, storage_writer=writer)
+            seen = set()
+            while not future.done():  # nobody waits on it: only the contention raises it
+                seen |= _nice_of(process.pid)
+                time.sleep(0.05)
+        finally:
+            for p in busy:
+                p.kill()
+                p.wait()
+        future.result()
+        assert mine in seen, seen
+        ends = time.monotonic() + 5  # the sampler's last look, a fraction of a second
+        while _nice_of(process.pid) != {min(19, mine + 10)} and time.monotonic() < ends:
+            time.sleep(0.05)
+        assert _nice_of(process.pid) == {min(19, mine + 10)}
+    assert catalog.is_committed(f"{s3_prefix}/busy", **s3_options)

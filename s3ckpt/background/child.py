@@ -26,7 +26,20 @@ from s3ckpt.background.arena import StagingArena
 from s3ckpt.background.channel import Channel, ChannelClosed
 from s3ckpt.background.meeting import MeetingWatch
 from s3ckpt.background.priority import Contention
-from s3ckpt.background.worker import Hello, Hold
+from s3ckpt.background.protocol import (
+    Failed,
+    Held,
+    Hello,
+    Hold,
+    Ready,
+    Replicated,
+    Saved,
+    SaveRequest,
+    Segments,
+    Stop,
+    ToTrainer,
+    unknown,
+)
 from s3ckpt.errors import CheckpointProcessError, S3CkptError
 
 log = logging.getLogger("s3ckpt.background")
@@ -167,7 +180,7 @@ class CheckpointWorker:
             # a closed channel: the reader thread fails the future with the exit status
             with contextlib.suppress(ChannelClosed):
                 self._send_segments(slot)
-                self._channel.send(("save", save_id, slot, data, writer, planner, hold, reply))
+                self._channel.send(SaveRequest(save_id, slot, data, writer, planner, hold, reply))
         return future
 
     def _register(self, writer: Any, stages: Stages) -> tuple[Future[Any], int]:
@@ -183,8 +196,8 @@ class CheckpointWorker:
     def _send_segments(self, slot: int) -> None:
         segments = self._arenas[slot].segments[self._sent_segments[slot] :]
         if segments:
-            sizes = [segment.size for segment in segments]
-            self._channel.send(("segments", slot, sizes), [segment.fd for segment in segments])
+            sizes = tuple(segment.size for segment in segments)
+            self._channel.send(Segments(slot, sizes), [segment.fd for segment in segments])
             self._sent_segments[slot] += len(segments)
 
     def _read(self) -> None:
@@ -215,29 +228,38 @@ class CheckpointWorker:
                     _abort_open_uploads(writer, self._rank, error)
                 _fail(error, future, held)
 
-    def _settle(self, message: Any) -> None:
-        kind = message[0]
-        if kind == "ready":
-            if self._meeting is not None:
-                self._meeting.met()
-            self._ready.set()
-            return
-        if kind in ("held", "replicated"):
-            with self._lock:
-                pending = self._pending.get(message[1])
-            reached = None if pending is None else pending[2][kind == "replicated"]
-            if reached is not None:
-                reached.set_result(None)
-            return
+    def _settle(self, message: ToTrainer) -> None:
+        match message:
+            case Ready():
+                if self._meeting is not None:
+                    self._meeting.met()
+                self._ready.set()
+            case Held(save_id) | Replicated(save_id):
+                with self._lock:
+                    pending = self._pending.get(save_id)
+                reached = None if pending is None else pending[2][isinstance(message, Replicated)]
+                if reached is not None:
+                    reached.set_result(None)
+            case Saved(save_id, metadata):
+                future, _ = self._finish(save_id)
+                if future is not None:
+                    future.set_result(metadata)
+            case Failed(save_id, error):
+                self._failed(save_id, error)
+            case _:
+                raise unknown(message, f"the checkpoint process {self.pid}")
+
+    def _finish(self, save_id: int | None) -> tuple[Future[Any] | None, Stages]:
+        """The future and stages of save ``save_id``, no longer pending (None, if none)."""
         with self._lock:
-            pending = self._pending.pop(message[1], None) if message[1] is not None else None
+            pending = self._pending.pop(save_id, None) if save_id is not None else None
         self._watch_contention()
-        future = pending[0] if pending is not None else None
-        if kind == "saved" and future is not None:
-            future.set_result(message[2])
-            return
+        return (None, (None, None)) if pending is None else (pending[0], pending[2])
+
+    def _failed(self, save_id: int | None, error: BaseException) -> None:
+        """Save ``save_id`` failed, or (None) the process could not start."""
+        future, stages = self._finish(save_id)
         self.failed = True
-        error = message[2]
         if not isinstance(error, S3CkptError):
             wrapped = CheckpointProcessError(
                 f"the checkpoint process of rank {self._rank} failed: "
@@ -245,8 +267,8 @@ class CheckpointWorker:
             )
             wrapped.__cause__ = error
             error = wrapped
-        if pending is not None:
-            _fail(error, future, pending[2])
+        if future is not None:
+            _fail(error, future, stages)
         else:  # it could not start: the next save's future gets the reason
             self._start_error = error
             log.error("the checkpoint process %d could not start: %s", self.pid, error)
@@ -292,7 +314,7 @@ class CheckpointWorker:
         if self._ready.is_set():
             self.hurry()
             with contextlib.suppress(ChannelClosed, OSError):
-                self._channel.send(("stop",))
+                self._channel.send(Stop())
             try:
                 self._popen.wait(timeout=timeout)
             except subprocess.TimeoutExpired:

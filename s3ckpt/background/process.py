@@ -53,9 +53,9 @@ from s3ckpt.background.arena import StagingArena
 from s3ckpt.background.channel import dumps_staged
 from s3ckpt.background.child import CheckpointWorker, child_niceness
 from s3ckpt.background.meeting import MeetingWatch
+from s3ckpt.background.protocol import Hello, Hold, Meeting
 from s3ckpt.background.rebuild import ChildImports
 from s3ckpt.background.stage import Staged, stage
-from s3ckpt.background.worker import Hello, Hold, Meeting
 from s3ckpt.dcp.compat import default_store_host
 from s3ckpt.dcp.staging import plain_state_dict
 from s3ckpt.errors import CheckpointProcessError, ConfigError

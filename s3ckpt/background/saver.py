@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch.distributed as dist
 
 from s3ckpt.background.process import CheckpointProcess
-from s3ckpt.background.worker import Hold
+from s3ckpt.background.protocol import Hold
 from s3ckpt.dcp.compat import save_plain
 from s3ckpt.dcp.local_plan import ReusingSavePlanner
 from s3ckpt.dcp.staging import HostStager, plain_state_dict

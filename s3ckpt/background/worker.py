@@ -2,20 +2,21 @@
 
 Started by :class:`~s3ckpt.background.process.CheckpointProcess` as a fresh interpreter
 running this module, never the training script: nothing of ``__main__`` runs again here,
-so a script needs no ``if __name__ == "__main__":`` guard. It receives over the socket
-``FD``, in order: a :class:`Hello` (the trainer's ``sys.path``, the log level, with
-several ranks where the checkpoint processes meet, the S3 configuration its saves will
-use, and the niceness to save at), answered ``ready`` once the process has imported
-what a save runs, made that configuration's S3 client, met its peers and lowered its
-priority (the start-up runs at the trainer's priority: it is the first save's wait);
-then any number of ``segments``
-messages (staging memory of one arena to map, as descriptors) and ``save`` messages (an
-arena, a staged state by reference, a writer or None, a planner, and a :class:`Hold` or
-None), each answered with ``saved`` (the DCP metadata, None without a writer) or
-``failed`` (the error); and ``stop``, or the end of the socket, to exit. A save with a :class:`Hold` first records its copy as a memory-tier
-checkpoint (its CRC32Cs, then its descriptor, :mod:`s3ckpt.background.held`) and answers
-``held``; then, with several nodes, exchanges copies with its peers (``replicated``);
-then uploads it, if it has a writer, from the same memory.
+so a script needs no ``if __name__ == "__main__":`` guard. It speaks the protocol of
+:mod:`s3ckpt.background.protocol` over the socket ``FD``: a :class:`Hello` (the trainer's
+``sys.path``, the log level, with several ranks where the checkpoint processes meet, the
+S3 configuration its saves will use, and the niceness to save at), answered
+:class:`Ready` once the process has imported what a save runs, made that configuration's
+S3 client, met its peers and lowered its priority (the start-up runs at the trainer's
+priority: it is the first save's wait); then any number of :class:`Segments` (staging
+memory of one arena to map, as descriptors) and :class:`SaveRequest` messages (an arena,
+a staged state by reference, a writer or None, a planner, and a :class:`Hold` or None),
+each answered with :class:`Saved` (the DCP metadata, None without a writer) or
+:class:`Failed` (the error); and :class:`Stop`, or the end of the socket, to exit. A save
+with a :class:`Hold` first records its copy as a memory-tier checkpoint (its CRC32Cs, then
+its descriptor, :mod:`s3ckpt.background.held`) and answers :class:`Held`; then, with
+several nodes, exchanges copies with its peers (:class:`Replicated`); then uploads it, if
+it has a writer, from the same memory. Any other message ends the process with an error.
 
 With several ranks the checkpoint processes form a gloo group of their own (the default
 group of this process), met through the trainer rank 0's store, so a save's collectives
@@ -37,52 +38,27 @@ import socket
 import sys
 import threading
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from s3ckpt.background.channel import Channel, ChannelClosed, loads_staged
-from s3ckpt.background.replicate import Exchange
+from s3ckpt.background.protocol import (
+    Failed,
+    Held,
+    Hello,
+    Hold,
+    Meeting,
+    Ready,
+    Replicated,
+    Saved,
+    SaveRequest,
+    Segments,
+    Stop,
+    ToTrainer,
+    unknown,
+)
 
 log = logging.getLogger("s3ckpt.background")
-
-
-@dataclass(frozen=True)
-class Meeting:
-    """Where the checkpoint processes of several ranks form their group."""
-
-    host: str
-    port: int
-    prefix: str
-    rank: int
-    world: int
-    timeout_s: float
-
-
-@dataclass(frozen=True)
-class Hello:
-    """The first message: what the process needs before its first save."""
-
-    sys_path: list[str]
-    log_level: int
-    meeting: Meeting | None
-    config: Any = None  # the S3Config of the saves to come: its client is made at start
-    nice: int | None = None  # the niceness the process saves at, once ready
-
-
-@dataclass(frozen=True)
-class Hold:
-    """Keep a save's copy in its memory-tier slot (``folder``) as ``step``'s checkpoint."""
-
-    folder: str
-    step: int
-    rank: int
-    world: int
-    run: str
-    regions: tuple[tuple[int, int, int], ...] = ()  # segment, offset, nbytes of each storage
-    replicate: Exchange | None = None  # then sent to (and received from) peers on other nodes
-    lineage: str = ""  # the saves this one continues (held.Held.lineage)
 
 
 def main(fd: int) -> int:
@@ -93,6 +69,8 @@ def main(fd: int) -> int:
         hello, _ = channel.receive()
     except ChannelClosed:
         return 0
+    if not isinstance(hello, Hello):
+        raise unknown(hello, "the trainer before its Hello")
     sys.path[:] = [*hello.sys_path, *(p for p in sys.path if p not in hello.sys_path)]
     logging.basicConfig(level=hello.log_level, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("s3ckpt").setLevel(hello.log_level)
@@ -101,11 +79,11 @@ def main(fd: int) -> int:
         _load(hello.config)
         _join(hello.meeting)
     except Exception as exc:
-        _answer(channel, ("failed", None, _portable(exc)))
+        _answer(channel, Failed(None, _portable(exc)))
         return 1
     if hello.nice is not None:
         _renice(hello.nice)
-    _answer(channel, ("ready", os.getpid()))
+    _answer(channel, Ready(os.getpid()))
     return _serve(channel, distributed=hello.meeting is not None)
 
 
@@ -183,68 +161,62 @@ def _serve(channel: Channel, *, distributed: bool) -> int:
                 message, fds = channel.receive()
             except ChannelClosed:
                 return 0
-            if message[0] == "segments":
-                arena = arenas.setdefault(message[1], StagingArena())
-                for descriptor, size in zip(fds, message[2], strict=True):
-                    arena.adopt(descriptor, size)
-            elif message[0] == "save":
-                _, save_id, slot, data, writer, given, hold, reply = message
-                planner = (
-                    given if given is not None else planners.setdefault(slot, ReusingSavePlanner())
-                )
-                saved = _save(
-                    channel, arenas.get(slot), save_id, data, writer, planner, hold, reply
-                )
-                if given is None:
-                    planner.let_go()  # its views of the segments, which may be replaced
-                if not saved and distributed:
-                    return 1
-            elif message[0] == "stop":
-                return 0
+            match message:
+                case Segments(slot, sizes):
+                    arena = arenas.setdefault(slot, StagingArena())
+                    for descriptor, size in zip(fds, sizes, strict=True):
+                        arena.adopt(descriptor, size)
+                case SaveRequest(slot=slot, planner=given):
+                    planner = (
+                        given
+                        if given is not None
+                        else planners.setdefault(slot, ReusingSavePlanner())
+                    )
+                    saved = _save(channel, arenas.get(slot), message, planner)
+                    if given is None:
+                        planner.let_go()  # its views of the segments, which may be replaced
+                    if not saved and distributed:
+                        return 1
+                case Stop():
+                    return 0
+                case _:
+                    raise unknown(message, "the trainer")
     finally:
         for arena in arenas.values():
             arena.close()
         _leave(distributed)
 
 
-def _save(
-    channel: Channel,
-    arena: Any,
-    save_id: int,
-    data: bytes,
-    writer: Any,
-    planner: Any,
-    hold: Hold | None,
-    reply: Callable[[Any], Any] | None = None,
-) -> bool:
+def _save(channel: Channel, arena: Any, request: SaveRequest, planner: Any) -> bool:
     """Run one save (hold its copy, upload it); whether it completed. Its answer carries
-    ``reply`` of DCP's metadata, or the metadata itself."""
+    the request's ``reply`` of DCP's metadata, or the metadata itself."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    save_id, hold, writer, reply = request.save_id, request.hold, request.writer, request.reply
     segments = arena.mappings if arena is not None else []
     try:
         if hold is not None:
             if hold.folder:
-                _hold(segments, data, hold)
-                _answer(channel, ("held", save_id))
+                _hold(segments, request.data, hold)
+                _answer(channel, Held(save_id))
             if hold.replicate is not None:
                 from s3ckpt.background.replicate import exchange
 
                 exchange(hold.replicate)
-                _answer(channel, ("replicated", save_id))
+                _answer(channel, Replicated(save_id))
         if writer is None:
-            _answer(channel, ("saved", save_id, None))
+            _answer(channel, Saved(save_id, None))
             return True
-        state = loads_staged(data, segments)
+        state = loads_staged(request.data, segments)
         distributed = dist.is_initialized()
         metadata = dcp.save(state, storage_writer=writer, planner=planner, no_dist=not distributed)
         answer = metadata if reply is None else reply(metadata)
     except BaseException as exc:
         log.debug("save %d failed", save_id, exc_info=True)
-        _answer(channel, ("failed", save_id, _portable(exc)))
+        _answer(channel, Failed(save_id, _portable(exc)))
         return False
-    _answer(channel, ("saved", save_id, answer))
+    _answer(channel, Saved(save_id, answer))
     return True
 
 
@@ -289,7 +261,7 @@ def _portable(exc: BaseException) -> BaseException:
         return CheckpointError(f"{type(error).__name__}: {error}")
 
 
-def _answer(channel: Channel, message: Any) -> None:
+def _answer(channel: Channel, message: ToTrainer) -> None:
     with contextlib.suppress(ChannelClosed):  # the trainer is gone: nobody to tell
         channel.send(message)
 

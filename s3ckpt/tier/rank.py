@@ -22,9 +22,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from s3ckpt.background.protocol import Hold
 from s3ckpt.background.replicate import Exchange, Fetched, exchange
 from s3ckpt.background.saver import Keep
-from s3ckpt.background.worker import Hold
 from s3ckpt.tier.copies import Holdings, LocalCopies, Version
 from s3ckpt.tier.options import MemoryTier
 from s3ckpt.tier.peers import replica_sources, replica_targets

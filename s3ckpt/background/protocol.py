@@ -1,0 +1,167 @@
+"""The messages between a trainer and its checkpoint process, in both directions.
+
+Each rank's trainer (:class:`~s3ckpt.background.child.CheckpointWorker`) and the
+checkpoint process it started (:mod:`s3ckpt.background.worker`) talk over one
+:class:`~s3ckpt.background.channel.Channel`: every message is one of the classes below,
+pickled, and each side dispatches on its type; a message of any other type is an error
+where it is received (:class:`~s3ckpt.errors.CheckpointProcessError`), never dropped.
+
+The lifecycle, in the order the messages travel:
+
+1. **Start.** The trainer sends :class:`Hello` first. The process answers
+   :class:`Ready` once it has imported what a save runs, made the S3 client, met its
+   peers and lowered its priority; or :class:`Failed` (with no save id) and exits.
+2. **Segments.** Before a save whose arena has grown, the trainer sends
+   :class:`Segments`: the sizes of the new segments of one arena, whose descriptors ride
+   with the message (``SCM_RIGHTS``), in the same order. The process maps them, once each.
+3. **Save.** The trainer sends :class:`SaveRequest`. With a hold, the process answers
+   :class:`Held` once the copy is recorded in its memory-tier slot, then
+   :class:`Replicated` once its copies were exchanged with its peers (when the hold says
+   so); then :class:`Saved` (the upload's outcome) or :class:`Failed` (the error), one of
+   the two for every request. With several ranks a process exits after a failed save.
+4. **Stop.** The trainer sends :class:`Stop` (or closes the socket): the process exits.
+
+Trainer to process: :class:`Hello`, :class:`Segments`, :class:`SaveRequest`,
+:class:`Stop`. Process to trainer: :class:`Ready`, :class:`Held`, :class:`Replicated`,
+:class:`Saved`, :class:`Failed`. :class:`Meeting` and :class:`Hold` travel inside
+:class:`Hello` and :class:`SaveRequest`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from s3ckpt.errors import CheckpointProcessError
+
+if TYPE_CHECKING:
+    from s3ckpt.background.replicate import Exchange
+
+# -- the trainer's messages ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Meeting:
+    """Where the checkpoint processes of several ranks form their group: rank 0's
+    store (``host``, ``port``) under ``prefix`` (one per generation of processes), this
+    process's ``rank`` of ``world``, and the group's collective timeout."""
+
+    host: str
+    port: int
+    prefix: str
+    rank: int
+    world: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The first message: what the process needs before its first save."""
+
+    sys_path: list[str]  # the trainer's, ahead of the process's own
+    log_level: int  # of the ``s3ckpt`` loggers
+    meeting: Meeting | None  # with several ranks
+    config: Any = None  # the S3Config of the saves to come: its client is made at start
+    nice: int | None = None  # the niceness the process saves at, once ready
+
+
+@dataclass(frozen=True)
+class Segments:
+    """New staging segments of arena ``slot``: one size per descriptor that rides with
+    this message, in order (they follow the segments sent before)."""
+
+    slot: int
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Keep a save's copy in its memory-tier slot (``folder``) as ``step``'s checkpoint."""
+
+    folder: str
+    step: int
+    rank: int
+    world: int
+    run: str
+    regions: tuple[tuple[int, int, int], ...] = ()  # segment, offset, nbytes of each storage
+    replicate: Exchange | None = None  # then sent to (and received from) peers on other nodes
+    lineage: str = ""  # the saves this one continues (held.Held.lineage)
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """Save the copy staged in arena ``slot``.
+
+    ``data`` is the state pickled with its arena tensors by reference
+    (:func:`~s3ckpt.background.channel.dumps_staged`); ``writer`` uploads it (None: held
+    only); ``planner`` is the trainer's (None: the process's own, one per slot); ``hold``
+    records the copy first (:class:`Held`, :class:`Replicated`); ``reply``, run in the
+    process on DCP's metadata, makes what :class:`Saved` carries instead of it."""
+
+    save_id: int
+    slot: int
+    data: bytes
+    writer: Any
+    planner: Any
+    hold: Hold | None
+    reply: Callable[[Any], Any] | None = None
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Exit; sent with no save in flight."""
+
+
+# -- the process's answers -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Answers :class:`Hello`: the process (``pid``) is ready to save."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class Held:
+    """Save ``save_id``'s copy is recorded in its memory-tier slot."""
+
+    save_id: int
+
+
+@dataclass(frozen=True)
+class Replicated:
+    """Save ``save_id``'s copies were exchanged with the peers its hold names."""
+
+    save_id: int
+
+
+@dataclass(frozen=True)
+class Saved:
+    """Save ``save_id`` completed: DCP's metadata (the request's ``reply`` of it, or None
+    without a writer)."""
+
+    save_id: int
+    metadata: Any
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Save ``save_id`` failed, or (``save_id`` None) the process could not start:
+    ``error`` is the s3ckpt error inside the failure, in a form that survives pickling."""
+
+    save_id: int | None
+    error: BaseException
+
+
+ToProcess = Hello | Segments | SaveRequest | Stop
+ToTrainer = Ready | Held | Replicated | Saved | Failed
+
+
+def unknown(message: object, sender: str) -> CheckpointProcessError:
+    """The error for a message that is none of ``sender``'s (a side's ``match`` falls
+    through to it): the two sides disagree on the protocol."""
+    return CheckpointProcessError(
+        f"unknown message from {sender}: {type(message).__qualname__} {message!r:.200}"
+    )

@@ -9,26 +9,18 @@ the GIL back once, when the batch is done. The sender frames each answer and
 :func:`answer_of` splits its head.
 
 Why: in thread mode the upload shares the trainer's interpreter. Sent one request at a
-time from Python (the event loop's non-blocking sends, or even the leanest blocking
-``PUT``), a part takes the GIL back four times or more, and runs its parsing and
-bookkeeping with it. Beside the dispatch-bound loop of ``python -m benchmarks.loop``
-(1 GiB, 64 parts, loop pinned alone on a core, 3 reps, one run), unsigned PUTs sent that
-way slowed the loop +30 % (compute loop +50 %), the same PUTs in one native batch +17 %
-(+21 %), and a save that sends nothing at all +19 % (+32 %): the sending itself then
-costs the loop nothing measurable. For a whole thread-mode save (with
-:mod:`~.signing` and the answers split here), the I/O loop's Python per GiB halved
-(cProfile: 0.24 s to 0.12 s) and the client's CPU fell from 0.56-0.77 to 0.44-0.50
-s/GiB; the training loop's slowdown beside it stayed within the benchmark's spread
-(docs/performance.md, "Part uploads in native batches").
+time from Python, a part takes the GIL back four times or more and runs its parsing and
+bookkeeping with it, while the training loop waits; a batch takes it back once
+(docs/decisions/0003-native-sender.md).
 
-The sender's threads run at nice 19 (``_sender.c`` says why): they never hold the GIL,
+The sender's threads run at nice 19 (``_sender.c``; the record above): they never hold the GIL,
 and the save's Python threads, which do, get the core first.
 
 This is a transport only, and one try: every answer, every failure, goes back to the
 caller's retry policy (:mod:`s3ckpt.s3.retry`) exactly as a part sent any other way
 would, and a part whose answer the sender does not read (chunked, say) is marked
 :class:`NotSent` and goes the usual way. Plain HTTP only; over HTTPS, through a proxy,
-or where the C extension is not built, parts go one at a time as before.
+or where the C extension is not built, parts go one at a time.
 """
 
 from __future__ import annotations
@@ -105,9 +97,10 @@ class NativeBatch:
 def answer_of(framed: bytes) -> Answer | Exception:
     """An answer the sender framed (status line, headers, a ``Content-Length`` or
     close-delimited body, nothing chunked): its status, headers (lower-case names) and
-    body. Split here rather than fed to h11 (:class:`~.exchange.SmallResponse`), which
-    costs 0.2-0.5 ms of the I/O loop's GIL time per answer, the price per part that
-    batches exist to avoid; malformed heads are refused as h11 refuses them."""
+    body. Split here rather than fed to h11 (:class:`~.exchange.SmallResponse`), whose
+    parsing is Python per part on the I/O loop, what batches exist to avoid
+    (docs/decisions/0003-native-sender.md); malformed heads are refused as h11 refuses
+    them."""
     head, _, body = framed.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     version, _, rest = lines[0].partition(" ")

@@ -14,24 +14,22 @@ parser (h11, :mod:`~.exchange`), bodies sent from the tensor's memory (:mod:`~.u
 :mod:`~.on_loop`) and received straight into it
 (:mod:`~.gets`, :mod:`~.get_exchange`).
 
-Where each exchange runs was measured on this kind of machine (2 cores, the zero-cost S3
-server of ``benchmarks/``, 16 requests at once, client CPU per GiB):
+Where each exchange runs, chosen for the least client CPU per GiB
+(docs/decisions/0004-tls-path.md):
 
 * **on the event loop**, everything but one case: ranged GETs, their responses read by a
   reader callback that receives the body into the tensor (plain TCP), or decrypts it
   into the tensor from ciphertext taken off the socket 256 KiB at a time (TLS on memory
   BIOs); and plain-HTTP upload bodies, sent by non-blocking ``send`` calls of the body's
-  memory. In worker threads the same work cost more (GETs over TLS 1.10-1.20 against
-  0.83-1.02; plain uploads 1.1-1.2x): every call that releases the GIL has to take it
-  back against the loop and the other requests' threads;
+  memory. In worker threads every call that releases the GIL has to take it back against
+  the loop and the other requests' threads;
 * **in worker threads**: upload bodies over TLS, on blocking ``SSLSocket`` connections,
   whose ``sendall`` encrypts the body straight from the tensor into the kernel's socket
-  buffer with the GIL released (a save over HTTPS through aiohttp and asyncio's TLS
-  transport cost 1.99 client CPU-s/GiB against 1.12);
+  buffer with the GIL released;
 * **in native threads**: plain-HTTP part uploads, handed over a batch at a time
   (:mod:`~.batch`): signed on the loop, sent and answered by C threads that take the GIL
   back once per batch, not several times per part, which is what a training loop beside
-  a thread-mode save pays for.
+  a thread-mode save pays for (docs/decisions/0003-native-sender.md).
 
 Endpoints reached through an HTTP proxy are left to aiobotocore entirely, and so are
 responses the transport cannot receive in place (chunked, redirects).

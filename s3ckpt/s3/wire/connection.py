@@ -5,14 +5,14 @@ bodies), non-blocking on the event loop (everything else; ``setblocking`` switch
 two kinds of TLS differ because what is cheap differs:
 
 * on the loop, TLS runs on memory BIOs over the raw socket: ciphertext moves in large
-  socket calls (:data:`CIPHER_CHUNK`), and OpenSSL decrypts into the caller's memory. A
-  non-blocking ``SSLSocket`` reads every 16 KiB record with two system calls of its own:
-  0.85-0.91 client CPU-s/GiB for ranged GETs, against 0.75-0.82 for uvloop's TLS
-  transport, which also decrypts from memory;
+  socket calls (:data:`CIPHER_CHUNK`), and OpenSSL decrypts into the caller's memory,
+  where a non-blocking ``SSLSocket`` would read every 16 KiB record with two system
+  calls of its own;
 * in worker threads, TLS is a blocking ``SSLSocket``, whose ``sendall`` encrypts a body
-  straight into the kernel's buffer with the GIL released: through the BIOs (the
-  ciphertext copied once more) a save cost 1.18-1.21x the client CPU on the zero-cost
-  server.
+  straight into the kernel's buffer with the GIL released, where the BIOs would copy the
+  ciphertext once more.
+
+Both choices are the cheaper of the two in client CPU (docs/decisions/0004-tls-path.md).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class Connection:
         A socket read that came back short means the socket is empty: the next call says
         so without the system call (and the exception) that would find out, once per
         wake-up of the reader; the loop's level-triggered readiness calls again when
-        more arrives. (Without this, loads on SeaweedFS cost 1.15-1.22x the CPU.)"""
+        more arrives (docs/decisions/0004-tls-path.md)."""
         if self.session is None:
             if self.raw_drained:
                 self.raw_drained = False

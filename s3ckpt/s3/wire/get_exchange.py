@@ -4,9 +4,9 @@ The expected answer, a ``206`` whose ``Content-Range`` and ``Content-Length`` ma
 range asked for, is received straight into the memory the sink names: a reader callback
 on the loop calls the non-blocking socket's ``recv_into`` with that memory, so each byte
 is copied once, by the kernel (plain TCP) or by OpenSSL as it decrypts (TLS). Reads stay
-on the loop thread because over TLS OpenSSL hands over one 16 KiB record per call: in
-worker threads, each call's release and re-take of the GIL contended with the other
-requests' threads (HTTPS loads 1.10-1.20 client CPU-s/GiB against 0.83-1.02 here). Error responses become the botocore
+on the loop thread because over TLS OpenSSL hands over one 16 KiB record per call, and in
+worker threads each call's release and re-take of the GIL would contend with the other
+requests' threads (docs/decisions/0004-tls-path.md). Error responses become the botocore
 ``ClientError`` aiobotocore would raise; a successful response that cannot be received in
 place (chunked, no length, a redirect) raises :class:`UnsupportedResponse`, and the caller
 hands the request to aiobotocore. A server that ignores ``Range`` and sends the whole

@@ -3,10 +3,10 @@ HTTP upload's request and answer.
 
 Plain-HTTP upload bodies are sent from the loop thread: a non-blocking ``send`` of the
 body's memory hands the kernel as much as its socket buffer takes, a few calls per part,
-with no thread hand-over and no GIL contention. In worker threads the same sends cost
-1.1-1.2x the client CPU of a save on the zero-cost server (``benchmarks/zero_cost.py``),
-the threads re-taking the GIL against the loop after every call; over TLS the threads
-win, because encryption runs with the GIL released (:mod:`s3ckpt.s3.wire.uploads`).
+with no thread hand-over and no GIL contention, where worker threads would take the GIL
+back against the loop after every call; over TLS the threads are cheaper, because
+encryption runs with the GIL released (:mod:`s3ckpt.s3.wire.uploads`;
+docs/decisions/0004-tls-path.md).
 """
 
 from __future__ import annotations

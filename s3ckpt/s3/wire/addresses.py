@@ -2,8 +2,9 @@
 and service, as the aiobotocore client works them out for itself.
 
 The client's presigned URL of an object says all three (its endpoint rules, addressing
-style and region applied), but presigning costs about 0.4 ms of Python, and the keys of
-a save's small objects (marker, index, metadata, manifest) are new every save. So one
+style and region applied), but presigning runs the client's per-request Python
+(docs/decisions/0005-requests-signed-on-the-data-plane.md), and the keys of a save's
+small objects (marker, index, metadata, manifest) are new every save. So one
 URL is presigned per bucket, for a probe key, and an object's URL is that URL with the
 key in the probe's place, quoted as botocore quotes an S3 key (``tests/unit``: equal to
 the client's presigned URLs for path and virtual addressing and keys that need quoting).

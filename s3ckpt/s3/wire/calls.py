@@ -3,11 +3,10 @@ the HEADs as it starts (is the bucket there, is the checkpoint already committed
 those of ``exists`` checks; creating and completing its multipart uploads, the listings
 that confirm its objects and the delete of its in-flight marker as it commits.
 
-Through the aiobotocore client each of them cost the I/O loop 0.9-1.9 ms of Python (event
-hooks, endpoint rules, the user-agent string, the signer, aiohttp; ``time.thread_time``
-against the zero-cost server; 0.3-0.6 ms here), bunched where a thread-mode save starts
-and commits: time a training loop beside the save waits for (docs/performance.md, "The
-loop beside a save").
+Through the aiobotocore client each of them runs the client's per-request Python on the
+I/O loop (event hooks, endpoint rules, the user-agent string, the signer, aiohttp),
+bunched where a thread-mode save starts and commits: time a training loop beside the save
+waits for (docs/decisions/0005-requests-signed-on-the-data-plane.md).
 Here the request is built by the client's own serializer (the XML bodies, the query, the
 headers exactly as the client builds them), the handlers the client runs for these
 operations are applied (:mod:`s3ckpt.s3.compat_botocore`: the listing's

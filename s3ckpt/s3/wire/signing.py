@@ -1,15 +1,14 @@
 """SigV4 for part uploads: botocore's algorithm, without botocore's per-request machinery.
 
-botocore's ``S3SigV4Auth`` signs one UploadPart in about 0.3-0.6 ms of Python: an
-``AWSRequest``, header maps normalised and copied, the URL split again and again, and the
-signing key's four HMACs derived anew for every request. In thread mode that is time the
-I/O loop holds the GIL while the training loop waits for it: with parts sent in native
-batches (:mod:`~.batch`), botocore's signer was the largest Python cost left per part
-(cProfile of a 1 GiB thread-mode save: 0.075 s of 0.24 s on the I/O loop, 108 parts).
+botocore's ``S3SigV4Auth`` builds an ``AWSRequest`` for every request, normalises and
+copies its header maps, splits the URL again and again and derives the signing key's
+four HMACs anew. In thread mode that Python holds the GIL on the I/O loop while the
+training loop waits for it, once per part
+(docs/decisions/0005-requests-signed-on-the-data-plane.md).
 Here a part's signature is one SHA-256 and one HMAC over strings built directly, the
-signing key kept per secret, day, region and service: about 20 µs. The parts of one
-upload are signed by :class:`PartHeads`, which works out once what they share and writes
-each part's whole request head: about 9 µs a part, head included.
+signing key kept per secret, day, region and service. The parts of one upload are signed
+by :class:`PartHeads`, which works out once what they share and writes each part's whole
+request head.
 
 Only what the data plane sends is signed here, exactly as botocore signs it for the
 client s3ckpt configures (:mod:`s3ckpt.s3.client`: SigV4, payload signing off, so
@@ -107,10 +106,9 @@ class PartHeads:
     For each part, the bytes :func:`~.uploads.request_head` makes of what
     :meth:`PartSigner.sign` signs, with what every part shares worked out once: the path,
     both host forms, the quoted upload id, the credentials' token, the header names, and
-    the timestamp formatted once a second. Through the general pair a part took about
-    50 us of the I/O loop's Python (10 of them formatting the timestamp), a thread-mode
-    save's 108 parts 5-7 ms of it; here about 12 us a part. ``tests/unit/test_wire_signing.py``
-    checks every head byte for byte against the general pair's.
+    the timestamp formatted once a second, where the general pair works each part's out
+    anew. ``tests/unit/test_wire_signing.py`` checks every head byte for byte against the
+    general pair's.
     """
 
     def __init__(

@@ -13,25 +13,23 @@ released.
   signer signs it for s3ckpt's client (:mod:`~.signing`, checked against botocore's in
   the tests), and an error answer is parsed by the client's own response parser
   into the ``ClientError`` it would raise, so :mod:`s3ckpt.s3.retry` and
-  :mod:`s3ckpt.s3.error_mapping` see exactly what they saw through the client. Through
-  the client an UploadPart costs the I/O loop's thread 0.75-0.85 ms of Python (event
-  hooks, endpoint rules, a second signing pass, the user-agent string, parsing), here a
-  fraction of that, and that thread's Python is what a training loop beside a
-  thread-mode save waits for (docs/performance.md, "The loop beside a save"). A redirect
-  (a bucket in another region) sends that part, and every later one, through the client,
-  which knows how to follow it.
+  :mod:`s3ckpt.s3.error_mapping` see exactly what they saw through the client. The
+  client's per-request Python (event hooks, endpoint rules, a second signing pass, the
+  user-agent string, parsing) runs on the I/O loop's thread, which a training loop
+  beside a thread-mode save waits for
+  (docs/decisions/0005-requests-signed-on-the-data-plane.md). A redirect (a bucket in
+  another region) sends that part, and every later one, through the client, which knows
+  how to follow it.
 * **PutObject** of whole objects as :meth:`ObjectStore.put
   <s3ckpt.s3.store.ObjectStore.put>` sends them (a body; a CRC32C, ``If-None-Match: *``
   and a content type where given): four a save, each checkpoint's marker, index,
   metadata and manifest, built, signed and answered the same way. The object's URL is
   derived from one presigned URL per bucket (:mod:`~.addresses`) rather than presigned
-  per key: a presign costs 0.4 ms of Python, and these keys are new every save.
-  Through the client a small PutObject
-  cost the I/O loop 1.47 ms of Python (``time.thread_time``, zero-cost server), and the
-  four fall where a thread-mode save's Python bunches up, as its upload ends and
-  commits (docs/performance.md, "The loop beside a save"). A redirected PutObject is
-  sent again, and every later one, through the client, which follows the redirect. A
-  PutObject with any other parameter goes through the client, whose ``before-send`` this module answers
+  per key: a presign is Python of its own, and these keys are new every save. Sent
+  through the client, the four would fall where a thread-mode save's Python bunches up,
+  as its upload ends and commits. A redirected PutObject is sent again, and every later
+  one, through the client, which follows the redirect. A PutObject with any other
+  parameter goes through the client, whose ``before-send`` this module answers
   (:class:`BodySender`, the hook botocore offers for answering a request without its
   HTTP stack) with the response it received, which botocore parses as its own.
 

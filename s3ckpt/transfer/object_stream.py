@@ -181,9 +181,9 @@ def join(pieces: list[memoryview]) -> Body:
     return _copy_joined(pieces)
 
 
-# ``bytes.join`` copies with the GIL held: 2.0 ms per 16 MiB part packed from small items,
+# ``bytes.join`` copies with the GIL held, milliseconds per part packed from small items,
 # during which a training loop's thread (thread mode) cannot run. The C helper copies every
-# piece with the GIL released once. Without it, the bytes object is allocated
+# piece with the GIL released once (docs/decisions/0006-part-sizes.md). Without it, the bytes object is allocated
 # uninitialized (``PyBytes_FromStringAndSize(NULL, n)``, as ``join`` itself does) and
 # filled by ``memmove`` through ctypes, which releases the GIL once per piece.
 _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize

@@ -2,7 +2,8 @@
 
 S3 (and FlashBlade) accept parts of 5 MiB to 5 GiB (the last may be smaller), at most
 10,000 parts, and objects up to 5 TiB. The preferred size balances client CPU (very large
-request bodies cost page faults and copies in the HTTP stack) against request count.
+request bodies cost page faults and copies in the HTTP stack) against request count
+(docs/decisions/0006-part-sizes.md).
 """
 
 from __future__ import annotations

@@ -62,8 +62,8 @@ class Segment:
             if fd is None and path is None:
                 os.ftruncate(self.fd, size)
             self.size = size
-            # A new segment's pages are faulted in at once (MAP_POPULATE: 1.04 s for 1 GiB
-            # here, against 1.36 s of faults one page at a time during the first copy).
+            # A new segment's pages are faulted in at once (MAP_POPULATE), quicker than one
+            # page at a time during the first copy (docs/decisions/0007-staging-arena.md).
             populate = mmap.MAP_POPULATE if fd is None else 0
             self._map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | populate)
             self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
@@ -160,7 +160,7 @@ class StagingArena:
     def views(self, regions: list[Region]) -> list[torch.Tensor]:
         """Each region as a uint8 tensor over exactly its bytes. A training loop's state
         gets the same regions every save: their tensors are kept from the last call and
-        handed out again, not made anew (a ``frombuffer`` each, 1.5 us here)."""
+        handed out again, not made anew (a ``frombuffer`` each)."""
         kept, self._views = self._views, {}
         for region in regions:
             view = kept.get(region)

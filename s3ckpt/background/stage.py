@@ -118,10 +118,9 @@ def _copy_all(
     """Copy each storage into its region; the accelerators copied from (to synchronize).
 
     Both sides are viewed as the widest integers the length and the source's address
-    allow: torch copies uint8 about 20 % slower than wider elements (1 GiB of the
-    benchmark state: 0.113-0.131 s against 0.089-0.105 s). The source is made a view of
-    words directly and the region's tensor is the arena's, kept from the last save
-    (a stage of 580 small tensors, all Python: 8.7-9.1 ms -> 6.7-7.2 ms)."""
+    allow, because torch copies uint8 slower than wider elements. The source is made a
+    view of words directly and the region's tensor is the arena's, kept from the last
+    save, to keep the Python per tensor small (docs/decisions/0007-staging-arena.md)."""
     devices: set[torch.device] = set()
     targets = arena.views(regions)
     for (key, storage), target, region in zip(storages, targets, regions, strict=True):

@@ -133,9 +133,10 @@ def save_plain(
     DCP's private ``_save_state_dict``: the same plan, collectives and storage lifecycle,
     without what ``dcp.save`` adds before it. ``dcp.save`` wraps each top-level value's
     ``state_dict()`` call in its method logger, which builds a ``uuid4`` (a ``getrandom``
-    system call, so a release and retake of the GIL) and two log records per key: for a
-    flat state of 580 tensors, 580 retakes per save, from a thread beside the training
-    loop in thread mode. Where the private function is gone, ``dcp.save`` itself."""
+    system call, so a release and retake of the GIL) and two log records per key: one
+    retake per top-level key, from a thread beside the training loop in thread mode
+    (docs/decisions/0008-thread-mode-gil.md). Where the private function is gone,
+    ``dcp.save`` itself."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict_saver

@@ -2,23 +2,20 @@
 
 DCP's default planner describes every tensor anew at each save, and its description asks
 ``tensor.is_pinned()``, a torch call that releases the GIL and takes it back. In thread
-mode that runs on a thread beside the training loop, which then has to hand the GIL over:
-for the benchmark's state of 580 tensors, 580 of the save thread's ~1,900 GIL retakes per
-save (counted with a ``perf`` probe on CPython's ``take_gil``), plus the planning's own
-Python (docs/performance.md, "The loop beside a save"). A training loop saves the same
-layout again and again, so :class:`ReusingSavePlanner` keeps the local plan it made and
-hands it out again while every value keeps its kind, dtype, shape, strides, layout,
-``requires_grad``, device and memory address, all read as attributes that release
-nothing. The address stands for whether the memory is pinned (it is the same
+mode that runs on a thread beside the training loop, which then has to hand the GIL over
+once per tensor, plus the planning's own Python (docs/decisions/0008-thread-mode-gil.md).
+A training loop saves the same layout again and again, so :class:`ReusingSavePlanner`
+keeps the local plan it made and hands it out again while every value keeps its kind,
+dtype, shape, strides, layout, ``requires_grad``, device and memory address, all read as
+attributes that release nothing. The address stands for whether the memory is pinned (it is the same
 allocation), which is all ``is_pinned`` tells.
 
 The coordinator's global plan (deduplication across ranks, the metadata, DCP's validation
 of every chunk's bounds) is a function of the ranks' local plans alone, and DCP makes it
-again at each save: 8 ms of Python for the benchmark's 580 tensors on one rank (on the
-save's thread, beside the loop in thread mode), 24 ms for eight ranks' plans of them. When
-every rank's local plan equals the previous save's, the global plan and a fresh copy of
-its metadata are handed out again: 0.04 ms on one rank. Plans gathered from other ranks
-are compared as values, 13 ms for the eight.
+again at each save, milliseconds of Python on the save's thread beside the loop in thread
+mode. When every rank's local plan equals the previous save's, the global plan and a fresh
+copy of its metadata are handed out again, at a fraction of that cost; plans gathered
+from other ranks are compared as values.
 
 Everything else is DCP's :class:`DefaultSavePlanner`, as are the plans of states holding
 sharded tensors (``DTensor``, ``ShardedTensor``, DCP's ``_Checkpointable``), whose items
@@ -83,12 +80,13 @@ class ReusingSavePlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         """The item's value: a plain tensor's read straight from the state dict, where
-        DCP's lookup (``find_state_dict_object``) spends 5-7 us an item (an ``hasattr``
-        miss, ``isinstance`` checks, a ``torch.Size`` of zeros built to compare the
-        offset), 3-4 ms of a thread-mode save's 580 items on the thread beside the loop;
-        anything else (bytes, sharded tensors, DCP's ``_Checkpointable``, an offset that
-        is not the origin, which DCP refuses) as the default planner resolves it, and
-        every item of a subclass that overrides ``lookup_object`` or ``transform_object``."""
+        DCP's lookup (``find_state_dict_object``) spends microseconds an item on the
+        thread beside the loop (an ``hasattr`` miss, ``isinstance`` checks, a
+        ``torch.Size`` of zeros built to compare the offset;
+        docs/decisions/0008-thread-mode-gil.md); anything else (bytes, sharded tensors,
+        DCP's ``_Checkpointable``, an offset that is not the origin, which DCP refuses)
+        as the default planner resolves it, and every item of a subclass that overrides
+        ``lookup_object`` or ``transform_object``."""
         index = write_item.index
         value = self.state_dict.get(index.fqn)
         if (

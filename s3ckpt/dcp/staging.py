@@ -59,9 +59,8 @@ class HostStager(AsyncStager):
 
         The previous copy's tensor objects (not their buffers, which are reused) are
         freed here, on the caller's thread between saves, not on the upload's thread
-        beside the training loop: freeing a tensor lets the GIL go and takes it back,
-        580 hand-overs per save of the benchmark's state there (counted with a ``perf``
-        probe on CPython's ``take_gil``; docs/performance.md, "The loop beside a save")."""
+        beside the training loop: freeing a tensor lets the GIL go and takes it back, one
+        hand-over per tensor there (docs/decisions/0008-thread-mode-gil.md)."""
         self._staged = None
         try:
             self._staged = self._copier.stage(

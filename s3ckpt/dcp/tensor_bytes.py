@@ -8,12 +8,11 @@ target dtype and shape. Checksums live in :mod:`s3ckpt.format.checksums`.
 
 A save in thread mode reaches every tensor from a thread beside the training loop, and
 every torch method call there releases the GIL and takes it back (``detach``,
-``is_conj``, ``is_neg``, ``reshape``, ``view``, ``numpy``: 13 releases per tensor before,
-counted with a probe on CPython's ``take_gil``); each retake waits for the loop to let the
-GIL go and makes the loop wait in turn. So the common case, a CPU tensor that is
-contiguous and has no lazy conjugate or negative bit, is checked and viewed by reading
-attributes (``is_cpu``, ``is_contiguous``, the dispatch keys, ``data_ptr``, ``nbytes``),
-which release nothing.
+``is_conj``, ``is_neg``, ``reshape``, ``view``, ``numpy``); each retake waits for the loop
+to let the GIL go and makes the loop wait in turn (docs/decisions/0008-thread-mode-gil.md).
+So the common case, a CPU tensor that is contiguous and has no lazy conjugate or negative
+bit, is checked and viewed by reading attributes (``is_cpu``, ``is_contiguous``, the
+dispatch keys, ``data_ptr``, ``nbytes``), which release nothing.
 """
 
 from __future__ import annotations

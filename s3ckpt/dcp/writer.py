@@ -333,9 +333,9 @@ class S3StorageWriter(S3Location, StorageWriter):
             i.key: i.size for i in manifest.indexes
         }
         try:
-            # Reading the metadata back costs about one unpickle (3.0 s against 2.3 s to
-            # pickle 409,600 chunks, 16 MB): it runs on a worker thread while the listings
-            # that confirm the objects are on the wire.
+            # Reading the metadata back costs about one unpickle, more than its pickle: it
+            # runs on a worker thread while the listings that confirm the objects are on
+            # the wire (docs/decisions/0008-thread-mode-gil.md).
             checked = asyncio.ensure_future(
                 asyncio.to_thread(dcp_metadata.check_loadable, body, str(location))
             )
@@ -362,8 +362,8 @@ class S3StorageWriter(S3Location, StorageWriter):
         :data:`HEARTBEAT_S` ago: it then holds ``gc`` and ``prune`` off the directory for
         :data:`LEASE_S` minus that, minutes more than a commit takes, and the commit
         refreshes it only where the save ran longer (one request less on the commit's
-        path: a round trip to the store, and 1.2 ms of the I/O loop's Python beside a
-        thread-mode save's training loop)."""
+        path: a round trip to the store, and the I/O loop's Python beside a thread-mode
+        save's training loop; docs/decisions/0008-thread-mode-gil.md)."""
         if self._marked is None or self._marked[0] != self.save_id:
             return False
         return time.monotonic() - self._marked[1] < HEARTBEAT_S
@@ -471,10 +471,9 @@ def _let_go_of_state(planner: SavePlanner) -> None:
 
     Otherwise that view lives until the next save's ``set_up_planner``, on DCP's save
     thread, and replacing it there frees the previous copy's tensors: each free lets the
-    GIL go and takes it back, about 580 hand-overs on the upload's thread per save of the
-    loop benchmark's state, beside a training loop in thread mode (a ``perf`` probe on
-    CPython's ``take_gil`` with call stacks). Let go here, the last reference is the
-    stager's (``HostStager`` keeps its copy until the next stage), so the tensors are
-    freed on the caller's thread between saves."""
+    GIL go and takes it back, one hand-over per tensor on the upload's thread beside a
+    training loop in thread mode (docs/decisions/0008-thread-mode-gil.md). Let go here,
+    the last reference is the stager's (``HostStager`` keeps its copy until the next
+    stage), so the tensors are freed on the caller's thread between saves."""
     if isinstance(planner, ReusingSavePlanner):
         planner.let_go()

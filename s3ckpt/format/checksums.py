@@ -27,10 +27,9 @@ except ImportError:  # pragma: no cover - exercised where no C compiler is avail
 if not CRC32C_AVAILABLE:  # pragma: no cover - a CPU without SSE4.2
     _native_block_crcs = None
 
-# Below this many bytes a CRC32C keeps the GIL: 256 KiB take 8 us, while releasing and
-# retaking the GIL costs a thread beside a training loop (thread mode) a wait for the loop
-# to let it go, and the loop a wait in turn: 20-35 us of the loop's time per retake,
-# measured with a dispatch-bound loop on its own core.
+# Below this many bytes a CRC32C keeps the GIL: it takes less time than releasing and
+# retaking the GIL costs a thread beside a training loop (thread mode), a wait for the loop
+# to let it go, and the loop a wait in turn (docs/decisions/0008-thread-mode-gil.md).
 _KEEP_GIL_BELOW = 256 << 10
 
 
@@ -51,9 +50,8 @@ def block_crcs_of_each(datas: Sequence[memoryview], block_size: int) -> list[tup
     fewer than :data:`_KEEP_GIL_BELOW` bytes in all).
 
     A thread-mode save's items come here a run at a time (:func:`~s3ckpt.format.compression.
-    encode_raw_each`): 512 items of 100 KiB, checksummed one call each, held the GIL for
-    their whole 51 MB (10.8 ms a save of the loop benchmark's state, GIL-holding samples of
-    ``py-spy --gil``), and an item of 19 blocks handed it over 19 times.
+    encode_raw_each`): one call per item would hold the GIL over every small item's bytes
+    and hand it over once per block of a large one (docs/decisions/0008-thread-mode-gil.md).
     """
     if _native_block_crcs is not None:
         return _native_block_crcs(datas, block_size, _KEEP_GIL_BELOW)
@@ -94,8 +92,8 @@ def combine(crc1: int, crc2: int, length2: int) -> int:
 
     zlib's ``crc32_combine`` for the Castagnoli polynomial: ``crc1`` times ``x^(8 len2)``
     modulo the polynomial, plus ``crc2``, instead of a pass over B. In C where the format's
-    native module is built (0.4 us a call); the Python below (5-10 us) is the fallback,
-    and the reference the C is tested against.
+    native module is built (a save makes hundreds of these on the thread beside the loop);
+    the Python below is the fallback, and the reference the C is tested against.
     """
     if _native_combine is not None:
         return _native_combine(crc1, crc2, length2)

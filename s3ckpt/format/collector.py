@@ -6,10 +6,8 @@ of thousands of objects for a few hundred items), the same metadata pickled, and
 index as dicts before its JSON. Built with the collector running, each burst of
 allocations set off young collections while the graph was alive, and every one of them
 moved the whole graph a generation up; a few saves of that and the interpreter ran a full
-collection of the trainer's heap. With a thread-mode save beside a training loop, that
-was 112 ms with the GIL held on s3ckpt's thread (325,000 tracked objects, a 1 GiB state
-of 580 items), every second to seventh save, plus about ten young collections per save
-(``benchmarks/loop.py``; docs/performance.md, "The loop beside a save").
+collection of the trainer's heap, with the GIL held on s3ckpt's thread while a training
+loop beside a thread-mode save waits (docs/decisions/0008-thread-mode-gil.md).
 
 None of these graphs holds a reference cycle: reference counting frees them the moment
 the record is built, and the interpreter's allocation count falls back as they go. So

@@ -109,8 +109,8 @@ def encode_raw_each(
 ) -> Iterator[tuple[T, Encoded]]:
     """:func:`encode_raw` of each ``(key, bytes)``, in order, taken a run of
     :data:`RUN_BYTES` at a time: each run's block CRC32Cs come from one native pass that
-    releases the GIL once (:func:`~s3ckpt.format.checksums.block_crcs_of_each`), where one
-    call per item kept it over every small item and handed it over per block of a large one.
+    releases the GIL once (:func:`~s3ckpt.format.checksums.block_crcs_of_each`), rather than
+    keep it over every small item and hand it over per block of a large one.
     """
     run: list[tuple[T, memoryview]] = []
     size = 0

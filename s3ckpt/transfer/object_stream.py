@@ -183,9 +183,10 @@ def join(pieces: list[memoryview]) -> Body:
 
 # ``bytes.join`` copies with the GIL held, milliseconds per part packed from small items,
 # during which a training loop's thread (thread mode) cannot run. The C helper copies every
-# piece with the GIL released once (docs/decisions/0006-part-sizes.md). Without it, the bytes object is allocated
-# uninitialized (``PyBytes_FromStringAndSize(NULL, n)``, as ``join`` itself does) and
-# filled by ``memmove`` through ctypes, which releases the GIL once per piece.
+# piece with the GIL released once (docs/decisions/0006-part-sizes.md). Without it, the
+# bytes object is allocated uninitialized (``PyBytes_FromStringAndSize(NULL, n)``, as
+# ``join`` itself does) and filled by ``memmove`` through ctypes, which releases the GIL
+# once per piece.
 _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
 _new_bytes.restype = ctypes.py_object
 _new_bytes.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]

@@ -123,8 +123,8 @@ async def _result_of(future: Future[T]) -> T:
     """``future``'s result, on the I/O loop. One already done is read at once: wrapped
     (``asyncio.wrap_future``), its copy is set through ``call_soon_threadsafe``, which wakes
     the loop through its self-pipe even from the loop's own thread, a GIL hand-over for
-    nothing beside a thread-mode save's training loop (eight a save of the loop
-    benchmark's state: each batch's upload id, the object's batches already finished)."""
+    nothing beside a thread-mode save's training loop (each batch's upload id, the
+    object's batches already finished; docs/decisions/0008-thread-mode-gil.md)."""
     if future.done() and not future.cancelled():
         return future.result()
     return await asyncio.wrap_future(future)

@@ -30,8 +30,8 @@ A restore may instead receive a copy straight into the model (:class:`Fetched`, 
 rank receiving it; its sender runs :func:`exchange` as for any copy): each piece of a
 large region lands in the tensor that region is loaded into, the rest in anonymous
 memory the load copies from, each region checked as it lands. No segment files are
-reserved and no second copy is made: for 256 MiB on this machine that was 0.07 s of
-reserving tmpfs pages and 0.05-0.09 s of loading from them, a third of a peer restore.
+reserved and no second copy is made, which saves reserving tmpfs pages and loading from
+them (docs/decisions/0009-memory-tier-restore-copy-in.md).
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """Copying a held copy into the model, checked as its bytes land.
 
 A restore from memory must copy each tensor from the node's shared memory into the
-model and check it against its CRC32C, as every S3 read is checked. Done as a check pass
-over the mapped copy and then a copy out of it, that costs populating the mapping's page
-tables, a CRC pass and a copy: for 256 MiB on this machine's cores 0.026 + 0.017 +
-0.025 s, 2.7x a bare in-memory copy. Here each tensor whose bytes are one region of the
-copy is read from the segment file straight into its target (``preadv``: the kernel
-copies from the tmpfs pages, no source mapping to populate) and checksummed in 4 MiB
-steps right after, while the bytes are in the cache, on several threads: 0.041-0.056 s
-on one thread, 0.030-0.037 s on two (1.2-1.5x the bare copy;
-``s3ckpt.background.held.read_regions``).
+model and check it against its CRC32C, as every S3 read is checked. A check pass over the
+mapped copy and then a copy out of it would cost populating the mapping's page tables, a
+CRC pass and a copy. Here each tensor whose bytes are one region of the copy is read from
+the segment file straight into its target (``preadv``: the kernel copies from the tmpfs
+pages, no source mapping to populate) and checksummed in 4 MiB steps right after, while
+the bytes are in the cache, on several threads (``s3ckpt.background.held.read_regions``;
+docs/decisions/0009-memory-tier-restore-copy-in.md).
 
 What cannot be read that way (a target of another dtype or layout, a slice of a region)
 is copied from the mapping, and the regions not read whole are checked through the

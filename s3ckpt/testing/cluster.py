@@ -292,7 +292,11 @@ class Cluster:
             "-ip.bind=0.0.0.0" if arg.startswith("-ip.bind=") else arg
             for arg in command(weed, seen / data.name, seen / identities.name, ports, None)
         ]
-        script = f'mount --bind "{self._dir}" /tmp && exec "$@"'
+        # weed is opened before /tmp is covered (a venv under /tmp would vanish with it)
+        # and run from that descriptor
+        script = (
+            f'exec 3<"$1" && mount --bind "{self._dir}" /tmp && shift && exec /proc/self/fd/3 "$@"'
+        )
         with (self._dir / "weed.log").open("ab") as log:
             self._server = subprocess.Popen(
                 ["ip", "netns", "exec", self.storage.namespace, "sh", "-c", script, "weed", *args],

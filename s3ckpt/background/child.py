@@ -25,7 +25,7 @@ from typing import Any
 from s3ckpt.background.arena import StagingArena
 from s3ckpt.background.channel import Channel, ChannelClosed
 from s3ckpt.background.meeting import MeetingWatch
-from s3ckpt.background.priority import Contention
+from s3ckpt.background.priority import SavePriority
 from s3ckpt.background.protocol import (
     Failed,
     Held,
@@ -70,13 +70,6 @@ class CheckpointWorker:
         self.gone = False
         self._start_error: BaseException | None = None
         self._ready = threading.Event()  # set once it answered ready, or is gone
-        # the niceness it saves at (None: the trainer's), and why it runs at the trainer's
-        # for now: a save waited for (hurried), or other work filling the cores (contended)
-        self._nice = hello.nice
-        self._trainer_nice = os.getpriority(os.PRIO_PROCESS, 0)
-        self._hurried = self._contended = self._raised = False
-        self._priority_lock = threading.Lock()
-        self._contention: Contention | None = None
         self._closing = False  # killed by stop() before it was ready
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -89,6 +82,7 @@ class CheckpointWorker:
         finally:
             theirs.close()
         self.pid = self._popen.pid
+        self._priority = SavePriority(self.pid, hello.nice)
         self._channel = Channel(ours)
         self._channel.send(hello)
         self._reader = threading.Thread(
@@ -119,46 +113,19 @@ class CheckpointWorker:
         """Someone waits for this process's save: run it at the trainer's priority, where
         the trainer may raise a priority it lowered (privileged, or ``RLIMIT_NICE``);
         else nothing changes. :meth:`relax` undoes it."""
-        if self._nice is None or not self.ready:
-            return
-        self._hurried = True
-        self._apply_priority()
+        if self.ready:
+            self._priority.hurry()
 
     def relax(self) -> None:
         """Back to the niceness the process saves at, after :meth:`hurry` (unless other
         work fills the node's cores: :mod:`s3ckpt.background.priority`)."""
-        if self._hurried:
-            self._hurried = False
-            self._apply_priority()
-
-    def _contention_changed(self, contended: bool) -> None:
-        self._contended = contended
-        self._apply_priority()
-
-    def _apply_priority(self) -> None:
-        """The trainer's priority while a save is waited for or other work fills the
-        cores, else the niceness the process saves at."""
-        if self._nice is None:
-            return
-        with self._priority_lock:
-            raise_it = self._hurried or self._contended
-            if raise_it != self._raised and not self.gone:
-                self._raised = raise_it
-                _set_nice(self.pid, self._trainer_nice if raise_it else self._nice)
+        self._priority.hurry(False)
 
     def _watch_contention(self) -> None:
-        """Sample the demand for cores while saves are in flight, where the process saves
-        at a lowered priority."""
-        if self._nice is None:
-            return
+        """Sample the demand for cores while saves are in flight."""
         with self._lock:
             active = bool(self._pending) and not self.gone
-        if active and self._contention is None:
-            self._contention = Contention(self.pid, self._contention_changed)
-        if self._contention is not None:
-            self._contention.watch(active)
-            if not active and self._contended:  # an idle process's priority is moot
-                self._contention_changed(False)
+        self._priority.watch(active)
 
     def healthy(self, world: int) -> bool:
         """Alive, and (with several ranks) its last save did not fail."""
@@ -213,8 +180,7 @@ class CheckpointWorker:
             self.gone = True
             pending, self._pending = self._pending, {}
         self._ready.set()
-        if self._contention is not None:
-            self._contention.stop()
+        self._priority.stop()
         meeting = self._meeting
         before_meeting = meeting is not None and not meeting.is_met
         if before_meeting and self._stopped_because is None:
@@ -375,19 +341,3 @@ def child_niceness(by: int) -> int | None:
     if by <= 0:
         return None
     return min(19, os.getpriority(os.PRIO_PROCESS, 0) + by)
-
-
-def _set_nice(pid: int, nice: int) -> None:
-    """Set every thread of process ``pid`` to ``nice`` (one value per thread on Linux);
-    a value this process may not set (a raise of priority, unprivileged) is left as is."""
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:  # it is gone: its end is reported elsewhere
-        return
-    for task in tasks:
-        try:
-            os.setpriority(os.PRIO_PROCESS, int(task), nice)
-        except PermissionError:
-            return
-        except OSError:  # a thread that ended meanwhile
-            continue

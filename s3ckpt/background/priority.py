@@ -115,3 +115,72 @@ class Contention:
             log.debug("sampling the demand for cores failed", exc_info=True)
         if contended:
             self._changed(False)
+
+
+def set_nice(pid: int, nice: int) -> None:
+    """Set every thread of process ``pid`` to ``nice`` (Linux keeps one value per thread;
+    threads started later inherit their starter's); a value this process may not set (a
+    raise of priority, unprivileged) is left as is."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:  # it is gone: its end is reported elsewhere
+        return
+    for task in tasks:
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(task), nice)
+        except PermissionError:
+            return
+        except OSError:  # a thread that ended meanwhile
+            continue
+
+
+class SavePriority:
+    """The priority of checkpoint process ``pid``, which saves at niceness ``nice`` (None:
+    at the trainer's, and nothing here changes it): the trainer's own while a save is
+    waited for (:meth:`hurry`) or while other work fills the cores (:class:`Contention`,
+    sampling while :meth:`watch` says saves are in flight), ``nice`` otherwise."""
+
+    def __init__(self, pid: int, nice: int | None) -> None:
+        self._pid, self._nice = pid, nice
+        self._trainer_nice = os.getpriority(os.PRIO_PROCESS, 0)
+        self._hurried = self._contended = self._raised = False
+        self._lock = threading.Lock()
+        self._contention: Contention | None = None
+        self._stopped = False
+
+    def hurry(self, hurried: bool = True) -> None:
+        """Someone waits for a save (``hurried``), or no longer does."""
+        self._hurried = hurried
+        self._apply()
+
+    def contended(self, contended: bool) -> None:
+        """Other work fills every core (``contended``), or leaves one idle again."""
+        self._contended = contended
+        self._apply()
+
+    def watch(self, active: bool) -> None:
+        """Saves are in flight (``active``): sample the demand for cores; none: stop, and
+        drop a contention that no longer matters (an idle process's priority is moot)."""
+        if self._nice is None or self._stopped:
+            return
+        if active and self._contention is None:
+            self._contention = Contention(self._pid, self.contended)
+        if self._contention is not None:
+            self._contention.watch(active)
+            if not active and self._contended:
+                self.contended(False)
+
+    def stop(self) -> None:
+        """The process is gone: no more sampling, no more changes."""
+        self._stopped = True
+        if self._contention is not None:
+            self._contention.stop()
+
+    def _apply(self) -> None:
+        if self._nice is None:
+            return
+        with self._lock:
+            raise_it = self._hurried or self._contended
+            if raise_it != self._raised and not self._stopped:
+                self._raised = raise_it
+                set_nice(self._pid, self._trainer_nice if raise_it else self._nice)

@@ -42,6 +42,7 @@ from datetime import timedelta
 from typing import Any
 
 from s3ckpt.background.channel import Channel, ChannelClosed, loads_staged
+from s3ckpt.background.priority import set_nice
 from s3ckpt.background.protocol import (
     Failed,
     Held,
@@ -82,7 +83,7 @@ def main(fd: int) -> int:
         _answer(channel, Failed(None, _portable(exc)))
         return 1
     if hello.nice is not None:
-        _renice(hello.nice)
+        set_nice(os.getpid(), hello.nice)
     _answer(channel, Ready(os.getpid()))
     return _serve(channel, distributed=hello.meeting is not None)
 
@@ -108,14 +109,6 @@ def _load(config: Any) -> None:
         io_loop().run(make())
     except Exception:
         log.debug("the S3 client could not be made ahead of the first save", exc_info=True)
-
-
-def _renice(nice: int) -> None:
-    """Set every thread of this process to ``nice`` (Linux keeps one value per thread;
-    threads started later inherit their starter's)."""
-    for task in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            os.setpriority(os.PRIO_PROCESS, int(task), nice)
 
 
 def _die_with_trainer(fd: int) -> None:

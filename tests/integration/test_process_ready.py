@@ -308,10 +308,10 @@ def test_a_save_waited_for_or_beside_full_cores_runs_at_the_trainer_s_priority(m
         process.prepare(timeout_s=120)
         worker, pid = process._worker, process.pid
         assert _nice_of(pid) == {lowered}
-        worker._contention_changed(True)
+        worker._priority.contended(True)
         assert _nice_of(pid) == {mine}
         worker.hurry()
-        worker._contention_changed(False)
+        worker._priority.contended(False)
         assert _nice_of(pid) == {mine}  # still waited for
         worker.relax()
         assert _nice_of(pid) == {lowered}

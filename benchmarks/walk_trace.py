@@ -1,0 +1,117 @@
+"""The tracer behind :mod:`benchmarks.walks`, installed in every process of a traced run.
+
+A ``sitecustomize`` that :mod:`benchmarks.walks` writes calls :func:`install` when
+``S3CKPT_WALK_DIR`` is set: from then on every Python function call of the process, in
+every thread, is looked at, and while the one-byte window file ``S3CKPT_WALK_WINDOW``
+(a memory map shared by all the run's processes) holds a window's number, each call into
+s3ckpt's own code is recorded as ``(caller module, callee module)``, the caller being the
+nearest s3ckpt frame below it through pass-through library frames (None where the call was
+scheduled: the event loop resuming a task, a thread starting, an executor running a job).
+Each send on a socket (and each call into the native sender) made in a window records the
+s3ckpt modules on the stack at that moment. At exit the process writes what it saw to
+``<S3CKPT_WALK_DIR>/<pid>.json``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import mmap
+import os
+import socket
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+WINDOWS = {1: "save", 2: "load"}
+# Library frames a direct call passes through (wrappers); any other library frame below a
+# call (asyncio, threading, concurrent.futures, selectors) means it was scheduled.
+PASS_THROUGH = ("functools", "contextlib", "abc", "typing", "dataclasses", "weakref")
+SENDS = {"send", "sendall", "sendmsg", "sendto", "write", "writelines"}
+
+
+def install() -> None:
+    out = Path(os.environ["S3CKPT_WALK_DIR"])
+    with open(os.environ["S3CKPT_WALK_WINDOW"], "r+b") as file:
+        window = mmap.mmap(file.fileno(), 1)
+    seen: dict[str, set[tuple[str | None, str]]] = {name: set() for name in WINDOWS.values()}
+    stacks: dict[str, set[tuple[str, ...]]] = {name: set() for name in WINDOWS.values()}
+    stacks["other"] = set()
+    names: dict[str, str | None] = {}
+
+    def module_of(filename: str) -> str | None:
+        name = names.get(filename, "")
+        if name != "":
+            return name
+        marker = f"{os.sep}s3ckpt{os.sep}"
+        at = filename.rfind(marker)
+        name = None
+        if at >= 0 and filename.endswith(".py"):
+            name = "s3ckpt/" + filename[at + len(marker) :]
+        names[filename] = name
+        return name
+
+    def caller_of(frame: FrameType) -> str | None:
+        below = frame.f_back
+        while below is not None:
+            filename = below.f_code.co_filename
+            module = module_of(filename)
+            if module is not None:
+                return module
+            if not Path(filename).stem.startswith(PASS_THROUGH):
+                return None
+            below = below.f_back
+        return None
+
+    def stack_of(frame: FrameType | None) -> tuple[str, ...]:
+        modules: list[str] = []
+        while frame is not None:
+            module = module_of(frame.f_code.co_filename)
+            if module is not None and module not in modules:
+                modules.append(module)
+            frame = frame.f_back
+        return tuple(reversed(modules))
+
+    def is_send(function: Any) -> bool:
+        owner = getattr(function, "__self__", None)
+        if getattr(function, "__module__", None) == "s3ckpt.s3.wire._sender":
+            return True
+        return function.__name__ in SENDS and isinstance(owner, socket.socket)
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        which = window[0]
+        if not which:
+            return
+        name = WINDOWS.get(which, "other")
+        if event == "c_call":
+            if is_send(arg):
+                stacks[name].add(stack_of(frame))
+            return
+        if event != "call":
+            return
+        callee = module_of(frame.f_code.co_filename)
+        if callee is None:
+            return
+        seen[name].add((caller_of(frame), callee))
+
+    def dump() -> None:
+        sys.setprofile(None)
+        record: dict[str, Any] = {
+            name: sorted([a or "", b] for a, b in edges) for name, edges in seen.items()
+        }
+        record["stacks"] = {name: sorted(map(list, found)) for name, found in stacks.items()}
+        (out / f"{os.getpid()}.json").write_text(json.dumps({"argv": sys.argv, **record}))
+
+    seen["other"] = set()
+    real_exit = os._exit
+
+    def exiting(code: int) -> None:
+        dump()
+        real_exit(code)
+
+    os._exit = exiting  # the checkpoint process may leave through os._exit
+    atexit.register(dump)
+    threading.setprofile(profile)
+    sys.setprofile(profile)

@@ -1,0 +1,167 @@
+"""The files one save and one load cross, traced: ``python -m benchmarks.walks``.
+
+A user's script in a fresh process saves with ``CheckpointManager(uri, keep_last=2)``
+(process mode, the default) against the embedded S3 server: one save to warm up, then one
+traced from ``save`` to the end of ``wait()`` (its commit), then ``load_latest``, traced
+to its return. Every process of the run (the trainer and its checkpoint process) records
+each call into s3ckpt's own code made during a traced window (:mod:`benchmarks.walk_trace`).
+
+Printed per walk: the s3ckpt modules whose functions ran, per process; the deepest stack
+of s3ckpt modules at a send on a socket (the S3 endpoint's, or the checkpoint process's
+channel), per process; and the calls that climb back: a call from module A into module B where B imports A (directly or not) and A
+does not import B, that is a callback from below into the layer above. With ``--json``
+the same as one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BACKGROUND = f"s3ckpt{os.sep}background{os.sep}"  # the checkpoint process's entry module
+SITECUSTOMIZE = (
+    "import os\n"
+    "if os.environ.get('S3CKPT_WALK_DIR'):\n"
+    "    from benchmarks import walk_trace\n"
+    "    walk_trace.install()\n"
+)
+
+
+def case() -> None:
+    """The traced user script (run in a fresh process by :func:`main`)."""
+    import mmap
+
+    import torch
+
+    from s3ckpt import CheckpointManager
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 16))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 256)).sum().backward()
+    optimizer.step()
+    state = {"model": model, "optim": optimizer}
+    with open(os.environ["S3CKPT_WALK_WINDOW"], "r+b") as file:
+        window = mmap.mmap(file.fileno(), 1)
+    uri = os.environ["S3CKPT_WALK_URI"]
+    with CheckpointManager(uri, keep_last=2) as manager:
+        manager.save(1, state)
+        manager.wait()
+        window[0] = 1
+        manager.save(2, state)
+        manager.wait()
+        window[0] = 0
+    with CheckpointManager(uri, keep_last=2) as manager:
+        window[0] = 2
+        restored = manager.load_latest(state)
+        window[0] = 0
+    if restored != 2:
+        raise SystemExit(f"load_latest restored step {restored}, not 2")
+
+
+def climbing(edges: set[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The calls from a module into one that imports it (and is not imported by it)."""
+    import grimp
+
+    graph = grimp.build_graph("s3ckpt")
+    modules = set(graph.modules)
+
+    def dotted(path: str) -> str | None:
+        name = path.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+        return name if name in modules else None
+
+    found = []
+    for caller, callee in sorted(edges):
+        a, b = dotted(caller), dotted(callee)
+        if a is None or b is None or a == b:
+            continue
+        if graph.chain_exists(importer=b, imported=a) and not graph.chain_exists(
+            importer=a, imported=b
+        ):
+            found.append((caller, callee))
+    return found
+
+
+def trace() -> dict[str, Any]:
+    """Run :func:`case` under the tracer against an embedded server; the walks it took."""
+    from s3ckpt.testing.local_s3 import LocalS3Server
+
+    with tempfile.TemporaryDirectory() as tmp, LocalS3Server(data_dir=Path(tmp) / "s3") as s3:
+        site = Path(tmp) / "site"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        out = Path(tmp) / "walks"
+        out.mkdir()
+        window = Path(tmp) / "window"
+        window.write_bytes(b"\0")
+        paths = [str(site), str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(":"))]
+        env = {
+            **os.environ,
+            **s3.env(),
+            "PYTHONPATH": os.pathsep.join(paths),
+            "S3CKPT_WALK_DIR": str(out),
+            "S3CKPT_WALK_WINDOW": str(window),
+            "S3CKPT_WALK_URI": f"s3://{s3.bucket}/walks",
+        }
+        subprocess.run([sys.executable, "-m", "benchmarks.walks", "--case"], env=env, check=True)
+        records = [json.loads(path.read_text()) for path in sorted(out.glob("*.json"))]
+    walks: dict[str, Any] = {}
+    for name in ("save", "load"):
+        per_process: dict[str, list[str]] = {}
+        edges: set[tuple[str, str]] = set()
+        deepest: dict[str, list[str]] = {}
+        for record in records:
+            side = "checkpoint process" if BACKGROUND in record["argv"][0] else "trainer"
+            pairs = record.get(name, [])
+            for stack in record["stacks"].get(name, []):
+                if len(stack) > len(deepest.get(side, [])):
+                    deepest[side] = stack
+            if pairs:
+                files = sorted({callee for _caller, callee in pairs})
+                per_process[side] = sorted(set(per_process.get(side, [])) | set(files))
+                edges |= {(caller, callee) for caller, callee in pairs if caller}
+        every = sorted({f for files in per_process.values() for f in files})
+        walks[name] = {
+            "files": len(every),
+            "per_process": per_process,
+            "climbing": climbing(edges),
+            "socket_stacks": deepest,
+        }
+    return walks
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    if args.case:
+        case()
+        return 0
+    walks = trace()
+    if args.json:
+        print(json.dumps(walks, indent=2))
+        return 0
+    for name, walk in walks.items():
+        print(f"{name}: {walk['files']} files")
+        for side, files in walk["per_process"].items():
+            print(f"  {side} ({len(files)}): {' '.join(files)}")
+        for side, stack in walk["socket_stacks"].items():
+            print(
+                f"  {side}: {len(stack)} files on the stack at a socket send: {' > '.join(stack)}"
+            )
+        print(f"  calls climbing back ({len(walk['climbing'])}):")
+        for caller, callee in walk["climbing"]:
+            print(f"    {caller} -> {callee}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

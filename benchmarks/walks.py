@@ -8,8 +8,10 @@ each call into s3ckpt's own code made during a traced window (:mod:`benchmarks.w
 
 Printed per walk: the s3ckpt modules whose functions ran, per process; the deepest stack
 of s3ckpt modules at a send on a socket (the S3 endpoint's, or the checkpoint process's
-channel), per process; and the calls that climb back: a call from module A into module B where B imports A (directly or not) and A
-does not import B, that is a callback from below into the layer above. With ``--json``
+channel), per process; and the calls that climb back: across layers, a call from a
+subpackage into one of a layer above it (the layers contract in pyproject.toml); within a
+subpackage, a call from module A into module B where B imports A and A does not import B.
+Both are callbacks from below into the layer above. With ``--json``
 the same as one JSON object.
 """
 
@@ -25,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+# Runners of the coroutines handed to them (the event loop thread, the bounded fan-out).
+SCHEDULERS = {"s3ckpt/s3/loop.py", "s3ckpt/transfer/fanout.py"}
 BACKGROUND = f"s3ckpt{os.sep}background{os.sep}"  # the checkpoint process's entry module
 SITECUSTOMIZE = (
     "import os\n"
@@ -66,26 +70,53 @@ def case() -> None:
         raise SystemExit(f"load_latest restored step {restored}, not 2")
 
 
-def climbing(edges: set[tuple[str, str]]) -> list[tuple[str, str]]:
-    """The calls from a module into one that imports it (and is not imported by it)."""
+def layers() -> dict[str, int]:
+    """Each subpackage's layer in the import contract (pyproject.toml): 0 is the top."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    contract = next(
+        c for c in project["tool"]["importlinter"]["contracts"] if c["type"] == "layers"
+    )
+    return {
+        name.strip(): depth
+        for depth, layer in enumerate(contract["layers"])
+        for name in layer.split("|")
+    }
+
+
+def climbing(edges: set[tuple[str, str]]) -> dict[str, list[tuple[str, str]]]:
+    """The calls that climb back: ``across`` layers (from a subpackage into one of a layer
+    above it) and ``within`` a subpackage (from a module into one that imports it, and that
+    it does not import). Calls from the runners in ``SCHEDULERS`` (they await what they
+    are given) are scheduling, not calls back."""
     import grimp
 
     graph = grimp.build_graph("s3ckpt")
     modules = set(graph.modules)
+    depth = layers()
 
     def dotted(path: str) -> str | None:
         name = path.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
         return name if name in modules else None
 
-    found = []
+    def layer(name: str) -> int | None:
+        parts = name.split(".")
+        return depth.get(parts[1]) if len(parts) > 2 else None
+
+    found: dict[str, list[tuple[str, str]]] = {"across": [], "within": []}
     for caller, callee in sorted(edges):
         a, b = dotted(caller), dotted(callee)
-        if a is None or b is None or a == b:
+        if a is None or b is None or a == b or caller in SCHEDULERS:
             continue
-        if graph.chain_exists(importer=b, imported=a) and not graph.chain_exists(
+        low, high = layer(a), layer(b)
+        if low is not None and high is not None and a.split(".")[1] != b.split(".")[1]:
+            if high < low:
+                found["across"].append((caller, callee))
+        elif graph.chain_exists(importer=b, imported=a) and not graph.chain_exists(
             importer=a, imported=b
         ):
-            found.append((caller, callee))
+            found["within"].append((caller, callee))
     return found
 
 
@@ -157,9 +188,10 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"  {side}: {len(stack)} files on the stack at a socket send: {' > '.join(stack)}"
             )
-        print(f"  calls climbing back ({len(walk['climbing'])}):")
-        for caller, callee in walk["climbing"]:
-            print(f"    {caller} -> {callee}")
+        for kind, calls in walk["climbing"].items():
+            print(f"  calls climbing back {kind} layers ({len(calls)}):")
+            for caller, callee in calls:
+                print(f"    {caller} -> {callee}")
     return 0
 
 

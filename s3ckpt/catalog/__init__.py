@@ -3,7 +3,11 @@
 Everything here works from manifests and listings alone, so the ``s3ckpt`` command and
 scripts manage checkpoints without importing torch. One module per operation:
 
-* :mod:`~s3ckpt.catalog.api`: the functions scripts and the CLI call (sync and ``a``-async);
+* :mod:`~s3ckpt.catalog.api`: the functions scripts and the CLI call (sync and ``a``-async),
+  from :mod:`~s3ckpt.catalog.listing` (``ls``), :mod:`~s3ckpt.catalog.committed` (committed
+  names, ``show``), :mod:`~s3ckpt.catalog.removal` (``rm``) and
+  :mod:`~s3ckpt.catalog.pruning`; :mod:`~s3ckpt.catalog.ownership`: which committed
+  directories are s3ckpt's;
 * :mod:`~s3ckpt.catalog.scan`: one listing of a prefix, grouped by checkpoint;
 * :mod:`~s3ckpt.catalog.retention`: which checkpoints a retention policy deletes (pure);
 * :mod:`~s3ckpt.catalog.steps`, :mod:`~s3ckpt.catalog.run_listing`: how steps are named,
@@ -20,23 +24,17 @@ from typing import TYPE_CHECKING
 from s3ckpt._lazy import lazy_attributes
 
 if TYPE_CHECKING:
-    from s3ckpt.catalog.api import (
-        CheckpointInfo,
-        PruneReport,
-        Removed,
+    from s3ckpt.catalog.committed import (
         acommitted_names,
         ais_committed,
-        alist_checkpoints,
-        aprune,
-        aremove_checkpoint,
         committed_names,
         is_committed,
-        list_checkpoints,
-        prune,
-        remove_checkpoint,
         show_checkpoint,
     )
     from s3ckpt.catalog.gc import AbortedUpload, Garbage, GcReport, collect_garbage
+    from s3ckpt.catalog.listing import CheckpointInfo, alist_checkpoints, list_checkpoints
+    from s3ckpt.catalog.pruning import PruneReport, aprune, prune
+    from s3ckpt.catalog.removal import Removed, aremove_checkpoint, remove_checkpoint
     from s3ckpt.catalog.retention import Decision
     from s3ckpt.catalog.run_listing import RunSteps, run_steps
     from s3ckpt.catalog.verify import Problem, VerifyReport, verify_checkpoint
@@ -45,23 +43,15 @@ if TYPE_CHECKING:
 # parses its arguments (and answers --help) without it.
 _LAZY = {
     **dict.fromkeys(
-        (
-            "CheckpointInfo",
-            "PruneReport",
-            "Removed",
-            "acommitted_names",
-            "ais_committed",
-            "alist_checkpoints",
-            "aprune",
-            "aremove_checkpoint",
-            "committed_names",
-            "is_committed",
-            "list_checkpoints",
-            "prune",
-            "remove_checkpoint",
-            "show_checkpoint",
-        ),
-        "s3ckpt.catalog.api",
+        ("CheckpointInfo", "alist_checkpoints", "list_checkpoints"), "s3ckpt.catalog.listing"
+    ),
+    **dict.fromkeys(
+        ("acommitted_names", "ais_committed", "committed_names", "is_committed", "show_checkpoint"),
+        "s3ckpt.catalog.committed",
+    ),
+    **dict.fromkeys(("PruneReport", "aprune", "prune"), "s3ckpt.catalog.pruning"),
+    **dict.fromkeys(
+        ("Removed", "aremove_checkpoint", "remove_checkpoint"), "s3ckpt.catalog.removal"
     ),
     **dict.fromkeys(
         ("AbortedUpload", "Garbage", "GcReport", "collect_garbage"), "s3ckpt.catalog.gc"

@@ -2,7 +2,9 @@
 
 * :mod:`~s3ckpt.manager.checkpoint_manager`: saves in the background, one in flight,
   failures raised on the next call, loading the latest;
-* :mod:`~s3ckpt.manager.policy`: checkpoint names, retention after each commit, metrics;
+* :mod:`~s3ckpt.manager.policy`: checkpoint names, options, metrics;
+* :mod:`~s3ckpt.manager.retention`: retention after each commit, on its own thread;
+* :mod:`~s3ckpt.manager.memory_tier`: the manager's memory tier, wired to its saves and loads;
 * :mod:`~s3ckpt.manager.committed`: which steps are committed, at little cost.
 
 The few collectives its decisions need are :mod:`s3ckpt.background.ranks`'s.

@@ -38,15 +38,16 @@ rules:
   one loaded is saved over the abandoned run's checkpoint there, atomically, so a
   restart never resumes from the run rolled back from.
 * **Retention** (``keep_last``, ``keep_every``) runs on rank 0 after each commit on its own
-  thread (:class:`s3ckpt.manager.policy.Retention`); it never deletes the checkpoint just
+  thread (:class:`s3ckpt.manager.retention.Retention`); it never deletes the checkpoint just
   written, and its failures are logged, not raised.
 * **Metrics**: each commit gives a :class:`SaveMetrics`, logged at INFO on
   ``s3ckpt.manager``, kept in ``metrics`` and passed to ``on_saved``.
-* **Memory tier** (``memory_tier=MemoryTier(...)``, :mod:`s3ckpt.tier`): every save is
-  also held in shared memory on the node (the copy the upload reads, so no second copy),
-  and only steps that ``MemoryTier.s3_every`` divides go to S3. ``load_latest`` restores
-  from memory when every rank holds an intact copy at least as new as S3's newest step,
-  agreed across ranks, and from S3 otherwise; ``last_restore`` says which and what it cost.
+* **Memory tier** (``memory_tier=MemoryTier(...)``, :mod:`s3ckpt.tier`, wired here by
+  :mod:`s3ckpt.manager.memory_tier`): every save is also held in shared memory on the
+  node (the copy the upload reads, so no second copy), and only steps that
+  ``MemoryTier.s3_every`` divides go to S3. ``load_latest`` restores from memory when
+  every rank holds an intact copy at least as new as S3's newest step, agreed across
+  ranks, and from S3 otherwise; ``last_restore`` says which and what it cost.
 """
 
 from __future__ import annotations
@@ -69,23 +70,16 @@ from s3ckpt.background.saver import BackgroundSaver, state_bytes
 from s3ckpt.config import S3URI, S3Config, check_key_room, make_config
 from s3ckpt.dcp.compat import group_timeout, unwrap
 from s3ckpt.dcp.failure import reraise as _reraise
-from s3ckpt.dcp.load_report import strict_loads
 from s3ckpt.dcp.reader import S3StorageReader
 from s3ckpt.dcp.writer import S3StorageWriter, longest_name
-from s3ckpt.errors import CheckpointError, CheckpointExistsError, ConfigError
+from s3ckpt.errors import CheckpointError, CheckpointExistsError
+from s3ckpt.manager import memory_tier as tiering
 from s3ckpt.manager.committed import CommittedSteps
 from s3ckpt.manager.ledger import InFlight, SaveLedger
-from s3ckpt.manager.policy import (
-    AsyncMode,
-    IfBusy,
-    Retention,
-    SaveMetrics,
-    checkpoint_name,
-    validate_options,
-)
+from s3ckpt.manager.policy import AsyncMode, IfBusy, SaveMetrics, checkpoint_name, validate_options
+from s3ckpt.manager.retention import Retention
 from s3ckpt.s3.client import prepare_client
 from s3ckpt.tier.options import MemoryTier
-from s3ckpt.tier.rank import RankTier
 from s3ckpt.tier.restore import Restored
 
 log = logging.getLogger("s3ckpt.manager")
@@ -148,11 +142,7 @@ class CheckpointManager:
         **options: Any,
     ) -> None:
         validate_options(keep_last, keep_every, if_busy, async_mode)
-        if memory_tier is not None and async_mode != "process":
-            raise ConfigError(
-                f"memory_tier needs async_mode='process' (the checkpoint process records the "
-                f"held copies), not {async_mode!r}"
-            )
+        tiering.check_mode(memory_tier, async_mode)
         self.location = S3URI.parse(uri, require_prefix=False)
         self.config = make_config(config, endpoint_url=endpoint_url, **options)
         self.if_busy, self.async_mode, self.overwrite = if_busy, async_mode, overwrite
@@ -170,24 +160,17 @@ class CheckpointManager:
         if self._ranks.world == 1:  # DCP warns on each single-process call; here it is meant
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         self.memory_tier = memory_tier
-        self._tier = (
-            None if memory_tier is None
-            else RankTier(
-                memory_tier, str(self.location), self._ranks.rank, self._ranks.world,
-                self._ranks.gather, process_group,
-                _collective_timeout(self.config, process_group),
-            )
-        )  # fmt: skip
-        slots = self._tier.copies.slots if self._tier is not None else ()
-        limit = {"slot_limit": memory_tier.max_bytes} if memory_tier is not None else {}
+        timeout_s = _collective_timeout(self.config, process_group)
+        self._tier = tiering.rank_tier(
+            memory_tier, self.location, self._ranks, process_group, timeout_s
+        )
         # a save's future brings back only the state's bytes (for its metrics), not DCP's
         # metadata: the checkpoint process would send it to this process to unpickle
         self._saves = (
             None if async_mode == "sync"
             else BackgroundSaver(
-                async_mode, process_group, memory_slots=slots, reply=state_bytes,
-                config=self.config, timeout_s=_collective_timeout(self.config, process_group),
-                **limit,
+                async_mode, process_group, reply=state_bytes, config=self.config,
+                timeout_s=timeout_s, **tiering.saver_memory(self._tier, memory_tier),
             )
         )  # fmt: skip
         self.last_restore: Restored | None = None
@@ -260,17 +243,15 @@ class CheckpointManager:
         self._settle()
         started = time.perf_counter()
         step = self.latest_step()
-        if self._tier is not None:
-            with strict_loads(self.strict):
-                restored = self._tier.restore(state_dict, step)
-            if restored is not None:
-                self._went_on_from(restored.step)
-                self.last_restore = restored
-                log.info(
-                    "loaded %s from memory in %.2f s (%.3f s to choose it)",
-                    checkpoint_name(restored.step), restored.load_s, restored.select_s,
-                )  # fmt: skip
-                return restored.step
+        restored = tiering.restore_from_memory(self._tier, state_dict, step, self.strict)
+        if restored is not None:
+            self._went_on_from(restored.step)
+            self.last_restore = restored
+            log.info(
+                "loaded %s from memory in %.2f s (%.3f s to choose it)",
+                checkpoint_name(restored.step), restored.load_s, restored.select_s,
+            )  # fmt: skip
+            return restored.step
         if step is not None:
             selected = time.perf_counter()
             self.load(step, state_dict)
@@ -354,7 +335,7 @@ class CheckpointManager:
             return False
         self._settle()  # from here on, every rank has the same view of what is committed
         waited = time.perf_counter() - started
-        to_s3 = self.memory_tier is None or (self.memory_tier.to_s3(step) if s3 is None else s3)
+        to_s3 = tiering.goes_to_s3(self.memory_tier, step, s3)
         if self._saves is not None:  # ranks that disagree fail here, before any collective
             try:  # that depends on where the step goes (the committed check's)
                 self._saves.ready(name, f"step {step}, {'to S3' if to_s3 else 'memory only'}")
@@ -382,10 +363,7 @@ class CheckpointManager:
         )  # fmt: skip
         self._inflight = inflight
         if keep is not None:
-            keep.held.add_done_callback(lambda _: setattr(inflight, "held_at", time.perf_counter()))
-            keep.replicated.add_done_callback(
-                lambda _: setattr(inflight, "replicated_at", time.perf_counter())
-            )
+            tiering.time_the_copies(keep, inflight)
         future.add_done_callback(lambda _: self._ledger.finished(inflight))
         if failure is not None:
             _reraise(failure, f"saving {name}")

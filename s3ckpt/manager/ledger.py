@@ -23,7 +23,8 @@ from typing import Any
 from s3ckpt.dcp.compat import unwrap
 from s3ckpt.errors import CheckpointExistsError, S3CkptError
 from s3ckpt.manager.committed import CommittedSteps
-from s3ckpt.manager.policy import Retention, SaveMetrics, checkpoint_name
+from s3ckpt.manager.policy import SaveMetrics, checkpoint_name
+from s3ckpt.manager.retention import Retention
 
 log = logging.getLogger("s3ckpt.manager")
 

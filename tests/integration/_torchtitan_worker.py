@@ -204,7 +204,7 @@ def killed_async_save_main(folder: str, out_dir: str) -> None:
     """A one-rank trainer in torchtitan's ``async`` mode (run as its own process, which the
     test SIGKILLs): step 2 saved and committed, its state left in ``out_dir``; step 4's
     save uploads everything, announces it, and is killed before its manifest is written."""
-    from s3ckpt.integrations import torchtitan as integration
+    from s3ckpt.integrations.torchtitan import manager as integration
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['PORT']}",
                             rank=0, world_size=1)  # fmt: skip

@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from s3ckpt import catalog
-from s3ckpt.catalog import api as catalog_api
+from s3ckpt.catalog import pruning as catalog_pruning
 from s3ckpt.catalog.api import remove_groups
 from s3ckpt.catalog.gc import acollect_garbage
 from s3ckpt.catalog.reporting import SILENT
@@ -197,14 +197,14 @@ def test_prune_never_touches_a_save_in_flight_or_one_committing_meanwhile(
     in_flight = InFlight(make_writer, f"{s3_prefix}/step-4", 4.0)  # commits after it
     in_flight_keys = list_keys(in_flight.uri)
 
-    real_scan = catalog_api.scan_checkpoints
+    real_scan = catalog_pruning.scan_checkpoints
 
     async def scan_then_commit(store, location):
         listing = await real_scan(store, location)
         await asyncio.to_thread(committing.release)  # commits after the listing, mid-prune
         return listing
 
-    monkeypatch.setattr(catalog_api, "scan_checkpoints", scan_then_commit)
+    monkeypatch.setattr(catalog_pruning, "scan_checkpoints", scan_then_commit)
     report = catalog.prune(s3_prefix, keep_last=1, **opts)
     assert [r.name for r in report.removed] == ["step-1"]
     assert [(d.name, d.reason) for d in report.decisions if not d.delete] == [("step-2", "newest")]

@@ -234,15 +234,15 @@ def test_a_foreign_manifest_over_a_stopped_save_keeps_every_object(
 @pytest.fixture
 def later(monkeypatch):
     """Move the store's clock, as ``ls`` reads it, forward by some seconds."""
-    from s3ckpt.catalog import api
+    from s3ckpt.catalog import listing
 
-    real = api.store_time
+    real = listing.store_time
 
     def move(seconds: float) -> None:
         async def moved(store):
             return await real(store) + seconds
 
-        monkeypatch.setattr(api, "store_time", moved)
+        monkeypatch.setattr(listing, "store_time", moved)
 
     return move
 

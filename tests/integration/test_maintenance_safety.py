@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from faultproxy import FaultProxy
 
 from s3ckpt import catalog
-from s3ckpt.catalog import api as catalog_api
+from s3ckpt.catalog import pruning as catalog_pruning
 from s3ckpt.catalog import unpublish as unpublish_module
 from s3ckpt.catalog.gc import acollect_garbage
 from s3ckpt.catalog.scan import scan_checkpoints, timestamp
@@ -188,7 +188,7 @@ def test_prune_keeps_a_checkpoint_whose_overwrite_commits_in_the_second_of_its_l
             newest = max(timestamp(o.meta) for o in step1.objects if o.rank is None)
             seconds_shared += newest == timestamp(step1.manifest)
             report = io_loop().run(
-                catalog_api.aprune(store, location, keep_last=0, force=True, dry_run=True)
+                catalog_pruning.aprune(store, location, keep_last=0, force=True, dry_run=True)
             )
         finally:
             hold.release(thread)
@@ -223,7 +223,7 @@ def test_prune_keeps_a_checkpoint_recommitted_after_its_listing(
 ):
     for step in (1, 2):
         dcp.save(_state(step), storage_writer=make_writer(f"{s3_prefix}/step-{step}"))
-    real_scan = catalog_api.scan_checkpoints
+    real_scan = catalog_pruning.scan_checkpoints
 
     async def scan_then_recommit(store, location):
         listing = await real_scan(store, location)  # step-1 is to go: the listed manifest
@@ -231,7 +231,7 @@ def test_prune_keeps_a_checkpoint_recommitted_after_its_listing(
         await asyncio.to_thread(dcp.save, _state(10.0), storage_writer=overwrite)
         return listing
 
-    monkeypatch.setattr(catalog_api, "scan_checkpoints", scan_then_recommit)
+    monkeypatch.setattr(catalog_pruning, "scan_checkpoints", scan_then_recommit)
     code = main(["prune", s3_prefix, "--keep-last", "1", "--endpoint-url", ignoring.endpoint_url])
     captured = capsys.readouterr()
     assert code == 1
@@ -271,7 +271,7 @@ def test_prune_keeps_a_checkpoint_a_save_started_into_after_its_listing(
 ):
     for step in (1, 2):
         dcp.save(_state(step), storage_writer=make_writer(f"{s3_prefix}/step-{step}"))
-    real_scan = catalog_api.scan_checkpoints
+    real_scan = catalog_pruning.scan_checkpoints
     started: list[PausedSave] = []
 
     async def scan_then_start_a_save(store, location):
@@ -280,7 +280,7 @@ def test_prune_keeps_a_checkpoint_a_save_started_into_after_its_listing(
         started.append(await asyncio.to_thread(PausedSave, writer, 10.0))
         return listing
 
-    monkeypatch.setattr(catalog_api, "scan_checkpoints", scan_then_start_a_save)
+    monkeypatch.setattr(catalog_pruning, "scan_checkpoints", scan_then_start_a_save)
     report = catalog.prune(s3_prefix, keep_last=1, **through)
     assert report.removed == []
     assert report.why_changed == {"step-1": "a save started there since the listing"}
@@ -398,7 +398,7 @@ def test_prune_keeps_a_checkpoint_being_overwritten_whatever_the_local_clock(
     for skew, dry_run in ((*SKEWS[:1], True), (*SKEWS[1:], True), (*SKEWS[:1], False)):
         skewed(skew)
         report = io_loop().run(
-            catalog_api.aprune(store, location, keep_last=0, force=True, dry_run=dry_run)
+            catalog_pruning.aprune(store, location, keep_last=0, force=True, dry_run=dry_run)
         )
         skewed(0.0)
         kept = {d.name: d.reason for d in report.decisions if not d.delete}

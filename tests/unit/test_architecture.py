@@ -229,7 +229,11 @@ def test_private_names_check_leaves_own_and_public_names_alone() -> None:
 
 def test_private_names_are_allowed_in_their_own_compat_module_only() -> None:
     source = "import torch\nfrom botocore import xform_name\ntorch._C"
-    found = private_names.module_violations(source, "s3ckpt/dcp/compat.py")
+    found = private_names.module_violations(source, "s3ckpt/dcp/compat/__init__.py")
     assert [v.dependency for v in found] == ["botocore"]
+    found = private_names.module_violations(source, "s3ckpt/dcp/compat/tensors.py")
+    assert [v.dependency for v in found] == ["botocore"]
+    found = private_names.module_violations(source, "s3ckpt/dcp/compatible.py")
+    assert sorted(v.dependency for v in found) == ["botocore", "torch"]
     found = private_names.module_violations(source, "s3ckpt/s3/compat_botocore.py")
     assert [v.dependency for v in found] == ["torch"]

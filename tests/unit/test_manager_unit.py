@@ -27,8 +27,8 @@ from s3ckpt.manager.policy import (
     SaveMetrics,
     checkpoint_name,
     parse_step,
-    retention_victims,
 )
+from s3ckpt.manager.retention import retention_victims
 
 NOW = 1_000_000.0
 # How long a test waits for the manager's worker thread: a bound on a hang, never reached
@@ -392,7 +392,7 @@ def test_retention_runs_after_each_commit_protecting_the_new_step(fake, monkeypa
     listing = [info(checkpoint_name(s), s) for s in (1, 2)]
     monkeypatch.setattr(committed_module.catalog, "list_checkpoints", lambda *a, **k: listing)
     monkeypatch.setattr(
-        "s3ckpt.manager.policy.catalog.remove_checkpoint", lambda uri, **k: removed.append(uri)
+        "s3ckpt.manager.retention.catalog.remove_checkpoint", lambda uri, **k: removed.append(uri)
     )
     manager = make(keep_last=1)
     assert manager.save(3, {}) is True
@@ -407,7 +407,7 @@ def test_retention_failures_are_logged_not_raised(fake, monkeypatch, caplog):
     def broken(*args: Any, **kwargs: Any) -> None:
         raise BucketNotFoundError("gone")
 
-    monkeypatch.setattr("s3ckpt.manager.policy.catalog.list_checkpoints", broken)
+    monkeypatch.setattr("s3ckpt.manager.retention.catalog.list_checkpoints", broken)
     manager = make(keep_last=1)
     manager.save(3, {})
     with caplog.at_level(logging.WARNING, logger="s3ckpt.manager"):

@@ -28,7 +28,8 @@ def _real_metadata(tmp_path) -> Metadata:
 
 
 def test_dcp_metadata_round_trips_through_the_restricted_unpickler(tmp_path):
-    """Fails loudly when a torch release pickles Metadata with new globals (update compat.py)."""
+    """Fails loudly when a torch release pickles Metadata with new globals (update
+    s3ckpt/dcp/compat/metadata_globals.py)."""
     metadata = _real_metadata(tmp_path)
     metadata.storage_data = {index: StoredItem("k", 0, 1, (1,)) for index in metadata.storage_data}
     metadata.storage_meta = StorageMeta(checkpoint_id="s3://b/run/step-1", save_id="abc")

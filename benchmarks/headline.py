@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import sys
+import textwrap
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -48,9 +49,11 @@ def render(report: dict[str, Any], *, date: str, machine: str) -> str:
     """The table, in Markdown, for one run's ``report`` (bench.json's ``"report"``)."""
     cases = report["cases"]
     lines = [
-        f"{date}, {machine}: `python -m benchmarks.run --size-mib {report['size_mib']} "
-        f"--reps {report['reps']}` (the median of {report['reps']} runs per case, against the "
-        "embedded SeaweedFS server on the same machine).",
+        _prose(
+            f"{date}, {machine}: `python -m benchmarks.run --size-mib {report['size_mib']} "
+            f"--reps {report['reps']}` (the median of {report['reps']} runs per case, against "
+            "the embedded SeaweedFS server on the same machine)."
+        ),
         "",
         "| | MB/s | client CPU-s/GiB | MB/s / ceiling |",
         "| --- | ---: | ---: | ---: |",
@@ -66,11 +69,18 @@ def render(report: dict[str, Any], *, date: str, machine: str) -> str:
         blocked = staged["blocked_median_after_first_s"]
         lines += [
             "",
-            f"`dcp.async_save` blocked the caller {blocked:.2f} s a save from the second on, "
-            f"{blocked / memcpy['seconds_median']:.2f}x a bare copy of the state into "
-            f"preallocated buffers ({memcpy['seconds_median']:.2f} s).",
+            _prose(
+                f"`dcp.async_save` blocked the caller {blocked:.2f} s a save from the second "
+                f"on, {blocked / memcpy['seconds_median']:.2f}x a bare copy of the state into "
+                f"preallocated buffers ({memcpy['seconds_median']:.2f} s)."
+            ),
         ]
     return "\n".join(lines)
+
+
+def _prose(text: str) -> str:
+    """A paragraph wrapped as the page's prose is."""
+    return textwrap.fill(text, width=92, break_long_words=False, break_on_hyphens=False)
 
 
 def _row(label: str, entry: dict[str, Any] | None, ceiling: float | None) -> str:

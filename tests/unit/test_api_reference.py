@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "reference"
+# The checkout's root: the folder above this file that holds pyproject.toml.
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
+REFERENCE = ROOT / "docs" / "reference"
 
 
 def _conf():

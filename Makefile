@@ -175,6 +175,7 @@ bench: $(BENCH_STAMP) $(TIERPEERS_STAMP)
 	$(BIN)/python -m benchmarks.links
 	$(BIN)/python -m benchmarks.torch_checkpointing
 	$(BIN)/python -m benchmarks.mlperf_checkpoint
+	$(BIN)/python -m benchmarks.headline
 
 # s3ckpt and its peers (s3torchconnector, s5cmd, s3transfer, raw aiobotocore) on an
 # in-memory S3 server that costs next to no CPU (benchmarks/zero_s3.c, built with cc):
@@ -195,6 +196,13 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check s3ckpt tests benchmarks
 	$(BIN)/lint-imports
 	$(BIN)/python tests/private_names.py
+
+# The API reference (docs/reference), generated from the public API's docstrings into
+# build/docs/index.html; a warning (a broken reference) fails it, as it fails
+# tests/unit/test_api_reference.py.
+.PHONY: docs
+docs: $(STAMP)
+	$(BIN)/python -m sphinx -b html -W --keep-going -q docs/reference build/docs
 
 # Runs the fault, crash, overwrite-during-load and maintenance suites, then renders what they recorded into docs/reliability.md.
 reliability-report: $(STAMP)

@@ -6,8 +6,8 @@ background work on CPU 1: ``--items`` times a stretch of Python (``--python-us``
 1 MiB CRC32C that lets the GIL go, the same work done by one thread, then split over two
 and three. Each thread that wants the GIL back waits beside the loop's, and a release
 wakes one of them, so the loop waits behind more of the background's stretches as the
-threads multiply, with the same total work (docs/performance.md, "Where the loop waits,
-and the collector"). Needs two CPUs.
+threads multiply, with the same total work (docs/decisions/0008-thread-mode-gil.md).
+Needs two CPUs.
 """
 
 from __future__ import annotations

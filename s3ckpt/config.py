@@ -97,11 +97,11 @@ class S3Config:
             loop less; ``False`` sends each part from the event loop. Same requests, same
             retries either way; HTTPS endpoints always send each part.
         tls_threads: deprecated name of ``direct_uploads`` (set, it wins, with a warning).
-    Retries (:mod:`s3ckpt.s3.retry`):
+    Retries:
         deadline_s: time budget of one save's (or load's) requests, all phases together:
             failures a retry can fix (throttling, 5xx, dropped connections, timeouts) are
-            retried, with exponential backoff and full jitter, until it is spent; then the
-            save ends with :class:`~s3ckpt.errors.DeadlineExceededError`. Anything else
+            retried (:mod:`s3ckpt.s3.retry`), with exponential backoff and full jitter, until
+            it is spent; then the save ends with :class:`~s3ckpt.errors.DeadlineExceededError`. Anything else
             fails at the first try. ``None`` (set in an ``S3Config``: a keyword argument of
             ``None`` means "not given"): no budget; then at most 10 tries per request.
         max_attempts: a cap on tries per request on top of the deadline (``None``, the

@@ -90,7 +90,8 @@ class CheckpointManager:
 
     Args:
         uri: ``s3://bucket/run``; step ``N`` is saved to ``<uri>/step-<N:010d>``.
-        endpoint_url, config, **options: connection and tuning, as for :class:`~s3ckpt.S3Config`.
+        endpoint_url, config: connection and tuning, as for :class:`~s3ckpt.S3Config`.
+        **options: :class:`~s3ckpt.S3Config`'s fields by name, as for the two above.
         keep_last, keep_every: retention after each commit (rules in :mod:`s3ckpt.catalog.retention`,
             the same as ``s3ckpt prune``'s; ``keep_last=0`` keeps only the newest and the
             ``keep_every`` steps); ``None`` for both keeps everything.

@@ -9,8 +9,8 @@
  *     are in the CPU cache. Only where CRC32C_AVAILABLE (x86-64 with SSE4.2).
  * crc32c_combine(crc1, crc2, len2): the CRC32C of A + B from CRC(A), CRC(B) and len(B), on
  *     every platform (s3ckpt.format.checksums.combine; its Python fallback is the same
- *     arithmetic, 5-10 us a call against well under one here, paid hundreds of times a save
- *     with the GIL held where parts are packed from small items).
+ *     arithmetic, many times slower, and a save calls it hundreds of times with the GIL
+ *     held where parts are packed from small items: docs/decisions/0008-thread-mode-gil.md).
  *
  * numpy needs two or more passes over memory for either direction (a strided gather per
  * plane, or a shift and an OR for 16-bit words); these loops read and write every byte

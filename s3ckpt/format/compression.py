@@ -212,8 +212,8 @@ def _compressor(level: int, *, grouped: bool) -> zstandard.ZstdCompressor:
         cache = _local.compressors = {}
     if key not in cache:
         if grouped and level <= 1:
-            # Measured on planes of real weights: a tiny hash table and long minimum matches
-            # are faster *and* smaller than level 1's defaults for exponent bytes.
+            # A tiny hash table and long minimum matches: faster *and* smaller than level
+            # 1's defaults on exponent planes (docs/decisions/0010-byte-grouped-compression.md).
             params = zstandard.ZstdCompressionParameters(
                 strategy=zstandard.STRATEGY_FAST,
                 min_match=7,

@@ -2,12 +2,12 @@
  * released once.
  *
  * A multipart part packed from small items is a join of their bytes. bytes.join copies
- * with the GIL held (2 ms per 16 MiB part), and a copy per piece through ctypes.memmove
- * releases and retakes the GIL once per piece: 512 retakes per GiB of the benchmark
- * state, each of which, in thread mode, waits for the training loop to let the GIL go
- * and then makes the loop wait (20-35 us of loop time per retake, measured). Here the
- * buffers are taken with the GIL, then copied in one stretch without it. No library
- * offers a gather copy into a new bytes object that releases the GIL.
+ * with the GIL held, and a copy per piece through ctypes.memmove releases and retakes the
+ * GIL once per piece; in thread mode each retake waits for the training loop to let the
+ * GIL go and then makes the loop wait (docs/decisions/0006-part-sizes.md,
+ * docs/decisions/0008-thread-mode-gil.md). Here the buffers are taken with the GIL, then
+ * copied in one stretch without it. No library offers a gather copy into a new bytes
+ * object that releases the GIL.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -37,6 +37,26 @@ async def acommitted_names(store: ObjectStore, location: S3URI) -> dict[str, str
 def committed_names(
     uri: str | S3URI, *, config: S3Config | None = None, **options: Any
 ) -> dict[str, str | None]:
+    """The committed checkpoints under ``uri``, each with the name of the one that
+    supersedes it after a rollback (:func:`acommitted_names` run on the I/O loop): the
+    listing alone, cheap enough for a training loop to wait for.
+
+    Args:
+        uri: ``s3://bucket`` or ``s3://bucket/prefix``.
+        config: connection and tuning (:class:`~s3ckpt.S3Config`; the defaults when None).
+        **options: :class:`~s3ckpt.S3Config`'s fields by name, over ``config``.
+
+    Returns:
+        Each committed name (relative to ``uri``) mapped to the name that supersedes it,
+        or None where it is current. Directories whose ``manifest.json`` is not s3ckpt's
+        are left out.
+
+    Raises:
+        ~s3ckpt.errors.InvalidURIError: ``uri`` is not an ``s3://`` URI.
+        ~s3ckpt.errors.ConfigError: an unknown or invalid option.
+        ~s3ckpt.errors.StorageError: a listing failed (a missing bucket:
+            :class:`~s3ckpt.errors.BucketNotFoundError`).
+    """
     store, location = open_store(uri, config, options, require_prefix=False)
     return io_loop().run(acommitted_names(store, location))
 
@@ -53,6 +73,25 @@ async def ais_committed(store: ObjectStore, location: S3URI) -> bool:
 
 
 def is_committed(uri: str | S3URI, *, config: S3Config | None = None, **options: Any) -> bool:
+    """Whether a checkpoint is committed at ``uri``, from one GET of its manifest
+    (:func:`ais_committed` run on the I/O loop).
+
+    Args:
+        uri: the checkpoint, ``s3://bucket/prefix`` (a prefix is required).
+        config: connection and tuning (:class:`~s3ckpt.S3Config`; the defaults when None).
+        **options: :class:`~s3ckpt.S3Config`'s fields by name, over ``config``.
+
+    Returns:
+        True where s3ckpt's manifest is there, damaged or not; False where there is none,
+        where the ``manifest.json`` there is not s3ckpt's, and where the bucket is missing.
+
+    Raises:
+        ~s3ckpt.errors.InvalidURIError: ``uri`` is not an ``s3://bucket/prefix`` URI.
+        ~s3ckpt.errors.ConfigError: an unknown or invalid option.
+        ~s3ckpt.errors.StorageError: the GET failed otherwise (refused credentials:
+            :class:`~s3ckpt.errors.AccessDeniedError`; an unreachable endpoint:
+            :class:`~s3ckpt.errors.EndpointError`).
+    """
     store, location = open_store(uri, config, options, require_prefix=True)
     return io_loop().run(ais_committed(store, location))
 

@@ -84,6 +84,9 @@ class Garbage:
 
 @dataclass(frozen=True)
 class AbortedUpload:
+    """An open multipart upload that ``gc`` aborted (or, in a dry run, would abort):
+    its object's ``key``, its ``upload_id`` and its ``age`` in seconds."""
+
     key: str
     upload_id: str
     age: float
@@ -91,6 +94,9 @@ class AbortedUpload:
 
 @dataclass
 class GcReport:
+    """What :func:`collect_garbage` found and removed under a prefix (in a dry run: would
+    remove); ``objects`` and ``bytes`` total the deleted ``garbage``."""
+
     grace: float
     dry_run: bool
     uploads: list[AbortedUpload] = field(default_factory=list)
@@ -336,6 +342,37 @@ def collect_garbage(
     config: S3Config | None = None,
     **options: Any,
 ) -> GcReport:
+    """Remove what failed or abandoned saves left under ``uri`` once it is older than
+    ``grace`` (``s3ckpt gc``; :func:`~s3ckpt.catalog.gc.acollect_garbage` run on the I/O
+    loop; what counts as garbage: :mod:`s3ckpt.catalog.gc`).
+
+    It never deletes a manifest, and never touches a directory where a save is in flight.
+
+    Args:
+        uri: ``s3://bucket`` or ``s3://bucket/prefix``.
+        grace: seconds that garbage must have aged, by the store's clock. It also protects
+            loads still reading a checkpoint an overwrite replaced; the CLI refuses less
+            than :data:`~s3ckpt.catalog.grace.MIN_SAFE_GRACE` unless forced, this
+            function does not.
+        dry_run: find and report, delete nothing.
+        lease: seconds after its last refresh that an in-flight record still means a save
+            is running; shorten it only when those saves are known to be dead.
+        progress: told how many objects are deleted and uploads aborted as they go.
+        config: connection and tuning (:class:`~s3ckpt.S3Config`; the defaults when None).
+        **options: :class:`~s3ckpt.S3Config`'s fields by name, over ``config``.
+
+    Returns:
+        The uploads aborted and the objects deleted, by directory and reason (in a dry
+        run, what would be), the directories left alone because a save is in flight, the
+        versions deleted by id on a bucket with versioning on, and the problems met
+        (directories skipped, a store that cannot list uploads).
+
+    Raises:
+        ~s3ckpt.errors.InvalidURIError: ``uri`` is not an ``s3://`` URI.
+        ~s3ckpt.errors.ConfigError: an unknown or invalid option.
+        ~s3ckpt.errors.StorageError: a listing, abort or delete failed (a missing bucket:
+            :class:`~s3ckpt.errors.BucketNotFoundError`).
+    """
     store, location = open_store(uri, config, options, require_prefix=False)
     return io_loop().run(
         acollect_garbage(

@@ -216,6 +216,31 @@ def list_checkpoints(
     config: S3Config | None = None,
     **options: Any,
 ) -> list[CheckpointInfo]:
+    """The checkpoints under ``uri``, one :class:`CheckpointInfo` row each (``s3ckpt ls``;
+    :func:`alist_checkpoints` run on the I/O loop, at its cost in requests).
+
+    Args:
+        uri: ``s3://bucket`` or ``s3://bucket/prefix``.
+        include_uncommitted: also list directories without a committed manifest (saves
+            running or stopped, another tool's ``manifest.json`` as ``foreign``), and count
+            the open multipart uploads of s3ckpt's objects.
+        details: read every manifest, for exact ranks, items and save id; an unreadable
+            one marks its row ``damaged`` instead of failing the listing.
+        problems: what could not be listed is appended here (logged when None).
+        config: connection and tuning (:class:`~s3ckpt.S3Config`; the defaults when None).
+        **options: :class:`~s3ckpt.S3Config`'s fields by name, over ``config``.
+
+    Returns:
+        The rows oldest first, in :mod:`~s3ckpt.catalog.retention`'s order (steps compared
+        as numbers, then commit times).
+
+    Raises:
+        ~s3ckpt.errors.InvalidURIError: ``uri`` is not an ``s3://`` URI.
+        ~s3ckpt.errors.ConfigError: an unknown or invalid option.
+        ~s3ckpt.errors.StorageError: a listing failed (a missing bucket:
+            :class:`~s3ckpt.errors.BucketNotFoundError`; refused credentials:
+            :class:`~s3ckpt.errors.AccessDeniedError`).
+    """
     store, location = open_store(uri, config, options, require_prefix=False)
     return io_loop().run(
         alist_checkpoints(

@@ -23,6 +23,10 @@ from s3ckpt.transfer.fanout import bounded
 
 @dataclass(frozen=True)
 class PruneReport:
+    """What :func:`prune` decided and did: a :class:`~s3ckpt.catalog.retention.Decision`
+    for every committed checkpoint, the checkpoints removed (in a dry run: removable),
+    those left alone because they changed since the listing, and why."""
+
     decisions: list[Decision]  # every committed checkpoint, oldest first
     removed: list[Removed]
     changed: list[str]  # changed since the listing (recommitted, a save started): left alone
@@ -103,6 +107,40 @@ def prune(
     config: S3Config | None = None,
     **options: Any,
 ) -> PruneReport:
+    """Apply a retention policy to the committed checkpoints under ``uri`` and delete what
+    it does not keep (``s3ckpt prune``; :func:`aprune` run on the I/O loop).
+
+    The rules are :mod:`~s3ckpt.catalog.retention`'s: a checkpoint is deleted only where
+    every rule allows it. Saves in flight are no candidates, and a checkpoint committed
+    or started again after the listing is left alone.
+
+    Args:
+        uri: ``s3://bucket`` or ``s3://bucket/prefix``.
+        keep_last: keep the newest ``keep_last`` (superseded ones not counted; 0 keeps
+            only the newest, unless ``force``).
+        keep_every: also keep every step that is a multiple of ``keep_every``.
+        older_than: delete only checkpoints committed more than this many seconds ago
+            (by the store's clock).
+        force: the newest checkpoint may be deleted too.
+        dry_run: decide and report, delete nothing.
+        progress: told how many objects are deleted as they go (the CLI's progress bar).
+        config: connection and tuning (:class:`~s3ckpt.S3Config`; the defaults when None).
+        **options: :class:`~s3ckpt.S3Config`'s fields by name, over ``config``.
+
+    Returns:
+        A decision with its reason for every committed checkpoint, what was removed (in a
+        dry run, what would be), what changed since the listing and was left alone, and
+        the directories left alone because their ``manifest.json`` is not s3ckpt's.
+
+    Raises:
+        ~s3ckpt.errors.ConfigError: an invalid rule (``keep_last`` below 0, ``keep_every``
+            below 1, ``older_than`` negative) or an unknown option.
+        ~s3ckpt.errors.ForeignObjectError: the ``manifest.json`` at ``uri`` itself is not
+            s3ckpt's; nothing is deleted.
+        ~s3ckpt.errors.InvalidURIError: ``uri`` is not an ``s3://`` URI.
+        ~s3ckpt.errors.StorageError: a listing or a delete failed (a missing bucket:
+            :class:`~s3ckpt.errors.BucketNotFoundError`).
+    """
     store, location = open_store(uri, config, options, require_prefix=False)
     return io_loop().run(
         aprune(

@@ -147,5 +147,34 @@ def remove_checkpoint(
     config: S3Config | None = None,
     **options: Any,
 ) -> Removed:
+    """Delete the committed checkpoint at ``uri``, manifest first, then exactly the
+    objects it lists (``s3ckpt rm``; :func:`aremove_checkpoint` run on the I/O loop).
+
+    Readers stop seeing the checkpoint once its manifest is gone; anything else in the
+    directory (a save in flight, one that stopped) is left to
+    :func:`~s3ckpt.catalog.collect_garbage`. A damaged s3ckpt manifest is deleted alone.
+
+    Args:
+        uri: the checkpoint, ``s3://bucket/prefix`` (a prefix is required).
+        progress: told how many objects are deleted as they go (the CLI's progress bar).
+        config: connection and tuning (:class:`~s3ckpt.S3Config`; the defaults when None).
+        **options: :class:`~s3ckpt.S3Config`'s fields by name, over ``config``.
+
+    Returns:
+        What was deleted: objects and bytes, and on a bucket with versioning on the
+        versions deleted by id.
+
+    Raises:
+        ~s3ckpt.errors.CheckpointNotFoundError: nothing is committed at ``uri``.
+        ~s3ckpt.errors.ForeignObjectError: the ``manifest.json`` there is not s3ckpt's;
+            nothing is deleted.
+        ~s3ckpt.errors.CheckpointError: the checkpoint changed after it was read
+            (committed again, a save started there, or removed by another); it is left
+            alone.
+        ~s3ckpt.errors.InvalidURIError: ``uri`` is not an ``s3://bucket/prefix`` URI.
+        ~s3ckpt.errors.ConfigError: an unknown or invalid option.
+        ~s3ckpt.errors.StorageError: a request failed (a missing bucket:
+            :class:`~s3ckpt.errors.BucketNotFoundError`).
+    """
     store, location = open_store(uri, config, options, require_prefix=True)
     return io_loop().run(aremove_checkpoint(store, location, progress=progress))

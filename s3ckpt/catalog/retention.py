@@ -58,6 +58,9 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Decision:
+    """A retention policy's verdict on one committed checkpoint: whether it is deleted,
+    and the reason it is kept or deleted (what ``prune --dry-run`` prints)."""
+
     name: str
     time: float
     delete: bool

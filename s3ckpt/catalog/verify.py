@@ -45,6 +45,9 @@ _PIECE = 64 * MiB  # the largest piece of one item (rounded down to whole blocks
 
 @dataclass(frozen=True)
 class Problem:
+    """One piece of damage :func:`verify_checkpoint` found: the item (or ``metadata``,
+    ``index``), the object's key relative to the checkpoint, and what is wrong."""
+
     what: str  # the item (FQN, with its chunk offsets when sharded), "metadata" or "index"
     key: str  # object key relative to the checkpoint
     message: str
@@ -52,6 +55,9 @@ class Problem:
 
 @dataclass
 class VerifyReport:
+    """What :func:`verify_checkpoint` read and checked (items, objects, bytes), and the
+    damage it found; ``ok`` when there is none."""
+
     uri: str
     save_id: str
     items: int = 0

@@ -100,7 +100,23 @@ def show_checkpoint(
     uri: str | S3URI, *, config: S3Config | None = None, **options: Any
 ) -> Manifest:
     """The committed manifest at ``uri``, with every item listed (format 2 reads them from
-    the index objects)."""
+    the index objects).
+
+    Args:
+        uri: the checkpoint, ``s3://bucket/prefix`` (a prefix is required).
+        config: connection and tuning (:class:`~s3ckpt.S3Config`; the defaults when None).
+        **options: :class:`~s3ckpt.S3Config`'s fields by name, over ``config``.
+
+    Raises:
+        ~s3ckpt.errors.CheckpointNotFoundError: nothing is committed at ``uri``.
+        ~s3ckpt.errors.ForeignObjectError: the ``manifest.json`` there is not s3ckpt's.
+        ~s3ckpt.errors.CorruptCheckpointError: the manifest is unreadable, or an index
+            object it names is missing or damaged.
+        ~s3ckpt.errors.InvalidURIError: ``uri`` is not an ``s3://bucket/prefix`` URI.
+        ~s3ckpt.errors.ConfigError: an unknown or invalid option.
+        ~s3ckpt.errors.StorageError: a request failed (a missing bucket:
+            :class:`~s3ckpt.errors.BucketNotFoundError`).
+    """
     store, location = open_store(uri, config, options, require_prefix=True)
     return io_loop().run(_committed_with_items(store, location))
 

@@ -213,6 +213,24 @@ def run_steps(
     uri: str | S3URI, *, folders: bool = False, config: S3Config | None = None, **options: Any
 ) -> RunSteps:
     """The committed steps under ``uri`` (``s3://bucket/run``), by the rule every reader
-    of steps shares: any ``step-<digits>`` name is step ``int(digits)``."""
+    of steps shares: any ``step-<digits>`` name is step ``int(digits)``.
+
+    Args:
+        uri: the run, ``s3://bucket`` or ``s3://bucket/run``.
+        folders: also list the run's top level, to note folders named like steps that
+            hold no s3ckpt checkpoint (an export, another tool's format).
+        config: connection and tuning (:class:`~s3ckpt.S3Config`; the defaults when None).
+        **options: :class:`~s3ckpt.S3Config`'s fields by name, over ``config``.
+
+    Returns:
+        Each step with the name it is known by, the steps a rollback superseded, and a
+        note for every name the rule leaves out, for the caller to log.
+
+    Raises:
+        ~s3ckpt.errors.InvalidURIError: ``uri`` is not an ``s3://`` URI.
+        ~s3ckpt.errors.ConfigError: an unknown or invalid option.
+        ~s3ckpt.errors.StorageError: a listing failed (a missing bucket:
+            :class:`~s3ckpt.errors.BucketNotFoundError`).
+    """
     store, location = open_store(uri, config, options, require_prefix=False)
     return io_loop().run(arun_steps(store, location, folders=folders))

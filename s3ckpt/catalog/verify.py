@@ -287,7 +287,25 @@ def verify_checkpoint(
 ) -> VerifyReport:
     """Re-read and check the committed checkpoint at ``uri``; damage is reported, not raised.
 
-    Raises :class:`~s3ckpt.errors.CheckpointNotFoundError` if nothing is committed there.
+    Args:
+        uri: the checkpoint, ``s3://bucket/prefix`` (a prefix is required).
+        max_buffer: bytes read ahead and held at most (at least one checksum block).
+        progress: told how many bytes are checked as they go (the CLI's progress bar).
+        config: connection and tuning (:class:`~s3ckpt.S3Config`; the defaults when None).
+        **options: :class:`~s3ckpt.S3Config`'s fields by name, over ``config``.
+
+    Returns:
+        What was read and checked, and every :class:`Problem` found (``ok`` when none).
+
+    Raises:
+        ~s3ckpt.errors.CheckpointNotFoundError: nothing is committed at ``uri``.
+        ~s3ckpt.errors.ForeignObjectError: the ``manifest.json`` there is not s3ckpt's.
+        ~s3ckpt.errors.CorruptCheckpointError: the manifest itself is unreadable (damage
+            to anything it names is reported instead).
+        ~s3ckpt.errors.InvalidURIError: ``uri`` is not an ``s3://bucket/prefix`` URI.
+        ~s3ckpt.errors.ConfigError: an unknown or invalid option.
+        ~s3ckpt.errors.StorageError: the manifest's GET or the listing failed (a missing
+            bucket: :class:`~s3ckpt.errors.BucketNotFoundError`).
     """
     store, location = open_store(uri, config, options, require_prefix=True)
     manifest = io_loop().run(read_committed(store, location))

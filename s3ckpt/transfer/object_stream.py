@@ -14,8 +14,6 @@ second time.
 
 from __future__ import annotations
 
-import ctypes
-import sys
 from collections.abc import Coroutine
 from concurrent.futures import Future
 from typing import Any, Protocol
@@ -23,6 +21,7 @@ from typing import Any, Protocol
 from s3ckpt.format.checksums import combine, crc_of, range_crc
 from s3ckpt.s3.store import Body, PartResult
 from s3ckpt.transfer.parts import PartCutter
+from s3ckpt.transfer.thread_mode import joined
 
 try:
     from s3ckpt.transfer import _gather
@@ -171,33 +170,9 @@ def _combined(pieces: list[tuple[int | None, int]]) -> int:
 def join(pieces: list[memoryview]) -> Body:
     """One body from pieces: the piece itself when there is one (no copy), else a joined
     copy made without holding the GIL (:mod:`s3ckpt.transfer._gather`, or
-    :func:`_copy_joined` where the C helper is not built)."""
+    :func:`~s3ckpt.transfer.thread_mode.joined` where the C helper is not built)."""
     if len(pieces) == 1:
         return pieces[0]
     if _gather is not None:
         return _gather.join(pieces)
-    if any(piece.readonly for piece in pieces):
-        return b"".join(pieces)
-    return _copy_joined(pieces)
-
-
-# ``bytes.join`` copies with the GIL held, milliseconds per part packed from small items,
-# during which a training loop's thread (thread mode) cannot run. The C helper copies every
-# piece with the GIL released once (docs/decisions/0006-part-sizes.md). Without it, the
-# bytes object is allocated uninitialized (``PyBytes_FromStringAndSize(NULL, n)``, as
-# ``join`` itself does) and filled by ``memmove`` through ctypes, which releases the GIL
-# once per piece.
-_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
-_new_bytes.restype = ctypes.py_object
-_new_bytes.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
-_BYTES_DATA = sys.getsizeof(b"") - 1  # the offset of a bytes object's data (ob_sval)
-
-
-def _copy_joined(pieces: list[memoryview]) -> bytes:
-    joined = _new_bytes(None, sum(len(piece) for piece in pieces))
-    at = id(joined) + _BYTES_DATA
-    for piece in pieces:
-        if len(piece):
-            ctypes.memmove(at, ctypes.addressof(ctypes.c_char.from_buffer(piece)), len(piece))
-            at += len(piece)
-    return joined
+    return joined(pieces)

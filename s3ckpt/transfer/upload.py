@@ -45,6 +45,7 @@ from s3ckpt.transfer.aborts import (
 from s3ckpt.transfer.fanout import bounded, settled
 from s3ckpt.transfer.object_stream import ObjectStream
 from s3ckpt.transfer.parts import part_limits
+from s3ckpt.transfer.thread_mode import result_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -117,17 +118,6 @@ def _shared_budget(limit: int) -> _ByteBudget:
     if key not in resources:
         resources.setdefault(key, _ByteBudget(limit))
     return resources[key]
-
-
-async def _result_of(future: Future[T]) -> T:
-    """``future``'s result, on the I/O loop. One already done is read at once: wrapped
-    (``asyncio.wrap_future``), its copy is set through ``call_soon_threadsafe``, which wakes
-    the loop through its self-pipe even from the loop's own thread, a GIL hand-over for
-    nothing beside a thread-mode save's training loop (each batch's upload id, the
-    object's batches already finished; docs/decisions/0008-thread-mode-gil.md)."""
-    if future.done() and not future.cancelled():
-        return future.result()
-    return await asyncio.wrap_future(future)
 
 
 class RankUploader:
@@ -289,7 +279,7 @@ class RankUploader:
         """Upload a batch of ``(part number, body, CRC32C)``: first tried together
         (:meth:`ObjectStore.try_parts <s3ckpt.s3.store.ObjectStore.try_parts>`, native
         threads where the store can), then each part that failed retried on its own."""
-        upload_id = await _result_of(created)
+        upload_id = await result_of(created)
         tries = await self.store.try_parts(key, upload_id, batch)
         outcomes: list[PartResult | Exception | None] = (
             [None] * len(batch) if tries is None else list(tries)
@@ -312,8 +302,8 @@ class RankUploader:
         created: Future[str],
         batches: list[Future[list[PartResult]]],
     ) -> UploadedObject:
-        upload_id = await _result_of(created)
-        results = [part for b in batches for part in await _result_of(b)]
+        upload_id = await result_of(created)
+        results = [part for b in batches for part in await result_of(b)]
         etag = await self._unstoppable(self.store.complete_multipart(key, upload_id, results))
         self._upload_ids.pop(key, None)
         return UploadedObject(key, size, etag)

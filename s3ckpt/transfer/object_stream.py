@@ -1,25 +1,25 @@
-"""``ObjectStream``: one data object of a rank's save, cut into parts as items arrive.
+"""``ObjectStream``: one data object of a rank's save, cut into requests as items arrive.
 
 The producer thread appends items; the stream cuts the object into parts on the fly
-(:class:`~s3ckpt.transfer.parts.PartCutter`) and hands them to the uploader in batches
-(:class:`ObjectRequests`: up to one part per request slot, a quarter of the byte budget),
-each batch one task: sent by native threads as one call where the store can
-(:mod:`s3ckpt.s3.wire.batch`), so the GIL changes hands per batch, not per part. A part
-inside one item is sent as a ``memoryview`` of that item's memory; only parts straddling
-item boundaries are joined into a fresh buffer (:func:`join`). Each part carries its
-CRC32C: parts of an item are cut on its checksum blocks, so that CRC is combined from the
-item's block CRC32Cs (computed once, for the manifest) instead of read from memory a
-second time.
+(:class:`~s3ckpt.transfer.parts.PartCutter`), gathers them in batches (up to one part per
+request slot, a quarter of the byte budget: the caller's ``batch_parts``/``batch_bytes``)
+and returns the requests they make, in order, as values (:data:`Request`): the uploader
+(:class:`~s3ckpt.transfer.upload.RankUploader`) queues each as a task on the I/O loop, so
+the stream calls nothing and knows no uploader. A batch is sent by native threads as one
+call where the store can (:mod:`s3ckpt.s3.wire.batch`), so the GIL changes hands per batch,
+not per part. A part inside one item is sent as a ``memoryview`` of that item's memory;
+only parts straddling item boundaries are joined into a fresh buffer (:func:`join`). Each
+part carries its CRC32C: parts of an item are cut on its checksum blocks, so that CRC is
+combined from the item's block CRC32Cs (computed once, for the manifest) instead of read
+from memory a second time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
-from concurrent.futures import Future
-from typing import Any, Protocol
+from dataclasses import dataclass
 
 from s3ckpt.format.checksums import combine, crc_of, range_crc
-from s3ckpt.s3.store import Body, PartResult
+from s3ckpt.s3.store import Body
 from s3ckpt.transfer.parts import PartCutter
 from s3ckpt.transfer.thread_mode import joined
 
@@ -28,58 +28,86 @@ try:
 except ImportError:  # pragma: no cover - exercised where no C compiler is available
     _gather = None  # type: ignore[assignment]
 
+Part = tuple[int, Body, int | None]  # (part number, body, CRC32C or None)
 
-class ObjectRequests(Protocol):
-    """What a stream asks of the uploader: its requests, run as tasks on the I/O loop, and
-    how many parts (and bytes) to send as one batch."""
 
-    block_size: int
-    checksums: bool
-    batch_parts: int
-    batch_bytes: int
+@dataclass(frozen=True)
+class PutObject:
+    """The whole object as one PutObject: it ended within one part."""
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], nbytes: int) -> Future[Any]: ...
+    key: str
+    body: Body
+    checksum: int | None
 
-    async def put(self, key: str, body: Body, checksum: int | None) -> Any: ...
 
-    async def create(self, key: str) -> str: ...
+@dataclass(frozen=True)
+class StartUpload:
+    """CreateMultipartUpload: the object outgrew one part. Comes before its parts."""
 
-    async def parts(
-        self, key: str, created: Future[str], batch: list[tuple[int, Body, int | None]]
-    ) -> list[PartResult]: ...
+    key: str
 
-    async def complete(
-        self, key: str, size: int, created: Future[str], batches: list[Future[list[PartResult]]]
-    ) -> Any: ...
+
+@dataclass(frozen=True)
+class SendParts:
+    """A batch of parts of the started upload, ``nbytes`` in all."""
+
+    key: str
+    parts: list[Part]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class CompleteUpload:
+    """CompleteMultipartUpload, once every batch before it is sent: the object's last request."""
+
+    key: str
+    size: int
+
+
+Request = PutObject | StartUpload | SendParts | CompleteUpload
 
 
 class ObjectStream:
     """One data object being written, fed item by item from the producer thread.
 
     Parts are held back while the object is no larger than one part: if it ends there it
-    is sent as a single PUT; the moment it outgrows a part, the multipart upload starts.
+    is one :class:`PutObject`; the moment it outgrows a part, :class:`StartUpload`, then
+    :class:`SendParts` batches and a last :class:`CompleteUpload`.
     """
 
-    def __init__(self, uploader: ObjectRequests, key: str, part_size: int, min_part: int) -> None:
-        self.uploader = uploader
+    def __init__(
+        self,
+        key: str,
+        part_size: int,
+        min_part: int,
+        *,
+        block_size: int,
+        checksums: bool,
+        batch_parts: int,
+        batch_bytes: int,
+    ) -> None:
         self.key = key
         self.part_size = part_size
-        self.cutter = PartCutter(part_size, min_part, uploader.block_size)
-        self.checksums = uploader.checksums
+        self.block_size = block_size
+        self.cutter = PartCutter(part_size, min_part, block_size)
+        self.checksums = checksums
+        self.batch_parts, self.batch_limit = batch_parts, batch_bytes
         self.size = 0
         self.data: dict[int, memoryview] = {}  # items with pieces still to send
         self.crcs: dict[int, tuple[int, ...]] = {}  # their block CRC32Cs, where known
         self.count = 0
         self.held: list[tuple[Body, int | None]] = []
-        self.created: Future[str] | None = None
-        self.batch: list[tuple[int, Body, int | None]] = []  # parts not yet handed over
+        self.started = False  # whether the multipart upload was asked for
+        self.batch: list[Part] = []  # parts not yet handed over
         self.batch_bytes = 0
         self.sent = 0  # parts numbered so far
-        self.batches: list[Future[list[PartResult]]] = []
-        self.completion: Future[Any] | None = None  # the object, once stored
+        self._requests: list[Request] = []  # made by the current call
 
-    def add(self, data: memoryview, crcs: tuple[int, ...] | None = None) -> int:
-        """Append an item (with its block CRC32Cs, if known); returns its offset in the object."""
+    def add(
+        self, data: memoryview, crcs: tuple[int, ...] | None = None
+    ) -> tuple[int, list[Request]]:
+        """Append an item (with its block CRC32Cs, if known): its offset in the object, and
+        the requests it completed."""
         number, offset = self.count, self.size
         self.count += 1
         self.size += len(data)
@@ -89,21 +117,24 @@ class ObjectStream:
                 self.crcs[number] = crcs
         for part in self.cutter.add(number, len(data)):
             self._emit(part)
-        return offset
+        return offset, self._taken()
 
-    def finish(self) -> None:
+    def finish(self) -> list[Request]:
+        """The object's last requests: ending with its :class:`PutObject` or :class:`CompleteUpload`."""
         for part in self.cutter.finish():
             self._emit(part)
-        up = self.uploader
-        if self.created is None:
+        if not self.started:
             body = join([memoryview(b) for b, _ in self.held]) if self.held else b""
             checksum = _combined([(c, len(b)) for b, c in self.held]) if self.checksums else None
-            self.completion = up.spawn(up.put(self.key, body, checksum), len(body))
+            self._requests.append(PutObject(self.key, body, checksum))
         else:
             self._hand_over()
-            self.completion = up.spawn(
-                up.complete(self.key, self.size, self.created, self.batches), 0
-            )
+            self._requests.append(CompleteUpload(self.key, self.size))
+        return self._taken()
+
+    def _taken(self) -> list[Request]:
+        requests, self._requests = self._requests, []
+        return requests
 
     def _emit(self, part: list[tuple[int, int, int]]) -> None:
         part = [(item, start, end) for item, start, end in part if end > start]
@@ -116,12 +147,12 @@ class ObjectStream:
                 del self.data[item]
                 self.crcs.pop(item, None)
         body = join(pieces) if pieces else b""
-        if self.created is None and sum(len(b) for b, _ in self.held) + len(body) <= self.part_size:
+        if not self.started and sum(len(b) for b, _ in self.held) + len(body) <= self.part_size:
             self.held.append((body, checksum))
             return
-        up = self.uploader
-        if self.created is None:
-            self.created = up.spawn(up.create(self.key), 0)
+        if not self.started:
+            self.started = True
+            self._requests.append(StartUpload(self.key))
             for held, held_checksum in self.held:
                 self._send(held, held_checksum)
             self.held = []
@@ -132,30 +163,27 @@ class ObjectStream:
         whole blocks, else computed."""
         data, blocks = self.data[item], self.crcs.get(item)
         if blocks is not None:
-            crc = range_crc(blocks, self.uploader.block_size, len(data), start, end)
+            crc = range_crc(blocks, self.block_size, len(data), start, end)
             if crc is not None:
                 return crc
         return crc_of(data[start:end])
 
     def _send(self, body: Body, checksum: int | None) -> None:
         """Number a part and add it to the batch, handed over once full."""
-        up = self.uploader
-        if self.batch and self.batch_bytes + len(body) > up.batch_bytes:
+        if self.batch and self.batch_bytes + len(body) > self.batch_limit:
             self._hand_over()
         self.sent += 1
         self.batch.append((self.sent, body, checksum))
         self.batch_bytes += len(body)
-        if len(self.batch) >= up.batch_parts:
+        if len(self.batch) >= self.batch_parts:
             self._hand_over()
 
     def _hand_over(self) -> None:
         if not self.batch:
             return
-        up = self.uploader
-        assert self.created is not None
         batch, nbytes = self.batch, self.batch_bytes
         self.batch, self.batch_bytes = [], 0
-        self.batches.append(up.spawn(up.parts(self.key, self.created, batch), nbytes))
+        self._requests.append(SendParts(self.key, batch, nbytes))
 
 
 def _combined(pieces: list[tuple[int | None, int]]) -> int:

@@ -5,7 +5,7 @@ s3transfer's: the calling thread adds items one at a time, each resolved lazily 
 caller (a GPU tensor is copied to the CPU only when its turn comes), and gets back where
 the item went (:class:`Placement`). Items are packed into data objects (a new one
 whenever ``max_object_size`` would be exceeded), each cut by an
-:class:`~s3ckpt.transfer.object_stream.ObjectStream` into requests (a single PUT when it
+:class:`~s3ckpt.transfer.parts.ObjectStream` into requests (a single PUT when it
 ends within one part) that flow down as tasks queued on the I/O loop, so parts of every
 object upload concurrently under the process-wide request bound, while a byte budget
 keeps the producer from running too far ahead of the network. Results come back as
@@ -47,15 +47,15 @@ from s3ckpt.transfer.aborts import (
     abort_upload,
 )
 from s3ckpt.transfer.fanout import bounded, settled
-from s3ckpt.transfer.object_stream import (
+from s3ckpt.transfer.parts import (
     CompleteUpload,
     ObjectStream,
     PutObject,
     Request,
     SendParts,
     StartUpload,
+    part_limits,
 )
-from s3ckpt.transfer.parts import part_limits
 from s3ckpt.transfer.thread_mode import result_of
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,6 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from s3ckpt.dcp.compat import (
     Metadata,
     SavePlan,
-    SavePlanner,
     WriteItem,
     WriteItemType,
     is_sharded_tensor,
@@ -125,20 +124,6 @@ class ReusingSavePlanner(DefaultSavePlanner):
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
-def let_go_of_state(planner: SavePlanner) -> None:
-    """Once every item is written, a :class:`ReusingSavePlanner` drops its view of the
-    state dict (DCP asks nothing more of it in this save), where
-    :func:`~s3ckpt.transfer.thread_mode.gil_tuned`.
-
-    Otherwise that view lives until the next save's ``set_up_planner``, on DCP's save
-    thread, and replacing it there frees the previous copy's tensors: each free lets the
-    GIL go and takes it back, one hand-over per tensor beside the training loop. Let go
-    here, the last reference is the stager's (``HostStager`` keeps its copy until the next
-    stage), so the tensors are freed on the caller's thread between saves."""
-    if gil_tuned() and isinstance(planner, ReusingSavePlanner):
-        planner.let_go()
 
 
 def _fresh(metadata: Metadata) -> Metadata:

@@ -58,7 +58,7 @@ from s3ckpt.dcp.compat import (
     StorageWriter,
     WriteResult,
 )
-from s3ckpt.dcp.local_plan import let_go_of_state
+from s3ckpt.dcp.local_plan import ReusingSavePlanner
 from s3ckpt.dcp.location import S3Location
 from s3ckpt.dcp.owners import ChunkPositions
 from s3ckpt.dcp.rank_save import RankRecord, RankSave, RankTarget, rank_name
@@ -98,6 +98,7 @@ from s3ckpt.transfer.commit import (
 )
 from s3ckpt.transfer.inflight import Heartbeat, clear_in_flight, mark_in_flight
 from s3ckpt.transfer.parts import MAX_OBJECT_SIZE, MIN_PART_SIZE
+from s3ckpt.transfer.thread_mode import gil_tuned
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +246,7 @@ class S3StorageWriter(S3Location, StorageWriter):
                 try:
                     results = RankSave(target, assignment).run(plan.items, planner)
                 finally:
-                    let_go_of_state(planner)
+                    _let_go_of_state(planner)
         except BaseException:
             # The save cannot commit now: nothing of it is in flight any more.
             io_loop().run(clear_in_flight(store, location, assignment.save_id))
@@ -463,3 +464,17 @@ def _item_owners(metadata: Metadata, results: list[WriteResult]) -> ItemOwners:
     positions = ChunkPositions(metadata)
     owned = [(wr.index.fqn, positions.of(wr.index), wr.storage_data.rank) for wr in results]
     return ItemOwners.build(counts, owned)
+
+
+def _let_go_of_state(planner: SavePlanner) -> None:
+    """Once every item is written, a :class:`ReusingSavePlanner` drops its view of the
+    state dict (DCP asks nothing more of it in this save), where
+    :func:`~s3ckpt.transfer.thread_mode.gil_tuned`.
+
+    Otherwise that view lives until the next save's ``set_up_planner``, on DCP's save
+    thread, and replacing it there frees the previous copy's tensors: each free lets the
+    GIL go and takes it back, one hand-over per tensor beside the training loop. Let go
+    here, the last reference is the stager's (``HostStager`` keeps its copy until the next
+    stage), so the tensors are freed on the caller's thread between saves."""
+    if gil_tuned() and isinstance(planner, ReusingSavePlanner):
+        planner.let_go()

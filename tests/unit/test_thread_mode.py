@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from s3ckpt.dcp.local_plan import ReusingSavePlanner, let_go_of_state
+from s3ckpt.dcp.local_plan import ReusingSavePlanner
+from s3ckpt.dcp.writer import _let_go_of_state
 from s3ckpt.transfer import thread_mode
 from s3ckpt.transfer.thread_mode import (
     CHECKPOINT_PROCESS_MAIN,
@@ -118,7 +119,7 @@ def test_switched_off_the_planner_plans_every_save_as_the_default_does(
     default = DefaultSavePlanner()
     default.set_up_planner(state, is_coordinator=True)
     assert plans[0] == plans[1] == default.create_local_plan()
-    let_go_of_state(reusing)
+    _let_go_of_state(reusing)
     assert reusing.state_dict  # nothing to free on the caller's thread in this process
 
 
@@ -126,6 +127,6 @@ def test_switched_on_the_writer_lets_go_of_the_state() -> None:
     tune_for_gil(None)
     reusing = ReusingSavePlanner()
     reusing.set_up_planner({"w": torch.randn(2)}, is_coordinator=True)
-    let_go_of_state(reusing)
+    _let_go_of_state(reusing)
     assert reusing.state_dict == {}
     assert thread_mode.gil_tuned()

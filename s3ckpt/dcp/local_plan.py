@@ -19,8 +19,9 @@ from other ranks are compared as values.
 
 Everything else is DCP's :class:`DefaultSavePlanner`, as are the plans of states holding
 sharded tensors (``DTensor``, ``ShardedTensor``, DCP's ``_Checkpointable``), whose items
-depend on more than their local attributes, and every plan of a planner with DCP's own
-``enable_plan_caching``.
+depend on more than their local attributes, every plan of a planner with DCP's own
+``enable_plan_caching``, and every plan made where the engine shares no interpreter with a
+training loop (the checkpoint process: :func:`~s3ckpt.transfer.thread_mode.gil_tuned`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from s3ckpt.dcp.compat import (
     is_sharded_tensor,
     plans_cached_by_dcp,
 )
+from s3ckpt.transfer.thread_mode import gil_tuned
 
 
 class ReusingSavePlanner(DefaultSavePlanner):
@@ -67,7 +69,8 @@ class ReusingSavePlanner(DefaultSavePlanner):
     def create_local_plan(self) -> SavePlan:
         # DCP's own plan caching (``enable_plan_caching``) decides what its local plan
         # says; such a planner plans as the default does.
-        layout = None if plans_cached_by_dcp(self) else state_layout(self.state_dict)
+        reused = gil_tuned() and not plans_cached_by_dcp(self)
+        layout = state_layout(self.state_dict) if reused else None
         if layout is None or layout != self._layout or self._made is None:
             self._made = super().create_local_plan()
             self._layout = layout
@@ -91,6 +94,7 @@ class ReusingSavePlanner(DefaultSavePlanner):
         value = self.state_dict.get(index.fqn)
         if (
             self._reads_state_dict
+            and gil_tuned()
             and type(value) in _PLAIN_TENSORS
             and write_item.type != WriteItemType.BYTE_IO
             and not any(index.offset or ())
@@ -106,7 +110,7 @@ class ReusingSavePlanner(DefaultSavePlanner):
         (on the coordinator only, which alone plans globally) to compare with the next
         save's: O(items) of memory and one comparison per save, against the planning's
         O(items x ranks)."""
-        if plans_cached_by_dcp(self):
+        if plans_cached_by_dcp(self) or not gil_tuned():
             return super().create_global_plan(all_plans)
         if self._global is not None and self._global[0] == all_plans:
             global_plan, metadata = list(self._global[1]), _fresh(self._global[2])

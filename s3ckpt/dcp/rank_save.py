@@ -2,8 +2,9 @@
 
 Items are resolved as the uploader asks for them, a run of a few MiB at a time (a GPU
 tensor is copied to the host only when its run comes), exposed zero-copy or compressed
-(:mod:`s3ckpt.format.compression`), and packed by :class:`~s3ckpt.transfer.upload.
-RankUploader` into a few data objects; then the rank's index object
+(:mod:`s3ckpt.format.compression`), and added one by one to :class:`~s3ckpt.transfer.upload.
+RankUploader`, which packs them into a few data objects and returns where each went;
+then the rank's index object
 (:mod:`s3ckpt.format.rank_index`) records, per item, where it went and its block CRC32Cs.
 What the rank tells the coordinator is one :class:`RankRecord` shared by all its results.
 """
@@ -30,7 +31,7 @@ from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer.parts import MAX_OBJECT_SIZE
 from s3ckpt.transfer.rank_index import write_index
-from s3ckpt.transfer.upload import Item, Placement, RankUploader
+from s3ckpt.transfer.upload import Placement, RankUploader
 
 log = logging.getLogger(__name__)
 
@@ -75,16 +76,19 @@ class RankSave:
         encodings: list[Encoded] = []
         keys: list[str] = []  # of the data objects, by number
         entries: list[ItemEntry] = []
-
-        def placed(position: int, where: Placement) -> None:
-            """The item's index entry, built as soon as it has its place: a few
-            microseconds an item while the upload goes on, not one hold of milliseconds
-            at its end, which a training loop beside a thread-mode save would wait out."""
-            while len(keys) <= where.object:
-                keys.append(data_key(rank, save_id, len(keys), spread))
-            entries.append(_entry(items[position], encodings[position], where, keys))
-
-        uploaded = uploader.upload(self._stream(items, sizes, planner, encodings), placed)
+        try:
+            for position, data, crcs in self._stream(items, sizes, planner, encodings):
+                where = uploader.add(data, crcs)
+                # The item's index entry, built as soon as it has its place: a few
+                # microseconds an item while the upload goes on, not one hold of
+                # milliseconds at its end, which a training loop beside a thread-mode save
+                # would wait out.
+                while len(keys) <= where.object:
+                    keys.append(data_key(rank, save_id, len(keys), spread))
+                entries.append(_entry(items[position], encodings[position], where, keys))
+            uploaded = uploader.finish()
+        except BaseException as exc:
+            raise uploader.abandon(exc) from None
         if len(entries) != len(items):
             raise AssertionError(f"{len(entries)} index entries for {len(items)} items")
         objects = tuple(ObjectEntry(keys[n], o.size, o.etag, rank) for n, o in enumerate(uploaded))
@@ -109,7 +113,7 @@ class RankSave:
         sizes: list[int | None],
         planner: SavePlanner,
         encodings: list[Encoded],
-    ) -> Iterator[Item]:
+    ) -> Iterator[tuple[int, memoryview, tuple[int, ...] | None]]:
         """``(position, stored bytes, their block CRC32Cs)`` in plan order, items resolved
         only when needed, a run at a time (:func:`~s3ckpt.format.compression.encode_raw_each`;
         the CRCs are of raw bytes, so compressed items go without); each item's encoding,

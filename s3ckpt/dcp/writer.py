@@ -98,6 +98,7 @@ from s3ckpt.transfer.commit import (
 )
 from s3ckpt.transfer.inflight import Heartbeat, clear_in_flight, mark_in_flight
 from s3ckpt.transfer.parts import MAX_OBJECT_SIZE, MIN_PART_SIZE
+from s3ckpt.transfer.thread_mode import gil_tuned
 
 log = logging.getLogger(__name__)
 
@@ -467,13 +468,13 @@ def _item_owners(metadata: Metadata, results: list[WriteResult]) -> ItemOwners:
 
 def _let_go_of_state(planner: SavePlanner) -> None:
     """Once every item is written, a :class:`ReusingSavePlanner` drops its view of the
-    state dict (DCP asks nothing more of it in this save).
+    state dict (DCP asks nothing more of it in this save), where
+    :func:`~s3ckpt.transfer.thread_mode.gil_tuned`.
 
     Otherwise that view lives until the next save's ``set_up_planner``, on DCP's save
     thread, and replacing it there frees the previous copy's tensors: each free lets the
-    GIL go and takes it back, one hand-over per tensor on the upload's thread beside a
-    training loop in thread mode (docs/decisions/0008-thread-mode-gil.md). Let go here,
-    the last reference is the stager's (``HostStager`` keeps its copy until the next
+    GIL go and takes it back, one hand-over per tensor beside the training loop. Let go
+    here, the last reference is the stager's (``HostStager`` keeps its copy until the next
     stage), so the tensors are freed on the caller's thread between saves."""
-    if isinstance(planner, ReusingSavePlanner):
+    if gil_tuned() and isinstance(planner, ReusingSavePlanner):
         planner.let_go()

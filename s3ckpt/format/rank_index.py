@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from s3ckpt.errors import CorruptCheckpointError
-from s3ckpt.format.collector import collector_paused
 from s3ckpt.format.manifest import ItemEntry
 
 INDEX_FORMAT = "s3ckpt-index"
@@ -39,16 +38,13 @@ class RankIndex:
     items: tuple[ItemEntry, ...]
 
     def to_json(self) -> bytes:
-        with collector_paused():  # a dict per item, dropped once encoded
-            body = {
-                "format": INDEX_FORMAT,
-                "save_id": self.save_id,
-                "rank": self.rank,
-                "items": [item.to_dict() for item in self.items],
-            }
-            encoded = json.dumps(body, separators=(",", ":")).encode()
-            del body  # before collection resumes
-        return encoded
+        body = {
+            "format": INDEX_FORMAT,
+            "save_id": self.save_id,
+            "rank": self.rank,
+            "items": [item.to_dict() for item in self.items],
+        }
+        return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, data: bytes, where: str, etags: dict[str, str]) -> RankIndex:

@@ -21,13 +21,21 @@ from s3ckpt.format.rank_index import RankIndex
 from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer.checked import get_checked, sized_and_summed
 from s3ckpt.transfer.fanout import bounded
+from s3ckpt.transfer.thread_mode import collector_paused
 
 PARALLEL_INDEX_READS = 32
 
 
+def index_body(index: RankIndex) -> bytes:
+    """``index`` as its object's JSON, encoded with the collector paused (a dict per item,
+    dropped once encoded: :func:`~s3ckpt.transfer.thread_mode.collector_paused`)."""
+    with collector_paused():
+        return index.to_json()
+
+
 async def write_index(store: ObjectStore, location: S3URI, key: str, index: RankIndex) -> IndexRef:
     """PUT one rank's index at ``key`` (relative to ``location``); what the manifest lists."""
-    body = index.to_json()
+    body = index_body(index)
     checksum = crc32c(body)
     await store.put(location.key(key), body, crc32c=checksum, content_type="application/json")
     return IndexRef(index.rank, key, len(body), checksum, len(index.items))

@@ -1,20 +1,24 @@
-"""The upload engine: a rank's planned objects become PUTs and multipart uploads.
+"""The upload engine: a rank's items become PUTs and multipart uploads, coordinated.
 
-The calling thread feeds a stream of items, each resolved lazily (a GPU tensor is copied
-to the CPU only when its turn comes, a compressed item when its compression finishes),
-and the uploader packs them into data objects (a new one whenever ``max_object_size``
-would be exceeded), each fed to an :class:`~s3ckpt.transfer.object_stream.ObjectStream`
-that cuts it into parts on the fly (a single PUT when it ends within one part). Each part
-becomes a small task on the I/O loop, so parts of every object upload concurrently under the
-process-wide request bound, while a byte budget keeps the producer from running too far
-ahead of the network.
+:class:`RankUploader` is the coordinator of one rank's upload, in the manner of
+s3transfer's: the calling thread adds items one at a time, each resolved lazily by the
+caller (a GPU tensor is copied to the CPU only when its turn comes), and gets back where
+the item went (:class:`Placement`). Items are packed into data objects (a new one
+whenever ``max_object_size`` would be exceeded), each cut by an
+:class:`~s3ckpt.transfer.parts.ObjectStream` into requests (a single PUT when it
+ends within one part) that flow down as tasks queued on the I/O loop, so parts of every
+object upload concurrently under the process-wide request bound, while a byte budget
+keeps the producer from running too far ahead of the network. Results come back as
+futures: an upload's id to its parts, their results to its completion, the objects to
+:meth:`RankUploader.finish`.
 
-Nothing is left behind on failure or cancellation: every task is cancelled and awaited,
-every multipart upload this save created is aborted (by its id; only those whose
-CreateMultipartUpload response never arrived are found by listing the save's unique keys),
-and objects already completed are deleted (:mod:`s3ckpt.transfer.aborts`). One clean-up
-request that fails stops none of the others; what could not be removed is logged, for
-``gc``, and the save's error says so. The clean-up is bounded: after a stalled store
+Nothing is left behind on failure or cancellation: each task registers its clean-up
+where it creates state on the server (a PUT its object's delete, a
+CreateMultipartUpload its abort: by id once answered, else by listing the save's unique
+key; :mod:`s3ckpt.transfer.aborts`), and :meth:`RankUploader.abandon` cancels every task,
+waits for those requests, and runs what they registered. One clean-up request that fails
+stops none of the others; what could not be removed is logged, for ``gc``, and the save's
+error says so. The clean-up is bounded: after a stalled store
 (:class:`~s3ckpt.errors.StoreStalledError`), whose clean-up requests would stall too, by
 :data:`~s3ckpt.s3.retry.STILL_STALLED_S`.
 """
@@ -26,7 +30,7 @@ import functools
 import logging
 import posixpath
 import threading
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -43,13 +47,19 @@ from s3ckpt.transfer.aborts import (
     abort_upload,
 )
 from s3ckpt.transfer.fanout import bounded, settled
-from s3ckpt.transfer.object_stream import ObjectStream
-from s3ckpt.transfer.parts import part_limits
+from s3ckpt.transfer.parts import (
+    CompleteUpload,
+    ObjectStream,
+    PutObject,
+    Request,
+    SendParts,
+    StartUpload,
+    part_limits,
+)
+from s3ckpt.transfer.thread_mode import result_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# (index, stored bytes, their block CRC32Cs when known): what the uploader is fed.
-Item = tuple[object, memoryview, tuple[int, ...] | None]
 CLEAN_UP_TIMEOUT_S = 120.0
 CLEAN_UP_GRACE_S = 10.0  # for the cancelled clean-up's requests to end
 
@@ -119,19 +129,10 @@ def _shared_budget(limit: int) -> _ByteBudget:
     return resources[key]
 
 
-async def _result_of(future: Future[T]) -> T:
-    """``future``'s result, on the I/O loop. One already done is read at once: wrapped
-    (``asyncio.wrap_future``), its copy is set through ``call_soon_threadsafe``, which wakes
-    the loop through its self-pipe even from the loop's own thread, a GIL hand-over for
-    nothing beside a thread-mode save's training loop (each batch's upload id, the
-    object's batches already finished; docs/decisions/0008-thread-mode-gil.md)."""
-    if future.done() and not future.cancelled():
-        return future.result()
-    return await asyncio.wrap_future(future)
-
-
 class RankUploader:
-    """Uploads the objects of one rank's save. Use once, from one thread.
+    """Coordinates the upload of one rank's objects. Use once, from one thread: :meth:`add`
+    each item in order, then :meth:`finish`; on any failure, raise what :meth:`abandon`
+    returns.
 
     ``object_key(n)`` names data object ``n``; ``size_hint`` bounds the bytes the rank will
     write (it sizes parts so that even the largest object stays within 10,000 parts);
@@ -167,40 +168,48 @@ class RankUploader:
         # most a quarter of the budget more.
         self.batch_parts = store.config.max_concurrency
         self.batch_bytes = max(1, self._budget.limit // 4)
-        self._futures: list[Future[Any]] = []
+        self._streams: list[ObjectStream] = []
+        # Per object being written as a multipart upload: its id, and its batches' results.
+        self._created: dict[str, Future[str]] = {}
+        self._batches: dict[str, list[Future[list[PartResult]]]] = {}
+        self._completions: list[Future[UploadedObject]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._upload_ids: dict[str, str] = {}
         self._unstoppables: list[asyncio.Future[Any]] = []
         self._error: BaseException | None = None
         self._planned_keys: list[str] = []
-        self._created: list[str] = []  # keys whose CreateMultipartUpload was sent
+        # The clean-ups the tasks registered (changed on the I/O loop only): per key, the
+        # upload to abort (None: its id never came, so listed), and the keys to delete.
+        self._aborts: dict[str, str | None] = {}
+        self._deletes: list[str] = []
 
-    def upload(
-        self, items: Iterable[Item], on_placed: Callable[[Any, Placement], None]
-    ) -> list[UploadedObject]:
-        """Upload ``(index, bytes, block CRC32Cs or None)`` items in order; returns the
-        objects. Where each item went is told only to ``on_placed(index, placement)``, as
-        soon as the item has its place and before the next item is taken: the caller keeps
-        what it needs of it, and nothing is collected twice."""
-        streams: list[ObjectStream] = []
-        try:
-            for index, data, crcs in items:
-                if not streams or (
-                    streams[-1].size and streams[-1].size + len(data) > self.max_object_size
-                ):
-                    if streams:
-                        streams[-1].finish()
-                    streams.append(self._open(len(streams), len(data)))
-                offset = streams[-1].add(data, crcs)
-                on_placed(index, Placement(len(streams) - 1, offset, len(data)))
+    def add(self, data: memoryview, crcs: tuple[int, ...] | None = None) -> Placement:
+        """Upload the next item's bytes (with their block CRC32Cs, if known); returns where
+        it went, as soon as it has its place."""
+        streams = self._streams
+        if not streams or (
+            streams[-1].size and streams[-1].size + len(data) > self.max_object_size
+        ):
             if streams:
-                streams[-1].finish()
-            results = [stream.completion.result() for stream in streams]  # type: ignore[union-attr]
-        except BaseException as exc:
-            self._fail(exc)
-            self._clean_up()
-            raise self._error from None  # type: ignore[misc]
-        return results
+                self._queue(streams[-1].finish())
+            streams.append(self._open(len(streams), len(data)))
+        offset, requests = streams[-1].add(data, crcs)
+        self._queue(requests)
+        return Placement(len(streams) - 1, offset, len(data))
+
+    def finish(self) -> list[UploadedObject]:
+        """The objects, once every one is stored."""
+        if self._streams:
+            self._queue(self._streams[-1].finish())
+        return [completion.result() for completion in self._completions]
+
+    def abandon(self, error: BaseException) -> BaseException:
+        """Give the upload up after ``error``: cancel its tasks and run their clean-ups.
+        Returns the error to raise: the first the upload met, saying what was left for
+        ``gc`` where the clean-up could not remove it."""
+        self._fail(error)
+        self._clean_up()
+        assert self._error is not None
+        return self._error
 
     def _open(self, number: int, first_item: int) -> ObjectStream:
         """A new object, its parts sized for the largest it can grow to: the usual bound,
@@ -208,11 +217,35 @@ class RankUploader:
         key = self.object_key(number)
         self._planned_keys.append(key)
         largest = max(self.object_size_hint, first_item)
-        return ObjectStream(self, key, *part_limits(largest, self.store.config.part_size))
+        return ObjectStream(
+            key,
+            *part_limits(largest, self.store.config.part_size),
+            block_size=self.block_size,
+            checksums=self.checksums,
+            batch_parts=self.batch_parts,
+            batch_bytes=self.batch_bytes,
+        )
 
     # -- producer side (calling thread) -----------------------------------------------
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], nbytes: int) -> Future[Any]:
+    def _queue(self, requests: list[Request]) -> None:
+        """Each request as a task on the I/O loop, in order; what a later one needs of an
+        earlier one (an upload's id, its parts' results) it gets as a future."""
+        for request in requests:
+            match request:
+                case PutObject(key, body, checksum):
+                    self._completions.append(self._spawn(self._put(key, body, checksum), len(body)))
+                case StartUpload(key):
+                    self._created[key] = self._spawn(self._create(key), 0)
+                    self._batches[key] = []
+                case SendParts(key, parts, nbytes):
+                    sent = self._spawn(self._parts(key, self._created[key], parts), nbytes)
+                    self._batches[key].append(sent)
+                case CompleteUpload(key, size):
+                    done = self._complete(key, size, self._created[key], self._batches[key])
+                    self._completions.append(self._spawn(done, 0))
+
+    def _spawn(self, coro: Coroutine[Any, Any, T], nbytes: int) -> Future[T]:
         """Run ``coro`` on the I/O loop once ``nbytes`` fit in the byte budget."""
         try:
             self._raise_if_failed()
@@ -226,7 +259,6 @@ class RankUploader:
             raise self._error
         future = self._loop.submit(self._tracked(coro))
         future.add_done_callback(lambda f: self._settle(f, nbytes))
-        self._futures.append(future)
         return future
 
     def _settle(self, future: Future[Any], nbytes: int) -> None:
@@ -243,7 +275,7 @@ class RankUploader:
             raise self._error
 
     def _clean_up(self) -> None:
-        """Abort and delete what the save wrote, within a bound: :data:`CLEAN_UP_TIMEOUT_S`,
+        """Cancel the tasks and run their clean-ups, within a bound: :data:`CLEAN_UP_TIMEOUT_S`,
         or after a stall :data:`~s3ckpt.s3.retry.STILL_STALLED_S` (the store's idle timeout,
         where shorter), since the clean-up's requests go to the store that just stopped
         answering. What it could not remove is logged and, for the store's errors, named
@@ -260,9 +292,9 @@ class RankUploader:
             log.warning("clean-up after a failed save %s (gc removes the rest)", reason)
             self._error = _left_for_gc(self._error, self.store.bucket, self._planned_keys)
 
-    # -- I/O side (event loop) --------------------------------------------------------
+    # -- I/O side (event loop): the tasks, each registering its clean-up ---------------
 
-    async def _tracked(self, coro: Coroutine[Any, Any, Any]) -> Any:
+    async def _tracked(self, coro: Coroutine[Any, Any, T]) -> T:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
@@ -271,25 +303,26 @@ class RankUploader:
         finally:
             self._tasks.discard(task)
 
-    async def put(self, key: str, body: Body, checksum: int | None) -> UploadedObject:
+    async def _put(self, key: str, body: Body, checksum: int | None) -> UploadedObject:
+        self._deletes.append(key)  # a PUT cut off mid-flight may still land
         etag = await self.store.put(key, body, crc32c=checksum)
         return UploadedObject(key, len(body), etag)
 
-    async def create(self, key: str) -> str:
-        def record(upload_id: str) -> None:  # also when this task is cancelled meanwhile
-            self._upload_ids[key] = upload_id
+    async def _create(self, key: str) -> str:
+        def created(upload_id: str) -> None:  # also when this task is cancelled meanwhile
+            self._aborts[key] = upload_id
 
-        self._created.append(key)
+        self._aborts[key] = None  # until its id comes: found by listing its key
+        self._deletes.append(key)  # its completion may land
+        return await self._unstoppable(self.store.create_multipart(key), created)
 
-        return await self._unstoppable(self.store.create_multipart(key), record)
-
-    async def parts(
+    async def _parts(
         self, key: str, created: Future[str], batch: list[tuple[int, Body, int | None]]
     ) -> list[PartResult]:
         """Upload a batch of ``(part number, body, CRC32C)``: first tried together
         (:meth:`ObjectStore.try_parts <s3ckpt.s3.store.ObjectStore.try_parts>`, native
         threads where the store can), then each part that failed retried on its own."""
-        upload_id = await _result_of(created)
+        upload_id = await result_of(created)
         tries = await self.store.try_parts(key, upload_id, batch)
         outcomes: list[PartResult | Exception | None] = (
             [None] * len(batch) if tries is None else list(tries)
@@ -305,17 +338,17 @@ class RankUploader:
             outcomes[n] = result
         return outcomes  # type: ignore[return-value]  # every one a PartResult now
 
-    async def complete(
+    async def _complete(
         self,
         key: str,
         size: int,
         created: Future[str],
         batches: list[Future[list[PartResult]]],
     ) -> UploadedObject:
-        upload_id = await _result_of(created)
-        results = [part for b in batches for part in await _result_of(b)]
+        upload_id = await result_of(created)
+        results = [part for b in batches for part in await result_of(b)]
         etag = await self._unstoppable(self.store.complete_multipart(key, upload_id, results))
-        self._upload_ids.pop(key, None)
+        self._aborts.pop(key, None)  # no upload left to abort: the object is its delete's
         return UploadedObject(key, size, etag)
 
     async def _unstoppable(
@@ -336,30 +369,28 @@ class RankUploader:
         return await asyncio.shield(future)
 
     async def _abandon(self) -> None:
-        """Cancel everything in flight, then clean up step by step: every step runs
-        whatever the one before it did, and every failure is reported at the end.
-
-        Uploads whose id is known are aborted without listing; only keys whose
-        CreateMultipartUpload was sent but never answered are looked up, by listing. The
-        aborts run concurrently under a bound; the deletes of every planned key always run.
-        """
+        """Cancel everything in flight, then run the registered clean-ups step by step:
+        every step runs whatever the one before it did, and every failure is reported at
+        the end. The aborts run concurrently under a bound, then one delete of every key
+        a request may have written."""
         current = asyncio.current_task()
         tasks = [t for t in self._tasks if t is not current]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*self._unstoppables, return_exceptions=True)
-        known = dict(self._upload_ids)
-        unanswered = [key for key in self._created if key not in known]
-        aborts = [lambda k=k, u=u: abort_upload(self.store, k, u) for k, u in known.items()]
-        aborts += [lambda k=k: abort_listed_uploads(self.store, k) for k in unanswered]
+        aborts = [
+            (lambda k=k, u=u: abort_upload(self.store, k, u))
+            if u is not None
+            else (lambda k=k: abort_listed_uploads(self.store, k))
+            for k, u in self._aborts.items()
+        ]
         failures = [r for r in await settled(aborts, CLEAN_UP_REQUESTS) if isinstance(r, Exception)]
-        if self._planned_keys:
+        if self._deletes:
+            keys = list(dict.fromkeys(self._deletes))
             try:
-                await self.store.delete_many(self._planned_keys)
+                await self.store.delete_many(keys)
             except Exception as exc:
-                failures.append(
-                    CleanUpIncomplete(f"objects {', '.join(self._planned_keys)} not deleted: {exc}")
-                )
+                failures.append(CleanUpIncomplete(f"objects {', '.join(keys)} not deleted: {exc}"))
         if failures:
             raise CleanUpIncomplete("; ".join(str(f) for f in failures))

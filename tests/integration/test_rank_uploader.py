@@ -1,4 +1,4 @@
-"""``RankUploader``: items packed in order into objects, each item's place reported as
+"""``RankUploader``: items packed in order into objects, each item's place returned as
 soon as it has one (what lets a rank build its index while the upload goes on)."""
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ def test_each_place_is_reported_before_the_next_item_is_taken(store, s3_prefix, 
             events.append(("taken", position))
             yield position, memoryview(body), None
 
-    def placed(position: int, where: Placement) -> None:
-        events.append(("placed", position))
-        reported[position] = where
-
     uploader = RankUploader(
         store, lambda n: f"{prefix}/obj-{n}", max_object_size=8 * MiB, size_hint=sum(sizes)
     )
-    uploaded = uploader.upload(items(), placed)
+    for position, data, crcs in items():
+        reported[position] = uploader.add(data, crcs)
+        events.append(("placed", position))
+    uploaded = uploader.finish()
 
     assert events == [(what, n) for n in range(len(bodies)) for what in ("taken", "placed")]
     assert len(uploaded) > 1  # the 8 MiB bound split the items over objects

@@ -11,10 +11,11 @@ import torch
 
 from s3ckpt.dcp import metadata_pickle
 from s3ckpt.dcp.compat import Metadata
-from s3ckpt.format.collector import collector_paused
 from s3ckpt.format.layout import StoredItem
 from s3ckpt.format.manifest import ItemEntry
 from s3ckpt.format.rank_index import RankIndex
+from s3ckpt.transfer.rank_index import index_body
+from s3ckpt.transfer.thread_mode import collector_paused
 
 
 def _collections() -> int:
@@ -33,7 +34,7 @@ def _index(items: int) -> RankIndex:
 def test_no_collection_runs_while_an_index_of_thousands_of_items_is_encoded():
     index = _index(5000)  # about 15,000 dicts and lists in its JSON body: 20 young collections
     before = _collections()
-    encoded = index.to_json()
+    encoded = index_body(index)
     assert _collections() == before
     assert RankIndex.from_json(encoded, "index", {}).items == index.items
     assert gc.isenabled()

@@ -10,7 +10,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from s3ckpt.transfer.upload import _result_of
+from s3ckpt.transfer.thread_mode import result_of
 
 
 def _counting_wakeups(loop: asyncio.AbstractEventLoop) -> list[object]:
@@ -30,7 +30,7 @@ def test_a_done_future_is_read_without_waking_the_loop():
         wakeups = _counting_wakeups(asyncio.get_running_loop())
         done: Future[str] = Future()
         done.set_result("upload-id")
-        return await _result_of(done), wakeups
+        return await result_of(done), wakeups
 
     result, wakeups = asyncio.run(main())
     assert result == "upload-id" and wakeups == []
@@ -40,7 +40,7 @@ def test_a_failed_future_raises_its_error():
     async def main() -> None:
         failed: Future[str] = Future()
         failed.set_exception(KeyError("create failed"))
-        await _result_of(failed)
+        await result_of(failed)
 
     with pytest.raises(KeyError, match="create failed"):
         asyncio.run(main())
@@ -50,7 +50,7 @@ def test_a_pending_future_is_awaited_until_another_thread_settles_it():
     async def main() -> str:
         pending: Future[str] = Future()
         threading.Timer(0.05, pending.set_result, args=("later",)).start()
-        return await _result_of(pending)
+        return await result_of(pending)
 
     assert asyncio.run(main()) == "later"
 
@@ -59,7 +59,7 @@ def test_a_cancelled_future_cancels_the_waiter():
     async def main() -> None:
         cancelled: Future[str] = Future()
         cancelled.cancel()
-        await _result_of(cancelled)
+        await result_of(cancelled)
 
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(main())

@@ -134,15 +134,13 @@ def test_packed_parts_are_joined_byte_for_byte(native, monkeypatch):
     by its fallback alike."""
     import os
 
-    from s3ckpt.transfer import object_stream
-    from s3ckpt.transfer.object_stream import join as _join
+    from s3ckpt.transfer import parts as part_module
+    from s3ckpt.transfer.parts import join as _join
 
     if native:
-        assert object_stream._gather is not None, (
-            "the C helper s3ckpt.transfer._gather is not built"
-        )
+        assert part_module._gather is not None, "the C helper s3ckpt.transfer._gather is not built"
     else:
-        monkeypatch.setattr(object_stream, "_gather", None)
+        monkeypatch.setattr(part_module, "_gather", None)
 
     a, b = bytearray(os.urandom(100_000)), bytearray(os.urandom(3))
     pieces = [memoryview(a)[10:50_000], memoryview(b), memoryview(bytearray()), memoryview(a)[:7]]

@@ -36,6 +36,7 @@ from s3ckpt.transfer.commit import commit_manifest, read_manifest
 from s3ckpt.transfer.fanout import bounded
 from s3ckpt.transfer.inflight import clear_in_flight
 from s3ckpt.transfer.object_writer import WrittenObject
+from s3ckpt.transfer.rank_index import index_body
 
 PARALLEL_READS = 32
 _INDEX = re.compile(r"^index/r(?P<rank>\d+)-(?P<save>[0-9a-f]+)\.json$")
@@ -55,7 +56,7 @@ async def write_index(store: ObjectStore, saving: Saving) -> None:
         ItemEntry(name, (), "bytes", None, None, _stored(written, prefix))
         for name, written in sorted(saving.items().items())
     )
-    body = RankIndex(saving.save_id, rank, items).to_json()
+    body = index_body(RankIndex(saving.save_id, rank, items))
     await store.put(location.key(own), body, crc32c=crc32c(body), content_type="application/json")
 
 

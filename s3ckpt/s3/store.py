@@ -6,11 +6,12 @@ errors (translated in :mod:`s3ckpt.s3.error_mapping`); a missing object is
 its config and bucket name, so it pickles and survives ``fork``: the client is created
 lazily on the loop of whichever process uses it.
 
-Requests go through the shared client of :mod:`s3ckpt.s3.client` (path-style, no SHA-256
-payload signing, no botocore checksums: callers pass a CRC32C computed natively), or are
-built, signed and answered as it would on its data plane (:mod:`s3ckpt.s3.wire`: uploads,
-HEADs, a save's other requests), whose ranged GETs :mod:`s3ckpt.s3.get_attempt` receives
-straight into the caller's memory (one attempt; the retries are here).
+Requests go through the transport of the shared client of :mod:`s3ckpt.s3.client`
+(:mod:`s3ckpt.s3.transport`, chosen once per client): the client itself (path-style, no
+SHA-256 payload signing, no botocore checksums: callers pass a CRC32C computed natively),
+or its data plane (:mod:`s3ckpt.s3.wire`: uploads, HEADs, a save's other requests built,
+signed and answered as the client would, ranged GETs received straight into the
+caller's memory). Each sends one try; the retries are here.
 
 Failed requests are retried here, by :mod:`s3ckpt.s3.retry` (botocore's own retries are off),
 because a retry must know what the request meant: a ranged GET resumes at the first byte
@@ -31,9 +32,8 @@ from botocore.exceptions import ClientError
 
 from s3ckpt.config import S3Config
 from s3ckpt.errors import PreconditionFailedError, StorageError
-from s3ckpt.s3 import get_attempt, retry
-from s3ckpt.s3.client import client_handle
-from s3ckpt.s3.error_mapping import PRECONDITION_CODES, check_s3_answer, error_code
+from s3ckpt.s3 import retry
+from s3ckpt.s3.error_mapping import PRECONDITION_CODES, error_code
 from s3ckpt.s3.get_attempt import ResumingSink
 from s3ckpt.s3.listing import Listings, ObjectMeta, PendingUpload
 from s3ckpt.s3.multipart import MultipartUploads, PartResult, crc32c_header
@@ -172,7 +172,7 @@ class ObjectStore:
 
         async def attempt(_: int) -> dict[str, Any]:
             try:
-                return await self.requests.request("PutObject", params)
+                return await self.requests.put_object(params)
             except ClientError as exc:
                 if mode == "create" and error_code(exc) in PRECONDITION_CODES:
                     etag = await self._etag_if_holds(key, body)
@@ -190,13 +190,7 @@ class ObjectStore:
 
     async def _fetch(self, key: str) -> tuple[bytes, str]:
         """One GET of a whole object: its bytes and ETag."""
-        handle = client_handle(self.config)
-        client = await handle.get()
-        async with handle.slots:
-            response = await client.get_object(Bucket=self.bucket, Key=key)
-            async with response["Body"] as stream:
-                check_s3_answer("GetObject", response, self.bucket, key)  # no web pages
-                return await stream.read(), str(response.get("ETag", ""))
+        return await self.requests.get_object(key)
 
     async def _etag_if_holds(self, key: str, body: Body) -> str | None:
         """The ETag of ``key`` if it holds exactly ``body``, else None."""
@@ -220,15 +214,13 @@ class ObjectStore:
 
         async def attempt(_: int) -> None:
             if progress.position < end:
-                await get_attempt.receive(
-                    self.config, self.bucket, key, progress.position, end, progress
-                )
+                await self.requests.read_range(key, progress.position, end, progress)
 
         await self.requests.retrying("GetObject", key, attempt)
 
     async def close_idle_connections(self) -> None:
         """Make the next ranged GETs open fresh connections (after bytes came in damaged)."""
-        client_handle(self.config).close_idle()
+        self.requests.close_idle()
 
     async def head(self, key: str) -> ObjectMeta:
         response = await self.requests.call("HeadObject", key, Key=key)

@@ -8,7 +8,8 @@ are the same whichever transport sends it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from botocore.exceptions import ClientError
@@ -19,6 +20,7 @@ from s3ckpt.s3 import retry
 from s3ckpt.s3.client import ClientHandle, client_handle
 from s3ckpt.s3.compat_botocore import read_timeout
 from s3ckpt.s3.error_mapping import check_s3_answer, error_code, translate_final, translated
+from s3ckpt.s3.transport import Transport
 from s3ckpt.s3.wire import RangeSink
 
 Body = bytes | bytearray | memoryview
@@ -138,12 +140,19 @@ class Requests:
 
         return noted
 
-    async def request(self, operation: str, params: dict[str, Any]) -> dict[str, Any]:
-        """One try of a request without an upload body, holding one of the client's
-        request slots, through the client's transport (:mod:`s3ckpt.s3.transport`)."""
+    @contextlib.asynccontextmanager
+    async def _sending(self) -> AsyncIterator[Transport]:
+        """The client's transport (:mod:`s3ckpt.s3.transport`), one of its request slots
+        held. The client is this process's for the configuration and the AWS environment
+        (:func:`~s3ckpt.s3.client.client_handle`: rotated credentials make a new one)."""
         handle = client_handle(self.config)
         transport = await handle.transport()
         async with handle.slots:
+            yield transport
+
+    async def request(self, operation: str, params: dict[str, Any]) -> dict[str, Any]:
+        """One try of a request without an upload body, holding a request slot."""
+        async with self._sending() as transport:
             answer = await transport.request(self.bucket, operation, params)
         check_s3_answer(operation, answer, self.bucket, params.get("Key"))  # no web pages
         return answer
@@ -151,9 +160,7 @@ class Requests:
     async def put_object(self, params: dict[str, Any]) -> dict[str, Any]:
         """One try of PutObject (``params`` as the client takes them), holding a request
         slot."""
-        handle = client_handle(self.config)
-        transport = await handle.transport()
-        async with handle.slots:
+        async with self._sending() as transport:
             answer = await transport.put_object(self.bucket, params)
         check_s3_answer("PutObject", answer, self.bucket, params.get("Key"))  # no web pages
         return answer
@@ -161,9 +168,7 @@ class Requests:
     async def upload_part(self, params: dict[str, Any]) -> dict[str, Any]:
         """One try of UploadPart (``params`` as the client takes them), holding a request
         slot."""
-        handle = client_handle(self.config)
-        transport = await handle.transport()
-        async with handle.slots:
+        async with self._sending() as transport:
             answer = await transport.upload_part(self.bucket, params)
         check_s3_answer("UploadPart", answer, self.bucket, params.get("Key"))  # no web pages
         return answer
@@ -200,17 +205,13 @@ class Requests:
 
     async def get_object(self, key: str) -> tuple[bytes, str]:
         """One GET of a whole (small) object, holding a request slot: its bytes and ETag."""
-        handle = client_handle(self.config)
-        transport = await handle.transport()
-        async with handle.slots:
+        async with self._sending() as transport:
             return await transport.get_object(self.bucket, key)
 
     async def read_range(self, key: str, start: int, end: int, sink: RangeSink) -> None:
         """One ranged GET of bytes ``[start, end)`` of ``key`` into ``sink``, holding a
         request slot."""
-        handle = client_handle(self.config)
-        transport = await handle.transport()
-        async with handle.slots:
+        async with self._sending() as transport:
             await transport.read_range(self.bucket, key, start, end, sink)
 
     def close_idle(self) -> None:
@@ -231,3 +232,12 @@ class Requests:
             if error_code(exc) in ("NoSuchKey", "404", "NotFound"):
                 return None
             raise
+
+
+class StorePart:
+    """A part of :class:`~s3ckpt.s3.store.ObjectStore`, one kind of operation in its own
+    module (whole objects, listings, multipart uploads), all sending through one
+    ``requests``: the store is made of its parts, each part's methods its own."""
+
+    def __init__(self, requests: Requests) -> None:
+        self.requests = requests

@@ -24,7 +24,6 @@ lost responses created. Bodies are memory, so resending one costs no copy.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from email.utils import parsedate_to_datetime
 from typing import Any, Literal
 
@@ -41,15 +40,15 @@ from s3ckpt.s3.requests import Body, Requests, flat
 from s3ckpt.s3.wire import RangeSink
 
 
-class ObjectStore:
+class ObjectStore(Listings, MultipartUploads):
     """Async S3 operations on one bucket. Call the coroutines on :func:`s3ckpt.s3.loop.io_loop`.
 
     Made of one part per kind of operation, each in its own module, all sending through
     one :class:`~s3ckpt.s3.requests.Requests` (the bucket, the retries, the retry budget):
     whole objects and deletes here, :class:`~s3ckpt.s3.listing.Listings` and
-    :class:`~s3ckpt.s3.multipart.MultipartUploads` (and copies) beside them; the store's
-    methods for those are theirs. ``deadline`` (see :meth:`with_deadline`) ends retrying;
-    ``tally`` counts the retries of every request made through it.
+    :class:`~s3ckpt.s3.multipart.MultipartUploads` (and copies) beside them, whose methods
+    are the store's. ``deadline`` (see :meth:`with_deadline`) ends retrying; ``tally``
+    counts the retries of every request made through it.
     """
 
     def __init__(
@@ -60,9 +59,7 @@ class ObjectStore:
         deadline: float | None = None,
         tally: retry.Tally | None = None,
     ) -> None:
-        self.requests = Requests(config, bucket, deadline=deadline, tally=tally)
-        self.listings = Listings(self.requests)
-        self.uploads = MultipartUploads(self.requests, self.listings)
+        super().__init__(Requests(config, bucket, deadline=deadline, tally=tally))
 
     @property
     def config(self) -> S3Config:
@@ -88,60 +85,6 @@ class ObjectStore:
         """
         deadline = None if seconds is None else time.monotonic() + seconds
         return ObjectStore(self.config, self.bucket, deadline=deadline)
-
-    # -- listings and multipart uploads: the parts' own operations ----------------------
-
-    def list(self, prefix: str) -> AsyncIterator[ObjectMeta]:
-        return self.listings.list(prefix)
-
-    def list_level(self, prefix: str) -> AsyncIterator[ObjectMeta | str]:
-        return self.listings.list_level(prefix)
-
-    def list_multipart_uploads(self, prefix: str) -> AsyncIterator[PendingUpload]:
-        return self.listings.list_multipart_uploads(prefix)
-
-    async def create_multipart(self, key: str) -> str:
-        return await self.uploads.create_multipart(key)
-
-    async def upload_part(
-        self,
-        key: str,
-        upload_id: str,
-        part_number: int,
-        body: Body,
-        crc32c: int | None,
-        *,
-        first_try: Exception | None = None,
-    ) -> PartResult:
-        return await self.uploads.upload_part(
-            key, upload_id, part_number, body, crc32c, first_try=first_try
-        )
-
-    async def try_parts(
-        self, key: str, upload_id: str, parts: list[tuple[int, Body, int | None]]
-    ) -> list[PartResult | Exception] | None:
-        return await self.uploads.try_parts(key, upload_id, parts)
-
-    async def complete_multipart(
-        self,
-        key: str,
-        upload_id: str,
-        parts: list[PartResult],
-        *,
-        mode: Literal["overwrite", "create"] = "overwrite",
-    ) -> str:
-        return await self.uploads.complete_multipart(key, upload_id, parts, mode=mode)
-
-    async def abort_multipart(self, key: str, upload_id: str) -> None:
-        await self.uploads.abort_multipart(key, upload_id)
-
-    async def copy(self, key: str, source_bucket: str, source_key: str) -> str:
-        return await self.uploads.copy(key, source_bucket, source_key)
-
-    async def upload_part_copy(
-        self, key: str, upload_id: str, part_number: int, source: tuple[str, str, int, int]
-    ) -> PartResult:
-        return await self.uploads.upload_part_copy(key, upload_id, part_number, source)
 
     # -- whole objects ------------------------------------------------------------------
 

@@ -227,10 +227,11 @@ def put_headers(params: dict[str, Any]) -> dict[str, str] | None:
 
 
 class BodySender:
-    """The ``before-send`` handler that sends PutObject bodies (and UploadPart bodies,
-    where parts go through the client) on the pool's connections."""
+    """The ``before-send`` handler that sends the bodies of the PutObjects the client sends
+    (parameters :func:`put_headers` does not take) on the pool's connections. The parts
+    the client sends (after a redirect) go through aiohttp, as its other requests do."""
 
-    OPERATIONS = ("UploadPart", "PutObject")
+    OPERATIONS = ("PutObject",)
 
     def __init__(self, transport: BodyTransport) -> None:
         self.transport = transport

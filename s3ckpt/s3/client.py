@@ -10,10 +10,11 @@ Clients live in the resources of the process's I/O loop (:mod:`s3ckpt.s3.loop`),
 configuration: every store with the same settings shares one connection pool and one
 request bound, and a forked child, which gets a new loop, creates its own.
 
-Unless the endpoint is reached through a proxy, the client also owns a
-:class:`~s3ckpt.s3.wire.DataPlane`: upload bodies, ranged GETs and a save's requests, over
-HTTP and HTTPS, travel on its connections (:mod:`s3ckpt.s3.wire` says why); every other
-request goes through aiobotocore.
+Each client's transport (:mod:`s3ckpt.s3.transport`) is chosen once, as the client is
+made: unless the endpoint is reached through a proxy, the data plane
+(:class:`~s3ckpt.s3.wire.DataPlane`: upload bodies, ranged GETs and a save's requests,
+over HTTP and HTTPS, on its own connections; :mod:`s3ckpt.s3.wire` says why), else the
+client alone.
 """
 
 from __future__ import annotations
@@ -32,17 +33,15 @@ from s3ckpt.errors import ConfigError
 from s3ckpt.s3.compat_botocore import note_endpoints, on_before_sign
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.retry import StoreAnswers
-from s3ckpt.s3.wire import DataPlane, proxied
-from s3ckpt.s3.wire.calls import SignedCalls, content_md5
-from s3ckpt.s3.wire.gets import RangedGets
-from s3ckpt.s3.wire.uploads import SignedUploads
+from s3ckpt.s3.transport import Transport, choose_transport
+from s3ckpt.s3.wire.calls import content_md5
 
 log = logging.getLogger(__name__)
 
 
 class ClientHandle:
-    """An entered aiobotocore client, the semaphore bounding its requests, and the data
-    plane (:mod:`s3ckpt.s3.wire`) that shares both."""
+    """An entered aiobotocore client, the semaphore bounding its requests, and the
+    transport its requests go through (:mod:`s3ckpt.s3.transport`), chosen as it is made."""
 
     def __init__(self, config: S3Config, environment: tuple[str | None, ...] = ()) -> None:
         self.config = config
@@ -52,7 +51,7 @@ class ClientHandle:
         self._taking_slots = asyncio.Lock()  # see slots_for
         self._ctx: Any = None
         self._lock = asyncio.Lock()
-        self.plane: DataPlane | None = None
+        self._transport: Transport | None = None
         # Whether the endpoint has answered a request of this process: until it has, a
         # connection it refuses is more likely a wrong endpoint than a blip (retry.py).
         self.answered = False
@@ -72,26 +71,15 @@ class ClientHandle:
                         ) from exc
                     on_before_sign(client, "DeleteObjects", add_content_md5)
                     note_endpoints(client)  # errors name the endpoint that answered
-                    self.plane = self._data_plane(client)
+                    self._transport = choose_transport(client, self.config, tls_verify(self.config))
                     self.client = client
         return self.client
 
-    def _data_plane(self, client: Any) -> DataPlane | None:
-        """The data plane, where s3ckpt's transport serves the endpoint and is wanted."""
-        config = self.config
-        uploads, reads = config.uploads_on_data_plane(), config.direct_reads
-        if not (uploads or reads) or proxied(client.meta.endpoint_url, config.proxies):
-            return None
-        return DataPlane(
-            client,
-            verify=tls_verify(config),
-            connect_timeout=config.connect_timeout,
-            read_timeout=config.idle_timeout(),  # stalls: S3Config.stall_timeout_s
-            max_concurrency=config.max_concurrency,
-            uploads=uploads,
-            reads=reads,
-            batches=config.native_uploads,
-        )
+    async def transport(self) -> Transport:
+        """The client's transport, the client made first where it is not yet."""
+        await self.get()
+        assert self._transport is not None  # made with the client
+        return self._transport
 
     @contextlib.asynccontextmanager
     async def slots_for(self, count: int) -> AsyncIterator[None]:
@@ -109,38 +97,15 @@ class ClientHandle:
             for _ in range(taken):
                 self.slots.release()
 
-    def signed_uploads(self) -> SignedUploads | None:
-        """The data plane's part and whole-object uploads (call after :meth:`get`), or None
-        where the client must send them (no data plane, or the endpoint redirected one)."""
-        parts = None if self.plane is None else self.plane.parts
-        return None if parts is None or parts.redirected else parts
-
-    def signed_calls(self) -> SignedCalls | None:
-        """The data plane's HEADs and control requests (call after :meth:`get`), or None
-        where the client must send them (no data plane, or the endpoint redirected one)."""
-        calls = None if self.plane is None else self.plane.calls
-        return None if calls is None or calls.redirected else calls
-
-    async def ranged_gets(self) -> RangedGets | None:
-        """The data plane's ranged GETs, or None where aiobotocore must read."""
-        await self.get()
-        return None if self.plane is None else self.plane.gets
-
-    def stop_ranged_gets(self, reason: str) -> None:
-        """Send every later ranged GET through aiobotocore (the endpoint answered oddly)."""
-        if self.plane is not None and self.plane.gets is not None:
-            log.warning("ranged GETs fall back to aiobotocore: %s", reason)
-            self.plane.stop_reads()
-
     def close_idle(self) -> None:
-        """Close the data plane's kept-alive connections, so the next requests open new ones."""
-        if self.plane is not None:
-            self.plane.close_idle()
+        """Close the transport's kept-alive connections, so the next requests open new ones."""
+        if self._transport is not None:
+            self._transport.close_idle()
 
     async def aclose(self) -> None:
-        if self.plane is not None:
-            await self.plane.aclose()
-            self.plane = None
+        if self._transport is not None:
+            await self._transport.aclose()
+            self._transport = None
         if self._ctx is not None:
             await self._ctx.__aexit__(None, None, None)
             self._ctx = self.client = None

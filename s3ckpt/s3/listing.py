@@ -10,7 +10,7 @@ from datetime import datetime
 from typing import Any
 
 from s3ckpt.errors import StorageError
-from s3ckpt.s3.requests import Requests
+from s3ckpt.s3.requests import StorePart
 
 _LAST_CHARACTER = "\U0010ffff"
 
@@ -30,12 +30,9 @@ class PendingUpload:
     initiated: datetime | None
 
 
-class Listings:
+class Listings(StorePart):
     """The listing operations of :class:`~s3ckpt.s3.store.ObjectStore`, sent through its
     ``requests``."""
-
-    def __init__(self, requests: Requests) -> None:
-        self.requests = requests
 
     async def list(self, prefix: str) -> AsyncIterator[ObjectMeta]:
         """Every object under ``prefix``, one LIST page (1000 keys) per request."""

@@ -17,7 +17,7 @@ from botocore.exceptions import ClientError
 from s3ckpt.errors import StorageError
 from s3ckpt.s3.error_mapping import error_code
 from s3ckpt.s3.listing import Listings
-from s3ckpt.s3.requests import Body, Requests, flat
+from s3ckpt.s3.requests import Body, StorePart, flat
 from s3ckpt.s3.wire.batch import NotSent
 
 log = logging.getLogger(__name__)
@@ -41,12 +41,9 @@ def crc32c_header(value: int) -> str:
     return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
 
 
-class MultipartUploads:
+class MultipartUploads(StorePart):
     """The multipart and copy operations of :class:`~s3ckpt.s3.store.ObjectStore`, sent
-    through its ``requests``; ``listings`` finds the uploads a retried create left open."""
-
-    def __init__(self, requests: Requests, listings: Listings) -> None:
-        self.requests, self.listings = requests, listings
+    through its ``requests``."""
 
     async def create_multipart(self, key: str) -> str:
         params: dict[str, Any] = {"Key": key}
@@ -68,7 +65,7 @@ class MultipartUploads:
         Best effort: what this misses, ``gc`` removes later.
         """
         try:
-            async for pending in self.listings.list_multipart_uploads(key):
+            async for pending in Listings(self.requests).list_multipart_uploads(key):
                 if pending.key == key and pending.upload_id != upload_id:
                     await self.abort_multipart(key, pending.upload_id)
         except StorageError as exc:

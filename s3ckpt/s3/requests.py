@@ -1,12 +1,15 @@
 """The request core of :class:`~s3ckpt.s3.store.ObjectStore`: one bucket, one client, and
 the retries every operation runs under (see :mod:`s3ckpt.s3.store` for why retries are
-here and not in botocore).
+here and not in botocore), above the transport each try goes through
+(:mod:`s3ckpt.s3.transport`): the request slots, the stall watch and the error mapping
+are the same whichever transport sends it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from botocore.exceptions import ClientError
@@ -15,10 +18,10 @@ from s3ckpt.config import S3Config
 from s3ckpt.errors import StoreStalledError
 from s3ckpt.s3 import retry
 from s3ckpt.s3.client import ClientHandle, client_handle
-from s3ckpt.s3.compat_botocore import operation_method, read_timeout
+from s3ckpt.s3.compat_botocore import read_timeout
 from s3ckpt.s3.error_mapping import check_s3_answer, error_code, translate_final, translated
-from s3ckpt.s3.wire.calls import SignedCalls
-from s3ckpt.s3.wire.uploads import put_headers
+from s3ckpt.s3.transport import Transport
+from s3ckpt.s3.wire import RangeSink
 
 Body = bytes | bytearray | memoryview
 
@@ -137,55 +140,38 @@ class Requests:
 
         return noted
 
-    async def request(self, operation: str, params: dict[str, Any]) -> dict[str, Any]:
-        """One try of one request, holding one of the client's request slots: on the data
-        plane where it sends such a request (:meth:`_on_data_plane`), else through the
-        client."""
+    @contextlib.asynccontextmanager
+    async def _sending(self) -> AsyncIterator[Transport]:
+        """The client's transport (:mod:`s3ckpt.s3.transport`), one of its request slots
+        held. The client is this process's for the configuration and the AWS environment
+        (:func:`~s3ckpt.s3.client.client_handle`: rotated credentials make a new one)."""
         handle = client_handle(self.config)
-        client = await handle.get()
+        transport = await handle.transport()
         async with handle.slots:
-            answer = await self._on_data_plane(handle, operation, params)
-            if answer is None:
-                answer = await operation_method(client, operation)(Bucket=self.bucket, **params)
+            yield transport
+
+    async def request(self, operation: str, params: dict[str, Any]) -> dict[str, Any]:
+        """One try of a request without an upload body, holding a request slot."""
+        async with self._sending() as transport:
+            answer = await transport.request(self.bucket, operation, params)
         check_s3_answer(operation, answer, self.bucket, params.get("Key"))  # no web pages
         return answer
 
-    async def _on_data_plane(
-        self, handle: ClientHandle, operation: str, params: dict[str, Any]
-    ) -> dict[str, Any] | None:
-        """The answer to a whole-object PUT (:func:`~s3ckpt.s3.wire.uploads.put_headers`)
-        or another of a save's requests (:mod:`s3ckpt.s3.wire.calls`: HEADs, multipart
-        create and complete, listings, batch deletes), sent on the data plane
-        (:mod:`s3ckpt.s3.wire`); None where the client sends it (no data plane, other
-        parameters, a redirect: then this one too)."""
-        if operation == "PutObject":
-            uploads, headers = handle.signed_uploads(), put_headers(params)
-            if uploads is None or headers is None:
-                return None
-            return await uploads.put_object(self.bucket, params["Key"], params["Body"], headers)
-        if SignedCalls.serves(operation, params):
-            calls = handle.signed_calls()
-            return None if calls is None else await calls.call(self.bucket, operation, params)
-        return None
+    async def put_object(self, params: dict[str, Any]) -> dict[str, Any]:
+        """One try of PutObject (``params`` as the client takes them), holding a request
+        slot."""
+        async with self._sending() as transport:
+            answer = await transport.put_object(self.bucket, params)
+        check_s3_answer("PutObject", answer, self.bucket, params.get("Key"))  # no web pages
+        return answer
 
     async def upload_part(self, params: dict[str, Any]) -> dict[str, Any]:
         """One try of UploadPart (``params`` as the client takes them), holding a request
-        slot: on the data plane, which builds and signs it, where it sends part uploads
-        (:mod:`s3ckpt.s3.wire.uploads`), else through the client."""
-        handle = client_handle(self.config)
-        await handle.get()
-        parts = handle.signed_uploads()
-        if parts is None:
-            return await self.request("UploadPart", params)
-        async with handle.slots:
-            return await parts.upload_part(
-                self.bucket,
-                params["Key"],
-                params["UploadId"],
-                params["PartNumber"],
-                params["Body"],
-                params.get("ChecksumCRC32C"),
-            )
+        slot."""
+        async with self._sending() as transport:
+            answer = await transport.upload_part(self.bucket, params)
+        check_s3_answer("UploadPart", answer, self.bucket, params.get("Key"))  # no web pages
+        return answer
 
     async def try_parts(
         self, key: str, upload_id: str, parts: list[tuple[int, memoryview, str | None]]
@@ -195,16 +181,17 @@ class Requests:
         request slots, held for the batch: what :meth:`upload_part` returns or raises, for
         each. None where batches are not sent that way: send each part instead."""
         handle = client_handle(self.config)
-        await handle.get()
-        signed = handle.signed_uploads()
-        if signed is None or signed.batch is None:
+        transport = await handle.transport()
+        if not transport.sends_batches():
             return None
         connections = max(1, min(len(parts), self.config.max_concurrency // 2))
         async with handle.slots_for(connections):
             answers = handle.answers
             answers.asking()
             try:
-                outcomes = await signed.try_parts(self.bucket, key, upload_id, parts, connections)
+                outcomes = await transport.try_parts(
+                    self.bucket, key, upload_id, parts, connections
+                )
             except BaseException as exc:
                 answers.done(silent=isinstance(exc, asyncio.CancelledError))
                 raise
@@ -215,6 +202,21 @@ class Requests:
             elif not isinstance(outcome, Exception):
                 answers.note("UploadPart OK")
         return outcomes
+
+    async def get_object(self, key: str) -> tuple[bytes, str]:
+        """One GET of a whole (small) object, holding a request slot: its bytes and ETag."""
+        async with self._sending() as transport:
+            return await transport.get_object(self.bucket, key)
+
+    async def read_range(self, key: str, start: int, end: int, sink: RangeSink) -> None:
+        """One ranged GET of bytes ``[start, end)`` of ``key`` into ``sink``, holding a
+        request slot."""
+        async with self._sending() as transport:
+            await transport.read_range(self.bucket, key, start, end, sink)
+
+    def close_idle(self) -> None:
+        """Make the next requests open fresh connections."""
+        client_handle(self.config).close_idle()
 
     async def call(self, operation: str, key: str | None, **params: Any) -> dict[str, Any]:
         return await self.retrying(operation, key, lambda _: self.request(operation, params))
@@ -230,3 +232,12 @@ class Requests:
             if error_code(exc) in ("NoSuchKey", "404", "NotFound"):
                 return None
             raise
+
+
+class StorePart:
+    """A part of :class:`~s3ckpt.s3.store.ObjectStore`, one kind of operation in its own
+    module (whole objects, listings, multipart uploads), all sending through one
+    ``requests``: the store is made of its parts, each part's methods its own."""
+
+    def __init__(self, requests: Requests) -> None:
+        self.requests = requests

@@ -6,11 +6,12 @@ errors (translated in :mod:`s3ckpt.s3.error_mapping`); a missing object is
 its config and bucket name, so it pickles and survives ``fork``: the client is created
 lazily on the loop of whichever process uses it.
 
-Requests go through the shared client of :mod:`s3ckpt.s3.client` (path-style, no SHA-256
-payload signing, no botocore checksums: callers pass a CRC32C computed natively), or are
-built, signed and answered as it would on its data plane (:mod:`s3ckpt.s3.wire`: uploads,
-HEADs, a save's other requests), whose ranged GETs :mod:`s3ckpt.s3.get_attempt` receives
-straight into the caller's memory (one attempt; the retries are here).
+Requests go through the transport of the shared client of :mod:`s3ckpt.s3.client`
+(:mod:`s3ckpt.s3.transport`, chosen once per client): the client itself (path-style, no
+SHA-256 payload signing, no botocore checksums: callers pass a CRC32C computed natively),
+or its data plane (:mod:`s3ckpt.s3.wire`: uploads, HEADs, a save's other requests built,
+signed and answered as the client would, ranged GETs received straight into the
+caller's memory). Each sends one try; the retries are here.
 
 Failed requests are retried here, by :mod:`s3ckpt.s3.retry` (botocore's own retries are off),
 because a retry must know what the request meant: a ranged GET resumes at the first byte
@@ -23,7 +24,6 @@ lost responses created. Bodies are memory, so resending one costs no copy.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from email.utils import parsedate_to_datetime
 from typing import Any, Literal
 
@@ -31,9 +31,8 @@ from botocore.exceptions import ClientError
 
 from s3ckpt.config import S3Config
 from s3ckpt.errors import PreconditionFailedError, StorageError
-from s3ckpt.s3 import get_attempt, retry
-from s3ckpt.s3.client import client_handle
-from s3ckpt.s3.error_mapping import PRECONDITION_CODES, check_s3_answer, error_code
+from s3ckpt.s3 import retry
+from s3ckpt.s3.error_mapping import PRECONDITION_CODES, error_code
 from s3ckpt.s3.get_attempt import ResumingSink
 from s3ckpt.s3.listing import Listings, ObjectMeta, PendingUpload
 from s3ckpt.s3.multipart import MultipartUploads, PartResult, crc32c_header
@@ -41,15 +40,15 @@ from s3ckpt.s3.requests import Body, Requests, flat
 from s3ckpt.s3.wire import RangeSink
 
 
-class ObjectStore:
+class ObjectStore(Listings, MultipartUploads):
     """Async S3 operations on one bucket. Call the coroutines on :func:`s3ckpt.s3.loop.io_loop`.
 
     Made of one part per kind of operation, each in its own module, all sending through
     one :class:`~s3ckpt.s3.requests.Requests` (the bucket, the retries, the retry budget):
     whole objects and deletes here, :class:`~s3ckpt.s3.listing.Listings` and
-    :class:`~s3ckpt.s3.multipart.MultipartUploads` (and copies) beside them; the store's
-    methods for those are theirs. ``deadline`` (see :meth:`with_deadline`) ends retrying;
-    ``tally`` counts the retries of every request made through it.
+    :class:`~s3ckpt.s3.multipart.MultipartUploads` (and copies) beside them, whose methods
+    are the store's. ``deadline`` (see :meth:`with_deadline`) ends retrying; ``tally``
+    counts the retries of every request made through it.
     """
 
     def __init__(
@@ -60,9 +59,7 @@ class ObjectStore:
         deadline: float | None = None,
         tally: retry.Tally | None = None,
     ) -> None:
-        self.requests = Requests(config, bucket, deadline=deadline, tally=tally)
-        self.listings = Listings(self.requests)
-        self.uploads = MultipartUploads(self.requests, self.listings)
+        super().__init__(Requests(config, bucket, deadline=deadline, tally=tally))
 
     @property
     def config(self) -> S3Config:
@@ -88,60 +85,6 @@ class ObjectStore:
         """
         deadline = None if seconds is None else time.monotonic() + seconds
         return ObjectStore(self.config, self.bucket, deadline=deadline)
-
-    # -- listings and multipart uploads: the parts' own operations ----------------------
-
-    def list(self, prefix: str) -> AsyncIterator[ObjectMeta]:
-        return self.listings.list(prefix)
-
-    def list_level(self, prefix: str) -> AsyncIterator[ObjectMeta | str]:
-        return self.listings.list_level(prefix)
-
-    def list_multipart_uploads(self, prefix: str) -> AsyncIterator[PendingUpload]:
-        return self.listings.list_multipart_uploads(prefix)
-
-    async def create_multipart(self, key: str) -> str:
-        return await self.uploads.create_multipart(key)
-
-    async def upload_part(
-        self,
-        key: str,
-        upload_id: str,
-        part_number: int,
-        body: Body,
-        crc32c: int | None,
-        *,
-        first_try: Exception | None = None,
-    ) -> PartResult:
-        return await self.uploads.upload_part(
-            key, upload_id, part_number, body, crc32c, first_try=first_try
-        )
-
-    async def try_parts(
-        self, key: str, upload_id: str, parts: list[tuple[int, Body, int | None]]
-    ) -> list[PartResult | Exception] | None:
-        return await self.uploads.try_parts(key, upload_id, parts)
-
-    async def complete_multipart(
-        self,
-        key: str,
-        upload_id: str,
-        parts: list[PartResult],
-        *,
-        mode: Literal["overwrite", "create"] = "overwrite",
-    ) -> str:
-        return await self.uploads.complete_multipart(key, upload_id, parts, mode=mode)
-
-    async def abort_multipart(self, key: str, upload_id: str) -> None:
-        await self.uploads.abort_multipart(key, upload_id)
-
-    async def copy(self, key: str, source_bucket: str, source_key: str) -> str:
-        return await self.uploads.copy(key, source_bucket, source_key)
-
-    async def upload_part_copy(
-        self, key: str, upload_id: str, part_number: int, source: tuple[str, str, int, int]
-    ) -> PartResult:
-        return await self.uploads.upload_part_copy(key, upload_id, part_number, source)
 
     # -- whole objects ------------------------------------------------------------------
 
@@ -172,7 +115,7 @@ class ObjectStore:
 
         async def attempt(_: int) -> dict[str, Any]:
             try:
-                return await self.requests.request("PutObject", params)
+                return await self.requests.put_object(params)
             except ClientError as exc:
                 if mode == "create" and error_code(exc) in PRECONDITION_CODES:
                     etag = await self._etag_if_holds(key, body)
@@ -190,13 +133,7 @@ class ObjectStore:
 
     async def _fetch(self, key: str) -> tuple[bytes, str]:
         """One GET of a whole object: its bytes and ETag."""
-        handle = client_handle(self.config)
-        client = await handle.get()
-        async with handle.slots:
-            response = await client.get_object(Bucket=self.bucket, Key=key)
-            async with response["Body"] as stream:
-                check_s3_answer("GetObject", response, self.bucket, key)  # no web pages
-                return await stream.read(), str(response.get("ETag", ""))
+        return await self.requests.get_object(key)
 
     async def _etag_if_holds(self, key: str, body: Body) -> str | None:
         """The ETag of ``key`` if it holds exactly ``body``, else None."""
@@ -220,15 +157,13 @@ class ObjectStore:
 
         async def attempt(_: int) -> None:
             if progress.position < end:
-                await get_attempt.receive(
-                    self.config, self.bucket, key, progress.position, end, progress
-                )
+                await self.requests.read_range(key, progress.position, end, progress)
 
         await self.requests.retrying("GetObject", key, attempt)
 
     async def close_idle_connections(self) -> None:
         """Make the next ranged GETs open fresh connections (after bytes came in damaged)."""
-        client_handle(self.config).close_idle()
+        self.requests.close_idle()
 
     async def head(self, key: str) -> ObjectMeta:
         response = await self.requests.call("HeadObject", key, Key=key)

@@ -66,7 +66,7 @@ def test_a_programming_error_inside_a_request_surfaces_unchanged(monkeypatch):
     import asyncio
 
     from s3ckpt.config import S3Config
-    from s3ckpt.s3 import requests as requests_module
+    from s3ckpt.s3 import aiobotocore_transport
     from s3ckpt.s3.store import ObjectStore
 
     calls: list[str] = []
@@ -75,7 +75,7 @@ def test_a_programming_error_inside_a_request_surfaces_unchanged(monkeypatch):
         calls.append(operation)
         raise AttributeError("'AioBaseClient' object has no attribute 'get_object'")
 
-    monkeypatch.setattr(requests_module, "operation_method", broken)
+    monkeypatch.setattr(aiobotocore_transport, "operation_method", broken)
     config = S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="a", secret_access_key="b")
     store = ObjectStore(config, "bucket")
     with pytest.raises(AttributeError, match="no attribute 'get_object'"):

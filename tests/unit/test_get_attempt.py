@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from s3ckpt.config import make_config
 from s3ckpt.errors import StorageError
 from s3ckpt.s3 import get_attempt
 
@@ -48,14 +47,6 @@ class _Client:
         return response
 
 
-class _Handle:
-    def __init__(self, client: _Client) -> None:
-        self.client, self.slots = client, asyncio.Semaphore(4)
-
-    async def get(self) -> _Client:
-        return self.client
-
-
 class _Sink:
     def __init__(self, start: int, end: int) -> None:
         self.start, self.data = start, bytearray(end - start)
@@ -67,27 +58,25 @@ class _Sink:
         pass
 
 
-def _stream(monkeypatch: pytest.MonkeyPatch, client: _Client, start: int, end: int) -> bytes:
-    monkeypatch.setattr(get_attempt, "client_handle", lambda config: _Handle(client))
-    config = make_config(None, endpoint_url="http://127.0.0.1:9")
+def _stream(client: _Client, start: int, end: int) -> bytes:
     sink = _Sink(start, end)
-    asyncio.run(get_attempt.stream(config, "bucket", "key", start, end, sink))
+    asyncio.run(get_attempt.stream(client, "http://127.0.0.1:9", "bucket", "key", start, end, sink))
     return bytes(sink.data)
 
 
-def test_a_whole_object_for_a_ranged_get_is_cut_to_the_range(monkeypatch, caplog) -> None:
+def test_a_whole_object_for_a_ranged_get_is_cut_to_the_range(caplog) -> None:
     with caplog.at_level("WARNING"):
-        got = _stream(monkeypatch, _Client(200, OBJECT, None), 4321, 9876)
+        got = _stream(_Client(200, OBJECT, None), 4321, 9876)
     assert got == OBJECT[4321:9876]
     assert "ignores Range" in caplog.text
 
 
-def test_a_partial_response_lands_at_its_offset(monkeypatch) -> None:
+def test_a_partial_response_lands_at_its_offset() -> None:
     client = _Client(206, OBJECT[100:200], f"bytes 100-199/{len(OBJECT)}")
-    assert _stream(monkeypatch, client, 100, 200) == OBJECT[100:200]
+    assert _stream(client, 100, 200) == OBJECT[100:200]
 
 
-def test_a_response_for_bytes_after_the_range_start_is_refused(monkeypatch) -> None:
+def test_a_response_for_bytes_after_the_range_start_is_refused() -> None:
     client = _Client(206, OBJECT[150:200], f"bytes 150-199/{len(OBJECT)}")
     with pytest.raises(StorageError, match="answered bytes"):
-        _stream(monkeypatch, client, 100, 200)
+        _stream(client, 100, 200)

@@ -21,6 +21,7 @@ from s3ckpt.s3.client import client_handle
 from s3ckpt.s3.compat_botocore import sign_s3
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
+from s3ckpt.s3.wire import DataPlane
 from s3ckpt.s3.wire.signing import PartSigner
 
 _FOUND = (
@@ -108,7 +109,9 @@ def test_the_bucket_url_is_the_one_the_client_presigns(serve, style):
     async def both() -> tuple[Any, str]:
         handle = client_handle(config)
         client = await handle.get()
-        uploads = handle.signed_uploads()
+        transport = await handle.transport()
+        assert isinstance(transport, DataPlane)
+        uploads = transport.puts
         assert uploads is not None
         ours = await uploads.addresses.bucket("bkt")
         theirs = await client.generate_presigned_url(

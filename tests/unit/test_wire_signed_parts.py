@@ -1,4 +1,4 @@
-"""Part uploads built and signed on the data plane (``s3ckpt.s3.wire.uploads.SignedUploads``)
+"""Part uploads built and signed on the data plane (``s3ckpt.s3.wire.uploads.SignedPuts``)
 against a scripted server on loopback: what is sent, that an error answer becomes the
 exception the client's own path raises, and that a redirect hands parts to the client.
 Real signatures are checked by SeaweedFS in tests/integration/test_signed_parts.py."""
@@ -15,7 +15,8 @@ from s3ckpt.errors import StorageError
 from s3ckpt.s3.client import client_handle
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
-from s3ckpt.s3.wire.uploads import SignedUploads, put_headers
+from s3ckpt.s3.wire import DataPlane
+from s3ckpt.s3.wire.uploads import SignedPuts, put_headers
 
 _OK = b'HTTP/1.1 200 OK\r\nETag: "etag-1"\r\nContent-Length: 0\r\n\r\n'
 _NO_SUCH_UPLOAD = (
@@ -118,10 +119,10 @@ def test_a_redirect_hands_this_part_and_every_later_one_to_the_client(serve):
         _upload(config)
     assert caught.value.code == "PermanentRedirect"
 
-    async def parts() -> SignedUploads | None:
-        handle = client_handle(config)
-        await handle.get()
-        return handle.signed_uploads()
+    async def parts() -> SignedPuts | None:
+        transport = await client_handle(config).transport()
+        assert isinstance(transport, DataPlane)
+        return transport.puts
 
     assert io_loop().run(parts()) is None
     assert _upload(config).etag == '"etag-1"'
@@ -141,7 +142,7 @@ def test_the_object_is_addressed_and_scoped_as_the_presigned_url_says():
                 "aws4_request&X-Amz-Signature=abc"
             )
 
-    parts = SignedUploads(Client(), transport=None)  # type: ignore[arg-type]  # never reached
+    parts = SignedPuts(Client(), transport=None)  # type: ignore[arg-type]  # never reached
     found = io_loop().run(parts.addresses.presigned("bkt", "a/b"))
     assert (found[0].geturl(), *found[1:]) == ("https://bkt.s3.example.com/a/b", "us-west-1", "s3")
 
@@ -162,9 +163,9 @@ def test_a_derived_url_is_the_one_the_client_presigns(serve, style):
     config = _config(serve, 9, addressing_style=style)  # never connected to: presigning is local
 
     async def both() -> list[tuple[Any, Any]]:
-        handle = client_handle(config)
-        await handle.get()
-        uploads = handle.signed_uploads()
+        transport = await client_handle(config).transport()
+        assert isinstance(transport, DataPlane)
+        uploads = transport.puts
         assert uploads is not None
         return [
             (

@@ -1,4 +1,5 @@
-"""The data plane: every request body and every ranged-GET body, through one transport.
+"""The data plane: every request body and every ranged-GET body, through one transport
+(:class:`DataPlane`, a :class:`~s3ckpt.s3.transport.Transport`).
 
 Part uploads and the whole-object PUTs of :class:`~s3ckpt.s3.store.ObjectStore`
 (:mod:`~.uploads`) and the other requests of a save (its HEADs, create and complete of its

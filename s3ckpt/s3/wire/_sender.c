@@ -5,14 +5,13 @@
  * training loop is not the bytes (the kernel copies them with the GIL released) but each
  * time an upload thread takes the GIL back: the loop's thread, which lets the GIL go at
  * every torch op, then waits for it. Sent from Python, even the leanest PUT takes the
- * GIL back four or five times (a queue, the head, the body, the answer, the result):
- * beside a dispatch-bound loop that alone cost +15 to +23 % (the ``floor_raw_sockets``
- * case of ``python -m benchmarks.loop``, 64 parts per GiB), against +5 to +9 % with no
- * network at all. Here the caller hands over a whole batch of signed requests, lets the
- * GIL go once, and takes it back once when every answer is in: a batch's hand-overs no
- * longer grow with its parts. No library sends requests from memory this way: libcurl
- * and awscrt read bodies through Python callbacks, and object_store (obstore) signs and
- * retries on its own terms, outside s3ckpt's retry policy and checksums.
+ * GIL back four or five times (a queue, the head, the body, the answer, the result),
+ * each a wait of the training loop's thread beside it. Here the caller hands over a
+ * whole batch of signed requests, lets the GIL go once, and takes it back once when
+ * every answer is in: a batch's hand-overs no longer grow with its parts. No library
+ * sends requests from memory this way: libcurl and awscrt read bodies through Python
+ * callbacks, and object_store (obstore) signs and retries on its own terms, outside
+ * s3ckpt's retry policy and checksums.
  *
  * Only plain HTTP: requests are signed by the caller, answers are returned raw (head and
  * body) for the caller to parse. Each thread keeps one connection for its requests; a
@@ -25,17 +24,11 @@
  * The threads run at nice 19, the lowest priority of the normal scheduling class (Linux,
  * where a thread has a nice value of its own; $S3CKPT_SENDER_NICE sets another value, and
  * the process's own keeps them at its priority). They never hold the GIL; the Python
- * threads of a save do, and
- * a holder that a sender thread preempts keeps every other Python thread waiting, the
- * training loop's included, for as long as it stays off the core. Traced with the
- * scheduler's switch events beside the loop benchmark's dispatch loop (its thread alone
- * on one core, the save's threads, the sender's and the server on the other), the
- * loop's longest stalls (10-22 ms each, 30 ms or so a save) were a save thread holding
- * the GIL, runnable, while the sender's threads and the server shared the core. At nice
- * 19 those stalls were gone, and what stalled the loop was the save's own Python: the
- * loop's steps of ten times the usual length or more added 88 ms a save, against
- * 105-109 ms at nice 0 and 105 ms at 10 (four saves each). The normal class never
- * starves a thread: on a core busy with other work the sender still gets its turns.
+ * threads of a save do, and a holder that a sender thread preempts keeps every other
+ * Python thread waiting, the training loop's included, for as long as it stays off the
+ * core: at nice 19 the sender does not keep it off (docs/decisions/0003-native-sender.md
+ * has the measurement). The normal class never starves a thread: on a core busy with
+ * other work the sender still gets its turns.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -1,7 +1,7 @@
 """Part uploads sent in batches by native threads that never take the GIL.
 
-A save hands the data plane a batch of parts at a time (:meth:`SignedUploads.try_parts
-<s3ckpt.s3.wire.uploads.SignedUploads.try_parts>`): each is signed on the event loop as any
+A save hands the data plane a batch of parts at a time (:meth:`SignedPuts.try_parts
+<s3ckpt.s3.wire.uploads.SignedPuts.try_parts>`): each is signed on the event loop as any
 part is, and then the whole batch goes to :mod:`s3ckpt.s3.wire._sender` in one call from
 one worker thread. Its threads send every request from the tensor's memory on their own
 kept-alive connections and read every answer with the GIL released; the worker takes

@@ -18,9 +18,10 @@ its answer read by the client's response parser: callers get the dict, or the
 each request against the one the client sends, header for header and byte for byte. The
 object's URL comes from :class:`~.addresses.ObjectAddresses`.
 
-Only the parameters s3ckpt sends are served (:data:`SERVED`); any other request, and
-every one after the endpoint redirected one (a bucket in another region), goes through
-the client, which follows redirects.
+Only the parameters s3ckpt sends are served (:data:`SERVED`); any other request goes
+through the client, and so does one the endpoint redirects (a bucket in another region),
+and every one after it (:class:`~.data_plane.DataPlane` switches), as the client follows
+redirects.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from s3ckpt.s3.compat_botocore import (
 )
 from s3ckpt.s3.wire.addresses import Address, ObjectAddresses
 from s3ckpt.s3.wire.signing import PartSigner
-from s3ckpt.s3.wire.uploads import BodyTransport, request_head, signing_credentials
+from s3ckpt.s3.wire.uploads import BodyTransport, Redirected, request_head, signing_credentials
 
 # The operations served here, with the parameters each may carry (``Bucket`` aside), and
 # whether it is addressed to an object (``Key``, which it must carry) or to the bucket.
@@ -77,7 +78,6 @@ class SignedCalls:
         self.signer = signer
         self.addresses = addresses
         self.serialize = serializer(client)
-        self.redirected = False  # the endpoint redirected one: the client sends them
 
     @staticmethod
     def serves(operation: str, params: dict[str, Any]) -> bool:
@@ -92,8 +92,8 @@ class SignedCalls:
         self, bucket: str, operation: str, params: dict[str, Any]
     ) -> dict[str, Any] | None:
         """One try of ``operation`` (one :meth:`serves`): what the client's method returns,
-        or raises; None where the client must send it (the endpoint redirected it, or the
-        bucket's URL is not one the data plane knows)."""
+        or raises; None where the client must send it (the bucket's URL is not one the
+        data plane knows), :class:`~.uploads.Redirected` where the endpoint redirected it."""
         on_object, _ = SERVED[operation]
         address = await (
             self.addresses.derived(bucket, params["Key"])
@@ -106,7 +106,7 @@ class SignedCalls:
 
     async def _send(
         self, bucket: str, operation: str, params: dict[str, Any], address: Address
-    ) -> dict[str, Any] | None:
+    ) -> dict[str, Any]:
         listing = operation == "ListObjectsV2"
         if listing:  # what the client adds to a listing, decoded below
             params = {**params, "EncodingType": "url"}
@@ -125,8 +125,7 @@ class SignedCalls:
         head = request_head(request.method, url, signed, len(body))
         status, answer, content = await self.transport.send(url, head, memoryview(body))
         if 300 <= status < 400:
-            self.redirected = True
-            return None
+            raise Redirected(f"{operation} redirected ({status})")
         answered, status = status, answer_status(self.client, operation, status, content)
         if status >= 300:
             raise client_error(self.client, operation, status, answer, content, answered)

@@ -12,7 +12,7 @@ request head.
 
 Only what the data plane sends is signed here, exactly as botocore signs it for the
 client s3ckpt configures (:mod:`s3ckpt.s3.client`: SigV4, payload signing off, so
-``UNSIGNED-PAYLOAD``): the parts and PUTs of :class:`~.uploads.SignedUploads` (``PUT`` on
+``UNSIGNED-PAYLOAD``): the parts and PUTs of :class:`~.uploads.SignedPuts` (``PUT`` on
 the object's URL as the client addresses it, a query of ``partNumber`` and ``uploadId``,
 the part's CRC32C header where it has one) and the requests of
 :class:`~.calls.SignedCalls` (the method, query and headers the client's serializer

@@ -6,7 +6,7 @@ tensor, on a kept-alive connection of the pool (:class:`BodyTransport`): from th
 loop over plain HTTP, from a worker thread over TLS, where encryption runs with the GIL
 released.
 
-* **UploadPart** (:class:`SignedUploads`), almost every request of a save, never enters the
+* **UploadPart** (:class:`SignedPuts`), almost every request of a save, never enters the
   client's request machinery: the part's URL is the object's (addressed as the client
   addresses it, learnt once per object from a presigned URL, which also names the
   signing region), signed with the client's credentials exactly as botocore's SigV4
@@ -18,8 +18,9 @@ released.
   user-agent string, parsing) runs on the I/O loop's thread, which a training loop
   beside a thread-mode save waits for
   (docs/decisions/0005-requests-signed-on-the-data-plane.md). A redirect (a bucket in
-  another region) sends that part, and every later one, through the client, which knows
-  how to follow it.
+  another region) fails that part with the client's error, and the data plane's
+  transport (:class:`~.data_plane.DataPlane`) sends every later one through the client,
+  which knows how to follow it.
 * **PutObject** of whole objects as :meth:`ObjectStore.put
   <s3ckpt.s3.store.ObjectStore.put>` sends them (a body; a CRC32C, ``If-None-Match: *``
   and a content type where given): four a save, each checkpoint's marker, index,
@@ -27,8 +28,9 @@ released.
   derived from one presigned URL per bucket (:mod:`~.addresses`) rather than presigned
   per key: a presign is Python of its own, and these keys are new every save. Sent
   through the client, the four would fall where a thread-mode save's Python bunches up,
-  as its upload ends and commits. A redirected PutObject is sent again, and every later
-  one, through the client, which follows the redirect. A PutObject with any other
+  as its upload ends and commits. A redirected PutObject raises :class:`Redirected`
+  (nothing was stored): the transport sends it again, and every later one, through the
+  client, which follows the redirect. A PutObject with any other
   parameter goes through the client, whose ``before-send`` this module answers
   (:class:`BodySender`, the hook botocore offers for answering a request without its
   HTTP stack) with the response it received, which botocore parses as its own.
@@ -42,9 +44,11 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
+from botocore.exceptions import ClientError
+
 from s3ckpt._version import __version__
 from s3ckpt.s3.compat_aiobotocore import Response, frozen_credentials, response
-from s3ckpt.s3.compat_botocore import client_error, no_credentials, on_before_send
+from s3ckpt.s3.compat_botocore import answered_status, client_error, no_credentials, on_before_send
 from s3ckpt.s3.wire import on_loop
 from s3ckpt.s3.wire.addresses import ObjectAddresses
 from s3ckpt.s3.wire.batch import Answer, NativeBatch
@@ -81,9 +85,21 @@ class BodyTransport:
         return await on_loop.send_request(self.pool, origin, head, body)
 
 
-class SignedUploads:
-    """UploadPart and PutObject requests of ``client``'s bucket objects, built, signed and
-    answered on the data plane (see the module's docstring)."""
+class Redirected(Exception):
+    """The endpoint answered a request of the data plane with a redirect, and nothing was
+    stored: the client, which follows redirects, sends it instead."""
+
+
+def is_redirect(outcome: object) -> bool:
+    """Whether ``outcome`` is the client's error for a redirect answer (a part's)."""
+    if not isinstance(outcome, ClientError):
+        return False
+    return 300 <= (answered_status(outcome.response) or 0) < 400
+
+
+class SignedPuts:
+    """The PUTs that carry an upload body, UploadPart and PutObject, of ``client``'s bucket
+    objects: built, signed and answered on the data plane (see the module's docstring)."""
 
     def __init__(
         self, client: Any, transport: BodyTransport, batch: NativeBatch | None = None
@@ -92,7 +108,6 @@ class SignedUploads:
         self.transport = transport
         self.batch = batch  # where batches of parts are sent by native threads
         self.signer = PartSigner()
-        self.redirected = False  # the endpoint redirected a part: the client sends them
         self.addresses = ObjectAddresses(client)
 
     async def upload_part(
@@ -105,7 +120,8 @@ class SignedUploads:
         checksum: str | None,
     ) -> dict[str, Any]:
         """One try of UploadPart; the answer's ``ETag`` (and checksum) as the client's
-        ``upload_part`` returns them. Errors are the client's ``ClientError`` s."""
+        ``upload_part`` returns them. Errors are the client's ``ClientError`` s (a
+        redirect's too: :func:`is_redirect`)."""
         base, region, service = await self.addresses.presigned(bucket, key)
         heads = await self._heads(base, region, service, upload_id)
         head = heads(part_number, len(body), checksum)
@@ -113,11 +129,11 @@ class SignedUploads:
 
     async def put_object(
         self, bucket: str, key: str, body: memoryview, headers: dict[str, str]
-    ) -> dict[str, Any] | None:
+    ) -> dict[str, Any]:
         """One try of PutObject with ``headers`` (as :func:`put_headers` makes them); the
         answer's ``ETag`` (and checksum) as the client's ``put_object`` returns them.
-        Errors are the client's ``ClientError`` s. None where the client must send it:
-        the endpoint redirected it (nothing was stored), and the client follows."""
+        Errors are the client's ``ClientError`` s; :class:`Redirected` where the client
+        must send it (nothing was stored)."""
         url, region, service = await self.addresses.derived(bucket, key)
         credentials = await signing_credentials(self.client)
         signed = self.signer.sign(
@@ -126,8 +142,7 @@ class SignedUploads:
         head = request_head("PUT", url, signed, len(body))
         status, answer, content = await self.transport.send(url, head, body)
         if 300 <= status < 400:
-            self.redirected = True
-            return None
+            raise Redirected(f"PutObject redirected ({status})")
         return self._result(status, answer, content, operation="PutObject")
 
     async def try_parts(
@@ -173,8 +188,6 @@ class SignedUploads:
         operation: str = "UploadPart",
     ) -> dict[str, Any]:
         """An UploadPart or PutObject answer as the client returns it, or raises it."""
-        if 300 <= status < 400:
-            self.redirected = True
         if status >= 300:
             raise client_error(self.client, operation, status, answer, content)
         result = {"ETag": answer.get("etag", "")}
@@ -214,10 +227,11 @@ def put_headers(params: dict[str, Any]) -> dict[str, str] | None:
 
 
 class BodySender:
-    """The ``before-send`` handler that sends PutObject bodies (and UploadPart bodies,
-    where parts go through the client) on the pool's connections."""
+    """The ``before-send`` handler that sends the bodies of the PutObjects the client sends
+    (parameters :func:`put_headers` does not take) on the pool's connections. The parts
+    the client sends (after a redirect) go through aiohttp, as its other requests do."""
 
-    OPERATIONS = ("UploadPart", "PutObject")
+    OPERATIONS = ("PutObject",)
 
     def __init__(self, transport: BodyTransport) -> None:
         self.transport = transport

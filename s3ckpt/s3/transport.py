@@ -1,0 +1,99 @@
+"""The transport seam: how one try of each S3 operation the engine sends travels.
+
+:class:`Transport` is what :class:`~s3ckpt.s3.requests.Requests` sends every try through;
+the retries, the request slots, the stall watch and the error mapping stay above it, in
+:mod:`s3ckpt.s3.requests`, the same for every implementation. :func:`choose_transport`
+picks the implementation once per client (and so per endpoint and settings):
+
+* :class:`~s3ckpt.s3.aiobotocore_transport.AiobotocoreTransport`: every operation through
+  the aiobotocore client (endpoints behind a proxy, or with the data plane turned off);
+* :class:`~s3ckpt.s3.wire.DataPlane`: upload bodies, ranged GETs and a save's other
+  requests built, signed and sent by s3ckpt itself (:mod:`s3ckpt.s3.wire` says why),
+  every other request, and every one the endpoint redirects, handed to the aiobotocore
+  implementation it holds.
+
+Each method makes one try, and answers as the client's method for the operation answers
+(its dict, or its ``ClientError``), whichever implementation sent it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from s3ckpt.config import S3Config
+from s3ckpt.s3.aiobotocore_transport import AiobotocoreTransport
+from s3ckpt.s3.wire import DataPlane, RangeSink, proxied
+
+Params = dict[str, Any]  # an operation's parameters as the client's method takes them
+Parsed = dict[str, Any]  # an answer as the client's method returns it
+PartTry = tuple[int, memoryview, str | None]  # part number, body, CRC32C header
+
+
+class Transport(Protocol):
+    """One try of each S3 operation the engine sends, on one client's connections."""
+
+    async def request(self, bucket: str, operation: str, params: Params) -> Parsed:
+        """One try of a request without an upload body (HEADs, listings, multipart
+        create, complete and abort, copies, deletes)."""
+        ...
+
+    async def put_object(self, bucket: str, params: Params) -> Parsed:
+        """One try of PutObject."""
+        ...
+
+    async def upload_part(self, bucket: str, params: Params) -> Parsed:
+        """One try of UploadPart."""
+        ...
+
+    def sends_batches(self) -> bool:
+        """Whether :meth:`try_parts` may send a batch (else it answers None)."""
+        ...
+
+    async def try_parts(
+        self, bucket: str, key: str, upload_id: str, parts: list[PartTry], connections: int
+    ) -> list[Parsed | Exception] | None:
+        """One try of each part of upload ``upload_id``, the batch sent at once on at most
+        ``connections`` connections: each answer, or its try's error; None where this
+        batch is not sent so (send each part with :meth:`upload_part`)."""
+        ...
+
+    async def get_object(self, bucket: str, key: str) -> tuple[bytes, str]:
+        """One GET of a whole (small) object: its bytes and ETag."""
+        ...
+
+    async def read_range(
+        self, bucket: str, key: str, start: int, end: int, sink: RangeSink
+    ) -> None:
+        """One ranged GET of bytes ``[start, end)`` into ``sink``, in offset order, each
+        byte once; :class:`~s3ckpt.s3.retry.ShortReadError` where the answer ends early."""
+        ...
+
+    def close_idle(self) -> None:
+        """Close kept-alive connections, so that the next requests open new ones."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close every connection of this transport (not the client)."""
+        ...
+
+
+def choose_transport(client: Any, config: S3Config, verify: bool | str) -> Transport:
+    """The transport for ``client``, made with ``config``: the data plane where it serves
+    the endpoint and ``config`` wants it (uploads or reads on it, no proxy; TLS verified
+    with ``verify``, as the client verifies it), else the client alone. Called once, when
+    the client is made."""
+    through_client = AiobotocoreTransport(client, config.endpoint_url or "the endpoint")
+    uploads, reads = config.uploads_on_data_plane(), config.direct_reads
+    if not (uploads or reads) or proxied(client.meta.endpoint_url, config.proxies):
+        return through_client
+    return DataPlane(
+        client,
+        through_client,
+        verify=verify,
+        connect_timeout=config.connect_timeout,
+        read_timeout=config.idle_timeout(),  # stalls: S3Config.stall_timeout_s
+        max_concurrency=config.max_concurrency,
+        uploads=uploads,
+        reads=reads,
+        batches=config.native_uploads,
+    )

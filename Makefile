@@ -146,8 +146,9 @@ PHASE_torch-newest = $(TEST_NEWEST) $(PARALLEL)
 PHASE_newest-serial = $(TEST_NEWEST) $(ALONE)
 # The order they run in, in three stages: the main phase, which fills the workers alone;
 # then the newest-torch phase beside the three one-file phases (other environments, so
-# other processes, and mostly waiting on their ranks and servers); then the serial
-# phases, alone since they time themselves or look at the whole machine.
+# other processes, and mostly waiting on their ranks and servers; none of their tests is
+# marked serial); then the serial phases, alone since they time themselves or look at
+# the whole machine.
 STAGE_MAIN := main
 STAGE_BESIDE := torch-newest torchtitan deepspeed dlio
 STAGE_SERIAL := main-serial newest-serial

@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "s3ckpt.interop.copy",
 )
 
+sys.path[0] = os.getcwd()  # where ``python -m`` looks first, instead of this file's folder
 _imported = io.StringIO()
 sys.stderr, _stderr = _imported, sys.stderr
 try:

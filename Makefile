@@ -136,25 +136,55 @@ TEST_DLIO = $(DLIO_VENV)/bin/python -m pytest $(DLIO_TESTS)
 TEST_NEWEST = S3CKPT_OTHER_TORCH_PYTHON=$(BIN)/python $(NEWEST_VENV)/bin/python -m pytest \
 	$(NEWEST_IGNORE) $(NEWEST_TESTS)
 
-# Every phase runs even after one fails; the end prints each one's wall time and exit
-# status, and make fails if any phase did (a failed test, or pytest's status 5: no test
-# collected). An interrupt stops at once.
+# The phases by name (test-phase-<name>), each in the environment it names.
+PHASE_main = $(TEST_MAIN) $(PARALLEL)
+PHASE_main-serial = $(TEST_MAIN) $(ALONE)
+PHASE_torchtitan = $(TEST_TITAN)
+PHASE_deepspeed = $(TEST_DS)
+PHASE_dlio = $(TEST_DLIO)
+PHASE_torch-newest = $(TEST_NEWEST) $(PARALLEL)
+PHASE_newest-serial = $(TEST_NEWEST) $(ALONE)
+# The order they run in, in three stages: the main phase, which fills the workers alone;
+# then the newest-torch phase beside the three one-file phases (other environments, so
+# other processes, and mostly waiting on their ranks and servers; none of their tests is
+# marked serial); then the serial phases, alone since they time themselves or look at
+# the whole machine.
+STAGE_MAIN := main
+STAGE_BESIDE := torch-newest torchtitan deepspeed dlio
+STAGE_SERIAL := main-serial newest-serial
+PHASES := $(STAGE_MAIN) $(STAGE_BESIDE) $(STAGE_SERIAL)
+# Each phase leaves "<exit status> <seconds>" here for the summary.
+PHASE_RESULTS := build/test-phases
+
+# One phase: its command, its output, its wall time and exit status written down. It
+# exits 0 whatever its tests did, so that the phases beside it run on; the summary
+# reads the status.
+.PHONY: $(PHASES:%=test-phase-%)
+$(PHASES:%=test-phase-%): test-phase-%:
+	@echo '$(PHASE_$*)'; start=$$(date +%s); \
+	$(PHASE_$*); code=$$?; \
+	echo "$$code $$(($$(date +%s) - start))" > $(PHASE_RESULTS)/$*
+
+# Every phase runs even after one fails; the phases of the middle stage run side by side,
+# the output of each printed whole when it ends (--output-sync), the others one at a time. The end prints each phase's
+# wall time and exit status, and make fails if any phase did (a failed test, or pytest's
+# status 5: no test collected). An interrupt stops at once.
+STAGE = $(MAKE) --no-print-directory -j$(1) --output-sync=target $(2:%=test-phase-%)
 test: envs
-	@trap 'exit 130' INT TERM; failed=0; summary=""; \
-	phase() { \
-		name=$$1; shift; echo "$$*"; start=$$(date +%s); \
-		env "$$@"; code=$$?; seconds=$$(($$(date +%s) - start)); \
+	@trap 'exit 130' INT TERM; rm -rf $(PHASE_RESULTS); mkdir -p $(PHASE_RESULTS); \
+	start=$$(date +%s); \
+	$(call STAGE,1,$(STAGE_MAIN)) || exit $$?; \
+	$(call STAGE,$(words $(STAGE_BESIDE)),$(STAGE_BESIDE)) || exit $$?; \
+	$(call STAGE,1,$(STAGE_SERIAL)) || exit $$?; \
+	failed=0; printf '\nmake test: wall time per phase\n'; \
+	for name in $(PHASES); do \
+		read code seconds < $(PHASE_RESULTS)/$$name; \
 		if [ $$code -eq 0 ]; then outcome=passed; else outcome="FAILED (pytest exit $$code)"; failed=1; fi; \
-		summary="$$summary$$(printf '  %-14s %4dm%02ds  %s' "$$name" $$((seconds / 60)) $$((seconds % 60)) "$$outcome")\n"; \
-	}; \
-	phase main $(TEST_MAIN) $(PARALLEL); \
-	phase main-serial $(TEST_MAIN) $(ALONE); \
-	phase torchtitan $(TEST_TITAN); \
-	phase deepspeed $(TEST_DS); \
-	phase dlio $(TEST_DLIO); \
-	phase torch-newest $(TEST_NEWEST) $(PARALLEL); \
-	phase newest-serial $(TEST_NEWEST) $(ALONE); \
-	printf '\nmake test: wall time per phase\n%b' "$$summary"; \
+		printf '  %-14s %4dm%02ds  %s\n' $$name $$((seconds / 60)) $$((seconds % 60)) "$$outcome"; \
+	done; \
+	seconds=$$(($$(date +%s) - start)); \
+	printf '  %-14s %4dm%02ds  (stages: %s | %s | %s)\n' all $$((seconds / 60)) $$((seconds % 60)) \
+		"$(STAGE_MAIN)" "$(STAGE_BESIDE)" "$(STAGE_SERIAL)"; \
 	exit $$failed
 
 # The inner loop: tests/unit without the tests that start an S3 server or a process (the

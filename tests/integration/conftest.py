@@ -108,6 +108,16 @@ def cli(local_s3, monkeypatch, capsys, tmp_path):
     return _cli_runner.runner(local_s3, monkeypatch, capsys, tmp_path)
 
 
+@pytest.fixture(scope="module")
+def forked_commands(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[_cli_runner.ForkedCommands]:
+    """``python -m s3ckpt`` commands, each a child process, forked from one process per test
+    module that imported the command line once (:class:`_cli_runner.ForkedCommands`)."""
+    with _cli_runner.ForkedCommands(tmp_path_factory.mktemp("commands")) as commands:
+        yield commands
+
+
 @pytest.fixture
 def shm_root() -> Iterator[Path]:
     """A fresh folder in /dev/shm (a node's shared memory, for the memory tier), removed

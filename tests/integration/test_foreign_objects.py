@@ -19,7 +19,6 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _cli_runner import entry_point
 from s3_servers import ON_BOTH
 
 from s3ckpt.config import S3URI
@@ -75,9 +74,9 @@ def _save(make_writer, uri: str, value: float = 1.0, **options) -> None:
 
 
 @pytest.fixture
-def s3ckpt(local_s3, tmp_path):
+def s3ckpt(forked_commands, local_s3, tmp_path):
     """``python -m s3ckpt ARGV`` in a child process, against the test's server."""
-    return lambda *argv: entry_point(local_s3, tmp_path, *argv)
+    return lambda *argv: forked_commands.run(local_s3, tmp_path, *argv)
 
 
 def _one_line_refusal(result, command: str, where: str) -> None:

@@ -8,8 +8,8 @@ shares with its checkpoint process, and sends it a description of the copy; the 
 runs ``dcp.save`` of it with the given writer. The lifecycle:
 
 1. **Start.** The process is started when this object is constructed, which does not
-   wait for it: a fresh interpreter running :mod:`s3ckpt.background.worker` imports what
-   a save runs and makes the S3 client of ``config`` while training goes on, at the
+   wait for it: a fresh interpreter running :mod:`s3ckpt.background.process_side`
+   imports what a save runs and makes the S3 client of ``config`` while training goes on, at the
    trainer's priority, then answers ready (:meth:`prepare` waits for that; a save sent
    earlier waits in the process for what is left of its start-up). With
    several ranks, every rank constructs it at the same point: rank 0 opens a store the
@@ -22,8 +22,8 @@ runs ``dcp.save`` of it with the given writer. The lifecycle:
    save's DCP metadata, or its error.
 3. **Failure.** A process that dies (killed, out of memory) fails its save at once with
    :class:`~s3ckpt.errors.CheckpointProcessError`; with several ranks, a failed save
-   ends the processes of every rank (see the worker), and the next save starts fresh ones
-   on every rank, together. Nothing of a failed save is committed: the manifest is
+   ends the processes of every rank (:mod:`~s3ckpt.background.process_side`), and the
+   next save starts fresh ones on every rank, together. Nothing of a failed save is committed: the manifest is
    written last.
 4. **Close** (:meth:`close`, or the interpreter's exit): wait for the save in flight,
    stop the process (one still starting is killed at once; a ready one exits when asked,
@@ -51,11 +51,11 @@ import torch.distributed as dist
 
 from s3ckpt.background.arena import StagingArena
 from s3ckpt.background.channel import dumps_staged
-from s3ckpt.background.child import CheckpointWorker, child_niceness
 from s3ckpt.background.meeting import MeetingWatch
 from s3ckpt.background.protocol import Hello, Hold, Meeting
 from s3ckpt.background.rebuild import ChildImports
 from s3ckpt.background.stage import Staged, stage
+from s3ckpt.background.trainer_side import TrainerSide, process_niceness
 from s3ckpt.dcp.compat import default_store_host
 from s3ckpt.dcp.staging import plain_state_dict
 from s3ckpt.errors import CheckpointProcessError, ConfigError
@@ -135,7 +135,7 @@ class CheckpointProcess:
         self._store, self._address = self._meeting_place()
         self._generation = 0
         self._imports = ChildImports()
-        self._worker: CheckpointWorker | None = None
+        self._side: TrainerSide | None = None
         self._inflight: Future[Any] | None = None
         self._closed = False
         self._pid = os.getpid()
@@ -143,13 +143,13 @@ class CheckpointProcess:
         _open.add(self)
 
     def __repr__(self) -> str:
-        pid = self._worker.pid if self._worker is not None else None
+        pid = self._side.pid if self._side is not None else None
         return f"CheckpointProcess(rank={self.rank}, pid={pid})"
 
     @property
     def pid(self) -> int | None:
         """The checkpoint process's pid (None once closed)."""
-        return self._worker.pid if self._worker is not None else None
+        return self._side.pid if self._side is not None else None
 
     def arena(self, slot: int = 0) -> StagingArena:
         """The staging memory of ``slot`` (the only one without memory slots)."""
@@ -158,8 +158,8 @@ class CheckpointProcess:
     @property
     def ready(self) -> bool:
         """Whether the process has started and answered ready."""
-        worker = self._worker
-        return worker is not None and worker.ready
+        side = self._side
+        return side is not None and side.ready
 
     def prepare(self, timeout_s: float | None = None) -> None:
         """Wait until the checkpoint process is ready to save (imports done, client made,
@@ -169,9 +169,9 @@ class CheckpointProcess:
         :class:`~s3ckpt.errors.CheckpointProcessError` (as after ``timeout_s`` seconds),
         and the next save starts a fresh process."""
         self._check_open()
-        worker = self._worker
-        assert worker is not None
-        worker.wait_ready(timeout_s)
+        side = self._side
+        assert side is not None
+        side.wait_ready(timeout_s)
 
     @property
     def staging_bytes(self) -> int:
@@ -205,15 +205,15 @@ class CheckpointProcess:
     def hurried(self) -> Iterator[None]:
         """While the trainer waits for this process's save: the process runs at the
         trainer's priority, where the trainer may raise a priority it lowered."""
-        worker = self._worker
-        if worker is None:
+        side = self._side
+        if side is None:
             yield
             return
-        worker.hurry()
+        side.hurry()
         try:
             yield
         finally:
-            worker.relax()
+            side.relax()
 
     def refresh(self, agree: Any = None) -> list[Any]:
         """Start fresh checkpoint processes where one is needed: this rank's died, or (with
@@ -221,8 +221,8 @@ class CheckpointProcess:
         also carries ``agree``: every rank's, in rank order, is returned (what the caller
         checks the ranks agree on before a save starts)."""
         self._check_open()
-        worker = self._worker
-        needed = worker is None or not worker.healthy(self.world)
+        side = self._side
+        needed = side is None or not side.healthy(self.world)
         agreed = [agree]
         if self.world > 1:
             flags: list[Any] = [None] * self.world
@@ -230,7 +230,7 @@ class CheckpointProcess:
             needed = any(flag for flag, _ in flags)
             agreed = [value for _, value in flags]
         if needed:
-            self._stop_worker()
+            self._stop_side()
             self._generation += 1
             self._start()
         return agreed
@@ -264,13 +264,13 @@ class CheckpointProcess:
         can unpickle) to what it makes of it there: the metadata of a state of 580
         tensors is 88 KB, whose unpickling on the reader thread holds this process's GIL
         2.3-2.6 ms at the end of every upload, beside the training loop."""
-        worker = self._worker
-        assert worker is not None
+        side = self._side
+        assert side is not None
         data = dumps_staged(staged.state_dict, self._arenas[slot], staged.placed)
         if hold is not None:
             regions = tuple((r.segment, r.offset, r.nbytes) for r in staged.regions)
             hold = dataclasses.replace(hold, regions=regions)
-        future = worker.save(slot, data, writer, planner, hold, (held, replicated), reply)
+        future = side.save(slot, data, writer, planner, hold, (held, replicated), reply)
         self._inflight = future
         return future
 
@@ -286,7 +286,7 @@ class CheckpointProcess:
         try:
             self.wait_idle()
         finally:
-            self._stop_worker()
+            self._stop_side()
             for arena in self._arenas:
                 arena.close()
             self._store = None
@@ -329,13 +329,13 @@ class CheckpointProcess:
             meeting = Meeting(host, port, prefix, self.rank, self.world, self._timeout_s)
             watch = MeetingWatch(self._store, prefix, self.rank)
         level = logging.getLogger("s3ckpt").getEffectiveLevel()
-        hello = Hello(list(sys.path), level, meeting, self._config, child_niceness(self._nice))
-        self._worker = CheckpointWorker(hello, self._arenas, self.rank, watch)
+        hello = Hello(list(sys.path), level, meeting, self._config, process_niceness(self._nice))
+        self._side = TrainerSide(hello, self._arenas, self.rank, watch)
 
-    def _stop_worker(self) -> None:
-        worker, self._worker = self._worker, None
-        if worker is not None:
-            worker.stop()
+    def _stop_side(self) -> None:
+        side, self._side = self._side, None
+        if side is not None:
+            side.stop()
 
 
 def check_usable(owner: object, closed: bool, pid: int) -> None:

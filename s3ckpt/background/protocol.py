@@ -1,7 +1,7 @@
 """The messages between a trainer and its checkpoint process, in both directions.
 
-Each rank's trainer (:class:`~s3ckpt.background.child.CheckpointWorker`) and the
-checkpoint process it started (:mod:`s3ckpt.background.worker`) talk over one
+Each rank's trainer (:class:`~s3ckpt.background.trainer_side.TrainerSide`) and the
+checkpoint process it started (:mod:`s3ckpt.background.process_side`) talk over one
 :class:`~s3ckpt.background.channel.Channel`: every message is one of the classes below,
 pickled, and each side dispatches on its type; a message of any other type is an error
 where it is received (:class:`~s3ckpt.errors.CheckpointProcessError`), never dropped.

@@ -17,7 +17,6 @@ import torch
 from s3ckpt import S3Config
 from s3ckpt.background.arena import StagingArena
 from s3ckpt.background.channel import Channel, ChannelClosed
-from s3ckpt.background.child import CheckpointWorker, worker_environment
 from s3ckpt.background.protocol import (
     Failed,
     Held,
@@ -34,6 +33,7 @@ from s3ckpt.background.protocol import (
     ToTrainer,
 )
 from s3ckpt.background.replicate import Exchange
+from s3ckpt.background.trainer_side import TrainerSide, process_environment
 from s3ckpt.errors import CheckpointProcessError, StoreStalledError
 
 
@@ -136,11 +136,11 @@ def _started(tmp_path: Any) -> tuple[subprocess.Popen[bytes], Channel]:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with (tmp_path / "stderr").open("wb") as stderr:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "s3ckpt.background.worker", str(theirs.fileno())],
+            [sys.executable, "-m", "s3ckpt.background.process_side", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
             stderr=stderr,
-            env=worker_environment(),
+            env=process_environment(),
         )
     theirs.close()
     return popen, Channel(ours)
@@ -176,7 +176,7 @@ def test_the_trainer_fails_on_an_answer_it_does_not_know() -> None:
     """An answer of the old form is an error where the trainer reads it (its reader
     then fails every save in flight), not a message it passes over."""
     arena = StagingArena()
-    worker = CheckpointWorker(Hello(list(sys.path), logging.WARNING, None), [arena], 0)
+    worker = TrainerSide(Hello(list(sys.path), logging.WARNING, None), [arena], 0)
     try:
         worker.wait_ready(60)
         with pytest.raises(CheckpointProcessError, match=r"unknown message from the checkpoint"):

@@ -1,4 +1,5 @@
-"""The checkpoint process: ``python -m s3ckpt.background.worker FD``.
+"""The checkpoint process's side of the protocol (runs in that process, never in the
+trainer): ``python -m s3ckpt.background.process_side FD``.
 
 Started by :class:`~s3ckpt.background.process.CheckpointProcess` as a fresh interpreter
 running this module, never the training script: nothing of ``__main__`` runs again here,

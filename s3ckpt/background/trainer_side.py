@@ -1,9 +1,10 @@
-"""``CheckpointWorker``: the trainer's side of one started checkpoint process.
+"""``TrainerSide``: the trainer's side of one started checkpoint process (runs in the
+trainer; :mod:`s3ckpt.background.process_side` is the other end).
 
 :class:`~s3ckpt.background.process.CheckpointProcess` keeps one at a time and replaces it
 when it dies; this is what talks to it: the child started (a fresh interpreter running
-:mod:`s3ckpt.background.worker`), the socket to it, the thread that reads its answers,
-and each save's futures (its outcome, and when its copy was held and replicated). A
+:mod:`s3ckpt.background.process_side`), the socket to it, the thread that reads its
+answers, and each save's futures (its outcome, and when its copy was held and replicated). A
 child that dies fails every save in flight with
 :class:`~s3ckpt.errors.CheckpointProcessError`, after aborting the uploads it left open.
 """
@@ -47,7 +48,7 @@ log = logging.getLogger("s3ckpt.background")
 STOP_TIMEOUT_S = 1.0  # a ready process exits at once when asked; killed after this
 
 
-class CheckpointWorker:
+class TrainerSide:
     """One started checkpoint process: its pipe, its reader thread, its saves' futures."""
 
     def __init__(
@@ -74,10 +75,10 @@ class CheckpointWorker:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._popen = subprocess.Popen(
-                [sys.executable, "-m", "s3ckpt.background.worker", str(theirs.fileno())],
+                [sys.executable, "-m", "s3ckpt.background.process_side", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
-                env=worker_environment(),
+                env=process_environment(),
             )
         finally:
             theirs.close()
@@ -328,14 +329,14 @@ def _abort_open_uploads(writer: Any, rank: int, error: CheckpointProcessError) -
         error.add_note(f"{aborted} upload(s) it left open under {location} were aborted")
 
 
-def worker_environment() -> dict[str, str]:
+def process_environment() -> dict[str, str]:
     """The trainer's environment, with s3ckpt importable however the trainer found it."""
     package_root = str(Path(__file__).resolve().parents[2])
     paths = [package_root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
 
 
-def child_niceness(by: int) -> int | None:
+def process_niceness(by: int) -> int | None:
     """The niceness a checkpoint process saves at: ``by`` more than this process's (at
     most 19); None when ``by`` is 0 (it stays at the trainer's)."""
     if by <= 0:

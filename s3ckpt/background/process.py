@@ -36,6 +36,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import sys
@@ -52,10 +53,10 @@ import torch.distributed as dist
 from s3ckpt.background.arena import StagingArena
 from s3ckpt.background.channel import dumps_staged
 from s3ckpt.background.meeting import MeetingWatch
-from s3ckpt.background.protocol import Hello, Hold, Meeting
+from s3ckpt.background.protocol import Hello, Meeting, SaveRequest
 from s3ckpt.background.rebuild import ChildImports
 from s3ckpt.background.stage import Staged, stage
-from s3ckpt.background.trainer_side import TrainerSide, process_niceness
+from s3ckpt.background.trainer_side import TierHold, TrainerSide, process_niceness
 from s3ckpt.dcp.compat import default_store_host
 from s3ckpt.dcp.staging import plain_state_dict
 from s3ckpt.errors import CheckpointProcessError, ConfigError
@@ -136,6 +137,7 @@ class CheckpointProcess:
         self._generation = 0
         self._imports = ChildImports()
         self._side: TrainerSide | None = None
+        self._save_ids = itertools.count()
         self._inflight: Future[Any] | None = None
         self._closed = False
         self._pid = os.getpid()
@@ -248,29 +250,29 @@ class CheckpointProcess:
         writer: Any,
         planner: Any = None,
         *,
-        slot: int = 0,
-        hold: Hold | None = None,
-        held: Future[None] | None = None,
-        replicated: Future[None] | None = None,
+        hold: TierHold | None = None,
         reply: Callable[[Any], Any] | None = None,
     ) -> Future[Any]:
-        """Send a copy staged in ``slot`` to the checkpoint process; its save's future.
-        With ``hold``, the process first records the copy as a memory-tier checkpoint
-        (``held`` resolves then), then exchanges copies with its peers if the hold says
-        so (``replicated`` resolves once every process of the exchange recorded what it
-        received); ``writer`` may then be None (held only, not uploaded).
+        """Send a copy staged in the arena of ``hold.slot`` (else the first) to the
+        checkpoint process; its save's future. With ``hold``, the process first records
+        the copy as a memory-tier checkpoint (``hold.held`` resolves then), then exchanges
+        copies with its peers if the hold's request says so (``hold.replicated`` resolves
+        once every process of the exchange recorded what it received); ``writer`` may then
+        be None (held only, not uploaded).
 
         The future resolves to DCP's metadata, or with ``reply`` (a function the process
-        can unpickle) to what it makes of it there: the metadata of a state of 580
-        tensors is 88 KB, whose unpickling on the reader thread holds this process's GIL
-        2.3-2.6 ms at the end of every upload, beside the training loop."""
+        can unpickle) to what it makes of it there, so that only that crosses back to
+        the trainer (docs/decisions/0007-staging-arena.md)."""
         side = self._side
         assert side is not None
+        slot = hold.slot if hold is not None else 0
         data = dumps_staged(staged.state_dict, self._arenas[slot], staged.placed)
+        request = None
         if hold is not None:
             regions = tuple((r.segment, r.offset, r.nbytes) for r in staged.regions)
-            hold = dataclasses.replace(hold, regions=regions)
-        future = side.save(slot, data, writer, planner, hold, (held, replicated), reply)
+            request = dataclasses.replace(hold.request, regions=regions)
+        save = SaveRequest(next(self._save_ids), slot, data, writer, planner, request, reply)
+        future = side.save(save, hold)
         self._inflight = future
         return future
 

@@ -91,7 +91,9 @@ class Hold:
 
 @dataclass(frozen=True)
 class SaveRequest:
-    """Save the copy staged in arena ``slot``.
+    """Save the copy staged in arena ``slot``: the one request of a save, made once by
+    :meth:`~s3ckpt.background.process.CheckpointProcess.submit`, sent as it is, run as
+    it is by the process.
 
     ``data`` is the state pickled with its arena tensors by reference
     (:func:`~s3ckpt.background.channel.dumps_staged`); ``writer`` uploads it (None: held

@@ -24,7 +24,6 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -32,7 +31,7 @@ from typing import Any, Literal
 import torch.distributed as dist
 
 from s3ckpt.background.process import CheckpointProcess
-from s3ckpt.background.protocol import Hold
+from s3ckpt.background.trainer_side import TierHold
 from s3ckpt.dcp.compat import save_plain
 from s3ckpt.dcp.local_plan import ReusingSavePlanner
 from s3ckpt.dcp.staging import HostStager, plain_state_dict
@@ -42,19 +41,6 @@ from s3ckpt.errors import CheckpointError, ConfigError
 log = logging.getLogger("s3ckpt.background")
 
 SaverMode = Literal["process", "thread"]
-
-
-@dataclass(eq=False)
-class Keep:
-    """Keep a save's copy as a memory-tier checkpoint: stage it in ``slot`` (one of the
-    saver's ``memory_slots``), record it there (``hold``); ``held`` resolves once it is,
-    ``replicated`` once the hold's exchange with peers is done (if it has one)."""
-
-    slot: int
-    hold: Hold
-    held: Future[None] = field(default_factory=Future)
-    replicated: Future[None] = field(default_factory=Future)
-    nbytes: int = 0  # the copy's tensor bytes, once staged
 
 
 class BackgroundSaver:
@@ -144,7 +130,7 @@ class BackgroundSaver:
         writer: S3StorageWriter | None,
         describe: str,
         *,
-        keep: Keep | None = None,
+        hold: TierHold | None = None,
         planner: Any = None,
     ) -> tuple[Future[Any], Exception | None]:
         """Copy ``state_dict`` to host memory, then start its upload with ``writer``; the
@@ -152,7 +138,7 @@ class BackgroundSaver:
         with one rank it is raised here). ``describe`` names the save in that error. The
         previous save must be finished.
 
-        With ``keep`` (process mode), the copy is also held as a memory-tier checkpoint;
+        With ``hold`` (process mode), the copy is also held as a memory-tier checkpoint;
         ``writer`` may then be None: held only, with no collective, so a rank whose copy
         fails raises at once (its step is then not held by every rank, which a restore
         sees). With replication and several ranks, a rank whose copy fails still takes
@@ -161,13 +147,13 @@ class BackgroundSaver:
         if not self._ready:
             self.ready(describe)
         self._ready = False
-        slot = keep.slot if keep is not None else 0
+        slot = hold.slot if hold is not None else 0
         try:
             staged, failure = self._stage(state_dict, slot), None
-            if keep is not None:
-                keep.nbytes = staged.nbytes
+            if hold is not None:
+                hold.nbytes = staged.nbytes
         except Exception as exc:
-            if self.world == 1 or (writer is None and not _replicates(keep)):
+            if self.world == 1 or (writer is None and not _replicates(hold)):
                 raise
             staged, failure = None, exc
             reason = (
@@ -175,9 +161,9 @@ class BackgroundSaver:
                 f"memory ({type(exc).__name__}: {exc})"
             )
             writer = CopyFailed(writer, reason)
-        if failure is not None and keep is not None:
-            keep = _nothing_to_send(keep)
-        return self._upload(staged, writer, keep, planner), failure
+        if failure is not None and hold is not None:
+            hold = _nothing_to_send(hold)
+        return self._upload(staged, writer, hold, planner), failure
 
     def _stage(self, state_dict: dict[str, Any], slot: int) -> Any:
         if self._process is not None:
@@ -189,19 +175,12 @@ class BackgroundSaver:
         return self._stager.stage(plain_state_dict(state_dict))
 
     def _upload(
-        self, staged: Any, writer: S3StorageWriter | None, keep: Keep | None, planner: Any
+        self, staged: Any, writer: S3StorageWriter | None, hold: TierHold | None, planner: Any
     ) -> Future[Any]:
         if self._process is not None:
-            if keep is not None:
-                if staged is None:
-                    staged = self._process.stage({}, keep.slot)
-                return self._process.submit(
-                    staged, writer, planner, slot=keep.slot, hold=keep.hold, held=keep.held,
-                    replicated=keep.replicated, reply=self._reply,
-                )  # fmt: skip
             if staged is None:
-                staged = self._process.stage({})
-            return self._process.submit(staged, writer, planner, reply=self._reply)
+                staged = self._process.stage({}, hold.slot if hold is not None else 0)
+            return self._process.submit(staged, writer, planner, hold=hold, reply=self._reply)
         assert self._thread is not None
         return self._thread.submit(
             _replying, self._reply, staged if staged is not None else {}, storage_writer=writer,
@@ -228,20 +207,20 @@ class BackgroundSaver:
                 self._save_group = None
 
 
-def _replicates(keep: Keep | None) -> bool:
-    return keep is not None and keep.hold.replicate is not None
+def _replicates(hold: TierHold | None) -> bool:
+    return hold is not None and hold.request.replicate is not None
 
 
-def _nothing_to_send(keep: Keep) -> Keep:
-    """``keep`` for a rank whose copy failed: nothing held, and nothing sent to its peers
+def _nothing_to_send(hold: TierHold) -> TierHold:
+    """``hold`` for a rank whose copy failed: nothing held, and nothing sent to its peers
     (it still receives theirs, and the exchange then fails on every rank)."""
-    replicate = keep.hold.replicate
+    replicate = hold.request.replicate
     if replicate is not None:
         replicate = dataclasses.replace(
             replicate, sends=tuple((peer, "") for peer, _ in replicate.sends)
         )
-    hold = dataclasses.replace(keep.hold, folder="", replicate=replicate)
-    return Keep(keep.slot, hold, keep.held, keep.replicated)
+    request = dataclasses.replace(hold.request, folder="", replicate=replicate)
+    return dataclasses.replace(hold, request=request)
 
 
 class CopyFailed(S3StorageWriter):

@@ -18,10 +18,10 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from s3ckpt.background.arena import StagingArena
 from s3ckpt.background.channel import Channel, ChannelClosed
@@ -48,6 +48,29 @@ log = logging.getLogger("s3ckpt.background")
 STOP_TIMEOUT_S = 1.0  # a ready process exits at once when asked; killed after this
 
 
+@dataclass(eq=False)
+class TierHold:
+    """A save's copy kept as a memory-tier checkpoint, as the trainer follows it: staged in
+    arena ``slot`` (one of the process's memory slots), recorded by the process as
+    ``request`` says; ``held`` resolves once it is, ``replicated`` once the request's
+    exchange with peers is done (if it has one); both fail with the save."""
+
+    slot: int
+    request: Hold
+    held: Future[None] = field(default_factory=Future)
+    replicated: Future[None] = field(default_factory=Future)
+    nbytes: int = 0  # the copy's tensor bytes, once staged
+
+
+class _Pending(NamedTuple):
+    """A save sent and not answered yet: its future, its writer (to abort what a dead
+    process left open), and its hold."""
+
+    future: Future[Any]
+    writer: Any
+    hold: TierHold | None
+
+
 class TrainerSide:
     """One started checkpoint process: its pipe, its reader thread, its saves' futures."""
 
@@ -64,9 +87,7 @@ class TrainerSide:
         self._stopped_because: str | None = None  # another rank's process died meeting
         self._sent_segments = [0] * len(arenas)
         self._lock = threading.Lock()
-        # save id -> (its future, its writer, its held and replicated futures)
-        self._pending: dict[int, tuple[Future[Any], Any, Stages]] = {}
-        self._next_id = 0
+        self._pending: dict[int, _Pending] = {}  # by save id
         self.failed = False
         self.gone = False
         self._start_error: BaseException | None = None
@@ -132,34 +153,26 @@ class TrainerSide:
         """Alive, and (with several ranks) its last save did not fail."""
         return not self.gone and not (world > 1 and self.failed)
 
-    def save(
-        self,
-        slot: int,
-        data: bytes,
-        writer: Any,
-        planner: Any,
-        hold: Hold | None,
-        stages: Stages,
-        reply: Callable[[Any], Any] | None = None,
-    ) -> Future[Any]:
-        future, save_id = self._register(writer, stages)
+    def save(self, request: SaveRequest, hold: TierHold | None = None) -> Future[Any]:
+        """Send ``request``; its save's future (``hold``: the request's hold, whose futures
+        the process's answers resolve)."""
+        future = self._register(request, hold)
         self._watch_contention()
         if not future.done():
             # a closed channel: the reader thread fails the future with the exit status
             with contextlib.suppress(ChannelClosed):
-                self._send_segments(slot)
-                self._channel.send(SaveRequest(save_id, slot, data, writer, planner, hold, reply))
+                self._send_segments(request.slot)
+                self._channel.send(request)
         return future
 
-    def _register(self, writer: Any, stages: Stages) -> tuple[Future[Any], int]:
+    def _register(self, request: SaveRequest, hold: TierHold | None) -> Future[Any]:
         future: Future[Any] = Future()
         with self._lock:
             if self.gone:
-                _fail(self._died("before the save was sent"), future, stages)
-                return future, -1
-            save_id, self._next_id = self._next_id, self._next_id + 1
-            self._pending[save_id] = (future, writer, stages)
-        return future, save_id
+                _fail(self._died("before the save was sent"), _Pending(future, None, hold))
+                return future
+            self._pending[request.save_id] = _Pending(future, request.writer, hold)
+        return future
 
     def _send_segments(self, slot: int) -> None:
         segments = self._arenas[slot].segments[self._sent_segments[slot] :]
@@ -190,10 +203,10 @@ class TrainerSide:
             meeting.end()
         if pending:
             error = self._died("while meeting its peers" if before_meeting else "during the save")
-            for future, writer, held in pending.values():
-                if writer is not None:
-                    _abort_open_uploads(writer, self._rank, error)
-                _fail(error, future, held)
+            for save in pending.values():
+                if save.writer is not None:
+                    _abort_open_uploads(save.writer, self._rank, error)
+                _fail(error, save)
 
     def _settle(self, message: ToTrainer) -> None:
         match message:
@@ -204,28 +217,29 @@ class TrainerSide:
             case Held(save_id) | Replicated(save_id):
                 with self._lock:
                     pending = self._pending.get(save_id)
-                reached = None if pending is None else pending[2][isinstance(message, Replicated)]
-                if reached is not None:
+                hold = None if pending is None else pending.hold
+                if hold is not None:
+                    reached = hold.replicated if isinstance(message, Replicated) else hold.held
                     reached.set_result(None)
             case Saved(save_id, metadata):
-                future, _ = self._finish(save_id)
-                if future is not None:
-                    future.set_result(metadata)
+                save = self._finish(save_id)
+                if save is not None:
+                    save.future.set_result(metadata)
             case Failed(save_id, error):
                 self._failed(save_id, error)
             case _:
                 raise unknown(message, f"the checkpoint process {self.pid}")
 
-    def _finish(self, save_id: int | None) -> tuple[Future[Any] | None, Stages]:
-        """The future and stages of save ``save_id``, no longer pending (None, if none)."""
+    def _finish(self, save_id: int | None) -> _Pending | None:
+        """Save ``save_id``, no longer pending (None, if none)."""
         with self._lock:
             pending = self._pending.pop(save_id, None) if save_id is not None else None
         self._watch_contention()
-        return (None, (None, None)) if pending is None else (pending[0], pending[2])
+        return pending
 
     def _failed(self, save_id: int | None, error: BaseException) -> None:
         """Save ``save_id`` failed, or (None) the process could not start."""
-        future, stages = self._finish(save_id)
+        save = self._finish(save_id)
         self.failed = True
         if not isinstance(error, S3CkptError):
             wrapped = CheckpointProcessError(
@@ -234,8 +248,8 @@ class TrainerSide:
             )
             wrapped.__cause__ = error
             error = wrapped
-        if future is not None:
-            _fail(error, future, stages)
+        if save is not None:
+            _fail(error, save)
         else:  # it could not start: the next save's future gets the reason
             self._start_error = error
             log.error("the checkpoint process %d could not start: %s", self.pid, error)
@@ -294,16 +308,13 @@ class TrainerSide:
         self._reader.join(timeout=timeout)
 
 
-Stages = tuple["Future[None] | None", "Future[None] | None"]  # held, replicated
-
-
-def _fail(error: BaseException, future: Future[Any] | None, stages: Stages) -> None:
-    """Fail a save's future, and its held and replicated futures not resolved yet."""
-    for waiting in stages:
-        if waiting is not None and not waiting.done():
-            waiting.set_exception(error)
-    if future is not None:
-        future.set_exception(error)
+def _fail(error: BaseException, save: _Pending) -> None:
+    """Fail a save's future, and its hold's futures not resolved yet."""
+    if save.hold is not None:
+        for waiting in (save.hold.held, save.hold.replicated):
+            if not waiting.done():
+                waiting.set_exception(error)
+    save.future.set_exception(error)
 
 
 def _abort_open_uploads(writer: Any, rank: int, error: CheckpointProcessError) -> None:

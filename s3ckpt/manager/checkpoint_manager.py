@@ -370,9 +370,9 @@ class CheckpointManager:
         if self._saves is None:
             assert writer is not None
             return self._save_sync(step, state_dict, writer, started, waited)
-        keep = None if self._tier is None else self._tier.keep(step)
+        keep = None if self._tier is None else self._tier.hold(step)
         try:
-            future, failure = self._saves.start(state_dict, writer, name, keep=keep)
+            future, failure = self._saves.start(state_dict, writer, name, hold=keep)
         except BaseException as exc:
             _reraise(exc, f"saving {name}")
         now = time.perf_counter()

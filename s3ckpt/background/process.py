@@ -53,7 +53,7 @@ import torch.distributed as dist
 from s3ckpt.background.arena import StagingArena
 from s3ckpt.background.channel import dumps_staged
 from s3ckpt.background.meeting import MeetingWatch
-from s3ckpt.background.protocol import Hello, Meeting, SaveRequest
+from s3ckpt.background.protocol import CopyFailure, Hello, Meeting, SaveRequest
 from s3ckpt.background.rebuild import ChildImports
 from s3ckpt.background.stage import Staged, stage
 from s3ckpt.background.trainer_side import TierHold, TrainerSide, process_niceness
@@ -252,6 +252,7 @@ class CheckpointProcess:
         *,
         hold: TierHold | None = None,
         reply: Callable[[Any], Any] | None = None,
+        copy_failure: CopyFailure | None = None,
     ) -> Future[Any]:
         """Send a copy staged in the arena of ``hold.slot`` (else the first) to the
         checkpoint process; its save's future. With ``hold``, the process first records
@@ -262,7 +263,8 @@ class CheckpointProcess:
 
         The future resolves to DCP's metadata, or with ``reply`` (a function the process
         can unpickle) to what it makes of it there, so that only that crosses back to
-        the trainer (docs/decisions/0007-staging-arena.md)."""
+        the trainer (docs/decisions/0007-staging-arena.md). With ``copy_failure`` (this
+        rank's copy failed; ``staged`` is then empty), the save fails on every rank."""
         side = self._side
         assert side is not None
         slot = hold.slot if hold is not None else 0
@@ -271,7 +273,9 @@ class CheckpointProcess:
         if hold is not None:
             regions = tuple((r.segment, r.offset, r.nbytes) for r in staged.regions)
             request = dataclasses.replace(hold.request, regions=regions)
-        save = SaveRequest(next(self._save_ids), slot, data, writer, planner, request, reply)
+        save = SaveRequest(
+            next(self._save_ids), slot, data, writer, planner, request, reply, copy_failure
+        )
         future = side.save(save, hold)
         self._inflight = future
         return future

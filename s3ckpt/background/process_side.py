@@ -199,11 +199,19 @@ def _save(channel: Channel, arena: Any, request: SaveRequest, planner: Any) -> b
 
                 exchange(hold.replicate)
                 _answer(channel, Replicated(save_id))
+        distributed = dist.is_initialized()
+        if writer is not None and distributed:
+            from s3ckpt.background.ranks import raise_copy_failures
+
+            raise_copy_failures(request.copy_failure)
+        if request.copy_failure is not None:
+            from s3ckpt.errors import CheckpointError
+
+            raise CheckpointError(request.copy_failure.reason)
         if writer is None:
             _answer(channel, Saved(save_id, None))
             return True
         state = loads_staged(request.data, segments)
-        distributed = dist.is_initialized()
         metadata = dcp.save(state, storage_writer=writer, planner=planner, no_dist=not distributed)
         answer = metadata if reply is None else reply(metadata)
     except BaseException as exc:

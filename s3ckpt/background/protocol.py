@@ -23,8 +23,8 @@ The lifecycle, in the order the messages travel:
 
 Trainer to process: :class:`Hello`, :class:`Segments`, :class:`SaveRequest`,
 :class:`Stop`. Process to trainer: :class:`Ready`, :class:`Held`, :class:`Replicated`,
-:class:`Saved`, :class:`Failed`. :class:`Meeting` and :class:`Hold` travel inside
-:class:`Hello` and :class:`SaveRequest`.
+:class:`Saved`, :class:`Failed`. :class:`Meeting` travels inside :class:`Hello`,
+:class:`Hold` and :class:`CopyFailure` inside :class:`SaveRequest`.
 """
 
 from __future__ import annotations
@@ -90,6 +90,16 @@ class Hold:
 
 
 @dataclass(frozen=True)
+class CopyFailure:
+    """This rank could not copy its state to host memory: ``reason`` names the save, the
+    rank and the error. Its request still goes to its process, which takes part in the
+    save's first collective (:func:`~s3ckpt.background.ranks.raise_copy_failures`), so
+    every rank's save fails with ``reason`` and none waits for this one."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class SaveRequest:
     """Save the copy staged in arena ``slot``: the one request of a save, made once by
     :meth:`~s3ckpt.background.process.CheckpointProcess.submit`, sent as it is, run as
@@ -99,7 +109,8 @@ class SaveRequest:
     (:func:`~s3ckpt.background.channel.dumps_staged`); ``writer`` uploads it (None: held
     only); ``planner`` is the trainer's (None: the process's own, one per slot); ``hold``
     records the copy first (:class:`Held`, :class:`Replicated`); ``reply``, run in the
-    process on DCP's metadata, makes what :class:`Saved` carries instead of it."""
+    process on DCP's metadata, makes what :class:`Saved` carries instead of it;
+    ``copy_failure``: this rank's copy failed, the save fails on every rank."""
 
     save_id: int
     slot: int
@@ -108,6 +119,7 @@ class SaveRequest:
     planner: Any
     hold: Hold | None
     reply: Callable[[Any], Any] | None = None
+    copy_failure: CopyFailure | None = None
 
 
 @dataclass(frozen=True)

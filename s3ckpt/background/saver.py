@@ -13,8 +13,9 @@ and reused, so the next save waits for the one in flight). Two ways to run the u
   Python holds; kept for those who cannot start a process.
 
 A rank whose copy fails raises its error at once, but first starts its save with a
-:class:`CopyFailed` writer: that save fails in planning, DCP gathers the failure and raises
-it on every rank, so no rank waits for this one in the save's collectives.
+:class:`~s3ckpt.background.protocol.CopyFailure` in place of the copy: every rank's save
+meets it before its first collective (:func:`~s3ckpt.background.ranks.raise_copy_failures`)
+and fails with it, so no rank waits for this one and nothing is written.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from typing import Any, Literal
 import torch.distributed as dist
 
 from s3ckpt.background.process import CheckpointProcess
+from s3ckpt.background.protocol import CopyFailure
+from s3ckpt.background.ranks import raise_copy_failures
 from s3ckpt.background.trainer_side import TierHold
 from s3ckpt.dcp.compat import save_plain
 from s3ckpt.dcp.local_plan import ReusingSavePlanner
@@ -156,14 +159,15 @@ class BackgroundSaver:
             if self.world == 1 or (writer is None and not _replicates(hold)):
                 raise
             staged, failure = None, exc
-            reason = (
+        copy_failure = None
+        if failure is not None:
+            copy_failure = CopyFailure(
                 f"{describe} not saved: rank {self.rank} could not copy its state to host "
-                f"memory ({type(exc).__name__}: {exc})"
+                f"memory ({type(failure).__name__}: {failure})"
             )
-            writer = CopyFailed(writer, reason)
-        if failure is not None and hold is not None:
-            hold = _nothing_to_send(hold)
-        return self._upload(staged, writer, hold, planner), failure
+            if hold is not None:
+                hold = _nothing_to_send(hold)
+        return self._upload(staged, writer, hold, planner, copy_failure), failure
 
     def _stage(self, state_dict: dict[str, Any], slot: int) -> Any:
         if self._process is not None:
@@ -175,16 +179,23 @@ class BackgroundSaver:
         return self._stager.stage(plain_state_dict(state_dict))
 
     def _upload(
-        self, staged: Any, writer: S3StorageWriter | None, hold: TierHold | None, planner: Any
+        self,
+        staged: Any,
+        writer: S3StorageWriter | None,
+        hold: TierHold | None,
+        planner: Any,
+        copy_failure: CopyFailure | None,
     ) -> Future[Any]:
         if self._process is not None:
             if staged is None:
                 staged = self._process.stage({}, hold.slot if hold is not None else 0)
-            return self._process.submit(staged, writer, planner, hold=hold, reply=self._reply)
+            return self._process.submit(
+                staged, writer, planner, hold=hold, reply=self._reply, copy_failure=copy_failure
+            )
         assert self._thread is not None
         return self._thread.submit(
-            _replying, self._reply, staged if staged is not None else {}, storage_writer=writer,
-            planner=planner if planner is not None else self._planner,
+            _save_on_thread, self._reply, copy_failure, staged if staged is not None else {},
+            storage_writer=writer, planner=planner if planner is not None else self._planner,
             process_group=self._save_group, no_dist=self._save_group is None,
         )  # fmt: skip
 
@@ -223,21 +234,18 @@ def _nothing_to_send(hold: TierHold) -> TierHold:
     return dataclasses.replace(hold, request=request)
 
 
-class CopyFailed(S3StorageWriter):
-    """The writer of a rank whose copy to host memory failed: its part of the save's
-    planning raises ``reason``, which DCP gathers and raises on every rank. It touches
-    nothing in the store."""
-
-    def __init__(self, writer: S3StorageWriter, reason: str) -> None:
-        super().__init__(str(writer.location), config=writer.config)
-        self.reason = reason
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        raise CheckpointError(self.reason)
-
-
-def _replying(reply: Callable[[Any], Any] | None, state: dict[str, Any], **options: Any) -> Any:
-    """A thread-mode save: DCP's metadata, or ``reply`` of it."""
+def _save_on_thread(
+    reply: Callable[[Any], Any] | None,
+    copy_failure: CopyFailure | None,
+    state: dict[str, Any],
+    **options: Any,
+) -> Any:
+    """A thread-mode save: DCP's metadata, or ``reply`` of it; with several ranks, first
+    the copy failure of any rank, raised on every rank."""
+    if options["process_group"] is not None:
+        raise_copy_failures(copy_failure, options["process_group"])
+    if copy_failure is not None:
+        raise CheckpointError(copy_failure.reason)
     metadata = save_plain(state, **options)
     return metadata if reply is None else reply(metadata)
 

@@ -18,6 +18,7 @@ from s3ckpt import S3Config
 from s3ckpt.background.arena import StagingArena
 from s3ckpt.background.channel import Channel, ChannelClosed
 from s3ckpt.background.protocol import (
+    CopyFailure,
     Failed,
     Held,
     Hello,
@@ -64,6 +65,9 @@ MESSAGES: list[Any] = [
     Hello(sys_path=[], log_level=logging.WARNING, meeting=None),
     SaveRequest(3, 1, b"\x80\x05state", None, None, HOLD, _reply),
     SaveRequest(4, 0, b"", None, None, None),
+    SaveRequest(
+        5, 0, b"", None, None, None, copy_failure=CopyFailure("step 5 not saved: rank 1 ...")
+    ),
     Stop(),
     Ready(4242),
     Held(3),

@@ -15,7 +15,7 @@
 * :mod:`~s3ckpt.background.process_side`: the checkpoint process's side (runs in it);
 * :mod:`~s3ckpt.background.held`, :mod:`~s3ckpt.background.replicate`: the memory tier's
   held copies (their files, their checks) and the exchange of copies between nodes;
-* :mod:`~s3ckpt.background.arena`, :mod:`~s3ckpt.background.stage`,
+* :mod:`~s3ckpt.background.arena`, :mod:`~s3ckpt.background.arena_copy`,
   :mod:`~s3ckpt.background.shards`: the shared staging memory, the copy into it, and
   sharded tensors saved without their mesh;
 * :mod:`~s3ckpt.background.channel`: messages, descriptors and staged state between the

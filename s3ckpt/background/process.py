@@ -23,8 +23,8 @@ runs ``dcp.save`` of it with the given writer. The lifecycle:
 3. **Failure.** A process that dies (killed, out of memory) fails its save at once with
    :class:`~s3ckpt.errors.CheckpointProcessError`; with several ranks, a failed save
    ends the processes of every rank (:mod:`~s3ckpt.background.process_side`), and the
-   next save starts fresh ones on every rank, together. Nothing of a failed save is committed: the manifest is
-   written last.
+   next save starts fresh ones on every rank, together. Nothing of a failed save is
+   committed: the manifest is written last.
 4. **Close** (:meth:`close`, or the interpreter's exit): wait for the save in flight,
    stop the process (one still starting is killed at once; a ready one exits when asked,
    and is killed after a second if it has not), unmap the arena. The memory has no
@@ -51,11 +51,11 @@ import torch
 import torch.distributed as dist
 
 from s3ckpt.background.arena import StagingArena
+from s3ckpt.background.arena_copy import ArenaCopy, copy_into_arena
 from s3ckpt.background.channel import dumps_staged
 from s3ckpt.background.meeting import MeetingWatch
 from s3ckpt.background.protocol import CopyFailure, Hello, Meeting, SaveRequest
 from s3ckpt.background.rebuild import ChildImports
-from s3ckpt.background.stage import Staged, stage
 from s3ckpt.background.trainer_side import TierHold, TrainerSide, process_niceness
 from s3ckpt.dcp.compat import default_store_host
 from s3ckpt.dcp.staging import plain_state_dict
@@ -237,16 +237,16 @@ class CheckpointProcess:
             self._start()
         return agreed
 
-    def stage(self, state_dict: dict[str, Any], slot: int = 0) -> Staged:
+    def stage(self, state_dict: dict[str, Any], slot: int = 0) -> ArenaCopy:
         """Copy ``state_dict`` into the arena of ``slot`` (the previous save must be
         finished). A value the checkpoint process could not unpickle (a class of
         ``__main__``, a lambda...) raises :class:`~s3ckpt.errors.UnpicklableStateError`
         naming its key, before anything is copied."""
-        return stage(self._arenas[slot], plain_state_dict(state_dict), self._imports)
+        return copy_into_arena(self._arenas[slot], plain_state_dict(state_dict), self._imports)
 
     def submit(
         self,
-        staged: Staged,
+        staged: ArenaCopy,
         writer: Any,
         planner: Any = None,
         *,

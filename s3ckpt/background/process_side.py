@@ -11,11 +11,11 @@ S3 configuration its saves will use, and the niceness to save at), answered
 S3 client, met its peers and lowered its priority (the start-up runs at the trainer's
 priority: it is the first save's wait); then any number of :class:`Segments` (staging
 memory of one arena to map, as descriptors) and :class:`SaveRequest` messages (an arena,
-a staged state by reference, a writer or None, a planner, and a :class:`Hold` or None),
+a staged state by reference, a writer or None, a planner, and a :class:`HoldRequest` or None),
 each answered with :class:`Saved` (the DCP metadata, None without a writer) or
 :class:`Failed` (the error); and :class:`Stop`, or the end of the socket, to exit. A save
-with a :class:`Hold` first records its copy as a memory-tier checkpoint (its CRC32Cs, then
-its descriptor, :mod:`s3ckpt.background.held`) and answers :class:`Held`; then, with
+with a :class:`HoldRequest` first records its copy as a memory-tier checkpoint (its CRC32Cs, then
+its descriptor, :mod:`s3ckpt.background.held`) and answers :class:`CopyHeld`; then, with
 several nodes, exchanges copies with its peers (:class:`Replicated`); then uploads it, if
 it has a writer, from the same memory. Any other message ends the process with an error.
 
@@ -45,10 +45,10 @@ from typing import Any
 from s3ckpt.background.channel import Channel, ChannelClosed, loads_staged
 from s3ckpt.background.priority import set_nice
 from s3ckpt.background.protocol import (
+    CopyHeld,
     Failed,
-    Held,
     Hello,
-    Hold,
+    HoldRequest,
     Meeting,
     Ready,
     Replicated,
@@ -193,7 +193,7 @@ def _save(channel: Channel, arena: Any, request: SaveRequest, planner: Any) -> b
         if hold is not None:
             if hold.folder:
                 _hold(segments, request.data, hold)
-                _answer(channel, Held(save_id))
+                _answer(channel, CopyHeld(save_id))
             if hold.replicate is not None:
                 from s3ckpt.background.replicate import exchange
 
@@ -222,7 +222,7 @@ def _save(channel: Channel, arena: Any, request: SaveRequest, planner: Any) -> b
     return True
 
 
-def _hold(segments: list[Any], data: bytes, hold: Hold) -> None:
+def _hold(segments: list[Any], data: bytes, hold: HoldRequest) -> None:
     """Checksum the copy's regions, then record it in its slot (descriptor last)."""
     import time
     from pathlib import Path
@@ -235,7 +235,7 @@ def _hold(segments: list[Any], data: bytes, hold: Hold) -> None:
     regions = [
         held.HeldRegion(*region, crc) for region, crc in zip(hold.regions, crcs, strict=True)
     ]
-    record = held.Held(
+    record = held.HeldRecord(
         step=hold.step,
         rank=hold.rank,
         world=hold.world,

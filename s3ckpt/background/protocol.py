@@ -15,16 +15,16 @@ The lifecycle, in the order the messages travel:
    :class:`Segments`: the sizes of the new segments of one arena, whose descriptors ride
    with the message (``SCM_RIGHTS``), in the same order. The process maps them, once each.
 3. **Save.** The trainer sends :class:`SaveRequest`. With a hold, the process answers
-   :class:`Held` once the copy is recorded in its memory-tier slot, then
+   :class:`CopyHeld` once the copy is recorded in its memory-tier slot, then
    :class:`Replicated` once its copies were exchanged with its peers (when the hold says
    so); then :class:`Saved` (the upload's outcome) or :class:`Failed` (the error), one of
    the two for every request. With several ranks a process exits after a failed save.
 4. **Stop.** The trainer sends :class:`Stop` (or closes the socket): the process exits.
 
 Trainer to process: :class:`Hello`, :class:`Segments`, :class:`SaveRequest`,
-:class:`Stop`. Process to trainer: :class:`Ready`, :class:`Held`, :class:`Replicated`,
+:class:`Stop`. Process to trainer: :class:`Ready`, :class:`CopyHeld`, :class:`Replicated`,
 :class:`Saved`, :class:`Failed`. :class:`Meeting` travels inside :class:`Hello`,
-:class:`Hold` and :class:`CopyFailure` inside :class:`SaveRequest`.
+:class:`HoldRequest` and :class:`CopyFailure` inside :class:`SaveRequest`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from s3ckpt.errors import CheckpointProcessError
 
 if TYPE_CHECKING:
-    from s3ckpt.background.replicate import Exchange
+    from s3ckpt.background.replicate import ReplicaExchange
 
 # -- the trainer's messages ----------------------------------------------------------------
 
@@ -76,8 +76,10 @@ class Segments:
 
 
 @dataclass(frozen=True)
-class Hold:
-    """Keep a save's copy in its memory-tier slot (``folder``) as ``step``'s checkpoint."""
+class HoldRequest:
+    """Hold a save's copy: record it in its memory-tier slot (``folder``) as ``step``'s
+    checkpoint (a :class:`~s3ckpt.background.held.HeldRecord` last), then exchange copies
+    with peers as ``replicate`` says."""
 
     folder: str
     step: int
@@ -85,8 +87,9 @@ class Hold:
     world: int
     run: str
     regions: tuple[tuple[int, int, int], ...] = ()  # segment, offset, nbytes of each storage
-    replicate: Exchange | None = None  # then sent to (and received from) peers on other nodes
-    lineage: str = ""  # the saves this one continues (held.Held.lineage)
+    # then sent to (and received from) peers on other nodes
+    replicate: ReplicaExchange | None = None
+    lineage: str = ""  # the saves this one continues (held.HeldRecord.lineage)
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ class SaveRequest:
     ``data`` is the state pickled with its arena tensors by reference
     (:func:`~s3ckpt.background.channel.dumps_staged`); ``writer`` uploads it (None: held
     only); ``planner`` is the trainer's (None: the process's own, one per slot); ``hold``
-    records the copy first (:class:`Held`, :class:`Replicated`); ``reply``, run in the
+    records the copy first (:class:`CopyHeld`, :class:`Replicated`); ``reply``, run in the
     process on DCP's metadata, makes what :class:`Saved` carries instead of it;
     ``copy_failure``: this rank's copy failed, the save fails on every rank."""
 
@@ -117,7 +120,7 @@ class SaveRequest:
     data: bytes
     writer: Any
     planner: Any
-    hold: Hold | None
+    hold: HoldRequest | None
     reply: Callable[[Any], Any] | None = None
     copy_failure: CopyFailure | None = None
 
@@ -138,7 +141,7 @@ class Ready:
 
 
 @dataclass(frozen=True)
-class Held:
+class CopyHeld:
     """Save ``save_id``'s copy is recorded in its memory-tier slot."""
 
     save_id: int
@@ -170,7 +173,7 @@ class Failed:
 
 
 ToProcess = Hello | Segments | SaveRequest | Stop
-ToTrainer = Ready | Held | Replicated | Saved | Failed
+ToTrainer = Ready | CopyHeld | Replicated | Saved | Failed
 
 
 def unknown(message: object, sender: str) -> CheckpointProcessError:

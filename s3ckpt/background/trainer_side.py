@@ -28,10 +28,10 @@ from s3ckpt.background.channel import Channel, ChannelClosed
 from s3ckpt.background.meeting import MeetingWatch
 from s3ckpt.background.priority import SavePriority
 from s3ckpt.background.protocol import (
+    CopyHeld,
     Failed,
-    Held,
     Hello,
-    Hold,
+    HoldRequest,
     Ready,
     Replicated,
     Saved,
@@ -56,7 +56,7 @@ class TierHold:
     exchange with peers is done (if it has one); both fail with the save."""
 
     slot: int
-    request: Hold
+    request: HoldRequest
     held: Future[None] = field(default_factory=Future)
     replicated: Future[None] = field(default_factory=Future)
     nbytes: int = 0  # the copy's tensor bytes, once staged
@@ -214,7 +214,7 @@ class TrainerSide:
                 if self._meeting is not None:
                     self._meeting.met()
                 self._ready.set()
-            case Held(save_id) | Replicated(save_id):
+            case CopyHeld(save_id) | Replicated(save_id):
                 with self._lock:
                     pending = self._pending.get(save_id)
                 hold = None if pending is None else pending.hold

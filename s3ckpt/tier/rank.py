@@ -22,8 +22,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from s3ckpt.background.protocol import Hold
-from s3ckpt.background.replicate import Exchange, Fetched, exchange
+from s3ckpt.background.protocol import HoldRequest
+from s3ckpt.background.replicate import ReceiveIntoModel, ReplicaExchange, exchange
 from s3ckpt.background.trainer_side import TierHold
 from s3ckpt.tier.copies import Holdings, LocalCopies, Version
 from s3ckpt.tier.options import MemoryTier
@@ -78,14 +78,14 @@ class RankTier:
         folder = str(self.copies.slots[slot])
         replicate = None
         if self.replicating:
-            replicate = Exchange(
+            replicate = ReplicaExchange(
                 tuple((peer, folder) for peer in self.targets[self.rank]),
                 tuple(
                     (source, str(self.copies.next_replica_folder(source)))
                     for source in self.copies.replicas
                 ),
             )
-        request = Hold(
+        request = HoldRequest(
             folder, step, self.rank, self.world, self.run, replicate=replicate, lineage=self.lineage
         )
         return TierHold(slot, request)
@@ -117,11 +117,11 @@ class RankTier:
             receive=self._receive,
         )  # fmt: skip
 
-    def _fetch(self, plan: Exchange) -> None:
+    def _fetch(self, plan: ReplicaExchange) -> None:
         exchange(plan, group=self._fetch_group)
 
-    def _receive(self, peer: int) -> Fetched:
-        return Fetched(peer, self._fetch_group)
+    def _receive(self, peer: int) -> ReceiveIntoModel:
+        return ReceiveIntoModel(peer, self._fetch_group)
 
     def discard_above(self, step: int) -> None:
         """The run goes on from ``step`` (every rank calls it): the copies above it are

@@ -19,10 +19,10 @@ from s3ckpt.background.arena import StagingArena
 from s3ckpt.background.channel import Channel, ChannelClosed
 from s3ckpt.background.protocol import (
     CopyFailure,
+    CopyHeld,
     Failed,
-    Held,
     Hello,
-    Hold,
+    HoldRequest,
     Meeting,
     Ready,
     Replicated,
@@ -33,7 +33,7 @@ from s3ckpt.background.protocol import (
     ToProcess,
     ToTrainer,
 )
-from s3ckpt.background.replicate import Exchange
+from s3ckpt.background.replicate import ReplicaExchange
 from s3ckpt.background.trainer_side import TrainerSide, process_environment
 from s3ckpt.errors import CheckpointProcessError, StoreStalledError
 
@@ -43,14 +43,16 @@ def _reply(metadata: Any) -> Any:
     return metadata
 
 
-HOLD = Hold(
+HOLD = HoldRequest(
     folder="/mnt/tier/slot-0",
     step=7,
     rank=1,
     world=2,
     run="run-a",
     regions=((0, 0, 64), (0, 64, 32)),
-    replicate=Exchange(sends=((0, "/mnt/tier/slot-0"),), receives=((0, "/mnt/tier/slot-1"),)),
+    replicate=ReplicaExchange(
+        sends=((0, "/mnt/tier/slot-0"),), receives=((0, "/mnt/tier/slot-1"),)
+    ),
     lineage="run-a:6",
 )
 
@@ -70,7 +72,7 @@ MESSAGES: list[Any] = [
     ),
     Stop(),
     Ready(4242),
-    Held(3),
+    CopyHeld(3),
     Replicated(3),
     Saved(3, {"w": torch.Size([8, 8])}),
     Saved(4, None),

@@ -2,7 +2,7 @@
 
 A background save that runs in the training process shares its interpreter: every Python
 operation of the upload holds the GIL, and every small torch op of the loop waits for it
-(a dispatch-bound loop ran twice as slow beside a thread-mode save). Here the loop's
+(docs/decisions/0002-manager-thread-mode-loop-cost.md). Here the loop's
 process only copies the state into a :class:`~s3ckpt.background.arena.StagingArena` it
 shares with its checkpoint process, and sends it a description of the copy; the process
 runs ``dcp.save`` of it with the given writer. The lifecycle:

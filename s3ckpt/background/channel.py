@@ -8,10 +8,10 @@ its tensors, never their bytes; any other tensor in the state (inside an object 
 does not walk) is pickled whole, as torch pickles it.
 
 A plain tensor over the arena is described in one persistent id (its storage's region,
-offset, shape, strides), not through torch's ``__reduce_ex__``: that builds a typed
-storage, hooks and metadata per tensor in Python, 33 us a tensor, and this pickle is made
-while the training loop waits (19 ms of a 1 GiB save of 580 tensors, 0.13 s in all).
-Tensors that shared a storage still share one when loaded.
+offset, shape, strides), not through torch's ``__reduce_ex__``, which builds a typed
+storage, hooks and metadata per tensor in Python, while the training loop waits for this
+pickle (docs/decisions/0007-staging-arena.md). Tensors that shared a storage still share
+one when loaded.
 
 Both sides are trusted: the socket joins a process and the child it started.
 """
@@ -96,8 +96,8 @@ def dumps_staged(
 ) -> bytes:
     """``state`` pickled with its arena tensors by reference. ``placed``: the region of
     tensors known to be plain arena tensors (by ``id``; a stage's own): taken as they are,
-    without the checks and the look-up any other tensor gets (580 tensors: 2.9 -> 1.2 ms
-    of the save's blocking)."""
+    without the checks and the look-up any other tensor gets, which the training loop
+    would wait for (docs/decisions/0007-staging-arena.md)."""
     buffer = io.BytesIO()
     _ArenaPickler(buffer, arena, placed or {}).dump(state)
     return buffer.getvalue()

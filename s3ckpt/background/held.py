@@ -57,7 +57,7 @@ class HeldRegion:
 
 
 @dataclass(frozen=True)
-class Held:
+class HeldRecord:
     """What ``held.json`` records of one held copy."""
 
     step: int
@@ -78,7 +78,7 @@ class Held:
         return json.dumps({"format": FORMAT, **asdict(self)}, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> Held:
+    def from_json(cls, text: str) -> HeldRecord:
         fields = json.loads(text)
         if fields.pop("format", None) != FORMAT:
             raise ValueError(f"not a {FORMAT} descriptor")
@@ -177,7 +177,7 @@ def damaged_region(maps: Sequence[Any], regions: Sequence[HeldRegion]) -> HeldRe
     return next((r for r, crc in zip(regions, crcs, strict=True) if crc != r.crc32c), None)
 
 
-def write(slot: Path, held: Held, state: bytes) -> None:
+def write(slot: Path, held: HeldRecord, state: bytes) -> None:
     """Record a complete copy in ``slot``: its state, then its descriptor, atomically last."""
     (slot / STATE).write_bytes(state)
     temporary = slot / f"{DESCRIPTOR}.tmp"
@@ -191,10 +191,10 @@ def invalidate(slot: Path) -> None:
     (slot / STATE).unlink(missing_ok=True)
 
 
-def read(slot: Path) -> Held | None:
+def read(slot: Path) -> HeldRecord | None:
     """The descriptor of ``slot``, or None if it holds no complete copy (or an unreadable one)."""
     try:
-        return Held.from_json((slot / DESCRIPTOR).read_text())
+        return HeldRecord.from_json((slot / DESCRIPTOR).read_text())
     except (OSError, ValueError, TypeError, KeyError):
         return None
 
@@ -207,7 +207,7 @@ class MappedCopy:
     :meth:`read_checked` (from the files, checksummed as they land), and only what it
     does not read that way is faulted in through the mappings (:meth:`verify`)."""
 
-    def __init__(self, slot: Path, held: Held) -> None:
+    def __init__(self, slot: Path, held: HeldRecord) -> None:
         self.slot, self.held = slot, held
         self.maps: list[mmap.mmap] = []
         self.fds: list[int] = []

@@ -2,14 +2,14 @@
 
 A background save that runs in the training process shares its interpreter: every Python
 operation of the upload holds the GIL, and every small torch op of the loop waits for it
-(a dispatch-bound loop ran twice as slow beside a thread-mode save). Here the loop's
+(docs/decisions/0002-manager-thread-mode-loop-cost.md). Here the loop's
 process only copies the state into a :class:`~s3ckpt.background.arena.StagingArena` it
 shares with its checkpoint process, and sends it a description of the copy; the process
 runs ``dcp.save`` of it with the given writer. The lifecycle:
 
 1. **Start.** The process is started when this object is constructed, which does not
-   wait for it: a fresh interpreter running :mod:`s3ckpt.background.worker` imports what
-   a save runs and makes the S3 client of ``config`` while training goes on, at the
+   wait for it: a fresh interpreter running :mod:`s3ckpt.background.process_side`
+   imports what a save runs and makes the S3 client of ``config`` while training goes on, at the
    trainer's priority, then answers ready (:meth:`prepare` waits for that; a save sent
    earlier waits in the process for what is left of its start-up). With
    several ranks, every rank constructs it at the same point: rank 0 opens a store the
@@ -22,9 +22,9 @@ runs ``dcp.save`` of it with the given writer. The lifecycle:
    save's DCP metadata, or its error.
 3. **Failure.** A process that dies (killed, out of memory) fails its save at once with
    :class:`~s3ckpt.errors.CheckpointProcessError`; with several ranks, a failed save
-   ends the processes of every rank (see the worker), and the next save starts fresh ones
-   on every rank, together. Nothing of a failed save is committed: the manifest is
-   written last.
+   ends the processes of every rank (:mod:`~s3ckpt.background.process_side`), and the
+   next save starts fresh ones on every rank, together. Nothing of a failed save is
+   committed: the manifest is written last.
 4. **Close** (:meth:`close`, or the interpreter's exit): wait for the save in flight,
    stop the process (one still starting is killed at once; a ready one exits when asked,
    and is killed after a second if it has not), unmap the arena. The memory has no
@@ -36,6 +36,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import sys
@@ -50,12 +51,12 @@ import torch
 import torch.distributed as dist
 
 from s3ckpt.background.arena import StagingArena
+from s3ckpt.background.arena_copy import ArenaCopy, copy_into_arena
 from s3ckpt.background.channel import dumps_staged
-from s3ckpt.background.child import CheckpointWorker, child_niceness
 from s3ckpt.background.meeting import MeetingWatch
-from s3ckpt.background.protocol import Hello, Hold, Meeting
+from s3ckpt.background.protocol import CopyFailure, Hello, Meeting, SaveRequest
 from s3ckpt.background.rebuild import ChildImports
-from s3ckpt.background.stage import Staged, stage
+from s3ckpt.background.trainer_side import TierHold, TrainerSide, process_niceness
 from s3ckpt.dcp.compat import default_store_host
 from s3ckpt.dcp.staging import plain_state_dict
 from s3ckpt.errors import CheckpointProcessError, ConfigError
@@ -135,7 +136,8 @@ class CheckpointProcess:
         self._store, self._address = self._meeting_place()
         self._generation = 0
         self._imports = ChildImports()
-        self._worker: CheckpointWorker | None = None
+        self._side: TrainerSide | None = None
+        self._save_ids = itertools.count()
         self._inflight: Future[Any] | None = None
         self._closed = False
         self._pid = os.getpid()
@@ -143,13 +145,13 @@ class CheckpointProcess:
         _open.add(self)
 
     def __repr__(self) -> str:
-        pid = self._worker.pid if self._worker is not None else None
+        pid = self._side.pid if self._side is not None else None
         return f"CheckpointProcess(rank={self.rank}, pid={pid})"
 
     @property
     def pid(self) -> int | None:
         """The checkpoint process's pid (None once closed)."""
-        return self._worker.pid if self._worker is not None else None
+        return self._side.pid if self._side is not None else None
 
     def arena(self, slot: int = 0) -> StagingArena:
         """The staging memory of ``slot`` (the only one without memory slots)."""
@@ -158,8 +160,8 @@ class CheckpointProcess:
     @property
     def ready(self) -> bool:
         """Whether the process has started and answered ready."""
-        worker = self._worker
-        return worker is not None and worker.ready
+        side = self._side
+        return side is not None and side.ready
 
     def prepare(self, timeout_s: float | None = None) -> None:
         """Wait until the checkpoint process is ready to save (imports done, client made,
@@ -169,9 +171,9 @@ class CheckpointProcess:
         :class:`~s3ckpt.errors.CheckpointProcessError` (as after ``timeout_s`` seconds),
         and the next save starts a fresh process."""
         self._check_open()
-        worker = self._worker
-        assert worker is not None
-        worker.wait_ready(timeout_s)
+        side = self._side
+        assert side is not None
+        side.wait_ready(timeout_s)
 
     @property
     def staging_bytes(self) -> int:
@@ -205,15 +207,15 @@ class CheckpointProcess:
     def hurried(self) -> Iterator[None]:
         """While the trainer waits for this process's save: the process runs at the
         trainer's priority, where the trainer may raise a priority it lowered."""
-        worker = self._worker
-        if worker is None:
+        side = self._side
+        if side is None:
             yield
             return
-        worker.hurry()
+        side.hurry()
         try:
             yield
         finally:
-            worker.relax()
+            side.relax()
 
     def refresh(self, agree: Any = None) -> list[Any]:
         """Start fresh checkpoint processes where one is needed: this rank's died, or (with
@@ -221,8 +223,8 @@ class CheckpointProcess:
         also carries ``agree``: every rank's, in rank order, is returned (what the caller
         checks the ranks agree on before a save starts)."""
         self._check_open()
-        worker = self._worker
-        needed = worker is None or not worker.healthy(self.world)
+        side = self._side
+        needed = side is None or not side.healthy(self.world)
         agreed = [agree]
         if self.world > 1:
             flags: list[Any] = [None] * self.world
@@ -230,47 +232,51 @@ class CheckpointProcess:
             needed = any(flag for flag, _ in flags)
             agreed = [value for _, value in flags]
         if needed:
-            self._stop_worker()
+            self._stop_side()
             self._generation += 1
             self._start()
         return agreed
 
-    def stage(self, state_dict: dict[str, Any], slot: int = 0) -> Staged:
+    def stage(self, state_dict: dict[str, Any], slot: int = 0) -> ArenaCopy:
         """Copy ``state_dict`` into the arena of ``slot`` (the previous save must be
         finished). A value the checkpoint process could not unpickle (a class of
         ``__main__``, a lambda...) raises :class:`~s3ckpt.errors.UnpicklableStateError`
         naming its key, before anything is copied."""
-        return stage(self._arenas[slot], plain_state_dict(state_dict), self._imports)
+        return copy_into_arena(self._arenas[slot], plain_state_dict(state_dict), self._imports)
 
     def submit(
         self,
-        staged: Staged,
+        staged: ArenaCopy,
         writer: Any,
         planner: Any = None,
         *,
-        slot: int = 0,
-        hold: Hold | None = None,
-        held: Future[None] | None = None,
-        replicated: Future[None] | None = None,
+        hold: TierHold | None = None,
         reply: Callable[[Any], Any] | None = None,
+        copy_failure: CopyFailure | None = None,
     ) -> Future[Any]:
-        """Send a copy staged in ``slot`` to the checkpoint process; its save's future.
-        With ``hold``, the process first records the copy as a memory-tier checkpoint
-        (``held`` resolves then), then exchanges copies with its peers if the hold says
-        so (``replicated`` resolves once every process of the exchange recorded what it
-        received); ``writer`` may then be None (held only, not uploaded).
+        """Send a copy staged in the arena of ``hold.slot`` (else the first) to the
+        checkpoint process; its save's future. With ``hold``, the process first records
+        the copy as a memory-tier checkpoint (``hold.held`` resolves then), then exchanges
+        copies with its peers if the hold's request says so (``hold.replicated`` resolves
+        once every process of the exchange recorded what it received); ``writer`` may then
+        be None (held only, not uploaded).
 
         The future resolves to DCP's metadata, or with ``reply`` (a function the process
-        can unpickle) to what it makes of it there: the metadata of a state of 580
-        tensors is 88 KB, whose unpickling on the reader thread holds this process's GIL
-        2.3-2.6 ms at the end of every upload, beside the training loop."""
-        worker = self._worker
-        assert worker is not None
+        can unpickle) to what it makes of it there, so that only that crosses back to
+        the trainer (docs/decisions/0007-staging-arena.md). With ``copy_failure`` (this
+        rank's copy failed; ``staged`` is then empty), the save fails on every rank."""
+        side = self._side
+        assert side is not None
+        slot = hold.slot if hold is not None else 0
         data = dumps_staged(staged.state_dict, self._arenas[slot], staged.placed)
+        request = None
         if hold is not None:
             regions = tuple((r.segment, r.offset, r.nbytes) for r in staged.regions)
-            hold = dataclasses.replace(hold, regions=regions)
-        future = worker.save(slot, data, writer, planner, hold, (held, replicated), reply)
+            request = dataclasses.replace(hold.request, regions=regions)
+        save = SaveRequest(
+            next(self._save_ids), slot, data, writer, planner, request, reply, copy_failure
+        )
+        future = side.save(save, hold)
         self._inflight = future
         return future
 
@@ -286,7 +292,7 @@ class CheckpointProcess:
         try:
             self.wait_idle()
         finally:
-            self._stop_worker()
+            self._stop_side()
             for arena in self._arenas:
                 arena.close()
             self._store = None
@@ -329,13 +335,13 @@ class CheckpointProcess:
             meeting = Meeting(host, port, prefix, self.rank, self.world, self._timeout_s)
             watch = MeetingWatch(self._store, prefix, self.rank)
         level = logging.getLogger("s3ckpt").getEffectiveLevel()
-        hello = Hello(list(sys.path), level, meeting, self._config, child_niceness(self._nice))
-        self._worker = CheckpointWorker(hello, self._arenas, self.rank, watch)
+        hello = Hello(list(sys.path), level, meeting, self._config, process_niceness(self._nice))
+        self._side = TrainerSide(hello, self._arenas, self.rank, watch)
 
-    def _stop_worker(self) -> None:
-        worker, self._worker = self._worker, None
-        if worker is not None:
-            worker.stop()
+    def _stop_side(self) -> None:
+        side, self._side = self._side, None
+        if side is not None:
+            side.stop()
 
 
 def check_usable(owner: object, closed: bool, pid: int) -> None:

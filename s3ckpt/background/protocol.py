@@ -1,7 +1,7 @@
 """The messages between a trainer and its checkpoint process, in both directions.
 
-Each rank's trainer (:class:`~s3ckpt.background.child.CheckpointWorker`) and the
-checkpoint process it started (:mod:`s3ckpt.background.worker`) talk over one
+Each rank's trainer (:class:`~s3ckpt.background.trainer_side.TrainerSide`) and the
+checkpoint process it started (:mod:`s3ckpt.background.process_side`) talk over one
 :class:`~s3ckpt.background.channel.Channel`: every message is one of the classes below,
 pickled, and each side dispatches on its type; a message of any other type is an error
 where it is received (:class:`~s3ckpt.errors.CheckpointProcessError`), never dropped.
@@ -15,16 +15,16 @@ The lifecycle, in the order the messages travel:
    :class:`Segments`: the sizes of the new segments of one arena, whose descriptors ride
    with the message (``SCM_RIGHTS``), in the same order. The process maps them, once each.
 3. **Save.** The trainer sends :class:`SaveRequest`. With a hold, the process answers
-   :class:`Held` once the copy is recorded in its memory-tier slot, then
+   :class:`CopyHeld` once the copy is recorded in its memory-tier slot, then
    :class:`Replicated` once its copies were exchanged with its peers (when the hold says
    so); then :class:`Saved` (the upload's outcome) or :class:`Failed` (the error), one of
    the two for every request. With several ranks a process exits after a failed save.
 4. **Stop.** The trainer sends :class:`Stop` (or closes the socket): the process exits.
 
 Trainer to process: :class:`Hello`, :class:`Segments`, :class:`SaveRequest`,
-:class:`Stop`. Process to trainer: :class:`Ready`, :class:`Held`, :class:`Replicated`,
-:class:`Saved`, :class:`Failed`. :class:`Meeting` and :class:`Hold` travel inside
-:class:`Hello` and :class:`SaveRequest`.
+:class:`Stop`. Process to trainer: :class:`Ready`, :class:`CopyHeld`, :class:`Replicated`,
+:class:`Saved`, :class:`Failed`. :class:`Meeting` travels inside :class:`Hello`,
+:class:`HoldRequest` and :class:`CopyFailure` inside :class:`SaveRequest`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from s3ckpt.errors import CheckpointProcessError
 
 if TYPE_CHECKING:
-    from s3ckpt.background.replicate import Exchange
+    from s3ckpt.background.replicate import ReplicaExchange
 
 # -- the trainer's messages ----------------------------------------------------------------
 
@@ -76,8 +76,10 @@ class Segments:
 
 
 @dataclass(frozen=True)
-class Hold:
-    """Keep a save's copy in its memory-tier slot (``folder``) as ``step``'s checkpoint."""
+class HoldRequest:
+    """Hold a save's copy: record it in its memory-tier slot (``folder``) as ``step``'s
+    checkpoint (a :class:`~s3ckpt.background.held.HeldRecord` last), then exchange copies
+    with peers as ``replicate`` says."""
 
     folder: str
     step: int
@@ -85,27 +87,42 @@ class Hold:
     world: int
     run: str
     regions: tuple[tuple[int, int, int], ...] = ()  # segment, offset, nbytes of each storage
-    replicate: Exchange | None = None  # then sent to (and received from) peers on other nodes
-    lineage: str = ""  # the saves this one continues (held.Held.lineage)
+    # then sent to (and received from) peers on other nodes
+    replicate: ReplicaExchange | None = None
+    lineage: str = ""  # the saves this one continues (held.HeldRecord.lineage)
+
+
+@dataclass(frozen=True)
+class CopyFailure:
+    """This rank could not copy its state to host memory: ``reason`` names the save, the
+    rank and the error. Its request still goes to its process, which takes part in the
+    save's first collective (:func:`~s3ckpt.background.ranks.raise_copy_failures`), so
+    every rank's save fails with ``reason`` and none waits for this one."""
+
+    reason: str
 
 
 @dataclass(frozen=True)
 class SaveRequest:
-    """Save the copy staged in arena ``slot``.
+    """Save the copy staged in arena ``slot``: the one request of a save, made once by
+    :meth:`~s3ckpt.background.process.CheckpointProcess.submit`, sent as it is, run as
+    it is by the process.
 
     ``data`` is the state pickled with its arena tensors by reference
     (:func:`~s3ckpt.background.channel.dumps_staged`); ``writer`` uploads it (None: held
     only); ``planner`` is the trainer's (None: the process's own, one per slot); ``hold``
-    records the copy first (:class:`Held`, :class:`Replicated`); ``reply``, run in the
-    process on DCP's metadata, makes what :class:`Saved` carries instead of it."""
+    records the copy first (:class:`CopyHeld`, :class:`Replicated`); ``reply``, run in the
+    process on DCP's metadata, makes what :class:`Saved` carries instead of it;
+    ``copy_failure``: this rank's copy failed, the save fails on every rank."""
 
     save_id: int
     slot: int
     data: bytes
     writer: Any
     planner: Any
-    hold: Hold | None
+    hold: HoldRequest | None
     reply: Callable[[Any], Any] | None = None
+    copy_failure: CopyFailure | None = None
 
 
 @dataclass(frozen=True)
@@ -124,7 +141,7 @@ class Ready:
 
 
 @dataclass(frozen=True)
-class Held:
+class CopyHeld:
     """Save ``save_id``'s copy is recorded in its memory-tier slot."""
 
     save_id: int
@@ -156,7 +173,7 @@ class Failed:
 
 
 ToProcess = Hello | Segments | SaveRequest | Stop
-ToTrainer = Ready | Held | Replicated | Saved | Failed
+ToTrainer = Ready | CopyHeld | Replicated | Saved | Failed
 
 
 def unknown(message: object, sender: str) -> CheckpointProcessError:

@@ -7,15 +7,23 @@ alone. Rank 0 asks the store; the others receive its answer, or its error, and r
 it too rather than hang.
 
 Background saves run their collectives on groups of their own
-(:mod:`s3ckpt.background`), so they never interleave with the training loop's.
+(:mod:`s3ckpt.background`), so they never interleave with the training loop's; the first
+of them, :func:`raise_copy_failures`, fails a save on every rank when one rank could not
+copy its state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+import torch
 import torch.distributed as dist
+
+from s3ckpt.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from s3ckpt.background.protocol import CopyFailure
 
 T = TypeVar("T")
 
@@ -68,3 +76,17 @@ class Ranks:
         source = 0 if self.group is None else dist.get_global_rank(self.group, 0)
         dist.broadcast_object_list(box, src=source, group=self.group)
         return box[0]
+
+
+def raise_copy_failures(failure: CopyFailure | None, group: Any = None) -> None:
+    """Raise, on every rank of ``group`` (default: the default group), the first rank's
+    copy failure, if any rank had one; every rank calls it before its save's first
+    collective, so no rank waits for one that has nothing to save and nothing is
+    written. One all-reduce; the reasons are gathered only when a copy failed."""
+    failed = torch.tensor([int(failure is not None)], dtype=torch.int64)
+    dist.all_reduce(failed, group=group)
+    if not int(failed):
+        return
+    reasons: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reasons, None if failure is None else failure.reason, group=group)
+    raise CheckpointError(next(reason for reason in reasons if reason))

@@ -1,7 +1,7 @@
 """What the checkpoint process can rebuild of a state, checked before the state is copied.
 
 The checkpoint process unpickles each save's state in a fresh interpreter that runs
-:mod:`s3ckpt.background.worker`, never the training script. Pickle writes a class or a
+:mod:`s3ckpt.background.process_side`, never the training script. Pickle writes a class or a
 function by name (its module and qualified name), so that process cannot rebuild:
 
 * a class or function of the trainer's ``__main__`` (there, ``__main__`` is the worker):

@@ -1,7 +1,7 @@
 """Moving held copies between nodes: the checkpoint processes send each other their files.
 
 Used twice by the memory tier: after a save is held, each rank's copy goes to its peers
-on other nodes (replication, :class:`Exchange` in the save's hold), run by the checkpoint
+on other nodes (replication, :class:`ReplicaExchange` in the save's hold), run by the checkpoint
 processes on their own gloo group; at a restore, a rank whose node lost its copy receives
 it back from a peer holding a replica, run by the trainers on a gloo group the memory
 tier made for it (a restarted job's checkpoint processes may still be starting). Never
@@ -26,7 +26,7 @@ Only the bytes of the regions are sent (a segment is sized for growth), in piece
 most 32 MiB that never straddle a large region's edge (small regions travel together);
 both sides cut them the same way from the descriptor.
 
-A restore may instead receive a copy straight into the model (:class:`Fetched`, for the
+A restore may instead receive a copy straight into the model (:class:`ReceiveIntoModel`, for the
 rank receiving it; its sender runs :func:`exchange` as for any copy): each piece of a
 large region lands in the tensor that region is loaded into, the rest in anonymous
 memory the load copies from, each region checked as it lands. No segment files are
@@ -59,7 +59,7 @@ _LARGE = 1 << 20  # regions from this size are sent on their own (a restore rece
 
 
 @dataclass(frozen=True)
-class Exchange:
+class ReplicaExchange:
     """This process's part of one exchange: the copies it sends (to a rank, from a held
     copy's folder) and receives (from a rank, into an empty folder)."""
 
@@ -67,7 +67,7 @@ class Exchange:
     receives: tuple[tuple[int, str], ...] = ()
 
 
-def exchange(plan: Exchange, group: dist.ProcessGroup | None = None) -> None:
+def exchange(plan: ReplicaExchange, group: dist.ProcessGroup | None = None) -> None:
     """Run this process's part of ``plan`` (peers are ranks of ``group``, default: the
     default group); every process of the group calls it. A copy that cannot be received
     (no room, damaged on the way) fails on its receiver after every process has met at
@@ -150,7 +150,7 @@ def _wait(works: list[dist.Work]) -> None:
         work.wait()
 
 
-def _extents(record: held.Held) -> list[int]:
+def _extents(record: held.HeldRecord) -> list[int]:
     """How many bytes of each segment the copy's regions cover (what is sent)."""
     used = [0] * len(record.segments)
     for region in record.regions:
@@ -158,7 +158,7 @@ def _extents(record: held.Held) -> list[int]:
     return used
 
 
-def _pieces(record: held.Held) -> list[tuple[int, int, int]]:
+def _pieces(record: held.HeldRecord) -> list[tuple[int, int, int]]:
     """The ``(segment, start, length)`` pieces a copy is sent in, in order: the same on
     both sides, cut from the descriptor. A large region's pieces hold its bytes alone
     (so they can land in its target); runs of small regions go together, with the few
@@ -221,7 +221,7 @@ class _Receiving:
     they land, where they land: in :attr:`maps`, or in the tensor a restore loads the
     region into."""
 
-    sent: held.Held
+    sent: held.HeldRecord
     state: bytes
     maps: list[mmap.mmap]
     crcs: list[int]
@@ -319,7 +319,7 @@ class _Incoming(_Receiving):
 
     def __init__(self, folder: Path, meta: bytes) -> None:
         descriptor, self.state = _unpack(meta)
-        self.sent = held.Held.from_json(descriptor.decode())
+        self.sent = held.HeldRecord.from_json(descriptor.decode())
         self.folder = folder
         self.maps: list[mmap.mmap] = []
         self.fds: list[int] = []
@@ -363,7 +363,7 @@ class _Incoming(_Receiving):
             os.close(fd)
 
 
-class Fetched(_Receiving):
+class ReceiveIntoModel(_Receiving):
     """A restore's copy received from ``peer`` straight into the model, for a rank with
     nothing to send in the same exchange; ``peer`` runs :func:`exchange` with this rank
     among its sends, every other process of ``group`` runs it too.
@@ -392,7 +392,7 @@ class Fetched(_Receiving):
         _swap({}, {peer: _bytes(meta)}, group)
         descriptor, self.state = _unpack(bytes(meta))
         try:
-            self.sent = held.Held.from_json(descriptor.decode())
+            self.sent = held.HeldRecord.from_json(descriptor.decode())
         except (ValueError, TypeError, KeyError) as exc:
             self.problem = f"the descriptor of the copy from rank {peer} arrived damaged: {exc}"
             return

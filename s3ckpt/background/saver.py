@@ -13,8 +13,9 @@ and reused, so the next save waits for the one in flight). Two ways to run the u
   Python holds; kept for those who cannot start a process.
 
 A rank whose copy fails raises its error at once, but first starts its save with a
-:class:`CopyFailed` writer: that save fails in planning, DCP gathers the failure and raises
-it on every rank, so no rank waits for this one in the save's collectives.
+:class:`~s3ckpt.background.protocol.CopyFailure` in place of the copy: every rank's save
+meets it before its first collective (:func:`~s3ckpt.background.ranks.raise_copy_failures`)
+and fails with it, so no rank waits for this one and nothing is written.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -32,7 +32,9 @@ from typing import Any, Literal
 import torch.distributed as dist
 
 from s3ckpt.background.process import CheckpointProcess
-from s3ckpt.background.protocol import Hold
+from s3ckpt.background.protocol import CopyFailure
+from s3ckpt.background.ranks import raise_copy_failures
+from s3ckpt.background.trainer_side import TierHold
 from s3ckpt.dcp.compat import save_plain
 from s3ckpt.dcp.local_plan import ReusingSavePlanner
 from s3ckpt.dcp.staging import HostStager, plain_state_dict
@@ -42,19 +44,6 @@ from s3ckpt.errors import CheckpointError, ConfigError
 log = logging.getLogger("s3ckpt.background")
 
 SaverMode = Literal["process", "thread"]
-
-
-@dataclass(eq=False)
-class Keep:
-    """Keep a save's copy as a memory-tier checkpoint: stage it in ``slot`` (one of the
-    saver's ``memory_slots``), record it there (``hold``); ``held`` resolves once it is,
-    ``replicated`` once the hold's exchange with peers is done (if it has one)."""
-
-    slot: int
-    hold: Hold
-    held: Future[None] = field(default_factory=Future)
-    replicated: Future[None] = field(default_factory=Future)
-    nbytes: int = 0  # the copy's tensor bytes, once staged
 
 
 class BackgroundSaver:
@@ -144,7 +133,7 @@ class BackgroundSaver:
         writer: S3StorageWriter | None,
         describe: str,
         *,
-        keep: Keep | None = None,
+        hold: TierHold | None = None,
         planner: Any = None,
     ) -> tuple[Future[Any], Exception | None]:
         """Copy ``state_dict`` to host memory, then start its upload with ``writer``; the
@@ -152,7 +141,7 @@ class BackgroundSaver:
         with one rank it is raised here). ``describe`` names the save in that error. The
         previous save must be finished.
 
-        With ``keep`` (process mode), the copy is also held as a memory-tier checkpoint;
+        With ``hold`` (process mode), the copy is also held as a memory-tier checkpoint;
         ``writer`` may then be None: held only, with no collective, so a rank whose copy
         fails raises at once (its step is then not held by every rank, which a restore
         sees). With replication and several ranks, a rank whose copy fails still takes
@@ -161,23 +150,24 @@ class BackgroundSaver:
         if not self._ready:
             self.ready(describe)
         self._ready = False
-        slot = keep.slot if keep is not None else 0
+        slot = hold.slot if hold is not None else 0
         try:
             staged, failure = self._stage(state_dict, slot), None
-            if keep is not None:
-                keep.nbytes = staged.nbytes
+            if hold is not None:
+                hold.nbytes = staged.nbytes
         except Exception as exc:
-            if self.world == 1 or (writer is None and not _replicates(keep)):
+            if self.world == 1 or (writer is None and not _replicates(hold)):
                 raise
             staged, failure = None, exc
-            reason = (
+        copy_failure = None
+        if failure is not None:
+            copy_failure = CopyFailure(
                 f"{describe} not saved: rank {self.rank} could not copy its state to host "
-                f"memory ({type(exc).__name__}: {exc})"
+                f"memory ({type(failure).__name__}: {failure})"
             )
-            writer = CopyFailed(writer, reason)
-        if failure is not None and keep is not None:
-            keep = _nothing_to_send(keep)
-        return self._upload(staged, writer, keep, planner), failure
+            if hold is not None:
+                hold = _nothing_to_send(hold)
+        return self._upload(staged, writer, hold, planner, copy_failure), failure
 
     def _stage(self, state_dict: dict[str, Any], slot: int) -> Any:
         if self._process is not None:
@@ -189,23 +179,23 @@ class BackgroundSaver:
         return self._stager.stage(plain_state_dict(state_dict))
 
     def _upload(
-        self, staged: Any, writer: S3StorageWriter | None, keep: Keep | None, planner: Any
+        self,
+        staged: Any,
+        writer: S3StorageWriter | None,
+        hold: TierHold | None,
+        planner: Any,
+        copy_failure: CopyFailure | None,
     ) -> Future[Any]:
         if self._process is not None:
-            if keep is not None:
-                if staged is None:
-                    staged = self._process.stage({}, keep.slot)
-                return self._process.submit(
-                    staged, writer, planner, slot=keep.slot, hold=keep.hold, held=keep.held,
-                    replicated=keep.replicated, reply=self._reply,
-                )  # fmt: skip
             if staged is None:
-                staged = self._process.stage({})
-            return self._process.submit(staged, writer, planner, reply=self._reply)
+                staged = self._process.stage({}, hold.slot if hold is not None else 0)
+            return self._process.submit(
+                staged, writer, planner, hold=hold, reply=self._reply, copy_failure=copy_failure
+            )
         assert self._thread is not None
         return self._thread.submit(
-            _replying, self._reply, staged if staged is not None else {}, storage_writer=writer,
-            planner=planner if planner is not None else self._planner,
+            _save_on_thread, self._reply, copy_failure, staged if staged is not None else {},
+            storage_writer=writer, planner=planner if planner is not None else self._planner,
             process_group=self._save_group, no_dist=self._save_group is None,
         )  # fmt: skip
 
@@ -228,37 +218,34 @@ class BackgroundSaver:
                 self._save_group = None
 
 
-def _replicates(keep: Keep | None) -> bool:
-    return keep is not None and keep.hold.replicate is not None
+def _replicates(hold: TierHold | None) -> bool:
+    return hold is not None and hold.request.replicate is not None
 
 
-def _nothing_to_send(keep: Keep) -> Keep:
-    """``keep`` for a rank whose copy failed: nothing held, and nothing sent to its peers
+def _nothing_to_send(hold: TierHold) -> TierHold:
+    """``hold`` for a rank whose copy failed: nothing held, and nothing sent to its peers
     (it still receives theirs, and the exchange then fails on every rank)."""
-    replicate = keep.hold.replicate
+    replicate = hold.request.replicate
     if replicate is not None:
         replicate = dataclasses.replace(
             replicate, sends=tuple((peer, "") for peer, _ in replicate.sends)
         )
-    hold = dataclasses.replace(keep.hold, folder="", replicate=replicate)
-    return Keep(keep.slot, hold, keep.held, keep.replicated)
+    request = dataclasses.replace(hold.request, folder="", replicate=replicate)
+    return dataclasses.replace(hold, request=request)
 
 
-class CopyFailed(S3StorageWriter):
-    """The writer of a rank whose copy to host memory failed: its part of the save's
-    planning raises ``reason``, which DCP gathers and raises on every rank. It touches
-    nothing in the store."""
-
-    def __init__(self, writer: S3StorageWriter, reason: str) -> None:
-        super().__init__(str(writer.location), config=writer.config)
-        self.reason = reason
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        raise CheckpointError(self.reason)
-
-
-def _replying(reply: Callable[[Any], Any] | None, state: dict[str, Any], **options: Any) -> Any:
-    """A thread-mode save: DCP's metadata, or ``reply`` of it."""
+def _save_on_thread(
+    reply: Callable[[Any], Any] | None,
+    copy_failure: CopyFailure | None,
+    state: dict[str, Any],
+    **options: Any,
+) -> Any:
+    """A thread-mode save: DCP's metadata, or ``reply`` of it; with several ranks, first
+    the copy failure of any rank, raised on every rank."""
+    if options["process_group"] is not None:
+        raise_copy_failures(copy_failure, options["process_group"])
+    if copy_failure is not None:
+        raise CheckpointError(copy_failure.reason)
     metadata = save_plain(state, **options)
     return metadata if reply is None else reply(metadata)
 

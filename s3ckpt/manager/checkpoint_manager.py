@@ -352,19 +352,19 @@ class CheckpointManager:
         if self._saves is None:
             assert writer is not None
             return self._save_sync(step, state_dict, writer, started, waited)
-        keep = None if self._tier is None else self._tier.keep(step)
+        hold = None if self._tier is None else self._tier.hold(step)
         try:
-            future, failure = self._saves.start(state_dict, writer, name, keep=keep)
+            future, failure = self._saves.start(state_dict, writer, name, hold=hold)
         except BaseException as exc:
             _reraise(exc, f"saving {name}")
         now = time.perf_counter()
         inflight = InFlight(
             step, future, now, now - started, waited, to_s3=to_s3,
-            nbytes=keep.nbytes if keep is not None else 0,
+            nbytes=hold.nbytes if hold is not None else 0,
         )  # fmt: skip
         self._inflight = inflight
-        if keep is not None:
-            tiering.time_the_copies(keep, inflight)
+        if hold is not None:
+            tiering.time_the_copies(hold, inflight)
         future.add_done_callback(lambda _: self._ledger.finished(inflight))
         if failure is not None:
             _reraise(failure, f"saving {name}")

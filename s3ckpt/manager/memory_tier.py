@@ -23,7 +23,7 @@ from s3ckpt.tier.rank import RankTier
 from s3ckpt.tier.restore import Restored
 
 if TYPE_CHECKING:
-    from s3ckpt.background.saver import Keep
+    from s3ckpt.background.trainer_side import TierHold
 
 
 def check_mode(memory_tier: MemoryTier | None, async_mode: str) -> None:
@@ -76,9 +76,9 @@ def restore_from_memory(
         return tier.restore(state_dict, step)
 
 
-def time_the_copies(keep: Keep, inflight: InFlight) -> None:
+def time_the_copies(hold: TierHold, inflight: InFlight) -> None:
     """Record on ``inflight`` when its copy is held in memory and when it is replicated."""
-    keep.held.add_done_callback(lambda _: setattr(inflight, "held_at", time.perf_counter()))
-    keep.replicated.add_done_callback(
+    hold.held.add_done_callback(lambda _: setattr(inflight, "held_at", time.perf_counter()))
+    hold.replicated.add_done_callback(
         lambda _: setattr(inflight, "replicated_at", time.perf_counter())
     )

@@ -21,8 +21,8 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from s3ckpt.background.channel import loads_staged
-from s3ckpt.background.held import Held, MappedCopy
-from s3ckpt.background.replicate import Fetched
+from s3ckpt.background.held import HeldRecord, MappedCopy
+from s3ckpt.background.replicate import ReceiveIntoModel
 from s3ckpt.dcp.compat import CheckpointException, single_process, unwrap
 from s3ckpt.dcp.state_reader import CopyIn, StateReader
 from s3ckpt.tier.copies import LocalCopies, Version
@@ -45,12 +45,12 @@ def verify_held(copies: LocalCopies, version: Version, received: bool = False) -
     return _verified(copies.rank, [(mine.folder, mine.held)], whole=not received)
 
 
-def verify_resharded(rank: int, held: Mapping[int, tuple[Any, Held]]) -> str | None:
+def verify_resharded(rank: int, held: Mapping[int, tuple[Any, HeldRecord]]) -> str | None:
     """Every old rank's copy in ``held`` checked whole, before a byte is loaded."""
     return _verified(rank, [held[old_rank] for old_rank in sorted(held)])
 
 
-def _verified(rank: int, held: list[tuple[Any, Held]], whole: bool = True) -> str | None:
+def _verified(rank: int, held: list[tuple[Any, HeldRecord]], whole: bool = True) -> str | None:
     for folder, record in held:
         try:
             copy = MappedCopy(folder, record)
@@ -96,7 +96,7 @@ def apply_held(
 
 
 def apply_received(
-    state_dict: dict[str, Any], rank: int, fetched: Fetched, planner: Any
+    state_dict: dict[str, Any], rank: int, fetched: ReceiveIntoModel, planner: Any
 ) -> Outcome:
     """Load the copy ``fetched`` brings from a peer into ``state_dict`` as it arrives,
     checked as it lands: what went wrong, and whether the copy was not intact."""
@@ -154,7 +154,7 @@ def _load(
 def apply_resharded(
     state_dict: dict[str, Any],
     rank: int,
-    held: Mapping[int, tuple[Any, Held]],
+    held: Mapping[int, tuple[Any, HeldRecord]],
     planner: Any,
 ) -> Outcome:
     """Load the step every old rank's copy in ``held`` (old rank -> its folder and

@@ -51,7 +51,7 @@ class HeldSlot:
 
     slot: int
     folder: Path
-    held: held.Held
+    held: held.HeldRecord
 
     @property
     def version(self) -> Version:
@@ -172,11 +172,11 @@ class LocalCopies:
         found = [r for r in records if r is not None]
         return bool(found) and all((r.run, r.world) != (self.run, self.world) for r in found)
 
-    def other_worlds(self) -> dict[OldStep, dict[int, tuple[Path, held.Held]]]:
+    def other_worlds(self) -> dict[OldStep, dict[int, tuple[Path, held.HeldRecord]]]:
         """The run's steps saved with another world size whose every rank's copy this
         node holds (each rank's own copy, else a replica of it), all of one lineage:
         ``(world, step, lineage)`` -> old rank -> its folder and descriptor."""
-        found: dict[OldStep, dict[int, tuple[Path, held.Held]]] = {}
+        found: dict[OldStep, dict[int, tuple[Path, held.HeldRecord]]] = {}
         for copy in node_copies(self.tier.root, self.run_folder.name):  # own before replicas
             record = copy.held
             if record.run == self.run and record.world != self.world:
@@ -218,7 +218,7 @@ class NodeCopy:
 
     run: str
     folder: Path
-    held: held.Held
+    held: held.HeldRecord
     replica: bool = False  # a peer's copy kept here
 
 

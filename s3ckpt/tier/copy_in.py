@@ -16,7 +16,7 @@ mapping after the load (:meth:`CheckedCopyIn.problem`).
 A copy a restore receives from a peer (its node was lost) is loaded by
 :class:`ReceivingCopyIn` as it arrives: each large region the model takes as it is lands
 in its target straight from the socket, the rest in memory the load then copies from
-(:class:`~s3ckpt.background.replicate.Fetched`).
+(:class:`~s3ckpt.background.replicate.ReceiveIntoModel`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from s3ckpt.background.held import HeldRegion, MappedCopy, damaged_region
-from s3ckpt.background.replicate import Fetched, is_large
+from s3ckpt.background.replicate import ReceiveIntoModel, is_large
 from s3ckpt.dcp.compat import has_lazy_bits
 from s3ckpt.dcp.restore import as_bytes_tensor, takes_stored_bytes
 from s3ckpt.dcp.tensor_bytes import tensor_view
@@ -101,11 +101,11 @@ class CheckedCopyIn:
 
 class ReceivingCopyIn:
     """A :data:`~s3ckpt.dcp.state_reader.CopyIn` for a copy arriving from a peer
-    (:class:`~s3ckpt.background.replicate.Fetched`, whose maps the load's sources lie
+    (:class:`~s3ckpt.background.replicate.ReceiveIntoModel`, whose maps the load's sources lie
     over): the large regions the model takes as they are land in their targets, the rest
     is copied from where it landed; :meth:`problem` after the load."""
 
-    def __init__(self, fetched: Fetched) -> None:
+    def __init__(self, fetched: ReceiveIntoModel) -> None:
         self.fetched = fetched
         self._bases = [(_address(mapped), len(mapped)) for mapped in fetched.maps]
         self._regions = {(r.segment, r.offset, r.nbytes): r for r in fetched.sent.regions}

@@ -179,14 +179,14 @@ class TieredCheckpointProcess:
         self.wait()
         uploads = storage_writer is not None
         self._saves.ready(f"step {step}", _Intent(step, uploads))
-        keep = self._tier.keep(step)
+        hold = self._tier.hold(step)
         done, failure = self._saves.start(
-            state_dict, storage_writer, f"step {step}", keep=keep, planner=planner
+            state_dict, storage_writer, f"step {step}", hold=hold, planner=planner
         )
-        save = TierSave(step, uploads, keep.held, keep.replicated, done)
+        save = TierSave(step, uploads, hold.held, hold.replicated, done)
         self._inflight = save
-        if keep.hold.replicate is None:
-            _resolve_with(keep.replicated, keep.held)
+        if hold.request.replicate is None:
+            _resolve_with(hold.replicated, hold.held)
         if failure is not None:
             raise failure
         return save

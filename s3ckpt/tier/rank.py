@@ -7,7 +7,7 @@ restore assembles a step only from copies of one lineage. Each construction star
 one (a restarted job's saves are not the old job's, even at the same step numbers), and
 so does each rollback (:meth:`RankTier.discard_above`, derived from the old one, the
 same on every rank with no collective). Each save asks it where the copy is
-held and what is exchanged with peers (:meth:`RankTier.keep`); ``load_latest`` asks it to
+held and what is exchanged with peers (:meth:`RankTier.hold`); ``load_latest`` asks it to
 restore (:mod:`s3ckpt.tier.restore`); the manager's reports (``held_steps``,
 ``replicated_steps``) are one all-gather of what each rank holds.
 """
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from s3ckpt.background.protocol import Hold
-from s3ckpt.background.replicate import Exchange, Fetched, exchange
-from s3ckpt.background.saver import Keep
+from s3ckpt.background.protocol import HoldRequest
+from s3ckpt.background.replicate import ReceiveIntoModel, ReplicaExchange, exchange
+from s3ckpt.background.trainer_side import TierHold
 from s3ckpt.tier.copies import Holdings, LocalCopies, Version
 from s3ckpt.tier.options import MemoryTier
 from s3ckpt.tier.peers import replica_sources, replica_targets
@@ -66,7 +66,7 @@ class RankTier:
             timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
             self._fetch_group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
 
-    def keep(self, step: int) -> Keep:
+    def hold(self, step: int) -> TierHold:
         """Where this save's copy is held (that slot emptied first), and, with several
         nodes, what is sent to and received from peers once it is. The first save frees
         what an earlier layout of the job left on the node (its restore is over)."""
@@ -78,17 +78,17 @@ class RankTier:
         folder = str(self.copies.slots[slot])
         replicate = None
         if self.replicating:
-            replicate = Exchange(
+            replicate = ReplicaExchange(
                 tuple((peer, folder) for peer in self.targets[self.rank]),
                 tuple(
                     (source, str(self.copies.next_replica_folder(source)))
                     for source in self.copies.replicas
                 ),
             )
-        hold = Hold(
+        request = HoldRequest(
             folder, step, self.rank, self.world, self.run, replicate=replicate, lineage=self.lineage
         )
-        return Keep(slot, hold)
+        return TierHold(slot, request)
 
     def held_steps(self) -> list[int]:
         """Steps every rank holds its own complete copy of (of one lineage)."""
@@ -117,11 +117,11 @@ class RankTier:
             receive=self._receive,
         )  # fmt: skip
 
-    def _fetch(self, plan: Exchange) -> None:
+    def _fetch(self, plan: ReplicaExchange) -> None:
         exchange(plan, group=self._fetch_group)
 
-    def _receive(self, peer: int) -> Fetched:
-        return Fetched(peer, self._fetch_group)
+    def _receive(self, peer: int) -> ReceiveIntoModel:
+        return ReceiveIntoModel(peer, self._fetch_group)
 
     def discard_above(self, step: int) -> None:
         """The run goes on from ``step`` (every rank calls it): the copies above it are

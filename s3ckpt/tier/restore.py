@@ -57,7 +57,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from s3ckpt.background.replicate import Exchange, Fetched
+from s3ckpt.background.replicate import ReceiveIntoModel, ReplicaExchange
 from s3ckpt.dcp.compat import unwrap
 from s3ckpt.tier.apply import (
     Outcome,
@@ -90,9 +90,9 @@ def restore_from_memory(
     copies: LocalCopies,
     gather: Gather,
     s3_latest: int | None,
-    fetch: Callable[[Exchange], None] | None = None,
+    fetch: Callable[[ReplicaExchange], None] | None = None,
     planner: Any = None,
-    receive: Callable[[int], Fetched] | None = None,
+    receive: Callable[[int], ReceiveIntoModel] | None = None,
 ) -> Restored | None:
     """Load the newest step the job can rebuild from memory intact (not older than
     ``s3_latest``) into ``state_dict``; None when there is none (then load from S3).
@@ -179,8 +179,8 @@ def _fetch_step(
     every: list[Holdings],
     version: Version,
     gather: Gather,
-    fetch: Callable[[Exchange], None] | None,
-    receive: Callable[[int], Fetched] | None,
+    fetch: Callable[[ReplicaExchange], None] | None,
+    receive: Callable[[int], ReceiveIntoModel] | None,
     planner: Any,
 ) -> Outcome | None:
     """Bring the copies of ``version`` that ranks are missing from their peers (every rank
@@ -268,7 +268,7 @@ def _fetch(
     copies: LocalCopies,
     plan: dict[int, int],
     version: Version,
-    fetch: Callable[[Exchange], None] | None,
+    fetch: Callable[[ReplicaExchange], None] | None,
     skip: Collection[int] = (),
 ) -> str | None:
     """This rank's part of fetching ``plan``: send the replicas it holds, receive its own
@@ -288,7 +288,7 @@ def _fetch(
     if fetch is None:
         return "no checkpoint process to fetch copies with"
     try:
-        fetch(Exchange(tuple(sends), receives))
+        fetch(ReplicaExchange(tuple(sends), receives))
     except Exception as exc:
         error = unwrap(exc)
         return f"rank {copies.rank}: {type(error).__name__}: {error}"

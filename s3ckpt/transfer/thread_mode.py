@@ -18,8 +18,9 @@ with no training loop, the switch is off and the engine takes the plain path:
   the writer's letting go of the state once its items are written
   (:mod:`s3ckpt.dcp.writer`), which read the switch here.
 
-The switch is on in the trainer's process and off in the checkpoint process, recognised
-by the module it runs as ``__main__``; :func:`tune_for_gil` sets it explicitly.
+The switch is on wherever the engine runs, unless the process says otherwise: the
+checkpoint process's entry (:mod:`s3ckpt.background.process_side`) turns it off with
+:func:`tune_for_gil` before it imports anything that saves.
 """
 
 from __future__ import annotations
@@ -36,26 +37,18 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-# The module the checkpoint process runs as ``__main__`` (named, not imported: the engine
-# imports nothing of the background saver).
-CHECKPOINT_PROCESS_MAIN = "s3ckpt.background.worker"
-
-_tuned: bool | None = None  # None: not decided yet
+_tuned = True
 
 
 def gil_tuned() -> bool:
     """Whether the engine shares its interpreter with a training loop (thread mode): the
-    switch of every piece in this module. Decided once per process, on first use."""
-    global _tuned
-    if _tuned is None:
-        main = sys.modules.get("__main__")
-        spec = getattr(main, "__spec__", None)
-        _tuned = getattr(spec, "name", None) != CHECKPOINT_PROCESS_MAIN
+    switch of every piece in this module."""
     return _tuned
 
 
-def tune_for_gil(on: bool | None) -> None:
-    """Set the switch (``None``: decide again from ``__main__`` on next use)."""
+def tune_for_gil(on: bool) -> None:
+    """Set the switch for this process: off where no training loop shares the
+    interpreter (the checkpoint process)."""
     global _tuned
     _tuned = on
 

@@ -18,14 +18,14 @@ from s3ckpt.background import held, replicate
 REGIONS = [(0, 0, 10_000), (0, 12_288, 2_500), (0, 16_384, 0), (1, 4_096, 9_000)]
 
 
-def make_copy(slot: Path, seed: int) -> held.Held:
+def make_copy(slot: Path, seed: int) -> held.HeldRecord:
     """A held copy in ``slot`` with :data:`REGIONS` over random bytes."""
     g = torch.Generator().manual_seed(seed)
     segments = [torch.randint(0, 256, (32_768,), generator=g, dtype=torch.uint8) for _ in "ab"]
     data = [s.numpy().tobytes() for s in segments]
     for index, content in enumerate(data):
         (slot / f"segment-{index}").write_bytes(content)
-    record = held.Held(
+    record = held.HeldRecord(
         step=3, rank=0, world=2, run="s3://b/r", segments=(32_768, 32_768),
         regions=tuple(
             held.HeldRegion(s, o, n, crc32c(data[s][o : o + n])) for s, o, n in REGIONS
@@ -55,7 +55,7 @@ def exchange_main(
                     byte = f.read(1)[0]
                     f.seek(offset)
                     f.write(bytes([byte ^ 0x01]))
-            plan = replicate.Exchange(sends=((1, sender),))
+            plan = replicate.ReplicaExchange(sends=((1, sender),))
         elif fault.startswith("into"):
             report.update(_received_into_memory(fault))
             Path(out, f"rank{rank}.json").write_text(json.dumps(report))
@@ -64,7 +64,7 @@ def exchange_main(
         else:
             if fault == "no room":
                 replicate.reserved_file = _no_room
-            plan = replicate.Exchange(receives=((0, receiver),))
+            plan = replicate.ReplicaExchange(receives=((0, receiver),))
         replicate.exchange(plan)
         report["ok"] = True
     except Exception as exc:
@@ -76,10 +76,10 @@ def exchange_main(
 
 
 def _received_into_memory(fault: str) -> dict[str, object]:
-    """Rank 1's side of a restore's fetch (:class:`replicate.Fetched`): region 0 received
+    """Rank 1's side of a restore's fetch (:class:`replicate.ReceiveIntoModel`): region 0 received
     straight into a tensor of its own, the rest into anonymous memory; or (``into
     refused``) never asked for, so the sender must not send."""
-    fetched = replicate.Fetched(0, None)
+    fetched = replicate.ReceiveIntoModel(0, None)
     report: dict[str, object] = {"problem": fetched.problem}
     try:
         if fault == "into refused":

@@ -146,7 +146,7 @@ def test_close_with_nothing_in_flight_ends_the_process_at_once(s3_prefix, s3_opt
     """Closed while still starting, the process is killed (nothing of it to lose); closed
     once ready, it exits by itself when asked (status 0: not killed after a timeout)."""
     starting = CheckpointManager(s3_prefix, **s3_options)
-    worker = starting._saves.process._worker
+    worker = starting._saves.process._side
     assert not worker.ready  # constructed a moment ago: still importing torch
     starting.close()
     assert worker._popen.returncode == -9
@@ -154,7 +154,7 @@ def test_close_with_nothing_in_flight_ends_the_process_at_once(s3_prefix, s3_opt
 
     ready = CheckpointManager(s3_prefix, **s3_options)
     ready.prepare(timeout_s=120)
-    worker = ready._saves.process._worker
+    worker = ready._saves.process._side
     ready.close()
     assert worker._popen.returncode == 0
     assert not alive(worker.pid)
@@ -306,7 +306,7 @@ def test_a_save_waited_for_or_beside_full_cores_runs_at_the_trainer_s_priority(m
     lowered = min(19, mine + 10)
     with CheckpointProcess() as process:
         process.prepare(timeout_s=120)
-        worker, pid = process._worker, process.pid
+        worker, pid = process._side, process.pid
         assert _nice_of(pid) == {lowered}
         worker._priority.contended(True)
         assert _nice_of(pid) == {mine}

@@ -1,7 +1,7 @@
 """Copies sent between checkpoint processes (``s3ckpt.background.replicate``): received
 piece by piece into the receiver's tmpfs files, each region checked against the sender's
 CRC32C as its pieces land, the descriptor written only for a copy that arrived intact;
-and a restore's fetch, received straight into the model's memory (``Fetched``)."""
+and a restore's fetch, received straight into the model's memory (``ReceiveIntoModel``)."""
 
 from __future__ import annotations
 

@@ -17,12 +17,12 @@ import torch
 from s3ckpt import S3Config
 from s3ckpt.background.arena import StagingArena
 from s3ckpt.background.channel import Channel, ChannelClosed
-from s3ckpt.background.child import CheckpointWorker, worker_environment
 from s3ckpt.background.protocol import (
+    CopyFailure,
+    CopyHeld,
     Failed,
-    Held,
     Hello,
-    Hold,
+    HoldRequest,
     Meeting,
     Ready,
     Replicated,
@@ -33,7 +33,8 @@ from s3ckpt.background.protocol import (
     ToProcess,
     ToTrainer,
 )
-from s3ckpt.background.replicate import Exchange
+from s3ckpt.background.replicate import ReplicaExchange
+from s3ckpt.background.trainer_side import TrainerSide, process_environment
 from s3ckpt.errors import CheckpointProcessError, StoreStalledError
 
 
@@ -42,14 +43,16 @@ def _reply(metadata: Any) -> Any:
     return metadata
 
 
-HOLD = Hold(
+HOLD = HoldRequest(
     folder="/mnt/tier/slot-0",
     step=7,
     rank=1,
     world=2,
     run="run-a",
     regions=((0, 0, 64), (0, 64, 32)),
-    replicate=Exchange(sends=((0, "/mnt/tier/slot-0"),), receives=((0, "/mnt/tier/slot-1"),)),
+    replicate=ReplicaExchange(
+        sends=((0, "/mnt/tier/slot-0"),), receives=((0, "/mnt/tier/slot-1"),)
+    ),
     lineage="run-a:6",
 )
 
@@ -64,9 +67,12 @@ MESSAGES: list[Any] = [
     Hello(sys_path=[], log_level=logging.WARNING, meeting=None),
     SaveRequest(3, 1, b"\x80\x05state", None, None, HOLD, _reply),
     SaveRequest(4, 0, b"", None, None, None),
+    SaveRequest(
+        5, 0, b"", None, None, None, copy_failure=CopyFailure("step 5 not saved: rank 1 ...")
+    ),
     Stop(),
     Ready(4242),
-    Held(3),
+    CopyHeld(3),
     Replicated(3),
     Saved(3, {"w": torch.Size([8, 8])}),
     Saved(4, None),
@@ -136,11 +142,11 @@ def _started(tmp_path: Any) -> tuple[subprocess.Popen[bytes], Channel]:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with (tmp_path / "stderr").open("wb") as stderr:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "s3ckpt.background.worker", str(theirs.fileno())],
+            [sys.executable, "-m", "s3ckpt.background.process_side", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
             stderr=stderr,
-            env=worker_environment(),
+            env=process_environment(),
         )
     theirs.close()
     return popen, Channel(ours)
@@ -176,7 +182,7 @@ def test_the_trainer_fails_on_an_answer_it_does_not_know() -> None:
     """An answer of the old form is an error where the trainer reads it (its reader
     then fails every save in flight), not a message it passes over."""
     arena = StagingArena()
-    worker = CheckpointWorker(Hello(list(sys.path), logging.WARNING, None), [arena], 0)
+    worker = TrainerSide(Hello(list(sys.path), logging.WARNING, None), [arena], 0)
     try:
         worker.wait_ready(60)
         with pytest.raises(CheckpointProcessError, match=r"unknown message from the checkpoint"):

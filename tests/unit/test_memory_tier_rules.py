@@ -26,7 +26,7 @@ def record(
     created: float = 0.0,
     lineage: str = "a",
 ):
-    return held.Held(
+    return held.HeldRecord(
         step=step, rank=rank, world=world, run=run, segments=(4096,),
         regions=(held.HeldRegion(0, 0, 8, 1234),), state_crc32c=5, nbytes=8,
         created=created or time.time(), lineage=lineage,

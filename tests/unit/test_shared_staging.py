@@ -18,9 +18,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from s3ckpt.background.arena import ALIGN, StagingArena
+from s3ckpt.background.arena_copy import copy_into_arena
 from s3ckpt.background.channel import Channel, ChannelClosed, dumps_staged, loads_staged
 from s3ckpt.background.shards import StagedShards
-from s3ckpt.background.stage import stage
 
 MIB = 1024 * 1024
 
@@ -59,7 +59,7 @@ def test_a_stage_is_a_copy_with_shared_storages_strides_and_values_kept():
     arena = StagingArena()
     try:
         live = state(1.0)
-        staged = stage(arena, live)
+        staged = copy_into_arena(arena, live)
         copy = staged.state_dict
         assert torch.equal(copy["model"]["w"], live["model"]["w"])
         assert copy["model"]["w_t"].stride() == live["model"]["w_t"].stride()
@@ -73,7 +73,7 @@ def test_a_stage_is_a_copy_with_shared_storages_strides_and_values_kept():
         first_ptr = copy["model"]["w"].data_ptr()
         live["model"]["w"].fill_(2.0)  # training goes on: the copy does not move
         assert torch.equal(copy["model"]["w"], torch.full((64, 32), 1.0))
-        second = stage(arena, live).state_dict
+        second = copy_into_arena(arena, live).state_dict
         assert second["model"]["w"].data_ptr() == first_ptr  # the same memory, reused
         assert torch.equal(second["model"]["w"], torch.full((64, 32), 2.0))
         assert arena.locate(first_ptr, 64 * 32 * 4) is not None
@@ -94,7 +94,7 @@ def test_storages_of_every_length_and_alignment_are_copied_byte_for_byte():
     arena = StagingArena()
     try:
         for _ in range(2):  # the second copy goes into the regions' kept tensors
-            copy = stage(arena, live).state_dict
+            copy = copy_into_arena(arena, live).state_dict
             for key, tensor in live.items():
                 assert copy[key].tolist() == tensor.tolist(), key
             backing[:] = bytes(255 - b for b in backing)  # the next copy sees new bytes
@@ -121,7 +121,7 @@ def test_staged_state_pickles_by_reference_and_unpickles_over_the_same_memory():
     arena = StagingArena()
     try:
         live = {"big": torch.randn(1024, 1024), "small": torch.arange(3), "n": 1}
-        staged = stage(arena, live).state_dict
+        staged = copy_into_arena(arena, live).state_dict
         data = dumps_staged(staged, arena)
         assert len(data) < 4096  # 4 MiB of tensors described, not copied
         loaded = loads_staged(data, arena.mappings)
@@ -139,7 +139,7 @@ def test_the_stages_placed_regions_pickle_what_looking_each_tensor_up_does():
     arena = StagingArena()
     try:
         live = state(3.0)
-        staged = stage(arena, live)
+        staged = copy_into_arena(arena, live)
         tensors = [v for v in _leaves(staged.state_dict) if isinstance(v, torch.Tensor)]
         assert {id(t) for t in tensors} == set(staged.placed)  # every copy, nothing else
         placed = dumps_staged(staged.state_dict, arena, staged.placed)
@@ -167,7 +167,7 @@ def test_lazy_conjugate_and_negative_views_are_staged_as_their_values():
     try:
         z = torch.randn(6, dtype=torch.complex64)
         live = {"conj": z.conj(), "neg_imag": z.conj().imag, "z": z}
-        staged = stage(arena, live).state_dict
+        staged = copy_into_arena(arena, live).state_dict
         for key, value in live.items():
             assert torch.equal(staged[key], value.resolve_conj().resolve_neg()), key
             assert not staged[key].is_conj() and not staged[key].is_neg(), key
@@ -192,7 +192,7 @@ def test_every_kind_of_staged_tensor_unpickles_as_it_was():
             "complex": torch.randn(4, dtype=torch.complex64),
             "tagged": torch.arange(4.0),
         }
-        staged = stage(arena, live).state_dict
+        staged = copy_into_arena(arena, live).state_dict
         staged["conj"] = staged["complex"].conj()  # a lazy conjugate view
         staged["tagged"].tag = "kept"  # a Python attribute: pickled by torch, with it
         loaded = loads_staged(dumps_staged(staged, arena), arena.mappings)
@@ -232,7 +232,7 @@ def test_staged_shards_save_the_metadata_of_the_sharded_tensor(tmp_path: Path):
     shard = torch.arange(32.0).reshape(4, 8)
     arena = StagingArena()
     try:
-        staged = stage(arena, {"shard": shard}).state_dict["shard"]
+        staged = copy_into_arena(arena, {"shard": shard}).state_dict["shard"]
         shards = StagedShards.of([_item([4, 0], [4, 8], [8, 8], shard)], [staged])
         sent = loads_staged(dumps_staged({"w": shards}, arena), arena.mappings)["w"]
         assert isinstance(sent, StagedShards) and torch.equal(sent._s3ckpt_shards[0], shard)

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
-import sys
-import types
 from collections.abc import Iterator
 from concurrent.futures import Future
 
@@ -20,7 +18,6 @@ from s3ckpt.dcp.local_plan import ReusingSavePlanner
 from s3ckpt.dcp.writer import _let_go_of_state
 from s3ckpt.transfer import thread_mode
 from s3ckpt.transfer.thread_mode import (
-    CHECKPOINT_PROCESS_MAIN,
     collector_paused,
     gil_tuned,
     joined,
@@ -35,26 +32,11 @@ def switched_off() -> Iterator[None]:
     try:
         yield
     finally:
-        tune_for_gil(None)
+        tune_for_gil(True)
 
 
 def test_the_switch_is_on_in_the_trainers_process() -> None:
-    tune_for_gil(None)
-    assert gil_tuned()
-
-
-def test_the_switch_is_off_where_the_checkpoint_process_runs_as_main(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    main = types.ModuleType("__main__")
-    main.__spec__ = types.SimpleNamespace(name=CHECKPOINT_PROCESS_MAIN)  # type: ignore[assignment]
-    monkeypatch.setitem(sys.modules, "__main__", main)
-    tune_for_gil(None)
-    try:
-        assert not gil_tuned()
-    finally:
-        monkeypatch.undo()
-        tune_for_gil(None)
+    tune_for_gil(True)
     assert gil_tuned()
 
 
@@ -92,7 +74,7 @@ def test_pieces_are_joined_byte_for_byte_either_way(tuned: bool) -> None:
         assert joined(pieces) == b"".join(pieces)
         assert joined([memoryview(b"xy"), memoryview(b"z")]) == b"xyz"
     finally:
-        tune_for_gil(None)
+        tune_for_gil(True)
 
 
 def test_switched_off_the_planner_plans_every_save_as_the_default_does(
@@ -124,7 +106,7 @@ def test_switched_off_the_planner_plans_every_save_as_the_default_does(
 
 
 def test_switched_on_the_writer_lets_go_of_the_state() -> None:
-    tune_for_gil(None)
+    tune_for_gil(True)
     reusing = ReusingSavePlanner()
     reusing.set_up_planner({"w": torch.randn(2)}, is_coordinator=True)
     _let_go_of_state(reusing)

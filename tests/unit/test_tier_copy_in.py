@@ -16,11 +16,11 @@ from s3ckpt.tier.copy_in import CheckedCopyIn
 SEGMENT = 1 << 16
 
 
-def held_copy(slot: Path, regions: list[tuple[int, int]]) -> tuple[held.Held, bytes]:
+def held_copy(slot: Path, regions: list[tuple[int, int]]) -> tuple[held.HeldRecord, bytes]:
     """A copy in ``slot``: one segment of random floats, ``regions`` as (offset, nbytes)."""
     data = torch.randn(SEGMENT // 4).numpy().tobytes()  # floats, no NaN
     (slot / "segment-0").write_bytes(data)
-    record = held.Held(
+    record = held.HeldRecord(
         step=1, rank=0, world=1, run="s3://b/r", segments=(SEGMENT,),
         regions=tuple(held.HeldRegion(0, o, n, crc32c(data[o : o + n])) for o, n in regions),
         state_crc32c=crc32c(b"state"), nbytes=sum(n for _, n in regions), created=time.time(),

@@ -1,9 +1,10 @@
-"""``CheckpointWorker``: the trainer's side of one started checkpoint process.
+"""``TrainerSide``: the trainer's side of one started checkpoint process (runs in the
+trainer; :mod:`s3ckpt.background.process_side` is the other end).
 
 :class:`~s3ckpt.background.process.CheckpointProcess` keeps one at a time and replaces it
 when it dies; this is what talks to it: the child started (a fresh interpreter running
-:mod:`s3ckpt.background.worker`), the socket to it, the thread that reads its answers,
-and each save's futures (its outcome, and when its copy was held and replicated). A
+:mod:`s3ckpt.background.process_side`), the socket to it, the thread that reads its
+answers, and each save's futures (its outcome, and when its copy was held and replicated). A
 child that dies fails every save in flight with
 :class:`~s3ckpt.errors.CheckpointProcessError`, after aborting the uploads it left open.
 """
@@ -17,20 +18,20 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from s3ckpt.background.arena import StagingArena
 from s3ckpt.background.channel import Channel, ChannelClosed
 from s3ckpt.background.meeting import MeetingWatch
 from s3ckpt.background.priority import SavePriority
 from s3ckpt.background.protocol import (
+    CopyHeld,
     Failed,
-    Held,
     Hello,
-    Hold,
+    HoldRequest,
     Ready,
     Replicated,
     Saved,
@@ -47,7 +48,30 @@ log = logging.getLogger("s3ckpt.background")
 STOP_TIMEOUT_S = 1.0  # a ready process exits at once when asked; killed after this
 
 
-class CheckpointWorker:
+@dataclass(eq=False)
+class TierHold:
+    """A save's copy kept as a memory-tier checkpoint, as the trainer follows it: staged in
+    arena ``slot`` (one of the process's memory slots), recorded by the process as
+    ``request`` says; ``held`` resolves once it is, ``replicated`` once the request's
+    exchange with peers is done (if it has one); both fail with the save."""
+
+    slot: int
+    request: HoldRequest
+    held: Future[None] = field(default_factory=Future)
+    replicated: Future[None] = field(default_factory=Future)
+    nbytes: int = 0  # the copy's tensor bytes, once staged
+
+
+class _Pending(NamedTuple):
+    """A save sent and not answered yet: its future, its writer (to abort what a dead
+    process left open), and its hold."""
+
+    future: Future[Any]
+    writer: Any
+    hold: TierHold | None
+
+
+class TrainerSide:
     """One started checkpoint process: its pipe, its reader thread, its saves' futures."""
 
     def __init__(
@@ -63,9 +87,7 @@ class CheckpointWorker:
         self._stopped_because: str | None = None  # another rank's process died meeting
         self._sent_segments = [0] * len(arenas)
         self._lock = threading.Lock()
-        # save id -> (its future, its writer, its held and replicated futures)
-        self._pending: dict[int, tuple[Future[Any], Any, Stages]] = {}
-        self._next_id = 0
+        self._pending: dict[int, _Pending] = {}  # by save id
         self.failed = False
         self.gone = False
         self._start_error: BaseException | None = None
@@ -74,10 +96,10 @@ class CheckpointWorker:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._popen = subprocess.Popen(
-                [sys.executable, "-m", "s3ckpt.background.worker", str(theirs.fileno())],
+                [sys.executable, "-m", "s3ckpt.background.process_side", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
-                env=worker_environment(),
+                env=process_environment(),
             )
         finally:
             theirs.close()
@@ -131,34 +153,26 @@ class CheckpointWorker:
         """Alive, and (with several ranks) its last save did not fail."""
         return not self.gone and not (world > 1 and self.failed)
 
-    def save(
-        self,
-        slot: int,
-        data: bytes,
-        writer: Any,
-        planner: Any,
-        hold: Hold | None,
-        stages: Stages,
-        reply: Callable[[Any], Any] | None = None,
-    ) -> Future[Any]:
-        future, save_id = self._register(writer, stages)
+    def save(self, request: SaveRequest, hold: TierHold | None = None) -> Future[Any]:
+        """Send ``request``; its save's future (``hold``: the request's hold, whose futures
+        the process's answers resolve)."""
+        future = self._register(request, hold)
         self._watch_contention()
         if not future.done():
             # a closed channel: the reader thread fails the future with the exit status
             with contextlib.suppress(ChannelClosed):
-                self._send_segments(slot)
-                self._channel.send(SaveRequest(save_id, slot, data, writer, planner, hold, reply))
+                self._send_segments(request.slot)
+                self._channel.send(request)
         return future
 
-    def _register(self, writer: Any, stages: Stages) -> tuple[Future[Any], int]:
+    def _register(self, request: SaveRequest, hold: TierHold | None) -> Future[Any]:
         future: Future[Any] = Future()
         with self._lock:
             if self.gone:
-                _fail(self._died("before the save was sent"), future, stages)
-                return future, -1
-            save_id, self._next_id = self._next_id, self._next_id + 1
-            self._pending[save_id] = (future, writer, stages)
-        return future, save_id
+                _fail(self._died("before the save was sent"), _Pending(future, None, hold))
+                return future
+            self._pending[request.save_id] = _Pending(future, request.writer, hold)
+        return future
 
     def _send_segments(self, slot: int) -> None:
         segments = self._arenas[slot].segments[self._sent_segments[slot] :]
@@ -189,10 +203,10 @@ class CheckpointWorker:
             meeting.end()
         if pending:
             error = self._died("while meeting its peers" if before_meeting else "during the save")
-            for future, writer, held in pending.values():
-                if writer is not None:
-                    _abort_open_uploads(writer, self._rank, error)
-                _fail(error, future, held)
+            for save in pending.values():
+                if save.writer is not None:
+                    _abort_open_uploads(save.writer, self._rank, error)
+                _fail(error, save)
 
     def _settle(self, message: ToTrainer) -> None:
         match message:
@@ -200,31 +214,32 @@ class CheckpointWorker:
                 if self._meeting is not None:
                     self._meeting.met()
                 self._ready.set()
-            case Held(save_id) | Replicated(save_id):
+            case CopyHeld(save_id) | Replicated(save_id):
                 with self._lock:
                     pending = self._pending.get(save_id)
-                reached = None if pending is None else pending[2][isinstance(message, Replicated)]
-                if reached is not None:
+                hold = None if pending is None else pending.hold
+                if hold is not None:
+                    reached = hold.replicated if isinstance(message, Replicated) else hold.held
                     reached.set_result(None)
             case Saved(save_id, metadata):
-                future, _ = self._finish(save_id)
-                if future is not None:
-                    future.set_result(metadata)
+                save = self._finish(save_id)
+                if save is not None:
+                    save.future.set_result(metadata)
             case Failed(save_id, error):
                 self._failed(save_id, error)
             case _:
                 raise unknown(message, f"the checkpoint process {self.pid}")
 
-    def _finish(self, save_id: int | None) -> tuple[Future[Any] | None, Stages]:
-        """The future and stages of save ``save_id``, no longer pending (None, if none)."""
+    def _finish(self, save_id: int | None) -> _Pending | None:
+        """Save ``save_id``, no longer pending (None, if none)."""
         with self._lock:
             pending = self._pending.pop(save_id, None) if save_id is not None else None
         self._watch_contention()
-        return (None, (None, None)) if pending is None else (pending[0], pending[2])
+        return pending
 
     def _failed(self, save_id: int | None, error: BaseException) -> None:
         """Save ``save_id`` failed, or (None) the process could not start."""
-        future, stages = self._finish(save_id)
+        save = self._finish(save_id)
         self.failed = True
         if not isinstance(error, S3CkptError):
             wrapped = CheckpointProcessError(
@@ -233,8 +248,8 @@ class CheckpointWorker:
             )
             wrapped.__cause__ = error
             error = wrapped
-        if future is not None:
-            _fail(error, future, stages)
+        if save is not None:
+            _fail(error, save)
         else:  # it could not start: the next save's future gets the reason
             self._start_error = error
             log.error("the checkpoint process %d could not start: %s", self.pid, error)
@@ -293,16 +308,13 @@ class CheckpointWorker:
         self._reader.join(timeout=timeout)
 
 
-Stages = tuple["Future[None] | None", "Future[None] | None"]  # held, replicated
-
-
-def _fail(error: BaseException, future: Future[Any] | None, stages: Stages) -> None:
-    """Fail a save's future, and its held and replicated futures not resolved yet."""
-    for waiting in stages:
-        if waiting is not None and not waiting.done():
-            waiting.set_exception(error)
-    if future is not None:
-        future.set_exception(error)
+def _fail(error: BaseException, save: _Pending) -> None:
+    """Fail a save's future, and its hold's futures not resolved yet."""
+    if save.hold is not None:
+        for waiting in (save.hold.held, save.hold.replicated):
+            if not waiting.done():
+                waiting.set_exception(error)
+    save.future.set_exception(error)
 
 
 def _abort_open_uploads(writer: Any, rank: int, error: CheckpointProcessError) -> None:
@@ -328,14 +340,14 @@ def _abort_open_uploads(writer: Any, rank: int, error: CheckpointProcessError) -
         error.add_note(f"{aborted} upload(s) it left open under {location} were aborted")
 
 
-def worker_environment() -> dict[str, str]:
+def process_environment() -> dict[str, str]:
     """The trainer's environment, with s3ckpt importable however the trainer found it."""
     package_root = str(Path(__file__).resolve().parents[2])
     paths = [package_root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
 
 
-def child_niceness(by: int) -> int | None:
+def process_niceness(by: int) -> int | None:
     """The niceness a checkpoint process saves at: ``by`` more than this process's (at
     most 19); None when ``by`` is 0 (it stays at the trainer's)."""
     if by <= 0:

@@ -28,7 +28,7 @@ _StorageKey = tuple[int, torch.device, int]  # data_ptr, device, nbytes
 
 
 @dataclass
-class Staged:
+class ArenaCopy:
     """One save's copy: the state with arena tensors, the segments it added, and the
     regions its bytes lie in; ``placed``, the region of each arena tensor made for the
     state (by ``id``), so that pickling it need not look each one up again."""
@@ -62,9 +62,9 @@ class _Copies:
         return staged.requires_grad_() if tensor.requires_grad else staged
 
 
-def stage(
+def copy_into_arena(
     arena: StagingArena, state_dict: dict[str, Any], imports: ChildImports | None = None
-) -> Staged:
+) -> ArenaCopy:
     """Copy ``state_dict`` (values already plain: no ``Stateful``) into ``arena``; returns
     once every byte has landed. The arena's previous copy is overwritten. With
     ``imports``, the values kept as they are (neither tensors nor plain numbers and
@@ -106,7 +106,7 @@ def stage(
         return value
 
     nbytes = sum(region.nbytes for region in regions)
-    return Staged(_walk(state_dict, replace), added, nbytes, regions, copies.placed)
+    return ArenaCopy(_walk(state_dict, replace), added, nbytes, regions, copies.placed)
 
 
 def _copy_all(

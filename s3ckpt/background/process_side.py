@@ -1,4 +1,5 @@
-"""The checkpoint process: ``python -m s3ckpt.background.worker FD``.
+"""The checkpoint process's side of the protocol (runs in that process, never in the
+trainer): ``python -m s3ckpt.background.process_side FD``.
 
 Started by :class:`~s3ckpt.background.process.CheckpointProcess` as a fresh interpreter
 running this module, never the training script: nothing of ``__main__`` runs again here,
@@ -10,11 +11,11 @@ S3 configuration its saves will use, and the niceness to save at), answered
 S3 client, met its peers and lowered its priority (the start-up runs at the trainer's
 priority: it is the first save's wait); then any number of :class:`Segments` (staging
 memory of one arena to map, as descriptors) and :class:`SaveRequest` messages (an arena,
-a staged state by reference, a writer or None, a planner, and a :class:`Hold` or None),
+a staged state by reference, a writer or None, a planner, and a :class:`HoldRequest` or None),
 each answered with :class:`Saved` (the DCP metadata, None without a writer) or
 :class:`Failed` (the error); and :class:`Stop`, or the end of the socket, to exit. A save
-with a :class:`Hold` first records its copy as a memory-tier checkpoint (its CRC32Cs, then
-its descriptor, :mod:`s3ckpt.background.held`) and answers :class:`Held`; then, with
+with a :class:`HoldRequest` first records its copy as a memory-tier checkpoint (its CRC32Cs, then
+its descriptor, :mod:`s3ckpt.background.held`) and answers :class:`CopyHeld`; then, with
 several nodes, exchanges copies with its peers (:class:`Replicated`); then uploads it, if
 it has a writer, from the same memory. Any other message ends the process with an error.
 
@@ -44,10 +45,10 @@ from typing import Any
 from s3ckpt.background.channel import Channel, ChannelClosed, loads_staged
 from s3ckpt.background.priority import set_nice
 from s3ckpt.background.protocol import (
+    CopyHeld,
     Failed,
-    Held,
     Hello,
-    Hold,
+    HoldRequest,
     Meeting,
     Ready,
     Replicated,
@@ -58,12 +59,14 @@ from s3ckpt.background.protocol import (
     ToTrainer,
     unknown,
 )
+from s3ckpt.transfer.thread_mode import tune_for_gil
 
 log = logging.getLogger("s3ckpt.background")
 
 
 def main(fd: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    tune_for_gil(False)  # no training loop shares this interpreter
     channel = Channel(socket.socket(fileno=fd))
     threading.Thread(target=_die_with_trainer, args=(fd,), daemon=True).start()
     try:
@@ -192,17 +195,25 @@ def _save(channel: Channel, arena: Any, request: SaveRequest, planner: Any) -> b
         if hold is not None:
             if hold.folder:
                 _hold(segments, request.data, hold)
-                _answer(channel, Held(save_id))
+                _answer(channel, CopyHeld(save_id))
             if hold.replicate is not None:
                 from s3ckpt.background.replicate import exchange
 
                 exchange(hold.replicate)
                 _answer(channel, Replicated(save_id))
+        distributed = dist.is_initialized()
+        if writer is not None and distributed:
+            from s3ckpt.background.ranks import raise_copy_failures
+
+            raise_copy_failures(request.copy_failure)
+        if request.copy_failure is not None:
+            from s3ckpt.errors import CheckpointError
+
+            raise CheckpointError(request.copy_failure.reason)
         if writer is None:
             _answer(channel, Saved(save_id, None))
             return True
         state = loads_staged(request.data, segments)
-        distributed = dist.is_initialized()
         metadata = dcp.save(state, storage_writer=writer, planner=planner, no_dist=not distributed)
         answer = metadata if reply is None else reply(metadata)
     except BaseException as exc:
@@ -213,7 +224,7 @@ def _save(channel: Channel, arena: Any, request: SaveRequest, planner: Any) -> b
     return True
 
 
-def _hold(segments: list[Any], data: bytes, hold: Hold) -> None:
+def _hold(segments: list[Any], data: bytes, hold: HoldRequest) -> None:
     """Checksum the copy's regions, then record it in its slot (descriptor last)."""
     import time
     from pathlib import Path
@@ -226,7 +237,7 @@ def _hold(segments: list[Any], data: bytes, hold: Hold) -> None:
     regions = [
         held.HeldRegion(*region, crc) for region, crc in zip(hold.regions, crcs, strict=True)
     ]
-    record = held.Held(
+    record = held.HeldRecord(
         step=hold.step,
         rank=hold.rank,
         world=hold.world,

@@ -126,10 +126,13 @@ envs:
 # processes, so more workers than cores pays), then the tests marked `serial` (those that
 # time themselves or look at the whole machine's state) alone.
 TEST_WORKERS ?= 3
-PARALLEL = -n $(TEST_WORKERS) -m "not serial"
+PARALLEL = -n $(TEST_WORKERS) --dist worksteal -m "not serial"
 ALONE = -m serial
-TEST_MAIN = S3CKPT_OTHER_TORCH_PYTHON=$(NEWEST_VENV)/bin/python $(BIN)/python -m pytest \
-	--ignore=$(TITAN_TESTS) --ignore=$(DS_TESTS) --ignore=$(DLIO_TESTS)
+RELEASES_TESTS := tests/integration/test_torch_releases.py
+TEST_MAIN = $(BIN)/python -m pytest \
+	--ignore=$(TITAN_TESTS) --ignore=$(DS_TESTS) --ignore=$(DLIO_TESTS) --ignore=$(RELEASES_TESTS)
+TEST_RELEASES = S3CKPT_OTHER_TORCH_PYTHON=$(NEWEST_VENV)/bin/python $(BIN)/python -m pytest \
+	$(RELEASES_TESTS)
 TEST_TITAN = $(TITAN_VENV)/bin/python -m pytest $(TITAN_TESTS)
 TEST_DS = $(DS_VENV)/bin/python -m pytest $(DS_TESTS)
 TEST_DLIO = $(DLIO_VENV)/bin/python -m pytest $(DLIO_TESTS)
@@ -139,18 +142,19 @@ TEST_NEWEST = S3CKPT_OTHER_TORCH_PYTHON=$(BIN)/python $(NEWEST_VENV)/bin/python 
 # The phases by name (test-phase-<name>), each in the environment it names.
 PHASE_main = $(TEST_MAIN) $(PARALLEL)
 PHASE_main-serial = $(TEST_MAIN) $(ALONE)
+PHASE_releases = $(TEST_RELEASES)
 PHASE_torchtitan = $(TEST_TITAN)
 PHASE_deepspeed = $(TEST_DS)
 PHASE_dlio = $(TEST_DLIO)
 PHASE_torch-newest = $(TEST_NEWEST) $(PARALLEL)
 PHASE_newest-serial = $(TEST_NEWEST) $(ALONE)
 # The order they run in, in three stages: the main phase, which fills the workers alone;
-# then the newest-torch phase beside the three one-file phases (other environments, so
-# other processes, and mostly waiting on their ranks and servers; none of their tests is
-# marked serial); then the serial phases, alone since they time themselves or look at
+# then the newest-torch phase beside the three one-file phases and the releases phase
+# (save on one torch release, load on the other: it needs both environments), mostly
+# waiting on their ranks and servers, none of their tests marked serial; then the serial phases, alone since they time themselves or look at
 # the whole machine.
 STAGE_MAIN := main
-STAGE_BESIDE := torch-newest torchtitan deepspeed dlio
+STAGE_BESIDE := torch-newest torchtitan deepspeed dlio releases
 STAGE_SERIAL := main-serial newest-serial
 PHASES := $(STAGE_MAIN) $(STAGE_BESIDE) $(STAGE_SERIAL)
 # Each phase leaves "<exit status> <seconds>" here for the summary.
@@ -170,13 +174,24 @@ $(PHASES:%=test-phase-%): test-phase-%:
 # wall time and exit status, and make fails if any phase did (a failed test, or pytest's
 # status 5: no test collected). An interrupt stops at once.
 STAGE = $(MAKE) --no-print-directory -j$(1) --output-sync=target $(2:%=test-phase-%)
-test: envs
+# The main phase needs only the main environment: the other four install beside it (their
+# editable installs put the C helpers into the tree by rename, setup.py, so the main
+# phase's processes keep the files they loaded), their output printed when they are done.
+OTHER_ENVS := $(TITAN_STAMP) $(NEWEST_STAMP) $(DS_STAMP) $(DLIO_STAMP)
+test: $(STAMP)
 	@trap 'exit 130' INT TERM; rm -rf $(PHASE_RESULTS); mkdir -p $(PHASE_RESULTS); \
 	start=$$(date +%s); \
+	( $(MAKE) --no-print-directory -j4 --output-sync=target $(OTHER_ENVS) \
+		> $(PHASE_RESULTS)/envs.log 2>&1; echo "$$? $$(($$(date +%s) - start))" > $(PHASE_RESULTS)/envs ) & \
+	envs=$$!; \
 	$(call STAGE,1,$(STAGE_MAIN)) || exit $$?; \
+	wait $$envs; cat $(PHASE_RESULTS)/envs.log; read envs_code envs_seconds < $(PHASE_RESULTS)/envs; \
+	if [ $$envs_code -ne 0 ]; then echo "make test: installing $(OTHER_ENVS) failed"; exit 1; fi; \
 	$(call STAGE,$(words $(STAGE_BESIDE)),$(STAGE_BESIDE)) || exit $$?; \
 	$(call STAGE,1,$(STAGE_SERIAL)) || exit $$?; \
 	failed=0; printf '\nmake test: wall time per phase\n'; \
+	printf '  %-14s %4dm%02ds  (installed beside the main phase)\n' other-envs \
+		$$((envs_seconds / 60)) $$((envs_seconds % 60)); \
 	for name in $(PHASES); do \
 		read code seconds < $(PHASE_RESULTS)/$$name; \
 		if [ $$code -eq 0 ]; then outcome=passed; else outcome="FAILED (pytest exit $$code)"; failed=1; fi; \

@@ -7,13 +7,35 @@ are optional: without a C compiler the package installs and uses its Python fall
 (slower, same bytes).
 """
 
+import os
+import shutil
 import sys
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 _FLAGS = [] if sys.platform == "win32" else ["-O3"]
 
+
+class AtomicBuildExt(build_ext):
+    """Copies each built helper into place by rename, never over the file in place: an
+    editable install copies the helpers into the source tree, and processes already running
+    from that tree (another environment's tests) keep the file they mapped."""
+
+    def copy_file(
+        self, infile: str, outfile: str, *args: object, **kwargs: object
+    ) -> tuple[str, int]:
+        if os.path.isdir(outfile):
+            outfile = os.path.join(outfile, os.path.basename(infile))
+        partial = f"{outfile}.{os.getpid()}.partial"
+        shutil.copyfile(infile, partial)
+        shutil.copymode(infile, partial)
+        os.replace(partial, outfile)
+        return outfile, 1
+
+
 setup(
+    cmdclass={"build_ext": AtomicBuildExt},
     ext_modules=[
         Extension(
             "s3ckpt.format._byteplanes",
@@ -33,5 +55,5 @@ setup(
             extra_compile_args=_FLAGS,
             optional=True,
         ),
-    ]
+    ],
 )

@@ -30,7 +30,6 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +38,7 @@ from s3ckpt.dcp.restore import PendingRead, verify_received
 from s3ckpt.dcp.tensor_bytes import tensor_view
 from s3ckpt.errors import CorruptCheckpointError
 from s3ckpt.format.checksums import StreamingCheck
-from s3ckpt.transfer.download import REREADS, ReadTarget
+from s3ckpt.transfer.download import REREADS, Downloader, ReadTarget
 
 MiB = 1024 * 1024
 DEFAULT_BOUNCE_BYTES = 256 * MiB
@@ -125,19 +124,13 @@ class Piece:
 class DeviceFeed:
     """The pieces of one load's device items: their targets, their checks, their copies.
 
-    ``release(nbytes)`` gives budget back to the download (:meth:`Downloader.release`);
-    ``reread(target)`` fetches a target again, on fresh connections.
+    ``download`` fetches the pieces: each slab copied out goes back to its budget, and a
+    damaged piece is fetched again through it, on fresh connections.
     """
 
-    def __init__(
-        self,
-        slabs: Slabs,
-        release: Callable[[int], None],
-        reread: Callable[[ReadTarget], None],
-    ) -> None:
+    def __init__(self, slabs: Slabs, download: Downloader) -> None:
         self.slabs = slabs
-        self.release = release
-        self.reread = reread
+        self.download = download
         self._left: dict[int, int] = {}  # id(item) -> pieces not landed yet
         self._copying: deque[tuple[torch.cuda.Event | None, int]] = deque()
 
@@ -200,8 +193,9 @@ class DeviceFeed:
                 piece.check = StreamingCheck(
                     stored.crc32c, stored.block_size, piece.check.first_block, piece.nbytes
                 )
-                self.reread(ReadTarget(piece.key, piece.start, piece.start + piece.nbytes,
-                                       view, piece, piece.check))  # fmt: skip
+                again = ReadTarget(piece.key, piece.start, piece.start + piece.nbytes, view,
+                                   piece, piece.check)  # fmt: skip
+                self.download.fetch_again([again])
 
     def _copy(self, piece: Piece) -> None:
         item = piece.item
@@ -232,7 +226,7 @@ class DeviceFeed:
                 wait = False
             self._copying.popleft()
             self.slabs.free.append(slab)
-            self.release(self.slabs.size)
+            self.download.release(self.slabs.size)
             returned = True
         return returned
 

@@ -34,6 +34,7 @@ bytes against the same block CRC32Cs (which are of the raw bytes) without decodi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,9 +42,9 @@ from typing import Any
 import torch
 
 from s3ckpt.dcp import device_load, device_share
-from s3ckpt.dcp.compat import LoadPlan, LoadPlanner
-from s3ckpt.dcp.fetch import ItemFetch, ReadSource
-from s3ckpt.dcp.process_group import Carry, GroupBroadcast, Transfer, portable
+from s3ckpt.dcp.compat import LoadPlanner
+from s3ckpt.dcp.fetch import ItemFetch, ReadPlan, ReadSource
+from s3ckpt.dcp.process_group import Carry, GroupBroadcast, Transfer, carriage, portable
 from s3ckpt.dcp.restore import PendingRead, hand_to_planner
 from s3ckpt.format.checksums import verify_blocks
 from s3ckpt.transfer.shares import SharePlan, Span, plan_shares
@@ -88,30 +89,32 @@ class Routed:
         return sends, receives
 
 
-Locate = Callable[[LoadPlan], None]
-"""Find where every item of a plan is stored (the reader's; it may fail, and every rank
-must then learn it)."""
+def in_device_memory(group: GroupBroadcast) -> Callable[[torch.device], bool]:
+    """Whether a destination on a device receives its shared bytes in device memory (the
+    ``stage`` of :func:`~s3ckpt.dcp.restore.prepare` for a load over ``group``)."""
+    return functools.partial(_carried_in_device, group.backend)
+
+
+def _carried_in_device(backend: str, device: torch.device) -> bool:
+    return carriage(backend, device.type) is Carry.DEVICE
 
 
 class SharedRead:
-    """One ``read_data`` of a rank whose reader was given a process group: ``locate`` and
-    ``source`` come from the reader."""
+    """One ``read_data`` of a rank whose reader was given a process group."""
 
-    def __init__(self, source: ReadSource, locate: Locate, group: GroupBroadcast) -> None:
-        self.source = source
-        self.locate = locate
+    def __init__(self, group: GroupBroadcast) -> None:
         self.group = group
         self.rank = group.rank
 
-    def run(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+    def run(self, planned: ReadPlan | Exception, planner: LoadPlanner) -> None:
+        """Run the reader's plan (staged by :func:`in_device_memory`), sharing ranges with
+        the other ranks; or, if the reader could not plan, tell them so and raise."""
         pending: list[PendingRead] = []
         primaries: dict[Route, dict[Span, PendingRead]] = {}
         try:
-            self.locate(plan)
-            pending = [
-                self.source.prepare(request, planner, stage=self._in_device)
-                for request in plan.items
-            ]
+            if isinstance(planned, Exception):
+                raise planned
+            pending = planned.items
             primaries = _primaries(pending, self._route)
             outcome: Any = ("needs", {r: sorted(spans) for r, spans in primaries.items()})
         except Exception as exc:
@@ -121,15 +124,12 @@ class SharedRead:
             failure = None
         gathered = self.group.all_gather(outcome)
         _raise_first(failure, [o[1] for o in gathered if o[0] == "failed"])
+        assert isinstance(planned, ReadPlan)
         routes = _routes([o[1] for o in gathered], primaries)
         if not any(routed.plan.shared for routed in routes):
-            ItemFetch(self.source).run(pending, planner)
+            ItemFetch(planned.source).run(pending, planner)
             return
-        self._share(routes, pending, planner)
-
-    def _in_device(self, device: torch.device) -> bool:
-        """Whether a destination on ``device`` receives its shared bytes in device memory."""
-        return self.group.carries(device.type) is Carry.DEVICE
+        self._share(routes, planned, planner)
 
     def _route(self, item: PendingRead) -> Route | None:
         """How ``item``'s range travels; ``None``: it does not, each rank reads it."""
@@ -139,19 +139,18 @@ class SharedRead:
         carry = self.group.carries(device)
         return None if carry is None else HOST if carry is Carry.HOST else ("device", device)
 
-    def _share(
-        self, routes: list[Routed], pending: list[PendingRead], planner: LoadPlanner
-    ) -> None:
-        rank = self.rank
+    def _share(self, routes: list[Routed], plan: ReadPlan, planner: LoadPlanner) -> None:
+        rank, source = self.rank, plan.source
         receiving = [(r, item, owner) for r in routes for item, owner in r.receives(rank)]
         received = {id(item) for _, item, _ in receiving}
         owned = frozenset(id(item) for r in routes for item in r.owned(rank))
+        # what this rank sends in device memory goes there as soon as it is verified
+        onto_device = frozenset(id(i) for r in routes if r.in_device for i in r.owned(rank))
         failure: Exception | None = None
         kept: dict[int, PendingRead] = {}
         try:
-            here = [p for p in pending if id(p) not in received]
-            fetch = ItemFetch(self.source)
-            kept = fetch.run(here, planner, keep=owned, kept_hook=self._onto_carrier)
+            here = [p for p in plan.items if id(p) not in received]
+            kept = ItemFetch(source).run(here, planner, keep=owned, onto_device=onto_device)
             for routed, item, _ in receiving:  # room for what arrives, before anyone sends
                 if routed.in_device:
                     device_share.receive_into(item)
@@ -165,21 +164,19 @@ class SharedRead:
             if routed.in_device and routed.plan.shared:
                 self.group.ready(routed.route[1])  # every rank, before any device transfer
         self.group.exchange([routed.transfers(rank, kept) for routed in routes])
-        trust = self.source.trust_pickles
+        trust = source.trust_pickles
         for item in kept.values():
             hand_to_planner(item, planner, trust_pickles=trust)
-        self._check([(item, owner) for r, item, owner in receiving if not r.in_device], False)
-        self._check([(item, owner) for r, item, owner in receiving if r.in_device], True)
+        self._check(
+            [(item, owner) for r, item, owner in receiving if not r.in_device], False, source
+        )
+        self._check([(item, owner) for r, item, owner in receiving if r.in_device], True, source)
         for _, item, _ in receiving:
             hand_to_planner(item, planner, trust_pickles=trust)
 
-    def _onto_carrier(self, item: PendingRead) -> None:
-        """A fetched item this rank sends: into device memory, if it travels there."""
-        route = self._route(item)
-        if route is not None and route != HOST:
-            device_share.onto_device(item)
-
-    def _check(self, received: list[tuple[PendingRead, int]], in_device: bool) -> None:
+    def _check(
+        self, received: list[tuple[PendingRead, int]], in_device: bool, source: ReadSource
+    ) -> None:
         """Verify what arrived: in host memory where it is, in device memory through slabs."""
         if not in_device:
             for item, owner in received:
@@ -193,8 +190,8 @@ class SharedRead:
             return
         if not received:
             return
-        size = device_load.slab_size([item for item, _ in received], self.source.request_size)
-        slabs = device_load.checkout(size, self.source.bounce_bytes, torch.cuda.is_available())
+        size = device_load.slab_size([item for item, _ in received], source.request_size)
+        slabs = device_load.checkout(size, source.bounce_bytes, torch.cuda.is_available())
         try:
             device_share.check_received(received, slabs)
         finally:

@@ -17,6 +17,10 @@ whole chunk) receives the pieces straight into its memory. The others (a region 
 resharded chunk, a non-contiguous view, another dtype) get a device scratch buffer for
 the item while it is in flight, narrowed and copied on the device when it is complete.
 
+A shared read carried in device memory (:mod:`s3ckpt.dcp.shared_read`) uses the same
+slabs, and :func:`receive_into` and :func:`onto_device` for the bytes that arrive from or
+leave for another rank's device.
+
 A piece whose bytes fail their check is read again into the same slab (up to
 :data:`~s3ckpt.transfer.download.REREADS` times) before anything is copied: only verified
 bytes reach the device. The slabs are kept for the process's next load (pinning memory
@@ -34,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from s3ckpt.dcp.restore import PendingRead, verify_received
+from s3ckpt.dcp.restore import PendingRead, as_bytes_tensor, verify_received
 from s3ckpt.dcp.tensor_bytes import tensor_view
 from s3ckpt.errors import CorruptCheckpointError
 from s3ckpt.format.checksums import StreamingCheck
@@ -106,6 +110,32 @@ def slab_size(items: list[PendingRead], request_size: int) -> int:
 def device_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     """Bytes in ``device`` memory for an item that cannot land in its destination."""
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def receive_into(item: PendingRead) -> None:
+    """Device memory for ``item``'s bytes: its destination's, when they are the span, else
+    a device buffer; whatever host buffer it had is dropped."""
+    assert item.destination is not None
+    nbytes = item.span[1] - item.span[0]
+    device = item.destination.device
+    if item.in_place:
+        item.raw = as_bytes_tensor(item.destination)
+    else:
+        item.raw = device_buffer(nbytes, device)
+    item.raw_view = memoryview(b"")
+    item.direct = item.in_place
+    item.scratch_at_decode = False
+
+
+def onto_device(item: PendingRead) -> None:
+    """Move a verified item's bytes into device memory if they are in host memory (it was
+    decoded there, or is too small for the slabs)."""
+    assert item.destination is not None
+    if item.raw.device == item.destination.device:
+        return  # it came through the slabs, or the host is its device
+    host = item.raw
+    receive_into(item)
+    item.raw.copy_(host)  # from pageable memory: complete when it returns
 
 
 @dataclass(eq=False)

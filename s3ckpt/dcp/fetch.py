@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from s3ckpt.config import S3URI
-from s3ckpt.dcp import device_load, device_share
+from s3ckpt.dcp import device_load
 from s3ckpt.dcp.compat import LoadPlanner
 from s3ckpt.dcp.device_load import DeviceFeed, Piece
 from s3ckpt.dcp.restore import (
@@ -90,7 +90,7 @@ class ItemFetch:
         """Fetch, verify (reading damaged items again) and hand over every item; those
         whose ``id`` is in ``keep`` are verified but kept, returned by that ``id``, and
         those also in ``onto_device`` moved into device memory as each is verified
-        (:func:`~s3ckpt.dcp.device_share.onto_device`: its host buffer is dropped then,
+        (:func:`~s3ckpt.dcp.device_load.onto_device`: its host buffer is dropped then,
         not after the whole fetch)."""
         staged = [p for p in pending if p.staged]
         slabs = self._slabs(staged) if staged else None
@@ -112,7 +112,7 @@ class ItemFetch:
             item = self._settled(checked)
             if id(checked[0]) in keep:
                 if id(checked[0]) in onto_device:
-                    device_share.onto_device(item)
+                    device_load.onto_device(item)
                 kept[id(checked[0])] = item
             else:
                 hand_to_planner(item, planner, trust_pickles=self.source.trust_pickles)

@@ -64,7 +64,7 @@ class PendingRead:
     staged: bool = False
     scratch_at_decode: bool = False  # compressed, not direct: ``raw`` is allocated by decode
     # The destination's own memory, as bytes, is the span (on any device): bytes carried
-    # in device memory may land there (``dcp.device_share``).
+    # in device memory may land there (``dcp.shared_read``).
     in_place: bool = False
     stored_span: tuple[int, int] = field(init=False)  # stored bytes fetched, relative to the item
     raw_view: memoryview = field(init=False)  # over ``raw``

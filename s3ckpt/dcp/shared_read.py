@@ -16,8 +16,15 @@ backend and the destination's device type, the same on every rank):
   would put them (the destination, or the scratch buffer the item has anyway), so sharing
   adds no host memory for CPU destinations; a device destination gets a host buffer for
   the load here (``stage=False``), the memory gloo sends from and receives into;
-* in device memory, where the group carries it (NCCL for CUDA destinations):
-  :mod:`s3ckpt.dcp.device_share`, host memory held to the bounce slabs;
+* in device memory, where the group carries it (NCCL for CUDA destinations), with no
+  host buffer of an item's size on any rank: the owner fetches the item through the
+  bounce slabs of :mod:`s3ckpt.dcp.device_load` as an unshared load would, into its
+  destination or a device buffer, and sends from there (an item that does not pass
+  through slabs, small or compressed, is moved to device memory as soon as it is
+  verified); a receiver receives into its destination or a device buffer and checks
+  what arrived (:func:`check_received`), copied back to the host one slab at a time. The
+  owner's check covers the store to the owner; the receiver's covers the owner's device
+  memory, the transport between the ranks and its own memory;
 * not at all where the group carries neither (an NCCL-only group, CPU destinations):
   each rank needing the range reads it itself.
 
@@ -35,19 +42,23 @@ bytes against the same block CRC32Cs (which are of the raw bytes) without decodi
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from s3ckpt.dcp import device_load, device_share
+from s3ckpt.dcp import device_load
 from s3ckpt.dcp.compat import LoadPlanner
 from s3ckpt.dcp.fetch import ItemFetch, ReadPlan, ReadSource
-from s3ckpt.dcp.process_group import Carry, GroupBroadcast, Transfer, carriage, portable
+from s3ckpt.dcp.process_group import Carry, GroupBroadcast, Transfer, portable
 from s3ckpt.dcp.restore import PendingRead, hand_to_planner
 from s3ckpt.format.checksums import verify_blocks
 from s3ckpt.transfer.shares import SharePlan, Span, plan_shares
+
+Received = tuple[PendingRead, int]  # (item, the rank it came from)
+_Piece = tuple[PendingRead, int, int, int]  # (item, sender, first byte in the span, bytes)
 
 # How a range travels: ("host", "cpu"), or ("device", the destination's device type).
 Route = tuple[str, str]
@@ -92,11 +103,11 @@ class Routed:
 def in_device_memory(group: GroupBroadcast) -> Callable[[torch.device], bool]:
     """Whether a destination on a device receives its shared bytes in device memory (the
     ``stage`` of :func:`~s3ckpt.dcp.restore.prepare` for a load over ``group``)."""
-    return functools.partial(_carried_in_device, group.backend)
+    return functools.partial(_carried_in_device, group)
 
 
-def _carried_in_device(backend: str, device: torch.device) -> bool:
-    return carriage(backend, device.type) is Carry.DEVICE
+def _carried_in_device(group: GroupBroadcast, device: torch.device) -> bool:
+    return group.carries(device.type) is Carry.DEVICE
 
 
 class SharedRead:
@@ -153,7 +164,7 @@ class SharedRead:
             kept = ItemFetch(source).run(here, planner, keep=owned, onto_device=onto_device)
             for routed, item, _ in receiving:  # room for what arrives, before anyone sends
                 if routed.in_device:
-                    device_share.receive_into(item)
+                    device_load.receive_into(item)
                 else:
                     item.allocate_scratch()  # a compressed item decodes nothing here
         except Exception as exc:
@@ -193,9 +204,54 @@ class SharedRead:
         size = device_load.slab_size([item for item, _ in received], source.request_size)
         slabs = device_load.checkout(size, source.bounce_bytes, torch.cuda.is_available())
         try:
-            device_share.check_received(received, slabs)
+            check_received(received, slabs)
         finally:
             device_load.give_back(slabs)
+
+
+def check_received(received: list[Received], slabs: device_load.Slabs) -> None:
+    """Raise :class:`~s3ckpt.errors.CorruptCheckpointError` unless every block that
+    arrived in device memory matches its stored CRC32C, copied back through ``slabs``."""
+    queued: deque[tuple[torch.cuda.Event | None, int, _Piece]] = deque()
+    for number, piece in enumerate(_pieces(received, slabs.size)):
+        slab = number % len(slabs.tensors)
+        if len(queued) == len(slabs.tensors):  # the oldest copy holds this slab
+            _check_copied(queued.popleft(), slabs)
+        item, _, within, nbytes = piece
+        slabs.tensors[slab][:nbytes].copy_(
+            item.raw[within : within + nbytes], non_blocking=slabs.pinned
+        )
+        event = None
+        if item.raw.is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(item.raw.device))
+        queued.append((event, slab, piece))
+    while queued:
+        _check_copied(queued.popleft(), slabs)
+
+
+def _pieces(received: list[Received], size: int) -> Iterator[_Piece]:
+    for item, sender in received:
+        step = size // item.stored.block_size * item.stored.block_size
+        total = item.span[1] - item.span[0]
+        for within in range(0, total, step):
+            yield item, sender, within, min(step, total - within)
+
+
+def _check_copied(
+    copied: tuple[torch.cuda.Event | None, int, _Piece], slabs: device_load.Slabs
+) -> None:
+    event, slab, (item, sender, within, nbytes) = copied
+    if event is not None:
+        event.synchronize()
+    block = item.stored.block_size
+    verify_blocks(
+        slabs.views[slab][:nbytes],
+        item.stored.crc32c,
+        block_size=block,
+        first_block=(item.span[0] + within) // block,
+        what=f"{item.what} (passed on by rank {sender})",
+    )
 
 
 def _routes(

@@ -199,7 +199,13 @@ class S3StorageReader(S3Location, StorageReader):
 
     def _shared_metadata(self, location: S3URI, group: SharedReads) -> tuple[Manifest, bytes]:
         """The group's coordinator reads the manifest and metadata and broadcasts them."""
-        return metadata_read.shared(lambda: io_loop().run(self._fetch_metadata(location)), group)
+        outcome: metadata_read.Fetched | Exception | None = None
+        if group.is_coordinator:
+            try:
+                outcome = io_loop().run(self._fetch_metadata(location))
+            except Exception as exc:  # every rank raises it (metadata_read.shared)
+                outcome = exc
+        return metadata_read.shared(outcome, group)
 
     def _adopt(self, location: S3URI, manifest: Manifest, body: bytes) -> Metadata:
         """Check and unpickle the metadata object of ``manifest``; it is the save read."""

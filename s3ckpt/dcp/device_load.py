@@ -245,7 +245,7 @@ class DeviceFeed:
 
     def give_back_copied(self, wait: bool = False) -> bool:
         """Return the slabs whose copies have completed; ``wait``: wait for the oldest copy
-        first if none has. Whether any slab was returned (the download's idle hook)."""
+        first if none has. Whether any slab was returned."""
         returned = False
         while self._copying:
             event, slab = self._copying[0]

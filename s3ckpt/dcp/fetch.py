@@ -41,7 +41,7 @@ from s3ckpt.dcp.restore import (
 )
 from s3ckpt.errors import CorruptCheckpointError
 from s3ckpt.s3.store import ObjectStore
-from s3ckpt.transfer.download import REREADS, Downloader, ReadTarget
+from s3ckpt.transfer.download import NOTHING_YET, REREADS, Downloader, ReadTarget
 
 INLINE_DECODE_BYTES = 64 * 1024
 # Compressed frames received but not yet decoded, at most (see download.Downloader).
@@ -118,9 +118,13 @@ class ItemFetch:
                 hand_to_planner(item, planner, trust_pickles=self.source.trust_pickles)
 
         handed_over = 0
-        idle = None if feed is None else functools.partial(feed.give_back_copied, wait=True)
         try:
-            for token in ranges.fetch(targets, idle):
+            polled = feed is not None  # then slabs return between tokens, as copies finish
+            for token in ranges.fetch(targets, polled):
+                if token is NOTHING_YET:  # slabs whose copies are done go back to the budget
+                    if feed is not None:
+                        feed.give_back_copied(wait=True)
+                    continue
                 if isinstance(token, Piece):  # verified and copied to the device here
                     landed = feed.land(token) if feed is not None else None
                     if landed is not None:

@@ -17,6 +17,10 @@ whole chunk) receives the pieces straight into its memory. The others (a region 
 resharded chunk, a non-contiguous view, another dtype) get a device scratch buffer for
 the item while it is in flight, narrowed and copied on the device when it is complete.
 
+A shared read carried in device memory (:mod:`s3ckpt.dcp.shared_read`) uses the same
+slabs, and :func:`receive_into` and :func:`onto_device` for the bytes that arrive from or
+leave for another rank's device.
+
 A piece whose bytes fail their check is read again into the same slab (up to
 :data:`~s3ckpt.transfer.download.REREADS` times) before anything is copied: only verified
 bytes reach the device. The slabs are kept for the process's next load (pinning memory
@@ -30,16 +34,15 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from s3ckpt.dcp.restore import PendingRead, verify_received
+from s3ckpt.dcp.restore import PendingRead, as_bytes_tensor, verify_received
 from s3ckpt.dcp.tensor_bytes import tensor_view
 from s3ckpt.errors import CorruptCheckpointError
 from s3ckpt.format.checksums import StreamingCheck
-from s3ckpt.transfer.download import REREADS, ReadTarget
+from s3ckpt.transfer.download import REREADS, Downloader, ReadTarget
 
 MiB = 1024 * 1024
 DEFAULT_BOUNCE_BYTES = 256 * MiB
@@ -109,6 +112,32 @@ def device_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
+def receive_into(item: PendingRead) -> None:
+    """Device memory for ``item``'s bytes: its destination's, when they are the span, else
+    a device buffer; whatever host buffer it had is dropped."""
+    assert item.destination is not None
+    nbytes = item.span[1] - item.span[0]
+    device = item.destination.device
+    if item.in_place:
+        item.raw = as_bytes_tensor(item.destination)
+    else:
+        item.raw = device_buffer(nbytes, device)
+    item.raw_view = memoryview(b"")
+    item.direct = item.in_place
+    item.scratch_at_decode = False
+
+
+def onto_device(item: PendingRead) -> None:
+    """Move a verified item's bytes into device memory if they are in host memory (it was
+    decoded there, or is too small for the slabs)."""
+    assert item.destination is not None
+    if item.raw.device == item.destination.device:
+        return  # it came through the slabs, or the host is its device
+    host = item.raw
+    receive_into(item)
+    item.raw.copy_(host)  # from pageable memory: complete when it returns
+
+
 @dataclass(eq=False)
 class Piece:
     """Bytes ``[within, within + nbytes)`` of an item's raw span, on their way to the device."""
@@ -125,19 +154,13 @@ class Piece:
 class DeviceFeed:
     """The pieces of one load's device items: their targets, their checks, their copies.
 
-    ``release(nbytes)`` gives budget back to the download (:meth:`Downloader.release`);
-    ``reread(target)`` fetches a target again, on fresh connections.
+    ``download`` fetches the pieces: each slab copied out goes back to its budget, and a
+    damaged piece is fetched again through it, on fresh connections.
     """
 
-    def __init__(
-        self,
-        slabs: Slabs,
-        release: Callable[[int], None],
-        reread: Callable[[ReadTarget], None],
-    ) -> None:
+    def __init__(self, slabs: Slabs, download: Downloader) -> None:
         self.slabs = slabs
-        self.release = release
-        self.reread = reread
+        self.download = download
         self._left: dict[int, int] = {}  # id(item) -> pieces not landed yet
         self._copying: deque[tuple[torch.cuda.Event | None, int]] = deque()
 
@@ -200,8 +223,9 @@ class DeviceFeed:
                 piece.check = StreamingCheck(
                     stored.crc32c, stored.block_size, piece.check.first_block, piece.nbytes
                 )
-                self.reread(ReadTarget(piece.key, piece.start, piece.start + piece.nbytes,
-                                       view, piece, piece.check))  # fmt: skip
+                again = ReadTarget(piece.key, piece.start, piece.start + piece.nbytes, view,
+                                   piece, piece.check)  # fmt: skip
+                self.download.fetch_again([again])
 
     def _copy(self, piece: Piece) -> None:
         item = piece.item
@@ -221,7 +245,7 @@ class DeviceFeed:
 
     def give_back_copied(self, wait: bool = False) -> bool:
         """Return the slabs whose copies have completed; ``wait``: wait for the oldest copy
-        first if none has. Whether any slab was returned (the download's idle hook)."""
+        first if none has. Whether any slab was returned."""
         returned = False
         while self._copying:
             event, slab = self._copying[0]
@@ -232,7 +256,7 @@ class DeviceFeed:
                 wait = False
             self._copying.popleft()
             self.slabs.free.append(slab)
-            self.release(self.slabs.size)
+            self.download.release(self.slabs.size)
             returned = True
         return returned
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import logging
 import queue
-from collections.abc import Callable
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from s3ckpt.dcp.restore import (
 )
 from s3ckpt.errors import CorruptCheckpointError
 from s3ckpt.s3.store import ObjectStore
-from s3ckpt.transfer.download import REREADS, Downloader, ReadTarget
+from s3ckpt.transfer.download import NOTHING_YET, REREADS, Downloader, ReadTarget
 
 INLINE_DECODE_BYTES = 64 * 1024
 # Compressed frames received but not yet decoded, at most (see download.Downloader).
@@ -52,15 +51,10 @@ log = logging.getLogger(__name__)
 Checked = tuple[PendingRead, CorruptCheckpointError | None]
 
 
-Prepare = Callable[..., PendingRead]
-"""``prepare(request, planner, *, stage=...)``: a read request's destination and checks."""
-
-
 @dataclass(frozen=True)
 class ReadSource:
-    """What a load's fetches take from their reader, which builds it for each
-    ``read_data`` and hands it down (:class:`~s3ckpt.dcp.reader.S3StorageReader`'s
-    options, its store and location, and how it prepares an item)."""
+    """Where and how a load's fetches read (:class:`~s3ckpt.dcp.reader.S3StorageReader`'s
+    store, location and options)."""
 
     store: ObjectStore
     location: S3URI
@@ -68,7 +62,16 @@ class ReadSource:
     bounce_bytes: int
     decode_threads: int
     trust_pickles: bool
-    prepare: Prepare
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """One ``read_data`` as data, built once by the reader before any byte moves: every
+    item's stored range, destination and checks (:class:`~s3ckpt.dcp.restore.PendingRead`),
+    and where and how to fetch them. The layers below run it and return; none calls back."""
+
+    items: list[PendingRead]
+    source: ReadSource
 
 
 class ItemFetch:
@@ -82,15 +85,17 @@ class ItemFetch:
         pending: list[PendingRead],
         planner: LoadPlanner,
         keep: frozenset[int] = frozenset(),
-        kept_hook: Callable[[PendingRead], None] | None = None,
+        onto_device: frozenset[int] = frozenset(),
     ) -> dict[int, PendingRead]:
         """Fetch, verify (reading damaged items again) and hand over every item; those
-        whose ``id`` is in ``keep`` are verified but kept, returned by that ``id``, each
-        given to ``kept_hook`` as it is (on this thread) first."""
+        whose ``id`` is in ``keep`` are verified but kept, returned by that ``id``, and
+        those also in ``onto_device`` moved into device memory as each is verified
+        (:func:`~s3ckpt.dcp.device_load.onto_device`: its host buffer is dropped then,
+        not after the whole fetch)."""
         staged = [p for p in pending if p.staged]
         slabs = self._slabs(staged) if staged else None
         ranges = self._downloader(None if slabs is None else slabs.budget)
-        feed = None if slabs is None else DeviceFeed(slabs, ranges.release, self._reread)
+        feed = None if slabs is None else DeviceFeed(slabs, ranges)
         frames = FramePool()
         targets: list[ReadTarget] = []
         for p in pending:
@@ -104,18 +109,22 @@ class ItemFetch:
         kept: dict[int, PendingRead] = {}
 
         def settle(checked: Checked) -> None:
-            item = self._settled(checked, planner)
+            item = self._settled(checked)
             if id(checked[0]) in keep:
-                if kept_hook is not None:
-                    kept_hook(item)
+                if id(checked[0]) in onto_device:
+                    device_load.onto_device(item)
                 kept[id(checked[0])] = item
             else:
                 hand_to_planner(item, planner, trust_pickles=self.source.trust_pickles)
 
         handed_over = 0
-        idle = None if feed is None else functools.partial(feed.give_back_copied, wait=True)
         try:
-            for token in ranges.fetch(targets, idle):
+            polled = feed is not None  # then slabs return between tokens, as copies finish
+            for token in ranges.fetch(targets, polled):
+                if token is NOTHING_YET:  # slabs whose copies are done go back to the budget
+                    if feed is not None:
+                        feed.give_back_copied(wait=True)
+                    continue
                 if isinstance(token, Piece):  # verified and copied to the device here
                     landed = feed.land(token) if feed is not None else None
                     if landed is not None:
@@ -153,11 +162,6 @@ class ItemFetch:
             lazy_budget=budget or max(FRAMES_BUDGET, 4 * request_size),
         )
 
-    def _reread(self, target: ReadTarget) -> None:
-        """Fetch one target again, on fresh connections (a piece whose bytes were damaged)."""
-        source = self.source
-        Downloader(source.store, max_request_size=source.request_size).fetch_again([target])
-
     def _key(self, item: PendingRead) -> str:
         return self.source.location.key(item.stored.key)
 
@@ -174,21 +178,19 @@ class ItemFetch:
             else None,
         )
 
-    def _settled(self, checked: Checked, planner: LoadPlanner) -> PendingRead:
+    def _settled(self, checked: Checked) -> PendingRead:
         """A fetched item whose bytes passed their check (read again if they did not)."""
         item, damage = checked
-        return item if damage is None else self._read_again(item, damage, planner)
+        return item if damage is None else self._read_again(item, damage)
 
-    def _read_again(
-        self, item: PendingRead, damage: CorruptCheckpointError, planner: LoadPlanner
-    ) -> PendingRead:
+    def _read_again(self, item: PendingRead, damage: CorruptCheckpointError) -> PendingRead:
         """Read an item whose bytes failed their checksum again, up to :data:`REREADS`
         times, each on fresh connections: a mismatch in a GET body is most often damage in
         transit. An item that stays damaged is a damaged object: ``damage`` is raised."""
         for attempt in range(1, REREADS + 1):
             log.warning("%s; reading it again (%d of %d)", damage, attempt, REREADS)
             # Staged items are read again piece by piece (DeviceFeed): this one was not.
-            fresh = self.source.prepare(item.request, planner, stage=False)
+            fresh = item.renewed()
             ranges = self._downloader()
             ranges.fetch_again([self._target(fresh, FramePool(), ranges)])
             fresh, again = _checked(fresh)

@@ -13,8 +13,6 @@ manifest that still names a missing object is a damaged checkpoint.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from crc32c import crc32c
 
 from s3ckpt.config import S3URI
@@ -63,16 +61,11 @@ async def committed_manifest(store: ObjectStore, location: S3URI) -> Manifest:
         ) from exc
 
 
-def shared(fetch: Callable[[], Fetched], group: SharedReads) -> Fetched:
-    """``fetch()`` on the group's coordinator, its result (or its error) on every rank."""
-    fetched: Fetched | BaseException | None = None
-    failure: Exception | None = None
-    if group.is_coordinator:
-        try:
-            fetched = fetch()
-        except Exception as exc:
-            failure, fetched = exc, portable(exc)
-    received = group.broadcast_object(fetched)
+def shared(outcome: Fetched | Exception | None, group: SharedReads) -> Fetched:
+    """The coordinator's ``outcome`` (what it fetched, or its error; ``None`` on the other
+    ranks, which make no request) on every rank: the fetched pair, or its error raised."""
+    failure = outcome if isinstance(outcome, Exception) else None
+    received = group.broadcast_object(portable(failure) if failure is not None else outcome)
     if failure is not None:
         raise failure
     if isinstance(received, BaseException):

@@ -48,7 +48,6 @@ import dataclasses
 import logging
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -69,7 +68,7 @@ from s3ckpt.dcp.compat import (
     remember_metadata_failure,
     stand_in_metadata,
 )
-from s3ckpt.dcp.fetch import ItemFetch, ReadSource
+from s3ckpt.dcp.fetch import ItemFetch, ReadPlan, ReadSource
 from s3ckpt.dcp.load_report import LoadReport, report_for
 from s3ckpt.dcp.location import S3Location
 from s3ckpt.dcp.optimizer_state import Fills, plan_fills
@@ -82,11 +81,8 @@ from s3ckpt.dcp.overwrites import (
 )
 from s3ckpt.dcp.owners import ChunkPositions
 from s3ckpt.dcp.process_group import GroupBroadcast, SharedReads, shared_reads
-from s3ckpt.dcp.restore import (
-    PendingRead,
-    prepare,
-)
-from s3ckpt.dcp.shared_read import SharedRead
+from s3ckpt.dcp.restore import PendingRead, Stage, prepare
+from s3ckpt.dcp.shared_read import SharedRead, in_device_memory
 from s3ckpt.errors import (
     CheckpointError,
     CheckpointReplacedError,
@@ -203,7 +199,13 @@ class S3StorageReader(S3Location, StorageReader):
 
     def _shared_metadata(self, location: S3URI, group: SharedReads) -> tuple[Manifest, bytes]:
         """The group's coordinator reads the manifest and metadata and broadcasts them."""
-        return metadata_read.shared(lambda: io_loop().run(self._fetch_metadata(location)), group)
+        outcome: metadata_read.Fetched | Exception | None = None
+        if group.is_coordinator:
+            try:
+                outcome = io_loop().run(self._fetch_metadata(location))
+            except Exception as exc:  # every rank raises it (metadata_read.shared)
+                outcome = exc
+        return metadata_read.shared(outcome, group)
 
     def _adopt(self, location: S3URI, manifest: Manifest, body: bytes) -> Metadata:
         """Check and unpickle the metadata object of ``manifest``; it is the save read."""
@@ -298,14 +300,26 @@ class S3StorageReader(S3Location, StorageReader):
     def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         group = shared_reads(self.process_group)
         if isinstance(group, GroupBroadcast):
-            SharedRead(self._source(), self._locate, group).run(plan, planner)
+            try:
+                planned: ReadPlan | Exception = self._read_plan(
+                    plan, planner, stage=in_device_memory(group)
+                )
+            except Exception as exc:  # every rank of the group learns it (SharedRead.run)
+                planned = exc
+            SharedRead(group).run(planned, planner)
             return
+        read = self._read_plan(plan, planner)
+        ItemFetch(read.source).run(read.items, planner)
+
+    def _read_plan(self, plan: LoadPlan, planner: LoadPlanner, *, stage: Stage = True) -> ReadPlan:
+        """The one description of this ``read_data`` that the fetches run: where every item
+        of ``plan`` is stored, where its bytes land, and its checks."""
         self._locate(plan)
-        pending = [self._prepare(request, planner) for request in plan.items]
-        ItemFetch(self._source()).run(pending, planner)
+        items = [self._prepare(request, planner, stage=stage) for request in plan.items]
+        return ReadPlan(items, self._source())
 
     def _source(self) -> ReadSource:
-        """What the fetches of a ``read_data`` take from this reader."""
+        """Where and how the fetches of a ``read_data`` read."""
         return ReadSource(
             self._store(),
             self._require_location(),
@@ -313,7 +327,6 @@ class S3StorageReader(S3Location, StorageReader):
             self.bounce_bytes,
             self.decode_threads,
             self.trust_pickles,
-            self._prepare,
         )
 
     def _check_agreement(self, agreed: LoadAgreement | None) -> None:
@@ -354,13 +367,7 @@ class S3StorageReader(S3Location, StorageReader):
     async def _fetch_metadata(self, location: S3URI) -> tuple[Manifest, bytes]:
         return await metadata_read.fetch_metadata(self._store(), location)
 
-    def _prepare(
-        self,
-        request: ReadItem,
-        planner: LoadPlanner,
-        *,
-        stage: bool | Callable[[torch.device], bool] = True,
-    ) -> PendingRead:
+    def _prepare(self, request: ReadItem, planner: LoadPlanner, *, stage: Stage) -> PendingRead:
         stored = self.storage_data[request.storage_index]
         what = f"{self.location}/{stored.key} item {request.storage_index.fqn!r}"
         shape = self._shapes.get(request.storage_index)

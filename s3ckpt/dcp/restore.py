@@ -20,6 +20,7 @@ to the planner, on the calling thread.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import threading
@@ -63,7 +64,7 @@ class PendingRead:
     staged: bool = False
     scratch_at_decode: bool = False  # compressed, not direct: ``raw`` is allocated by decode
     # The destination's own memory, as bytes, is the span (on any device): bytes carried
-    # in device memory may land there (``dcp.device_share``).
+    # in device memory may land there (``dcp.shared_read``).
     in_place: bool = False
     stored_span: tuple[int, int] = field(init=False)  # stored bytes fetched, relative to the item
     raw_view: memoryview = field(init=False)  # over ``raw``
@@ -92,6 +93,11 @@ class PendingRead:
     @property
     def compressed(self) -> bool:
         return self.stored.codec != RAW
+
+    def renewed(self) -> PendingRead:
+        """The same read, ready to receive its bytes again into the same memory (after
+        they failed their check): a fresh streaming check, frames taken anew."""
+        return dataclasses.replace(self)
 
     def allocate_scratch(self) -> None:
         """Give a compressed item its raw scratch buffer now, if it waits for one."""
@@ -184,9 +190,13 @@ def _size_class(nbytes: int) -> int:
     return -(-nbytes // step) * step
 
 
+Stage = bool | Callable[[torch.device], bool]
+"""Whether a device destination's bytes pass through bounce slabs (``True``: wherever
+:func:`through_slabs` says), for every destination or by its device."""
+
+
 def prepare(request: ReadItem, stored: StoredItem, chunk: tuple[torch.dtype, torch.Size] | None,
-            planner: LoadPlanner, what: str, *,
-            stage: bool | Callable[[torch.device], bool] = True) -> PendingRead:  # fmt: skip
+            planner: LoadPlanner, what: str, *, stage: Stage = True) -> PendingRead:  # fmt: skip
     """Where ``request``'s bytes will land. ``stage`` false (or false for the destination's
     device): device destinations get a host scratch buffer now instead of bounce slabs (a
     shared read passes that buffer on over host memory)."""

@@ -16,8 +16,15 @@ backend and the destination's device type, the same on every rank):
   would put them (the destination, or the scratch buffer the item has anyway), so sharing
   adds no host memory for CPU destinations; a device destination gets a host buffer for
   the load here (``stage=False``), the memory gloo sends from and receives into;
-* in device memory, where the group carries it (NCCL for CUDA destinations):
-  :mod:`s3ckpt.dcp.device_share`, host memory held to the bounce slabs;
+* in device memory, where the group carries it (NCCL for CUDA destinations), with no
+  host buffer of an item's size on any rank: the owner fetches the item through the
+  bounce slabs of :mod:`s3ckpt.dcp.device_load` as an unshared load would, into its
+  destination or a device buffer, and sends from there (an item that does not pass
+  through slabs, small or compressed, is moved to device memory as soon as it is
+  verified); a receiver receives into its destination or a device buffer and checks
+  what arrived (:func:`check_received`), copied back to the host one slab at a time. The
+  owner's check covers the store to the owner; the receiver's covers the owner's device
+  memory, the transport between the ranks and its own memory;
 * not at all where the group carries neither (an NCCL-only group, CPU destinations):
   each rank needing the range reads it itself.
 
@@ -34,19 +41,24 @@ bytes against the same block CRC32Cs (which are of the raw bytes) without decodi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from s3ckpt.dcp import device_load, device_share
-from s3ckpt.dcp.compat import LoadPlan, LoadPlanner
-from s3ckpt.dcp.fetch import ItemFetch, ReadSource
+from s3ckpt.dcp import device_load
+from s3ckpt.dcp.compat import LoadPlanner
+from s3ckpt.dcp.fetch import ItemFetch, ReadPlan, ReadSource
 from s3ckpt.dcp.process_group import Carry, GroupBroadcast, Transfer, portable
 from s3ckpt.dcp.restore import PendingRead, hand_to_planner
 from s3ckpt.format.checksums import verify_blocks
 from s3ckpt.transfer.shares import SharePlan, Span, plan_shares
+
+Received = tuple[PendingRead, int]  # (item, the rank it came from)
+_Piece = tuple[PendingRead, int, int, int]  # (item, sender, first byte in the span, bytes)
 
 # How a range travels: ("host", "cpu"), or ("device", the destination's device type).
 Route = tuple[str, str]
@@ -88,30 +100,32 @@ class Routed:
         return sends, receives
 
 
-Locate = Callable[[LoadPlan], None]
-"""Find where every item of a plan is stored (the reader's; it may fail, and every rank
-must then learn it)."""
+def in_device_memory(group: GroupBroadcast) -> Callable[[torch.device], bool]:
+    """Whether a destination on a device receives its shared bytes in device memory (the
+    ``stage`` of :func:`~s3ckpt.dcp.restore.prepare` for a load over ``group``)."""
+    return functools.partial(_carried_in_device, group)
+
+
+def _carried_in_device(group: GroupBroadcast, device: torch.device) -> bool:
+    return group.carries(device.type) is Carry.DEVICE
 
 
 class SharedRead:
-    """One ``read_data`` of a rank whose reader was given a process group: ``locate`` and
-    ``source`` come from the reader."""
+    """One ``read_data`` of a rank whose reader was given a process group."""
 
-    def __init__(self, source: ReadSource, locate: Locate, group: GroupBroadcast) -> None:
-        self.source = source
-        self.locate = locate
+    def __init__(self, group: GroupBroadcast) -> None:
         self.group = group
         self.rank = group.rank
 
-    def run(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+    def run(self, planned: ReadPlan | Exception, planner: LoadPlanner) -> None:
+        """Run the reader's plan (staged by :func:`in_device_memory`), sharing ranges with
+        the other ranks; or, if the reader could not plan, tell them so and raise."""
         pending: list[PendingRead] = []
         primaries: dict[Route, dict[Span, PendingRead]] = {}
         try:
-            self.locate(plan)
-            pending = [
-                self.source.prepare(request, planner, stage=self._in_device)
-                for request in plan.items
-            ]
+            if isinstance(planned, Exception):
+                raise planned
+            pending = planned.items
             primaries = _primaries(pending, self._route)
             outcome: Any = ("needs", {r: sorted(spans) for r, spans in primaries.items()})
         except Exception as exc:
@@ -121,15 +135,12 @@ class SharedRead:
             failure = None
         gathered = self.group.all_gather(outcome)
         _raise_first(failure, [o[1] for o in gathered if o[0] == "failed"])
+        assert isinstance(planned, ReadPlan)
         routes = _routes([o[1] for o in gathered], primaries)
         if not any(routed.plan.shared for routed in routes):
-            ItemFetch(self.source).run(pending, planner)
+            ItemFetch(planned.source).run(pending, planner)
             return
-        self._share(routes, pending, planner)
-
-    def _in_device(self, device: torch.device) -> bool:
-        """Whether a destination on ``device`` receives its shared bytes in device memory."""
-        return self.group.carries(device.type) is Carry.DEVICE
+        self._share(routes, planned, planner)
 
     def _route(self, item: PendingRead) -> Route | None:
         """How ``item``'s range travels; ``None``: it does not, each rank reads it."""
@@ -139,22 +150,21 @@ class SharedRead:
         carry = self.group.carries(device)
         return None if carry is None else HOST if carry is Carry.HOST else ("device", device)
 
-    def _share(
-        self, routes: list[Routed], pending: list[PendingRead], planner: LoadPlanner
-    ) -> None:
-        rank = self.rank
+    def _share(self, routes: list[Routed], plan: ReadPlan, planner: LoadPlanner) -> None:
+        rank, source = self.rank, plan.source
         receiving = [(r, item, owner) for r in routes for item, owner in r.receives(rank)]
         received = {id(item) for _, item, _ in receiving}
         owned = frozenset(id(item) for r in routes for item in r.owned(rank))
+        # what this rank sends in device memory goes there as soon as it is verified
+        onto_device = frozenset(id(i) for r in routes if r.in_device for i in r.owned(rank))
         failure: Exception | None = None
         kept: dict[int, PendingRead] = {}
         try:
-            here = [p for p in pending if id(p) not in received]
-            fetch = ItemFetch(self.source)
-            kept = fetch.run(here, planner, keep=owned, kept_hook=self._onto_carrier)
+            here = [p for p in plan.items if id(p) not in received]
+            kept = ItemFetch(source).run(here, planner, keep=owned, onto_device=onto_device)
             for routed, item, _ in receiving:  # room for what arrives, before anyone sends
                 if routed.in_device:
-                    device_share.receive_into(item)
+                    device_load.receive_into(item)
                 else:
                     item.allocate_scratch()  # a compressed item decodes nothing here
         except Exception as exc:
@@ -165,21 +175,19 @@ class SharedRead:
             if routed.in_device and routed.plan.shared:
                 self.group.ready(routed.route[1])  # every rank, before any device transfer
         self.group.exchange([routed.transfers(rank, kept) for routed in routes])
-        trust = self.source.trust_pickles
+        trust = source.trust_pickles
         for item in kept.values():
             hand_to_planner(item, planner, trust_pickles=trust)
-        self._check([(item, owner) for r, item, owner in receiving if not r.in_device], False)
-        self._check([(item, owner) for r, item, owner in receiving if r.in_device], True)
+        self._check(
+            [(item, owner) for r, item, owner in receiving if not r.in_device], False, source
+        )
+        self._check([(item, owner) for r, item, owner in receiving if r.in_device], True, source)
         for _, item, _ in receiving:
             hand_to_planner(item, planner, trust_pickles=trust)
 
-    def _onto_carrier(self, item: PendingRead) -> None:
-        """A fetched item this rank sends: into device memory, if it travels there."""
-        route = self._route(item)
-        if route is not None and route != HOST:
-            device_share.onto_device(item)
-
-    def _check(self, received: list[tuple[PendingRead, int]], in_device: bool) -> None:
+    def _check(
+        self, received: list[tuple[PendingRead, int]], in_device: bool, source: ReadSource
+    ) -> None:
         """Verify what arrived: in host memory where it is, in device memory through slabs."""
         if not in_device:
             for item, owner in received:
@@ -193,12 +201,57 @@ class SharedRead:
             return
         if not received:
             return
-        size = device_load.slab_size([item for item, _ in received], self.source.request_size)
-        slabs = device_load.checkout(size, self.source.bounce_bytes, torch.cuda.is_available())
+        size = device_load.slab_size([item for item, _ in received], source.request_size)
+        slabs = device_load.checkout(size, source.bounce_bytes, torch.cuda.is_available())
         try:
-            device_share.check_received(received, slabs)
+            check_received(received, slabs)
         finally:
             device_load.give_back(slabs)
+
+
+def check_received(received: list[Received], slabs: device_load.Slabs) -> None:
+    """Raise :class:`~s3ckpt.errors.CorruptCheckpointError` unless every block that
+    arrived in device memory matches its stored CRC32C, copied back through ``slabs``."""
+    queued: deque[tuple[torch.cuda.Event | None, int, _Piece]] = deque()
+    for number, piece in enumerate(_pieces(received, slabs.size)):
+        slab = number % len(slabs.tensors)
+        if len(queued) == len(slabs.tensors):  # the oldest copy holds this slab
+            _check_copied(queued.popleft(), slabs)
+        item, _, within, nbytes = piece
+        slabs.tensors[slab][:nbytes].copy_(
+            item.raw[within : within + nbytes], non_blocking=slabs.pinned
+        )
+        event = None
+        if item.raw.is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(item.raw.device))
+        queued.append((event, slab, piece))
+    while queued:
+        _check_copied(queued.popleft(), slabs)
+
+
+def _pieces(received: list[Received], size: int) -> Iterator[_Piece]:
+    for item, sender in received:
+        step = size // item.stored.block_size * item.stored.block_size
+        total = item.span[1] - item.span[0]
+        for within in range(0, total, step):
+            yield item, sender, within, min(step, total - within)
+
+
+def _check_copied(
+    copied: tuple[torch.cuda.Event | None, int, _Piece], slabs: device_load.Slabs
+) -> None:
+    event, slab, (item, sender, within, nbytes) = copied
+    if event is not None:
+        event.synchronize()
+    block = item.stored.block_size
+    verify_blocks(
+        slabs.views[slab][:nbytes],
+        item.stored.crc32c,
+        block_size=block,
+        first_block=(item.span[0] + within) // block,
+        what=f"{item.what} (passed on by rank {sender})",
+    )
 
 
 def _routes(

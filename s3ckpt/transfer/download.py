@@ -308,6 +308,7 @@ class _Admission:
 
 
 _FINISHED = object()
+NOTHING_YET = object()  # yielded by Downloader.fetch(poll=True) while no token is ready
 # Further reads of a range whose bytes failed their checksum, each on fresh connections:
 # a mismatch in a GET body is most often damage in transit, not in the object.
 REREADS = 3
@@ -331,24 +332,24 @@ class Downloader:
         self.store = store
         self.max_request_size = max_request_size
         self._admission = _Admission(lazy_budget) if lazy_budget else None
+        self._releases = 0  # changes with every release, whatever thread gives back
 
     def release(self, nbytes: int) -> None:
         """Give back a lazily allocated target of ``nbytes`` (from any thread)."""
+        self._releases += 1
         if self._admission is not None:
             io_loop().loop.call_soon_threadsafe(self._admission.leave, nbytes)
 
-    def fetch(
-        self, targets: list[ReadTarget], idle: Callable[[], bool] | None = None
-    ) -> Iterator[object]:
+    def fetch(self, targets: list[ReadTarget], poll: bool = False) -> Iterator[object]:
         """Yield each target's token once all its bytes have arrived (in arrival order).
 
         Empty targets are yielded first. Raises the first I/O error; abandoning the
         iterator cancels the requests still running and waits until they have stopped, so
         no byte lands in a target after the caller has moved on (to raise an error, say).
-        ``idle()`` is called whenever no token is ready, before waiting for one: the caller
-        may give memory back there (it returns whether it did, and is then asked again), so
-        a download held back by the budget is never left waiting on a caller that waits
-        on it.
+        ``poll``: :data:`NOTHING_YET` is yielded whenever no token is ready, before waiting
+        for one; the caller may give memory back then (:meth:`release`), and is offered
+        the chance again for as long as it does. So a download held back by the budget is
+        never left waiting on a caller that waits on it.
         """
         completed: queue.SimpleQueue[object] = queue.SimpleQueue()
         for target in targets:
@@ -360,7 +361,17 @@ class Downloader:
         future = loop.submit(_outcome(task))
         future.add_done_callback(lambda _: completed.put(_FINISHED))
         try:
-            while (token := _next(completed, idle)) is not _FINISHED:
+            while True:
+                try:
+                    token = completed.get_nowait() if poll else completed.get()
+                except queue.Empty:
+                    releases = self._releases
+                    yield NOTHING_YET
+                    if self._releases != releases:
+                        continue  # memory came back: look again before waiting
+                    token = completed.get()
+                if token is _FINISHED:
+                    break
                 yield token
             future.result()
         finally:
@@ -400,17 +411,6 @@ class Downloader:
         await self.store.read_range(
             request.key, request.start, request.end, _Scatter(request, done)
         )
-
-
-def _next(completed: queue.SimpleQueue[object], idle: Callable[[], bool] | None) -> object:
-    """The next token: at once if one is ready, else after ``idle`` has run out of work."""
-    while idle is not None:
-        try:
-            return completed.get_nowait()
-        except queue.Empty:
-            if not idle():
-                break
-    return completed.get()
 
 
 async def _outcome(task: asyncio.Task[None]) -> None:

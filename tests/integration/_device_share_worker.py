@@ -1,4 +1,4 @@
-"""Rank side of the tests of shared ranges carried in device memory (``dcp.device_share``).
+"""Rank side of the tests of shared ranges carried in device memory (``dcp.shared_read``).
 
 ``forced_main`` runs on gloo CPU ranks with the decision forced: the group "carries device
 tensors" for CPU destinations, and CPU destinations of 1 MiB or more pass through the

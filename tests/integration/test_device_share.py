@@ -1,4 +1,4 @@
-"""Shared ranges carried in device memory (``dcp.device_share``), on CPU ranks.
+"""Shared ranges carried in device memory (``dcp.shared_read``), on CPU ranks.
 
 On a group that carries device tensors (NCCL) a shared range bound for device memory is
 fetched through the bounce slabs into device memory, sent from there and received into

@@ -207,7 +207,7 @@ def test_bytes_received_into_cuda_are_checked_through_pinned_slabs():
     """What a rank received over NCCL is copied back through pinned slabs and checked:
     intact bytes pass (more pieces than slabs), one flipped byte is found."""
     from s3ckpt.dcp.device_load import Slabs
-    from s3ckpt.dcp.device_share import check_received
+    from s3ckpt.dcp.shared_read import check_received
     from s3ckpt.errors import CorruptCheckpointError
 
     slabs = Slabs(2 * MIB, 2, pinned=True)

@@ -230,9 +230,9 @@ def test_a_target_with_a_reserve_is_never_coalesced_with_its_neighbours():
 
 def test_a_fetch_asks_its_caller_to_give_memory_back_before_it_waits():
     """A download held back by its budget waits on the caller, who waits for the next
-    token: ``idle`` is where the caller gives the budget back, and it runs before any
-    wait. The budget here admits one lazily allocated target at a time."""
-    from s3ckpt.transfer.download import Downloader
+    token: a polled fetch yields ``NOTHING_YET`` before any wait, where the caller gives
+    the budget back. The budget here admits one lazily allocated target at a time."""
+    from s3ckpt.transfer.download import NOTHING_YET, Downloader
 
     class Store:
         async def read_range(self, key, start, end, sink):
@@ -246,16 +246,14 @@ def test_a_fetch_asks_its_caller_to_give_memory_back_before_it_waits():
     reader = Downloader(Store(), lazy_budget=10)  # type: ignore[arg-type]
     held: list[int] = []
 
-    def idle() -> bool:
-        if not held:
-            return False
-        reader.release(10 * len(held))
-        held.clear()
-        return True
-
     arrived = []
-    for token in reader.fetch(targets, idle):
+    for token in reader.fetch(targets, True):
+        if token is NOTHING_YET:  # no token ready: the caller gives back what it holds
+            if held:
+                reader.release(10 * len(held))
+                held.clear()
+            continue
         arrived.append(token)
-        held.append(token)  # given back only when the caller is idle
+        held.append(token)  # given back only when no token is ready
     assert sorted(arrived) == [0, 1, 2]
     assert all(bytes(b) == b"\x07" * 10 for b in buffers)

@@ -1,4 +1,4 @@
-"""dcp.device_share.check_received: bytes that arrived in device memory, checked back
+"""dcp.shared_read.check_received: bytes that arrived in device memory, checked back
 through the bounce slabs (here CPU tensors; test_gpu.py runs it on CUDA)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from s3ckpt.dcp.device_load import Slabs
-from s3ckpt.dcp.device_share import check_received
+from s3ckpt.dcp.shared_read import check_received
 from s3ckpt.dcp.tensor_bytes import tensor_view
 from s3ckpt.errors import CorruptCheckpointError
 from s3ckpt.format.checksums import block_crcs

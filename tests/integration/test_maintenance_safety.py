@@ -173,7 +173,7 @@ def test_prune_keeps_a_checkpoint_whose_overwrite_commits_in_the_second_of_its_l
     seconds), where the newest metadata before the commit is the overwrite's, not the
     committed save's. Every attempt, same second or not, prune keeps step-1 as a save in
     flight; the listing of that second itself is pinned in
-    ``tests/unit/test_in_flight_seconds.py``."""
+    ``tests/unit/catalog/test_scan_in_flight.py``."""
     location = S3URI.parse(s3_prefix)
     dcp.save(_state(1), storage_writer=make_writer(f"{s3_prefix}/step-1"))
     dcp.save(_state(2), storage_writer=make_writer(f"{s3_prefix}/step-2"))

@@ -19,6 +19,7 @@ import reliability_report as reliability
 import torch
 import torch.distributed.checkpoint as dcp
 from faultproxy import FaultProxy
+from paused_save import PausedSave
 
 from s3ckpt import catalog
 from s3ckpt.catalog import api as catalog_api
@@ -93,36 +94,6 @@ def through(s3_options, ignoring) -> dict[str, Any]:
 def cli_env(local_s3, monkeypatch):
     for name, value in local_s3.env().items():
         monkeypatch.setenv(name, value)
-
-
-class PausedSave:
-    """A save whose objects are written and whose commit waits until :meth:`release`."""
-
-    def __init__(self, writer, value: float) -> None:
-        self.uploaded, self._go = threading.Event(), threading.Event()
-        self.error: BaseException | None = None
-        commit = writer.finish
-
-        def finish(metadata, results):
-            self.uploaded.set()
-            assert self._go.wait(120)
-            return commit(metadata, results)
-
-        writer.finish = finish
-        self.thread = threading.Thread(target=self._run, args=(writer, value))
-        self.thread.start()
-        assert self.uploaded.wait(120)
-
-    def _run(self, writer, value: float) -> None:
-        try:
-            dcp.save(_state(value), storage_writer=writer)
-        except BaseException as exc:
-            self.error = exc
-
-    def release(self) -> None:
-        self._go.set()
-        self.thread.join(120)
-        assert self.error is None, self.error
 
 
 class HeldCommit:
@@ -277,7 +248,7 @@ def test_prune_keeps_a_checkpoint_a_save_started_into_after_its_listing(
     async def scan_then_start_a_save(store, location):
         listing = await real_scan(store, location)
         writer = make_writer(f"{s3_prefix}/step-1", overwrite=True)
-        started.append(await asyncio.to_thread(PausedSave, writer, 10.0))
+        started.append(await asyncio.to_thread(PausedSave, writer, _state(10.0)))
         return listing
 
     monkeypatch.setattr(catalog_api, "scan_checkpoints", scan_then_start_a_save)
@@ -360,7 +331,7 @@ def test_gc_measures_in_flight_records_with_the_store_clock(
     }
     for key, body in dead.items():
         local_s3.client().put_object(Bucket=location.bucket, Key=location.key(key), Body=body)
-    running = PausedSave(make_writer(f"{s3_prefix}/step-2"), 2.0)
+    running = PausedSave(make_writer(f"{s3_prefix}/step-2"), _state(2.0))
     record = next(k for k in list_keys(f"{s3_prefix}/step-2") if ".s3ckpt-saving-" in k)
     running_id = record.rsplit("-", 1)[1]
     for _ in range(600):  # until the dead save's record is past the lease, by the store's clock
@@ -394,7 +365,7 @@ def test_prune_keeps_a_checkpoint_being_overwritten_whatever_the_local_clock(
     location = S3URI.parse(s3_prefix)
     for step in (1, 2):
         dcp.save(_state(step), storage_writer=make_writer(f"{s3_prefix}/step-{step}"))
-    overwrite = PausedSave(make_writer(f"{s3_prefix}/step-1", overwrite=True), 10.0)
+    overwrite = PausedSave(make_writer(f"{s3_prefix}/step-1", overwrite=True), _state(10.0))
     for skew, dry_run in ((*SKEWS[:1], True), (*SKEWS[1:], True), (*SKEWS[:1], False)):
         skewed(skew)
         report = io_loop().run(

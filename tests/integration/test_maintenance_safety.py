@@ -46,17 +46,16 @@ MATRIX_ROWS = 5
 @pytest.fixture(scope="module")
 def matrix():
     """Rows of the fault matrix (``make reliability-report`` renders them)."""
-    suite = reliability.Suite(
+    yield from reliability.filled(
+        "maintenance",
+        MATRIX_ROWS,
         notes=[
             "Against SeaweedFS through the fault proxy; where conditional deletes are "
             "ignored, the proxy strips If-Match and signs the request again. Survived: the "
             "newest commit (or the running save) was kept and loads bit-exact; what was due "
             "for deletion was deleted.",
-        ]
+        ],
     )
-    yield suite
-    if len(suite.rows) == MATRIX_ROWS:
-        reliability.record("maintenance", suite)
 
 
 def _row(matrix, scenario: str, faults: dict[str, int]) -> None:
@@ -88,6 +87,26 @@ def ignoring(local_s3):
 def through(s3_options, ignoring) -> dict[str, Any]:
     """Catalog options that go through the proxy."""
     return {"config": make_config(None, **{**s3_options, "endpoint_url": ignoring.endpoint_url})}
+
+
+@pytest.fixture
+def two_steps(s3_prefix, make_writer) -> None:
+    """``step-1`` and ``step-2`` committed under the test's prefix, holding 1.0 and 2.0."""
+    for step in (1, 2):
+        dcp.save(_state(step), storage_writer=make_writer(f"{s3_prefix}/step-{step}"))
+
+
+def _then_recommit(real, make_writer, uri: str | None = None):
+    """``real(store, location)``, after which ``uri`` (by default the checkpoint at
+    ``location``) is committed again, holding 10.0: what ``real`` read is then stale."""
+
+    async def wrapped(store, location):
+        result = await real(store, location)
+        overwrite = make_writer(uri or str(location), overwrite=True)
+        await asyncio.to_thread(dcp.save, _state(10.0), storage_writer=overwrite)
+        return result
+
+    return wrapped
 
 
 @pytest.fixture
@@ -190,18 +209,12 @@ def test_the_probe_sees_which_stores_honour_conditional_deletes(
 
 
 def test_prune_keeps_a_checkpoint_recommitted_after_its_listing(
-    s3_prefix, make_writer, make_reader, ignoring, cli_env, monkeypatch, capsys, matrix
+    s3_prefix, make_writer, make_reader, two_steps, ignoring, cli_env, monkeypatch, capsys, matrix
 ):
-    for step in (1, 2):
-        dcp.save(_state(step), storage_writer=make_writer(f"{s3_prefix}/step-{step}"))
-    real_scan = catalog_api.scan_checkpoints
-
-    async def scan_then_recommit(store, location):
-        listing = await real_scan(store, location)  # step-1 is to go: the listed manifest
-        overwrite = make_writer(f"{s3_prefix}/step-1", overwrite=True)
-        await asyncio.to_thread(dcp.save, _state(10.0), storage_writer=overwrite)
-        return listing
-
+    # step-1 is to go by the listing, which names the manifest replaced right after it
+    scan_then_recommit = _then_recommit(
+        catalog_api.scan_checkpoints, make_writer, f"{s3_prefix}/step-1"
+    )
     monkeypatch.setattr(catalog_api, "scan_checkpoints", scan_then_recommit)
     code = main(["prune", s3_prefix, "--keep-last", "1", "--endpoint-url", ignoring.endpoint_url])
     captured = capsys.readouterr()
@@ -215,18 +228,10 @@ def test_prune_keeps_a_checkpoint_recommitted_after_its_listing(
 
 
 def test_prune_keeps_a_checkpoint_recommitted_just_before_its_delete(
-    s3_prefix, make_writer, make_reader, through, monkeypatch, ignoring, matrix
+    s3_prefix, make_writer, make_reader, two_steps, through, monkeypatch, ignoring, matrix
 ):
-    for step in (1, 2):
-        dcp.save(_state(step), storage_writer=make_writer(f"{s3_prefix}/step-{step}"))
-    real_read = unpublish_module.read_manifest
-
-    async def read_then_recommit(store, location):
-        manifest = await real_read(store, location)  # the old manifest, its objects to go
-        overwrite = make_writer(str(location), overwrite=True)
-        await asyncio.to_thread(dcp.save, _state(10.0), storage_writer=overwrite)
-        return manifest
-
+    # the old manifest, whose objects are to go, read just before the recommit
+    read_then_recommit = _then_recommit(unpublish_module.read_manifest, make_writer)
     monkeypatch.setattr(unpublish_module, "read_manifest", read_then_recommit)
     report = catalog.prune(s3_prefix, keep_last=1, **through)
     assert report.removed == [] and report.changed == ["step-1"]
@@ -238,10 +243,8 @@ def test_prune_keeps_a_checkpoint_recommitted_just_before_its_delete(
 
 
 def test_prune_keeps_a_checkpoint_a_save_started_into_after_its_listing(
-    s3_prefix, make_writer, make_reader, through, monkeypatch, ignoring, matrix
+    s3_prefix, make_writer, make_reader, two_steps, through, monkeypatch, ignoring, matrix
 ):
-    for step in (1, 2):
-        dcp.save(_state(step), storage_writer=make_writer(f"{s3_prefix}/step-{step}"))
     real_scan = catalog_api.scan_checkpoints
     started: list[PausedSave] = []
 
@@ -360,11 +363,9 @@ def test_gc_measures_in_flight_records_with_the_store_clock(
 
 
 def test_prune_keeps_a_checkpoint_being_overwritten_whatever_the_local_clock(
-    s3_prefix, make_writer, make_reader, store, list_keys, skewed, matrix
+    s3_prefix, make_writer, make_reader, two_steps, store, list_keys, skewed, matrix
 ):
     location = S3URI.parse(s3_prefix)
-    for step in (1, 2):
-        dcp.save(_state(step), storage_writer=make_writer(f"{s3_prefix}/step-{step}"))
     overwrite = PausedSave(make_writer(f"{s3_prefix}/step-1", overwrite=True), _state(10.0))
     for skew, dry_run in ((*SKEWS[:1], True), (*SKEWS[1:], True), (*SKEWS[:1], False)):
         skewed(skew)

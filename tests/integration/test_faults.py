@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -292,29 +292,35 @@ def _failed_cleanly(
 
 
 @pytest.fixture
-def gave_up_cleanly(proxy, through, s3_prefix, matrix, list_keys, pending_uploads, server):
-    """Checks a save given up on: no upload left, no object changed, the previous checkpoint
-    (``previous``, whose keys were ``before``) loads bit-exact without faults; and adds
-    the matrix's row ``title``."""
+def failing_parts(proxy, through, s3_prefix, matrix, list_keys, pending_uploads, server):
+    """``failing_parts(seed)``: ``_state(seed)`` committed, then every part upload refused
+    (503). It returns ``gave_up(title)``, which checks a save given up on since: no upload
+    left, no object changed, the previous checkpoint loads bit-exact without faults; and
+    adds the matrix's row ``title``."""
 
-    def check(title: str, previous: dict[str, Any], before: list[str]) -> None:
-        faults = dict(proxy.counts)
-        proxy.clear()
-        verified = _assert_previous_intact(
-            s3_prefix, previous, through, list_keys, pending_uploads, before
-        )
-        _failed_cleanly(matrix, title, server, faults, verified)
+    def start(seed: int) -> Callable[[str], None]:
+        previous = _state(seed)
+        dcp.save(previous, storage_writer=S3StorageWriter(s3_prefix, **through))
+        before = list_keys(s3_prefix)
+        proxy.add(_persistent_part_failures())
 
-    return check
+        def gave_up(title: str) -> None:
+            faults = dict(proxy.counts)
+            proxy.clear()
+            verified = _assert_previous_intact(
+                s3_prefix, previous, through, list_keys, pending_uploads, before
+            )
+            _failed_cleanly(matrix, title, server, faults, verified)
+
+        return gave_up
+
+    return start
 
 
 def test_a_save_that_keeps_failing_gives_up_cleanly_through_its_future(
-    proxy, through, s3_prefix, list_keys, gave_up_cleanly
+    through, s3_prefix, failing_parts
 ):
-    previous = _state(1)
-    dcp.save(previous, storage_writer=S3StorageWriter(s3_prefix, **through))
-    before = list_keys(s3_prefix)
-    proxy.add(_persistent_part_failures())
+    gave_up = failing_parts(1)
     started = time.monotonic()
     # Retried until the save's deadline (not for a count of tries), then given up on.
     writer = S3StorageWriter(s3_prefix, overwrite=True, deadline_s=3.0, **through)
@@ -326,16 +332,11 @@ def test_a_save_that_keeps_failing_gives_up_cleanly_through_its_future(
     assert "deadline_s" in str(error) and error.operation == "UploadPart"
     assert writer.retries > 0
     assert time.monotonic() - started < 60
-    gave_up_cleanly("503 on every part upload (persistent), deadline_s=3", previous, before)
+    gave_up("503 on every part upload (persistent), deadline_s=3")
 
 
-def test_the_deadline_ends_a_save_that_would_retry_for_long(
-    proxy, through, s3_prefix, list_keys, gave_up_cleanly
-):
-    previous = _state(3)
-    dcp.save(previous, storage_writer=S3StorageWriter(s3_prefix, **through))
-    before = list_keys(s3_prefix)
-    proxy.add(_persistent_part_failures())
+def test_the_deadline_ends_a_save_that_would_retry_for_long(through, s3_prefix, failing_parts):
+    gave_up = failing_parts(3)
     started = time.monotonic()
     writer = S3StorageWriter(
         s3_prefix, overwrite=True, max_attempts=1000, deadline_s=2.0, **through
@@ -348,9 +349,7 @@ def test_the_deadline_ends_a_save_that_would_retry_for_long(
     # The 2 s deadline and the work around it: some seconds. Ignoring the deadline, the
     # 1000 attempts would back off for hours, so a bound of a minute cannot be hit by load.
     assert time.monotonic() - started < 60
-    gave_up_cleanly(
-        "503 on every part upload, 1000 attempts allowed, deadline_s=2", previous, before
-    )
+    gave_up("503 on every part upload, 1000 attempts allowed, deadline_s=2")
 
 
 def test_errors_a_retry_cannot_fix_are_not_retried(proxy, through, s3_prefix):

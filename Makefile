@@ -28,7 +28,7 @@ NEWEST_TESTS := tests/unit \
 # That environment installs s3ckpt without its trainer extras, so the unit test of the
 # Megatron integration's file layer (which imports the integration, and so megatron-core)
 # runs in the main phase only, as the Megatron integration tests do.
-NEWEST_IGNORE := --ignore=tests/unit/test_megatron_files.py
+NEWEST_IGNORE := --ignore=tests/unit/integrations/megatron/test_files.py
 # DeepSpeed gets an environment of its own: 0.19.8 is an sdist, built without its CUDA ops
 # (DS_BUILD_OPS=0, --no-build-isolation) beside the pinned CPU torch. The one op it builds
 # on first use with the CPU accelerator (its shared-memory collectives, ~45 s of ninja) is

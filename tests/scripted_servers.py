@@ -1,6 +1,6 @@
 """Threaded servers on loopback that answer each connection with a scripted handler, for
-the data plane's exchanges (``tests/unit/test_wire_uploads.py``, ``test_wire_signed_parts.py``,
-``test_wire_heads.py``, ``test_wire_calls.py``)."""
+the data plane's exchanges (``tests/unit/s3/wire/``: ``test_uploads.py``,
+``test_uploads_signed.py``, ``test_calls_heads.py``, ``test_calls.py``)."""
 
 from __future__ import annotations
 

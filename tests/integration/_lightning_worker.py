@@ -24,10 +24,10 @@ import torch.distributed.checkpoint as dcp
 from lightning.fabric import Fabric
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_regression import Regression
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, TensorDataset
 
 from s3ckpt import catalog
 from s3ckpt.dcp.reader import S3StorageReader
@@ -56,8 +56,10 @@ def make_net(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
 
 
-class ShardedModule(LightningModule):
+class ShardedModule(Regression):
     """Two linear layers sharded with FSDP2 in ``configure_model``; AdamW and a schedule."""
+
+    samples = 8 * BATCHES_PER_EPOCH
 
     def __init__(self, seed: int) -> None:
         super().__init__()
@@ -65,19 +67,6 @@ class ShardedModule(LightningModule):
 
     def configure_model(self) -> None:
         shard(self.net, self.device_mesh["data_parallel"])
-
-    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
-        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
-
-    def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(8 * BATCHES_PER_EPOCH, 8, generator=generator)
-        return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=4)
 
 
 def local(tree: Any) -> Any:

@@ -12,9 +12,9 @@ import multiprocessing
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
-from _commit_race_worker import state_of
+from _commit_race_worker import race, state_of
 
-from s3ckpt import S3StorageWriter, unwrap
+from s3ckpt import S3StorageWriter
 
 
 def race_after_switch(
@@ -29,13 +29,4 @@ def race_after_switch(
     dcp.save(state_of(writer), storage_writer=own)  # the probe runs here, unversioned
     barrier.wait(timeout=300)  # every writer has probed
     barrier.wait(timeout=300)  # versioning is on
-    for number in range(rounds):
-        barrier.wait(timeout=300)
-        uri = f"{prefix}/round-{number}"
-        try:
-            dcp.save(state_of(writer), storage_writer=S3StorageWriter(uri, **options))
-            outcome = "committed"
-        except BaseException as exc:
-            error = unwrap(exc)
-            outcome = f"{type(error).__name__}: {error}"
-        results.put((number, writer, outcome))
+    race(writer, rounds, prefix, options, barrier, results)

@@ -12,6 +12,7 @@ from typing import Any
 
 import _cli_runner
 import pytest
+from _dist_worker import server_options
 
 from s3ckpt import S3StorageReader, S3StorageWriter
 from s3ckpt.config import S3URI, make_config
@@ -22,12 +23,7 @@ from s3ckpt.testing.local_s3 import LocalS3Server
 @pytest.fixture
 def s3_options(local_s3: LocalS3Server) -> dict[str, Any]:
     """Keyword options that point a writer or reader at the local server."""
-    return {
-        "endpoint_url": local_s3.endpoint_url,
-        "access_key_id": local_s3.access_key,
-        "secret_access_key": local_s3.secret_key,
-        "region": local_s3.region,
-    }
+    return server_options(local_s3)
 
 
 @pytest.fixture

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from paused_save import PausedSave
 
 from s3ckpt import catalog
 from s3ckpt.catalog import pruning as catalog_pruning
@@ -37,36 +37,12 @@ def _state(value: float = 1.0) -> dict[str, object]:
     }
 
 
-class InFlight:
+class InFlight(PausedSave):
     """A save whose data is uploaded but whose commit waits until :meth:`release`."""
 
     def __init__(self, make_writer, uri: str, value: float = 9.0) -> None:
         self.uri = uri
-        self.uploaded, self._go = threading.Event(), threading.Event()
-        self.error: BaseException | None = None
-        writer = make_writer(uri)
-        commit = writer.finish
-
-        def finish(metadata, results):
-            self.uploaded.set()
-            assert self._go.wait(60)
-            commit(metadata, results)
-
-        writer.finish = finish  # type: ignore[method-assign]
-        self.thread = threading.Thread(target=self._run, args=(writer, value))
-        self.thread.start()
-        assert self.uploaded.wait(60)
-
-    def _run(self, writer, value: float) -> None:
-        try:
-            dcp.save(_state(value), storage_writer=writer)
-        except BaseException as exc:
-            self.error = exc
-
-    def release(self) -> None:
-        self._go.set()
-        self.thread.join(60)
-        assert self.error is None, self.error
+        super().__init__(make_writer(uri), _state(value), timeout_s=60)
 
 
 def _failed_save(make_writer, uri: str) -> None:

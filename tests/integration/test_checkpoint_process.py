@@ -24,6 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from _dist_worker import run_ranks
 from _process_writers import HeldAfterUpload, StalledInSecondPart
+from liveness import alive
 from torch.distributed.checkpoint.metadata import Metadata
 
 from s3ckpt import (
@@ -67,15 +68,6 @@ def assert_same(loaded: dict[str, Any], saved: dict[str, Any]) -> None:
     assert torch.equal(loaded["tied"], saved["tied"])
     assert torch.equal(loaded["ids"], saved["ids"])
     assert loaded["step"] == saved["step"]
-
-
-def alive(pid: int | None) -> bool:
-    if pid is None:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_saves_reuse_one_process_and_its_staging_memory(s3_prefix, make_writer, make_reader):
@@ -287,8 +279,7 @@ def test_a_script_without_main_guard_or_close_saves_and_exits_cleanly(
 
 @pytest.mark.distributed
 def test_two_ranks_save_dtensors_through_their_processes(local_s3, s3_prefix, s3_options, tmp_path):
-    run_ranks(rank_side.dtensor_main, 2, s3_options, s3_prefix, str(tmp_path), timeout=300)
-    reports = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    reports = _two_ranks(rank_side.dtensor_main, s3_options, s3_prefix, tmp_path)
     full = rank_side.dtensor_full_state()
     for report in reports:
         assert report["steps"] == [1, 2]
@@ -306,8 +297,7 @@ def test_two_ranks_save_dtensors_through_their_processes(local_s3, s3_prefix, s3
 def test_a_rank_whose_process_is_killed_fails_the_save_on_every_rank(
     local_s3, s3_prefix, s3_options, tmp_path
 ):
-    run_ranks(rank_side.killed_main, 2, s3_options, s3_prefix, str(tmp_path), timeout=300)
-    reports = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    reports = _two_ranks(rank_side.killed_main, s3_options, s3_prefix, tmp_path)
     assert reports[1]["first"].startswith(
         "CheckpointProcessError: the checkpoint process of rank 1"
     )
@@ -320,8 +310,7 @@ def test_a_rank_whose_process_is_killed_fails_the_save_on_every_rank(
 def test_a_process_killed_while_the_processes_meet_fails_every_rank_at_once(
     local_s3, s3_prefix, s3_options, tmp_path
 ):
-    run_ranks(rank_side.killed_meeting_main, 2, s3_options, s3_prefix, str(tmp_path), timeout=300)
-    reports = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    reports = _two_ranks(rank_side.killed_meeting_main, s3_options, s3_prefix, tmp_path)
     assert reports[1]["first"].startswith(
         "CheckpointProcessError: the checkpoint process of rank 1"
     ), reports[1]["first"]
@@ -331,6 +320,12 @@ def test_a_process_killed_while_the_processes_meet_fails_every_rank_at_once(
     ), reports[0]["first"]
     assert "(the checkpoint process of rank 1 was killed by signal 9)" in reports[0]["first"]
     _saved_again_by_fresh_processes(reports, [("b", True)])
+
+
+def _two_ranks(main: Any, s3_options: dict[str, Any], uri: str, tmp_path: Path) -> list[dict]:
+    """``main`` run on two ranks to its end: each rank's report."""
+    run_ranks(main, 2, s3_options, uri, str(tmp_path), timeout=300)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 def _saved_again_by_fresh_processes(reports: list[dict], listed: list[tuple[str, bool]]) -> None:

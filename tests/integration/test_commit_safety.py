@@ -11,7 +11,6 @@ from __future__ import annotations
 import multiprocessing
 import threading
 import time
-from collections import defaultdict
 from typing import Any
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from _commit_race_worker import ELEMENTS, race, state_of
 from faultproxy import FaultProxy, Rule
+from racing_writers import one_winner, outcomes, running
 
 from s3ckpt import CheckpointManager, IncompleteSaveError, catalog, unwrap
 from s3ckpt.cli.main import main as cli_main
@@ -62,28 +62,14 @@ def test_racing_writer_processes_without_conditional_writes_have_exactly_one_win
             spawn.Process(target=race, args=(n, ROUNDS, s3_prefix, options, barrier, results))
             for n in range(WRITERS)
         ]
-        for worker in workers:
-            worker.start()
-        outcomes: dict[int, dict[int, str]] = defaultdict(dict)
-        try:
-            for _ in range(WRITERS * ROUNDS):
-                number, writer, outcome = results.get(timeout=300)
-                outcomes[number][writer] = outcome
-        finally:
-            for worker in workers:
-                worker.join(timeout=60)
-                if worker.is_alive():
-                    worker.kill()
+        with running(workers):
+            ended_rounds = outcomes(results, WRITERS * ROUNDS, timeout_s=300)
         assert proxy.counts["conditional_refused"] >= 1  # the writers had to fall back
         assert proxy.counts["delay"] > 0
     for number in range(ROUNDS):
-        ended = outcomes[number]
-        winners = [w for w, outcome in ended.items() if outcome == "committed"]
-        assert len(winners) == 1, (number, ended)
-        losers = [o for w, o in ended.items() if w not in winners]
-        assert all(o.startswith("CommitConflictError") for o in losers), (number, ended)
+        winner = one_winner(number, ended_rounds[number])
         uri = f"{s3_prefix}/round-{number}"
-        assert torch.equal(_load(make_reader, uri), state_of(winners[0])["w"]), number
+        assert torch.equal(_load(make_reader, uri), state_of(winner)["w"]), number
         manifest = catalog.show_checkpoint(uri, config=make_config(None, **s3_options))
         # Losers removed their objects; no claim and no in-flight record is left.
         assert list_keys(uri) == sorted([*manifest.all_keys(), MANIFEST_NAME]), number

@@ -72,7 +72,7 @@ def test_a_server_that_ignores_range_still_loads_bit_exact(
     """Every ranged GET answered 200 with the whole object: bytes must land where they
     belong, not be reported as corruption. (Stripping Range in a proxy breaks header
     signatures, so this runs the direct reader, whose presigned URLs do not sign Range;
-    the aiobotocore path is covered in tests/unit/test_get_attempt.py.)"""
+    the aiobotocore path is covered in tests/unit/s3/test_get_attempt.py.)"""
     from faultproxy import FaultProxy
 
     dcp.save(_state(), storage_writer=make_writer(s3_prefix))

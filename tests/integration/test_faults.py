@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -126,18 +126,17 @@ EXPECTED_ROWS = 2 * (len(SCENARIOS) + 6)
 def matrix() -> Iterator[report.Suite]:
     """Rows of the fault matrix, recorded once all are in (``make reliability-report``
     renders them into the docs)."""
-    suite = report.Suite(
+    yield from report.filled(
+        "faults",
+        EXPECTED_ROWS,
         notes=[
             f"Transient scenarios save and load {ROUNDS} checkpoints of about 17 MB each "
             "(5 MiB parts, 2 MiB ranged GETs); faults hit one request at most twice.",
             "Failed cleanly: the operation raised the documented error (a corrupted read "
             "names its object and item); a failed save left no new object and no multipart "
             "upload, and the previous checkpoint still loaded bit-exact.",
-        ]
+        ],
     )
-    yield suite
-    if len(suite.rows) == EXPECTED_ROWS:
-        report.record("faults", suite)
 
 
 @pytest.fixture
@@ -256,14 +255,12 @@ def test_a_read_corrupted_every_time_is_caught_and_names_object_and_item(
     dcp.load(restored, storage_reader=S3StorageReader(s3_prefix, **through))
     verified, lost = _compare(state, restored)
     assert lost == 0
-    matrix.add(
-        report.Row(
-            _titled("flipped bit in every GET response body of an object", server),
-            dict(proxy.counts),
-            operations=1,
-            failed_cleanly=1,
-            bytes_verified=verified,
-        )
+    _failed_cleanly(
+        matrix,
+        "flipped bit in every GET response body of an object",
+        server,
+        dict(proxy.counts),
+        verified,
     )
 
 
@@ -279,13 +276,51 @@ def _assert_previous_intact(uri, state, through, list_keys, pending_uploads, bef
     return verified
 
 
+def _failed_cleanly(
+    matrix: report.Suite, title: str, server: str, faults: dict[str, int], verified: int = 0
+) -> None:
+    """The matrix's row of one operation that failed cleanly."""
+    matrix.add(
+        report.Row(
+            _titled(title, server),
+            faults,
+            operations=1,
+            failed_cleanly=1,
+            bytes_verified=verified,
+        )
+    )
+
+
+@pytest.fixture
+def failing_parts(proxy, through, s3_prefix, matrix, list_keys, pending_uploads, server):
+    """``failing_parts(seed)``: ``_state(seed)`` committed, then every part upload refused
+    (503). It returns ``gave_up(title)``, which checks a save given up on since: no upload
+    left, no object changed, the previous checkpoint loads bit-exact without faults; and
+    adds the matrix's row ``title``."""
+
+    def start(seed: int) -> Callable[[str], None]:
+        previous = _state(seed)
+        dcp.save(previous, storage_writer=S3StorageWriter(s3_prefix, **through))
+        before = list_keys(s3_prefix)
+        proxy.add(_persistent_part_failures())
+
+        def gave_up(title: str) -> None:
+            faults = dict(proxy.counts)
+            proxy.clear()
+            verified = _assert_previous_intact(
+                s3_prefix, previous, through, list_keys, pending_uploads, before
+            )
+            _failed_cleanly(matrix, title, server, faults, verified)
+
+        return gave_up
+
+    return start
+
+
 def test_a_save_that_keeps_failing_gives_up_cleanly_through_its_future(
-    proxy, through, s3_prefix, matrix, list_keys, pending_uploads, server
+    through, s3_prefix, failing_parts
 ):
-    previous = _state(1)
-    dcp.save(previous, storage_writer=S3StorageWriter(s3_prefix, **through))
-    before = list_keys(s3_prefix)
-    proxy.add(_persistent_part_failures())
+    gave_up = failing_parts(1)
     started = time.monotonic()
     # Retried until the save's deadline (not for a count of tries), then given up on.
     writer = S3StorageWriter(s3_prefix, overwrite=True, deadline_s=3.0, **through)
@@ -297,29 +332,11 @@ def test_a_save_that_keeps_failing_gives_up_cleanly_through_its_future(
     assert "deadline_s" in str(error) and error.operation == "UploadPart"
     assert writer.retries > 0
     assert time.monotonic() - started < 60
-    faults = dict(proxy.counts)
-    proxy.clear()
-    verified = _assert_previous_intact(
-        s3_prefix, previous, through, list_keys, pending_uploads, before
-    )
-    matrix.add(
-        report.Row(
-            _titled("503 on every part upload (persistent), deadline_s=3", server),
-            faults,
-            operations=1,
-            failed_cleanly=1,
-            bytes_verified=verified,
-        )
-    )
+    gave_up("503 on every part upload (persistent), deadline_s=3")
 
 
-def test_the_deadline_ends_a_save_that_would_retry_for_long(
-    proxy, through, s3_prefix, matrix, list_keys, pending_uploads, server
-):
-    previous = _state(3)
-    dcp.save(previous, storage_writer=S3StorageWriter(s3_prefix, **through))
-    before = list_keys(s3_prefix)
-    proxy.add(_persistent_part_failures())
+def test_the_deadline_ends_a_save_that_would_retry_for_long(through, s3_prefix, failing_parts):
+    gave_up = failing_parts(3)
     started = time.monotonic()
     writer = S3StorageWriter(
         s3_prefix, overwrite=True, max_attempts=1000, deadline_s=2.0, **through
@@ -332,20 +349,7 @@ def test_the_deadline_ends_a_save_that_would_retry_for_long(
     # The 2 s deadline and the work around it: some seconds. Ignoring the deadline, the
     # 1000 attempts would back off for hours, so a bound of a minute cannot be hit by load.
     assert time.monotonic() - started < 60
-    faults = dict(proxy.counts)
-    proxy.clear()
-    verified = _assert_previous_intact(
-        s3_prefix, previous, through, list_keys, pending_uploads, before
-    )
-    matrix.add(
-        report.Row(
-            _titled("503 on every part upload, 1000 attempts allowed, deadline_s=2", server),
-            faults,
-            operations=1,
-            failed_cleanly=1,
-            bytes_verified=verified,
-        )
-    )
+    gave_up("503 on every part upload, 1000 attempts allowed, deadline_s=2")
 
 
 def test_errors_a_retry_cannot_fix_are_not_retried(proxy, through, s3_prefix):
@@ -478,13 +482,8 @@ def test_a_clean_up_that_cannot_list_still_aborts_every_upload_it_knows(
     proxy.clear()
     assert pending_uploads(s3_prefix) == []
     assert list_keys(s3_prefix) == []
-    matrix.add(
-        report.Row(
-            _titled("a failed save's clean-up where every listing of uploads fails", server),
-            faults,
-            operations=1,
-            failed_cleanly=1,
-        )
+    _failed_cleanly(
+        matrix, "a failed save's clean-up where every listing of uploads fails", server, faults
     )
 
 
@@ -510,11 +509,6 @@ def test_one_failing_abort_stops_none_of_the_rest_and_gc_finds_what_was_left(
     collected = catalog.collect_garbage(s3_prefix, grace=0, config=make_config(None, **s3_options))
     assert [u.key.rsplit("/", 1)[-1] for u in collected.uploads] == [left[0].rsplit("/", 1)[-1]]
     assert pending_uploads(s3_prefix) == []
-    matrix.add(
-        report.Row(
-            _titled("a failed save's clean-up where one abort fails (gc removes it)", server),
-            faults,
-            operations=1,
-            failed_cleanly=1,
-        )
+    _failed_cleanly(
+        matrix, "a failed save's clean-up where one abort fails (gc removes it)", server, faults
     )

@@ -7,7 +7,7 @@ not say "full": s3ckpt cannot tell it from a passing server error, so it is retr
 ``deadline_s`` and the save ends with ``DeadlineExceededError`` naming ``InternalError``,
 as any persistent 5xx does. The stall limit is for stores that stop answering (Ceph RGW
 on a full cluster: ``test_stalled_store.py``); stores that say "full" in S3's words get
-``StoreFullError`` (``tests/unit/test_store_stalls.py``). moto keeps objects in memory
+``StoreFullError`` (``tests/unit/s3/test_retry_stalls.py``). moto keeps objects in memory
 and never fills. Either way the previous checkpoint stays the loadable one.
 
 Mounting the tmpfs needs root (or CAP_SYS_ADMIN); without it the test is skipped and says

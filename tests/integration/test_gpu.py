@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from slotted import Slotted
 
 from s3ckpt import CheckpointManager, HostStager, S3StorageReader, S3StorageWriter
 
@@ -99,15 +100,6 @@ def test_host_stager_stages_into_pinned_buffers_it_reuses():
         stager.close()
 
 
-class Shard:
-    """A holder without ``__dict__``, as ``ShardedTensor``'s shards hold their data."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-
 def test_host_stager_waits_for_copies_of_tensors_held_in_slots():
     """The copy must be complete when stage() returns, for tensors no dict walk finds."""
     stager = HostStager()
@@ -115,7 +107,7 @@ def test_host_stager_waits_for_copies_of_tensors_held_in_slots():
     try:
         for step in range(3):
             source.fill_(step)
-            staged = stager.stage({"shard": Shard(source)})
+            staged = stager.stage({"shard": Slotted(source)})
             # no synchronize here: stage() must have waited for the copy
             assert torch.all(staged["shard"].tensor == step)
             assert stager._copier.devices == {source.device}

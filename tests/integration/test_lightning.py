@@ -18,9 +18,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning_regression import Regression
 from rank_exit import leave
 from same_state import assert_same
-from torch.utils.data import DataLoader, TensorDataset
 
 from s3ckpt import CheckpointNotFoundError, S3StorageReader, catalog
 from s3ckpt.integrations.lightning import S3CheckpointIO, last_checkpoint, lightning_uri
@@ -35,8 +35,10 @@ pytestmark = [
 BATCHES_PER_EPOCH = 2
 
 
-class TinyModule(LightningModule):
+class TinyModule(Regression):
     """A two-layer regression model with AdamW and a step schedule: state of every kind."""
+
+    samples = 4 * BATCHES_PER_EPOCH
 
     def __init__(self, seed: int) -> None:
         super().__init__()
@@ -44,19 +46,6 @@ class TinyModule(LightningModule):
         self.net = torch.nn.Sequential(
             torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)
         )
-
-    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
-        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
-
-    def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(4 * BATCHES_PER_EPOCH, 8, generator=generator)
-        return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=4)
 
 
 class Snapshot(Callback):

@@ -19,6 +19,7 @@ import reliability_report as reliability
 import torch
 import torch.distributed.checkpoint as dcp
 from faultproxy import FaultProxy
+from paused_save import PausedSave
 
 from s3ckpt import catalog
 from s3ckpt.catalog import pruning as catalog_pruning
@@ -45,17 +46,16 @@ MATRIX_ROWS = 5
 @pytest.fixture(scope="module")
 def matrix():
     """Rows of the fault matrix (``make reliability-report`` renders them)."""
-    suite = reliability.Suite(
+    yield from reliability.filled(
+        "maintenance",
+        MATRIX_ROWS,
         notes=[
             "Against SeaweedFS through the fault proxy; where conditional deletes are "
             "ignored, the proxy strips If-Match and signs the request again. Survived: the "
             "newest commit (or the running save) was kept and loads bit-exact; what was due "
             "for deletion was deleted.",
-        ]
+        ],
     )
-    yield suite
-    if len(suite.rows) == MATRIX_ROWS:
-        reliability.record("maintenance", suite)
 
 
 def _row(matrix, scenario: str, faults: dict[str, int]) -> None:
@@ -90,39 +90,29 @@ def through(s3_options, ignoring) -> dict[str, Any]:
 
 
 @pytest.fixture
+def two_steps(s3_prefix, make_writer) -> None:
+    """``step-1`` and ``step-2`` committed under the test's prefix, holding 1.0 and 2.0."""
+    for step in (1, 2):
+        dcp.save(_state(step), storage_writer=make_writer(f"{s3_prefix}/step-{step}"))
+
+
+def _then_recommit(real, make_writer, uri: str | None = None):
+    """``real(store, location)``, after which ``uri`` (by default the checkpoint at
+    ``location``) is committed again, holding 10.0: what ``real`` read is then stale."""
+
+    async def wrapped(store, location):
+        result = await real(store, location)
+        overwrite = make_writer(uri or str(location), overwrite=True)
+        await asyncio.to_thread(dcp.save, _state(10.0), storage_writer=overwrite)
+        return result
+
+    return wrapped
+
+
+@pytest.fixture
 def cli_env(local_s3, monkeypatch):
     for name, value in local_s3.env().items():
         monkeypatch.setenv(name, value)
-
-
-class PausedSave:
-    """A save whose objects are written and whose commit waits until :meth:`release`."""
-
-    def __init__(self, writer, value: float) -> None:
-        self.uploaded, self._go = threading.Event(), threading.Event()
-        self.error: BaseException | None = None
-        commit = writer.finish
-
-        def finish(metadata, results):
-            self.uploaded.set()
-            assert self._go.wait(120)
-            return commit(metadata, results)
-
-        writer.finish = finish
-        self.thread = threading.Thread(target=self._run, args=(writer, value))
-        self.thread.start()
-        assert self.uploaded.wait(120)
-
-    def _run(self, writer, value: float) -> None:
-        try:
-            dcp.save(_state(value), storage_writer=writer)
-        except BaseException as exc:
-            self.error = exc
-
-    def release(self) -> None:
-        self._go.set()
-        self.thread.join(120)
-        assert self.error is None, self.error
 
 
 class HeldCommit:
@@ -173,7 +163,7 @@ def test_prune_keeps_a_checkpoint_whose_overwrite_commits_in_the_second_of_its_l
     seconds), where the newest metadata before the commit is the overwrite's, not the
     committed save's. Every attempt, same second or not, prune keeps step-1 as a save in
     flight; the listing of that second itself is pinned in
-    ``tests/unit/test_in_flight_seconds.py``."""
+    ``tests/unit/catalog/test_scan_in_flight.py``."""
     location = S3URI.parse(s3_prefix)
     dcp.save(_state(1), storage_writer=make_writer(f"{s3_prefix}/step-1"))
     dcp.save(_state(2), storage_writer=make_writer(f"{s3_prefix}/step-2"))
@@ -219,18 +209,12 @@ def test_the_probe_sees_which_stores_honour_conditional_deletes(
 
 
 def test_prune_keeps_a_checkpoint_recommitted_after_its_listing(
-    s3_prefix, make_writer, make_reader, ignoring, cli_env, monkeypatch, capsys, matrix
+    s3_prefix, make_writer, make_reader, two_steps, ignoring, cli_env, monkeypatch, capsys, matrix
 ):
-    for step in (1, 2):
-        dcp.save(_state(step), storage_writer=make_writer(f"{s3_prefix}/step-{step}"))
-    real_scan = catalog_pruning.scan_checkpoints
-
-    async def scan_then_recommit(store, location):
-        listing = await real_scan(store, location)  # step-1 is to go: the listed manifest
-        overwrite = make_writer(f"{s3_prefix}/step-1", overwrite=True)
-        await asyncio.to_thread(dcp.save, _state(10.0), storage_writer=overwrite)
-        return listing
-
+    # step-1 is to go by the listing, which names the manifest replaced right after it
+    scan_then_recommit = _then_recommit(
+        catalog_pruning.scan_checkpoints, make_writer, f"{s3_prefix}/step-1"
+    )
     monkeypatch.setattr(catalog_pruning, "scan_checkpoints", scan_then_recommit)
     code = main(["prune", s3_prefix, "--keep-last", "1", "--endpoint-url", ignoring.endpoint_url])
     captured = capsys.readouterr()
@@ -244,18 +228,10 @@ def test_prune_keeps_a_checkpoint_recommitted_after_its_listing(
 
 
 def test_prune_keeps_a_checkpoint_recommitted_just_before_its_delete(
-    s3_prefix, make_writer, make_reader, through, monkeypatch, ignoring, matrix
+    s3_prefix, make_writer, make_reader, two_steps, through, monkeypatch, ignoring, matrix
 ):
-    for step in (1, 2):
-        dcp.save(_state(step), storage_writer=make_writer(f"{s3_prefix}/step-{step}"))
-    real_read = unpublish_module.read_manifest
-
-    async def read_then_recommit(store, location):
-        manifest = await real_read(store, location)  # the old manifest, its objects to go
-        overwrite = make_writer(str(location), overwrite=True)
-        await asyncio.to_thread(dcp.save, _state(10.0), storage_writer=overwrite)
-        return manifest
-
+    # the old manifest, whose objects are to go, read just before the recommit
+    read_then_recommit = _then_recommit(unpublish_module.read_manifest, make_writer)
     monkeypatch.setattr(unpublish_module, "read_manifest", read_then_recommit)
     report = catalog.prune(s3_prefix, keep_last=1, **through)
     assert report.removed == [] and report.changed == ["step-1"]
@@ -267,17 +243,15 @@ def test_prune_keeps_a_checkpoint_recommitted_just_before_its_delete(
 
 
 def test_prune_keeps_a_checkpoint_a_save_started_into_after_its_listing(
-    s3_prefix, make_writer, make_reader, through, monkeypatch, ignoring, matrix
+    s3_prefix, make_writer, make_reader, two_steps, through, monkeypatch, ignoring, matrix
 ):
-    for step in (1, 2):
-        dcp.save(_state(step), storage_writer=make_writer(f"{s3_prefix}/step-{step}"))
     real_scan = catalog_pruning.scan_checkpoints
     started: list[PausedSave] = []
 
     async def scan_then_start_a_save(store, location):
         listing = await real_scan(store, location)
         writer = make_writer(f"{s3_prefix}/step-1", overwrite=True)
-        started.append(await asyncio.to_thread(PausedSave, writer, 10.0))
+        started.append(await asyncio.to_thread(PausedSave, writer, _state(10.0)))
         return listing
 
     monkeypatch.setattr(catalog_pruning, "scan_checkpoints", scan_then_start_a_save)
@@ -360,7 +334,7 @@ def test_gc_measures_in_flight_records_with_the_store_clock(
     }
     for key, body in dead.items():
         local_s3.client().put_object(Bucket=location.bucket, Key=location.key(key), Body=body)
-    running = PausedSave(make_writer(f"{s3_prefix}/step-2"), 2.0)
+    running = PausedSave(make_writer(f"{s3_prefix}/step-2"), _state(2.0))
     record = next(k for k in list_keys(f"{s3_prefix}/step-2") if ".s3ckpt-saving-" in k)
     running_id = record.rsplit("-", 1)[1]
     for _ in range(600):  # until the dead save's record is past the lease, by the store's clock
@@ -389,12 +363,10 @@ def test_gc_measures_in_flight_records_with_the_store_clock(
 
 
 def test_prune_keeps_a_checkpoint_being_overwritten_whatever_the_local_clock(
-    s3_prefix, make_writer, make_reader, store, list_keys, skewed, matrix
+    s3_prefix, make_writer, make_reader, two_steps, store, list_keys, skewed, matrix
 ):
     location = S3URI.parse(s3_prefix)
-    for step in (1, 2):
-        dcp.save(_state(step), storage_writer=make_writer(f"{s3_prefix}/step-{step}"))
-    overwrite = PausedSave(make_writer(f"{s3_prefix}/step-1", overwrite=True), 10.0)
+    overwrite = PausedSave(make_writer(f"{s3_prefix}/step-1", overwrite=True), _state(10.0))
     for skew, dry_run in ((*SKEWS[:1], True), (*SKEWS[1:], True), (*SKEWS[:1], False)):
         skewed(skew)
         report = io_loop().run(

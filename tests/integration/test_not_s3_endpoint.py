@@ -98,19 +98,21 @@ def assert_not_s3(error: BaseException, endpoint: str, status: int) -> None:
 # -- Python -------------------------------------------------------------------------------
 
 
-def test_a_writer_says_the_endpoint_is_not_s3(web_server, credentials):
-    endpoint, status = web_server
+def _save(endpoint: str) -> None:
     writer = S3StorageWriter("s3://ckpt/run/step-1", endpoint_url=endpoint)
-    with pytest.raises(BaseException) as raised:
-        dcp.save({"w": torch.ones(4)}, storage_writer=writer)
-    assert_not_s3(s3ckpt.unwrap(raised.value), endpoint, status)
+    dcp.save({"w": torch.ones(4)}, storage_writer=writer)
 
 
-def test_a_reader_says_the_endpoint_is_not_s3(web_server, credentials):
-    endpoint, status = web_server
+def _load(endpoint: str) -> None:
     reader = S3StorageReader("s3://ckpt/run/step-1", endpoint_url=endpoint)
+    dcp.load({"w": torch.zeros(4)}, storage_reader=reader)
+
+
+@pytest.mark.parametrize("call", [_save, _load], ids=["writer", "reader"])
+def test_a_writer_and_a_reader_say_the_endpoint_is_not_s3(call, web_server, credentials):
+    endpoint, status = web_server
     with pytest.raises(BaseException) as raised:
-        dcp.load({"w": torch.zeros(4)}, storage_reader=reader)
+        call(endpoint)
     assert_not_s3(s3ckpt.unwrap(raised.value), endpoint, status)
 
 

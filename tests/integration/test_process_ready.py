@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from liveness import alive
 
 from s3ckpt import CheckpointManager, CheckpointProcess, CheckpointProcessError, catalog
 from s3ckpt.background.process import default_niceness
@@ -32,15 +33,6 @@ def state_of(seed: int, mib: int = 4) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     n = mib * 1024 * 1024 // 4 // 4
     return {"model": {f"w{i}": torch.randn(n, generator=g) for i in range(4)}, "step": seed}
-
-
-def alive(pid: int | None) -> bool:
-    if pid is None:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def loaded_libraries(pid: int) -> str:

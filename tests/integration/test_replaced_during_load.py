@@ -103,17 +103,16 @@ class _Overwriter(threading.Thread):
 @pytest.fixture(scope="module")
 def matrix() -> Iterator[report.Suite]:
     """Rows of the fault matrix (``make reliability-report`` renders them)."""
-    suite = report.Suite(
+    yield from report.filled(
+        "replaced",
+        2,
         notes=[
             f"Each row: {ROUNDS} rounds of a sharded load on every rank while this process "
             "overwrites the checkpoint and runs gc with no grace after each overwrite; in "
             f"{len(FORCED)} of them the last rank's reads wait for an overwrite. Survived: "
             "one version on every rank; failed cleanly: CheckpointReplacedError on every rank.",
-        ]
+        ],
     )
-    yield suite
-    if len(suite.rows) == 2:
-        report.record("replaced", suite)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

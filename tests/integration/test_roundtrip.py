@@ -167,19 +167,22 @@ def test_keys_with_unicode_spaces_and_slashes(local_s3, make_writer, make_reader
     _assert_same(state, restored)
 
 
-def test_nn_module_and_optimizer_state(s3_prefix, make_writer, make_reader):
-    torch.manual_seed(0)
+def _trained_one_step() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A small model and its AdamW optimizer after one step, so both have state."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(2, 8)).sum().backward()
     optimizer.step()
+    return model, optimizer
+
+
+def test_nn_module_and_optimizer_state(s3_prefix, make_writer, make_reader):
+    torch.manual_seed(0)
+    model, optimizer = _trained_one_step()
     state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
     dcp.save(state, storage_writer=make_writer(s3_prefix))
 
-    fresh = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
-    fresh(torch.randn(2, 8)).sum().backward()
-    fresh_optimizer.step()
+    fresh, fresh_optimizer = _trained_one_step()
     target = {"model": fresh.state_dict(), "optim": fresh_optimizer.state_dict()}
     dcp.load(target, storage_reader=make_reader(s3_prefix))
     for key, value in model.state_dict().items():

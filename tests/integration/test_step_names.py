@@ -92,6 +92,17 @@ def run(env: dict[str, str], *args: str) -> list[str]:
     return done.stdout.splitlines()
 
 
+def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``s3ckpt <args>`` run to its end in a fresh interpreter."""
+    return subprocess.run(
+        [sys.executable, "-m", "s3ckpt", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+
+
 def killed_mid_upload(env: dict[str, str], *args: str) -> list[str]:
     """The worker, SIGKILLed once its checkpoint process holds an upload; its lines."""
     process = subprocess.Popen(
@@ -254,13 +265,7 @@ def test_prune_and_the_manager_expire_the_same_names(s3_prefix, s3_options, loca
         assert manager.save(5, state) is True
     save_as(f"{by_prune}/{s3ckpt.step_name(5)}", 0, s3_options)
     env = environment(local_s3, tmp_path)
-    pruned = subprocess.run(
-        [sys.executable, "-m", "s3ckpt", "prune", by_prune, "--keep-last", "2", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
+    pruned = cli(env, "prune", by_prune, "--keep-last", "2", "--json")
     assert pruned.returncode == 0, pruned.stderr
     report = json.loads(pruned.stdout)
     kept = {k["name"]: k["reason"] for k in report["kept"]}
@@ -273,13 +278,7 @@ def test_prune_and_the_manager_expire_the_same_names(s3_prefix, s3_options, loca
     remaining = {"step-4", "step-0000000005", "step-4.hf-source", "step-12a"}
     assert set(committed(by_prune, s3_options)) == remaining
     assert set(committed(by_manager, s3_options)) == remaining
-    listed = subprocess.run(
-        [sys.executable, "-m", "s3ckpt", "ls", by_manager, "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
+    listed = cli(env, "ls", by_manager, "--json")
     order = [row["name"] for row in json.loads(listed.stdout)]
     steps = [n for n in order if s3ckpt.step_of(n) is not None]
     assert steps == ["step-4", "step-0000000005"]  # ls orders steps by number
@@ -320,13 +319,7 @@ def test_prune_after_a_save_killed_mid_upload(s3_prefix, s3_options, local_s3, t
     assert [(i.name, i.in_flight) for i in listed] == [
         (s3ckpt.step_name(s), False) for s in (1, 2, 3, 4)
     ]
-    pruned = subprocess.run(
-        [sys.executable, "-m", "s3ckpt", "prune", s3_prefix, "--keep-last", "2", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
+    pruned = cli(env, "prune", s3_prefix, "--keep-last", "2", "--json")
     assert pruned.returncode == 0, pruned.stderr
     deleted = [d["name"] for d in json.loads(pruned.stdout)["deleted"]]
     assert deleted == [s3ckpt.step_name(1), s3ckpt.step_name(2)]

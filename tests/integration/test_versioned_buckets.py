@@ -13,7 +13,6 @@ import json
 import multiprocessing
 import secrets
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from _commit_race_worker import ELEMENTS, state_of
 from _versioning_race_worker import race_after_switch
 from faultproxy import FaultProxy
+from racing_writers import one_winner, outcomes, running
 from s3_servers import ON_BOTH
 
 from s3ckpt import S3StorageReader, S3StorageWriter, catalog
@@ -307,31 +307,16 @@ def test_versioning_switched_on_between_saves_keeps_one_winner_among_racing_writ
             )
             for n in range(writers)
         ]
-        for worker in workers:
-            worker.start()
-        outcomes: dict[int, dict[int, str]] = defaultdict(dict)
-        try:
+        with running(workers):
             barrier.wait(timeout=240)  # every writer probed, unversioned
             assert proxy.counts["conditional_ignored"] == 0
             _enable(local_s3.client(), bucket)
             barrier.wait(timeout=60)
             for _ in range(rounds):
                 barrier.wait(timeout=120)
-            for _ in range(writers * rounds):
-                number, writer, outcome = results.get(timeout=120)
-                outcomes[number][writer] = outcome
-        finally:
-            for worker in workers:
-                worker.join(timeout=60)
-                if worker.is_alive():
-                    worker.kill()
+            ended_rounds = outcomes(results, writers * rounds, timeout_s=120)
         assert proxy.counts["conditional_ignored"] > 0  # the emulation was in force
     for number in range(rounds):
-        ended = outcomes[number]
-        winners = [w for w, outcome in ended.items() if outcome == "committed"]
-        assert len(winners) == 1, (number, ended)
-        assert all(
-            o.startswith("CommitConflictError") for w, o in ended.items() if w not in winners
-        )
+        winner = one_winner(number, ended_rounds[number])
         loaded = _load(f"{prefix}/round-{number}", _options(local_s3))
-        assert torch.equal(loaded, state_of(winners[0])["w"]), number
+        assert torch.equal(loaded, state_of(winner)["w"]), number

@@ -27,7 +27,7 @@ details it relies on:
 * :mod:`~s3ckpt.dcp.compat.torch_save`: how to lay out a ``torch.save`` file without its
   tensors' bytes (:func:`save_skeleton`, for export).
 
-``tests/unit/test_compat.py`` and ``tests/unit/test_export_formats.py`` fail loudly when a
+``tests/unit/dcp/test_compat.py`` and ``tests/unit/interop/test_formats.py`` fail loudly when a
 torch release changes any of them.
 """
 

@@ -61,7 +61,7 @@ def stop_async_save_process(timeout: float = 30.0) -> bool:
 
     DCP starts that process on the first process-mode save and offers no public way to
     stop it; it would otherwise live until the interpreter exits. Uses DCP's private
-    module; returns whether a process was stopped. ``tests/unit/test_compat.py`` pins the
+    module; returns whether a process was stopped. ``tests/unit/dcp/test_compat.py`` pins the
     names used.
     """
     from torch.distributed.checkpoint import _async_process_executor as executor

@@ -31,7 +31,7 @@ def storage_copier(*, pin_memory: bool, share_memory: bool) -> StorageCopier:
     copy goes through (``_stage_untyped_storage``): non-blocking copies are complete only
     once each of those devices is synchronized, and tensors sit where no walk of dicts
     and attributes finds them (a ``ShardedTensor`` reports the CPU, its shards hold the
-    data in slots). ``tests/unit/test_compat.py`` pins the names used.
+    data in slots). ``tests/unit/dcp/test_compat.py`` pins the names used.
 
     A ``DTensor`` is copied as its local tensor and made again around the copy: DCP's own
     walk asks a tensor subclass for its storage when its ``data_ptr()`` is not 0, and a

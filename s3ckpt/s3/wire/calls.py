@@ -14,7 +14,7 @@ operations are applied (:mod:`s3ckpt.s3.compat_botocore`: the listing's
 headers, a ``200`` that carries an error, an unparsable ``Expires`` header left out), and
 the request is signed by :class:`~.signing.PartSigner`, sent on the data plane's pool and
 its answer read by the client's response parser: callers get the dict, or the
-``ClientError``, the client would have given them. ``tests/unit/test_wire_calls.py`` checks
+``ClientError``, the client would have given them. ``tests/unit/s3/wire/test_calls.py`` checks
 each request against the one the client sends, header for header and byte for byte. The
 object's URL comes from :class:`~.addresses.ObjectAddresses`.
 

@@ -17,7 +17,7 @@ the object's URL as the client addresses it, a query of ``partNumber`` and ``upl
 the part's CRC32C header where it has one) and the requests of
 :class:`~.calls.SignedCalls` (the method, query and headers the client's serializer
 built), with the session token where the credentials carry one.
-``tests/unit/test_wire_signing.py`` and ``tests/unit/test_wire_calls.py`` check the
+``tests/unit/s3/wire/test_signing.py`` and ``tests/unit/s3/wire/test_calls.py`` check the
 signatures against botocore's signer for the same request at the same instant; SeaweedFS
 checks them itself (``tests/integration/test_signed_parts.py`` and every save).
 """
@@ -107,7 +107,7 @@ class PartHeads:
     :meth:`PartSigner.sign` signs, with what every part shares worked out once: the path,
     both host forms, the quoted upload id, the credentials' token, the header names, and
     the timestamp formatted once a second, where the general pair works each part's out
-    anew. ``tests/unit/test_wire_signing.py`` checks every head byte for byte against the
+    anew. ``tests/unit/s3/wire/test_signing.py`` checks every head byte for byte against the
     general pair's.
     """
 

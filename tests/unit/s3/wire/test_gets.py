@@ -139,6 +139,26 @@ def run(coro: Awaitable[object]) -> object:
     return asyncio.run(coro)  # type: ignore[arg-type]
 
 
+def read_fails(
+    answer: Reply,
+    error: type[BaseException],
+    *,
+    start: int = 0,
+    end: int = 10,
+    match: str | None = None,
+) -> BaseException:
+    """A read of ``start``-``end`` from a server that gives ``answer`` raises ``error``,
+    which is returned."""
+
+    async def main() -> BaseException:
+        async with ScriptedServer([answer]) as server:
+            with pytest.raises(error, match=match) as caught:
+                await reader(server.url).read("bucket", "key", start, end, Buffer(start, end))
+        return caught.value
+
+    return run(main())  # type: ignore[return-value]
+
+
 def test_receives_ranges_into_the_sink_and_reuses_the_connection() -> None:
     async def main() -> None:
         async with ScriptedServer([partial(), partial()]) as server:
@@ -217,15 +237,9 @@ def test_error_responses_become_client_errors_with_the_s3_code() -> None:
 
 
 def test_error_without_a_body_uses_the_status_as_code() -> None:
-    async def main() -> None:
-        async with ScriptedServer(
-            [raw(b"HTTP/1.1 503 Slow Down\r\nContent-Length: 0\r\n\r\n")]
-        ) as s:
-            with pytest.raises(ClientError) as caught:
-                await reader(s.url).read("bucket", "key", 0, 10, Buffer(0, 10))
-            assert caught.value.response["Error"]["Code"] == "503"
-
-    run(main())
+    answer = raw(b"HTTP/1.1 503 Slow Down\r\nContent-Length: 0\r\n\r\n")
+    error = read_fails(answer, ClientError)
+    assert isinstance(error, ClientError) and error.response["Error"]["Code"] == "503"
 
 
 @pytest.mark.parametrize(
@@ -238,12 +252,7 @@ def test_error_without_a_body_uses_the_status_as_code() -> None:
     ids=["chunked", "short-object", "wrong-content-range"],
 )
 def test_responses_it_cannot_receive_in_place_are_reported_unsupported(head: bytes) -> None:
-    async def main() -> None:
-        async with ScriptedServer([raw(head)]) as server:
-            with pytest.raises(UnsupportedResponse):
-                await reader(server.url).read("bucket", "key", 5, 15, Buffer(5, 15))
-
-    run(main())
+    read_fails(raw(head), UnsupportedResponse, start=5, end=15)
 
 
 def test_a_response_cut_short_raises_short_read_after_delivering_what_came() -> None:
@@ -397,12 +406,7 @@ def test_a_redirect_is_handed_to_aiobotocore() -> None:
         f"Content-Length: {len(body)}\r\n\r\n"
     ).encode()
 
-    async def main() -> None:
-        async with ScriptedServer([raw(head + body, keep=True)]) as s:
-            with pytest.raises(UnsupportedResponse, match="redirect 307"):
-                await reader(s.url).read("bucket", "key", 0, 10, Buffer(0, 10))
-
-    run(main())
+    read_fails(raw(head + body, keep=True), UnsupportedResponse, match="redirect 307")
 
 
 @pytest.mark.parametrize(
@@ -414,12 +418,7 @@ def test_a_redirect_is_handed_to_aiobotocore() -> None:
     ids=["content-length", "chunked"],
 )
 def test_an_error_body_cut_short_is_a_connection_error(reply: bytes) -> None:
-    async def main() -> None:
-        async with ScriptedServer([raw(reply)]) as s:
-            with pytest.raises(ConnectionError):
-                await reader(s.url).read("bucket", "key", 0, 10, Buffer(0, 10))
-
-    run(main())
+    read_fails(raw(reply), ConnectionError)
 
 
 def test_a_content_length_that_does_not_match_the_range_is_not_received_in_place() -> None:
@@ -427,12 +426,7 @@ def test_a_content_length_that_does_not_match_the_range_is_not_received_in_place
         b"HTTP/1.1 206 Partial Content\r\nContent-Length: 9\r\nContent-Range: bytes 0-9/99\r\n\r\n"
     )
 
-    async def main() -> None:
-        async with ScriptedServer([raw(head + OBJECT[:9])]) as s:
-            with pytest.raises(UnsupportedResponse):
-                await reader(s.url).read("bucket", "key", 0, 10, Buffer(0, 10))
-
-    run(main())
+    read_fails(raw(head + OBJECT[:9]), UnsupportedResponse)
 
 
 def test_a_server_ignoring_range_has_the_range_cut_from_the_whole_object(caplog) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from slotted import Slotted
 
 from s3ckpt import HostStager
 
@@ -57,15 +58,6 @@ def test_dcp_is_told_there_is_nothing_to_wait_for_after_stage():
     assert stager.should_synchronize_after_execute is False
     stager.synchronize_staging()  # nothing pending: returns at once
     stager.close()
-
-
-class Slotted:
-    """A holder without ``__dict__``, as ``ShardedTensor``'s shards are."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
 
 
 def test_the_devices_to_synchronize_are_those_the_copies_came_from():

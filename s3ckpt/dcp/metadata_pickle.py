@@ -27,7 +27,7 @@ from s3ckpt.dcp.compat import Metadata, metadata_global
 from s3ckpt.errors import CorruptCheckpointError, UntrustedPickleError
 from s3ckpt.format.layout import StoredItem
 from s3ckpt.format.rank_index import ItemOwners
-from s3ckpt.transfer.thread_mode import collector_paused
+from s3ckpt.transfer.collector import collector_paused
 
 _STORED_ITEM_PATHS = {
     (StoredItem.__module__, "StoredItem"),  # written by this release

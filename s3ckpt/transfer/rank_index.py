@@ -20,15 +20,15 @@ from s3ckpt.format.manifest import IndexRef, Manifest
 from s3ckpt.format.rank_index import RankIndex
 from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer.checked import get_checked, sized_and_summed
+from s3ckpt.transfer.collector import collector_paused
 from s3ckpt.transfer.fanout import bounded
-from s3ckpt.transfer.thread_mode import collector_paused
 
 PARALLEL_INDEX_READS = 32
 
 
 def index_body(index: RankIndex) -> bytes:
     """``index`` as its object's JSON, encoded with the collector paused (a dict per item,
-    dropped once encoded: :func:`~s3ckpt.transfer.thread_mode.collector_paused`)."""
+    dropped once encoded: :func:`~s3ckpt.transfer.collector.collector_paused`)."""
     with collector_paused():
         return index.to_json()
 

@@ -3,13 +3,11 @@
 In thread mode the engine runs in the trainer's process, and its threads share the
 interpreter with the training loop: the loop waits each time one of them holds the GIL
 and each time one of them takes it back. The pieces here trade simplicity for fewer
-hand-overs and shorter holds there (docs/decisions/0008-thread-mode-gil.md); each is
-measured in thread mode only, so in the checkpoint process, which shares its interpreter
-with no training loop, the switch is off and the engine takes the plain path:
+hand-overs and shorter holds there (docs/decisions/0008-thread-mode-gil.md); none of them
+shortened a save in the checkpoint process, which shares its interpreter with no training
+loop, so there the switch is off and the engine takes the plain path (the collector's
+pause, which did, runs in both: :mod:`s3ckpt.transfer.collector`):
 
-* :func:`collector_paused`: a save's short-lived records (DCP's metadata checked and
-  pickled, a rank's index) built with automatic garbage collection paused, so that their
-  allocations set off no collection of the trainer's heap;
 * :func:`result_of`: a future already done read at once on the I/O loop, without the
   thread-safe hand-off that wakes the loop through its self-pipe;
 * :func:`joined`: parts packed from small items joined without holding the GIL where the
@@ -27,12 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import gc
 import sys
-import threading
-from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -51,41 +45,6 @@ def tune_for_gil(on: bool) -> None:
     interpreter (the checkpoint process)."""
     global _tuned
     _tuned = on
-
-
-# -- the garbage collector, paused while a save builds its records ---------------------
-#
-# None of these graphs holds a reference cycle: reference counting frees them the moment
-# the record is built. The pause is process-wide (the collector has no other switch):
-# threads building at once share one pause, and collection resumes when the last one is
-# done, unless it was off when the first began.
-
-_lock = threading.Lock()
-_builders = 0
-_resume = False
-
-
-@contextmanager
-def collector_paused() -> Iterator[None]:
-    """Automatic garbage collection off while the block runs, where :func:`gil_tuned`:
-    a full collection of the trainer's heap would run with the GIL held on s3ckpt's
-    thread while the training loop waits."""
-    if not gil_tuned():
-        yield
-        return
-    global _builders, _resume
-    with _lock:
-        if _builders == 0:
-            _resume = gc.isenabled()
-            gc.disable()
-        _builders += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _builders -= 1
-            if _builders == 0 and _resume:
-                gc.enable()
 
 
 # -- results read on the I/O loop -------------------------------------------------------

@@ -14,8 +14,8 @@ from s3ckpt.dcp.compat import Metadata
 from s3ckpt.format.layout import StoredItem
 from s3ckpt.format.manifest import ItemEntry
 from s3ckpt.format.rank_index import RankIndex
+from s3ckpt.transfer.collector import collector_paused
 from s3ckpt.transfer.rank_index import index_body
-from s3ckpt.transfer.thread_mode import collector_paused
 
 
 def _collections() -> int:

@@ -1,11 +1,10 @@
 """Thread mode's GIL tuning behind one switch: on in the trainer's process, off in the
-checkpoint process (recognised by the module it runs as ``__main__``), and where it is off
-every piece takes the plain path, with the same results."""
+checkpoint process (its entry turns it off), and where it is off every piece takes the
+plain path, with the same results."""
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -18,7 +17,6 @@ from s3ckpt.dcp.local_plan import ReusingSavePlanner
 from s3ckpt.dcp.writer import _let_go_of_state
 from s3ckpt.transfer import thread_mode
 from s3ckpt.transfer.thread_mode import (
-    collector_paused,
     gil_tuned,
     joined,
     result_of,
@@ -38,12 +36,6 @@ def switched_off() -> Iterator[None]:
 def test_the_switch_is_on_in_the_trainers_process() -> None:
     tune_for_gil(True)
     assert gil_tuned()
-
-
-def test_switched_off_the_collector_keeps_running(switched_off: None) -> None:
-    with collector_paused():
-        assert gc.isenabled()
-    assert gc.isenabled()
 
 
 def test_switched_off_a_done_future_is_wrapped_as_asyncio_does(switched_off: None) -> None:

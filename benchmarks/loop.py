@@ -21,6 +21,11 @@ in order).
 
     python -m benchmarks.loop [--size-mib 1024] [--reps 2] [--loops dispatch,compute]
                               [--modes ...] [--placements shared,pinned] [--state nested]
+                              [--fork-cases]
+
+``--fork-cases`` forks each case's process from one that imported the cases once
+(:mod:`benchmarks.zygote`), for smoke runs: the case's own measures are the same, the
+torch import is paid once.
 
 The state is saved as trainers and the quickstart pass it to DCP, under one top-level
 entry (``{"model": ...}``); ``--state flat`` saves its tensors as top-level entries
@@ -38,12 +43,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 from benchmarks.loop_cases import LOOPS, MODES, OTHERS_CPU, STATE_SHAPES
 from benchmarks.zero_cost import _delete_prefix
 from benchmarks.zero_server import ZeroS3
+from benchmarks.zygote import Zygote
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PLACEMENTS = ("shared", "pinned")
@@ -67,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--placements", default=",".join(PLACEMENTS))
     parser.add_argument("--state", choices=STATE_SHAPES, default=STATE_SHAPES[0])
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--fork-cases", action="store_true", help="fork each case from one process (smoke runs)"
+    )
     args = parser.parse_args(argv)
     loops, modes = args.loops.split(","), args.modes.split(",")
     placements = args.placements.split(",")
@@ -75,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("unknown loop, mode or placement")
     if "pinned" in placements and len(os.sched_getaffinity(0)) < 2:
         parser.error("the pinned placement needs two CPUs")
-    report = measure(loops, modes, placements, args.size_mib, args.reps, args.state)
+    report = measure(
+        loops, modes, placements, args.size_mib, args.reps, args.state, fork_cases=args.fork_cases
+    )
     print(table(report))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "loop.json").write_text(json.dumps(report, indent=2))
@@ -90,20 +102,27 @@ def measure(
     size_mib: int,
     reps: int,
     state: str = STATE_SHAPES[0],
+    *,
+    fork_cases: bool = False,
 ) -> dict[str, Any]:
+    """Each case in a process of its own, in turn: a fresh interpreter, or (``fork_cases``)
+    forked from one that imported the cases once (:mod:`benchmarks.zygote`)."""
     cases: list[dict[str, Any]] = []
     with ZeroS3(pool_mib=min((reps + 2) * size_mib + 256, 6144)) as server, \
             tempfile.TemporaryDirectory(prefix="s3ckpt-loop-") as tmp:  # fmt: skip
         env = {**os.environ, **server.env(), "BENCH_BUCKET": server.bucket,
                "BENCH_SIZE_MIB": str(size_mib), "BENCH_REPS": str(reps), "BENCH_TMP": tmp,
                "BENCH_STATE": state}  # fmt: skip
-        for placement in placements:
-            _place_server(server, placement)
-            for loop in loops:
-                for mode in ("alone", *modes):
-                    prefix = f"loop-{int(time.time() * 1000)}"
-                    cases.append(_run(loop, mode, placement, {**env, "BENCH_PREFIX": prefix}))
-                    _delete_prefix(server, prefix)
+        forking = Zygote("benchmarks.loop_cases", env, ("s3ckpt",)) if fork_cases else None
+        with forking or nullcontext() as zygote:
+            for placement in placements:
+                _place_server(server, placement)
+                for loop in loops:
+                    for mode in ("alone", *modes):
+                        prefix = f"loop-{int(time.time() * 1000)}"
+                        case_env = {**env, "BENCH_PREFIX": prefix}
+                        cases.append(_run(loop, mode, placement, case_env, zygote))
+                        _delete_prefix(server, prefix)
     return {**summarize(cases, size_mib=size_mib, reps=reps), "state": state}
 
 
@@ -115,12 +134,17 @@ def _place_server(server: ZeroS3, placement: str) -> None:
         os.sched_setaffinity(int(task), cpus)
 
 
-def _run(loop: str, mode: str, placement: str, env: dict[str, str]) -> dict[str, Any]:
+def _run(
+    loop: str, mode: str, placement: str, env: dict[str, str], zygote: Zygote | None = None
+) -> dict[str, Any]:
     print(f"running {loop} beside {mode} ({placement}) ...", file=sys.stderr, flush=True)
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.loop_cases", loop, mode, placement],
-        env=env, capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
+    if zygote is not None:
+        done = zygote.run([loop, mode, placement], env, timeout=1800)
+    else:
+        done = subprocess.run(
+            [sys.executable, "-m", "benchmarks.loop_cases", loop, mode, placement],
+            env=env, capture_output=True, text=True, timeout=1800,
+        )  # fmt: skip
     if done.returncode != 0 or not done.stdout.strip():
         tail = "\n".join(done.stderr.strip().splitlines()[-15:])
         print(f"  failed:\n{tail}", file=sys.stderr)

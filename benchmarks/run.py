@@ -14,6 +14,11 @@ bare pinned host-to-device copy of the same bytes. Output: a table on the termin
 ``benchmarks/results/bench.png``.
 
     python -m benchmarks.run [--size-mib 1024] [--reps 3] [--cases s3ckpt_save,...]
+                             [--fork-cases]
+
+``--fork-cases`` forks each case's process from one that imported the cases once
+(:mod:`benchmarks.zygote`), for smoke runs: the case's own measures are the same, the
+torch import is paid once.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +40,7 @@ from benchmarks.compression import table as codec_table
 from benchmarks.report import chart, summarize, table, targets
 from benchmarks.tls import aes_gcm_report
 from benchmarks.weights import minilm_path
+from benchmarks.zygote import Zygote
 from s3ckpt.testing.local_s3 import LocalS3Server
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -102,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", type=Path, default=RESULTS, help="directory for bench.json and bench.png"
     )
+    parser.add_argument(
+        "--fork-cases", action="store_true", help="fork each case from one process (smoke runs)"
+    )
     args = parser.parse_args(argv)
     cases = [c for c in ORDER if c in set(args.cases.split(","))]
     if minilm_path() is None and any(c in REAL_WEIGHT_CASES for c in cases):
@@ -120,16 +130,18 @@ def main(argv: list[str] | None = None) -> int:
                "BENCH_SIZE_MIB": str(args.size_mib), "BENCH_REPS": str(args.reps), "BENCH_TMP": tmp,
                "BENCH_HTTPS_ENDPOINT": server.https_endpoint_url, "BENCH_CA_FILE": str(server.ca_file)}  # fmt: skip
         schedule = schedule_runs(cases)
-        for index, (case, round_) in enumerate(schedule):
-            print(
-                f"running {case} ({args.reps} x {args.size_mib} MiB) ...",
-                file=sys.stderr,
-                flush=True,
-            )
-            run_env = {**env, "BENCH_ROUND": str(round_)}
-            results[case] = merge_runs(results.get(case), _run_case(case, run_env))
-            if case in CLEANUP_AFTER and all(c != case for c, _ in schedule[index + 1 :]):
-                _delete_prefix(server, f"{env['BENCH_PREFIX']}/{CLEANUP_AFTER[case]}/")
+        forking = Zygote("benchmarks.cases", env, ("s3ckpt",)) if args.fork_cases else None
+        with forking or nullcontext() as zygote:
+            for index, (case, round_) in enumerate(schedule):
+                print(
+                    f"running {case} ({args.reps} x {args.size_mib} MiB) ...",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                run_env = {**env, "BENCH_ROUND": str(round_)}
+                results[case] = merge_runs(results.get(case), _run_case(case, run_env, zygote))
+                if case in CLEANUP_AFTER and all(c != case for c, _ in schedule[index + 1 :]):
+                    _delete_prefix(server, f"{env['BENCH_PREFIX']}/{CLEANUP_AFTER[case]}/")
         tls = any(c.endswith("_https") for c in cases)
         aes = aes_gcm_report(server.https_endpoint_url, str(server.ca_file)) if tls else None
     summary = summarize(results)
@@ -180,14 +192,18 @@ def merge_runs(earlier: dict[str, Any] | None, later: dict[str, Any]) -> dict[st
     }
 
 
-def _run_case(case: str, env: dict[str, str]) -> dict[str, Any]:
-    completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.cases", case],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
+def _run_case(case: str, env: dict[str, str], zygote: Zygote | None = None) -> dict[str, Any]:
+    """``case`` in a process of its own: a fresh interpreter, or forked from ``zygote``."""
+    if zygote is not None:
+        completed = zygote.run([case], env, timeout=1800)
+    else:
+        completed = subprocess.run(
+            [sys.executable, "-m", "benchmarks.cases", case],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
     if completed.returncode != 0:
         tail = "\n".join(completed.stderr.strip().splitlines()[-15:])
         print(f"  {case} failed:\n{tail}", file=sys.stderr)

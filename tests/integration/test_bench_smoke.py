@@ -1,4 +1,10 @@
-"""The benchmark harness runs end to end at tiny sizes (timings are not asserted)."""
+"""The benchmark harness runs end to end at tiny sizes (timings are not asserted).
+
+The two benchmarks with a process per case fork their cases from one process that imported
+them (``--fork-cases``, benchmarks/zygote.py): each case runs as in ``make bench``, its own
+process and its ``__main__``, without importing torch again;
+tests/unit/benchmarks/test_zygote.py holds a forked case to what a fresh interpreter does.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ def test_benchmark_smoke_run(tmp_path):
             cases,
             "--out",
             str(tmp_path),
+            "--fork-cases",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -64,7 +71,7 @@ def test_loop_benchmark_smoke_run(tmp_path):
     modes = "manager_default,checkpoint_process,dcp_thread,floor_process"
     completed = subprocess.run(
         [sys.executable, "-m", "benchmarks.loop", "--size-mib", "8", "--reps", "1",
-         "--loops", "dispatch", "--modes", modes, "--out", str(tmp_path)],
+         "--loops", "dispatch", "--modes", modes, "--out", str(tmp_path), "--fork-cases"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
         env={**os.environ, "BENCH_LOOP_ALONE_S": "0.2"},
     )  # fmt: skip

@@ -1,0 +1,131 @@
+"""``python -m MODULE ARGV`` many times over, each a process forked from one that imported it.
+
+A benchmark runs each case in a process of its own (its own CPU time and peak RSS), and a
+fresh interpreter spends seconds importing torch before the case starts. :class:`Zygote`
+starts one interpreter (``python -m benchmarks.zygote MODULE [PRELOAD...]``) that imports
+``MODULE`` (and the modules its cases import when they run, ``PRELOAD``) once, then forks a child per case: each case still runs in a process of its own, as
+``MODULE`` run as ``__main__`` (runpy, as ``-m`` does) with the case's argv, environment
+and captured output, ending as that process would (SystemExit's code, a traceback on
+stderr for an uncaught exception, atexit handlers and non-daemon threads waited for). The
+benchmarks take ``--fork-cases`` for their smoke runs; without it each case starts a fresh
+interpreter. ``MODULE`` is imported in the zygote, so its import only defines: its work
+runs under ``if __name__ == "__main__"``, as the benchmarks' case modules do.
+
+The zygote reads one case a line on stdin (JSON: ``argv``, ``env``, ``out``, ``err``, the
+paths of the case's stdout and stderr), and writes the child's pid, then its exit status,
+a line each, on stdout.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import runpy
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+class Zygote:
+    """Runs ``python -m module ARGV`` as a child forked from one interpreter that imported
+    ``module`` and ``preload``; :meth:`run` answers as :func:`subprocess.run` with ``capture_output`` and
+    ``text`` does. Close it (or use it as a context manager) to end the interpreter."""
+
+    def __init__(
+        self, module: str, env: dict[str, str] | None = None, preload: tuple[str, ...] = ()
+    ) -> None:
+        self.module = module
+        self._folder = tempfile.TemporaryDirectory(prefix="s3ckpt-zygote-")
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.zygote", module, *preload],
+            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    def run(
+        self, args: list[str], env: dict[str, str], timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        """``python -m module *args`` with ``env``; TimeoutExpired (the child killed) after
+        ``timeout`` seconds."""
+        out, err = Path(self._folder.name, "out"), Path(self._folder.name, "err")
+        command = {"argv": args, "env": env, "out": str(out), "err": str(err)}
+        assert self._process.stdin is not None
+        self._process.stdin.write(json.dumps(command) + "\n")
+        self._process.stdin.flush()
+        pid = int(self._line(timeout))
+        try:
+            code = int(self._line(timeout))
+        except subprocess.TimeoutExpired:
+            os.kill(pid, signal.SIGKILL)
+            self._line(timeout)  # the zygote reaps the child and says so
+            raise
+        return subprocess.CompletedProcess(
+            [sys.executable, "-m", self.module, *args], code, out.read_text(), err.read_text()
+        )
+
+    def _line(self, timeout: float) -> str:
+        stdout = self._process.stdout
+        assert stdout is not None
+        ready, _, _ = select.select([stdout], [], [], timeout)
+        if not ready:
+            raise subprocess.TimeoutExpired(f"python -m {self.module}", timeout)
+        line = stdout.readline()
+        if not line:
+            raise RuntimeError(f"the zygote for {self.module} exited ({self._process.wait()})")
+        return line
+
+    def close(self) -> None:
+        """Ends the zygote (EOF on its stdin) and removes the cases' output files."""
+        if self._process.stdin is not None:
+            self._process.stdin.close()
+        self._process.wait(timeout=60)
+        if self._process.stdout is not None:
+            self._process.stdout.close()
+        self._folder.cleanup()
+
+    def __enter__(self) -> Zygote:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _serve() -> dict[str, Any] | None:
+    """Forks a child per case line; returns the case in the child, None at EOF."""
+    for line in sys.stdin:
+        command = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            return command
+        print(pid, flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status), flush=True)
+    return None
+
+
+def _become(module: str, command: dict[str, Any]) -> None:
+    """The child: the case's environment and argv, stdin closed, stdout and stderr to its
+    files."""
+    os.environ.clear()
+    os.environ.update(command["env"])
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    for fd, path in ((1, command["out"]), (2, command["err"])):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115  the process's own, as at start-up
+    sys.argv = [module, *command["argv"]]
+    sys.modules.pop(module)  # run afresh as ``__main__``, as in a fresh interpreter
+
+
+if __name__ == "__main__":
+    _module = sys.argv[1]
+    sys.path[0] = os.getcwd()  # where ``python -m`` looks first
+    for _name in sys.argv[1:]:
+        importlib.import_module(_name)
+    _command = _serve()
+    if _command is not None:
+        _become(_module, _command)
+        runpy.run_module(_module, run_name="__main__", alter_sys=True)

@@ -23,6 +23,10 @@ table, a Markdown table for the docs, and ``benchmarks/results/durable.json``.
 
     python -m benchmarks.durable [--size-mib 256] [--reps 2] [--loads 0,1,2]
                                  [--modes process,thread,tier] [--every-s 4] [--saves 4]
+                                 [--fork-cases]
+
+``--fork-cases`` forks each case's process from one that imported the case module once
+(:mod:`benchmarks.zygote`), for smoke runs: the script's torch import is paid once.
 """
 
 from __future__ import annotations
@@ -37,13 +41,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 from benchmarks.durable_cases import MODES
 from benchmarks.zero_cost import _delete_prefix
 from benchmarks.zero_server import ZeroS3
+from benchmarks.zygote import Zygote
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COMMITTED_RATIO_MAX, CLOSE_AFTER_COMMIT_MAX = 1.2, 1.0
@@ -76,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--saves", type=int, default=4)
     parser.add_argument("--alone-s", type=float, default=1.0)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--fork-cases", action="store_true", help="fork each case from one process (smoke runs)"
+    )
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
     loads = default_loads() if args.loads is None else [int(n) for n in args.loads.split(",")]
@@ -104,16 +112,19 @@ def measure(modes: list[str], loads: list[int], args: argparse.Namespace) -> dic
         env = {**os.environ, **server.env(), "BENCH_BUCKET": server.bucket,
                "BENCH_SIZE_MIB": str(args.size_mib), "BENCH_SAVES": str(args.saves),
                "BENCH_EVERY_S": str(args.every_s), "BENCH_ALONE_S": str(args.alone_s)}  # fmt: skip
-        for load in loads:
-            with busy_processes(load):
-                for rep in range(args.reps):
-                    for mode in modes if rep % 2 == 0 else modes[::-1]:  # taking turns
-                        prefix = f"durable-{int(time.time() * 1000)}"
-                        case_tmp = tempfile.mkdtemp(dir=tmp)
-                        case_env = {**env, "BENCH_PREFIX": prefix, "BENCH_TMP": case_tmp}
-                        cases.append({**_run(mode, load, case_env), "load": load, "rep": rep})
-                        shutil.rmtree(case_tmp, ignore_errors=True)
-                        _delete_prefix(server, prefix)
+        forking = Zygote("benchmarks.durable_cases", env) if args.fork_cases else None
+        with forking or nullcontext() as zygote:
+            for load in loads:
+                with busy_processes(load):
+                    for rep in range(args.reps):
+                        for mode in modes if rep % 2 == 0 else modes[::-1]:  # taking turns
+                            prefix = f"durable-{int(time.time() * 1000)}"
+                            case_tmp = tempfile.mkdtemp(dir=tmp)
+                            case_env = {**env, "BENCH_PREFIX": prefix, "BENCH_TMP": case_tmp}
+                            found = _run(mode, load, case_env, zygote)
+                            cases.append({**found, "load": load, "rep": rep})
+                            shutil.rmtree(case_tmp, ignore_errors=True)
+                            _delete_prefix(server, prefix)
     report = summarize(cases, modes=modes, loads=loads)
     report.update(size_mib=args.size_mib, reps=args.reps, every_s=args.every_s,
                   saves=args.saves, cpus=len(os.sched_getaffinity(0)))  # fmt: skip
@@ -137,12 +148,15 @@ def busy_processes(count: int) -> Iterator[None]:
             spinner.wait()
 
 
-def _run(mode: str, load: int, env: dict[str, str]) -> dict[str, Any]:
+def _run(mode: str, load: int, env: dict[str, str], zygote: Zygote | None = None) -> dict[str, Any]:
     print(f"running {mode} beside {load} busy ...", file=sys.stderr, flush=True)
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.durable_cases", mode],
-        env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+    if zygote is not None:
+        done = zygote.run([mode], env, timeout=900)
+    else:
+        done = subprocess.run(
+            [sys.executable, "-m", "benchmarks.durable_cases", mode],
+            env=env, capture_output=True, text=True, timeout=900,
+        )  # fmt: skip
     if done.returncode != 0 or not done.stdout.strip():
         tail = "\n".join(done.stderr.strip().splitlines()[-15:])
         print(f"  failed:\n{tail}", file=sys.stderr)

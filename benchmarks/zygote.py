@@ -19,6 +19,7 @@ a line each, on stdout.
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import os
 import runpy
@@ -40,6 +41,7 @@ class Zygote:
         self, module: str, env: dict[str, str] | None = None, preload: tuple[str, ...] = ()
     ) -> None:
         self.module = module
+        self._numbers = itertools.count()
         self._folder = tempfile.TemporaryDirectory(prefix="s3ckpt-zygote-")
         self._process = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.zygote", module, *preload],
@@ -51,7 +53,9 @@ class Zygote:
     ) -> subprocess.CompletedProcess[str]:
         """``python -m module *args`` with ``env``; TimeoutExpired (the child killed) after
         ``timeout`` seconds."""
-        out, err = Path(self._folder.name, "out"), Path(self._folder.name, "err")
+        # Files of its own per case: a process the case started may outlive it, writing.
+        number = next(self._numbers)
+        out, err = (Path(self._folder.name, f"{number}.{kind}") for kind in ("out", "err"))
         command = {"argv": args, "env": env, "out": str(out), "err": str(err)}
         assert self._process.stdin is not None
         self._process.stdin.write(json.dumps(command) + "\n")

@@ -55,6 +55,9 @@ from benchmarks.zygote import Zygote
 RESULTS = Path(__file__).resolve().parent / "results"
 PLACEMENTS = ("shared", "pinned")
 THREAD_MODES = ("manager_thread", "dcp_thread")
+# What the cases import when they run, imported once where they are forked (--fork-cases).
+LOOP_PRELOAD = ("s3ckpt.CheckpointManager", "s3ckpt.CheckpointProcess", "s3ckpt.S3StorageWriter",
+                "s3ckpt.HostStager", "s3ckpt.ReusingSavePlanner")  # fmt: skip
 # Targets with the loop alone on a core (docs/performance.md, "The loop beside a save").
 DEFAULT_SLOWDOWN_MAX, DEFAULT_LOST_OVER_COPY_MAX, THREAD_SLOWDOWN_MAX = 0.05, 1.2, 0.20
 # Each case's medians over its reps (benchmarks.loop_cases says what each measures).
@@ -113,7 +116,7 @@ def measure(
         env = {**os.environ, **server.env(), "BENCH_BUCKET": server.bucket,
                "BENCH_SIZE_MIB": str(size_mib), "BENCH_REPS": str(reps), "BENCH_TMP": tmp,
                "BENCH_STATE": state}  # fmt: skip
-        forking = Zygote("benchmarks.loop_cases", env, ("s3ckpt",)) if fork_cases else None
+        forking = Zygote("benchmarks.loop_cases", env, LOOP_PRELOAD) if fork_cases else None
         with forking or nullcontext() as zygote:
             for placement in placements:
                 _place_server(server, placement)

@@ -130,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
                "BENCH_SIZE_MIB": str(args.size_mib), "BENCH_REPS": str(args.reps), "BENCH_TMP": tmp,
                "BENCH_HTTPS_ENDPOINT": server.https_endpoint_url, "BENCH_CA_FILE": str(server.ca_file)}  # fmt: skip
         schedule = schedule_runs(cases)
-        forking = Zygote("benchmarks.cases", env, ("s3ckpt",)) if args.fork_cases else None
+        forking = (
+            Zygote("benchmarks.cases", env, ("s3ckpt.S3StorageWriter", "s3ckpt.S3StorageReader"))
+            if args.fork_cases
+            else None
+        )
         with forking or nullcontext() as zygote:
             for index, (case, round_) in enumerate(schedule):
                 print(

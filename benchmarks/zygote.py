@@ -3,13 +3,15 @@
 A benchmark runs each case in a process of its own (its own CPU time and peak RSS), and a
 fresh interpreter spends seconds importing torch before the case starts. :class:`Zygote`
 starts one interpreter (``python -m benchmarks.zygote MODULE [PRELOAD...]``) that imports
-``MODULE`` (and the modules its cases import when they run, ``PRELOAD``) once, then forks a child per case: each case still runs in a process of its own, as
-``MODULE`` run as ``__main__`` (runpy, as ``-m`` does) with the case's argv, environment
-and captured output, ending as that process would (SystemExit's code, a traceback on
-stderr for an uncaught exception, atexit handlers and non-daemon threads waited for). The
-benchmarks take ``--fork-cases`` for their smoke runs; without it each case starts a fresh
-interpreter. ``MODULE`` is imported in the zygote, so its import only defines: its work
-runs under ``if __name__ == "__main__"``, as the benchmarks' case modules do.
+``MODULE`` and what its cases import when they run (``PRELOAD``: modules, or names such as
+``s3ckpt.CheckpointManager``) once, then forks a child per case: each case still runs in a
+process of its own, as ``MODULE`` run as ``__main__`` (runpy, as ``-m`` does) with the
+case's argv, environment and captured output, ending as that process would (SystemExit's
+code, a traceback on stderr for an uncaught exception, atexit handlers and non-daemon
+threads waited for). The benchmarks take ``--fork-cases`` for their smoke runs; without it
+each case starts a fresh interpreter. ``MODULE`` is imported in the zygote, so its import
+only defines: its work runs under ``if __name__ == "__main__"``, as the benchmarks' case
+modules do.
 
 The zygote reads one case a line on stdin (JSON: ``argv``, ``env``, ``out``, ``err``, the
 paths of the case's stdout and stderr), and writes the child's pid, then its exit status,
@@ -22,6 +24,7 @@ import importlib
 import itertools
 import json
 import os
+import pkgutil
 import runpy
 import select
 import signal
@@ -127,8 +130,9 @@ def _become(module: str, command: dict[str, Any]) -> None:
 if __name__ == "__main__":
     _module = sys.argv[1]
     sys.path[0] = os.getcwd()  # where ``python -m`` looks first
-    for _name in sys.argv[1:]:
-        importlib.import_module(_name)
+    importlib.import_module(_module)
+    for _name in sys.argv[2:]:  # a module, or a name it holds (a lazy one imports its module)
+        pkgutil.resolve_name(_name)
     _command = _serve()
     if _command is not None:
         _become(_module, _command)

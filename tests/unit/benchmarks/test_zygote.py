@@ -39,7 +39,7 @@ def env(tmp_path: Path) -> dict[str, str]:
 
 
 def test_a_forked_case_ends_as_a_fresh_interpreter_does(env: dict[str, str]) -> None:
-    with Zygote("zygote_case", env) as zygote:
+    with Zygote("zygote_case", env, preload=("json.decoder", "json.dumps")) as zygote:
         for how in ("plain", "exit", "raise", "atexit"):
             case_env = {**env, "CASE_VALUE": how.upper()}
             forked = zygote.run([how, "x"], case_env, timeout=60)

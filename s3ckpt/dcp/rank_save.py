@@ -3,8 +3,9 @@
 Items are resolved as the uploader asks for them, a run of a few MiB at a time (a GPU
 tensor is copied to the host only when its run comes), exposed zero-copy or compressed
 (:mod:`s3ckpt.format.compression`), and added one by one to :class:`~s3ckpt.transfer.upload.
-RankUploader`, which packs them into a few data objects and returns where each went;
-then the rank's index object
+RankUploader`, which packs them into a few data objects (each named here, by the layout,
+when the uploader says an item starts one) and returns where each went; then the rank's
+index object
 (:mod:`s3ckpt.format.rank_index`) records, per item, where it went and its block CRC32Cs.
 What the rank tells the coordinator is one :class:`RankRecord` shared by all its results.
 """
@@ -64,7 +65,6 @@ class RankSave:
         store, location, spread = target.store, target.location, target.spread_prefixes
         uploader = RankUploader(
             store,
-            lambda n: location.key(data_key(rank, save_id, n, spread)),
             max_object_size=target.max_object_size,
             size_hint=sum(size for size in sizes if size) + (64 << 20),
             in_flight=target.compression.max_ahead if target.compression else None,
@@ -78,13 +78,14 @@ class RankSave:
         entries: list[ItemEntry] = []
         try:
             for position, data, crcs in self._stream(items, sizes, planner, encodings):
+                if uploader.needs_object(len(data)):  # the next data object, named here
+                    keys.append(data_key(rank, save_id, len(keys), spread))
+                    uploader.open(location.key(keys[-1]), len(data))
                 where = uploader.add(data, crcs)
                 # The item's index entry, built as soon as it has its place: a few
                 # microseconds an item while the upload goes on, not one hold of
                 # milliseconds at its end, which a training loop beside a thread-mode save
                 # would wait out.
-                while len(keys) <= where.object:
-                    keys.append(data_key(rank, save_id, len(keys), spread))
                 entries.append(_entry(items[position], encodings[position], where, keys))
             uploaded = uploader.finish()
         except BaseException as exc:

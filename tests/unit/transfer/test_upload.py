@@ -63,3 +63,26 @@ def test_a_cancelled_future_cancels_the_waiter():
 
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(main())
+
+
+def test_the_caller_names_each_data_object_the_uploader_asks_for():
+    """The uploader says when an item starts a new data object (none open, or the open one
+    would outgrow max_object_size; an empty one takes any item); the caller names it, and
+    an item added where a new object is needed is refused rather than overfilling one."""
+    from s3ckpt.config import S3Config
+    from s3ckpt.transfer.upload import Placement, RankUploader
+
+    class Unused:  # the requests of these small items are queued only once finished
+        bucket = "bucket"
+        config = S3Config()
+
+    uploader = RankUploader(Unused(), max_object_size=10, size_hint=30)  # type: ignore[arg-type]
+    assert uploader.needs_object(0)
+    uploader.open("run/data-0", 0)
+    assert not uploader.needs_object(25)  # an empty object takes any item
+    assert uploader.add(memoryview(b"")) == Placement(0, 0, 0)
+    assert uploader.add(memoryview(b"123456")) == Placement(0, 0, 6)
+    assert not uploader.needs_object(4) and uploader.needs_object(5)
+    with pytest.raises(ValueError, match="needs a new data object"):
+        uploader.add(memoryview(b"12345"))
+    assert uploader.add(memoryview(b"1234")) == Placement(0, 6, 4)

@@ -24,7 +24,7 @@ from s3ckpt.dcp.compat import SavePlanner, WriteItem, WriteItemType, WriteResult
 from s3ckpt.dcp.save_identity import RankAssignment
 from s3ckpt.dcp.tensor_bytes import as_cpu_contiguous, tensor_view
 from s3ckpt.errors import ConfigError, S3CkptError
-from s3ckpt.format.compression import RAW, Compression, Encoded, encode_raw_each, encode_stream
+from s3ckpt.format.compression import RAW, Compression, Compressor, Encoded, RawRuns
 from s3ckpt.format.layout import StoredItem, data_key, index_key
 from s3ckpt.format.manifest import IndexRef, ItemEntry, ObjectEntry
 from s3ckpt.format.rank_index import RankIndex
@@ -115,29 +115,44 @@ class RankSave:
         planner: SavePlanner,
         encodings: list[Encoded],
     ) -> Iterator[tuple[int, memoryview, tuple[int, ...] | None]]:
-        """``(position, stored bytes, their block CRC32Cs)`` in plan order, items resolved
-        only when needed, a run at a time (:func:`~s3ckpt.format.compression.encode_raw_each`;
-        the CRCs are of raw bytes, so compressed items go without); each item's encoding,
-        its bytes left out, is appended to ``encodings``."""
-        viewed = (
-            (item, _item_bytes(item, size, planner))
-            for item, size in zip(items, sizes, strict=True)
+        """``(position, stored bytes, their block CRC32Cs)`` in plan order, each item
+        resolved only when its turn comes: raw items checksummed a run at a time
+        (:class:`~s3ckpt.format.compression.RawRuns`), compressed ones in worker threads
+        within ``max_ahead`` (:class:`~s3ckpt.format.compression.Compressor`; the CRCs
+        are of raw bytes, so compressed items go without); each item's encoding, its bytes
+        left out, is appended to ``encodings``."""
+        resolved = (
+            (position, _item_bytes(item, size, planner), item)
+            for position, (item, size) in enumerate(zip(items, sizes, strict=True))
         )
         options = self.target.compression
-        encoded: Iterator[tuple[WriteItem, Encoded]] = (
-            encode_stream(((item, data, _grouping(item)) for item, data in viewed), options)
-            if options
-            else encode_raw_each(viewed)
-        )
-        for position, (_, result) in enumerate(encoded):  # in plan order, compressed or not
-            # Keep what the storage record needs, not the bytes: the uploader holds the
-            # payload only until its parts are sent (bounded by max_bytes_in_flight), so
-            # a compressed save never holds the rank's whole compressed state.
-            encodings.append(
-                Encoded(_NO_BYTES, result.codec, result.raw_length, result.crc32c, result.frames)
-            )
-            yield position, result.payload, result.crc32c if result.codec == RAW else None
-            del result
+        if options is None:
+            runs: RawRuns[int] = RawRuns()
+            for position, data, _ in resolved:
+                yield from (_kept(done, encodings) for done in runs.add(position, data))
+            yield from (_kept(done, encodings) for done in runs.flush())
+            return
+        with Compressor[int](options) as compressor:
+            for position, data, item in resolved:
+                while compressor.full(len(data)):
+                    yield _kept(compressor.take(), encodings)
+                compressor.submit(position, data, _grouping(item))
+            while compressor.pending:
+                yield _kept(compressor.take(), encodings)
+
+
+def _kept(
+    done: tuple[int, Encoded], encodings: list[Encoded]
+) -> tuple[int, memoryview, tuple[int, ...] | None]:
+    """What the uploader gets of an encoded item, its encoding kept in ``encodings`` for
+    the storage record without its bytes: the uploader holds the payload only until its
+    parts are sent (bounded by max_bytes_in_flight), so a compressed save never holds the
+    rank's whole compressed state."""
+    position, result = done
+    encodings.append(
+        Encoded(_NO_BYTES, result.codec, result.raw_length, result.crc32c, result.frames)
+    )
+    return position, result.payload, result.crc32c if result.codec == RAW else None
 
 
 _NO_BYTES = memoryview(b"")

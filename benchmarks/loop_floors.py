@@ -84,12 +84,11 @@ class ViewingWriter(StorageWriter):
     def write_data(self, plan: Any, planner: Any) -> Future:
         views, results = [], []
         runs: RawRuns[Any] = RawRuns()  # the block CRC32Cs of the writer's index
-        done = [
-            encoded
-            for item in plan.items
-            for encoded in runs.add(item, _item_bytes(item, planned_size(item), planner))
-        ]
-        for item, encoded in [*done, *runs.flush()]:
+        done = []
+        for item in plan.items:
+            if runs.add(item, _item_bytes(item, planned_size(item), planner)):
+                done.extend(runs.take())
+        for item, encoded in [*done, *runs.take()]:
             views.append(encoded.payload)
             results.append(
                 WriteResult(index=item.index, size_in_bytes=encoded.raw_length, storage_data=None)

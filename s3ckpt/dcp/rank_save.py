@@ -78,10 +78,12 @@ class RankSave:
         entries: list[ItemEntry] = []
         try:
             for position, data, crcs in self._stream(items, sizes, planner, encodings):
-                if uploader.needs_object(len(data)):  # the next data object, named here
+                where = uploader.add(data, crcs)
+                if where is None:  # the item starts the next data object, named here
                     keys.append(data_key(rank, save_id, len(keys), spread))
                     uploader.open(location.key(keys[-1]), len(data))
-                where = uploader.add(data, crcs)
+                    where = uploader.add(data, crcs)
+                    assert where is not None  # an empty object takes any item
                 # The item's index entry, built as soon as it has its place: a few
                 # microseconds an item while the upload goes on, not one hold of
                 # milliseconds at its end, which a training loop beside a thread-mode save
@@ -129,8 +131,9 @@ class RankSave:
         if options is None:
             runs: RawRuns[int] = RawRuns()
             for position, data, _ in resolved:
-                yield from (_kept(done, encodings) for done in runs.add(position, data))
-            yield from (_kept(done, encodings) for done in runs.flush())
+                if runs.add(position, data):
+                    yield from (_kept(done, encodings) for done in runs.take())
+            yield from (_kept(done, encodings) for done in runs.take())
             return
         with Compressor[int](options) as compressor:
             for position, data, item in resolved:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import struct
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -102,7 +102,6 @@ def encode_raw(data: memoryview, block_size: int = DEFAULT_BLOCK_SIZE) -> Encode
 # resolved ahead of their upload stay a small fraction of the bytes in flight, large enough
 # that runs of small items cost one GIL hand-over per few dozen items.
 RUN_BYTES = 4 << 20
-_NONE_YET: tuple[()] = ()  # what RawRuns.add returns while its run fills
 
 
 class RawRuns(Generic[T]):
@@ -110,7 +109,9 @@ class RawRuns(Generic[T]):
     at a time: each run's block CRC32Cs come from one native pass that releases the GIL
     once (:func:`~s3ckpt.format.checksums.block_crcs_of_each`), rather than keep it over
     every small item and hand it over per block of a large one. The caller resolves each
-    item when it adds it, so items are resolved no further ahead than their run.
+    item as it adds it and :meth:`take` s the run once :meth:`add` says it is full (and
+    the last, partial one at the end), so items are resolved no further ahead than their
+    run.
     """
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
@@ -118,22 +119,23 @@ class RawRuns(Generic[T]):
         self._run: list[tuple[T, memoryview]] = []
         self._size = 0
 
-    def add(self, key: T, data: memoryview) -> Sequence[tuple[T, Encoded]]:
-        """Add ``(key, data)``: the run's items, encoded in order, once it fills; else none."""
+    def add(self, key: T, data: memoryview) -> bool:
+        """Add ``(key, data)`` to the run; whether the run is full (take it now)."""
         self._run.append((key, data))
         self._size += len(data)
-        return self.flush() if self._size >= RUN_BYTES else _NONE_YET
+        return self._size >= RUN_BYTES
 
-    def flush(self) -> Sequence[tuple[T, Encoded]]:
-        """The items added since the last run, encoded in order (the last, partial run)."""
+    def take(self) -> Iterator[tuple[T, Encoded]]:
+        """The run's items, encoded in order, each made as it is taken (a run of small
+        items is thousands of them); the next run starts empty."""
         run, self._run, self._size = self._run, [], 0
         if not run:
-            return _NONE_YET
+            return iter(())
         crcs = block_crcs_of_each([data for _, data in run], self.block_size)
-        return [
+        return (
             (key, Encoded(data, RAW, len(data), item_crcs))
             for (key, data), item_crcs in zip(run, crcs, strict=True)
-        ]
+        )
 
 
 def encode(

@@ -131,9 +131,9 @@ def _shared_budget(limit: int) -> _ByteBudget:
 
 
 class RankUploader:
-    """Coordinates the upload of one rank's objects. Use once, from one thread: for each
-    item in order, :meth:`open` the next data object where :meth:`needs_object` says so,
-    then :meth:`add` the item; then :meth:`finish`; on any failure, raise what
+    """Coordinates the upload of one rank's objects. Use once, from one thread: :meth:`add`
+    each item in order (where it says the item starts a new data object, :meth:`open`
+    that and add it again), then :meth:`finish`; on any failure, raise what
     :meth:`abandon` returns.
 
     ``size_hint`` bounds the bytes the rank will
@@ -182,14 +182,6 @@ class RankUploader:
         self._aborts: dict[str, str | None] = {}
         self._deletes: list[str] = []
 
-    def needs_object(self, nbytes: int) -> bool:
-        """Whether the next item, of ``nbytes``, starts a new data object (:meth:`open`):
-        none is open yet, or the open one, not empty, would outgrow ``max_object_size``."""
-        streams = self._streams
-        return not streams or bool(
-            streams[-1].size and streams[-1].size + nbytes > self.max_object_size
-        )
-
     def open(self, key: str, first_item: int) -> None:
         """Start the next data object, at ``key``, for an item of ``first_item`` bytes: the
         open one is finished, and the new one's parts sized for the largest it can grow
@@ -211,12 +203,16 @@ class RankUploader:
             )
         )
 
-    def add(self, data: memoryview, crcs: tuple[int, ...] | None = None) -> Placement:
+    def add(self, data: memoryview, crcs: tuple[int, ...] | None = None) -> Placement | None:
         """Upload the next item's bytes (with their block CRC32Cs, if known) into the open
-        data object; returns where it went, as soon as it has its place."""
-        if self.needs_object(len(data)):
-            raise ValueError(f"an item of {len(data)} bytes needs a new data object: open() it")
+        data object; returns where it went, as soon as it has its place. None, and nothing
+        added, where the item starts a new object: none is open yet, or the open one, not
+        empty, would outgrow ``max_object_size``; the caller then :meth:`open` s it."""
         streams = self._streams
+        if not streams or (
+            streams[-1].size and streams[-1].size + len(data) > self.max_object_size
+        ):
+            return None
         offset, requests = streams[-1].add(data, crcs)
         self._queue(requests)
         return Placement(len(streams) - 1, offset, len(data))

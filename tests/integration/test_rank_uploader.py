@@ -30,10 +30,13 @@ def test_each_place_is_reported_before_the_next_item_is_taken(store, s3_prefix, 
     uploader = RankUploader(store, max_object_size=8 * MiB, size_hint=sum(sizes))
     opened: list[str] = []
     for position, data, crcs in items():
-        if uploader.needs_object(len(data)):
+        where = uploader.add(data, crcs)
+        if where is None:
             opened.append(f"{prefix}/obj-{len(opened)}")
             uploader.open(opened[-1], len(data))
-        reported[position] = uploader.add(data, crcs)
+            where = uploader.add(data, crcs)
+        assert where is not None
+        reported[position] = where
         events.append(("placed", position))
     uploaded = uploader.finish()
 

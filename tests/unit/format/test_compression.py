@@ -132,8 +132,8 @@ def test_decoding_a_block_returns_its_crc32c(grouping):
 
 def test_raw_items_are_checksummed_a_run_at_a_time(monkeypatch):
     """Small items are checksummed a run of RUN_BYTES at a time (one native pass, one GIL
-    hand-over), handed back once their run fills (so the caller resolves items no further
-    ahead than their run), and come out in order, each with the block CRC32Cs encode_raw
+    hand-over), taken once add() says their run is full (so the caller resolves items no
+    further ahead than their run), and come out in order, each with the block CRC32Cs encode_raw
     gives it alone."""
     calls = []
     counted = compression.block_crcs_of_each
@@ -146,19 +146,18 @@ def test_raw_items_are_checksummed_a_run_at_a_time(monkeypatch):
     small = compression.RUN_BYTES // 40
     items = [(n, memoryview(os.urandom(small if n % 9 else 3 * BLOCK + 5))) for n in range(100)]
     runs: RawRuns[int] = RawRuns(BLOCK)
-    encoded = []
+    encoded, full_at = [], []
     for added, (key, data) in enumerate(items, 1):
-        done = runs.add(key, data)
-        if done and not encoded:
-            first_added = added
-        encoded.extend(done)
-    encoded.extend(runs.flush())
+        if runs.add(key, data):
+            full_at.append(added)
+            encoded.extend(runs.take())
+    encoded.extend(runs.take())
     sizes = itertools.accumulate(len(data) for _, data in items)
     first_run = next(n for n, size in enumerate(sizes, 1) if size >= compression.RUN_BYTES)
-    assert encoded[0][0] == 0 and first_added == calls[0] == first_run
+    assert encoded[0][0] == 0 and full_at[0] == calls[0] == first_run
     assert [key for key, _ in encoded] == list(range(100))
     for (_, data), (_, result) in zip(items, encoded, strict=True):
         alone = compression.encode_raw(data, BLOCK)
         assert result.crc32c == alone.crc32c and result.codec == RAW and result.payload == data
     assert sum(calls) == 100 and len(calls) < 100 // 5
-    assert list(RawRuns(BLOCK).flush()) == []
+    assert list(RawRuns(BLOCK).take()) == []

@@ -66,9 +66,9 @@ def test_a_cancelled_future_cancels_the_waiter():
 
 
 def test_the_caller_names_each_data_object_the_uploader_asks_for():
-    """The uploader says when an item starts a new data object (none open, or the open one
-    would outgrow max_object_size; an empty one takes any item); the caller names it, and
-    an item added where a new object is needed is refused rather than overfilling one."""
+    """The uploader refuses an item that starts a new data object (none open, or the open
+    one would outgrow max_object_size; an empty one takes any item) rather than overfill
+    one; the caller names the object, and the item goes there."""
     from s3ckpt.config import S3Config
     from s3ckpt.transfer.upload import Placement, RankUploader
 
@@ -77,12 +77,12 @@ def test_the_caller_names_each_data_object_the_uploader_asks_for():
         config = S3Config()
 
     uploader = RankUploader(Unused(), max_object_size=10, size_hint=30)  # type: ignore[arg-type]
-    assert uploader.needs_object(0)
+    assert uploader.add(memoryview(b"")) is None
     uploader.open("run/data-0", 0)
-    assert not uploader.needs_object(25)  # an empty object takes any item
     assert uploader.add(memoryview(b"")) == Placement(0, 0, 0)
     assert uploader.add(memoryview(b"123456")) == Placement(0, 0, 6)
-    assert not uploader.needs_object(4) and uploader.needs_object(5)
-    with pytest.raises(ValueError, match="needs a new data object"):
-        uploader.add(memoryview(b"12345"))
+    assert uploader.add(memoryview(b"12345")) is None
     assert uploader.add(memoryview(b"1234")) == Placement(0, 6, 4)
+    assert uploader.add(memoryview(b"1")) is None
+    uploader.open("run/data-1", 25)
+    assert uploader.add(memoryview(bytes(25))) == Placement(1, 0, 25)  # alone, however large

@@ -60,7 +60,7 @@ from torch.futures import Future
 
 from benchmarks.floor_sender import SENDERS, put_head, send_parts
 from s3ckpt.dcp.rank_save import _item_bytes, planned_size
-from s3ckpt.format.compression import encode_raw_each
+from s3ckpt.format.compression import RawRuns
 from s3ckpt.transfer.parts import DEFAULT_PART_SIZE as PART
 
 FLOOR_WAIT_S = float(os.environ.get("FLOOR_WAIT_S", "0.8"))
@@ -83,8 +83,12 @@ class ViewingWriter(StorageWriter):
 
     def write_data(self, plan: Any, planner: Any) -> Future:
         views, results = [], []
-        viewed = ((item, _item_bytes(item, planned_size(item), planner)) for item in plan.items)
-        for item, encoded in encode_raw_each(viewed):  # the block CRC32Cs of the writer's index
+        runs: RawRuns[Any] = RawRuns()  # the block CRC32Cs of the writer's index
+        done = []
+        for item in plan.items:
+            if runs.add(item, _item_bytes(item, planned_size(item), planner)):
+                done.extend(runs.take())
+        for item, encoded in [*done, *runs.take()]:
             views.append(encoded.payload)
             results.append(
                 WriteResult(index=item.index, size_in_bytes=encoded.raw_length, storage_data=None)

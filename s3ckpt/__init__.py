@@ -24,7 +24,7 @@ Data flow of a save, module by module::
       -> dcp.writer.S3StorageWriter          lifecycle documented there
          -> dcp.tensor_bytes                 zero-copy tensor bytes
          -> format.checksums.block_crcs,     block CRC32Cs, or optional zstd (byte-grouped)
-            or format.compression.encode_stream   in worker threads
+            or format.compression.Compressor      in worker threads
          -> transfer.upload.RankUploader     packs items into objects (format.layout keys);
                                              parts (transfer.parts) as tasks on s3.loop
             -> s3.store.ObjectStore          typed S3 calls; errors mapped in s3.error_mapping

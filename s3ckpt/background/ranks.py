@@ -3,8 +3,8 @@ the few collectives it needs.
 
 Every decision that could differ between ranks (skip a busy save, whether a step is
 committed) is taken once and shared, so that no rank starts a save, or a collective,
-alone. Rank 0 asks the store; the others receive its answer, or its error, and raise
-it too rather than hang.
+alone. Rank 0 asks the store and hands its answer, or its error, to :meth:`Ranks.from_rank0`;
+the others receive it there, and raise the error too rather than hang.
 
 Background saves run their collectives on groups of their own
 (:mod:`s3ckpt.background`), so they never interleave with the training loop's; the first
@@ -14,7 +14,6 @@ copy its state.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -56,18 +55,14 @@ class Ranks:
         dist.all_gather_object(values, value, group=self.group)
         return values
 
-    def on_rank0(self, call: Callable[[], T]) -> T:
-        """``call()`` on rank 0, its result (or its error) on every rank."""
-        outcome: Any = None
-        if self.rank == 0:
-            try:
-                outcome = call()
-            except Exception as exc:  # every rank raises it, rather than the others hanging
-                outcome = exc
-        outcome = self._broadcast(outcome)
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
+    def from_rank0(self, outcome: T | Exception | None) -> T:
+        """Rank 0's ``outcome`` on every rank (one broadcast): what it found, returned, or
+        the error it met, raised on every rank rather than the others hanging. Rank 0
+        passes its own; the others pass None, which is not read."""
+        shared = self._broadcast(outcome)
+        if isinstance(shared, BaseException):
+            raise shared
+        return shared
 
     def _broadcast(self, value: Any) -> Any:
         if self.world == 1:

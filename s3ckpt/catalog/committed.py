@@ -30,7 +30,7 @@ async def acommitted_names(store: ObjectStore, location: S3URI) -> dict[str, str
     """
     scanned = await scan_checkpoints(store, location)
     groups = await only_ours(store, location, [g for g in scanned.groups.values() if g.committed])
-    replaced = superseded(Candidate(g.name, g.newest) for g in groups)
+    replaced = superseded([Candidate(g.name, g.newest) for g in groups])
     return {g.name: replaced.get(g.name) for g in groups}
 
 

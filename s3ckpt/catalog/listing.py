@@ -182,9 +182,11 @@ async def alist_checkpoints(
         if include_uncommitted or not isinstance(m, ForeignObjectError)
     ]
     replaced = superseded(
-        Candidate(g.name, g.newest)
-        for g, m in ours
-        if g.committed and not isinstance(m, ForeignObjectError)
+        [
+            Candidate(g.name, g.newest)
+            for g, m in ours
+            if g.committed and not isinstance(m, ForeignObjectError)
+        ]
     )
     infos = [_info(location, g, m, now, replaced.get(g.name), details) for g, m in ours]
     return sorted(infos, key=lambda i: (natural_key(i.name), i.time, i.name))

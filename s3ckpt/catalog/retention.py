@@ -93,7 +93,7 @@ def series_of(name: str) -> str | None:
     return "".join(parts[:-2]) + "#" + parts[-1]
 
 
-def superseded(candidates: Iterable[Candidate]) -> dict[str, str]:
+def superseded(candidates: list[Candidate]) -> dict[str, str]:
     """Checkpoints superseded by a rollback (module docstring): name -> the lower step
     committed after it (the latest-committed one, when several were)."""
     series: dict[str, list[Candidate]] = {}
@@ -127,7 +127,7 @@ def plan_retention(
     not_steps = {c.name for c in everything if misnamed(c.name)}
     counted = [c for c in everything if c.name not in not_steps]
     replaced_by = superseded(counted)
-    shadow_of = same_step(c.name for c in counted if c.name not in replaced_by)
+    shadow_of = same_step([c.name for c in counted if c.name not in replaced_by])
     current = [c for c in counted if c.name not in replaced_by and c.name not in shadow_of]
     reasons: dict[str, tuple[str | None, str]] = {}
     for position, candidate in enumerate(current):

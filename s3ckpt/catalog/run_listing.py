@@ -131,7 +131,7 @@ def read_steps(
     each with why (no checkpoint, so no step)."""
     foreign = foreign or {}
     groups = [g for g in scanned.groups.values() if g.committed and g.name not in foreign]
-    replaced = superseded(Candidate(g.name, g.newest) for g in groups)
+    replaced = superseded([Candidate(g.name, g.newest) for g in groups])
     found = steps_named({g.name: replaced.get(g.name) for g in groups})
     found.committed.update(
         (g.name, Committed(g.newest, _writing(g, now)))

@@ -86,7 +86,7 @@ def leaf(name: str) -> str:
     return name.rsplit("/", 1)[-1]
 
 
-def same_step(names: Iterable[str]) -> dict[str, str]:
+def same_step(names: list[str]) -> dict[str, str]:
     """The names of a step named more than once in one folder, each mapped to the name
     the step is known by (:func:`preferred`, which maps to nobody):
     ``{"step-300": "step-0000000300"}``. Names may hold a folder (``run2/step-300``)."""

@@ -34,7 +34,7 @@ from s3ckpt.format.manifest import ItemEntry, Manifest
 from s3ckpt.format.rank_index import RankIndex
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectMeta, ObjectStore
-from s3ckpt.transfer.checked import get_checked, sized_and_summed
+from s3ckpt.transfer.checked import get_intact
 from s3ckpt.transfer.download import REREADS, Downloader, ReadTarget
 from s3ckpt.transfer.rank_index import read_each
 
@@ -136,9 +136,9 @@ class Verifier:
             found = "missing" if key not in sizes else f"{sizes[key]} bytes"
             self.problem("metadata", key, f"{found}, the manifest says {manifest.metadata_size}")
             return
-        intact = sized_and_summed(manifest.metadata_size, manifest.metadata_crc32c, key)
+        size, crc = manifest.metadata_size, manifest.metadata_crc32c
         try:
-            io_loop().run(get_checked(self.store, self.location.key(key), intact))
+            io_loop().run(get_intact(self.store, self.location.key(key), size, crc, key))
         except CorruptCheckpointError:
             self.problem("metadata", key, "checksum mismatch")
         self.report.bytes += manifest.metadata_size

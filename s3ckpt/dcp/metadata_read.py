@@ -22,7 +22,7 @@ from s3ckpt.dcp.process_group import SharedReads, portable
 from s3ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from s3ckpt.format.manifest import Manifest
 from s3ckpt.s3.store import ObjectStore
-from s3ckpt.transfer.checked import get_checked, sized_and_summed
+from s3ckpt.transfer.checked import get_intact
 from s3ckpt.transfer.commit import read_manifest
 
 OVERWRITES_FOLLOWED = 3  # newer commits a metadata read follows before giving up
@@ -35,8 +35,10 @@ async def fetch_metadata(store: ObjectStore, location: S3URI) -> Fetched:
     for _ in range(OVERWRITES_FOLLOWED):
         try:
             where = f"{location}/{manifest.metadata_key}"
-            intact = sized_and_summed(manifest.metadata_size, manifest.metadata_crc32c, where)
-            return manifest, await get_checked(store, location.key(manifest.metadata_key), intact)
+            size, crc = manifest.metadata_size, manifest.metadata_crc32c
+            return manifest, await get_intact(
+                store, location.key(manifest.metadata_key), size, crc, where
+            )
         except FileNotFoundError as exc:
             latest = await committed_manifest(store, location)
             if latest.save_id == manifest.save_id:

@@ -3,8 +3,9 @@
 Items are resolved as the uploader asks for them, a run of a few MiB at a time (a GPU
 tensor is copied to the host only when its run comes), exposed zero-copy or compressed
 (:mod:`s3ckpt.format.compression`), and added one by one to :class:`~s3ckpt.transfer.upload.
-RankUploader`, which packs them into a few data objects and returns where each went;
-then the rank's index object
+RankUploader`, which packs them into a few data objects (each named here, by the layout,
+when the uploader says an item starts one) and returns where each went; then the rank's
+index object
 (:mod:`s3ckpt.format.rank_index`) records, per item, where it went and its block CRC32Cs.
 What the rank tells the coordinator is one :class:`RankRecord` shared by all its results.
 """
@@ -23,7 +24,7 @@ from s3ckpt.dcp.compat import SavePlanner, WriteItem, WriteItemType, WriteResult
 from s3ckpt.dcp.save_identity import RankAssignment
 from s3ckpt.dcp.tensor_bytes import as_cpu_contiguous, tensor_view
 from s3ckpt.errors import ConfigError, S3CkptError
-from s3ckpt.format.compression import RAW, Compression, Encoded, encode_raw_each, encode_stream
+from s3ckpt.format.compression import RAW, Compression, Compressor, Encoded, RawRuns
 from s3ckpt.format.layout import StoredItem, data_key, index_key
 from s3ckpt.format.manifest import IndexRef, ItemEntry, ObjectEntry
 from s3ckpt.format.rank_index import RankIndex
@@ -64,7 +65,6 @@ class RankSave:
         store, location, spread = target.store, target.location, target.spread_prefixes
         uploader = RankUploader(
             store,
-            lambda n: location.key(data_key(rank, save_id, n, spread)),
             max_object_size=target.max_object_size,
             size_hint=sum(size for size in sizes if size) + (64 << 20),
             in_flight=target.compression.max_ahead if target.compression else None,
@@ -79,12 +79,15 @@ class RankSave:
         try:
             for position, data, crcs in self._stream(items, sizes, planner, encodings):
                 where = uploader.add(data, crcs)
+                if where is None:  # the item starts the next data object, named here
+                    keys.append(data_key(rank, save_id, len(keys), spread))
+                    uploader.open(location.key(keys[-1]), len(data))
+                    where = uploader.add(data, crcs)
+                    assert where is not None  # an empty object takes any item
                 # The item's index entry, built as soon as it has its place: a few
                 # microseconds an item while the upload goes on, not one hold of
                 # milliseconds at its end, which a training loop beside a thread-mode save
                 # would wait out.
-                while len(keys) <= where.object:
-                    keys.append(data_key(rank, save_id, len(keys), spread))
                 entries.append(_entry(items[position], encodings[position], where, keys))
             uploaded = uploader.finish()
         except BaseException as exc:
@@ -114,29 +117,45 @@ class RankSave:
         planner: SavePlanner,
         encodings: list[Encoded],
     ) -> Iterator[tuple[int, memoryview, tuple[int, ...] | None]]:
-        """``(position, stored bytes, their block CRC32Cs)`` in plan order, items resolved
-        only when needed, a run at a time (:func:`~s3ckpt.format.compression.encode_raw_each`;
-        the CRCs are of raw bytes, so compressed items go without); each item's encoding,
-        its bytes left out, is appended to ``encodings``."""
-        viewed = (
-            (item, _item_bytes(item, size, planner))
-            for item, size in zip(items, sizes, strict=True)
+        """``(position, stored bytes, their block CRC32Cs)`` in plan order, each item
+        resolved only when its turn comes: raw items checksummed a run at a time
+        (:class:`~s3ckpt.format.compression.RawRuns`), compressed ones in worker threads
+        within ``max_ahead`` (:class:`~s3ckpt.format.compression.Compressor`; the CRCs
+        are of raw bytes, so compressed items go without); each item's encoding, its bytes
+        left out, is appended to ``encodings``."""
+        resolved = (
+            (position, _item_bytes(item, size, planner), item)
+            for position, (item, size) in enumerate(zip(items, sizes, strict=True))
         )
         options = self.target.compression
-        encoded: Iterator[tuple[WriteItem, Encoded]] = (
-            encode_stream(((item, data, _grouping(item)) for item, data in viewed), options)
-            if options
-            else encode_raw_each(viewed)
-        )
-        for position, (_, result) in enumerate(encoded):  # in plan order, compressed or not
-            # Keep what the storage record needs, not the bytes: the uploader holds the
-            # payload only until its parts are sent (bounded by max_bytes_in_flight), so
-            # a compressed save never holds the rank's whole compressed state.
-            encodings.append(
-                Encoded(_NO_BYTES, result.codec, result.raw_length, result.crc32c, result.frames)
-            )
-            yield position, result.payload, result.crc32c if result.codec == RAW else None
-            del result
+        if options is None:
+            runs: RawRuns[int] = RawRuns()
+            for position, data, _ in resolved:
+                if runs.add(position, data):
+                    yield from (_kept(done, encodings) for done in runs.take())
+            yield from (_kept(done, encodings) for done in runs.take())
+            return
+        with Compressor[int](options) as compressor:
+            for position, data, item in resolved:
+                while compressor.full(len(data)):
+                    yield _kept(compressor.take(), encodings)
+                compressor.submit(position, data, _grouping(item))
+            while compressor.pending:
+                yield _kept(compressor.take(), encodings)
+
+
+def _kept(
+    done: tuple[int, Encoded], encodings: list[Encoded]
+) -> tuple[int, memoryview, tuple[int, ...] | None]:
+    """What the uploader gets of an encoded item, its encoding kept in ``encodings`` for
+    the storage record without its bytes: the uploader holds the payload only until its
+    parts are sent (bounded by max_bytes_in_flight), so a compressed save never holds the
+    rank's whole compressed state."""
+    position, result = done
+    encodings.append(
+        Encoded(_NO_BYTES, result.codec, result.raw_length, result.crc32c, result.frames)
+    )
+    return position, result.payload, result.crc32c if result.codec == RAW else None
 
 
 _NO_BYTES = memoryview(b"")

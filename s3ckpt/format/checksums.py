@@ -49,8 +49,8 @@ def block_crcs_of_each(datas: Sequence[memoryview], block_size: int) -> list[tup
     built: the GIL is released once for every block of every buffer (kept where they hold
     fewer than :data:`_KEEP_GIL_BELOW` bytes in all).
 
-    A thread-mode save's items come here a run at a time (:func:`~s3ckpt.format.compression.
-    encode_raw_each`): one call per item would hold the GIL over every small item's bytes
+    A thread-mode save's items come here a run at a time (:class:`~s3ckpt.format.compression.
+    RawRuns`): one call per item would hold the GIL over every small item's bytes
     and hand it over once per block of a large one (docs/decisions/0008-thread-mode-gil.md).
     """
     if _native_block_crcs is not None:

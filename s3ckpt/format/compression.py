@@ -15,8 +15,8 @@ are instead of being pushed through zstd for nothing. Frames of grouped blocks a
     then the plane payloads in order
 
 An item whose encoding saves less than ``min_saving`` is stored raw (codec ``raw``).
-zstd and the byte-plane split (:mod:`s3ckpt.format.byteplanes`) release the GIL, so
-:func:`encode_stream` compresses several items at once in worker threads, ahead of the
+zstd and the byte-plane split (:mod:`s3ckpt.format.byteplanes`) release the GIL, so a
+:class:`Compressor` compresses several items at once in worker threads, ahead of the
 upload, within a bound on buffered bytes.
 """
 
@@ -25,10 +25,10 @@ from __future__ import annotations
 import struct
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import zstandard
 from crc32c import crc32c
@@ -98,35 +98,44 @@ def encode_raw(data: memoryview, block_size: int = DEFAULT_BLOCK_SIZE) -> Encode
     return Encoded(data, RAW, len(data), block_crcs(data, block_size))
 
 
-# Bytes of items checksummed together by :func:`encode_raw_each`: small enough that the
-# items resolved ahead of their upload stay a small fraction of the bytes in flight, large
-# enough that runs of small items cost one GIL hand-over per few dozen items.
+# Bytes of items checksummed together by :class:`RawRuns`: small enough that the items
+# resolved ahead of their upload stay a small fraction of the bytes in flight, large enough
+# that runs of small items cost one GIL hand-over per few dozen items.
 RUN_BYTES = 4 << 20
 
 
-def encode_raw_each(
-    items: Iterable[tuple[T, memoryview]], block_size: int = DEFAULT_BLOCK_SIZE
-) -> Iterator[tuple[T, Encoded]]:
-    """:func:`encode_raw` of each ``(key, bytes)``, in order, taken a run of
-    :data:`RUN_BYTES` at a time: each run's block CRC32Cs come from one native pass that
-    releases the GIL once (:func:`~s3ckpt.format.checksums.block_crcs_of_each`), rather than
-    keep it over every small item and hand it over per block of a large one.
+class RawRuns(Generic[T]):
+    """:func:`encode_raw` of items added one by one, in order, a run of :data:`RUN_BYTES`
+    at a time: each run's block CRC32Cs come from one native pass that releases the GIL
+    once (:func:`~s3ckpt.format.checksums.block_crcs_of_each`), rather than keep it over
+    every small item and hand it over per block of a large one. The caller resolves each
+    item as it adds it and :meth:`take` s the run once :meth:`add` says it is full (and
+    the last, partial one at the end), so items are resolved no further ahead than their
+    run.
     """
-    run: list[tuple[T, memoryview]] = []
-    size = 0
-    for key, data in items:
-        run.append((key, data))
-        size += len(data)
-        if size >= RUN_BYTES:
-            yield from _encoded_run(run, block_size)
-            run, size = [], 0
-    yield from _encoded_run(run, block_size)
 
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        self.block_size = block_size
+        self._run: list[tuple[T, memoryview]] = []
+        self._size = 0
 
-def _encoded_run(run: list[tuple[T, memoryview]], block_size: int) -> Iterator[tuple[T, Encoded]]:
-    crcs = block_crcs_of_each([data for _, data in run], block_size)
-    for (key, data), item_crcs in zip(run, crcs, strict=True):
-        yield key, Encoded(data, RAW, len(data), item_crcs)
+    def add(self, key: T, data: memoryview) -> bool:
+        """Add ``(key, data)`` to the run; whether the run is full (take it now)."""
+        self._run.append((key, data))
+        self._size += len(data)
+        return self._size >= RUN_BYTES
+
+    def take(self) -> Iterator[tuple[T, Encoded]]:
+        """The run's items, encoded in order, each made as it is taken (a run of small
+        items is thousands of them); the next run starts empty."""
+        run, self._run, self._size = self._run, [], 0
+        if not run:
+            return iter(())
+        crcs = block_crcs_of_each([data for _, data in run], self.block_size)
+        return (
+            (key, Encoded(data, RAW, len(data), item_crcs))
+            for (key, data), item_crcs in zip(run, crcs, strict=True)
+        )
 
 
 def encode(
@@ -172,31 +181,46 @@ def decode_block(frame: memoryview, codec: str, out: memoryview) -> int:
         raise CorruptCheckpointError(f"undecodable {codec} frame: {exc}") from exc
 
 
-def encode_stream(
-    items: Iterable[tuple[T, memoryview, int]],
-    options: Compression,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-) -> Iterator[tuple[T, Encoded]]:
-    """Encode ``(key, data, grouping)`` items in worker threads, yielding results in order.
+class Compressor(Generic[T]):
+    """:func:`encode` of items in worker threads, ahead of the upload, results taken in
+    order, with at most ``options.max_ahead`` raw bytes in the pipeline. The caller owns
+    the loop: before it :meth:`submit` s an item, it :meth:`take` s results while
+    :meth:`full` says the item does not fit. Use as a context manager (the threads)."""
 
-    At most ``options.max_ahead`` raw bytes are in the pipeline: the upload consumes
-    results while later items are still being compressed.
-    """
-    pending: deque[tuple[T, int, Future[Encoded]]] = deque()
-    ahead = 0
-    with ThreadPoolExecutor(options.threads, thread_name_prefix="s3ckpt-zstd") as pool:
-        for key, data, grouping in items:
-            while pending and ahead + len(data) > options.max_ahead:
-                done_key, size, future = pending.popleft()
-                ahead -= size
-                yield done_key, future.result()
-            pending.append(
-                (key, len(data), pool.submit(encode, data, grouping, options, block_size))
-            )
-            ahead += len(data)
-        while pending:
-            done_key, _, future = pending.popleft()
-            yield done_key, future.result()
+    def __init__(self, options: Compression, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        self.options = options
+        self.block_size = block_size
+        self._pending: deque[tuple[T, int, Future[Encoded]]] = deque()
+        self._ahead = 0
+        self._pool = ThreadPoolExecutor(options.threads, thread_name_prefix="s3ckpt-zstd")
+
+    def __enter__(self) -> Compressor[T]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._pool.shutdown(wait=True)
+
+    @property
+    def pending(self) -> int:
+        """Items submitted and not taken yet."""
+        return len(self._pending)
+
+    def full(self, nbytes: int) -> bool:
+        """Whether an item of ``nbytes`` must wait for a result to be taken first: some
+        are pending, and it would take the pipeline past ``max_ahead`` raw bytes."""
+        return bool(self._pending) and self._ahead + nbytes > self.options.max_ahead
+
+    def submit(self, key: T, data: memoryview, grouping: int) -> None:
+        """Start compressing ``data`` (``grouping``: the element size to group by, 0: none)."""
+        future = self._pool.submit(encode, data, grouping, self.options, self.block_size)
+        self._pending.append((key, len(data), future))
+        self._ahead += len(data)
+
+    def take(self) -> tuple[T, Encoded]:
+        """The oldest pending item's ``(key, encoding)``, once compressed."""
+        key, size, future = self._pending.popleft()
+        self._ahead -= size
+        return key, future.result()
 
 
 # -- byte grouping --------------------------------------------------------------------------

@@ -177,7 +177,7 @@ class CheckpointManager:
         self.last_restore: Restored | None = None
         self._retention = Retention(self.location, self.config, keep_last, keep_every)
         self._inflight: InFlight | None = None
-        self._committed = CommittedSteps(self.location, self.config, self._ranks.on_rank0)
+        self._committed = CommittedSteps(self.location, self.config, self._ranks)
         self._ledger = SaveLedger(
             self._committed, self._retention, self._ranks.rank, self.metrics,
             lambda: self.on_saved,

@@ -23,7 +23,8 @@ skipped), and finding out must cost the blocked training loop as little as possi
 * a step another writer commits after the listing is caught by the commit itself
   (``CheckpointExistsError``: logged, not saved).
 
-Every answer comes from rank 0 through the manager's ``on_rank0``, so all ranks agree.
+Every answer is found on rank 0 and shared through the manager's
+:meth:`~s3ckpt.background.ranks.Ranks.from_rank0`, so all ranks agree.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TypeVar
 
 from s3ckpt import catalog
+from s3ckpt.background.ranks import Ranks
 from s3ckpt.catalog.run_listing import RunSteps
 from s3ckpt.config import S3URI, S3Config
 from s3ckpt.errors import S3CkptError
@@ -41,17 +43,17 @@ from s3ckpt.manager.policy import checkpoint_name
 
 log = logging.getLogger("s3ckpt.manager")
 
-OnRank0 = Callable[[Callable[[], Any]], Any]
+T = TypeVar("T")
 Listing = tuple[frozenset[int], list[int], dict[int, str]]  # every step, current ones, names
 
 
 class CommittedSteps:
     """The committed steps under one prefix, as far as a manager knows or asks."""
 
-    def __init__(self, location: S3URI, config: S3Config, on_rank0: OnRank0) -> None:
+    def __init__(self, location: S3URI, config: S3Config, ranks: Ranks) -> None:
         self._location = location
         self._config = config
-        self._on_rank0 = on_rank0
+        self._ranks = ranks
         self._lock = threading.Lock()  # add() runs on the save's background thread
         self._seen: set[int] = set()  # committed, and not deleted since as far as known
         self._listed: frozenset[int] | None = None  # when listed: a HEAD confirms these
@@ -114,6 +116,16 @@ class CommittedSteps:
             return False
         uri = str(self._location.child(self.name(step)))
         return bool(self._on_rank0(lambda: catalog.is_committed(uri, config=self._config)))
+
+    def _on_rank0(self, ask: Callable[[], T]) -> T:
+        """``ask()`` on rank 0 alone, its answer (or its error) on every rank."""
+        outcome: T | Exception | None = None
+        if self._ranks.rank == 0:
+            try:
+                outcome = ask()
+            except Exception as exc:  # every rank raises it, rather than the others hanging
+                outcome = exc
+        return self._ranks.from_rank0(outcome)
 
     def _remember(self, every: frozenset[int], names: dict[int, str]) -> None:
         with self._lock:

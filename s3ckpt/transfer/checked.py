@@ -5,13 +5,16 @@ link, a proxy), not in the store: data items are read again (:data:`REREADS` tim
 their damage is believed, and so is every other checked object, the manifest, DCP's
 metadata and the rank index objects, whichever path reads it (loads, ``verify``, ``show``,
 ``export``, ``cp``). Damage that persists through every re-read is raised as it was found.
+
+:func:`get_intact` reads an object whose size and CRC32C are recorded. A reader whose
+check is its own parsing (the manifest, a rank's index) runs the loop itself, checking
+the body with :func:`intact` where it is recorded, and hands each failed check to
+:class:`Rereads`, which says whether to read again: the check stays with the reader.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TypeVar
 
 from crc32c import crc32c
 
@@ -19,38 +22,52 @@ from s3ckpt.errors import CorruptCheckpointError
 from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer.download import REREADS
 
-T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
-async def get_checked(
-    store: ObjectStore, key: str, check: Callable[[bytes], T], *, rereads: int = REREADS
-) -> T:
-    """``check(body)`` of the object at ``key``; a body that fails it
-    (:class:`CorruptCheckpointError`) is fetched again, up to ``rereads`` times."""
-    for attempt in range(rereads + 1):
+class Rereads:
+    """The re-reads left for one object: each failed check is handed to
+    :meth:`reread_or_raise`, which logs it and returns (read again) until ``rereads``
+    re-reads were made, then raises it."""
+
+    def __init__(self, rereads: int = REREADS) -> None:
+        self.rereads = rereads
+        self.made = 0
+
+    def reread_or_raise(self, damage: CorruptCheckpointError) -> None:
+        if self.made == self.rereads:
+            raise damage
+        self.made += 1
+        log.warning("%s; reading it again (%d of %d)", damage, self.made, self.rereads)
+
+
+def intact(body: bytes, expected_size: int, expected_crc32c: int, where: str) -> bytes:
+    """``body``, once it has the size and CRC32C recorded for it
+    (:class:`CorruptCheckpointError` if not)."""
+    if len(body) != expected_size:
+        raise CorruptCheckpointError(
+            f"{where} has {len(body)} bytes, the manifest says {expected_size}"
+        )
+    if crc32c(body) != expected_crc32c:
+        raise CorruptCheckpointError(f"checksum mismatch in {where}")
+    return body
+
+
+async def get_intact(
+    store: ObjectStore,
+    key: str,
+    expected_size: int,
+    expected_crc32c: int,
+    where: str,
+    *,
+    rereads: int = REREADS,
+) -> bytes:
+    """The body of the object at ``key``, of the size and CRC32C recorded for it; one that
+    is not (:class:`CorruptCheckpointError`) is fetched again, up to ``rereads`` times."""
+    tries = Rereads(rereads)
+    while True:
         body = await store.get(key)
         try:
-            return check(body)
+            return intact(body, expected_size, expected_crc32c, where)
         except CorruptCheckpointError as exc:
-            if attempt == rereads:
-                raise
-            log.warning("%s; reading it again (%d of %d)", exc, attempt + 1, rereads)
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def sized_and_summed(
-    expected_size: int, expected_crc32c: int, where: str
-) -> Callable[[bytes], bytes]:
-    """A check that a body has the size and CRC32C recorded for it."""
-
-    def check(body: bytes) -> bytes:
-        if len(body) != expected_size:
-            raise CorruptCheckpointError(
-                f"{where} has {len(body)} bytes, the manifest says {expected_size}"
-            )
-        if crc32c(body) != expected_crc32c:
-            raise CorruptCheckpointError(f"checksum mismatch in {where}")
-        return body
-
-    return check
+            tries.reread_or_raise(exc)

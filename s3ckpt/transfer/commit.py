@@ -36,6 +36,7 @@ import uuid
 from s3ckpt.config import S3URI
 from s3ckpt.errors import (
     CommitConflictError,
+    CorruptCheckpointError,
     IncompleteSaveError,
     PreconditionFailedError,
     StorageError,
@@ -45,7 +46,7 @@ from s3ckpt.format.manifest import MANIFEST_NAME, Manifest, check_s3ckpt
 from s3ckpt.s3.error_mapping import UNSUPPORTED_CODES
 from s3ckpt.s3.store import ObjectMeta, ObjectStore
 from s3ckpt.s3.versions import delete_every_version, versioning
-from s3ckpt.transfer.checked import get_checked
+from s3ckpt.transfer.checked import Rereads
 from s3ckpt.transfer.fanout import bounded
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,13 @@ async def read_manifest(store: ObjectStore, location: S3URI) -> Manifest:
     fails its own checksum or does not parse is read again (:mod:`s3ckpt.transfer.checked`)."""
     key = location.key(MANIFEST_NAME)
     where = f"s3://{store.bucket}/{key}"
-    return await get_checked(store, key, lambda body: Manifest.from_json(body, where))
+    tries = Rereads()
+    while True:
+        body = await store.get(key)
+        try:
+            return Manifest.from_json(body, where)
+        except CorruptCheckpointError as exc:
+            tries.reread_or_raise(exc)
 
 
 async def manifest_exists(store: ObjectStore, location: S3URI) -> bool:

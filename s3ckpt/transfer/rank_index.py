@@ -19,7 +19,7 @@ from s3ckpt.errors import CorruptCheckpointError, StorageError
 from s3ckpt.format.manifest import IndexRef, Manifest
 from s3ckpt.format.rank_index import RankIndex
 from s3ckpt.s3.store import ObjectStore
-from s3ckpt.transfer.checked import get_checked, sized_and_summed
+from s3ckpt.transfer.checked import Rereads, intact
 from s3ckpt.transfer.collector import collector_paused
 from s3ckpt.transfer.fanout import bounded
 
@@ -47,10 +47,13 @@ async def read_index(
     """GET and check one rank's index object (``FileNotFoundError`` if it is gone); a body
     that fails its check is read again (:mod:`s3ckpt.transfer.checked`)."""
     where = f"{location}/{ref.key}"
-    intact = sized_and_summed(ref.size, ref.crc32c, where)
-    return await get_checked(
-        store, location.key(ref.key), lambda body: RankIndex.from_json(intact(body), where, etags)
-    )
+    tries = Rereads()
+    while True:
+        body = await store.get(location.key(ref.key))
+        try:
+            return RankIndex.from_json(intact(body, ref.size, ref.crc32c, where), where, etags)
+        except CorruptCheckpointError as exc:
+            tries.reread_or_raise(exc)
 
 
 async def read_indexes(

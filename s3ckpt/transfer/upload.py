@@ -4,7 +4,8 @@
 s3transfer's: the calling thread adds items one at a time, each resolved lazily by the
 caller (a GPU tensor is copied to the CPU only when its turn comes), and gets back where
 the item went (:class:`Placement`). Items are packed into data objects (a new one
-whenever ``max_object_size`` would be exceeded), each cut by an
+whenever ``max_object_size`` would be exceeded: the uploader says so, and the caller,
+which owns the layout, names it), each cut by an
 :class:`~s3ckpt.transfer.parts.ObjectStream` into requests (a single PUT when it
 ends within one part) that flow down as tasks queued on the I/O loop, so parts of every
 object upload concurrently under the process-wide request bound, while a byte budget
@@ -131,10 +132,11 @@ def _shared_budget(limit: int) -> _ByteBudget:
 
 class RankUploader:
     """Coordinates the upload of one rank's objects. Use once, from one thread: :meth:`add`
-    each item in order, then :meth:`finish`; on any failure, raise what :meth:`abandon`
-    returns.
+    each item in order (where it says the item starts a new data object, :meth:`open`
+    that and add it again), then :meth:`finish`; on any failure, raise what
+    :meth:`abandon` returns.
 
-    ``object_key(n)`` names data object ``n``; ``size_hint`` bounds the bytes the rank will
+    ``size_hint`` bounds the bytes the rank will
     write (it sizes parts so that even the largest object stays within 10,000 parts);
     ``in_flight`` bounds the bytes handed over but not yet acknowledged (default: the
     store's ``max_bytes_in_flight``; smaller where every such byte is extra memory, as the
@@ -144,7 +146,6 @@ class RankUploader:
     def __init__(
         self,
         store: ObjectStore,
-        object_key: Callable[[int], str],
         *,
         max_object_size: int,
         size_hint: int,
@@ -154,7 +155,6 @@ class RankUploader:
         self.store = store
         self.block_size = block_size
         self.checksums = store.config.checksums
-        self.object_key = object_key
         self.max_object_size = max_object_size
         self.object_size_hint = max(1, min(max_object_size, size_hint))
         self._loop = io_loop()
@@ -182,16 +182,37 @@ class RankUploader:
         self._aborts: dict[str, str | None] = {}
         self._deletes: list[str] = []
 
-    def add(self, data: memoryview, crcs: tuple[int, ...] | None = None) -> Placement:
-        """Upload the next item's bytes (with their block CRC32Cs, if known); returns where
-        it went, as soon as it has its place."""
+    def open(self, key: str, first_item: int) -> None:
+        """Start the next data object, at ``key``, for an item of ``first_item`` bytes: the
+        open one is finished, and the new one's parts sized for the largest it can grow
+        to (the usual bound, or its first item where that alone is larger: an item gets
+        an object of its own)."""
+        streams = self._streams
+        if streams:
+            self._queue(streams[-1].finish())
+        self._planned_keys.append(key)
+        largest = max(self.object_size_hint, first_item)
+        streams.append(
+            ObjectStream(
+                key,
+                *part_limits(largest, self.store.config.part_size),
+                block_size=self.block_size,
+                checksums=self.checksums,
+                batch_parts=self.batch_parts,
+                batch_bytes=self.batch_bytes,
+            )
+        )
+
+    def add(self, data: memoryview, crcs: tuple[int, ...] | None = None) -> Placement | None:
+        """Upload the next item's bytes (with their block CRC32Cs, if known) into the open
+        data object; returns where it went, as soon as it has its place. None, and nothing
+        added, where the item starts a new object: none is open yet, or the open one, not
+        empty, would outgrow ``max_object_size``; the caller then :meth:`open` s it."""
         streams = self._streams
         if not streams or (
             streams[-1].size and streams[-1].size + len(data) > self.max_object_size
         ):
-            if streams:
-                self._queue(streams[-1].finish())
-            streams.append(self._open(len(streams), len(data)))
+            return None
         offset, requests = streams[-1].add(data, crcs)
         self._queue(requests)
         return Placement(len(streams) - 1, offset, len(data))
@@ -210,21 +231,6 @@ class RankUploader:
         self._clean_up()
         assert self._error is not None
         return self._error
-
-    def _open(self, number: int, first_item: int) -> ObjectStream:
-        """A new object, its parts sized for the largest it can grow to: the usual bound,
-        or its first item where that alone is larger (an item gets an object of its own)."""
-        key = self.object_key(number)
-        self._planned_keys.append(key)
-        largest = max(self.object_size_hint, first_item)
-        return ObjectStream(
-            key,
-            *part_limits(largest, self.store.config.part_size),
-            block_size=self.block_size,
-            checksums=self.checksums,
-            batch_parts=self.batch_parts,
-            batch_bytes=self.batch_bytes,
-        )
 
     # -- producer side (calling thread) -----------------------------------------------
 

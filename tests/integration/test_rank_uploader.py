@@ -27,16 +27,22 @@ def test_each_place_is_reported_before_the_next_item_is_taken(store, s3_prefix, 
             events.append(("taken", position))
             yield position, memoryview(body), None
 
-    uploader = RankUploader(
-        store, lambda n: f"{prefix}/obj-{n}", max_object_size=8 * MiB, size_hint=sum(sizes)
-    )
+    uploader = RankUploader(store, max_object_size=8 * MiB, size_hint=sum(sizes))
+    opened: list[str] = []
     for position, data, crcs in items():
-        reported[position] = uploader.add(data, crcs)
+        where = uploader.add(data, crcs)
+        if where is None:
+            opened.append(f"{prefix}/obj-{len(opened)}")
+            uploader.open(opened[-1], len(data))
+            where = uploader.add(data, crcs)
+        assert where is not None
+        reported[position] = where
         events.append(("placed", position))
     uploaded = uploader.finish()
 
     assert events == [(what, n) for n in range(len(bodies)) for what in ("taken", "placed")]
     assert len(uploaded) > 1  # the 8 MiB bound split the items over objects
+    assert [o.key for o in uploaded] == opened
     for position, body in enumerate(bodies):
         where = reported[position]
         stored = io_loop().run(store.get(uploaded[where.object].key))

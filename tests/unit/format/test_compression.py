@@ -13,9 +13,10 @@ from s3ckpt.format.compression import (
     ZSTD,
     ZSTD_GROUPED,
     Compression,
+    Compressor,
+    RawRuns,
     decode_block,
     encode,
-    encode_stream,
 )
 
 BLOCK = 1 << 16
@@ -82,10 +83,22 @@ def test_a_damaged_frame_is_a_corrupt_checkpoint():
         decode_block(memoryview(bytes(frame)), ZSTD_GROUPED, memoryview(bytearray(len(data))))
 
 
-def test_the_stream_keeps_order_under_a_tight_budget():
+def test_the_compressor_keeps_order_under_a_tight_budget():
+    """Results come out in submission order, and an item waits (``full``) while it would
+    take the raw bytes pending past ``max_ahead``, unless nothing is pending."""
     items = [(i, tensor_view(_weights(10_000 + i, torch.float32)), 4) for i in range(12)]
     options = Compression(threads=3, max_ahead=50_000)
-    results = list(encode_stream(items, options, BLOCK))
+    results = []
+    with Compressor[int](options, BLOCK) as compressor:
+        assert not compressor.full(options.max_ahead + 1)  # an empty pipeline takes any item
+        for key, data, grouping in items:
+            while compressor.full(len(data)):
+                results.append(compressor.take())
+            pending = sum(len(d) for k, d, _ in items[len(results) : key])
+            assert pending + len(data) <= options.max_ahead or compressor.pending == 0
+            compressor.submit(key, data, grouping)
+        while compressor.pending:
+            results.append(compressor.take())
     assert [key for key, _ in results] == list(range(12))
     for (_, data, _), (_, encoded) in zip(items, results, strict=True):
         assert _decode_all(encoded, len(data)) == bytes(data)
@@ -119,8 +132,9 @@ def test_decoding_a_block_returns_its_crc32c(grouping):
 
 def test_raw_items_are_checksummed_a_run_at_a_time(monkeypatch):
     """Small items are checksummed a run of RUN_BYTES at a time (one native pass, one GIL
-    hand-over), resolved no further ahead than their run, and come out in order, each with
-    the block CRC32Cs encode_raw gives it alone."""
+    hand-over), taken once add() says their run is full (so the caller resolves items no
+    further ahead than their run), and come out in order, each with the block CRC32Cs encode_raw
+    gives it alone."""
     calls = []
     counted = compression.block_crcs_of_each
 
@@ -131,22 +145,19 @@ def test_raw_items_are_checksummed_a_run_at_a_time(monkeypatch):
     monkeypatch.setattr(compression, "block_crcs_of_each", counting)
     small = compression.RUN_BYTES // 40
     items = [(n, memoryview(os.urandom(small if n % 9 else 3 * BLOCK + 5))) for n in range(100)]
-    pulled = []
-
-    def source():
-        for item in items:
-            pulled.append(item[0])
-            yield item
-
-    stream = compression.encode_raw_each(source(), BLOCK)
-    first = next(stream)
+    runs: RawRuns[int] = RawRuns(BLOCK)
+    encoded, full_at = [], []
+    for added, (key, data) in enumerate(items, 1):
+        if runs.add(key, data):
+            full_at.append(added)
+            encoded.extend(runs.take())
+    encoded.extend(runs.take())
     sizes = itertools.accumulate(len(data) for _, data in items)
     first_run = next(n for n, size in enumerate(sizes, 1) if size >= compression.RUN_BYTES)
-    assert first[0] == 0 and len(pulled) == calls[0] == first_run
-    encoded = [first, *stream]
+    assert encoded[0][0] == 0 and full_at[0] == calls[0] == first_run
     assert [key for key, _ in encoded] == list(range(100))
     for (_, data), (_, result) in zip(items, encoded, strict=True):
         alone = compression.encode_raw(data, BLOCK)
         assert result.crc32c == alone.crc32c and result.codec == RAW and result.payload == data
     assert sum(calls) == 100 and len(calls) < 100 // 5
-    assert list(compression.encode_raw_each(iter([]), BLOCK)) == []
+    assert list(RawRuns(BLOCK).take()) == []

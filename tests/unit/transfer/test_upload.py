@@ -63,3 +63,26 @@ def test_a_cancelled_future_cancels_the_waiter():
 
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(main())
+
+
+def test_the_caller_names_each_data_object_the_uploader_asks_for():
+    """The uploader refuses an item that starts a new data object (none open, or the open
+    one would outgrow max_object_size; an empty one takes any item) rather than overfill
+    one; the caller names the object, and the item goes there."""
+    from s3ckpt.config import S3Config
+    from s3ckpt.transfer.upload import Placement, RankUploader
+
+    class Unused:  # the requests of these small items are queued only once finished
+        bucket = "bucket"
+        config = S3Config()
+
+    uploader = RankUploader(Unused(), max_object_size=10, size_hint=30)  # type: ignore[arg-type]
+    assert uploader.add(memoryview(b"")) is None
+    uploader.open("run/data-0", 0)
+    assert uploader.add(memoryview(b"")) == Placement(0, 0, 0)
+    assert uploader.add(memoryview(b"123456")) == Placement(0, 0, 6)
+    assert uploader.add(memoryview(b"12345")) is None
+    assert uploader.add(memoryview(b"1234")) == Placement(0, 6, 4)
+    assert uploader.add(memoryview(b"1")) is None
+    uploader.open("run/data-1", 25)
+    assert uploader.add(memoryview(bytes(25))) == Placement(1, 0, 25)  # alone, however large

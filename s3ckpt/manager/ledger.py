@@ -5,8 +5,9 @@ reader, or the upload thread), not in the training loop. The ledger does what fo
 there: the save's metrics (kept and handed to ``on_saved``), the step counted as
 committed and the retention after it on rank 0, or the failure kept for the loop's next
 ``save`` or ``wait`` to raise, once. A save held only in the memory tier is recorded
-without a commit. The manager's own thread reads the ledger only through
-:meth:`SaveLedger.raise_failure`.
+without a commit. The training loop's thread reads the ledger only through
+:meth:`SaveLedger.raise_failure` (:meth:`~s3ckpt.manager.saving.Saving.settle`), and
+sets ``on_saved`` (the manager's property): the ledger never calls back into the manager.
 """
 
 from __future__ import annotations

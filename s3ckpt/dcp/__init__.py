@@ -3,6 +3,7 @@
 The only part of s3ckpt that knows DCP's planner and metadata types:
 
 * :mod:`~s3ckpt.dcp.writer`: :class:`S3StorageWriter` (the lifecycle of a save);
+* :mod:`~s3ckpt.dcp.save_commit`: the commit of a save (the writer's ``finish``);
 * :mod:`~s3ckpt.dcp.reader`: :class:`S3StorageReader` (the lifecycle of a load);
 * :mod:`~s3ckpt.dcp.restore`: per read item, which bytes, where they land, decoding and
   verifying, handing the result to the planner;

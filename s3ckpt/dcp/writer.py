@@ -20,11 +20,9 @@ Lifecycle of a save (the order DCP calls in, see ``torch.distributed.checkpoint.
    writes the rank's index object (:mod:`s3ckpt.format.rank_index`): per item a
    :class:`~s3ckpt.format.layout.StoredItem`, its object, offset, length and block
    CRC32Cs. A failure aborts and deletes everything the rank uploaded.
-5. ``finish(metadata, results)`` (coordinator): records in DCP's metadata which rank
-   stored each chunk; refreshes the in-flight record (where the coordinator wrote it
-   more than a heartbeat ago) and checks that every object of the save is there, while a
-   worker thread checks that the metadata loads as a default load reads it; writes the
-   metadata object, then the manifest
+5. ``finish(metadata, results)`` (coordinator, :mod:`s3ckpt.dcp.save_commit`): records in
+   DCP's metadata which rank stored each chunk, checks that every object of the save is
+   there and that the metadata loads, writes the metadata object, then the manifest
    (:mod:`s3ckpt.transfer.commit`): the commit. Before it, the checkpoint does not exist.
    Then the objects of ``after_commit`` (a trainer's ``latest`` file), so that every
    rank's ``dcp.save`` returns only once they name the committed checkpoint.
@@ -35,7 +33,6 @@ The writer holds only its configuration and location, so it pickles (process-mod
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import os
@@ -43,14 +40,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from crc32c import crc32c
 from torch.futures import Future
 
-from s3ckpt._version import __version__
 from s3ckpt.config import MAX_KEY_BYTES, S3URI, S3Config, check_key_room, make_config
-from s3ckpt.dcp import metadata_pickle as dcp_metadata
 from s3ckpt.dcp.compat import (
-    TORCH_VERSION,
     Metadata,
     SavePlan,
     SavePlanner,
@@ -60,20 +53,13 @@ from s3ckpt.dcp.compat import (
 )
 from s3ckpt.dcp.local_plan import ReusingSavePlanner
 from s3ckpt.dcp.location import S3Location
-from s3ckpt.dcp.owners import ChunkPositions
-from s3ckpt.dcp.rank_save import RankRecord, RankSave, RankTarget, rank_name
+from s3ckpt.dcp.rank_save import RankSave, RankTarget, rank_name
+from s3ckpt.dcp.save_commit import SaveCommit
 from s3ckpt.dcp.save_identity import RankAssignment, claim
-from s3ckpt.errors import (
-    CheckpointError,
-    CheckpointExistsError,
-    ConfigError,
-    InvalidURIError,
-    S3CkptError,
-)
+from s3ckpt.errors import CheckpointExistsError, ConfigError, InvalidURIError
 from s3ckpt.format.compression import Compression
 from s3ckpt.format.layout import (
     DEFAULT_MAX_OBJECT_SIZE,
-    HEARTBEAT_S,
     SPREAD_WIDTHS,
     claim_key,
     data_key,
@@ -81,21 +67,10 @@ from s3ckpt.format.layout import (
     metadata_key,
     saving_key,
 )
-from s3ckpt.format.manifest import (
-    MANIFEST_NAME,
-    Manifest,
-    new_save_id,
-)
-from s3ckpt.format.rank_index import ItemOwners
+from s3ckpt.format.manifest import MANIFEST_NAME, new_save_id
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
-from s3ckpt.transfer.commit import (
-    PROBE_NAME,
-    commit_manifest,
-    committed_save_id,
-    confirm_objects,
-    manifest_exists,
-)
+from s3ckpt.transfer.commit import PROBE_NAME, manifest_exists
 from s3ckpt.transfer.inflight import Heartbeat, clear_in_flight, mark_in_flight
 from s3ckpt.transfer.parts import MAX_OBJECT_SIZE, MIN_PART_SIZE
 from s3ckpt.transfer.thread_mode import gil_tuned
@@ -281,11 +256,10 @@ class S3StorageWriter(S3Location, StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         location = self._require_location()
-        flat = [wr for rank_results in results for wr in rank_results]
-        metadata.storage_data = _item_owners(metadata, flat)
         metadata.storage_meta = self.storage_meta()
-        io_loop().run(self._commit(location, metadata, _rank_records(results), len(results)))
-        io_loop().run(self._put_after_commit(location))
+        marked_at = self._marked[1] if self._marked and self._marked[0] == self.save_id else None
+        commit = SaveCommit(self._store(), location, self.save_id, self.overwrite, marked_at)
+        commit.run(metadata, results, self.after_commit)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(
@@ -302,108 +276,6 @@ class S3StorageWriter(S3Location, StorageWriter):
                 f"Checkpoint already exists: {location} is already committed; pass "
                 "overwrite=True to replace it"
             )
-
-    async def _commit(
-        self,
-        location: S3URI,
-        metadata: Metadata,
-        records: list[RankRecord],
-        world_size: int,
-    ) -> None:
-        """Metadata object, a check that every object is still there, then the manifest.
-
-        A save that does not commit (it lost a race, an object vanished, the store failed)
-        deletes everything it wrote, unless the manifest turns out to name it after all
-        (a commit whose response was lost).
-        """
-        store = self._store()
-        body = dcp_metadata.dumps(metadata)
-        manifest = Manifest(
-            save_id=self.save_id,
-            world_size=world_size,
-            metadata_key=metadata_key(self.save_id),
-            metadata_size=len(body),
-            metadata_crc32c=crc32c(body),
-            objects=tuple(o for record in records for o in record.objects),
-            items=(),
-            indexes=tuple(record.index for record in records),
-            torch_version=TORCH_VERSION,
-            s3ckpt_version=__version__,
-        )
-        sizes = {o.key: o.size for o in manifest.objects} | {
-            i.key: i.size for i in manifest.indexes
-        }
-        try:
-            # Reading the metadata back costs about one unpickle, more than its pickle: it
-            # runs on a worker thread while the listings that confirm the objects are on
-            # the wire (docs/decisions/0008-thread-mode-gil.md).
-            checked = asyncio.ensure_future(
-                asyncio.to_thread(dcp_metadata.check_loadable, body, str(location))
-            )
-            try:
-                if not self._record_is_fresh():
-                    await mark_in_flight(store, location, self.save_id)
-                await confirm_objects(store, location, sizes)
-            finally:
-                await asyncio.wait([checked])
-            checked.result()
-            await store.put(
-                location.key(manifest.metadata_key), body, crc32c=manifest.metadata_crc32c
-            )
-            await commit_manifest(store, location, manifest, overwrite=self.overwrite)
-        except Exception:
-            if not await self._committed_anyway(store, location):
-                await self._discard(store, location, manifest, records)
-                raise
-        for save_id in _save_ids(records, self.save_id):
-            await clear_in_flight(store, location, save_id)
-
-    def _record_is_fresh(self) -> bool:
-        """Whether this writer wrote the save's in-flight record less than
-        :data:`HEARTBEAT_S` ago: it then holds ``gc`` and ``prune`` off the directory for
-        :data:`LEASE_S` minus that, minutes more than a commit takes, and the commit
-        refreshes it only where the save ran longer (one request less on the commit's
-        path: a round trip to the store, and the I/O loop's Python beside a thread-mode
-        save's training loop; docs/decisions/0008-thread-mode-gil.md)."""
-        if self._marked is None or self._marked[0] != self.save_id:
-            return False
-        return time.monotonic() - self._marked[1] < HEARTBEAT_S
-
-    async def _put_after_commit(self, location: S3URI) -> None:
-        """The ``after_commit`` objects, in order; the first failure raises."""
-        store = self._store()
-        for target, body in self.after_commit:
-            try:
-                await store.put(target.prefix, body)
-            except S3CkptError as exc:
-                raise CheckpointError(
-                    f"{location} is committed, but {target} could not be written: {exc}"
-                ) from exc
-
-    async def _committed_anyway(self, store: ObjectStore, location: S3URI) -> bool:
-        """Whether the manifest names this save although committing raised; True too when
-        that cannot be told (nothing is deleted then: gc decides later)."""
-        try:
-            return await committed_save_id(store, location) == self.save_id
-        except S3CkptError as exc:
-            log.warning("save %s failed and %s is unreadable: %s", self.save_id, location, exc)
-            return True
-
-    async def _discard(
-        self,
-        store: ObjectStore,
-        location: S3URI,
-        manifest: Manifest,
-        records: list[RankRecord],
-    ) -> None:
-        """Delete every object of a save that did not commit, its in-flight records last."""
-        try:
-            await store.delete_many([location.key(k) for k in manifest.all_keys()])
-        except S3CkptError as exc:
-            log.warning("could not delete the objects of failed save %s: %s", self.save_id, exc)
-            return
-        for save_id in _save_ids(records, self.save_id):
-            await clear_in_flight(store, location, save_id)
 
 
 def _after_commit_objects(objects: Mapping[str, bytes] | None) -> tuple[tuple[S3URI, bytes], ...]:
@@ -444,26 +316,6 @@ def longest_name(spread: int = 0) -> str:
         MANIFEST_NAME,
     )
     return max(names, key=len)
-
-
-def _save_ids(records: list[RankRecord], coordinator: str) -> list[str]:
-    """Every save id the ranks of one save wrote under (one, unless plans were replayed)."""
-    return sorted({coordinator} | {r.save_id for r in records if r.save_id})
-
-
-def _rank_records(results: list[list[WriteResult]]) -> list[RankRecord]:
-    records = {wr.storage_data.rank: wr.storage_data for rr in results for wr in rr}
-    return sorted(records.values(), key=lambda r: r.rank)
-
-
-def _item_owners(metadata: Metadata, results: list[WriteResult]) -> ItemOwners:
-    """Which rank stored each chunk of DCP's metadata (:class:`ItemOwners`)."""
-    counts = {
-        fqn: len(getattr(md, "chunks", ())) or 1 for fqn, md in metadata.state_dict_metadata.items()
-    }
-    positions = ChunkPositions(metadata)
-    owned = [(wr.index.fqn, positions.of(wr.index), wr.storage_data.rank) for wr in results]
-    return ItemOwners.build(counts, owned)
 
 
 def _let_go_of_state(planner: SavePlanner) -> None:

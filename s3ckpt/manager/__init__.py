@@ -1,7 +1,10 @@
 """``CheckpointManager``: the training-loop front end over DCP and the catalog.
 
-* :mod:`~s3ckpt.manager.checkpoint_manager`: saves in the background, one in flight,
-  failures raised on the next call, loading the latest;
+* :mod:`~s3ckpt.manager.checkpoint_manager`: the facade and its lifecycle (open,
+  ``prepare``, ``wait``, ``close``), composing the two paths below;
+* :mod:`~s3ckpt.manager.saving`: saves in the background, one in flight, failures raised
+  on the next call (:mod:`~s3ckpt.manager.ledger` records each save as it ends);
+* :mod:`~s3ckpt.manager.loading`: loading a step, or the latest from memory or S3;
 * :mod:`~s3ckpt.manager.policy`: checkpoint names, options, metrics;
 * :mod:`~s3ckpt.manager.retention`: retention after each commit, on its own thread;
 * :mod:`~s3ckpt.manager.memory_tier`: the manager's memory tier, wired to its saves and loads;

@@ -48,36 +48,38 @@ rules:
   ``MemoryTier.s3_every`` divides go to S3. ``load_latest`` restores from memory when
   every rank holds an intact copy at least as new as S3's newest step, agreed across
   ranks, and from S3 otherwise; ``last_restore`` says which and what it cost.
+
+The class is the facade of these rules: it starts and closes what a run holds (the
+background saver, the memory tier, retention's thread) and owns the lifecycle (``prepare``,
+``wait``, ``close``, the context manager, the process it was made in); the save path is
+:class:`~s3ckpt.manager.saving.Saving`'s and the load path
+:class:`~s3ckpt.manager.loading.Loading`'s, each handed what it needs at construction.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import time
 import warnings
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from s3ckpt.background.process import DEFAULT_TIMEOUT_S
 from s3ckpt.background.ranks import Ranks
 from s3ckpt.background.saver import BackgroundSaver, state_bytes
 from s3ckpt.config import S3URI, S3Config, check_key_room, make_config
-from s3ckpt.dcp.compat import group_timeout, unwrap
-from s3ckpt.dcp.failure import reraise as _reraise
-from s3ckpt.dcp.reader import S3StorageReader
-from s3ckpt.dcp.writer import S3StorageWriter, longest_name
-from s3ckpt.errors import CheckpointError, CheckpointExistsError
+from s3ckpt.dcp.compat import group_timeout
+from s3ckpt.dcp.writer import longest_name
+from s3ckpt.errors import CheckpointError
 from s3ckpt.manager import memory_tier as tiering
 from s3ckpt.manager.committed import CommittedSteps
-from s3ckpt.manager.ledger import InFlight, SaveLedger
+from s3ckpt.manager.loading import Loading
 from s3ckpt.manager.policy import AsyncMode, IfBusy, SaveMetrics, checkpoint_name, validate_options
 from s3ckpt.manager.retention import Retention
+from s3ckpt.manager.saving import Saving
 from s3ckpt.s3.client import prepare_client
 from s3ckpt.tier.options import MemoryTier
 from s3ckpt.tier.restore import Restored
@@ -146,18 +148,13 @@ class CheckpointManager:
         tiering.check_mode(memory_tier, async_mode)
         self.location = S3URI.parse(uri, require_prefix=False)
         self.config = make_config(config, endpoint_url=endpoint_url, **options)
-        self.if_busy, self.async_mode, self.overwrite = if_busy, async_mode, overwrite
-        self.on_saved = on_saved
-        self.writer_options = dict(writer_options or {})
-        spread = self.writer_options.get("spread_prefixes", 0)  # every step's keys must fit
+        self.async_mode = async_mode
+        writer_options = dict(writer_options or {})
+        spread = writer_options.get("spread_prefixes", 0)  # every step's keys must fit
         check_key_room(self.location, f"{checkpoint_name(0)}/{longest_name(spread)}", "run")
-        self.reader_options = dict(reader_options or {})
-        self.strict = strict
-        self.metrics: deque[SaveMetrics] = deque(maxlen=max_metrics)
         self._ranks = Ranks(process_group)
         if self._ranks.rank == 0:  # the rank that lists S3 first, at a load or the first save
             prepare_client(self.config)
-        self._no_dist = not self._ranks.distributed
         if self._ranks.world == 1:  # DCP warns on each single-process call; here it is meant
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         self.memory_tier = memory_tier
@@ -174,13 +171,17 @@ class CheckpointManager:
                 timeout_s=timeout_s, **tiering.saver_memory(self._tier, memory_tier),
             )
         )  # fmt: skip
-        self.last_restore: Restored | None = None
         self._retention = Retention(self.location, self.config, keep_last, keep_every)
-        self._inflight: InFlight | None = None
         self._committed = CommittedSteps(self.location, self.config, self._ranks)
-        self._ledger = SaveLedger(
-            self._committed, self._retention, self._ranks.rank, self.metrics,
-            lambda: self.on_saved,
+        self._saving = Saving(
+            self.location, self.config, self._ranks, self._committed, self._retention,
+            self._saves, self._tier, memory_tier=memory_tier, if_busy=if_busy,
+            overwrite=overwrite, writer_options=writer_options, on_saved=on_saved,
+            max_metrics=max_metrics,
+        )  # fmt: skip
+        self._loading = Loading(
+            self.location, self.config, self._ranks, self._committed, self._tier,
+            strict=strict, reader_options=dict(reader_options or {}),
         )  # fmt: skip
         self._closed = False
         self._pid = os.getpid()  # its threads and its saves in flight belong to this process
@@ -200,13 +201,80 @@ class CheckpointManager:
             # an exception is already on its way out: report this one, do not replace it
             log.exception("closing %r while handling another error failed", self)
 
+    # -- options the save and load paths own ------------------------------------------------
+
+    @property
+    def on_saved(self) -> Callable[[SaveMetrics], None] | None:
+        """Called with each commit's :class:`SaveMetrics` (on a background thread); may be
+        replaced at any time: each save reads it as it ends."""
+        return self._saving.ledger.on_saved
+
+    @on_saved.setter
+    def on_saved(self, on_saved: Callable[[SaveMetrics], None] | None) -> None:
+        self._saving.ledger.on_saved = on_saved
+
+    @property
+    def overwrite(self) -> bool:
+        """Whether a save replaces an already committed step; may be changed between saves."""
+        return self._saving.overwrite
+
+    @overwrite.setter
+    def overwrite(self, overwrite: bool) -> None:
+        self._saving.overwrite = overwrite
+
+    @property
+    def if_busy(self) -> IfBusy:
+        """What a save asked for while the last one uploads does; may be changed between saves."""
+        return self._saving.if_busy
+
+    @if_busy.setter
+    def if_busy(self, if_busy: IfBusy) -> None:
+        self._saving.if_busy = if_busy
+
+    @property
+    def writer_options(self) -> dict[str, Any]:
+        """Keyword arguments for each save's :class:`~s3ckpt.S3StorageWriter`."""
+        return self._saving.writer_options
+
+    @writer_options.setter
+    def writer_options(self, options: dict[str, Any]) -> None:
+        self._saving.writer_options = options
+
+    @property
+    def strict(self) -> bool:
+        """Whether a load checks the state against the checkpoint first; may be changed between loads."""
+        return self._loading.strict
+
+    @strict.setter
+    def strict(self, strict: bool) -> None:
+        self._loading.strict = strict
+
+    @property
+    def reader_options(self) -> dict[str, Any]:
+        """Keyword arguments for each load's :class:`~s3ckpt.S3StorageReader`."""
+        return self._loading.reader_options
+
+    @reader_options.setter
+    def reader_options(self, options: dict[str, Any]) -> None:
+        self._loading.reader_options = options
+
+    @property
+    def metrics(self) -> deque[SaveMetrics]:
+        """The :class:`SaveMetrics` of the most recent saves (``max_metrics`` of them)."""
+        return self._saving.ledger.metrics
+
+    @property
+    def last_restore(self) -> Restored | None:
+        """Where the last ``load_latest`` restored from and what it cost; None before one."""
+        return self._loading.last_restore
+
     # -- names and listing ---------------------------------------------------------------
 
     def uri_of(self, step: int) -> str:
         """Where step ``step`` is committed, or would be saved: ``<uri>/step-<N:010d>``,
         unless the last listing found it only under another name (``step-300``, written
         by another tool: :func:`s3ckpt.step_of`). No request."""
-        return str(self.location.child(self._committed.name(step)))
+        return self._loading.uri_of(step)
 
     def steps(self) -> list[int]:
         """Committed steps, ascending: one LIST on rank 0, broadcast to the other ranks.
@@ -225,8 +293,7 @@ class CheckpointManager:
     @property
     def busy(self) -> bool:
         """Whether this rank's last save is still uploading."""
-        inflight = self._inflight
-        return inflight is not None and not inflight.done.is_set()
+        return self._saving.busy
 
     # -- load ----------------------------------------------------------------------------
 
@@ -242,52 +309,13 @@ class CheckpointManager:
         """
         self._check_process()
         self._settle()
-        started = time.perf_counter()
-        step = self.latest_step()
-        restored = tiering.restore_from_memory(self._tier, state_dict, step, self.strict)
-        if restored is not None:
-            self._went_on_from(restored.step)
-            self.last_restore = restored
-            log.info(
-                "loaded %s from memory in %.2f s (%.3f s to choose it)",
-                checkpoint_name(restored.step), restored.load_s, restored.select_s,
-            )  # fmt: skip
-            return restored.step
-        if step is not None:
-            selected = time.perf_counter()
-            self.load(step, state_dict)
-            done = time.perf_counter()
-            self.last_restore = Restored(step, "s3", selected - started, done - selected)
-        return step
+        return self._loading.load_latest(state_dict)
 
     def load(self, step: int, state_dict: dict[str, Any]) -> None:
         """Load committed ``step`` into ``state_dict`` (to roll back, for instance)."""
         self._check_process()
         self._settle()
-        started = time.perf_counter()
-        reader = S3StorageReader(
-            str(self.location.child(self._committed.resolve(step))),
-            config=self.config,
-            process_group=self._ranks.shared(),
-            **{"strict": self.strict, **self.reader_options},
-        )
-        try:
-            dcp.load(
-                state_dict,
-                storage_reader=reader,
-                process_group=self._ranks.group,
-                no_dist=self._no_dist,
-            )
-        except BaseException as exc:
-            _reraise(exc, f"loading {self.uri_of(step)}")
-        self._went_on_from(step)
-        log.info("loaded %s in %.2f s", checkpoint_name(step), time.perf_counter() - started)
-
-    def _went_on_from(self, step: int) -> None:
-        """The run goes on from ``step``: what was saved above it is a rolled-back run's."""
-        self._committed.loaded(step)
-        if self._tier is not None:
-            self._tier.discard_above(step)
+        self._loading.load(step, state_dict)
 
     def held_steps(self) -> list[int]:
         """Steps every rank holds a complete copy of in the memory tier, ascending (one
@@ -329,68 +357,7 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError(f"{self!r} is closed")
         self._check_process()
-        name = checkpoint_name(step)
-        started = time.perf_counter()
-        if self.if_busy == "skip" and self._ranks.any(self.busy):
-            log.info("skipped %s: the previous save is still uploading", name)
-            return False
-        self._settle()  # from here on, every rank has the same view of what is committed
-        waited = time.perf_counter() - started
-        to_s3 = tiering.goes_to_s3(self.memory_tier, step, s3)
-        if self._saves is not None:  # ranks that disagree fail here, before any collective
-            try:  # that depends on where the step goes (the committed check's)
-                self._saves.ready(name, f"step {step}, {'to S3' if to_s3 else 'memory only'}")
-            except BaseException as exc:
-                _reraise(exc)
-        writer = None
-        if to_s3:
-            replace = self.overwrite or self._committed.replaces(step)
-            if not replace and self._committed.includes(step):
-                log.info("%s is already committed; not saved again", name)
-                return False
-            writer = self._writer(step, replace)
-        if self._saves is None:
-            assert writer is not None
-            return self._save_sync(step, state_dict, writer, started, waited)
-        hold = None if self._tier is None else self._tier.hold(step)
-        try:
-            future, failure = self._saves.start(state_dict, writer, name, hold=hold)
-        except BaseException as exc:
-            _reraise(exc, f"saving {name}")
-        now = time.perf_counter()
-        inflight = InFlight(
-            step, future, now, now - started, waited, to_s3=to_s3,
-            nbytes=hold.nbytes if hold is not None else 0,
-        )  # fmt: skip
-        self._inflight = inflight
-        if hold is not None:
-            tiering.time_the_copies(hold, inflight)
-        future.add_done_callback(lambda _: self._ledger.finished(inflight))
-        if failure is not None:
-            _reraise(failure, f"saving {name}")
-        return True
-
-    def _writer(self, step: int, replace: bool) -> S3StorageWriter:
-        uri = str(self.location.child(checkpoint_name(step)))  # the manager's own name
-        return S3StorageWriter(uri, config=self.config, overwrite=replace, **self.writer_options)
-
-    def _save_sync(
-        self, step: int, state: dict[str, Any], writer: S3StorageWriter, t0: float, waited: float
-    ) -> bool:
-        started = time.perf_counter()
-        try:
-            metadata = dcp.save(
-                state, storage_writer=writer, process_group=self._ranks.group, no_dist=self._no_dist
-            )
-        except BaseException as exc:
-            if not isinstance(unwrap(exc), CheckpointExistsError):
-                _reraise(exc, f"saving {self.uri_of(step)}")
-            log.warning("%s was committed by someone else; not saved", checkpoint_name(step))
-            return False
-        elapsed = time.perf_counter() - started
-        nbytes = state_bytes(metadata)
-        self._ledger.committed_ok(step, nbytes, time.perf_counter() - t0, elapsed, waited)
-        return True
+        return self._saving.save(step, state_dict, s3)
 
     # -- waiting and closing ---------------------------------------------------------------
 
@@ -414,10 +381,9 @@ class CheckpointManager:
         Returns the metrics of the save waited for (None if there was none or it failed).
         """
         self._check_process()
-        inflight = self._inflight
-        self._settle()
+        metrics = self._saving.settle()
         self._retention.wait()
-        return inflight.metrics if inflight is not None else None
+        return metrics
 
     def close(self) -> None:
         """Wait for everything in flight, then release the staging buffers; idempotent."""
@@ -449,14 +415,7 @@ class CheckpointManager:
 
     def _settle(self) -> None:
         """Wait for the save in flight, then raise its failure (once) if it failed."""
-        inflight = self._inflight
-        if inflight is not None and not inflight.done.is_set():
-            with self._saves.hurried() if self._saves is not None else contextlib.nullcontext():
-                inflight.done.wait()
-        try:
-            self._ledger.raise_failure()
-        except Exception as exc:
-            _reraise(exc, "the background save")
+        self._saving.settle()
 
 
 __all__ = ["AsyncMode", "CheckpointManager", "IfBusy", "SaveMetrics", "checkpoint_name"]

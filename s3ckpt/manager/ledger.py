@@ -5,8 +5,9 @@ reader, or the upload thread), not in the training loop. The ledger does what fo
 there: the save's metrics (kept and handed to ``on_saved``), the step counted as
 committed and the retention after it on rank 0, or the failure kept for the loop's next
 ``save`` or ``wait`` to raise, once. A save held only in the memory tier is recorded
-without a commit. The manager's own thread reads the ledger only through
-:meth:`SaveLedger.raise_failure`.
+without a commit. The training loop's thread reads the ledger only through
+:meth:`SaveLedger.raise_failure` (:meth:`~s3ckpt.manager.saving.Saving.settle`), and
+sets ``on_saved`` (the manager's property): the ledger never calls back into the manager.
 """
 
 from __future__ import annotations
@@ -56,19 +57,28 @@ class InFlight:
 
 
 class SaveLedger:
-    """Metrics, committed steps, retention and the pending failure of one manager's saves."""
+    """Metrics, committed steps, retention and the pending failure of one manager's saves.
+
+    Args:
+        committed: the steps known committed; each commit adds its step.
+        retention: run on rank 0 after each commit.
+        rank: this rank.
+        max_metrics: how many recent :class:`SaveMetrics` ``metrics`` keeps.
+        on_saved: called with each save's metrics as it ends; the attribute may be replaced at any
+            time (the manager's ``on_saved`` property sets it).
+    """
 
     def __init__(
         self,
         committed: CommittedSteps,
         retention: Retention,
         rank: int,
-        metrics: deque[SaveMetrics],
-        on_saved: Callable[[], Callable[[SaveMetrics], None] | None],
+        max_metrics: int,
+        on_saved: Callable[[SaveMetrics], None] | None,
     ) -> None:
         self._committed, self._retention, self._rank = committed, retention, rank
-        self.metrics = metrics
-        self._on_saved = on_saved  # read at each save: the manager's attribute may change
+        self.metrics: deque[SaveMetrics] = deque(maxlen=max_metrics)
+        self.on_saved = on_saved  # read as each save ends: the manager's ``on_saved`` sets it
         self._lock = threading.Lock()
         self._failure: BaseException | None = None
 
@@ -114,7 +124,7 @@ class SaveLedger:
         with self._lock:
             self.metrics.append(metrics)
         log.info("%s", metrics)
-        on_saved = self._on_saved()
+        on_saved = self.on_saved
         if on_saved is not None:
             try:
                 on_saved(metrics)

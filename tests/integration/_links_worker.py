@@ -147,9 +147,9 @@ class Run:
 
     def pause_commit(self) -> None:
         """The coordinator stops before its manifest until the test says go."""
-        from s3ckpt.dcp import writer
+        from s3ckpt.dcp import save_commit
 
-        commit = writer.commit_manifest
+        commit = save_commit.commit_manifest
 
         async def paused(*args: Any, **kwargs: Any) -> Any:
             (self.out / "commit").touch()
@@ -158,7 +158,7 @@ class Run:
                 time.sleep(0.02)
             return await commit(*args, **kwargs)
 
-        writer.commit_manifest = paused
+        save_commit.commit_manifest = paused
 
     # -- restoring -------------------------------------------------------------------------
 

@@ -15,12 +15,12 @@ from s3ckpt import (
     CheckpointNotFoundError,
     CommitConflictError,
     ConfigError,
-    S3StorageWriter,
     StorageError,
     catalog,
     unwrap,
 )
 from s3ckpt.config import S3URI, make_config
+from s3ckpt.dcp.save_commit import SaveCommit
 from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
 from s3ckpt.s3.store import ObjectStore
 
@@ -208,13 +208,13 @@ def test_after_commit_objects_are_written_once_the_manifest_is(
     location = S3URI.parse(s3_prefix)
     pointer = f"s3://{location.bucket}/{location.prefix}-latest"
     seen_at_pointer: list[bool] = []
-    put_pointer = S3StorageWriter._put_after_commit
+    put_pointer = SaveCommit._put_after_commit
 
-    async def observed(writer, target):
+    async def observed(commit, after_commit):
         seen_at_pointer.append(_committed(local_s3, s3_prefix))
-        await put_pointer(writer, target)
+        await put_pointer(commit, after_commit)
 
-    monkeypatch.setattr(S3StorageWriter, "_put_after_commit", observed)
+    monkeypatch.setattr(SaveCommit, "_put_after_commit", observed)
     dcp.save(
         {"w": torch.arange(8.0)},
         storage_writer=make_writer(s3_prefix, after_commit={pointer: b"7"}),
@@ -279,6 +279,7 @@ def test_the_commit_refreshes_the_in_flight_record_only_once_a_heartbeat_old(
     again only where that was a heartbeat or more ago (a record younger than that holds
     gc off for minutes more than the commit takes). Either way the record is gone after
     the commit."""
+    import s3ckpt.dcp.save_commit as save_commit_module
     import s3ckpt.dcp.writer as writer_module
 
     written = []
@@ -288,7 +289,8 @@ def test_the_commit_refreshes_the_in_flight_record_only_once_a_heartbeat_old(
         written.append(save_id)
         return await original(store, location, save_id)
 
-    monkeypatch.setattr(writer_module, "mark_in_flight", counting)
+    monkeypatch.setattr(writer_module, "mark_in_flight", counting)  # at planning
+    monkeypatch.setattr(save_commit_module, "mark_in_flight", counting)  # at the commit
     writer = make_writer(s3_prefix)
     real_prepare = writer.prepare_global_plan
 

@@ -29,7 +29,7 @@ from s3ckpt.catalog.scan import scan_checkpoints, timestamp
 from s3ckpt.catalog.unpublish import conditional_deletes, probe_conditional_delete
 from s3ckpt.cli.main import main
 from s3ckpt.config import S3URI, make_config
-from s3ckpt.dcp import writer as writer_module
+from s3ckpt.dcp import save_commit as save_commit_module
 from s3ckpt.format.layout import saving_key
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
@@ -121,7 +121,7 @@ class HeldCommit:
 
     def __init__(self, monkeypatch) -> None:
         self.reached, self._go = threading.Event(), threading.Event()
-        real = writer_module.commit_manifest
+        real = save_commit_module.commit_manifest
 
         async def held(*args, **kwargs):
             self.reached.set()
@@ -129,7 +129,7 @@ class HeldCommit:
                 await asyncio.sleep(0.02)  # the I/O loop serves the test's prune meanwhile
             return await real(*args, **kwargs)
 
-        monkeypatch.setattr(writer_module, "commit_manifest", held)
+        monkeypatch.setattr(save_commit_module, "commit_manifest", held)
 
     def save(self, writer, value: float) -> threading.Thread:
         self.reached.clear()

@@ -20,8 +20,9 @@ from s3ckpt.background.saver import state_bytes
 from s3ckpt.catalog import CheckpointInfo
 from s3ckpt.catalog.run_listing import RunSteps, steps_named
 from s3ckpt.errors import BucketNotFoundError, CheckpointError, CheckpointExistsError, ConfigError
-from s3ckpt.manager import checkpoint_manager as manager_module
 from s3ckpt.manager import committed as committed_module
+from s3ckpt.manager import loading as loading_module
+from s3ckpt.manager import saving as saving_module
 from s3ckpt.manager.checkpoint_manager import CheckpointManager
 from s3ckpt.manager.policy import (
     SaveMetrics,
@@ -219,9 +220,9 @@ def listing(names: Any) -> Callable[..., RunSteps]:
 @pytest.fixture
 def fake(monkeypatch) -> FakeDCP:
     fake = FakeDCP()
-    monkeypatch.setattr(manager_module.dcp, "save", fake.save)  # a synchronous save
+    monkeypatch.setattr(saving_module.dcp, "save", fake.save)  # a synchronous save
     monkeypatch.setattr(saver_module, "save_plain", fake.save)  # the background one
-    monkeypatch.setattr(manager_module, "S3StorageWriter", fake.writer)
+    monkeypatch.setattr(saving_module, "S3StorageWriter", fake.writer)
     monkeypatch.setattr(committed_module.catalog, "run_steps", listing({checkpoint_name(5): None}))
     monkeypatch.setattr(
         committed_module.catalog, "is_committed", lambda uri, **k: uri.endswith(checkpoint_name(5))
@@ -263,13 +264,13 @@ def test_a_save_waits_for_the_previous_upload(fake, monkeypatch):
     manager = make()
     manager.save(1, {})
     waiting, committing = threading.Event(), threading.Event()
-    settle = manager._settle
+    settle = manager._saving.settle
 
-    def settle_after_saying_so() -> None:
+    def settle_after_saying_so() -> SaveMetrics | None:
         waiting.set()
-        settle()
+        return settle()
 
-    monkeypatch.setattr(manager, "_settle", settle_after_saying_so)
+    monkeypatch.setattr(manager._saving, "settle", settle_after_saying_so)
 
     def commit_later() -> None:
         assert waiting.wait(60)
@@ -491,7 +492,7 @@ def test_after_a_rollback_the_steps_above_it_are_saved_over_the_abandoned_run(fa
     monkeypatch.setattr(
         committed_module.catalog, "is_committed", lambda uri, **k: not heads.append(uri)
     )
-    monkeypatch.setattr(manager_module.dcp, "load", lambda *a, **k: None)
+    monkeypatch.setattr(loading_module.dcp, "load", lambda *a, **k: None)
     manager = make()
     assert manager.save(400, {}) is False  # no load yet: an earlier run's step is kept
     manager.load(300, {})

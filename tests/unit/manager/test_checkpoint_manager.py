@@ -308,6 +308,26 @@ def test_skip_policy_skips_while_busy(fake, caplog):
     assert fake.calls[-1].endswith("step-0000000003") and len(fake.calls) == 2
 
 
+def test_options_stay_attributes_a_script_can_change_between_saves(fake, caplog):
+    """The constructor's options read back as given, and a change takes effect on the next
+    save or load, as the attributes of the same names always did."""
+    manager = make(writer_options={"part_size": 8 << 20}, reader_options={"decode_threads": 4})
+    assert (manager.if_busy, manager.strict) == ("wait", False)
+    assert manager.writer_options == {"part_size": 8 << 20}
+    assert manager.reader_options == {"decode_threads": 4}
+    manager.strict, manager.reader_options = True, {}
+    assert (manager._loading.strict, manager._loading.reader_options) == (True, {})
+    manager.writer_options = {}
+    assert manager._saving.writer_options == {}
+    manager.if_busy = "skip"
+    manager.save(1, {})
+    with caplog.at_level(logging.INFO, logger="s3ckpt.manager"):
+        assert manager.save(2, {}) is False
+    assert "skipped step-0000000002" in caplog.text
+    fake.commit()
+    manager.close()
+
+
 def test_a_failed_background_save_is_logged_and_raised_once(fake, caplog):
     manager = make()
     manager.save(1, {})

@@ -31,13 +31,16 @@ async def send_request(
     pool: ConnectionPool, origin: Origin, head: bytes, body: memoryview
 ) -> tuple[int, dict[str, str], bytes]:
     """Send a request with ``body`` on a connection to ``origin`` (non-blocking, on the
-    loop); the response's status, headers and (small) body."""
-
-    async def exchange(connection: Connection) -> tuple[tuple[int, dict[str, str], bytes], bool]:
-        response = await _exchange(connection, head, body, pool.read_timeout)
-        return response.result(), response.keep_alive
-
-    return await pool.on_loop(origin, exchange)
+    loop); the response's status, headers and (small) body. A stale kept-alive
+    connection is replaced and the request sent again."""
+    while True:
+        try:
+            async with pool.lease(origin) as lease:
+                response = await _exchange(lease.connection, head, body, pool.read_timeout)
+                lease.keep_alive = response.keep_alive
+            return response.result()
+        except StaleConnection:
+            continue
 
 
 async def _exchange(

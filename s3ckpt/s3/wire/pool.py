@@ -32,7 +32,7 @@ import functools
 import ssl
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -77,25 +77,13 @@ class ConnectionPool:
             except StaleConnection:
                 continue
 
-    async def on_loop(
-        self, origin: Origin, exchange: Callable[[Connection], Awaitable[tuple[T, bool]]]
-    ) -> T:
-        """Run ``exchange`` (on the loop; returns its result and whether the connection may
-        be kept) on a non-blocking connection to ``origin``: a stale kept-alive connection
-        is replaced and the exchange goes again; one that failed is closed, one that ended
-        cleanly released."""
-        while True:
-            connection = await self.checkout(origin)
-            try:
-                result, keep_alive = await exchange(connection)
-            except StaleConnection:
-                connection.close()
-                continue
-            except BaseException:
-                connection.close()
-                raise
-            self.release(connection, keep_alive=keep_alive)
-            return result
+    def lease(self, origin: Origin) -> Lease:
+        """A connection to ``origin`` for one exchange on the loop, as ``async with``
+        gives it: released for the next request where the exchange set the lease's
+        ``keep_alive``, closed otherwise (a failure included). An exchange that finds its
+        kept-alive connection stale raises :class:`StaleConnection`, and its caller goes
+        again on a fresh lease."""
+        return Lease(self, origin)
 
     def connection(self, origin: Origin) -> Connection:
         """An idle blocking TLS connection to ``origin``, or a new one (call in a worker
@@ -203,6 +191,27 @@ class ConnectionPool:
             raise
         finally:
             watch.stop()
+
+
+class Lease:
+    """One exchange's connection (:meth:`ConnectionPool.lease`): ``connection`` once
+    entered; ``keep_alive``, set by the exchange, says whether it may serve the next."""
+
+    def __init__(self, pool: ConnectionPool, origin: Origin) -> None:
+        self.pool = pool
+        self.origin = origin
+        self.keep_alive = False
+        self.connection: Connection
+
+    async def __aenter__(self) -> Lease:
+        self.connection = await self.pool.checkout(self.origin)
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is None:
+            self.pool.release(self.connection, keep_alive=self.keep_alive)
+        else:
+            self.connection.close()
 
 
 def _close_unused(opening: asyncio.Future[Connection]) -> None:

@@ -33,11 +33,10 @@ from s3ckpt.config import S3Config
 from s3ckpt.errors import PreconditionFailedError, StorageError
 from s3ckpt.s3 import retry
 from s3ckpt.s3.error_mapping import PRECONDITION_CODES, error_code
-from s3ckpt.s3.get_attempt import ResumingSink
 from s3ckpt.s3.listing import Listings, ObjectMeta, PendingUpload
 from s3ckpt.s3.multipart import MultipartUploads, PartResult, crc32c_header
 from s3ckpt.s3.requests import Body, Requests, flat
-from s3ckpt.s3.wire import RangeSink
+from s3ckpt.s3.wire import RangeSink, ResumingSink
 
 
 class ObjectStore(Listings, MultipartUploads):

@@ -1,5 +1,6 @@
 """Exchanges on the event loop: waits for a socket's readiness, whole sends, and a plain
-HTTP upload's request and answer.
+HTTP upload's request and answer; :class:`BodyTransport`, which sends a request head and
+a body from memory here over plain HTTP, and in a worker thread of the pool over TLS.
 
 Plain-HTTP upload bodies are sent from the loop thread: a non-blocking ``send`` of the
 body's memory hands the kernel as much as its socket buffer takes, a few calls per part,
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from s3ckpt.s3.compat_botocore import read_timeout
 from s3ckpt.s3.wire.connection import DRAINED, Connection, Origin, StaleConnection
@@ -25,6 +27,24 @@ from s3ckpt.s3.wire.exchange import (
 )
 from s3ckpt.s3.wire.pool import ConnectionPool
 from s3ckpt.s3.wire.stall import StallTimer, abort_stalled
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+class BodyTransport:
+    """Sends a request head and a body from memory on the pool's connections."""
+
+    def __init__(self, pool: ConnectionPool) -> None:
+        self.pool = pool
+
+    async def send(
+        self, url: Any, head: bytes, body: memoryview
+    ) -> tuple[int, dict[str, str], bytes]:
+        """The status, headers and (small) body of the answer to ``head`` + ``body``."""
+        origin = (url.scheme, url.hostname, url.port or _DEFAULT_PORTS[url.scheme])
+        if url.scheme == "https":  # encrypted in a worker thread, the GIL released
+            return await self.pool.send_in_thread(origin, head, body)
+        return await send_request(self.pool, origin, head, body)
 
 
 async def send_request(

@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from s3ckpt.s3.wire.connection import Connection, Origin, StaleConnection, open_connection
+from s3ckpt.s3.wire.exchange import send_request
 from s3ckpt.s3.wire.stall import StallTimer, abort_stalled
 from s3ckpt.s3.wire.tls import tls_context
 
@@ -66,12 +67,16 @@ class ConnectionPool:
         self._tls: ssl.SSLContext | None = None
         self._shut = False  # closed: connections are no longer kept alive
 
-    async def run(self, origin: Origin, exchange: Callable[[Connection], tuple[T, bool]]) -> T:
-        """Run ``exchange`` (blocking; returns its result and whether the connection may be
-        kept) on a TLS connection to ``origin`` in a worker thread, replacing stale ones."""
+    async def send_in_thread(
+        self, origin: Origin, head: bytes, body: memoryview
+    ) -> tuple[int, dict[str, str], bytes]:
+        """Send ``head`` and ``body`` on a blocking TLS connection to ``origin`` in a
+        worker thread (:func:`~.exchange.send_request`): the answer's status, headers and
+        (small) body. A stale kept-alive connection is replaced and the request sent
+        again."""
         while True:
             attempt = _Attempt()
-            call = functools.partial(self._exchange, origin, exchange, attempt)
+            call = functools.partial(self._send, origin, head, body, attempt)
             try:
                 return await self._in_thread(attempt, call)
             except StaleConnection:
@@ -158,19 +163,19 @@ class ConnectionPool:
                 self._tls = tls_context(self.verify)
             return self._tls
 
-    def _exchange(
-        self, origin: Origin, exchange: Callable[[Connection], tuple[T, bool]], attempt: _Attempt
-    ) -> T:
+    def _send(
+        self, origin: Origin, head: bytes, body: memoryview, attempt: _Attempt
+    ) -> tuple[int, dict[str, str], bytes]:
         connection = attempt.hold(self.connection(origin))
         try:
             if connection.sock.gettimeout() is not None:
                 connection.sock.setblocking(True)  # a worker thread's
-            result, keep_alive = exchange(connection)
+            answer, keep_alive = send_request(connection, head, body)
         except BaseException:
             connection.close()
             raise
         self.release(connection, keep_alive=keep_alive)
-        return result
+        return answer
 
     async def _in_thread(self, attempt: _Attempt, call: Callable[[], T]) -> T:
         """``call()`` in a worker thread, watched for stalls; on cancellation its connection

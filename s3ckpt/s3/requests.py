@@ -62,7 +62,7 @@ class Requests:
         self.tally = tally
 
     def retrying(self, operation: str, key: str | None) -> Retrying:
-        """The retry budget of one ``operation`` on ``key``, for the loop that sends its
+        """The retries of one ``operation`` on ``key``, for the loop that sends its
         tries: ``async with`` it, and after each failed try ``await`` its
         :meth:`~Retrying.failed`, which waits before the next try or ends the request.
         Every failure leaves the block as an s3ckpt error."""
@@ -75,8 +75,8 @@ class Requests:
             idle_timeout=self.config.idle_timeout(),
             answers=handle.answers,
         )
-        budget = retry.RetryBudget(policy, f"{operation} {self.where(key)}")
-        return Retrying(self, operation, key, budget, handle)
+        tries = retry.Tries(policy, f"{operation} {self.where(key)}")
+        return Retrying(self, operation, key, tries, handle)
 
     @contextlib.asynccontextmanager
     async def _sending(self, operation: str) -> AsyncIterator[Transport]:
@@ -199,8 +199,8 @@ class Requests:
 
 
 class Retrying:
-    """One request's retry budget (:class:`~s3ckpt.s3.retry.RetryBudget`), as the loop
-    that sends its tries holds it (:meth:`Requests.retrying`): inside ``async with``,
+    """One request's tries under the retry policy (:class:`~s3ckpt.s3.retry.Tries`), as
+    the loop that sends them holds them (:meth:`Requests.retrying`): inside ``async with``,
     every failed try goes to :meth:`failed`; what leaves the block leaves as an s3ckpt
     error. On a store that stalled a request and has answered nothing since, the block is
     cut short after :data:`~s3ckpt.s3.retry.STILL_STALLED_S` (or the idle timeout, where
@@ -211,13 +211,13 @@ class Retrying:
         requests: Requests,
         operation: str,
         key: str | None,
-        budget: retry.RetryBudget,
+        tries: retry.Tries,
         handle: ClientHandle,
     ) -> None:
         self.requests = requests
         self.operation = operation
         self.key = key
-        self.budget = budget
+        self.tries = tries
         self.handle = handle
         self._cut: asyncio.Timeout | None = None
         self._cut_after = 0.0
@@ -225,12 +225,12 @@ class Retrying:
     @property
     def number(self) -> int:
         """The try under way (past 1, it may repeat a request whose response was lost)."""
-        return self.budget.number
+        return self.tries.number
 
     async def failed(self, failure: Exception) -> None:
         """Try :attr:`number` failed with ``failure``: return once the next may go, or
         raise where there is none (``failure`` itself where no retry can fix it)."""
-        delay = self.budget.after(failure, endpoint_answered=self.handle.answered)
+        delay = self.tries.after(failure, endpoint_answered=self.handle.answered)
         await asyncio.sleep(delay)
 
     async def __aenter__(self) -> Retrying:

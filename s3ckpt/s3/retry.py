@@ -172,7 +172,7 @@ class RetryPolicy:
     deadline: float | None = None
     tally: Tally | None = None
     # Whether the endpoint has answered a request of this process (where the loop asking
-    # :meth:`RetryBudget.after` does not say it at each failure).
+    # :meth:`Tries.after` does not say it at each failure).
     endpoint_answered: bool = True
     # The stall limit (S3Config.stall_timeout_s; None: none) and how long each stopped
     # try was silent (S3Config.idle_timeout()).
@@ -217,7 +217,7 @@ class RetryPolicy:
 
 
 class RetryError(Exception):
-    """Raised by :meth:`RetryBudget.after` when retrying stops; ``last`` is the final
+    """Raised by :meth:`Tries.after` when retrying stops; ``last`` is the final
     failure."""
 
     def __init__(
@@ -260,7 +260,7 @@ def _retryable_response(exc: bce.ClientError) -> bool:
     return error.get("Code") in RETRYABLE_CODES or status in RETRYABLE_STATUS
 
 
-class RetryBudget:
+class Tries:
     """One request's tries under ``policy``, counted: the loop that sends them asks it,
     after each failure, whether another try may go and after how long (:meth:`after`).
     ``number`` is the try under way; past 1, it may repeat a request whose response was

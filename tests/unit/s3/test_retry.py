@@ -81,16 +81,16 @@ def test_full_jitter_stays_under_an_exponential_cap():
 
 
 async def tried(attempt, policy, sleep=asyncio.sleep, clock=time.monotonic, answered=None):
-    """Send ``attempt(n)`` for n = 1, 2, ... as a request's owner does, asking the budget
+    """Send ``attempt(n)`` for n = 1, 2, ... as a request's owner does, asking its tries
     after each failure whether another try may go and after how long (``answered``:
     asked at each failure whether the endpoint has answered by then)."""
-    budget = retry.RetryBudget(policy, clock=clock)
+    tries = retry.Tries(policy, clock=clock)
     while True:
         try:
-            return await attempt(budget.number)
+            return await attempt(tries.number)
         except Exception as exc:
             endpoint_answered = None if answered is None else answered()
-            await sleep(budget.after(exc, endpoint_answered=endpoint_answered))
+            await sleep(tries.after(exc, endpoint_answered=endpoint_answered))
 
 
 def _run(attempt, policy):

@@ -160,8 +160,8 @@ def test_a_request_to_a_store_still_stalled_waits_a_short_while_at_most():
     handle.answers.stalled = True
 
     async def request(seconds: float) -> str:
-        budget = retry.RetryBudget(retry.RetryPolicy())
-        async with Retrying(requests, "HeadBucket", None, budget, handle) as tries:  # type: ignore[arg-type]
+        counted = retry.Tries(retry.RetryPolicy())
+        async with Retrying(requests, "HeadBucket", None, counted, handle) as tries:  # type: ignore[arg-type]
             while True:
                 try:
                     return await asyncio.sleep(seconds, "done")

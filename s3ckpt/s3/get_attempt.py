@@ -1,5 +1,4 @@
-"""One attempt of a ranged GET into a sink through aiobotocore, and the sink a retry
-resumes from.
+"""One attempt of a ranged GET into a sink through aiobotocore.
 
 :meth:`s3ckpt.s3.store.ObjectStore.read_range` retries, each try sent by the client's
 transport (:mod:`s3ckpt.s3.transport`). Both transports deliver the bytes of
@@ -17,21 +16,6 @@ from s3ckpt.errors import StorageError
 from s3ckpt.s3 import retry
 from s3ckpt.s3.compat_aiobotocore import received_chunks
 from s3ckpt.s3.wire import RangeSink, copy_into, warn_range_ignored
-
-
-class ResumingSink:
-    """A sink that remembers how far its range has been delivered (where a retry resumes)."""
-
-    def __init__(self, sink: RangeSink, start: int) -> None:
-        self.sink = sink
-        self.position = start
-
-    def buffer(self, offset: int) -> memoryview:
-        return self.sink.buffer(offset)
-
-    def filled(self, offset: int, nbytes: int) -> None:
-        self.sink.filled(offset, nbytes)
-        self.position = offset + nbytes
 
 
 async def stream(

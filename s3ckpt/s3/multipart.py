@@ -50,12 +50,15 @@ class MultipartUploads(StorePart):
         if self.requests.config.checksums:
             params["ChecksumAlgorithm"] = "CRC32C"
 
-        async def attempt(number: int) -> tuple[int, dict[str, Any]]:
-            return number, await self.requests.request("CreateMultipartUpload", params)
-
-        number, response = await self.requests.retrying("CreateMultipartUpload", key, attempt)
+        async with self.requests.retrying("CreateMultipartUpload", key) as tries:
+            while True:
+                try:
+                    response = await self.requests.request("CreateMultipartUpload", params)
+                    break
+                except Exception as exc:
+                    await tries.failed(exc)
         upload_id = str(response["UploadId"])
-        if number > 1:  # earlier tries may have created uploads whose ids never arrived
+        if tries.number > 1:  # earlier tries may have created uploads whose ids never arrived
             await self._abort_others(key, upload_id)
         return upload_id
 
@@ -85,13 +88,15 @@ class MultipartUploads(StorePart):
         made failed (:meth:`try_parts`), which counts as the first: retried (or raised) as
         any try's failure; a :class:`NotSent` one means the part is sent now."""
         params = self._part_params(key, upload_id, part_number, body, crc32c)
-
-        async def attempt(number: int) -> dict[str, Any]:
-            if number == 1 and first_try is not None and not isinstance(first_try, NotSent):
-                raise first_try
-            return await self.requests.upload_part(params)
-
-        response = await self.requests.retrying("UploadPart", key, attempt)
+        async with self.requests.retrying("UploadPart", key) as tries:
+            if first_try is not None and not isinstance(first_try, NotSent):
+                await tries.failed(first_try)
+            while True:
+                try:
+                    response = await self.requests.upload_part(params)
+                    break
+                except Exception as exc:
+                    await tries.failed(exc)
         return PartResult(part_number, str(response["ETag"]), params.get("ChecksumCRC32C"))
 
     async def try_parts(
@@ -146,20 +151,27 @@ class MultipartUploads(StorePart):
         if mode == "create":
             params["IfNoneMatch"] = "*"
 
-        async def attempt(_: int) -> dict[str, Any]:
-            try:
-                return await self.requests.request("CompleteMultipartUpload", params)
-            except ClientError as exc:
-                # The upload is gone but the object is there: an earlier try completed it
-                # and its response was lost. The key is unique to this save: it is ours.
-                if error_code(exc) in ("NoSuchUpload", "404"):
-                    landed = await self.requests.head_or_none(key)
-                    if landed is not None:
-                        return landed
-                raise
-
-        response = await self.requests.retrying("CompleteMultipartUpload", key, attempt)
+        async with self.requests.retrying("CompleteMultipartUpload", key) as tries:
+            while True:
+                try:
+                    response = await self._complete_once(key, params)
+                    break
+                except Exception as exc:
+                    await tries.failed(exc)
         return str(response.get("ETag", ""))
+
+    async def _complete_once(self, key: str, params: dict[str, Any]) -> dict[str, Any]:
+        """One try of :meth:`complete_multipart`."""
+        try:
+            return await self.requests.request("CompleteMultipartUpload", params)
+        except ClientError as exc:
+            # The upload is gone but the object is there: an earlier try completed it
+            # and its response was lost. The key is unique to this save: it is ours.
+            if error_code(exc) in ("NoSuchUpload", "404"):
+                landed = await self.requests.head_or_none(key)
+                if landed is not None:
+                    return landed
+            raise
 
     async def abort_multipart(self, key: str, upload_id: str) -> None:
         """Abort an upload; an upload that is already gone counts as aborted."""

@@ -9,17 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 from botocore.exceptions import ClientError
 
 from s3ckpt.config import S3Config
-from s3ckpt.errors import StoreStalledError
+from s3ckpt.errors import S3CkptError, StoreStalledError
 from s3ckpt.s3 import retry
 from s3ckpt.s3.client import ClientHandle, client_handle
 from s3ckpt.s3.compat_botocore import read_timeout
-from s3ckpt.s3.error_mapping import check_s3_answer, error_code, translate_final, translated
+from s3ckpt.s3.error_mapping import (
+    STORE_ERRORS,
+    check_s3_answer,
+    error_code,
+    translate,
+    translate_final,
+)
 from s3ckpt.s3.transport import Transport
 from s3ckpt.s3.wire import RangeSink
 
@@ -31,9 +37,6 @@ def flat(body: Body) -> memoryview:
     requests carry, so the data plane (:mod:`s3ckpt.s3.wire`) sends it from where it is."""
     view = memoryview(body)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-T = TypeVar("T")
 
 
 class Requests:
@@ -58,119 +61,72 @@ class Requests:
         self.deadline = deadline
         self.tally = tally
 
-    async def retrying(
-        self, operation: str, key: str | None, attempt: Callable[[int], Awaitable[T]]
-    ) -> T:
-        """Run ``attempt(n)`` under the retry policy; every failure leaves as an s3ckpt error."""
+    def retrying(self, operation: str, key: str | None) -> Retrying:
+        """The retries of one ``operation`` on ``key``, for the loop that sends its
+        tries: ``async with`` it, and after each failed try ``await`` its
+        :meth:`~Retrying.failed`, which waits before the next try or ends the request.
+        Every failure leaves the block as an s3ckpt error."""
         handle = client_handle(self.config)
         policy = retry.RetryPolicy(
             max_attempts=self.config.max_attempts,
             deadline=self.deadline,
             tally=self.tally,
-            endpoint_answered=lambda: handle.answered,
             stall_timeout=self.config.stall_timeout_s,
             idle_timeout=self.config.idle_timeout(),
             answers=handle.answers,
         )
-        with translated(operation, self.bucket, key):
-            try:
-                running = retry.run(
-                    self._answered(attempt, handle, operation),
-                    policy,
-                    what=f"{operation} {self.where(key)}",
-                )
-                return await self._while_stalled(running, handle)
-            except retry.RetryError as exc:
-                error = translate_final(
-                    exc.last,
-                    exc.attempts,
-                    out_of_time=exc.out_of_time,
-                    operation=operation,
-                    bucket=self.bucket,
-                    key=key,
-                    stalled=exc.stalled,
-                    last_answer=handle.answers.describe(),
-                )
-                handle.answers.stalled = handle.answers.stalled or isinstance(
-                    error, StoreStalledError
-                )
-                raise error from exc.last
-
-    async def _while_stalled(self, running: Awaitable[T], handle: ClientHandle) -> T:
-        """``running``; on a store that stalled a request and has answered nothing since,
-        cut short after :data:`~s3ckpt.s3.retry.STILL_STALLED_S` (or the idle timeout,
-        where shorter) as stalled again."""
-        answers = handle.answers
-        if not answers.stalled or self.config.stall_timeout_s is None:
-            return await running
-        wait = min(retry.STILL_STALLED_S, self.config.idle_timeout())
-        try:
-            return await asyncio.wait_for(running, wait)
-        except TimeoutError:
-            silent = read_timeout(self.config.endpoint_url or "the endpoint")
-            raise retry.RetryError(
-                silent, 1, out_of_time=False, stalled=max(answers.silence(), wait)
-            ) from None
-
-    @staticmethod
-    def _answered(
-        attempt: Callable[[int], Awaitable[T]], handle: ClientHandle, operation: str
-    ) -> Callable[[int], Awaitable[T]]:
-        """``attempt``, noting that the endpoint answers when it returns or fails with an
-        S3 error response (which only a reachable endpoint sends), and when
-        (:class:`~s3ckpt.s3.retry.StoreAnswers`, for stalls)."""
-
-        async def noted(number: int) -> T:
-            answers = handle.answers
-            answers.asking()
-            try:
-                result = await attempt(number)
-            except ClientError as exc:
-                answers.done(silent=False)
-                handle.answered = True
-                answers.note(f"{operation} {error_code(exc)}")
-                raise
-            except BaseException as exc:  # silence, a dropped connection, cancellation
-                answers.done(silent=retry.is_stall(exc) or isinstance(exc, asyncio.CancelledError))
-                raise
-            answers.done(silent=False)
-            handle.answered = True
-            answers.note(f"{operation} OK")
-            return result
-
-        return noted
+        tries = retry.Tries(policy, f"{operation} {self.where(key)}")
+        return Retrying(self, operation, key, tries, handle)
 
     @contextlib.asynccontextmanager
-    async def _sending(self) -> AsyncIterator[Transport]:
+    async def _sending(self, operation: str) -> AsyncIterator[Transport]:
         """The client's transport (:mod:`s3ckpt.s3.transport`), one of its request slots
-        held. The client is this process's for the configuration and the AWS environment
-        (:func:`~s3ckpt.s3.client.client_handle`: rotated credentials make a new one)."""
+        held, for one try of ``operation``. The client is this process's for the
+        configuration and the AWS environment (:func:`~s3ckpt.s3.client.client_handle`:
+        rotated credentials make a new one). The try is noted as the store's answer when
+        it returns or fails with an S3 error response (which only a reachable endpoint
+        sends), and as silence when it is stopped for silence or cancelled
+        (:class:`~s3ckpt.s3.retry.StoreAnswers`, for stalls)."""
         handle = client_handle(self.config)
-        transport = await handle.transport()
-        async with handle.slots:
-            yield transport
+        answers = handle.answers
+        answers.asking()
+        try:
+            transport = await handle.transport()
+            async with handle.slots:
+                yield transport
+        except ClientError as exc:
+            answers.done(silent=False)
+            handle.answered = True
+            answers.note(f"{operation} {error_code(exc)}")
+            raise
+        except BaseException as exc:  # silence, a dropped connection, cancellation
+            answers.done(silent=retry.is_stall(exc) or isinstance(exc, asyncio.CancelledError))
+            raise
+        answers.done(silent=False)
+        handle.answered = True
+        answers.note(f"{operation} OK")
 
     async def request(self, operation: str, params: dict[str, Any]) -> dict[str, Any]:
         """One try of a request without an upload body, holding a request slot."""
-        async with self._sending() as transport:
+        async with self._sending(operation) as transport:
             answer = await transport.request(self.bucket, operation, params)
-        check_s3_answer(operation, answer, self.bucket, params.get("Key"))  # no web pages
+            check_s3_answer(operation, answer, self.bucket, params.get("Key"))  # no web pages
         return answer
 
     async def put_object(self, params: dict[str, Any]) -> dict[str, Any]:
         """One try of PutObject (``params`` as the client takes them), holding a request
         slot."""
-        async with self._sending() as transport:
+        async with self._sending("PutObject") as transport:
             answer = await transport.put_object(self.bucket, params)
-        check_s3_answer("PutObject", answer, self.bucket, params.get("Key"))  # no web pages
+            check_s3_answer("PutObject", answer, self.bucket, params.get("Key"))  # no web pages
         return answer
 
     async def upload_part(self, params: dict[str, Any]) -> dict[str, Any]:
         """One try of UploadPart (``params`` as the client takes them), holding a request
         slot."""
-        async with self._sending() as transport:
+        async with self._sending("UploadPart") as transport:
             answer = await transport.upload_part(self.bucket, params)
-        check_s3_answer("UploadPart", answer, self.bucket, params.get("Key"))  # no web pages
+            check_s3_answer("UploadPart", answer, self.bucket, params.get("Key"))  # no web pages
         return answer
 
     async def try_parts(
@@ -198,20 +154,22 @@ class Requests:
         answers.done(silent=any(retry.is_stall(o) for o in outcomes or ()))
         for outcome in outcomes or ():
             if isinstance(outcome, ClientError):
+                handle.answered = True
                 answers.note(f"UploadPart {error_code(outcome)}")
             elif not isinstance(outcome, Exception):
+                handle.answered = True
                 answers.note("UploadPart OK")
         return outcomes
 
     async def get_object(self, key: str) -> tuple[bytes, str]:
         """One GET of a whole (small) object, holding a request slot: its bytes and ETag."""
-        async with self._sending() as transport:
+        async with self._sending("GetObject") as transport:
             return await transport.get_object(self.bucket, key)
 
     async def read_range(self, key: str, start: int, end: int, sink: RangeSink) -> None:
         """One ranged GET of bytes ``[start, end)`` of ``key`` into ``sink``, holding a
         request slot."""
-        async with self._sending() as transport:
+        async with self._sending("GetObject") as transport:
             await transport.read_range(self.bucket, key, start, end, sink)
 
     def close_idle(self) -> None:
@@ -219,7 +177,13 @@ class Requests:
         client_handle(self.config).close_idle()
 
     async def call(self, operation: str, key: str | None, **params: Any) -> dict[str, Any]:
-        return await self.retrying(operation, key, lambda _: self.request(operation, params))
+        """``operation`` on ``key`` with ``params``, retried under the policy."""
+        async with self.retrying(operation, key) as tries:
+            while True:
+                try:
+                    return await self.request(operation, params)
+                except Exception as exc:
+                    await tries.failed(exc)
 
     def where(self, key: str | None) -> str:
         return f"s3://{self.bucket}/{key}" if key else f"s3://{self.bucket}"
@@ -232,6 +196,83 @@ class Requests:
             if error_code(exc) in ("NoSuchKey", "404", "NotFound"):
                 return None
             raise
+
+
+class Retrying:
+    """One request's tries under the retry policy (:class:`~s3ckpt.s3.retry.Tries`), as
+    the loop that sends them holds them (:meth:`Requests.retrying`): inside ``async with``,
+    every failed try goes to :meth:`failed`; what leaves the block leaves as an s3ckpt
+    error. On a store that stalled a request and has answered nothing since, the block is
+    cut short after :data:`~s3ckpt.s3.retry.STILL_STALLED_S` (or the idle timeout, where
+    shorter), as stalled again."""
+
+    def __init__(
+        self,
+        requests: Requests,
+        operation: str,
+        key: str | None,
+        tries: retry.Tries,
+        handle: ClientHandle,
+    ) -> None:
+        self.requests = requests
+        self.operation = operation
+        self.key = key
+        self.tries = tries
+        self.handle = handle
+        self._cut: asyncio.Timeout | None = None
+        self._cut_after = 0.0
+
+    @property
+    def number(self) -> int:
+        """The try under way (past 1, it may repeat a request whose response was lost)."""
+        return self.tries.number
+
+    async def failed(self, failure: Exception) -> None:
+        """Try :attr:`number` failed with ``failure``: return once the next may go, or
+        raise where there is none (``failure`` itself where no retry can fix it)."""
+        delay = self.tries.after(failure, endpoint_answered=self.handle.answered)
+        await asyncio.sleep(delay)
+
+    async def __aenter__(self) -> Retrying:
+        config = self.requests.config
+        if self.handle.answers.stalled and config.stall_timeout_s is not None:
+            self._cut_after = min(retry.STILL_STALLED_S, config.idle_timeout())
+            self._cut = asyncio.timeout(self._cut_after)
+            await self._cut.__aenter__()
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: object
+    ) -> None:
+        if self._cut is not None:
+            try:
+                await self._cut.__aexit__(kind, error, trace)  # type: ignore[arg-type]
+            except TimeoutError:  # cut short: the store is still stalled
+                silent = read_timeout(self.requests.config.endpoint_url or "the endpoint")
+                silence = max(self.handle.answers.silence(), self._cut_after)
+                error = retry.RetryError(silent, 1, out_of_time=False, stalled=silence)
+        if isinstance(error, retry.RetryError):
+            raise self._final(error) from error.last
+        if isinstance(error, STORE_ERRORS) and not isinstance(error, S3CkptError):
+            raise translate(
+                error, operation=self.operation, bucket=self.requests.bucket, key=self.key
+            ) from error
+
+    def _final(self, stopped: retry.RetryError) -> Exception:
+        """The s3ckpt error a request that stopped retrying ends with."""
+        answers = self.handle.answers
+        final = translate_final(
+            stopped.last,
+            stopped.attempts,
+            out_of_time=stopped.out_of_time,
+            operation=self.operation,
+            bucket=self.requests.bucket,
+            key=self.key,
+            stalled=stopped.stalled,
+            last_answer=answers.describe(),
+        )
+        answers.stalled = answers.stalled or isinstance(final, StoreStalledError)
+        return final
 
 
 class StorePart:

@@ -46,9 +46,8 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import aiohttp
 from botocore import exceptions as bce
@@ -56,7 +55,6 @@ from botocore import exceptions as bce
 from s3ckpt.errors import S3CkptError, StoreStalledError, TransientStorageError
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 RETRYABLE_CODES = frozenset(
     {
@@ -173,10 +171,9 @@ class RetryPolicy:
     max_delay: float = 20.0
     deadline: float | None = None
     tally: Tally | None = None
-    # Whether the endpoint has answered a request of this process: a flag, or a callable
-    # asked at each failure, so that a request that started before any answer came is
-    # retried as a blip once another request has had one.
-    endpoint_answered: bool | Callable[[], bool] = True
+    # Whether the endpoint has answered a request of this process (where the loop asking
+    # :meth:`Tries.after` does not say it at each failure).
+    endpoint_answered: bool = True
     # The stall limit (S3Config.stall_timeout_s; None: none) and how long each stopped
     # try was silent (S3Config.idle_timeout()).
     stall_timeout: float | None = None
@@ -198,14 +195,17 @@ class RetryPolicy:
         # A tolerance for the float sum: two tries of half the limit make the limit.
         return silence if silence >= limit * (1 - 1e-9) else None
 
-    def attempt_limit(self, failure: BaseException) -> int | None:
-        """The most tries of a request that just failed with ``failure``."""
+    def attempt_limit(
+        self, failure: BaseException, *, endpoint_answered: bool | None = None
+    ) -> int | None:
+        """The most tries of a request that just failed with ``failure``;
+        ``endpoint_answered``: whether the endpoint has answered a request of this process
+        by now (a request that started before any answer came is retried as a blip once
+        another request has had one), :attr:`endpoint_answered` where not given."""
         limit = self.max_attempts
         if limit is None and self.deadline is None:
             limit = ATTEMPTS_WITHOUT_DEADLINE
-        answered = self.endpoint_answered
-        if callable(answered):
-            answered = answered()
+        answered = self.endpoint_answered if endpoint_answered is None else endpoint_answered
         if not answered and isinstance(failure, _CONNECT_FAILURES):
             limit = min(limit or UNANSWERED_ENDPOINT_ATTEMPTS, UNANSWERED_ENDPOINT_ATTEMPTS)
         return limit
@@ -217,7 +217,8 @@ class RetryPolicy:
 
 
 class RetryError(Exception):
-    """Raised by :func:`run` when it stops retrying; ``last`` is the final failure."""
+    """Raised by :meth:`Tries.after` when retrying stops; ``last`` is the final
+    failure."""
 
     def __init__(
         self, last: BaseException, attempts: int, *, out_of_time: bool, stalled: float = 0.0
@@ -259,50 +260,53 @@ def _retryable_response(exc: bce.ClientError) -> bool:
     return error.get("Code") in RETRYABLE_CODES or status in RETRYABLE_STATUS
 
 
-async def run(
-    attempt: Callable[[int], Awaitable[T]],
-    policy: RetryPolicy,
-    *,
-    what: str = "request",
-    sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
-    clock: Callable[[], float] = time.monotonic,
-) -> T:
-    """Call ``attempt(n)`` for n = 1, 2, ... until it returns, fails for good, or time is up.
+class Tries:
+    """One request's tries under ``policy``, counted: the loop that sends them asks it,
+    after each failure, whether another try may go and after how long (:meth:`after`).
+    ``number`` is the try under way; past 1, it may repeat a request whose response was
+    lost."""
 
-    Non-retryable failures propagate unchanged; when retrying stops, :class:`RetryError`
-    carries the last failure (``stalled``: the seconds of silence, where the stall limit
-    stopped it). ``n`` lets an attempt know it may be repeating a request whose response
-    was lost.
-    """
-    number = 1
-    silent = 0  # consecutive tries stopped for silence
-    while True:
-        try:
-            return await attempt(number)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            if not is_retryable(exc):
-                raise
-            silent = silent + 1 if is_stall(exc) else 0
-            silence = policy.stalled(silent)
-            if silence is not None:
-                raise RetryError(exc, number, out_of_time=False, stalled=silence) from exc
-            limit = policy.attempt_limit(exc)
-            if limit is not None and number >= limit:
-                raise RetryError(exc, number, out_of_time=False) from exc
-            delay = policy.delay(number)
-            if policy.deadline is not None and clock() + delay >= policy.deadline:
-                raise RetryError(exc, number, out_of_time=True) from exc
-            log.info(
-                "%s failed (%s); retry %d%s in %.2fs",
-                what,
-                type(exc).__name__,
-                number,
-                f" of {limit - 1}" if limit is not None else "",
-                delay,
-            )
-            if policy.tally is not None:
-                policy.tally.retries += 1
-            await sleep(delay)
-            number += 1
+    def __init__(
+        self,
+        policy: RetryPolicy,
+        what: str = "request",
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.policy = policy
+        self.what = what
+        self.clock = clock
+        self.number = 1
+        self.silent = 0  # consecutive tries stopped for silence
+
+    def after(self, failure: Exception, *, endpoint_answered: bool | None = None) -> float:
+        """The seconds to wait before the next try, try :attr:`number` having failed with
+        ``failure``; the retry is counted (``policy.tally``). Raises ``failure`` itself
+        where no retry can fix it, and :class:`RetryError` where retrying stops (the
+        attempt cap, the deadline, the stall limit: ``stalled`` then holds the seconds of
+        silence)."""
+        policy, number = self.policy, self.number
+        if not is_retryable(failure):
+            raise failure
+        self.silent = self.silent + 1 if is_stall(failure) else 0
+        silence = policy.stalled(self.silent)
+        if silence is not None:
+            raise RetryError(failure, number, out_of_time=False, stalled=silence) from failure
+        limit = policy.attempt_limit(failure, endpoint_answered=endpoint_answered)
+        if limit is not None and number >= limit:
+            raise RetryError(failure, number, out_of_time=False) from failure
+        delay = policy.delay(number)
+        if policy.deadline is not None and self.clock() + delay >= policy.deadline:
+            raise RetryError(failure, number, out_of_time=True) from failure
+        log.info(
+            "%s failed (%s); retry %d%s in %.2fs",
+            self.what,
+            type(failure).__name__,
+            number,
+            f" of {limit - 1}" if limit is not None else "",
+            delay,
+        )
+        if policy.tally is not None:
+            policy.tally.retries += 1
+        self.number += 1
+        return delay

@@ -33,11 +33,10 @@ from s3ckpt.config import S3Config
 from s3ckpt.errors import PreconditionFailedError, StorageError
 from s3ckpt.s3 import retry
 from s3ckpt.s3.error_mapping import PRECONDITION_CODES, error_code
-from s3ckpt.s3.get_attempt import ResumingSink
 from s3ckpt.s3.listing import Listings, ObjectMeta, PendingUpload
 from s3ckpt.s3.multipart import MultipartUploads, PartResult, crc32c_header
 from s3ckpt.s3.requests import Body, Requests, flat
-from s3ckpt.s3.wire import RangeSink
+from s3ckpt.s3.wire import RangeSink, ResumingSink
 
 
 class ObjectStore(Listings, MultipartUploads):
@@ -113,23 +112,34 @@ class ObjectStore(Listings, MultipartUploads):
         if content_type:
             params["ContentType"] = content_type
 
-        async def attempt(_: int) -> dict[str, Any]:
-            try:
-                return await self.requests.put_object(params)
-            except ClientError as exc:
-                if mode == "create" and error_code(exc) in PRECONDITION_CODES:
-                    etag = await self._etag_if_holds(key, body)
-                    if etag is not None:
-                        return {"ETag": etag}
-                raise
+        async with self.requests.retrying("PutObject", key) as tries:
+            while True:
+                try:
+                    return await self._put_once(key, body, params)
+                except Exception as exc:
+                    await tries.failed(exc)
 
-        response = await self.requests.retrying("PutObject", key, attempt)
+    async def _put_once(self, key: str, body: Body, params: dict[str, Any]) -> str:
+        """One try of :meth:`put`: the ETag."""
+        try:
+            response = await self.requests.put_object(params)
+        except ClientError as exc:
+            if "IfNoneMatch" in params and error_code(exc) in PRECONDITION_CODES:  # create
+                etag = await self._etag_if_holds(key, body)
+                if etag is not None:
+                    return etag
+            raise
         return str(response.get("ETag", ""))
 
     async def get(self, key: str) -> bytes:
         """The whole object's bytes (for small objects: manifests, metadata)."""
-        body, _ = await self.requests.retrying("GetObject", key, lambda _: self._fetch(key))
-        return body
+        async with self.requests.retrying("GetObject", key) as tries:
+            while True:
+                try:
+                    body, _ = await self._fetch(key)
+                    return body
+                except Exception as exc:
+                    await tries.failed(exc)
 
     async def _fetch(self, key: str) -> tuple[bytes, str]:
         """One GET of a whole object: its bytes and ETag."""
@@ -154,12 +164,12 @@ class ObjectStore(Listings, MultipartUploads):
         bytes not yet delivered.
         """
         progress = ResumingSink(sink, start)
-
-        async def attempt(_: int) -> None:
-            if progress.position < end:
-                await self.requests.read_range(key, progress.position, end, progress)
-
-        await self.requests.retrying("GetObject", key, attempt)
+        async with self.requests.retrying("GetObject", key) as tries:
+            while progress.position < end:
+                try:
+                    await self.requests.read_range(key, progress.position, end, progress)
+                except Exception as exc:
+                    await tries.failed(exc)
 
     async def close_idle_connections(self) -> None:
         """Make the next ranged GETs open fresh connections (after bytes came in damaged)."""
@@ -221,20 +231,22 @@ class ObjectStore(Listings, MultipartUploads):
         makes this a plain delete; callers must be correct either way. A failed
         precondition with the key gone is an earlier try's success, its response lost.
         """
-        params = {"Key": key, "IfMatch": etag}
+        async with self.requests.retrying("DeleteObject", key) as tries:
+            while True:
+                try:
+                    return await self._delete_once(key, etag)
+                except Exception as exc:
+                    await tries.failed(exc)
 
-        async def attempt(_: int) -> dict[str, Any]:
-            try:
-                return await self.requests.request("DeleteObject", params)
-            except ClientError as exc:
-                if (
-                    error_code(exc) in PRECONDITION_CODES
-                    and await self.requests.head_or_none(key) is None
-                ):
-                    return {}
+    async def _delete_once(self, key: str, etag: str) -> None:
+        """One try of :meth:`delete_if_match`."""
+        try:
+            await self.requests.request("DeleteObject", {"Key": key, "IfMatch": etag})
+        except ClientError as exc:
+            if error_code(exc) not in PRECONDITION_CODES:
                 raise
-
-        await self.requests.retrying("DeleteObject", key, attempt)
+            if await self.requests.head_or_none(key) is not None:
+                raise
 
 
 __all__ = [

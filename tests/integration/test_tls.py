@@ -27,7 +27,7 @@ from s3ckpt import EndpointError, S3StorageReader, S3StorageWriter, unwrap
 from s3ckpt.config import make_config
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
-from s3ckpt.s3.wire import uploads
+from s3ckpt.s3.wire import batch, on_loop, pool
 from s3ckpt.testing.local_s3 import LocalS3Server
 
 pytestmark = [
@@ -67,8 +67,8 @@ def tls_sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     the loop or in native batches): its ``PUT`` requests, not the save's other requests
     it also sends (create and complete of a multipart upload, listings, deletes)."""
     sizes: list[int] = []
-    send, send_on_loop = uploads.send_request, uploads.on_loop.send_request
-    send_batch = uploads.NativeBatch.send
+    send, send_on_loop = pool.send_request, on_loop.send_request
+    send_batch = batch.NativeBatch.send
 
     def counting(connection: Any, head: bytes, body: memoryview) -> Any:
         if head.startswith(b"PUT "):
@@ -84,9 +84,9 @@ def tls_sends(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         sizes.extend(len(body) for _, body in requests)
         return await send_batch(batch, url, requests, connections)
 
-    monkeypatch.setattr(uploads, "send_request", counting)
-    monkeypatch.setattr(uploads.on_loop, "send_request", counting_on_loop)
-    monkeypatch.setattr(uploads.NativeBatch, "send", counting_batch)
+    monkeypatch.setattr(pool, "send_request", counting)
+    monkeypatch.setattr(on_loop, "send_request", counting_on_loop)
+    monkeypatch.setattr(batch.NativeBatch, "send", counting_batch)
     return sizes
 
 

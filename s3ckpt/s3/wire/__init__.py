@@ -38,12 +38,13 @@ responses the transport cannot receive in place (chunked, redirects).
 
 from s3ckpt.s3.wire.data_plane import DataPlane
 from s3ckpt.s3.wire.get_exchange import UnsupportedResponse, warn_range_ignored
-from s3ckpt.s3.wire.sink import RangeSink, copy_into
+from s3ckpt.s3.wire.sink import RangeSink, ResumingSink, copy_into
 from s3ckpt.s3.wire.tls import proxied, tls_context
 
 __all__ = [
     "DataPlane",
     "RangeSink",
+    "ResumingSink",
     "UnsupportedResponse",
     "copy_into",
     "proxied",

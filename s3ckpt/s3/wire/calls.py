@@ -41,8 +41,9 @@ from s3ckpt.s3.compat_botocore import (
     serializer,
 )
 from s3ckpt.s3.wire.addresses import Address, ObjectAddresses
+from s3ckpt.s3.wire.on_loop import BodyTransport
 from s3ckpt.s3.wire.signing import PartSigner
-from s3ckpt.s3.wire.uploads import BodyTransport, Redirected, request_head, signing_credentials
+from s3ckpt.s3.wire.uploads import Redirected, request_head, signing_credentials
 
 # The operations served here, with the parameters each may carry (``Bucket`` aside), and
 # whether it is addressed to an object (``Key``, which it must carry) or to the bucket.

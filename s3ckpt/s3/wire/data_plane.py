@@ -18,11 +18,11 @@ from s3ckpt.s3.wire.batch import NativeBatch, native_batches
 from s3ckpt.s3.wire.calls import SignedCalls
 from s3ckpt.s3.wire.get_exchange import UnsupportedResponse
 from s3ckpt.s3.wire.gets import RangedGets
+from s3ckpt.s3.wire.on_loop import BodyTransport
 from s3ckpt.s3.wire.pool import ConnectionPool
 from s3ckpt.s3.wire.sink import RangeSink
 from s3ckpt.s3.wire.uploads import (
     BodySender,
-    BodyTransport,
     Redirected,
     SignedPuts,
     is_redirect,

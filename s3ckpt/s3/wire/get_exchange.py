@@ -49,18 +49,21 @@ async def receive_range(
     """Send the GET ``request`` for ``[start, end)`` on a connection to ``origin`` and
     receive its body into ``sink``; raises the ``ClientError`` the server answered
     instead. A kept-alive connection the server had closed is replaced silently."""
-
-    async def exchange(connection: Connection) -> tuple[ClientError | None, bool]:
-        response = _RangeResponse(connection, start, end, sink, pool.read_timeout)
+    while True:
+        error: ClientError | None = None
         try:
-            await response.run(request)
-        except ClientError as error:  # an error answer, its body read whole: kept alive
-            return error, response.keep_alive
-        return None, response.keep_alive
-
-    error = await pool.on_loop(origin, exchange)
-    if error is not None:
-        raise error
+            async with pool.lease(origin) as lease:
+                response = _RangeResponse(lease.connection, start, end, sink, pool.read_timeout)
+                try:
+                    await response.run(request)
+                except ClientError as answer:  # an error answer, its body read whole: kept alive
+                    error = answer
+                lease.keep_alive = response.keep_alive
+        except StaleConnection:
+            continue
+        if error is not None:
+            raise error
+        return
 
 
 class _RangeResponse:

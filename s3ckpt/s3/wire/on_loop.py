@@ -1,5 +1,6 @@
 """Exchanges on the event loop: waits for a socket's readiness, whole sends, and a plain
-HTTP upload's request and answer.
+HTTP upload's request and answer; :class:`BodyTransport`, which sends a request head and
+a body from memory here over plain HTTP, and in a worker thread of the pool over TLS.
 
 Plain-HTTP upload bodies are sent from the loop thread: a non-blocking ``send`` of the
 body's memory hands the kernel as much as its socket buffer takes, a few calls per part,
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from s3ckpt.s3.compat_botocore import read_timeout
 from s3ckpt.s3.wire.connection import DRAINED, Connection, Origin, StaleConnection
@@ -26,18 +28,39 @@ from s3ckpt.s3.wire.exchange import (
 from s3ckpt.s3.wire.pool import ConnectionPool
 from s3ckpt.s3.wire.stall import StallTimer, abort_stalled
 
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+class BodyTransport:
+    """Sends a request head and a body from memory on the pool's connections."""
+
+    def __init__(self, pool: ConnectionPool) -> None:
+        self.pool = pool
+
+    async def send(
+        self, url: Any, head: bytes, body: memoryview
+    ) -> tuple[int, dict[str, str], bytes]:
+        """The status, headers and (small) body of the answer to ``head`` + ``body``."""
+        origin = (url.scheme, url.hostname, url.port or _DEFAULT_PORTS[url.scheme])
+        if url.scheme == "https":  # encrypted in a worker thread, the GIL released
+            return await self.pool.send_in_thread(origin, head, body)
+        return await send_request(self.pool, origin, head, body)
+
 
 async def send_request(
     pool: ConnectionPool, origin: Origin, head: bytes, body: memoryview
 ) -> tuple[int, dict[str, str], bytes]:
     """Send a request with ``body`` on a connection to ``origin`` (non-blocking, on the
-    loop); the response's status, headers and (small) body."""
-
-    async def exchange(connection: Connection) -> tuple[tuple[int, dict[str, str], bytes], bool]:
-        response = await _exchange(connection, head, body, pool.read_timeout)
-        return response.result(), response.keep_alive
-
-    return await pool.on_loop(origin, exchange)
+    loop); the response's status, headers and (small) body. A stale kept-alive
+    connection is replaced and the request sent again."""
+    while True:
+        try:
+            async with pool.lease(origin) as lease:
+                response = await _exchange(lease.connection, head, body, pool.read_timeout)
+                lease.keep_alive = response.keep_alive
+            return response.result()
+        except StaleConnection:
+            continue
 
 
 async def _exchange(

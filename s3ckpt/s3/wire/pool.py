@@ -32,11 +32,12 @@ import functools
 import ssl
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from s3ckpt.s3.wire.connection import Connection, Origin, StaleConnection, open_connection
+from s3ckpt.s3.wire.exchange import send_request
 from s3ckpt.s3.wire.stall import StallTimer, abort_stalled
 from s3ckpt.s3.wire.tls import tls_context
 
@@ -66,36 +67,28 @@ class ConnectionPool:
         self._tls: ssl.SSLContext | None = None
         self._shut = False  # closed: connections are no longer kept alive
 
-    async def run(self, origin: Origin, exchange: Callable[[Connection], tuple[T, bool]]) -> T:
-        """Run ``exchange`` (blocking; returns its result and whether the connection may be
-        kept) on a TLS connection to ``origin`` in a worker thread, replacing stale ones."""
+    async def send_in_thread(
+        self, origin: Origin, head: bytes, body: memoryview
+    ) -> tuple[int, dict[str, str], bytes]:
+        """Send ``head`` and ``body`` on a blocking TLS connection to ``origin`` in a
+        worker thread (:func:`~.exchange.send_request`): the answer's status, headers and
+        (small) body. A stale kept-alive connection is replaced and the request sent
+        again."""
         while True:
             attempt = _Attempt()
-            call = functools.partial(self._exchange, origin, exchange, attempt)
+            call = functools.partial(self._send, origin, head, body, attempt)
             try:
                 return await self._in_thread(attempt, call)
             except StaleConnection:
                 continue
 
-    async def on_loop(
-        self, origin: Origin, exchange: Callable[[Connection], Awaitable[tuple[T, bool]]]
-    ) -> T:
-        """Run ``exchange`` (on the loop; returns its result and whether the connection may
-        be kept) on a non-blocking connection to ``origin``: a stale kept-alive connection
-        is replaced and the exchange goes again; one that failed is closed, one that ended
-        cleanly released."""
-        while True:
-            connection = await self.checkout(origin)
-            try:
-                result, keep_alive = await exchange(connection)
-            except StaleConnection:
-                connection.close()
-                continue
-            except BaseException:
-                connection.close()
-                raise
-            self.release(connection, keep_alive=keep_alive)
-            return result
+    def lease(self, origin: Origin) -> Lease:
+        """A connection to ``origin`` for one exchange on the loop, as ``async with``
+        gives it: released for the next request where the exchange set the lease's
+        ``keep_alive``, closed otherwise (a failure included). An exchange that finds its
+        kept-alive connection stale raises :class:`StaleConnection`, and its caller goes
+        again on a fresh lease."""
+        return Lease(self, origin)
 
     def connection(self, origin: Origin) -> Connection:
         """An idle blocking TLS connection to ``origin``, or a new one (call in a worker
@@ -170,19 +163,19 @@ class ConnectionPool:
                 self._tls = tls_context(self.verify)
             return self._tls
 
-    def _exchange(
-        self, origin: Origin, exchange: Callable[[Connection], tuple[T, bool]], attempt: _Attempt
-    ) -> T:
+    def _send(
+        self, origin: Origin, head: bytes, body: memoryview, attempt: _Attempt
+    ) -> tuple[int, dict[str, str], bytes]:
         connection = attempt.hold(self.connection(origin))
         try:
             if connection.sock.gettimeout() is not None:
                 connection.sock.setblocking(True)  # a worker thread's
-            result, keep_alive = exchange(connection)
+            answer, keep_alive = send_request(connection, head, body)
         except BaseException:
             connection.close()
             raise
         self.release(connection, keep_alive=keep_alive)
-        return result
+        return answer
 
     async def _in_thread(self, attempt: _Attempt, call: Callable[[], T]) -> T:
         """``call()`` in a worker thread, watched for stalls; on cancellation its connection
@@ -203,6 +196,27 @@ class ConnectionPool:
             raise
         finally:
             watch.stop()
+
+
+class Lease:
+    """One exchange's connection (:meth:`ConnectionPool.lease`): ``connection`` once
+    entered; ``keep_alive``, set by the exchange, says whether it may serve the next."""
+
+    def __init__(self, pool: ConnectionPool, origin: Origin) -> None:
+        self.pool = pool
+        self.origin = origin
+        self.keep_alive = False
+        self.connection: Connection
+
+    async def __aenter__(self) -> Lease:
+        self.connection = await self.pool.checkout(self.origin)
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is None:
+            self.pool.release(self.connection, keep_alive=self.keep_alive)
+        else:
+            self.connection.close()
 
 
 def _close_unused(opening: asyncio.Future[Connection]) -> None:

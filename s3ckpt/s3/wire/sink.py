@@ -4,7 +4,8 @@ The transport receives a response body straight into the memory :meth:`RangeSink
 returns (usually the destination tensor), so each byte is copied once, by the kernel (or
 by OpenSSL as it decrypts). A sink is called on the event loop's thread as its response
 arrives, one response's calls in offset order; a sink shared by several responses (a read
-target split over requests) sees their calls interleaved.
+target split over requests) sees their calls interleaved. A retried GET resumes at the
+first byte not delivered, which :class:`ResumingSink` records as the transport fills it.
 """
 
 from __future__ import annotations
@@ -34,3 +35,19 @@ def copy_into(sink: RangeSink, offset: int, chunk: bytes | bytearray | memoryvie
         target[:count] = view[done : done + count]
         sink.filled(offset + done, count)
         done += count
+
+
+class ResumingSink:
+    """``sink``, filled from ``start`` on, recording how far its range has been delivered:
+    where a retry of the GET resumes (:attr:`position`)."""
+
+    def __init__(self, sink: RangeSink, start: int) -> None:
+        self.sink = sink
+        self.position = start
+
+    def buffer(self, offset: int) -> memoryview:
+        return self.sink.buffer(offset)
+
+    def filled(self, offset: int, nbytes: int) -> None:
+        self.sink.filled(offset, nbytes)
+        self.position = offset + nbytes

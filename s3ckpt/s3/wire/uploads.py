@@ -2,9 +2,9 @@
 here; the PUTs the client still sends answered for botocore.
 
 Both send the request's head and then its body, straight from the ``memoryview`` of the
-tensor, on a kept-alive connection of the pool (:class:`BodyTransport`): from the event
-loop over plain HTTP, from a worker thread over TLS, where encryption runs with the GIL
-released.
+tensor, on a kept-alive connection of the pool (:class:`~.on_loop.BodyTransport`): from
+the event loop over plain HTTP, from a worker thread over TLS, where encryption runs with
+the GIL released.
 
 * **UploadPart** (:class:`SignedPuts`), almost every request of a save, never enters the
   client's request machinery: the part's URL is the object's (addressed as the client
@@ -49,11 +49,9 @@ from botocore.exceptions import ClientError
 from s3ckpt._version import __version__
 from s3ckpt.s3.compat_aiobotocore import Response, frozen_credentials, response
 from s3ckpt.s3.compat_botocore import answered_status, client_error, no_credentials, on_before_send
-from s3ckpt.s3.wire import on_loop
 from s3ckpt.s3.wire.addresses import ObjectAddresses
 from s3ckpt.s3.wire.batch import Answer, NativeBatch
-from s3ckpt.s3.wire.exchange import send_request
-from s3ckpt.s3.wire.pool import ConnectionPool
+from s3ckpt.s3.wire.on_loop import BodyTransport
 from s3ckpt.s3.wire.signing import PartHeads, PartSigner
 
 # Headers this module writes itself, or that must not be sent as botocore left them.
@@ -67,22 +65,6 @@ _PUT_HEADERS = {
     "IfNoneMatch": "If-None-Match",
     "ContentType": "Content-Type",
 }
-
-
-class BodyTransport:
-    """Sends a request head and a body from memory on the pool's connections."""
-
-    def __init__(self, pool: ConnectionPool) -> None:
-        self.pool = pool
-
-    async def send(self, url: Any, head: bytes, body: memoryview) -> Answer:
-        """The status, headers and (small) body of the answer to ``head`` + ``body``."""
-        origin = (url.scheme, url.hostname, url.port or _DEFAULT_PORTS[url.scheme])
-        if url.scheme == "https":  # encrypted in a worker thread, the GIL released
-            return await self.pool.run(
-                origin, lambda connection: send_request(connection, head, body)
-            )
-        return await on_loop.send_request(self.pool, origin, head, body)
 
 
 class Redirected(Exception):

@@ -80,13 +80,26 @@ def test_full_jitter_stays_under_an_exponential_cap():
         assert max(delays) > ceiling * 0.8  # jitter spreads over the whole interval
 
 
+async def tried(attempt, policy, sleep=asyncio.sleep, clock=time.monotonic, answered=None):
+    """Send ``attempt(n)`` for n = 1, 2, ... as a request's owner does, asking its tries
+    after each failure whether another try may go and after how long (``answered``:
+    asked at each failure whether the endpoint has answered by then)."""
+    tries = retry.Tries(policy, clock=clock)
+    while True:
+        try:
+            return await attempt(tries.number)
+        except Exception as exc:
+            endpoint_answered = None if answered is None else answered()
+            await sleep(tries.after(exc, endpoint_answered=endpoint_answered))
+
+
 def _run(attempt, policy):
     slept: list[float] = []
 
     async def sleep(seconds: float) -> None:
         slept.append(seconds)
 
-    result = asyncio.run(retry.run(attempt, policy, sleep=sleep))
+    result = asyncio.run(tried(attempt, policy, sleep=sleep))
     return result, slept
 
 
@@ -142,7 +155,7 @@ def test_the_deadline_ends_retrying_before_max_attempts():
 
     policy = retry.RetryPolicy(max_attempts=100, base_delay=1.0, deadline=time.monotonic() + 0.5)
     with pytest.raises(retry.RetryError) as info:
-        asyncio.run(retry.run(attempt, policy))
+        asyncio.run(tried(attempt, policy))
     assert info.value.out_of_time and len(calls) < 100
     error = translate_final(
         info.value.last, len(calls), out_of_time=True, operation="UploadPart", bucket="b", key="k"
@@ -189,8 +202,8 @@ class _FakeTime:
     def clock(self) -> float:
         return self.now
 
-    def run(self, attempt, policy):
-        return asyncio.run(retry.run(attempt, policy, sleep=self.sleep, clock=self.clock))
+    def run(self, attempt, policy, answered=None):
+        return asyncio.run(tried(attempt, policy, self.sleep, self.clock, answered))
 
 
 def test_transient_failures_are_retried_until_the_deadline_not_a_count():
@@ -272,6 +285,6 @@ def test_a_request_begun_before_any_answer_is_retried_as_a_blip_once_another_ans
             raise bce.EndpointConnectionError(endpoint_url="http://x")
         return "ok"
 
-    policy = retry.RetryPolicy(deadline=10_000.0, endpoint_answered=lambda: answered["yet"])
-    assert time_.run(attempt, policy) == "ok"
+    policy = retry.RetryPolicy(deadline=10_000.0, endpoint_answered=False)
+    assert time_.run(attempt, policy, answered=lambda: answered["yet"]) == "ok"
     assert len(calls) == 12

@@ -4,6 +4,7 @@ full" answers (:mod:`s3ckpt.s3.error_mapping`) in isolation."""
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -21,7 +22,8 @@ from s3ckpt.errors import (
 )
 from s3ckpt.s3 import retry
 from s3ckpt.s3.error_mapping import translate, translate_final
-from s3ckpt.s3.requests import Requests
+from s3ckpt.s3.requests import Requests, Retrying
+from tests.unit.s3.test_retry import tried
 
 SILENT = bce.ReadTimeoutError(endpoint_url="http://x")
 
@@ -44,7 +46,7 @@ def _run(failures: list[BaseException], policy: retry.RetryPolicy) -> retry.Retr
         return "ok"
 
     try:
-        return asyncio.run(retry.run(attempt, policy, sleep=_no_sleep))
+        return asyncio.run(tried(attempt, policy, sleep=_no_sleep))
     except retry.RetryError as exc:
         return exc
 
@@ -154,15 +156,23 @@ def test_a_request_to_a_store_still_stalled_waits_a_short_while_at_most():
     """After a stall, and until the store answers anything, a request (the failed save's
     clean-up, its in-flight record) is cut short instead of waiting out its own limit."""
     requests = Requests(S3Config(stall_timeout_s=0.4), "b")  # idle timeout 0.2 s
-    handle = SimpleNamespace(answers=retry.StoreAnswers())
+    handle = SimpleNamespace(answers=retry.StoreAnswers(), answered=True)
     handle.answers.stalled = True
 
-    async def hangs() -> None:
-        await asyncio.sleep(30)
+    async def request(seconds: float) -> str:
+        counted = retry.Tries(retry.RetryPolicy())
+        async with Retrying(requests, "HeadBucket", None, counted, handle) as tries:  # type: ignore[arg-type]
+            while True:
+                try:
+                    return await asyncio.sleep(seconds, "done")
+                except Exception as exc:
+                    await tries.failed(exc)
 
-    with pytest.raises(retry.RetryError) as info:
-        asyncio.run(requests._while_stalled(hangs(), handle))  # type: ignore[arg-type]
-    assert info.value.stalled >= 0.2 and retry.is_stall(info.value.last)
+    began = time.monotonic()
+    with pytest.raises(StoreStalledError) as info:
+        asyncio.run(request(30))
+    assert 0.2 <= time.monotonic() - began < 30 and retry.is_stall(info.value.__cause__)
+    assert "HeadBucket s3://b stalled" in str(info.value)
     handle.answers.note("HeadBucket OK")  # the store answers again: no more cutting short
     assert not handle.answers.stalled
-    assert asyncio.run(requests._while_stalled(asyncio.sleep(0.3, "done"), handle)) == "done"  # type: ignore[arg-type]
+    assert asyncio.run(request(0.3)) == "done"

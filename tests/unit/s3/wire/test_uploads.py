@@ -1,4 +1,4 @@
-"""Upload bodies on the data plane (``s3ckpt.s3.wire.uploads.BodyTransport``), against a
+"""Upload bodies on the data plane (``s3ckpt.s3.wire.on_loop.BodyTransport``), against a
 scripted server on loopback, each scenario over plain HTTP (sent from the event loop) and
 over HTTPS (sent from a worker thread on a blocking TLS socket): a body sent whole on a
 kept-alive connection, a kept-alive connection the server closed, an answer that arrives
@@ -24,8 +24,9 @@ from botocore import exceptions as bce
 from scripted_servers import ThreadedServer, read_request
 
 from s3ckpt.s3.retry import is_retryable
+from s3ckpt.s3.wire.on_loop import BodyTransport
 from s3ckpt.s3.wire.pool import ConnectionPool
-from s3ckpt.s3.wire.uploads import BodySender, BodyTransport, request_head
+from s3ckpt.s3.wire.uploads import BodySender, request_head
 from s3ckpt.testing.tls_cert import write_tls_files
 
 _OK = b'HTTP/1.1 200 OK\r\nETag: "e"\r\nContent-Length: 0\r\n\r\n'

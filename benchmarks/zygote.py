@@ -21,6 +21,7 @@ a line each, on stdout.
 from __future__ import annotations
 
 import importlib
+import io
 import itertools
 import json
 import os
@@ -31,6 +32,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +48,10 @@ class Zygote:
         self.module = module
         self._numbers = itertools.count()
         self._folder = tempfile.TemporaryDirectory(prefix="s3ckpt-zygote-")
+        self._pending = b""
         self._process = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.zygote", module, *preload],
-            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
         )  # fmt: skip
 
     def run(
@@ -61,8 +64,7 @@ class Zygote:
         out, err = (Path(self._folder.name, f"{number}.{kind}") for kind in ("out", "err"))
         command = {"argv": args, "env": env, "out": str(out), "err": str(err)}
         assert self._process.stdin is not None
-        self._process.stdin.write(json.dumps(command) + "\n")
-        self._process.stdin.flush()
+        self._process.stdin.write(json.dumps(command).encode() + b"\n")
         pid = int(self._line(timeout))
         try:
             code = int(self._line(timeout))
@@ -75,21 +77,32 @@ class Zygote:
         )
 
     def _line(self, timeout: float) -> str:
+        """The zygote's next line, waited for at most ``timeout`` seconds (read from its
+        pipe unbuffered: a pid and an exit status may come in one read)."""
         stdout = self._process.stdout
         assert stdout is not None
-        ready, _, _ = select.select([stdout], [], [], timeout)
-        if not ready:
-            raise subprocess.TimeoutExpired(f"python -m {self.module}", timeout)
-        line = stdout.readline()
-        if not line:
-            raise RuntimeError(f"the zygote for {self.module} exited ({self._process.wait()})")
-        return line
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([stdout], [], [], left)[0]:
+                raise subprocess.TimeoutExpired(f"python -m {self.module}", timeout)
+            chunk = os.read(stdout.fileno(), 4096)
+            if not chunk:
+                raise RuntimeError(f"the zygote for {self.module} exited ({self._process.wait()})")
+            self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line.decode()
 
     def close(self) -> None:
-        """Ends the zygote (EOF on its stdin) and removes the cases' output files."""
+        """Ends the zygote (EOF on its stdin; killed if it has not ended a minute later)
+        and removes the cases' output files."""
         if self._process.stdin is not None:
             self._process.stdin.close()
-        self._process.wait(timeout=60)
+        try:
+            self._process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
         if self._process.stdout is not None:
             self._process.stdout.close()
         self._folder.cleanup()
@@ -114,7 +127,7 @@ def _serve() -> dict[str, Any] | None:
     return None
 
 
-def _become(module: str, command: dict[str, Any]) -> None:
+def _become(module: str, command: dict[str, Any], imported: str) -> None:
     """The child: the case's environment and argv, stdin closed, stdout and stderr to its
     files."""
     os.environ.clear()
@@ -123,17 +136,30 @@ def _become(module: str, command: dict[str, Any]) -> None:
     for fd, path in ((1, command["out"]), (2, command["err"])):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
     sys.stdin = open(0, closefd=False)  # noqa: SIM115  the process's own, as at start-up
+    sys.stderr.write(imported)  # what a fresh interpreter's imports would write again
     sys.argv = [module, *command["argv"]]
-    sys.modules.pop(module)  # run afresh as ``__main__``, as in a fresh interpreter
+    if not hasattr(sys.modules[module], "__path__"):  # a package runs its __main__ instead
+        sys.modules.pop(module)  # run afresh as ``__main__``, as in a fresh interpreter
+
+
+def _preload(module: str, names: list[str]) -> str:
+    """Imports ``module`` and ``names`` (modules, or names they hold: a lazy one imports its
+    module); what the imports wrote to stderr."""
+    written, sys.stderr = sys.stderr, io.StringIO()
+    try:
+        importlib.import_module(module)
+        for name in names:
+            pkgutil.resolve_name(name)
+        return sys.stderr.getvalue()
+    finally:
+        sys.stderr = written
 
 
 if __name__ == "__main__":
     _module = sys.argv[1]
     sys.path[0] = os.getcwd()  # where ``python -m`` looks first
-    importlib.import_module(_module)
-    for _name in sys.argv[2:]:  # a module, or a name it holds (a lazy one imports its module)
-        pkgutil.resolve_name(_name)
+    _imported = _preload(_module, sys.argv[2:])
     _command = _serve()
     if _command is not None:
-        _become(_module, _command)
+        _become(_module, _command, _imported)
         runpy.run_module(_module, run_name="__main__", alter_sys=True)

@@ -105,12 +105,10 @@ def cli(local_s3, monkeypatch, capsys, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def forked_commands(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[_cli_runner.ForkedCommands]:
+def forked_commands() -> Iterator[_cli_runner.ForkedCommands]:
     """``python -m s3ckpt`` commands, each a child process, forked from one process per test
     module that imported the command line once (:class:`_cli_runner.ForkedCommands`)."""
-    with _cli_runner.ForkedCommands(tmp_path_factory.mktemp("commands")) as commands:
+    with _cli_runner.ForkedCommands() as commands:
         yield commands
 
 

@@ -58,3 +58,29 @@ def test_a_case_past_its_timeout_is_killed_and_the_next_runs(env: dict[str, str]
         with pytest.raises(subprocess.TimeoutExpired):
             zygote.run(["hang"], env, timeout=1)
         assert zygote.run(["exit"], env, timeout=60).returncode == 3
+
+
+def test_a_package_runs_its_main_and_each_case_sees_what_the_import_wrote(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """``python -m package`` runs ``package.__main__`` over the package the zygote imported
+    (its module state shared by the commands, as ``python -m s3ckpt`` needs), and what the
+    import wrote to stderr starts each case's stderr, as a fresh interpreter's import writes
+    it; cases that end at once (a pid and an exit status in one read) answer one by one."""
+    package = tmp_path / "zygote_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("import sys\nsys.stderr.write('imported\\n')\n")
+    (package / "__main__.py").write_text(
+        "import sys, zygote_pkg\nprint('main', sys.argv[1:])\nsys.exit(int(sys.argv[1]))\n"
+    )
+    with Zygote("zygote_pkg", env) as zygote:
+        for code in range(5):
+            forked = zygote.run([str(code)], env, timeout=60)
+            fresh = subprocess.run(
+                [sys.executable, "-m", "zygote_pkg", str(code)], env=env,
+                stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert (forked.returncode, forked.stdout, forked.stderr) == (
+                fresh.returncode, fresh.stdout, fresh.stderr,
+            )  # fmt: skip
+            assert (forked.returncode, forked.stderr) == (code, "imported\n")

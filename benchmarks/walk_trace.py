@@ -8,19 +8,26 @@ s3ckpt's own code is recorded as ``(caller module, callee module)``, the caller 
 nearest s3ckpt frame below it through pass-through library frames (None where the call was
 scheduled: the event loop resuming a task, a thread starting, an executor running a job).
 Each send on a socket (and each call into the native sender) made in a window records the
-s3ckpt modules on the stack at that moment. At exit the process writes what it saw to
-``<S3CKPT_WALK_DIR>/<pid>.json``.
+s3ckpt modules on the stack at that moment, and the same stack continued through the
+scheduling hops that led to it (its *path*): a task continues the stack that created it
+(through a task factory set on every event loop made, and
+``asyncio.run_coroutine_threadsafe``), a thread the stack that started
+it, an executor's job the stack that submitted it. At exit the process writes what it saw
+to ``<S3CKPT_WALK_DIR>/<pid>.json``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import concurrent.futures
 import json
 import mmap
 import os
 import socket
 import sys
 import threading
+import weakref
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -39,7 +46,11 @@ def install() -> None:
     seen: dict[str, set[tuple[str | None, str]]] = {name: set() for name in WINDOWS.values()}
     stacks: dict[str, set[tuple[str, ...]]] = {name: set() for name in WINDOWS.values()}
     stacks["other"] = set()
+    paths: dict[str, set[tuple[str, ...]]] = {name: set() for name in stacks}
     names: dict[str, str | None] = {}
+    origins: weakref.WeakKeyDictionary[Any, tuple[str, ...]] = weakref.WeakKeyDictionary()
+    submitted: dict[int, tuple[str, ...]] = {}  # id(coroutine) -> the stack that handed it over
+    running = threading.local()  # .origin: the stack that submitted the executor job running
 
     def module_of(filename: str) -> str | None:
         name = names.get(filename, "")
@@ -74,6 +85,74 @@ def install() -> None:
             frame = frame.f_back
         return tuple(reversed(modules))
 
+    def origin() -> tuple[str, ...]:
+        """The path that led to the running task, executor job or thread."""
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:
+            task = None
+        if task is not None and task in origins:
+            return origins[task]
+        job = getattr(running, "origin", None)
+        if job is not None:
+            return job
+        return origins.get(threading.current_thread(), ())
+
+    def path_of(frame: FrameType | None) -> tuple[str, ...]:
+        before = origin()
+        return before + tuple(m for m in stack_of(frame) if m not in before)
+
+    real_threadsafe = asyncio.run_coroutine_threadsafe
+    real_start = threading.Thread.start
+    real_submit = concurrent.futures.ThreadPoolExecutor.submit
+
+    def task_factory(loop: Any, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
+        before = submitted.pop(id(coro), None)
+        task = asyncio.Task(coro, loop=loop, **kwargs)
+        origins[task] = before if before is not None else path_of(sys._getframe(1))
+        return task
+
+    def tracing(new_event_loop: Any) -> Any:
+        def made() -> Any:
+            loop = new_event_loop()
+            loop.set_task_factory(task_factory)
+            return loop
+
+        return made
+
+    def run_coroutine_threadsafe(coro: Any, loop: Any) -> Any:
+        submitted[id(coro)] = path_of(sys._getframe(1))
+        return real_threadsafe(coro, loop)
+
+    def start(self: threading.Thread) -> None:
+        origins[self] = path_of(sys._getframe(1))
+        real_start(self)
+
+    def submit(self: Any, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        before = path_of(sys._getframe(1))
+
+        def job() -> Any:
+            outer = getattr(running, "origin", None)
+            running.origin = before
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                running.origin = outer
+
+        return real_submit(self, job)
+
+    asyncio.new_event_loop = asyncio.events.new_event_loop = tracing(asyncio.new_event_loop)
+    try:
+        import uvloop  # type: ignore[import-not-found]
+    except ImportError:
+        pass
+    else:
+        uvloop.new_event_loop = tracing(uvloop.new_event_loop)
+    asyncio.run_coroutine_threadsafe = run_coroutine_threadsafe
+    asyncio.tasks.run_coroutine_threadsafe = run_coroutine_threadsafe
+    threading.Thread.start = start  # type: ignore[method-assign]
+    concurrent.futures.ThreadPoolExecutor.submit = submit  # type: ignore[method-assign]
+
     def is_send(function: Any) -> bool:
         owner = getattr(function, "__self__", None)
         if getattr(function, "__module__", None) == "s3ckpt.s3.wire._sender":
@@ -88,6 +167,7 @@ def install() -> None:
         if event == "c_call":
             if is_send(arg):
                 stacks[name].add(stack_of(frame))
+                paths[name].add(path_of(frame))
             return
         if event != "call":
             return
@@ -102,6 +182,7 @@ def install() -> None:
             name: sorted([a or "", b] for a, b in edges) for name, edges in seen.items()
         }
         record["stacks"] = {name: sorted(map(list, found)) for name, found in stacks.items()}
+        record["paths"] = {name: sorted(map(list, found)) for name, found in paths.items()}
         (out / f"{os.getpid()}.json").write_text(json.dumps({"argv": sys.argv, **record}))
 
     seen["other"] = set()

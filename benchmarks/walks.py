@@ -8,7 +8,11 @@ each call into s3ckpt's own code made during a traced window (:mod:`benchmarks.w
 
 Printed per walk: the s3ckpt modules whose functions ran, per process; the deepest stack
 of s3ckpt modules at a send on a socket (the S3 endpoint's, or the checkpoint process's
-channel), per process; and the calls that climb back: across layers, a call from a
+channel), per process; the files crossed on the way to those sends, per process: the
+modules on every path from the process's entry (``save`` in the trainer, its request in
+the checkpoint process) to a send, continued through the scheduling hops (tasks, threads,
+executor jobs) that a stack alone loses, and the longest such path; and the calls that
+climb back: across layers, a call from a
 subpackage into one of a layer above it (the layers contract in pyproject.toml); within a
 subpackage, a call from module A into module B where B imports A and A does not import B.
 Both are callbacks from below into the layer above. With ``--json``
@@ -148,12 +152,18 @@ def trace() -> dict[str, Any]:
         per_process: dict[str, list[str]] = {}
         edges: set[tuple[str, str]] = set()
         deepest: dict[str, list[str]] = {}
+        on_path: dict[str, set[str]] = {}
+        longest: dict[str, list[str]] = {}
         for record in records:
             side = "checkpoint process" if BACKGROUND in record["argv"][0] else "trainer"
             pairs = record.get(name, [])
             for stack in record["stacks"].get(name, []):
                 if len(stack) > len(deepest.get(side, [])):
                     deepest[side] = stack
+            for path in record.get("paths", {}).get(name, []):
+                on_path.setdefault(side, set()).update(path)
+                if len(path) > len(longest.get(side, [])):
+                    longest[side] = path
             if pairs:
                 files = sorted({callee for _caller, callee in pairs})
                 per_process[side] = sorted(set(per_process.get(side, [])) | set(files))
@@ -164,6 +174,8 @@ def trace() -> dict[str, Any]:
             "per_process": per_process,
             "climbing": climbing(edges),
             "socket_stacks": deepest,
+            "to_sockets": {side: sorted(files) for side, files in on_path.items()},
+            "longest_path": longest,
         }
     return walks
 
@@ -188,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"  {side}: {len(stack)} files on the stack at a socket send: {' > '.join(stack)}"
             )
+        for side, files in walk["to_sockets"].items():
+            print(
+                f"  {side}: {len(files)} files on the paths to its socket sends: {' '.join(files)}"
+            )
+        for side, path in walk["longest_path"].items():
+            print(f"  {side}: {len(path)} files on its longest path: {' > '.join(path)}")
         for kind, calls in walk["climbing"].items():
             print(f"  calls climbing back {kind} layers ({len(calls)}):")
             for caller, callee in calls:

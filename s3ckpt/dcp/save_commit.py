@@ -20,16 +20,13 @@ import logging
 import time
 from dataclasses import dataclass
 
-from crc32c import crc32c
-
-from s3ckpt._version import __version__
 from s3ckpt.config import S3URI
 from s3ckpt.dcp import metadata_pickle as dcp_metadata
 from s3ckpt.dcp.compat import TORCH_VERSION, Metadata, WriteResult
 from s3ckpt.dcp.owners import ChunkPositions
 from s3ckpt.dcp.rank_save import RankRecord
 from s3ckpt.errors import CheckpointError, S3CkptError
-from s3ckpt.format.layout import HEARTBEAT_S, metadata_key
+from s3ckpt.format.layout import HEARTBEAT_S
 from s3ckpt.format.manifest import Manifest
 from s3ckpt.format.rank_index import ItemOwners
 from s3ckpt.s3.loop import io_loop
@@ -81,17 +78,13 @@ class SaveCommit:
         """Metadata object, a check that every object is still there, then the manifest."""
         store, location = self.store, self.location
         body = dcp_metadata.dumps(metadata)
-        manifest = Manifest(
-            save_id=self.save_id,
-            world_size=world_size,
-            metadata_key=metadata_key(self.save_id),
-            metadata_size=len(body),
-            metadata_crc32c=crc32c(body),
+        manifest = Manifest.of_save(
+            self.save_id,
+            world_size,
+            body,
             objects=tuple(o for record in records for o in record.objects),
-            items=(),
             indexes=tuple(record.index for record in records),
             torch_version=TORCH_VERSION,
-            s3ckpt_version=__version__,
         )
         sizes = {o.key: o.size for o in manifest.objects} | {
             i.key: i.size for i in manifest.indexes

@@ -22,8 +22,9 @@ from typing import Any
 
 from crc32c import crc32c
 
+from s3ckpt._version import __version__
 from s3ckpt.errors import CorruptCheckpointError, ForeignObjectError
-from s3ckpt.format.layout import StoredItem
+from s3ckpt.format.layout import StoredItem, metadata_key
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "s3ckpt"
@@ -146,6 +147,32 @@ class Manifest:
     s3ckpt_version: str = ""
     version: int = FORMAT_VERSION
     indexes: tuple[IndexRef, ...] = ()
+
+    @classmethod
+    def of_save(
+        cls,
+        save_id: str,
+        world_size: int,
+        metadata: bytes,
+        objects: tuple[ObjectEntry, ...],
+        indexes: tuple[IndexRef, ...],
+        torch_version: str,
+    ) -> Manifest:
+        """The manifest (this format) of save ``save_id``, whose DCP metadata object is
+        ``metadata`` (stored under :func:`~s3ckpt.format.layout.metadata_key`), written by
+        this s3ckpt on torch ``torch_version``."""
+        return cls(
+            save_id=save_id,
+            world_size=world_size,
+            metadata_key=metadata_key(save_id),
+            metadata_size=len(metadata),
+            metadata_crc32c=crc32c(metadata),
+            objects=objects,
+            items=(),
+            indexes=indexes,
+            torch_version=torch_version,
+            s3ckpt_version=__version__,
+        )
 
     @property
     def total_bytes(self) -> int:

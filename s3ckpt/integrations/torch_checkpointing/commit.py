@@ -15,7 +15,6 @@ import re
 
 from crc32c import crc32c
 
-from s3ckpt._version import __version__
 from s3ckpt.catalog.api import acommitted_names, aremove_checkpoint
 from s3ckpt.config import S3URI
 from s3ckpt.dcp import metadata_pickle, metadata_read
@@ -27,7 +26,7 @@ from s3ckpt.errors import (
     ConfigError,
     IncompleteSaveError,
 )
-from s3ckpt.format.layout import StoredItem, index_key, metadata_key
+from s3ckpt.format.layout import StoredItem, index_key
 from s3ckpt.format.manifest import IndexRef, ItemEntry, Manifest, ObjectEntry
 from s3ckpt.format.rank_index import RankIndex
 from s3ckpt.integrations.torch_checkpointing.files import Committed, Saving
@@ -97,20 +96,16 @@ async def commit(store: ObjectStore, saving: Saving, world_size: int) -> None:
     objects = await _objects(store, location, indexes)
     metadata = files_metadata(_owners(location, indexes))
     body = metadata_pickle.dumps(metadata)
-    manifest = Manifest(
-        save_id=saving.save_id,
-        world_size=world_size,
-        metadata_key=metadata_key(saving.save_id),
-        metadata_size=len(body),
-        metadata_crc32c=crc32c(body),
+    manifest = Manifest.of_save(
+        saving.save_id,
+        world_size,
+        body,
         objects=objects,
-        items=(),
         indexes=tuple(
             IndexRef(rank, by_rank[rank][0][0], len(raw), crc32c(raw), len(index.items))
             for rank, (raw, index) in enumerate(zip(bodies, indexes, strict=True))
         ),
         torch_version=TORCH_VERSION,
-        s3ckpt_version=__version__,
     )
     await store.put(location.key(manifest.metadata_key), body, crc32c=manifest.metadata_crc32c)
     await commit_manifest(store, location, manifest, overwrite=False)

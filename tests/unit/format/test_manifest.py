@@ -48,6 +48,23 @@ def test_manifest_round_trips_through_json(version):
     assert raw["total_bytes"] == (110 if version == 1 else 117)
 
 
+def test_the_manifest_of_a_save_names_its_metadata_object_by_key_size_and_crc():
+    from crc32c import crc32c
+
+    from s3ckpt import __version__
+    from s3ckpt.format.layout import metadata_key
+
+    objects = (ObjectEntry(KEY, 100, '"etag"', 0),)
+    indexes = (IndexRef(0, index_key(0, "abc"), 7, 99, 1),)
+    manifest = Manifest.of_save("abc", 2, b"pickled", objects, indexes, torch_version="2.x")
+    assert (manifest.metadata_key, manifest.metadata_size) == (metadata_key("abc"), 7)
+    assert manifest.metadata_crc32c == crc32c(b"pickled")
+    assert (manifest.objects, manifest.indexes, manifest.items) == (objects, indexes, ())
+    assert (manifest.save_id, manifest.world_size, manifest.version) == ("abc", 2, FORMAT_VERSION)
+    assert (manifest.torch_version, manifest.s3ckpt_version) == ("2.x", __version__)
+    assert Manifest.from_json(manifest.to_json(), "m") == manifest
+
+
 def test_format_2_manifest_lists_index_objects_not_items():
     manifest = _manifest()
     raw = json.loads(manifest.to_json())

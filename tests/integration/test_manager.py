@@ -3,6 +3,7 @@ one save in flight with reused staging buffers, failures, metrics, and two gloo 
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from typing import Any
@@ -11,6 +12,7 @@ import _manager_worker as worker
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _fresh_script import run_script
 
 from s3ckpt import BucketNotFoundError, CheckpointManager, S3StorageWriter, SaveMetrics, catalog
 from s3ckpt.config import S3URI
@@ -240,3 +242,64 @@ def test_one_rank_groups_and_a_rank_that_cannot_stage(local_s3, s3_prefix, s3_op
             assert outcome["third"] is True, mode
             assert outcome["steps"] == [3], mode
             assert outcome["uncommitted"] == [], mode  # the failed save wrote nothing
+
+
+OPTIONS_SCRIPT = """\
+import json, sys, torch
+from fractions import Fraction  # outside torch's weights-only allowlist
+from s3ckpt import CheckpointManager, StateMismatchError, UntrustedPickleError
+
+# the documented form: options given at construction, changed between saves as attributes
+manager = CheckpointManager(sys.argv[1], endpoint_url=sys.argv[2])
+seen = {"options": [manager.if_busy, manager.strict, manager.writer_options,
+                    manager.reader_options]}
+manager.save(1, {"w": torch.zeros(1 << 20)})
+manager.wait()
+manager.writer_options = {"compression": "zstd"}
+manager.save(2, {"w": torch.zeros(1 << 20), "position": Fraction(3)})
+manager.wait()
+manager.if_busy = "skip"
+manager.writer_options = {}
+manager.save(3, {"r": torch.randn(8 << 20)})  # 32 MiB still uploading at the next call
+seen["busy"] = manager.busy
+seen["skipped"] = manager.save(4, {"r": torch.randn(1)}) is False
+manager.wait()
+state = {"w": torch.ones(1 << 20), "position": Fraction(0)}
+try:
+    manager.load(2, state)
+except UntrustedPickleError:
+    seen["untrusted"] = True
+manager.reader_options = {"trust_pickles": True}
+manager.load(2, state)
+seen["loaded"] = [str(state["position"]), state["w"].sum().item()]
+manager.strict = True
+try:
+    manager.load(2, {"w": torch.ones(1 << 20)})  # "position" has no place
+except StateMismatchError as exc:
+    seen["mismatch"] = list(exc.dropped)
+manager.strict = False
+manager.load(2, {"w": torch.ones(1 << 20)})
+manager.close()
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.subprocess
+def test_options_changed_between_saves_apply_in_a_fresh_process(
+    s3_prefix, s3_options, local_s3, tmp_path
+):
+    """A user's script (process mode, the default) changes ``writer_options``, ``if_busy``,
+    ``reader_options`` and ``strict`` on its manager between saves and loads: each save
+    and load after the change follows it."""
+    done = run_script(tmp_path, OPTIONS_SCRIPT, s3_options, s3_prefix, local_s3.endpoint_url)
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["options"] == ["wait", False, {}, {}]
+    sizes = {i.name: i.bytes for i in catalog.list_checkpoints(s3_prefix, **s3_options)}
+    assert set(sizes) == {"step-0000000001", "step-0000000002", "step-0000000003"}
+    assert sizes["step-0000000001"] > 4 << 20  # 4 MiB of zeros, stored raw
+    assert sizes["step-0000000002"] < 1 << 20  # the same zeros, zstd-compressed
+    assert sizes["step-0000000003"] > 32 << 20  # compression turned off again
+    assert seen["busy"] and seen["skipped"]
+    assert seen["untrusted"] is True
+    assert seen["loaded"] == ["3", 0.0]
+    assert seen["mismatch"] == ["position"]

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from _fresh_script import run_script, script_env
 from liveness import alive
 
 from s3ckpt import CheckpointManager, CheckpointProcess, CheckpointProcessError, catalog
@@ -37,30 +38,6 @@ def state_of(seed: int, mib: int = 4) -> dict[str, Any]:
 
 def loaded_libraries(pid: int) -> str:
     return Path(f"/proc/{pid}/maps").read_text()
-
-
-def script_env(s3_options: dict[str, Any]) -> dict[str, str]:
-    return {
-        **os.environ,
-        "AWS_ACCESS_KEY_ID": s3_options["access_key_id"],
-        "AWS_SECRET_ACCESS_KEY": s3_options["secret_access_key"],
-        "AWS_DEFAULT_REGION": s3_options["region"],
-    }
-
-
-def run_script(
-    tmp_path: Path, text: str, s3_options: dict[str, Any], *args: str, timeout: float = 240
-) -> subprocess.CompletedProcess[str]:
-    script = tmp_path / "train.py"
-    script.write_text(text)
-    done = subprocess.run(
-        [sys.executable, str(script), *args],
-        capture_output=True, text=True, timeout=timeout, env=script_env(s3_options),
-        cwd=tmp_path,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert "Traceback" not in done.stderr, done.stderr
-    return done
 
 
 def shm_of(pids: list[int]) -> list[str]:

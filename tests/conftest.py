@@ -29,6 +29,7 @@ from s3_servers import MotoS3Server
 from s3ckpt.testing.local_s3 import LocalS3Server
 
 UNIT_TESTS = Path(__file__).parent / "unit"
+INTEGRATION_TESTS = Path(__file__).parent / "integration"
 # Fixtures that start an S3 server (tls_s3: tests/integration/test_tls.py). A test using
 # one, directly or through another fixture, is marked ``server``.
 SERVER_FIXTURES = frozenset({"seaweedfs_s3", "moto_s3", "local_s3", "tls_s3"})
@@ -61,6 +62,8 @@ sys.addaudithook(_audit)  # for good: hooks cannot be removed, and it costs a se
 @pytest.hookimpl(tryfirst=True)  # before -m deselects
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
+        if item.path.is_relative_to(INTEGRATION_TESTS):
+            item.add_marker(pytest.mark.integration)
         if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.server)
         slow = item.get_closest_marker("server") or item.get_closest_marker("subprocess")

@@ -37,11 +37,7 @@ from s3ckpt import (
 from s3ckpt.format.manifest import MANIFEST_NAME
 from s3ckpt.testing.local_s3 import LocalS3Server
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-    ON_BOTH,  # SeaweedFS and moto
-]
+pytestmark = [ON_BOTH]  # SeaweedFS and moto
 
 MIB = 1 << 20
 MISSING_BUCKET = "no-such-bucket-xyz"

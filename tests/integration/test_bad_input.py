@@ -25,11 +25,6 @@ from s3ckpt.config import make_config
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
-
 
 def test_an_empty_state_dict_saves_and_loads_as_an_empty_checkpoint(
     s3_prefix, make_writer, make_reader, s3_options

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -22,10 +22,6 @@ from s3ckpt.format.manifest import MANIFEST_NAME
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
 HOUR = 3600.0
 
 

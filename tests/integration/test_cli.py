@@ -22,11 +22,7 @@ from stored import stored_manifest
 from s3ckpt.cli.main import main
 from s3ckpt.config import S3URI
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-    ON_BOTH,  # SeaweedFS and moto
-]
+pytestmark = [ON_BOTH]  # SeaweedFS and moto
 
 
 @dataclass

@@ -24,11 +24,6 @@ from s3ckpt.dcp.save_commit import SaveCommit
 from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
 from s3ckpt.s3.store import ObjectStore
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
-
 
 def _manifest(local_s3, uri) -> Manifest:
     return stored_manifest(local_s3.client(), uri)

@@ -25,8 +25,6 @@ from s3ckpt.cli.main import main as cli_main
 from s3ckpt.config import S3URI, make_config
 from s3ckpt.format.manifest import MANIFEST_NAME
 
-pytestmark = [pytest.mark.integration]
-
 WRITERS = 3
 ROUNDS = 6
 

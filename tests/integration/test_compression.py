@@ -19,10 +19,6 @@ from s3ckpt.cli.main import main as cli
 from s3ckpt.config import S3URI
 from s3ckpt.format.manifest import Manifest
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
 MiB = 1024 * 1024
 
 

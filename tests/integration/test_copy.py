@@ -19,11 +19,6 @@ from s3ckpt.format.manifest import MANIFEST_NAME
 from s3ckpt.interop import copy_checkpoint
 from s3ckpt.testing.local_s3 import LocalS3Server
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
-
 
 def state() -> dict[str, Any]:
     g = torch.Generator().manual_seed(5)

@@ -34,10 +34,6 @@ from s3ckpt import CheckpointNotFoundError, S3StorageReader, S3StorageWriter, ca
 from s3ckpt.config import make_config
 
 HERE = Path(__file__).resolve().parent
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
 TRIALS = 24
 MODES = ("random", "upload", "random", "commit")  # 12 random, 6 upload, 6 commit
 TITLES = {

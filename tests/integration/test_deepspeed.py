@@ -48,7 +48,7 @@ from s3ckpt import CheckpointNotFoundError, ConfigError, catalog
 from s3ckpt.integrations import deepspeed as s3ds
 from s3ckpt.integrations.deepspeed import S3CheckpointEngine, attach, latest_tag
 
-pytestmark = [pytest.mark.integration, pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed]
 
 
 @pytest.fixture

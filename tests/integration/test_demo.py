@@ -10,10 +10,6 @@ import re
 import subprocess
 import sys
 
-import pytest
-
-pytestmark = [pytest.mark.integration]
-
 
 def test_quick_demo_crashes_resumes_and_summarizes():
     done = subprocess.run(

@@ -20,11 +20,6 @@ from s3ckpt import unwrap
 from s3ckpt.dcp import device_load, restore
 from s3ckpt.errors import ConfigError, CorruptCheckpointError
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
-
 MiB = 1024 * 1024
 
 

@@ -24,11 +24,7 @@ from s3ckpt import S3StorageWriter
 from s3ckpt.dcp.restore import SLAB_MIN_ITEM
 from s3ckpt.testing.local_s3 import LocalS3Server
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.distributed,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
+pytestmark = [pytest.mark.distributed]
 
 MiB = 1024 * 1024
 METADATA = 256 * 1024  # manifest, index and metadata objects, read once per load

@@ -4,17 +4,11 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from s3ckpt.s3.wire import UnsupportedResponse
 from s3ckpt.s3.wire.gets import RangedGets
-
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
 
 MiB = 1024 * 1024
 

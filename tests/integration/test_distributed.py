@@ -27,7 +27,7 @@ from s3ckpt import S3StorageReader
 from s3ckpt.format.manifest import MANIFEST_NAME
 from s3ckpt.testing.local_s3 import LocalS3Server
 
-pytestmark = [pytest.mark.integration, pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed]
 
 DATA_KEY = re.compile(r"^data/r(\d{5})-[0-9a-f]+-\d{4}\.bin$")
 METADATA_KEY = re.compile(r"^metadata-[0-9a-f]+\.pkl$")
@@ -146,7 +146,6 @@ def test_dtensor_checkpoint_is_sharded_across_ranks(
     assert_layout(local_s3, two_rank_job.uris["dtensor"], 2)
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_dtensor_checkpoint_loads_into_full_tensors_in_one_process(
     two_rank_job: Job, local_s3: LocalS3Server
 ) -> None:

@@ -35,10 +35,6 @@ from s3ckpt import S3StorageReader, catalog
 from s3ckpt.errors import ConfigError
 from s3ckpt.testing.local_s3 import LocalS3Server
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
 QUICKSTART = Path(__file__).resolve().parents[2] / "docs" / "quickstart.md"
 
 

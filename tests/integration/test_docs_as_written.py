@@ -29,8 +29,6 @@ from _docs_runner import assert_whole, run_blocks
 
 from s3ckpt.testing.local_s3 import LocalS3Server
 
-pytestmark = [pytest.mark.integration]
-
 ROOT = Path(__file__).resolve().parents[2]
 PLACEHOLDERS = ("https://flashblade.example.com", "https://fb.example.com")
 

@@ -17,8 +17,6 @@ from s3_servers import ON_BOTH
 
 from s3ckpt.cli.main import main
 
-pytestmark = [pytest.mark.integration]
-
 CHECKS = {
     "endpoint and TLS",
     "credentials and bucket",

@@ -21,8 +21,6 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from s3ckpt import UntrustedPickleError, unwrap
 
-pytestmark = [pytest.mark.integration]
-
 _ELEMENTS = 48
 
 

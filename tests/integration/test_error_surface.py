@@ -29,7 +29,7 @@ from s3ckpt import (
     catalog,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.subprocess]
+pytestmark = [pytest.mark.subprocess]
 
 PRELUDE = r"""
 import json, sys, warnings

@@ -21,11 +21,6 @@ from s3ckpt import (
     unwrap,
 )
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
-
 
 def _save_error(writer) -> BaseException:
     with pytest.raises(BaseException) as info:

@@ -27,11 +27,6 @@ from s3ckpt.errors import CorruptCheckpointError, OutputExistsError
 from s3ckpt.interop import export_checkpoint
 from s3ckpt.testing.local_s3 import LocalS3Server
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
-
 EXPECTED = worker.sharded_state()
 
 

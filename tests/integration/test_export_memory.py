@@ -20,11 +20,6 @@ from s3ckpt import S3StorageWriter
 from s3ckpt.interop.output import PART_SIZE
 from s3ckpt.testing.local_s3 import LocalS3Server
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
-
 MiB = 1024 * 1024
 TENSOR = 64 * MiB
 COUNT = 12

@@ -36,11 +36,7 @@ from s3ckpt import (
 from s3ckpt.errors import DeadlineExceededError
 from s3ckpt.transfer.download import REREADS
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-    ON_BOTH,  # SeaweedFS and moto
-]
+pytestmark = [ON_BOTH]  # SeaweedFS and moto
 MiB = 1024 * 1024
 KiB = 1024
 READ_TIMEOUT = 2.0

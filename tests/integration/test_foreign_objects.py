@@ -23,11 +23,7 @@ from s3_servers import ON_BOTH
 
 from s3ckpt.config import S3URI
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-    ON_BOTH,  # SeaweedFS and moto
-]
+pytestmark = [ON_BOTH]  # SeaweedFS and moto
 
 FOREIGN_MANIFESTS = {
     "json/step-2": b'{"hello": 1}',  # what a user found listed as committed, and lost to rm

@@ -5,16 +5,10 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 
-import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from s3ckpt.s3.loop import io_loop
-
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
 
 
 def _save_in_child(writer_bytes: bytes, queue) -> None:

@@ -36,11 +36,6 @@ from s3ckpt import (
 )
 from s3ckpt.testing.local_s3 import LocalS3Server
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
-
 MiB = 1024 * 1024
 DEADLINE_S = 4.0
 

@@ -16,10 +16,7 @@ from slotted import Slotted
 
 from s3ckpt import CheckpointManager, HostStager, S3StorageReader, S3StorageWriter
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 MIB = 1 << 20
 

@@ -20,11 +20,6 @@ from s3ckpt.catalog import show_checkpoint
 from s3ckpt.interop import import_checkpoint
 from s3ckpt.testing.local_s3 import LocalS3Server
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
-
 
 def weights() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)

@@ -13,10 +13,6 @@ from s3ckpt.format.manifest import Manifest
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
 MiB = 1024 * 1024
 
 

@@ -14,11 +14,6 @@ from test_legacy_format import FIXTURES, RELEASES, _empty_like, _upload
 
 from s3ckpt.interop import copy_checkpoint, export_checkpoint
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
-
 
 @pytest.mark.parametrize("release", RELEASES)
 @pytest.mark.parametrize("variant", ["raw", "zstd"])

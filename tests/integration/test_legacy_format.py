@@ -40,7 +40,6 @@ def test_fixtures_are_present() -> None:
     assert RELEASES, f"no fixture checkpoints under {FIXTURES}"
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("release", RELEASES)
 @pytest.mark.parametrize("variant", ["raw", "zstd"])
 def test_checkpoint_of_an_earlier_release_loads(

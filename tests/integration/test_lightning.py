@@ -26,7 +26,6 @@ from s3ckpt import CheckpointNotFoundError, S3StorageReader, catalog
 from s3ckpt.integrations.lightning import S3CheckpointIO, last_checkpoint, lightning_uri
 
 pytestmark = [
-    pytest.mark.integration,
     pytest.mark.filterwarnings("ignore::UserWarning"),  # Lightning's CPU/num_workers advice
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     pytest.mark.usefixtures("fsspec_defaults"),

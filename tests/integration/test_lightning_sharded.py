@@ -68,7 +68,6 @@ ROOT = HERE.parents[1]
 WORKER = HERE / "_lightning_worker.py"
 QUICKSTART = ROOT / "docs" / "quickstart.md"
 pytestmark = [
-    pytest.mark.integration,
     pytest.mark.filterwarnings("ignore::UserWarning"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     pytest.mark.usefixtures("fsspec_defaults"),

@@ -28,7 +28,10 @@ from s3ckpt import CheckpointManager
 from s3ckpt.testing.cluster import Cluster
 from s3ckpt.testing.netns import NetnsUnavailableError
 
-pytestmark = [pytest.mark.integration, pytest.mark.subprocess, pytest.mark.distributed]
+pytestmark = [
+    pytest.mark.subprocess,
+    pytest.mark.distributed,
+]
 
 WORKER = Path(__file__).with_name("_links_worker.py")
 NODE_RATE = 10e6  # bytes/s each way: a rank's 8 MiB takes about 0.8 s

@@ -23,8 +23,6 @@ from botocore.exceptions import ClientError
 from s3ckpt.errors import LocalServerError
 from s3ckpt.testing.local_s3 import WEED_ENV, LocalS3Server
 
-pytestmark = pytest.mark.integration
-
 MIB = 1 << 20
 REPO = Path(__file__).resolve().parents[2]
 

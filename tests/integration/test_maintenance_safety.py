@@ -35,10 +35,6 @@ from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer.inflight import mark_in_flight
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
 SKEWS = (2 * 3600.0, -2 * 3600.0)  # a local clock two hours ahead, then two hours behind
 MATRIX_ROWS = 5
 

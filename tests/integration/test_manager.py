@@ -18,11 +18,6 @@ from s3ckpt import BucketNotFoundError, CheckpointManager, S3StorageWriter, Save
 from s3ckpt.config import S3URI
 from s3ckpt.testing.local_s3 import LocalS3Server
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
-
 MIB = 1 << 20
 
 

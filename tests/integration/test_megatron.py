@@ -41,7 +41,6 @@ from s3ckpt.testing.local_s3 import LocalS3Server
 
 # megatron-core is imported by the ranks only, never by the test process.
 pytestmark = [
-    pytest.mark.integration,
     pytest.mark.distributed,
     pytest.mark.skipif(
         importlib.util.find_spec("megatron") is None,

@@ -18,11 +18,6 @@ from s3ckpt.background import held
 from s3ckpt.tier import restore as restore_module
 from s3ckpt.tier.copies import node_copies
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
-
 
 def trained(steps: range, seed: int = 1) -> tuple[torch.nn.Module, dict[str, Any]]:
     model, state = worker.make_state(0, seed=seed)

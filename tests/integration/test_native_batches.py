@@ -19,8 +19,6 @@ from s3ckpt.s3.requests import Requests
 from s3ckpt.s3.wire import batch as native
 
 pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
     pytest.mark.skipif(not native.native_batches(), reason="s3ckpt.s3.wire._sender is not built"),
     ON_BOTH,
 ]

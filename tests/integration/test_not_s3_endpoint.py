@@ -23,8 +23,6 @@ import torch.distributed.checkpoint as dcp
 import s3ckpt
 from s3ckpt import CheckpointManager, NotS3EndpointError, S3StorageReader, S3StorageWriter
 
-pytestmark = [pytest.mark.integration]
-
 NOT_S3 = "this endpoint does not answer like an S3 server"
 PAGE = (
     b'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'

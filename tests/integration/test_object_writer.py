@@ -12,7 +12,7 @@ from s3ckpt.format.checksums import block_crcs
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.transfer.object_writer import ObjectWriter
 
-pytestmark = [pytest.mark.integration, ON_BOTH]
+pytestmark = [ON_BOTH]
 MiB = 1024 * 1024
 
 

@@ -25,8 +25,6 @@ from s3ckpt.dcp.save_identity import RankAssignment, claim, successor
 from s3ckpt.format.manifest import MANIFEST_NAME
 from s3ckpt.testing.local_s3 import LocalS3Server
 
-pytestmark = [pytest.mark.integration]
-
 
 def _manifest(server: LocalS3Server, uri: str) -> dict[str, Any]:
     bucket, _, prefix = uri.removeprefix("s3://").partition("/")

@@ -40,8 +40,6 @@ from _docs_runner import assert_whole, run_blocks
 
 from s3ckpt.testing.local_s3 import LocalS3Server
 
-pytestmark = [pytest.mark.integration]
-
 QUICKSTART = Path(__file__).resolve().parents[2] / "docs" / "quickstart.md"
 # What the prelude supplies to every block: the names the quickstart leaves to the reader.
 SUPPLIED = ("model", "optimizer", "train_step", "total_steps")

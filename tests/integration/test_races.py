@@ -14,7 +14,6 @@ import contextvars
 import threading
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from faultproxy import FaultProxy, Rule
@@ -24,10 +23,6 @@ from s3ckpt.config import make_config
 from s3ckpt.format.manifest import MANIFEST_NAME
 from s3ckpt.s3.store import ObjectStore
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
 MiB = 1024 * 1024
 
 

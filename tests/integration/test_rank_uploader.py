@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 
-import pytest
 from s3_servers import ON_BOTH
 
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.transfer.upload import Placement, RankUploader
 
-pytestmark = [pytest.mark.integration, ON_BOTH]
+pytestmark = [ON_BOTH]
 MiB = 1024 * 1024
 
 

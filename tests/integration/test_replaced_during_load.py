@@ -30,11 +30,7 @@ from s3ckpt import S3StorageWriter, catalog
 from s3ckpt.config import S3Config
 from s3ckpt.testing.local_s3 import LocalS3Server
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.distributed,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
+pytestmark = [pytest.mark.distributed]
 
 ROUNDS = 6
 FORCED = [1, 4]  # one with the reader given the group, one without

@@ -9,11 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from s3_servers import ON_BOTH
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-    ON_BOTH,  # SeaweedFS and moto
-]
+pytestmark = [ON_BOTH]  # SeaweedFS and moto
 
 MiB = 1024 * 1024
 

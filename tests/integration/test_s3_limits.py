@@ -15,8 +15,6 @@ from s3ckpt import ConfigError, unwrap
 from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer import parts
 
-pytestmark = [pytest.mark.integration]
-
 MiB = 1024 * 1024
 
 

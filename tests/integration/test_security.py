@@ -29,10 +29,6 @@ from s3ckpt.format.manifest import MANIFEST_NAME, sealed
 from s3ckpt.s3.client import create_client
 from s3ckpt.s3.store import ObjectStore
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
 WRONG_SECRET = "wrong-secret-Zq8xV2pL"
 
 

@@ -22,11 +22,7 @@ from s3ckpt import S3StorageWriter
 from s3ckpt.testing.local_s3 import LocalS3Server
 from s3ckpt.transfer.shares import plan_shares
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.distributed,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
+pytestmark = [pytest.mark.distributed]
 
 
 @pytest.fixture(scope="module")

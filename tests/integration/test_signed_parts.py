@@ -19,7 +19,6 @@ from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.multipart import PartResult
 from s3ckpt.s3.store import ObjectStore
 
-pytestmark = [pytest.mark.integration]
 MiB = 1024 * 1024
 
 

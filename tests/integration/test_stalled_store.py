@@ -25,11 +25,6 @@ from stalling_proxy import StallingProxy
 from s3ckpt import S3StorageReader, S3StorageWriter, StoreStalledError, unwrap
 from s3ckpt.testing.local_s3 import LocalS3Server
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
-
 MiB = 1024 * 1024
 STALL_S = 2.0  # the stall limit: tries stopped after 1 s of silence
 DEADLINE_S = 120.0  # what the save would otherwise wait for

@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from s3_servers import ON_BOTH
@@ -36,10 +35,6 @@ from s3ckpt import CheckpointManager, S3StorageWriter, catalog
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_step_names_worker.py"
 TIMEOUT_S = 300  # a bound on a hang; a run takes seconds
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
 
 # Loaded first by every interpreter whose PYTHONPATH names its folder: with
 # S3CKPT_TEST_HOLD set, the first data object written under that key part never goes out,

@@ -3,17 +3,11 @@ in the checkpoint process, and a save comes back whole either way."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from _switch_writer import SwitchReporting
 
 from s3ckpt import CheckpointProcess
-
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:

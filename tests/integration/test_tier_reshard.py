@@ -11,18 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import _reshard_tier_worker as worker
-import pytest
 import torch
 from _dist_worker import run_ranks
 
 from s3ckpt import CheckpointManager, MemoryTier
 from s3ckpt.background import held
 from s3ckpt.tier.copies import node_copies
-
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
 
 
 def run(

@@ -25,11 +25,6 @@ from s3ckpt import (
 )
 from s3ckpt.tier.copies import node_copies
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
-
 
 def run_script(uri, s3_options, tier, steps) -> tuple[dict[int, Any], list[Any], list[int]]:
     """A script saving each of ``steps`` through the tier, a writer for the steps the tier

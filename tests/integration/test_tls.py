@@ -30,10 +30,6 @@ from s3ckpt.s3.store import ObjectStore
 from s3ckpt.s3.wire import batch, on_loop, pool
 from s3ckpt.testing.local_s3 import LocalS3Server
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
 MiB = 1024 * 1024
 
 

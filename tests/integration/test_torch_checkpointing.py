@@ -23,7 +23,7 @@ from s3ckpt.integrations.torch_checkpointing import (
     manager_config,
 )
 
-pytestmark = [pytest.mark.integration, ON_BOTH]
+pytestmark = [ON_BOTH]
 MiB = 1024 * 1024
 
 

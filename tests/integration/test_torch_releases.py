@@ -19,11 +19,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
-
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(release.__file__)
 

@@ -58,7 +58,7 @@ from s3ckpt.config import S3URI
 from s3ckpt.integrations.torchtitan import S3CheckpointManager
 from s3ckpt.interop import formats
 
-pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore::UserWarning")]
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
 
 STEPS = 8
 

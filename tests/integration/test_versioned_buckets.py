@@ -32,7 +32,7 @@ from s3ckpt.config import S3URI, make_config
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.store import ObjectStore
 
-pytestmark = [pytest.mark.integration, ON_BOTH]
+pytestmark = [ON_BOTH]
 
 
 @pytest.fixture

@@ -36,11 +36,6 @@ from s3ckpt import (
 HERE = Path(__file__).parent
 WORKER = HERE / "_whole_restore_worker.py"
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-]
-
 
 def _free_port() -> int:
     with socket.socket() as sock:

@@ -12,8 +12,7 @@ from botocore.exceptions import ClientError
 from benchmarks.zero_server import ZeroS3, compiler
 
 pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(compiler() is None, reason="no C compiler (cc) to build the server"),
+    pytest.mark.skipif(compiler() is None, reason="no C compiler (cc) to build the server")
 ]
 
 

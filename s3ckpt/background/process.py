@@ -25,8 +25,8 @@ runs ``dcp.save`` of it with the given writer. The lifecycle:
    ends the processes of every rank (:mod:`~s3ckpt.background.process_side`), and the
    next save starts fresh ones on every rank, together. Nothing of a failed save is
    committed: the manifest is written last.
-4. **Close** (:meth:`close`, or the interpreter's exit): wait for the save in flight,
-   stop the process (one still starting is killed at once; a ready one exits when asked,
+4. **Close** (:meth:`close`, or the interpreter's exit): wait for the save in flight
+   and the retention after it, stop the process (one still starting is killed at once; a ready one exits when asked,
    and is killed after a second if it has not), unmap the arena. The memory has no
    name anywhere, so nothing is left behind, whichever process ends first and however.
 """
@@ -107,6 +107,9 @@ class CheckpointProcess:
             (docs/decisions/0001-checkpoint-process-priority.md).
         config: the :class:`~s3ckpt.S3Config` the saves will use: the process makes its
             client as it starts, so the first save does not (optional).
+        retention: applied by the process after each upload it commits, once the save's
+            outcome is sent (:class:`~s3ckpt.catalog.run_retention.RunRetention`; the
+            manager's ``keep_last`` and ``keep_every``, on rank 0).
     """
 
     def __init__(
@@ -119,9 +122,11 @@ class CheckpointProcess:
         slot_limit: int | None = None,
         nice: int | None = None,
         config: Any = None,
+        retention: Any = None,
     ) -> None:
         self._nice = _niceness(nice)
         self._config = config
+        self._retention = retention
         self._group = process_group
         distributed = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(process_group) if distributed else 1
@@ -202,6 +207,13 @@ class CheckpointProcess:
                         inflight.exception()
             finally:
                 self._inflight = None
+
+    def wait_retained(self) -> None:
+        """Wait for the retention after the last upload (``retention``) to be done."""
+        side = self._side
+        if side is not None:
+            with self.hurried():
+                side.wait_retained()
 
     @contextlib.contextmanager
     def hurried(self) -> Iterator[None]:
@@ -291,6 +303,7 @@ class CheckpointProcess:
         _open.discard(self)
         try:
             self.wait_idle()
+            self.wait_retained()
         finally:
             self._stop_side()
             for arena in self._arenas:
@@ -335,7 +348,10 @@ class CheckpointProcess:
             meeting = Meeting(host, port, prefix, self.rank, self.world, self._timeout_s)
             watch = MeetingWatch(self._store, prefix, self.rank)
         level = logging.getLogger("s3ckpt").getEffectiveLevel()
-        hello = Hello(list(sys.path), level, meeting, self._config, process_niceness(self._nice))
+        hello = Hello(
+            list(sys.path), level, meeting, self._config, process_niceness(self._nice),
+            self._retention,
+        )  # fmt: skip
         self._side = TrainerSide(hello, self._arenas, self.rank, watch)
 
     def _stop_side(self) -> None:

@@ -17,7 +17,9 @@ each answered with :class:`Saved` (the DCP metadata, None without a writer) or
 with a :class:`HoldRequest` first records its copy as a memory-tier checkpoint (its CRC32Cs, then
 its descriptor, :mod:`s3ckpt.background.held`) and answers :class:`CopyHeld`; then, with
 several nodes, exchanges copies with its peers (:class:`Replicated`); then uploads it, if
-it has a writer, from the same memory. Any other message ends the process with an error.
+it has a writer, from the same memory; after an upload's :class:`Saved`, the retention
+the :class:`Hello` carried (rank 0's) deletes what the run's policy expires, then
+:class:`Retained` says so. Any other message ends the process with an error.
 
 With several ranks the checkpoint processes form a gloo group of their own (the default
 group of this process), met through the trainer rank 0's store, so a save's collectives
@@ -52,6 +54,7 @@ from s3ckpt.background.protocol import (
     Meeting,
     Ready,
     Replicated,
+    Retained,
     Saved,
     SaveRequest,
     Segments,
@@ -88,7 +91,7 @@ def main(fd: int) -> int:
     if hello.nice is not None:
         set_nice(os.getpid(), hello.nice)
     _answer(channel, Ready(os.getpid()))
-    return _serve(channel, distributed=hello.meeting is not None)
+    return _serve(channel, distributed=hello.meeting is not None, retention=hello.retention)
 
 
 def _load(config: Any) -> None:
@@ -144,7 +147,7 @@ def _join(meeting: Meeting | None) -> None:
     )
 
 
-def _serve(channel: Channel, *, distributed: bool) -> int:
+def _serve(channel: Channel, *, distributed: bool, retention: Any) -> int:
     from s3ckpt.background.arena import StagingArena
     from s3ckpt.dcp.local_plan import ReusingSavePlanner
 
@@ -173,6 +176,9 @@ def _serve(channel: Channel, *, distributed: bool) -> int:
                         planner.let_go()  # its views of the segments, which may be replaced
                     if not saved and distributed:
                         return 1
+                    if saved and retention is not None and message.writer is not None:
+                        retention.after_commit(message.writer.location)
+                        _answer(channel, Retained(message.save_id))
                 case Stop():
                     return 0
                 case _:

@@ -19,11 +19,13 @@ The lifecycle, in the order the messages travel:
    :class:`Replicated` once its copies were exchanged with its peers (when the hold says
    so); then :class:`Saved` (the upload's outcome) or :class:`Failed` (the error), one of
    the two for every request. With several ranks a process exits after a failed save.
+   After a :class:`Saved` of an upload, a process whose :class:`Hello` carried a retention
+   applies it, then answers :class:`Retained`.
 4. **Stop.** The trainer sends :class:`Stop` (or closes the socket): the process exits.
 
 Trainer to process: :class:`Hello`, :class:`Segments`, :class:`SaveRequest`,
 :class:`Stop`. Process to trainer: :class:`Ready`, :class:`CopyHeld`, :class:`Replicated`,
-:class:`Saved`, :class:`Failed`. :class:`Meeting` travels inside :class:`Hello`,
+:class:`Saved`, :class:`Retained`, :class:`Failed`. :class:`Meeting` travels inside :class:`Hello`,
 :class:`HoldRequest` and :class:`CopyFailure` inside :class:`SaveRequest`.
 """
 
@@ -64,6 +66,8 @@ class Hello:
     meeting: Meeting | None  # with several ranks
     config: Any = None  # the S3Config of the saves to come: its client is made at start
     nice: int | None = None  # the niceness the process saves at, once ready
+    # applied after each commit (rank 0's: a catalog.run_retention.RunRetention)
+    retention: Any = None
 
 
 @dataclass(frozen=True)
@@ -164,6 +168,13 @@ class Saved:
 
 
 @dataclass(frozen=True)
+class Retained:
+    """The retention after save ``save_id``'s commit is done (its errors were logged)."""
+
+    save_id: int
+
+
+@dataclass(frozen=True)
 class Failed:
     """Save ``save_id`` failed, or (``save_id`` None) the process could not start:
     ``error`` is the s3ckpt error inside the failure, in a form that survives pickling."""
@@ -173,7 +184,7 @@ class Failed:
 
 
 ToProcess = Hello | Segments | SaveRequest | Stop
-ToTrainer = Ready | CopyHeld | Replicated | Saved | Failed
+ToTrainer = Ready | CopyHeld | Replicated | Saved | Retained | Failed
 
 
 def unknown(message: object, sender: str) -> CheckpointProcessError:

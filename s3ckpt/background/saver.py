@@ -12,6 +12,9 @@ and reused, so the next save waits for the one in flight). Two ways to run the u
   collectives never interleave with the loop's). Costs the loop the GIL the upload's
   Python holds; kept for those who cannot start a process.
 
+Either way the engine that committed a save applies the run's retention after it
+(``retention``: rank 0's), once the save's outcome is reported.
+
 A rank whose copy fails raises its error at once, but first starts its save with a
 :class:`~s3ckpt.background.protocol.CopyFailure` in place of the copy: every rank's save
 meets it before its first collective (:func:`~s3ckpt.background.ranks.raise_copy_failures`)
@@ -35,6 +38,7 @@ from s3ckpt.background.process import CheckpointProcess
 from s3ckpt.background.protocol import CopyFailure
 from s3ckpt.background.ranks import raise_copy_failures
 from s3ckpt.background.trainer_side import TierHold
+from s3ckpt.catalog.run_retention import RunRetention
 from s3ckpt.dcp.compat import save_plain
 from s3ckpt.dcp.local_plan import ReusingSavePlanner
 from s3ckpt.dcp.staging import HostStager, plain_state_dict
@@ -61,10 +65,13 @@ class BackgroundSaver:
         *,
         memory_slots: Sequence[Path] = (),
         reply: Callable[[Any], Any] | None = None,
+        retention: RunRetention | None = None,
         **process_options: Any,
     ) -> None:
         self.mode = mode
         self._reply = reply
+        self._retention = retention
+        self._retained: Future[None] | None = None
         self._group = process_group
         distributed = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(process_group) if distributed else 1
@@ -76,7 +83,7 @@ class BackgroundSaver:
         self._save_group: Any = None
         if mode == "process":
             self._process = CheckpointProcess(
-                process_group, memory_slots=memory_slots, **process_options
+                process_group, memory_slots=memory_slots, retention=retention, **process_options
             )
         else:
             self._stager = HostStager()
@@ -193,15 +200,26 @@ class BackgroundSaver:
                 staged, writer, planner, hold=hold, reply=self._reply, copy_failure=copy_failure
             )
         assert self._thread is not None
-        return self._thread.submit(
+        future = self._thread.submit(
             _save_on_thread, self._reply, copy_failure, staged if staged is not None else {},
             storage_writer=writer, planner=planner if planner is not None else self._planner,
             process_group=self._save_group, no_dist=self._save_group is None,
         )  # fmt: skip
+        if self._retention is not None and writer is not None:
+            # the next job of the save's thread: after the save, once its outcome is out
+            self._retained = self._thread.submit(_retain, future, self._retention, writer)
+        return future
+
+    def wait_retained(self) -> None:
+        """Wait for the retention after the last upload (``retention``) to be done."""
+        if self._process is not None:
+            self._process.wait_retained()
+        elif self._retained is not None:
+            self._retained.result()
 
     def close(self) -> None:
-        """After the last save: wait for it, then release the process or the thread, the
-        memory and the save group."""
+        """After the last save: wait for it and its retention, then release the process or
+        the thread, the memory and the save group."""
         try:
             if self._process is not None:
                 self._process.close()
@@ -232,6 +250,12 @@ def _nothing_to_send(hold: TierHold) -> TierHold:
         )
     request = dataclasses.replace(hold.request, folder="", replicate=replicate)
     return dataclasses.replace(hold, request=request)
+
+
+def _retain(save: Future[Any], retention: RunRetention, writer: S3StorageWriter) -> None:
+    """Thread mode: ``retention`` after ``save``, if it committed."""
+    if save.exception() is None and writer.location is not None:
+        retention.after_commit(writer.location)
 
 
 def _save_on_thread(

@@ -34,6 +34,7 @@ from s3ckpt.background.protocol import (
     HoldRequest,
     Ready,
     Replicated,
+    Retained,
     Saved,
     SaveRequest,
     Segments,
@@ -88,6 +89,8 @@ class TrainerSide:
         self._sent_segments = [0] * len(arenas)
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}  # by save id
+        self._retains = hello.retention is not None
+        self._retained: Future[None] | None = None  # the retention after the last upload
         self.failed = False
         self.gone = False
         self._start_error: BaseException | None = None
@@ -174,6 +177,12 @@ class TrainerSide:
             self._pending[request.save_id] = _Pending(future, request.writer, hold)
         return future
 
+    def wait_retained(self) -> None:
+        """Until the retention after the last upload is done (or the process is gone)."""
+        retained = self._retained
+        if retained is not None:
+            retained.result()
+
     def _send_segments(self, slot: int) -> None:
         segments = self._arenas[slot].segments[self._sent_segments[slot] :]
         if segments:
@@ -194,6 +203,10 @@ class TrainerSide:
             self.gone = True
             pending, self._pending = self._pending, {}
         self._ready.set()
+        retained = self._retained
+        if retained is not None and not retained.done():
+            log.warning("the checkpoint process %d ended before its retention did", self.pid)
+            retained.set_result(None)
         self._priority.stop()
         meeting = self._meeting
         before_meeting = meeting is not None and not meeting.is_met
@@ -224,7 +237,13 @@ class TrainerSide:
             case Saved(save_id, metadata):
                 save = self._finish(save_id)
                 if save is not None:
+                    if self._retains and save.writer is not None:
+                        self._retained = Future()  # before the save is seen done
                     save.future.set_result(metadata)
+            case Retained():
+                retained = self._retained
+                if retained is not None and not retained.done():
+                    retained.set_result(None)
             case Failed(save_id, error):
                 self._failed(save_id, error)
             case _:

@@ -6,13 +6,14 @@
   on the next call (:mod:`~s3ckpt.manager.ledger` records each save as it ends);
 * :mod:`~s3ckpt.manager.loading`: loading a step, or the latest from memory or S3;
 * :mod:`~s3ckpt.manager.policy`: checkpoint names, options, metrics;
-* :mod:`~s3ckpt.manager.retention`: retention after each commit, on its own thread;
 * :mod:`~s3ckpt.manager.memory_tier`: the manager's memory tier, wired to its saves and loads;
 * :mod:`~s3ckpt.manager.committed`: which steps are committed, at little cost.
 
 The few collectives its decisions need are :mod:`s3ckpt.background.ranks`'s.
 
-The upload itself runs in :mod:`s3ckpt.background` (the checkpoint process by default).
+The upload itself, and the retention after each commit
+(:mod:`s3ckpt.catalog.run_retention`), run in :mod:`s3ckpt.background` (the checkpoint
+process by default).
 """
 
 from s3ckpt.manager.checkpoint_manager import CheckpointManager

@@ -37,9 +37,10 @@ rules:
   them and retention deletes them (:mod:`s3ckpt.catalog.retention`). A step above the
   one loaded is saved over the abandoned run's checkpoint there, atomically, so a
   restart never resumes from the run rolled back from.
-* **Retention** (``keep_last``, ``keep_every``) runs on rank 0 after each commit on its own
-  thread (:class:`s3ckpt.manager.retention.Retention`); it never deletes the checkpoint just
-  written, and its failures are logged, not raised.
+* **Retention** (``keep_last``, ``keep_every``) runs on rank 0 after each commit, where the
+  save ran (the checkpoint process, the save thread; after a synchronous save, here), once
+  the commit is reported (:class:`s3ckpt.catalog.run_retention.RunRetention`); it never
+  deletes the checkpoint just written, and its failures are logged, not raised.
 * **Metrics**: each commit gives a :class:`SaveMetrics`, logged at INFO on
   ``s3ckpt.manager``, kept in ``metrics`` and passed to ``on_saved``.
 * **Memory tier** (``memory_tier=MemoryTier(...)``, :mod:`s3ckpt.tier`, wired here by
@@ -50,7 +51,7 @@ rules:
   ranks, and from S3 otherwise; ``last_restore`` says which and what it cost.
 
 The class is the facade of these rules: it starts and closes what a run holds (the
-background saver, the memory tier, retention's thread) and owns the lifecycle (``prepare``,
+background saver, the memory tier) and owns the lifecycle (``prepare``,
 ``wait``, ``close``, the context manager, the process it was made in); the save path is
 :class:`~s3ckpt.manager.saving.Saving`'s and the load path
 :class:`~s3ckpt.manager.loading.Loading`'s, each handed what it needs at construction.
@@ -70,6 +71,7 @@ import torch.distributed as dist
 from s3ckpt.background.process import DEFAULT_TIMEOUT_S
 from s3ckpt.background.ranks import Ranks
 from s3ckpt.background.saver import BackgroundSaver, state_bytes
+from s3ckpt.catalog.run_retention import RunRetention
 from s3ckpt.config import S3URI, S3Config, check_key_room, make_config
 from s3ckpt.dcp.compat import group_timeout
 from s3ckpt.dcp.writer import longest_name
@@ -78,7 +80,6 @@ from s3ckpt.manager import memory_tier as tiering
 from s3ckpt.manager.committed import CommittedSteps
 from s3ckpt.manager.loading import Loading
 from s3ckpt.manager.policy import AsyncMode, IfBusy, SaveMetrics, checkpoint_name, validate_options
-from s3ckpt.manager.retention import Retention
 from s3ckpt.manager.saving import Saving
 from s3ckpt.s3.client import prepare_client
 from s3ckpt.tier.options import MemoryTier
@@ -162,19 +163,21 @@ class CheckpointManager:
         self._tier = tiering.rank_tier(
             memory_tier, self.location, self._ranks, process_group, timeout_s
         )
+        retention = RunRetention(self.location, self.config, keep_last, keep_every)
+        retains = retention if retention.enabled and self._ranks.rank == 0 else None
         # a save's future brings back only the state's bytes (for its metrics), not DCP's
         # metadata: the checkpoint process would send it to this process to unpickle
         self._saves = (
             None if async_mode == "sync"
             else BackgroundSaver(
                 async_mode, process_group, reply=state_bytes, config=self.config,
-                timeout_s=timeout_s, **tiering.saver_memory(self._tier, memory_tier),
+                retention=retains, timeout_s=timeout_s,
+                **tiering.saver_memory(self._tier, memory_tier),
             )
         )  # fmt: skip
-        self._retention = Retention(self.location, self.config, keep_last, keep_every)
         self._committed = CommittedSteps(self.location, self.config, self._ranks)
         self._saving = Saving(
-            self.location, self.config, self._ranks, self._committed, self._retention,
+            self.location, self.config, self._ranks, self._committed, retains,
             self._saves, self._tier, memory_tier=memory_tier, if_busy=if_busy,
             overwrite=overwrite, writer_options=writer_options, on_saved=on_saved,
             max_metrics=max_metrics,
@@ -382,7 +385,8 @@ class CheckpointManager:
         """
         self._check_process()
         metrics = self._saving.settle()
-        self._retention.wait()
+        if self._saves is not None:
+            self._saves.wait_retained()
         return metrics
 
     def close(self) -> None:
@@ -396,10 +400,9 @@ class CheckpointManager:
             self.wait()
         finally:
             try:
-                if self._saves is not None:  # first: its bookkeeping may start a retention
+                if self._saves is not None:
                     self._saves.close()
             finally:
-                self._retention.close()
                 if self._tier is not None:
                     self._tier.close()
 

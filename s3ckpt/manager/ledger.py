@@ -3,7 +3,7 @@
 A background save ends on the thread that resolves its future (the checkpoint process's
 reader, or the upload thread), not in the training loop. The ledger does what follows
 there: the save's metrics (kept and handed to ``on_saved``), the step counted as
-committed and the retention after it on rank 0, or the failure kept for the loop's next
+committed, or the failure kept for the loop's next
 ``save`` or ``wait`` to raise, once. A save held only in the memory tier is recorded
 without a commit. The training loop's thread reads the ledger only through
 :meth:`SaveLedger.raise_failure` (:meth:`~s3ckpt.manager.saving.Saving.settle`), and
@@ -25,7 +25,6 @@ from s3ckpt.dcp.compat import unwrap
 from s3ckpt.errors import CheckpointExistsError, S3CkptError
 from s3ckpt.manager.committed import CommittedSteps
 from s3ckpt.manager.policy import SaveMetrics, checkpoint_name
-from s3ckpt.manager.retention import Retention
 
 log = logging.getLogger("s3ckpt.manager")
 
@@ -57,12 +56,10 @@ class InFlight:
 
 
 class SaveLedger:
-    """Metrics, committed steps, retention and the pending failure of one manager's saves.
+    """Metrics, committed steps and the pending failure of one manager's saves.
 
     Args:
         committed: the steps known committed; each commit adds its step.
-        retention: run on rank 0 after each commit.
-        rank: this rank.
         max_metrics: how many recent :class:`SaveMetrics` ``metrics`` keeps.
         on_saved: called with each save's metrics as it ends; the attribute may be replaced at any
             time (the manager's ``on_saved`` property sets it).
@@ -71,12 +68,10 @@ class SaveLedger:
     def __init__(
         self,
         committed: CommittedSteps,
-        retention: Retention,
-        rank: int,
         max_metrics: int,
         on_saved: Callable[[SaveMetrics], None] | None,
     ) -> None:
-        self._committed, self._retention, self._rank = committed, retention, rank
+        self._committed = committed
         self.metrics: deque[SaveMetrics] = deque(maxlen=max_metrics)
         self.on_saved = on_saved  # read as each save ends: the manager's ``on_saved`` sets it
         self._lock = threading.Lock()
@@ -116,8 +111,6 @@ class SaveLedger:
         metrics = SaveMetrics.of(step, blocked, upload, nbytes, waited, **(tier_times or {}))
         self._committed.add([step])
         self._record(metrics)
-        if self._rank == 0:
-            self._retention.after_commit(step)
         return metrics
 
     def _record(self, metrics: SaveMetrics) -> None:
@@ -132,7 +125,7 @@ class SaveLedger:
                 log.exception("on_saved callback failed for step %d", metrics.step)
 
     def _held_ok(self, inflight: InFlight) -> SaveMetrics:
-        """Bookkeeping of a save held in memory only (no commit, no retention)."""
+        """Bookkeeping of a save held in memory only (no commit)."""
         metrics = SaveMetrics.of(
             inflight.step, inflight.blocked_s, 0.0, inflight.nbytes, inflight.waited_s,
             **inflight.tier_times(), to_s3=False,

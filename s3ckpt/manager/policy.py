@@ -1,5 +1,5 @@
 """The torch-free half of :class:`~s3ckpt.manager.CheckpointManager`: names, options and
-metrics (retention is :mod:`s3ckpt.manager.retention`'s). How steps are named is
+metrics (retention is :mod:`s3ckpt.catalog.run_retention`'s). How steps are named is
 :mod:`s3ckpt.catalog.steps`'s, shared with every other reader of steps.
 
 Kept apart so that the rules a training run depends on (how steps are named and sorted,

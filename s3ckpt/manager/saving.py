@@ -4,8 +4,8 @@ background save started (or the synchronous ``dcp.save`` done).
 It owns what a save decides and leaves behind: the skip-or-wait policy (``if_busy``,
 agreed across ranks), whether a committed step is saved over (``overwrite``, a rollback's
 abandoned steps), the one save in flight, and the :class:`~s3ckpt.manager.ledger.SaveLedger`
-that records each save as it ends (metrics, ``on_saved``, committed steps, retention, the
-failure raised once by :meth:`Saving.settle`). The background saver, the memory tier and
+that records each save as it ends (metrics, ``on_saved``, committed steps, the failure
+raised once by :meth:`Saving.settle`). The background saver, the memory tier and
 the committed steps are the manager's, handed in at construction.
 """
 
@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 
 from s3ckpt.background.ranks import Ranks
 from s3ckpt.background.saver import BackgroundSaver, state_bytes
+from s3ckpt.catalog.run_retention import RunRetention
 from s3ckpt.config import S3URI, S3Config
 from s3ckpt.dcp.compat import unwrap
 from s3ckpt.dcp.failure import reraise as _reraise
@@ -30,7 +31,6 @@ from s3ckpt.manager import memory_tier as tiering
 from s3ckpt.manager.committed import CommittedSteps
 from s3ckpt.manager.ledger import InFlight, SaveLedger
 from s3ckpt.manager.policy import IfBusy, SaveMetrics, checkpoint_name
-from s3ckpt.manager.retention import Retention
 from s3ckpt.tier.options import MemoryTier
 from s3ckpt.tier.rank import RankTier
 
@@ -44,7 +44,8 @@ class Saving:
         location, config: the run's ``s3://bucket/run`` and its connection.
         ranks: the ranks that save together.
         committed: the steps known committed (shared with the load path).
-        retention: run on rank 0 after each commit.
+        retention: the run's retention, on rank 0 (else None): after a synchronous save,
+            applied here (a background save's engine applies it).
         saves: the background saver (None: ``async_mode="sync"``, ``dcp.save`` here).
         tier: this rank's memory tier, or None.
         memory_tier, if_busy, overwrite, writer_options, on_saved, max_metrics: the
@@ -57,7 +58,7 @@ class Saving:
         config: S3Config,
         ranks: Ranks,
         committed: CommittedSteps,
-        retention: Retention,
+        retention: RunRetention | None,
         saves: BackgroundSaver | None,
         tier: RankTier | None,
         *,
@@ -72,7 +73,8 @@ class Saving:
         self._committed, self._saves, self._tier = committed, saves, tier
         self._memory_tier = memory_tier
         self.if_busy, self.overwrite, self.writer_options = if_busy, overwrite, writer_options
-        self.ledger = SaveLedger(committed, retention, ranks.rank, max_metrics, on_saved)
+        self._retention = retention
+        self.ledger = SaveLedger(committed, max_metrics, on_saved)
         self._inflight: InFlight | None = None
 
     @property
@@ -162,4 +164,6 @@ class Saving:
         elapsed = time.perf_counter() - started
         nbytes = state_bytes(metadata)
         self.ledger.committed_ok(step, nbytes, time.perf_counter() - t0, elapsed, waited)
+        if self._retention is not None and writer.location is not None:
+            self._retention.after_commit(writer.location)
         return True

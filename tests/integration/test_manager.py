@@ -75,13 +75,19 @@ def test_staging_buffers_are_reused_without_mixing_saves(s3_prefix, s3_options):
         assert [m.step for m in manager.metrics] == [1, 2, 3]
 
 
-def test_retention_keeps_last_and_every_and_foreign_checkpoints(s3_prefix, s3_options, local_s3):
+@pytest.mark.parametrize("mode", ["process", "thread", "sync"])
+def test_retention_keeps_last_and_every_and_foreign_checkpoints(
+    s3_prefix, s3_options, local_s3, mode
+):
+    """Applied where each mode's save runs (the checkpoint process, the save thread, the
+    manager), and done once ``wait`` returns."""
     # A checkpoint the manager did not name is never its to delete.
     dcp.save(
         {"x": torch.ones(3)}, storage_writer=S3StorageWriter(f"{s3_prefix}/best", **s3_options)
     )
     state = {"x": torch.zeros(3)}
-    with CheckpointManager(s3_prefix, keep_last=2, keep_every=3, **s3_options) as manager:
+    options = {"keep_last": 2, "keep_every": 3, "async_mode": mode, **s3_options}
+    with CheckpointManager(s3_prefix, **options) as manager:
         for step in range(1, 8):
             manager.save(step, state)
         manager.wait()

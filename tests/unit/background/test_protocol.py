@@ -26,6 +26,7 @@ from s3ckpt.background.protocol import (
     Meeting,
     Ready,
     Replicated,
+    Retained,
     Saved,
     SaveRequest,
     Segments,
@@ -35,6 +36,8 @@ from s3ckpt.background.protocol import (
 )
 from s3ckpt.background.replicate import ReplicaExchange
 from s3ckpt.background.trainer_side import TrainerSide, process_environment
+from s3ckpt.catalog.run_retention import RunRetention
+from s3ckpt.config import S3URI
 from s3ckpt.errors import CheckpointProcessError, StoreStalledError
 
 
@@ -63,6 +66,9 @@ MESSAGES: list[Any] = [
         meeting=Meeting("10.0.0.1", 29511, "s3ckpt-checkpoint-process/3", 1, 2, 60.0),
         config=S3Config(endpoint_url="http://127.0.0.1:9000"),
         nice=10,
+        retention=RunRetention(
+            S3URI("bucket", "run"), S3Config(endpoint_url="http://127.0.0.1:9000"), 2, None
+        ),
     ),
     Hello(sys_path=[], log_level=logging.WARNING, meeting=None),
     SaveRequest(3, 1, b"\x80\x05state", None, None, HOLD, _reply),
@@ -76,6 +82,7 @@ MESSAGES: list[Any] = [
     Replicated(3),
     Saved(3, {"w": torch.Size([8, 8])}),
     Saved(4, None),
+    Retained(3),
 ]
 
 

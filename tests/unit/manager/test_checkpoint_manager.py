@@ -19,6 +19,7 @@ from s3ckpt.background import saver as saver_module
 from s3ckpt.background.saver import state_bytes
 from s3ckpt.catalog import CheckpointInfo
 from s3ckpt.catalog.run_listing import RunSteps, steps_named
+from s3ckpt.catalog.run_retention import retention_victims
 from s3ckpt.errors import BucketNotFoundError, CheckpointError, CheckpointExistsError, ConfigError
 from s3ckpt.manager import committed as committed_module
 from s3ckpt.manager import loading as loading_module
@@ -29,7 +30,6 @@ from s3ckpt.manager.policy import (
     checkpoint_name,
     parse_step,
 )
-from s3ckpt.manager.retention import retention_victims
 
 NOW = 1_000_000.0
 # How long a test waits for the manager's worker thread: a bound on a hang, never reached
@@ -411,9 +411,9 @@ def test_on_saved_gets_metrics_and_its_errors_do_not_escape(fake, caplog):
 def test_retention_runs_after_each_commit_protecting_the_new_step(fake, monkeypatch):
     removed: list[str] = []
     listing = [info(checkpoint_name(s), s) for s in (1, 2)]
-    monkeypatch.setattr(committed_module.catalog, "list_checkpoints", lambda *a, **k: listing)
+    monkeypatch.setattr("s3ckpt.catalog.run_retention.list_checkpoints", lambda *a, **k: listing)
     monkeypatch.setattr(
-        "s3ckpt.manager.retention.catalog.remove_checkpoint", lambda uri, **k: removed.append(uri)
+        "s3ckpt.catalog.run_retention.remove_checkpoint", lambda uri, **k: removed.append(uri)
     )
     manager = make(keep_last=1)
     assert manager.save(3, {}) is True
@@ -428,14 +428,14 @@ def test_retention_failures_are_logged_not_raised(fake, monkeypatch, caplog):
     def broken(*args: Any, **kwargs: Any) -> None:
         raise BucketNotFoundError("gone")
 
-    monkeypatch.setattr("s3ckpt.manager.retention.catalog.list_checkpoints", broken)
+    monkeypatch.setattr("s3ckpt.catalog.run_retention.list_checkpoints", broken)
     manager = make(keep_last=1)
     manager.save(3, {})
     with caplog.at_level(logging.WARNING, logger="s3ckpt.manager"):
         fake.commit()
         manager.wait()
     manager.close()
-    assert "retention after step 3" in caplog.text
+    assert "retention after step-0000000003" in caplog.text
 
 
 def test_busy_flag_tracks_the_upload(fake):

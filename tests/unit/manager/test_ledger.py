@@ -22,20 +22,9 @@ class Committed:
         self.added.extend(steps)
 
 
-class Retention:
-    def __init__(self) -> None:
-        self.after: list[int] = []
-
-    def after_commit(self, step: int) -> None:
-        self.after.append(step)
-
-
-def _ledger(
-    rank: int = 0, max_metrics: int = 10, on_saved: Any = None
-) -> tuple[SaveLedger, Committed, Retention]:
-    committed, retention = Committed(), Retention()
-    ledger = SaveLedger(committed, retention, rank, max_metrics, on_saved)
-    return ledger, committed, retention
+def _ledger(max_metrics: int = 10, on_saved: Any = None) -> tuple[SaveLedger, Committed]:
+    committed = Committed()
+    return SaveLedger(committed, max_metrics, on_saved), committed
 
 
 def _ended(
@@ -50,21 +39,19 @@ def _ended(
     return InFlight(step, future, time.perf_counter(), 0.01, 0.0, **kw)
 
 
-def test_a_commit_is_recorded_counted_and_retained_on_rank_0_only():
-    for rank in (0, 1):
-        ledger, committed, retention = _ledger(rank)
-        inflight = _ended(4, nbytes=2_000)
-        ledger.finished(inflight)
-        assert inflight.done.is_set()
-        assert inflight.metrics is not None and inflight.metrics.bytes == 2_000
-        assert list(ledger.metrics) == [inflight.metrics]
-        assert committed.added == [4]
-        assert retention.after == ([4] if rank == 0 else [])
+def test_a_commit_is_recorded_and_counted():
+    ledger, committed = _ledger()
+    inflight = _ended(4, nbytes=2_000)
+    ledger.finished(inflight)
+    assert inflight.done.is_set()
+    assert inflight.metrics is not None and inflight.metrics.bytes == 2_000
+    assert list(ledger.metrics) == [inflight.metrics]
+    assert committed.added == [4]
 
 
 def test_on_saved_is_read_as_each_save_ends_and_its_failure_is_only_logged(caplog):
     seen: list[tuple[str, int]] = []
-    ledger, _, _ = _ledger(max_metrics=2, on_saved=lambda m: seen.append(("first", m.step)))
+    ledger, _ = _ledger(max_metrics=2, on_saved=lambda m: seen.append(("first", m.step)))
     ledger.finished(_ended(1))
     ledger.on_saved = lambda m: seen.append(("second", m.step))  # replaced between saves
     ledger.finished(_ended(2))
@@ -81,16 +68,16 @@ def test_on_saved_is_read_as_each_save_ends_and_its_failure_is_only_logged(caplo
 
 
 def test_a_save_held_only_in_memory_is_recorded_without_a_commit():
-    ledger, committed, retention = _ledger()
+    ledger, committed = _ledger()
     inflight = _ended(5, to_s3=False, nbytes=0)
     inflight.nbytes = 3_000
     ledger.finished(inflight)
     assert inflight.metrics is not None and inflight.metrics.bytes == 3_000
-    assert committed.added == [] and retention.after == []
+    assert committed.added == []
 
 
 def test_the_first_failure_is_raised_once_and_a_lost_race_is_not_one():
-    ledger, committed, _ = _ledger()
+    ledger, committed = _ledger()
     ledger.finished(_ended(6, error=CheckpointExistsError("committed by another")))
     ledger.raise_failure()  # nothing to raise
     assert committed.added == [6]

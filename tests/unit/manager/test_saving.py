@@ -42,10 +42,10 @@ class Committed:
 
 class Retention:
     def __init__(self) -> None:
-        self.after: list[int] = []
+        self.after: list[str] = []
 
-    def after_commit(self, step: int) -> None:
-        self.after.append(step)
+    def after_commit(self, checkpoint: Any) -> None:
+        self.after.append(str(checkpoint))
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ def test_a_sync_save_writes_the_step_and_records_its_commit(saved):
     assert metrics is None  # no background save: nothing in flight to settle
     (recorded,) = saving.ledger.metrics
     assert recorded.step == 3 and recorded.bytes == 1000
-    assert committed.steps == {3} and retention.after == [3]
+    assert committed.steps == {3} and retention.after == ["s3://bucket/run/step-0000000003"]
     assert not saving.busy
 
 

@@ -122,7 +122,7 @@ class ObjectStore(Listings, MultipartUploads):
     async def _put_once(self, key: str, body: Body, params: dict[str, Any]) -> str:
         """One try of :meth:`put`: the ETag."""
         try:
-            response = await self.requests.put_object(params)
+            response = await self.requests.try_put_object(params)
         except ClientError as exc:
             if "IfNoneMatch" in params and error_code(exc) in PRECONDITION_CODES:  # create
                 etag = await self._etag_if_holds(key, body)
@@ -143,7 +143,7 @@ class ObjectStore(Listings, MultipartUploads):
 
     async def _fetch(self, key: str) -> tuple[bytes, str]:
         """One GET of a whole object: its bytes and ETag."""
-        return await self.requests.get_object(key)
+        return await self.requests.try_get_object(key)
 
     async def _etag_if_holds(self, key: str, body: Body) -> str | None:
         """The ETag of ``key`` if it holds exactly ``body``, else None."""
@@ -176,7 +176,7 @@ class ObjectStore(Listings, MultipartUploads):
         self.requests.close_idle()
 
     async def head(self, key: str) -> ObjectMeta:
-        response = await self.requests.call("HeadObject", key, Key=key)
+        response = await self.requests.head_object(key)
         return ObjectMeta(
             key,
             int(response["ContentLength"]),
@@ -192,12 +192,12 @@ class ObjectStore(Listings, MultipartUploads):
         return True
 
     async def head_bucket(self) -> None:
-        await self.requests.call("HeadBucket", None)
+        await self.requests.head_bucket()
 
     async def server_time(self) -> float | None:
         """The store's clock, from the ``Date`` header of a ``HeadBucket`` response (seconds
         since the epoch, whole seconds); None when the store sent none, or an unreadable one."""
-        response = await self.requests.call("HeadBucket", None)
+        response = await self.requests.head_bucket()
         date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
         try:
             return parsedate_to_datetime(date).timestamp() if date else None
@@ -208,9 +208,7 @@ class ObjectStore(Listings, MultipartUploads):
         """Delete ``keys`` with batched DeleteObjects (1000 per request); missing keys are fine."""
         for i in range(0, len(keys), 1000):
             batch = [{"Key": k} for k in keys[i : i + 1000]]
-            response = await self.requests.call(
-                "DeleteObjects", batch[0]["Key"], Delete={"Objects": batch, "Quiet": True}
-            )
+            response = await self.requests.delete_objects(batch)
             errors = response.get("Errors") or []
             if errors:
                 first = errors[0]
@@ -241,7 +239,7 @@ class ObjectStore(Listings, MultipartUploads):
     async def _delete_once(self, key: str, etag: str) -> None:
         """One try of :meth:`delete_if_match`."""
         try:
-            await self.requests.request("DeleteObject", {"Key": key, "IfMatch": etag})
+            await self.requests.try_delete_object(key, if_match=etag)
         except ClientError as exc:
             if error_code(exc) not in PRECONDITION_CODES:
                 raise

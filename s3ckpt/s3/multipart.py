@@ -18,7 +18,7 @@ from s3ckpt.errors import StorageError
 from s3ckpt.s3.error_mapping import error_code
 from s3ckpt.s3.listing import Listings
 from s3ckpt.s3.operations import CompletedParts, Parsed
-from s3ckpt.s3.requests import Body, StorePart, flat
+from s3ckpt.s3.requests import Body, Retrying, StorePart, flat
 from s3ckpt.s3.wire.batch import NotSent
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class MultipartUploads(StorePart):
         async with self.requests.retrying("CreateMultipartUpload", key) as tries:
             while True:
                 try:
-                    response = await self.requests.try_create_multipart_upload(key)
+                    response = await self.requests.try_create_multipart_upload(key, tries)
                     break
                 except Exception as exc:
                     await tries.failed(exc)
@@ -90,7 +90,7 @@ class MultipartUploads(StorePart):
                 await tries.failed(first_try)
             while True:
                 try:
-                    response = await self.requests.try_upload_part(params)
+                    response = await self.requests.try_upload_part(params, tries)
                     break
                 except Exception as exc:
                     await tries.failed(exc)
@@ -142,25 +142,27 @@ class MultipartUploads(StorePart):
         async with self.requests.retrying("CompleteMultipartUpload", key) as tries:
             while True:
                 try:
-                    response = await self._complete_once(key, upload_id, entries, mode == "create")
+                    response = await self._complete_once(
+                        key, upload_id, entries, tries, create=mode == "create"
+                    )
                     break
                 except Exception as exc:
                     await tries.failed(exc)
         return str(response.get("ETag", ""))
 
     async def _complete_once(
-        self, key: str, upload_id: str, parts: CompletedParts, create: bool
+        self, key: str, upload_id: str, parts: CompletedParts, tries: Retrying, *, create: bool
     ) -> Parsed:
-        """One try of :meth:`complete_multipart`."""
+        """One try of :meth:`complete_multipart` among ``tries``."""
         try:
             return await self.requests.try_complete_multipart_upload(
-                key, upload_id, parts, create=create
+                key, upload_id, parts, tries, create=create
             )
         except ClientError as exc:
             # The upload is gone but the object is there: an earlier try completed it
             # and its response was lost. The key is unique to this save: it is ours.
             if error_code(exc) in ("NoSuchUpload", "404"):
-                landed = await self.requests.head_or_none(key)
+                landed = await self.requests.head_or_none(key, tries)
                 if landed is not None:
                     return landed
             raise

@@ -66,7 +66,9 @@ class Requests:
         """The retries of one ``operation`` on ``key``, for the loop that sends its
         tries: ``async with`` it, and after each failed try ``await`` its
         :meth:`~Retrying.failed`, which waits before the next try or ends the request.
-        Every failure leaves the block as an s3ckpt error."""
+        Every failure leaves the block as an s3ckpt error. Its tries go to the client it
+        looks up here (:attr:`Retrying.handle`: one look-up per request, again only before
+        a retry)."""
         handle = client_handle(self.config)
         policy = retry.RetryPolicy(
             max_attempts=self.config.max_attempts,
@@ -80,15 +82,18 @@ class Requests:
         return Retrying(self, operation, key, tries, handle)
 
     @contextlib.asynccontextmanager
-    async def _sending(self, operation: str) -> AsyncIterator[Transport]:
-        """The client's transport (:mod:`s3ckpt.s3.transport`), one of its request slots
-        held, for one try of ``operation``. The client is this process's for the
-        configuration and the AWS environment (:func:`~s3ckpt.s3.client.client_handle`:
+    async def _sending(
+        self, operation: str, handle: ClientHandle | None = None
+    ) -> AsyncIterator[Transport]:
+        """The transport (:mod:`s3ckpt.s3.transport`) of ``handle``'s client, one of its
+        request slots held, for one try of ``operation``: the client of the request's
+        tries (:attr:`Retrying.handle`), else this process's for the configuration and
+        the AWS environment, looked up now (:func:`~s3ckpt.s3.client.client_handle`:
         rotated credentials make a new one). The try is noted as the store's answer when
         it returns or fails with an S3 error response (which only a reachable endpoint
         sends), and as silence when it is stopped for silence or cancelled
         (:class:`~s3ckpt.s3.retry.StoreAnswers`, for stalls)."""
-        handle = client_handle(self.config)
+        handle = handle if handle is not None else client_handle(self.config)
         answers = handle.answers
         answers.asking()
         try:
@@ -108,11 +113,16 @@ class Requests:
         answers.note(f"{operation} OK")
 
     async def _try(
-        self, operation: str, key: str | None, send: Callable[[Transport], Awaitable[Parsed]]
+        self,
+        operation: str,
+        key: str | None,
+        tries: Retrying,
+        send: Callable[[Transport], Awaitable[Parsed]],
     ) -> Parsed:
-        """One try of ``operation``, which ``send`` makes through the transport, holding a
-        request slot; an answer that is a web page fails it. ``key``: the object it names."""
-        async with self._sending(operation) as transport:
+        """One try of ``operation`` among ``tries``, which ``send`` makes through the
+        transport, holding a request slot; an answer that is a web page fails it.
+        ``key``: the object it names."""
+        async with self._sending(operation, tries.handle) as transport:
             answer = await send(transport)
             check_s3_answer(operation, answer, self.bucket, key)  # no web pages
         return answer
@@ -130,61 +140,70 @@ class Requests:
         async with self.retrying(operation, key) as tries:
             while True:
                 try:
-                    return await self._try(operation, key if names_key else None, send)
+                    return await self._try(operation, key if names_key else None, tries, send)
                 except Exception as exc:
                     await tries.failed(exc)
 
     # -- one try, for the loops that hold their request's retries ------------------------
 
-    async def try_create_multipart_upload(self, key: str) -> Parsed:
-        """One try of CreateMultipartUpload, its parts to carry a CRC32C where the
-        configuration sends checksums."""
+    async def try_create_multipart_upload(self, key: str, tries: Retrying) -> Parsed:
+        """One try of CreateMultipartUpload among ``tries``, its parts to carry a CRC32C
+        where the configuration sends checksums."""
         checksum = self.config.checksums
         return await self._try(
             "CreateMultipartUpload",
             key,
+            tries,
             lambda t: t.create_multipart_upload(self.bucket, key, checksum=checksum),
         )
 
     async def try_complete_multipart_upload(
-        self, key: str, upload_id: str, parts: CompletedParts, *, create: bool
+        self, key: str, upload_id: str, parts: CompletedParts, tries: Retrying, *, create: bool
     ) -> Parsed:
-        """One try of CompleteMultipartUpload (``create``: only where ``key`` is absent)."""
+        """One try of CompleteMultipartUpload among ``tries`` (``create``: only where
+        ``key`` is absent)."""
         return await self._try(
             "CompleteMultipartUpload",
             key,
+            tries,
             lambda t: t.complete_multipart_upload(
                 self.bucket, key, upload_id, parts, create=create
             ),
         )
 
-    async def try_delete_object(self, key: str, *, if_match: str | None) -> Parsed:
-        """One try of DeleteObject (``if_match``: only while its ETag is that)."""
+    async def try_delete_object(self, key: str, tries: Retrying, *, if_match: str | None) -> Parsed:
+        """One try of DeleteObject among ``tries`` (``if_match``: only while its ETag is
+        that)."""
         return await self._try(
-            "DeleteObject", key, lambda t: t.delete_object(self.bucket, key, if_match=if_match)
+            "DeleteObject",
+            key,
+            tries,
+            lambda t: t.delete_object(self.bucket, key, if_match=if_match),
         )
 
-    async def head_or_none(self, key: str) -> Parsed | None:
-        """One HEAD inside an attempt: the response, or None if the key is absent."""
+    async def head_or_none(self, key: str, tries: Retrying) -> Parsed | None:
+        """One HEAD inside a try of ``tries``: the response, or None if the key is absent."""
         try:
-            return await self._try("HeadObject", key, lambda t: t.head_object(self.bucket, key))
+            return await self._try(
+                "HeadObject", key, tries, lambda t: t.head_object(self.bucket, key)
+            )
         except ClientError as exc:
             if error_code(exc) in ("NoSuchKey", "404", "NotFound"):
                 return None
             raise
 
-    async def try_put_object(self, params: dict[str, Any]) -> dict[str, Any]:
-        """One try of PutObject (``params`` as the client takes them), holding a request
-        slot."""
-        async with self._sending("PutObject") as transport:
+    async def try_put_object(self, params: dict[str, Any], tries: Retrying) -> dict[str, Any]:
+        """One try of PutObject among ``tries`` (``params`` as the client takes them),
+        holding a request slot."""
+        async with self._sending("PutObject", tries.handle) as transport:
             answer = await transport.put_object(self.bucket, params)
             check_s3_answer("PutObject", answer, self.bucket, params.get("Key"))  # no web pages
         return answer
 
-    async def try_upload_part(self, params: dict[str, Any]) -> dict[str, Any]:
-        """One try of UploadPart (``params`` as the client takes them), holding a request
-        slot."""
-        async with self._sending("UploadPart") as transport:
+    async def try_upload_part(self, params: dict[str, Any], tries: Retrying) -> dict[str, Any]:
+        """One try of UploadPart among ``tries`` (``params`` as the client takes them),
+        holding a request slot."""
+        async with self._sending("UploadPart", tries.handle) as transport:
             answer = await transport.upload_part(self.bucket, params)
             check_s3_answer("UploadPart", answer, self.bucket, params.get("Key"))  # no web pages
         return answer
@@ -221,7 +240,7 @@ class Requests:
                 answers.note("UploadPart OK")
         return outcomes
 
-    async def try_get_object(self, key: str) -> tuple[bytes, str]:
+    async def get_object(self, key: str) -> tuple[bytes, str]:
         """One GET of a whole (small) object, holding a request slot: its bytes and ETag."""
         async with self._sending("GetObject") as transport:
             return await transport.get_object(self.bucket, key)
@@ -372,6 +391,9 @@ class Retrying:
         raise where there is none (``failure`` itself where no retry can fix it)."""
         delay = self.tries.after(failure, endpoint_answered=self.handle.answered)
         await asyncio.sleep(delay)
+        # The next try goes to the client current now: credentials rotated in the AWS
+        # environment while this request retried are the next try's.
+        self.handle = client_handle(self.requests.config)
 
     async def __aenter__(self) -> Retrying:
         config = self.requests.config

@@ -35,7 +35,7 @@ from s3ckpt.s3 import retry
 from s3ckpt.s3.error_mapping import PRECONDITION_CODES, error_code
 from s3ckpt.s3.listing import Listings, ObjectMeta, PendingUpload
 from s3ckpt.s3.multipart import MultipartUploads, PartResult, crc32c_header
-from s3ckpt.s3.requests import Body, Requests, flat
+from s3ckpt.s3.requests import Body, Requests, Retrying, flat
 from s3ckpt.s3.wire import RangeSink, ResumingSink
 
 
@@ -115,14 +115,14 @@ class ObjectStore(Listings, MultipartUploads):
         async with self.requests.retrying("PutObject", key) as tries:
             while True:
                 try:
-                    return await self._put_once(key, body, params)
+                    return await self._put_once(key, body, params, tries)
                 except Exception as exc:
                     await tries.failed(exc)
 
-    async def _put_once(self, key: str, body: Body, params: dict[str, Any]) -> str:
-        """One try of :meth:`put`: the ETag."""
+    async def _put_once(self, key: str, body: Body, params: dict[str, Any], tries: Retrying) -> str:
+        """One try of :meth:`put` among ``tries``: the ETag."""
         try:
-            response = await self.requests.try_put_object(params)
+            response = await self.requests.try_put_object(params, tries)
         except ClientError as exc:
             if "IfNoneMatch" in params and error_code(exc) in PRECONDITION_CODES:  # create
                 etag = await self._etag_if_holds(key, body)
@@ -143,7 +143,7 @@ class ObjectStore(Listings, MultipartUploads):
 
     async def _fetch(self, key: str) -> tuple[bytes, str]:
         """One GET of a whole object: its bytes and ETag."""
-        return await self.requests.try_get_object(key)
+        return await self.requests.get_object(key)
 
     async def _etag_if_holds(self, key: str, body: Body) -> str | None:
         """The ETag of ``key`` if it holds exactly ``body``, else None."""
@@ -232,18 +232,18 @@ class ObjectStore(Listings, MultipartUploads):
         async with self.requests.retrying("DeleteObject", key) as tries:
             while True:
                 try:
-                    return await self._delete_once(key, etag)
+                    return await self._delete_once(key, etag, tries)
                 except Exception as exc:
                     await tries.failed(exc)
 
-    async def _delete_once(self, key: str, etag: str) -> None:
-        """One try of :meth:`delete_if_match`."""
+    async def _delete_once(self, key: str, etag: str, tries: Retrying) -> None:
+        """One try of :meth:`delete_if_match` among ``tries``."""
         try:
-            await self.requests.try_delete_object(key, if_match=etag)
+            await self.requests.try_delete_object(key, tries, if_match=etag)
         except ClientError as exc:
             if error_code(exc) not in PRECONDITION_CODES:
                 raise
-            if await self.requests.head_or_none(key) is not None:
+            if await self.requests.head_or_none(key, tries) is not None:
                 raise
 
 

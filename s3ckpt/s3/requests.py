@@ -195,18 +195,16 @@ class Requests:
     async def try_put_object(self, params: dict[str, Any], tries: Retrying) -> dict[str, Any]:
         """One try of PutObject among ``tries`` (``params`` as the client takes them),
         holding a request slot."""
-        async with self._sending("PutObject", tries.handle) as transport:
-            answer = await transport.put_object(self.bucket, params)
-            check_s3_answer("PutObject", answer, self.bucket, params.get("Key"))  # no web pages
-        return answer
+        return await self._try(
+            "PutObject", params.get("Key"), tries, lambda t: t.put_object(self.bucket, params)
+        )
 
     async def try_upload_part(self, params: dict[str, Any], tries: Retrying) -> dict[str, Any]:
         """One try of UploadPart among ``tries`` (``params`` as the client takes them),
         holding a request slot."""
-        async with self._sending("UploadPart", tries.handle) as transport:
-            answer = await transport.upload_part(self.bucket, params)
-            check_s3_answer("UploadPart", answer, self.bucket, params.get("Key"))  # no web pages
-        return answer
+        return await self._try(
+            "UploadPart", params.get("Key"), tries, lambda t: t.upload_part(self.bucket, params)
+        )
 
     async def try_parts(
         self, key: str, upload_id: str, parts: list[tuple[int, memoryview, str | None]]

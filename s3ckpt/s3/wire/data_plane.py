@@ -113,9 +113,11 @@ class DataPlane:
 
     async def head_object(self, bucket: str, key: str) -> Parsed:
         return await self._either(
-            bucket, "HeadObject", operations.head_object(key),
+            bucket,
+            "HeadObject",
+            operations.head_object(key),
             lambda: self.client_transport.head_object(bucket, key),
-        )  # fmt: skip
+        )
 
     async def head_bucket(self, bucket: str) -> Parsed:
         return await self._either(
@@ -124,33 +126,39 @@ class DataPlane:
 
     async def create_multipart_upload(self, bucket: str, key: str, *, checksum: bool) -> Parsed:
         return await self._either(
-            bucket, "CreateMultipartUpload",
+            bucket,
+            "CreateMultipartUpload",
             operations.create_multipart_upload(key, checksum=checksum),
             lambda: self.client_transport.create_multipart_upload(bucket, key, checksum=checksum),
-        )  # fmt: skip
+        )
 
     async def complete_multipart_upload(
         self, bucket: str, key: str, upload_id: str, parts: CompletedParts, *, create: bool
     ) -> Parsed:
         return await self._either(
-            bucket, "CompleteMultipartUpload",
+            bucket,
+            "CompleteMultipartUpload",
             operations.complete_multipart_upload(key, upload_id, parts, create=create),
             lambda: self.client_transport.complete_multipart_upload(
                 bucket, key, upload_id, parts, create=create
             ),
-        )  # fmt: skip
+        )
 
     async def list_objects(self, bucket: str, prefix: str, **page: str | None) -> Parsed:
         return await self._either(
-            bucket, "ListObjectsV2", operations.list_objects(prefix, **page),
+            bucket,
+            "ListObjectsV2",
+            operations.list_objects(prefix, **page),
             lambda: self.client_transport.list_objects(bucket, prefix, **page),
-        )  # fmt: skip
+        )
 
     async def delete_objects(self, bucket: str, objects: ObjectIds) -> Parsed:
         return await self._either(
-            bucket, "DeleteObjects", operations.delete_objects(objects),
+            bucket,
+            "DeleteObjects",
+            operations.delete_objects(objects),
             lambda: self.client_transport.delete_objects(bucket, objects),
-        )  # fmt: skip
+        )
 
     async def abort_multipart_upload(self, bucket: str, key: str, upload_id: str) -> Parsed:
         return await self.client_transport.abort_multipart_upload(bucket, key, upload_id)

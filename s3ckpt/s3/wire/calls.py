@@ -48,8 +48,8 @@ from s3ckpt.s3.wire.uploads import Redirected, request_head, signing_credentials
 
 
 class SignedCalls:
-    """Requests without a body of their own to ``client``'s buckets and objects, on the
-    data plane."""
+    """A save's requests other than its uploads (those :class:`~.data_plane.DataPlane`
+    sends here), to ``client``'s buckets and objects, signed on the data plane."""
 
     def __init__(
         self,

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from s3ckpt.s3 import get_attempt
-from s3ckpt.s3.compat_botocore import operation_method
+from s3ckpt.s3 import get_attempt, operations
 from s3ckpt.s3.error_mapping import check_s3_answer
+from s3ckpt.s3.operations import CompletedParts, ObjectIds, Parsed
 from s3ckpt.s3.wire import RangeSink
 
 
@@ -22,14 +22,74 @@ class AiobotocoreTransport:
         self.client = client
         self.endpoint = endpoint
 
-    async def request(self, bucket: str, operation: str, params: dict[str, Any]) -> dict[str, Any]:
-        return await operation_method(self.client, operation)(Bucket=bucket, **params)
+    async def head_object(self, bucket: str, key: str) -> Parsed:
+        return await self.client.head_object(Bucket=bucket, **operations.head_object(key))
+
+    async def head_bucket(self, bucket: str) -> Parsed:
+        return await self.client.head_bucket(Bucket=bucket)
+
+    async def create_multipart_upload(self, bucket: str, key: str, *, checksum: bool) -> Parsed:
+        params = operations.create_multipart_upload(key, checksum=checksum)
+        return await self.client.create_multipart_upload(Bucket=bucket, **params)
+
+    async def complete_multipart_upload(
+        self, bucket: str, key: str, upload_id: str, parts: CompletedParts, *, create: bool
+    ) -> Parsed:
+        params = operations.complete_multipart_upload(key, upload_id, parts, create=create)
+        return await self.client.complete_multipart_upload(Bucket=bucket, **params)
+
+    async def abort_multipart_upload(self, bucket: str, key: str, upload_id: str) -> Parsed:
+        params = operations.abort_multipart_upload(key, upload_id)
+        return await self.client.abort_multipart_upload(Bucket=bucket, **params)
+
+    async def list_objects(self, bucket: str, prefix: str, **page: str | None) -> Parsed:
+        params = operations.list_objects(prefix, **page)
+        return await self.client.list_objects_v2(Bucket=bucket, **params)
+
+    async def list_multipart_uploads(self, bucket: str, prefix: str, **page: str | None) -> Parsed:
+        params = operations.list_multipart_uploads(prefix, **page)
+        return await self.client.list_multipart_uploads(Bucket=bucket, **params)
+
+    async def list_object_versions(self, bucket: str, prefix: str, **page: str | None) -> Parsed:
+        params = operations.list_object_versions(prefix, **page)
+        return await self.client.list_object_versions(Bucket=bucket, **params)
+
+    async def copy_object(
+        self, bucket: str, key: str, source_bucket: str, source_key: str
+    ) -> Parsed:
+        params = operations.copy_object(key, source_bucket, source_key)
+        return await self.client.copy_object(Bucket=bucket, **params)
+
+    async def upload_part_copy(
+        self,
+        bucket: str,
+        key: str,
+        upload_id: str,
+        part_number: int,
+        source: tuple[str, str, int, int],
+    ) -> Parsed:
+        params = operations.upload_part_copy(key, upload_id, part_number, source)
+        return await self.client.upload_part_copy(Bucket=bucket, **params)
+
+    async def delete_object(self, bucket: str, key: str, *, if_match: str | None) -> Parsed:
+        params = operations.delete_object(key, if_match=if_match)
+        return await self.client.delete_object(Bucket=bucket, **params)
+
+    async def delete_objects(self, bucket: str, objects: ObjectIds) -> Parsed:
+        params = operations.delete_objects(objects)
+        return await self.client.delete_objects(Bucket=bucket, **params)
+
+    async def get_bucket_versioning(self, bucket: str) -> Parsed:
+        return await self.client.get_bucket_versioning(Bucket=bucket)
+
+    async def get_bucket_lifecycle_configuration(self, bucket: str) -> Parsed:
+        return await self.client.get_bucket_lifecycle_configuration(Bucket=bucket)
 
     async def put_object(self, bucket: str, params: dict[str, Any]) -> dict[str, Any]:
-        return await self.request(bucket, "PutObject", params)
+        return await self.client.put_object(Bucket=bucket, **params)
 
     async def upload_part(self, bucket: str, params: dict[str, Any]) -> dict[str, Any]:
-        return await self.request(bucket, "UploadPart", params)
+        return await self.client.upload_part(Bucket=bucket, **params)
 
     def sends_batches(self) -> bool:
         return False

@@ -26,8 +26,6 @@ The internals s3ckpt relies on, each behind a function here:
   ``decode_list_object_v2`` (listings asked with ``EncodingType=url``)
   (:class:`SerializedRequest`, :func:`serialized`, :func:`answer_status`,
   :func:`escaped_xml`, :func:`decoded_listing`; :mod:`s3ckpt.s3.wire.calls`);
-* ``botocore.xform_name``, the client method of an API operation (``HeadObject`` ->
-  ``head_object``; :func:`operation_method`, :mod:`s3ckpt.s3.requests`);
 * ``botocore.httpsession``'s ``create_urllib3_context`` and ``get_cert_path``, from which
   botocore's HTTP session, and aiobotocore's, derive their TLS context and CA bundle
   (:func:`default_tls_context`, :func:`ca_bundle`: the ranged GETs and the TLS upload
@@ -65,7 +63,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from botocore import exceptions as bce
-from botocore import handlers, xform_name
+from botocore import handlers
 from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest, HeadersDict
 from botocore.configprovider import ConfiguredEndpointProvider
@@ -170,12 +168,6 @@ def ignored_s3_endpoint(profile: str | None) -> str | None:
     nested = Session(profile=profile).get_scoped_config().get("s3")
     found = nested.get("endpoint_url") if isinstance(nested, dict) else None
     return str(found) if found else None
-
-
-def operation_method(client: Any, operation: str) -> Callable[..., Any]:
-    """The method of ``client`` that calls the API operation ``operation``."""
-    method: Callable[..., Any] = getattr(client, xform_name(operation))
-    return method
 
 
 def sign_s3(
@@ -366,7 +358,6 @@ __all__ = [
     "note_endpoints",
     "on_before_send",
     "on_before_sign",
-    "operation_method",
     "read_timeout",
     "serialized",
     "serializer",

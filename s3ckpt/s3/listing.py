@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 from s3ckpt.errors import StorageError
 from s3ckpt.s3.requests import StorePart
@@ -54,12 +53,10 @@ class Listings(StorePart):
         followed with ``StartAfter`` its last key; one that gives neither ends the listing
         with an error rather than asking for the same page forever.
         """
-        base: dict[str, Any] = {"Prefix": prefix}
-        if delimiter:
-            base["Delimiter"] = delimiter
-        params, seen = dict(base), set()
+        page: dict[str, str] = {}  # where the next page starts
+        seen = set()
         while True:
-            response = await self.requests.call("ListObjectsV2", None, **params)
+            response = await self.requests.list_objects(prefix, delimiter=delimiter, **page)
             contents = response.get("Contents", [])
             for item in contents:
                 yield ObjectMeta(
@@ -75,14 +72,13 @@ class Listings(StorePart):
                     yield folder
             if not response.get("IsTruncated"):
                 return
-            params = dict(base)
             # Past a folder means past every key in it: U+10FFFF sorts after any of them.
             ends = [*(c["Key"] for c in contents), *(f + _LAST_CHARACTER for f in folders)]
             last = max(ends, default=None)
             if response.get("NextContinuationToken"):
-                params["ContinuationToken"] = response["NextContinuationToken"]
+                page = {"continuation_token": response["NextContinuationToken"]}
             elif last is not None:
-                params["StartAfter"] = last
+                page = {"start_after": last}
             else:
                 raise _stuck_listing("ListObjectsV2", self.requests.bucket, prefix)
 
@@ -90,11 +86,11 @@ class Listings(StorePart):
         key_marker: str | None = None
         upload_marker: str | None = None
         while True:
-            params: dict[str, Any] = {"Prefix": prefix}
-            if key_marker:
-                params["KeyMarker"] = key_marker
-                params["UploadIdMarker"] = upload_marker or ""
-            response = await self.requests.call("ListMultipartUploads", None, **params)
+            response = await self.requests.list_multipart_uploads(
+                prefix,
+                key_marker=key_marker or None,
+                upload_id_marker=(upload_marker or "") if key_marker else None,
+            )
             for item in response.get("Uploads", []):
                 yield PendingUpload(item["Key"], item["UploadId"], item.get("Initiated"))
             if not response.get("IsTruncated"):

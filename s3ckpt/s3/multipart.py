@@ -17,7 +17,8 @@ from botocore.exceptions import ClientError
 from s3ckpt.errors import StorageError
 from s3ckpt.s3.error_mapping import error_code
 from s3ckpt.s3.listing import Listings
-from s3ckpt.s3.requests import Body, StorePart, flat
+from s3ckpt.s3.operations import CompletedParts, Parsed
+from s3ckpt.s3.requests import Body, Retrying, StorePart, flat
 from s3ckpt.s3.wire.batch import NotSent
 
 log = logging.getLogger(__name__)
@@ -46,14 +47,10 @@ class MultipartUploads(StorePart):
     through its ``requests``."""
 
     async def create_multipart(self, key: str) -> str:
-        params: dict[str, Any] = {"Key": key}
-        if self.requests.config.checksums:
-            params["ChecksumAlgorithm"] = "CRC32C"
-
         async with self.requests.retrying("CreateMultipartUpload", key) as tries:
             while True:
                 try:
-                    response = await self.requests.request("CreateMultipartUpload", params)
+                    response = await self.requests.try_create_multipart_upload(key, tries)
                     break
                 except Exception as exc:
                     await tries.failed(exc)
@@ -93,7 +90,7 @@ class MultipartUploads(StorePart):
                 await tries.failed(first_try)
             while True:
                 try:
-                    response = await self.requests.upload_part(params)
+                    response = await self.requests.try_upload_part(params, tries)
                     break
                 except Exception as exc:
                     await tries.failed(exc)
@@ -141,34 +138,31 @@ class MultipartUploads(StorePart):
         *,
         mode: Literal["overwrite", "create"] = "overwrite",
     ) -> str:
-        params: dict[str, Any] = {
-            "Key": key,
-            "UploadId": upload_id,
-            "MultipartUpload": {
-                "Parts": [p.as_complete_entry() for p in sorted(parts, key=lambda p: p.part_number)]
-            },
-        }
-        if mode == "create":
-            params["IfNoneMatch"] = "*"
-
+        entries = [p.as_complete_entry() for p in sorted(parts, key=lambda p: p.part_number)]
         async with self.requests.retrying("CompleteMultipartUpload", key) as tries:
             while True:
                 try:
-                    response = await self._complete_once(key, params)
+                    response = await self._complete_once(
+                        key, upload_id, entries, tries, create=mode == "create"
+                    )
                     break
                 except Exception as exc:
                     await tries.failed(exc)
         return str(response.get("ETag", ""))
 
-    async def _complete_once(self, key: str, params: dict[str, Any]) -> dict[str, Any]:
-        """One try of :meth:`complete_multipart`."""
+    async def _complete_once(
+        self, key: str, upload_id: str, parts: CompletedParts, tries: Retrying, *, create: bool
+    ) -> Parsed:
+        """One try of :meth:`complete_multipart` among ``tries``."""
         try:
-            return await self.requests.request("CompleteMultipartUpload", params)
+            return await self.requests.try_complete_multipart_upload(
+                key, upload_id, parts, tries, create=create
+            )
         except ClientError as exc:
             # The upload is gone but the object is there: an earlier try completed it
             # and its response was lost. The key is unique to this save: it is ours.
             if error_code(exc) in ("NoSuchUpload", "404"):
-                landed = await self.requests.head_or_none(key)
+                landed = await self.requests.head_or_none(key, tries)
                 if landed is not None:
                     return landed
             raise
@@ -176,7 +170,7 @@ class MultipartUploads(StorePart):
     async def abort_multipart(self, key: str, upload_id: str) -> None:
         """Abort an upload; an upload that is already gone counts as aborted."""
         try:
-            await self.requests.call("AbortMultipartUpload", key, Key=key, UploadId=upload_id)
+            await self.requests.abort_multipart_upload(key, upload_id)
         except StorageError as exc:
             if exc.code not in ("NoSuchUpload", "404"):
                 raise
@@ -186,8 +180,7 @@ class MultipartUploads(StorePart):
     async def copy(self, key: str, source_bucket: str, source_key: str) -> str:
         """Copy ``source_bucket/source_key`` (at most 5 GiB) to ``key`` inside the store
         (CopyObject): no byte leaves the server. Returns the new object's ETag."""
-        source = {"Bucket": source_bucket, "Key": source_key}
-        response = await self.requests.call("CopyObject", key, Key=key, CopySource=source)
+        response = await self.requests.copy_object(key, source_bucket, source_key)
         return str(response.get("CopyObjectResult", {}).get("ETag", ""))
 
     async def upload_part_copy(
@@ -200,15 +193,6 @@ class MultipartUploads(StorePart):
         """One part of a multipart upload copied server-side (UploadPartCopy) from bytes
         ``[start, end)`` of ``source = (bucket, key, start, end)``: how objects over
         CopyObject's 5 GiB limit are copied."""
-        bucket, source_key, start, end = source
-        response = await self.requests.call(
-            "UploadPartCopy",
-            key,
-            Key=key,
-            UploadId=upload_id,
-            PartNumber=part_number,
-            CopySource={"Bucket": bucket, "Key": source_key},
-            CopySourceRange=f"bytes={start}-{end - 1}",
-        )
+        response = await self.requests.upload_part_copy(key, upload_id, part_number, source)
         result = response.get("CopyPartResult", {})
         return PartResult(part_number, str(result["ETag"]), result.get("ChecksumCRC32C"))

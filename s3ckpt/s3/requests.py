@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from botocore.exceptions import ClientError
@@ -26,6 +26,7 @@ from s3ckpt.s3.error_mapping import (
     translate,
     translate_final,
 )
+from s3ckpt.s3.operations import CompletedParts, ObjectIds, Parsed
 from s3ckpt.s3.transport import Transport
 from s3ckpt.s3.wire import RangeSink
 
@@ -65,7 +66,9 @@ class Requests:
         """The retries of one ``operation`` on ``key``, for the loop that sends its
         tries: ``async with`` it, and after each failed try ``await`` its
         :meth:`~Retrying.failed`, which waits before the next try or ends the request.
-        Every failure leaves the block as an s3ckpt error."""
+        Every failure leaves the block as an s3ckpt error. Its tries go to the client it
+        looks up here (:attr:`Retrying.handle`: one look-up per request, again only before
+        a retry)."""
         handle = client_handle(self.config)
         policy = retry.RetryPolicy(
             max_attempts=self.config.max_attempts,
@@ -79,15 +82,18 @@ class Requests:
         return Retrying(self, operation, key, tries, handle)
 
     @contextlib.asynccontextmanager
-    async def _sending(self, operation: str) -> AsyncIterator[Transport]:
-        """The client's transport (:mod:`s3ckpt.s3.transport`), one of its request slots
-        held, for one try of ``operation``. The client is this process's for the
-        configuration and the AWS environment (:func:`~s3ckpt.s3.client.client_handle`:
+    async def _sending(
+        self, operation: str, handle: ClientHandle | None = None
+    ) -> AsyncIterator[Transport]:
+        """The transport (:mod:`s3ckpt.s3.transport`) of ``handle``'s client, one of its
+        request slots held, for one try of ``operation``: the client of the request's
+        tries (:attr:`Retrying.handle`), else this process's for the configuration and
+        the AWS environment, looked up now (:func:`~s3ckpt.s3.client.client_handle`:
         rotated credentials make a new one). The try is noted as the store's answer when
         it returns or fails with an S3 error response (which only a reachable endpoint
         sends), and as silence when it is stopped for silence or cancelled
         (:class:`~s3ckpt.s3.retry.StoreAnswers`, for stalls)."""
-        handle = client_handle(self.config)
+        handle = handle if handle is not None else client_handle(self.config)
         answers = handle.answers
         answers.asking()
         try:
@@ -106,35 +112,106 @@ class Requests:
         handle.answered = True
         answers.note(f"{operation} OK")
 
-    async def request(self, operation: str, params: dict[str, Any]) -> dict[str, Any]:
-        """One try of a request without an upload body, holding a request slot."""
-        async with self._sending(operation) as transport:
-            answer = await transport.request(self.bucket, operation, params)
-            check_s3_answer(operation, answer, self.bucket, params.get("Key"))  # no web pages
+    async def _try(
+        self,
+        operation: str,
+        key: str | None,
+        tries: Retrying,
+        send: Callable[[Transport], Awaitable[Parsed]],
+    ) -> Parsed:
+        """One try of ``operation`` among ``tries``, which ``send`` makes through the
+        transport, holding a request slot; an answer that is a web page fails it.
+        ``key``: the object it names."""
+        async with self._sending(operation, tries.handle) as transport:
+            answer = await send(transport)
+            check_s3_answer(operation, answer, self.bucket, key)  # no web pages
         return answer
 
-    async def put_object(self, params: dict[str, Any]) -> dict[str, Any]:
-        """One try of PutObject (``params`` as the client takes them), holding a request
-        slot."""
-        async with self._sending("PutObject") as transport:
-            answer = await transport.put_object(self.bucket, params)
-            check_s3_answer("PutObject", answer, self.bucket, params.get("Key"))  # no web pages
-        return answer
+    async def _retried(
+        self,
+        operation: str,
+        key: str | None,
+        send: Callable[[Transport], Awaitable[Parsed]],
+        *,
+        names_key: bool = True,
+    ) -> Parsed:
+        """``operation`` on ``key``, each try made by ``send``, retried under the policy
+        (``names_key``: the request names ``key``, not only its errors)."""
+        async with self.retrying(operation, key) as tries:
+            while True:
+                try:
+                    return await self._try(operation, key if names_key else None, tries, send)
+                except Exception as exc:
+                    await tries.failed(exc)
 
-    async def upload_part(self, params: dict[str, Any]) -> dict[str, Any]:
-        """One try of UploadPart (``params`` as the client takes them), holding a request
-        slot."""
-        async with self._sending("UploadPart") as transport:
-            answer = await transport.upload_part(self.bucket, params)
-            check_s3_answer("UploadPart", answer, self.bucket, params.get("Key"))  # no web pages
-        return answer
+    # -- one try, for the loops that hold their request's retries ------------------------
+
+    async def try_create_multipart_upload(self, key: str, tries: Retrying) -> Parsed:
+        """One try of CreateMultipartUpload among ``tries``, its parts to carry a CRC32C
+        where the configuration sends checksums."""
+        checksum = self.config.checksums
+        return await self._try(
+            "CreateMultipartUpload",
+            key,
+            tries,
+            lambda t: t.create_multipart_upload(self.bucket, key, checksum=checksum),
+        )
+
+    async def try_complete_multipart_upload(
+        self, key: str, upload_id: str, parts: CompletedParts, tries: Retrying, *, create: bool
+    ) -> Parsed:
+        """One try of CompleteMultipartUpload among ``tries`` (``create``: only where
+        ``key`` is absent)."""
+        return await self._try(
+            "CompleteMultipartUpload",
+            key,
+            tries,
+            lambda t: t.complete_multipart_upload(
+                self.bucket, key, upload_id, parts, create=create
+            ),
+        )
+
+    async def try_delete_object(self, key: str, tries: Retrying, *, if_match: str | None) -> Parsed:
+        """One try of DeleteObject among ``tries`` (``if_match``: only while its ETag is
+        that)."""
+        return await self._try(
+            "DeleteObject",
+            key,
+            tries,
+            lambda t: t.delete_object(self.bucket, key, if_match=if_match),
+        )
+
+    async def head_or_none(self, key: str, tries: Retrying) -> Parsed | None:
+        """One HEAD inside a try of ``tries``: the response, or None if the key is absent."""
+        try:
+            return await self._try(
+                "HeadObject", key, tries, lambda t: t.head_object(self.bucket, key)
+            )
+        except ClientError as exc:
+            if error_code(exc) in ("NoSuchKey", "404", "NotFound"):
+                return None
+            raise
+
+    async def try_put_object(self, params: dict[str, Any], tries: Retrying) -> dict[str, Any]:
+        """One try of PutObject among ``tries`` (``params`` as the client takes them),
+        holding a request slot."""
+        return await self._try(
+            "PutObject", params.get("Key"), tries, lambda t: t.put_object(self.bucket, params)
+        )
+
+    async def try_upload_part(self, params: dict[str, Any], tries: Retrying) -> dict[str, Any]:
+        """One try of UploadPart among ``tries`` (``params`` as the client takes them),
+        holding a request slot."""
+        return await self._try(
+            "UploadPart", params.get("Key"), tries, lambda t: t.upload_part(self.bucket, params)
+        )
 
     async def try_parts(
         self, key: str, upload_id: str, parts: list[tuple[int, memoryview, str | None]]
     ) -> list[dict[str, Any] | Exception] | None:
         """One try of each ``(part number, body, checksum)`` of ``key``'s upload, sent as one
         batch by native threads (:mod:`s3ckpt.s3.wire.batch`) on up to half the client's
-        request slots, held for the batch: what :meth:`upload_part` returns or raises, for
+        request slots, held for the batch: what :meth:`try_upload_part` returns or raises, for
         each. None where batches are not sent that way: send each part instead."""
         handle = client_handle(self.config)
         transport = await handle.transport()
@@ -176,26 +253,106 @@ class Requests:
         """Make the next requests open fresh connections."""
         client_handle(self.config).close_idle()
 
-    async def call(self, operation: str, key: str | None, **params: Any) -> dict[str, Any]:
-        """``operation`` on ``key`` with ``params``, retried under the policy."""
-        async with self.retrying(operation, key) as tries:
-            while True:
-                try:
-                    return await self.request(operation, params)
-                except Exception as exc:
-                    await tries.failed(exc)
-
     def where(self, key: str | None) -> str:
         return f"s3://{self.bucket}/{key}" if key else f"s3://{self.bucket}"
 
-    async def head_or_none(self, key: str) -> dict[str, Any] | None:
-        """One HEAD inside an attempt: the response, or None if the key is absent."""
-        try:
-            return await self.request("HeadObject", {"Key": key})
-        except ClientError as exc:
-            if error_code(exc) in ("NoSuchKey", "404", "NotFound"):
-                return None
-            raise
+    # -- whole requests, retried under the policy ------------------------------------------
+
+    async def head_object(self, key: str) -> Parsed:
+        return await self._retried("HeadObject", key, lambda t: t.head_object(self.bucket, key))
+
+    async def head_bucket(self) -> Parsed:
+        return await self._retried("HeadBucket", None, lambda t: t.head_bucket(self.bucket))
+
+    async def abort_multipart_upload(self, key: str, upload_id: str) -> Parsed:
+        return await self._retried(
+            "AbortMultipartUpload",
+            key,
+            lambda t: t.abort_multipart_upload(self.bucket, key, upload_id),
+        )
+
+    async def list_objects(
+        self,
+        prefix: str,
+        *,
+        delimiter: str | None = None,
+        continuation_token: str | None = None,
+        start_after: str | None = None,
+    ) -> Parsed:
+        """One page of ListObjectsV2."""
+        return await self._retried(
+            "ListObjectsV2",
+            None,
+            lambda t: t.list_objects(
+                self.bucket,
+                prefix,
+                delimiter=delimiter,
+                continuation_token=continuation_token,
+                start_after=start_after,
+            ),
+        )
+
+    async def list_multipart_uploads(
+        self, prefix: str, *, key_marker: str | None = None, upload_id_marker: str | None = None
+    ) -> Parsed:
+        """One page of ListMultipartUploads."""
+        return await self._retried(
+            "ListMultipartUploads",
+            None,
+            lambda t: t.list_multipart_uploads(
+                self.bucket, prefix, key_marker=key_marker, upload_id_marker=upload_id_marker
+            ),
+        )
+
+    async def list_object_versions(
+        self, prefix: str, *, key_marker: str | None = None, version_id_marker: str | None = None
+    ) -> Parsed:
+        """One page of ListObjectVersions."""
+        return await self._retried(
+            "ListObjectVersions",
+            None,
+            lambda t: t.list_object_versions(
+                self.bucket, prefix, key_marker=key_marker, version_id_marker=version_id_marker
+            ),
+        )
+
+    async def copy_object(self, key: str, source_bucket: str, source_key: str) -> Parsed:
+        return await self._retried(
+            "CopyObject",
+            key,
+            lambda t: t.copy_object(self.bucket, key, source_bucket, source_key),
+        )
+
+    async def upload_part_copy(
+        self, key: str, upload_id: str, part_number: int, source: tuple[str, str, int, int]
+    ) -> Parsed:
+        """Bytes ``[start, end)`` of ``source = (bucket, key, start, end)`` as a part."""
+        return await self._retried(
+            "UploadPartCopy",
+            key,
+            lambda t: t.upload_part_copy(self.bucket, key, upload_id, part_number, source),
+        )
+
+    async def delete_objects(self, objects: ObjectIds) -> Parsed:
+        """A quiet DeleteObjects of ``objects`` (its errors name the first)."""
+        return await self._retried(
+            "DeleteObjects",
+            objects[0]["Key"],
+            lambda t: t.delete_objects(self.bucket, objects),
+            names_key=False,
+        )
+
+    async def get_bucket_versioning(self) -> Parsed:
+        return await self._retried(
+            "GetBucketVersioning", None, lambda t: t.get_bucket_versioning(self.bucket)
+        )
+
+    async def get_bucket_lifecycle_configuration(self) -> Parsed:
+        return await self._retried(
+            "GetBucketLifecycleConfiguration",
+            None,
+            lambda t: t.get_bucket_lifecycle_configuration(self.bucket),
+        )
 
 
 class Retrying:
@@ -232,6 +389,9 @@ class Retrying:
         raise where there is none (``failure`` itself where no retry can fix it)."""
         delay = self.tries.after(failure, endpoint_answered=self.handle.answered)
         await asyncio.sleep(delay)
+        # The next try goes to the client current now: credentials rotated in the AWS
+        # environment while this request retried are the next try's.
+        self.handle = client_handle(self.requests.config)
 
     async def __aenter__(self) -> Retrying:
         config = self.requests.config

@@ -35,7 +35,7 @@ from s3ckpt.s3 import retry
 from s3ckpt.s3.error_mapping import PRECONDITION_CODES, error_code
 from s3ckpt.s3.listing import Listings, ObjectMeta, PendingUpload
 from s3ckpt.s3.multipart import MultipartUploads, PartResult, crc32c_header
-from s3ckpt.s3.requests import Body, Requests, flat
+from s3ckpt.s3.requests import Body, Requests, Retrying, flat
 from s3ckpt.s3.wire import RangeSink, ResumingSink
 
 
@@ -115,14 +115,14 @@ class ObjectStore(Listings, MultipartUploads):
         async with self.requests.retrying("PutObject", key) as tries:
             while True:
                 try:
-                    return await self._put_once(key, body, params)
+                    return await self._put_once(key, body, params, tries)
                 except Exception as exc:
                     await tries.failed(exc)
 
-    async def _put_once(self, key: str, body: Body, params: dict[str, Any]) -> str:
-        """One try of :meth:`put`: the ETag."""
+    async def _put_once(self, key: str, body: Body, params: dict[str, Any], tries: Retrying) -> str:
+        """One try of :meth:`put` among ``tries``: the ETag."""
         try:
-            response = await self.requests.put_object(params)
+            response = await self.requests.try_put_object(params, tries)
         except ClientError as exc:
             if "IfNoneMatch" in params and error_code(exc) in PRECONDITION_CODES:  # create
                 etag = await self._etag_if_holds(key, body)
@@ -176,7 +176,7 @@ class ObjectStore(Listings, MultipartUploads):
         self.requests.close_idle()
 
     async def head(self, key: str) -> ObjectMeta:
-        response = await self.requests.call("HeadObject", key, Key=key)
+        response = await self.requests.head_object(key)
         return ObjectMeta(
             key,
             int(response["ContentLength"]),
@@ -192,12 +192,12 @@ class ObjectStore(Listings, MultipartUploads):
         return True
 
     async def head_bucket(self) -> None:
-        await self.requests.call("HeadBucket", None)
+        await self.requests.head_bucket()
 
     async def server_time(self) -> float | None:
         """The store's clock, from the ``Date`` header of a ``HeadBucket`` response (seconds
         since the epoch, whole seconds); None when the store sent none, or an unreadable one."""
-        response = await self.requests.call("HeadBucket", None)
+        response = await self.requests.head_bucket()
         date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
         try:
             return parsedate_to_datetime(date).timestamp() if date else None
@@ -208,9 +208,7 @@ class ObjectStore(Listings, MultipartUploads):
         """Delete ``keys`` with batched DeleteObjects (1000 per request); missing keys are fine."""
         for i in range(0, len(keys), 1000):
             batch = [{"Key": k} for k in keys[i : i + 1000]]
-            response = await self.requests.call(
-                "DeleteObjects", batch[0]["Key"], Delete={"Objects": batch, "Quiet": True}
-            )
+            response = await self.requests.delete_objects(batch)
             errors = response.get("Errors") or []
             if errors:
                 first = errors[0]
@@ -234,18 +232,18 @@ class ObjectStore(Listings, MultipartUploads):
         async with self.requests.retrying("DeleteObject", key) as tries:
             while True:
                 try:
-                    return await self._delete_once(key, etag)
+                    return await self._delete_once(key, etag, tries)
                 except Exception as exc:
                     await tries.failed(exc)
 
-    async def _delete_once(self, key: str, etag: str) -> None:
-        """One try of :meth:`delete_if_match`."""
+    async def _delete_once(self, key: str, etag: str, tries: Retrying) -> None:
+        """One try of :meth:`delete_if_match` among ``tries``."""
         try:
-            await self.requests.request("DeleteObject", {"Key": key, "IfMatch": etag})
+            await self.requests.try_delete_object(key, tries, if_match=etag)
         except ClientError as exc:
             if error_code(exc) not in PRECONDITION_CODES:
                 raise
-            if await self.requests.head_or_none(key) is not None:
+            if await self.requests.head_or_none(key, tries) is not None:
                 raise
 
 

@@ -12,8 +12,11 @@ picks the implementation once per client (and so per endpoint and settings):
   every other request, and every one the endpoint redirects, handed to the aiobotocore
   implementation it holds.
 
-Each method makes one try, and answers as the client's method for the operation answers
-(its dict, or its ``ClientError``), whichever implementation sent it.
+Each method makes one try of one operation, its arguments typed (the parameters the client
+takes are built from them in :mod:`s3ckpt.s3.operations`), and answers as the client's
+method for the operation answers (its dict, or its ``ClientError``), whichever
+implementation sent it. Which implementation sends a request is decided by the method
+called, never by an operation's name.
 """
 
 from __future__ import annotations
@@ -22,19 +25,102 @@ from typing import Any, Protocol
 
 from s3ckpt.config import S3Config
 from s3ckpt.s3.aiobotocore_transport import AiobotocoreTransport
+from s3ckpt.s3.operations import CompletedParts, ObjectIds, Params, Parsed
 from s3ckpt.s3.wire import DataPlane, RangeSink, proxied
 
-Params = dict[str, Any]  # an operation's parameters as the client's method takes them
-Parsed = dict[str, Any]  # an answer as the client's method returns it
 PartTry = tuple[int, memoryview, str | None]  # part number, body, CRC32C header
 
 
 class Transport(Protocol):
     """One try of each S3 operation the engine sends, on one client's connections."""
 
-    async def request(self, bucket: str, operation: str, params: Params) -> Parsed:
-        """One try of a request without an upload body (HEADs, listings, multipart
-        create, complete and abort, copies, deletes)."""
+    async def head_object(self, bucket: str, key: str) -> Parsed:
+        """One try of HeadObject."""
+        ...
+
+    async def head_bucket(self, bucket: str) -> Parsed:
+        """One try of HeadBucket."""
+        ...
+
+    async def create_multipart_upload(self, bucket: str, key: str, *, checksum: bool) -> Parsed:
+        """One try of CreateMultipartUpload (``checksum``: its parts carry a CRC32C)."""
+        ...
+
+    async def complete_multipart_upload(
+        self, bucket: str, key: str, upload_id: str, parts: CompletedParts, *, create: bool
+    ) -> Parsed:
+        """One try of CompleteMultipartUpload (``create``: only where ``key`` is absent)."""
+        ...
+
+    async def abort_multipart_upload(self, bucket: str, key: str, upload_id: str) -> Parsed:
+        """One try of AbortMultipartUpload."""
+        ...
+
+    async def list_objects(
+        self,
+        bucket: str,
+        prefix: str,
+        *,
+        delimiter: str | None = None,
+        continuation_token: str | None = None,
+        start_after: str | None = None,
+    ) -> Parsed:
+        """One try of ListObjectsV2: one page, its keys decoded."""
+        ...
+
+    async def list_multipart_uploads(
+        self,
+        bucket: str,
+        prefix: str,
+        *,
+        key_marker: str | None = None,
+        upload_id_marker: str | None = None,
+    ) -> Parsed:
+        """One try of ListMultipartUploads: one page."""
+        ...
+
+    async def list_object_versions(
+        self,
+        bucket: str,
+        prefix: str,
+        *,
+        key_marker: str | None = None,
+        version_id_marker: str | None = None,
+    ) -> Parsed:
+        """One try of ListObjectVersions: one page."""
+        ...
+
+    async def copy_object(
+        self, bucket: str, key: str, source_bucket: str, source_key: str
+    ) -> Parsed:
+        """One try of CopyObject."""
+        ...
+
+    async def upload_part_copy(
+        self,
+        bucket: str,
+        key: str,
+        upload_id: str,
+        part_number: int,
+        source: tuple[str, str, int, int],
+    ) -> Parsed:
+        """One try of UploadPartCopy of bytes ``[start, end)`` of ``(bucket, key, start, end)``."""
+        ...
+
+    async def delete_object(self, bucket: str, key: str, *, if_match: str | None) -> Parsed:
+        """One try of DeleteObject (``if_match``: only while the ETag is that)."""
+        ...
+
+    async def delete_objects(self, bucket: str, objects: ObjectIds) -> Parsed:
+        """One try of a quiet DeleteObjects."""
+        ...
+
+    async def get_bucket_versioning(self, bucket: str) -> Parsed:
+        """One try of GetBucketVersioning."""
+        ...
+
+    async def get_bucket_lifecycle_configuration(self, bucket: str) -> Parsed:
+        """One try of GetBucketLifecycleConfiguration."""
         ...
 
     async def put_object(self, bucket: str, params: Params) -> Parsed:

@@ -45,7 +45,7 @@ async def versioning(store: ObjectStore) -> Versioning:
     ``"Suspended"``, or ``"never"`` (never enabled, or not implemented by the store).
     Other errors (a policy that denies the request, say) propagate."""
     try:
-        answer = await store.requests.call("GetBucketVersioning", None)
+        answer = await store.requests.get_bucket_versioning()
     except StorageError as exc:
         if exc.code in UNSUPPORTED_CODES:
             return "never"
@@ -57,9 +57,11 @@ async def versioning(store: ObjectStore) -> Versioning:
 async def list_versions(store: ObjectStore, prefix: str) -> AsyncIterator[ObjectVersion]:
     """Every version and delete marker under ``prefix``, key by key, newest first within
     a key, one ``ListObjectVersions`` page (1000 entries) per request."""
-    params: dict[str, Any] = {"Prefix": prefix}
+    asked: tuple[str | None, str | None] = (None, None)  # the markers this page started at
     while True:
-        answer = await store.requests.call("ListObjectVersions", None, **params)
+        answer = await store.requests.list_object_versions(
+            prefix, key_marker=asked[0], version_id_marker=asked[1]
+        )
         entries = [
             *(_entry(v, marker=False) for v in answer.get("Versions") or []),
             *(_entry(m, marker=True) for m in answer.get("DeleteMarkers") or []),
@@ -71,7 +73,7 @@ async def list_versions(store: ObjectStore, prefix: str) -> AsyncIterator[Object
         if not answer.get("IsTruncated"):
             return
         marker = (answer.get("NextKeyMarker"), answer.get("NextVersionIdMarker"))
-        if not marker[0] or marker == (params.get("KeyMarker"), params.get("VersionIdMarker")):
+        if not marker[0] or marker == asked:
             raise StorageError(
                 f"ListObjectVersions s3://{store.bucket}/{prefix} failed: a page was marked "
                 "truncated but gave no way to the next one",
@@ -79,9 +81,7 @@ async def list_versions(store: ObjectStore, prefix: str) -> AsyncIterator[Object
                 bucket=store.bucket,
                 key=prefix,
             )
-        params = {"Prefix": prefix, "KeyMarker": marker[0]}
-        if marker[1]:
-            params["VersionIdMarker"] = marker[1]
+        asked = (marker[0], marker[1] or None)
 
 
 def _entry(item: dict[str, Any], *, marker: bool) -> ObjectVersion:
@@ -105,9 +105,7 @@ async def delete_versions(store: ObjectStore, versions: list[ObjectVersion]) -> 
     no marker added. Batched DeleteObjects; a version already gone is fine."""
     for i in range(0, len(versions), DELETE_BATCH):
         batch = [{"Key": v.key, "VersionId": v.version_id} for v in versions[i : i + DELETE_BATCH]]
-        answer = await store.requests.call(
-            "DeleteObjects", batch[0]["Key"], Delete={"Objects": batch, "Quiet": True}
-        )
+        answer = await store.requests.delete_objects(batch)
         errors = [e for e in answer.get("Errors") or [] if e.get("Code") != "NoSuchVersion"]
         if errors:
             first = errors[0]

@@ -76,7 +76,7 @@ async def _delete_by_version(probe: Probe) -> str:
 async def noncurrent_rule(probe: Probe) -> str:
     """What the bucket's lifecycle rules do with noncurrent versions, or the rule to set."""
     try:
-        config = await probe.store.requests.call("GetBucketLifecycleConfiguration", None)
+        config = await probe.store.requests.get_bucket_lifecycle_configuration()
     except StorageError as exc:
         if exc.code not in {*UNSUPPORTED_CODES, "NoSuchLifecycleConfiguration"}:
             return f"its lifecycle rules could not be read ({exc.code}): {LIFECYCLE_HINT}"

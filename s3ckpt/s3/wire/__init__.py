@@ -6,7 +6,8 @@ Part uploads and the whole-object PUTs of :class:`~s3ckpt.s3.store.ObjectStore`
 multipart uploads, its listings, its batch deletes: :mod:`~.calls`) are built and signed
 here, at the URLs the client would use (:mod:`~.addresses`), and
 answered as the client answers them; aiobotocore keeps the rest (aborts, copies, small
-GETs, listings of multipart uploads, anything with parameters these do not send).
+GETs, listings of multipart uploads and of versions, single deletes, the bucket's
+settings), chosen by the method of the transport seam called.
 The bytes of checkpoints,
 upload bodies (``UploadPart``, ``PutObject``) and ranged GETs, plain HTTP and HTTPS, go
 through this package alone: one connection pool per client (:mod:`~.pool`: keep-alive,

@@ -18,9 +18,10 @@ its answer read by the client's response parser: callers get the dict, or the
 each request against the one the client sends, header for header and byte for byte. The
 object's URL comes from :class:`~.addresses.ObjectAddresses`.
 
-Only the parameters s3ckpt sends are served (:data:`SERVED`); any other request goes
-through the client, and so does one the endpoint redirects (a bucket in another region),
-and every one after it (:class:`~.data_plane.DataPlane` switches), as the client follows
+Which requests come here is decided by :class:`~.data_plane.DataPlane`, by the method of
+the transport seam called (their parameters built by :mod:`s3ckpt.s3.operations`); every
+other request goes through the client, and so does one the endpoint redirects (a bucket in
+another region), and every one after it (the data plane switches), as the client follows
 redirects.
 """
 
@@ -45,27 +46,10 @@ from s3ckpt.s3.wire.on_loop import BodyTransport
 from s3ckpt.s3.wire.signing import PartSigner
 from s3ckpt.s3.wire.uploads import Redirected, request_head, signing_credentials
 
-# The operations served here, with the parameters each may carry (``Bucket`` aside), and
-# whether it is addressed to an object (``Key``, which it must carry) or to the bucket.
-SERVED: dict[str, tuple[bool, frozenset[str]]] = {
-    "HeadObject": (True, frozenset({"Key"})),
-    "HeadBucket": (False, frozenset()),
-    "CreateMultipartUpload": (True, frozenset({"Key", "ChecksumAlgorithm"})),
-    "CompleteMultipartUpload": (
-        True,
-        frozenset({"Key", "UploadId", "MultipartUpload", "IfNoneMatch"}),
-    ),
-    "ListObjectsV2": (
-        False,
-        frozenset({"Prefix", "Delimiter", "ContinuationToken", "StartAfter"}),
-    ),
-    "DeleteObjects": (False, frozenset({"Delete"})),
-}
-
 
 class SignedCalls:
-    """The requests of :data:`SERVED`, of ``client``'s buckets and objects, on the data
-    plane."""
+    """A save's requests other than its uploads (those :class:`~.data_plane.DataPlane`
+    sends here), to ``client``'s buckets and objects, signed on the data plane."""
 
     def __init__(
         self,
@@ -80,25 +64,16 @@ class SignedCalls:
         self.addresses = addresses
         self.serialize = serializer(client)
 
-    @staticmethod
-    def serves(operation: str, params: dict[str, Any]) -> bool:
-        """Whether ``operation`` with ``params`` is sent here (a try may still hand it back)."""
-        served = SERVED.get(operation)
-        if served is None:
-            return False
-        on_object, accepted = served
-        return params.keys() <= accepted and (not on_object or "Key" in params)
-
     async def call(
         self, bucket: str, operation: str, params: dict[str, Any]
     ) -> dict[str, Any] | None:
-        """One try of ``operation`` (one :meth:`serves`): what the client's method returns,
-        or raises; None where the client must send it (the bucket's URL is not one the
-        data plane knows), :class:`~.uploads.Redirected` where the endpoint redirected it."""
-        on_object, _ = SERVED[operation]
+        """One try of ``operation`` with ``params`` (addressed to the object ``Key`` names,
+        else to the bucket): what the client's method returns, or raises; None where the
+        client must send it (the bucket's URL is not one the data plane knows),
+        :class:`~.uploads.Redirected` where the endpoint redirected it."""
         address = await (
             self.addresses.derived(bucket, params["Key"])
-            if on_object
+            if "Key" in params
             else self.addresses.bucket(bucket)
         )
         if address is None:

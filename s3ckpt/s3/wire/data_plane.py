@@ -2,8 +2,8 @@
 (one part at a time, or in batches sent by native threads), a save's other requests, the
 ranged GETs; whatever it does not send goes through the aiobotocore transport it holds.
 
-Where requests go is decided here and nowhere else: a request this plane does not serve
-goes to the client; a redirect (a bucket in another region) sends that request, and every
+Where requests go is decided here and nowhere else, by the method called: an operation
+this plane does not serve goes to the client; a redirect (a bucket in another region) sends that request, and every
 later one, through the client, which follows redirects (:meth:`DataPlane.redirected`); an
 odd answer to a ranged GET (chunked, a redirect) sends that GET, and every later one,
 through the client (:meth:`DataPlane.odd_read`).
@@ -12,8 +12,11 @@ through the client (:meth:`DataPlane.odd_read`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from s3ckpt.s3 import operations
+from s3ckpt.s3.operations import CompletedParts, ObjectIds, Params, Parsed
 from s3ckpt.s3.wire.batch import NativeBatch, native_batches
 from s3ckpt.s3.wire.calls import SignedCalls
 from s3ckpt.s3.wire.get_exchange import UnsupportedResponse
@@ -84,17 +87,113 @@ class DataPlane:
             log.warning("ranged GETs fall back to aiobotocore: %s", reason)
             self.gets = None
 
-    async def request(self, bucket: str, operation: str, params: dict[str, Any]) -> dict[str, Any]:
+    async def _signed(self, bucket: str, operation: str, params: Params) -> Parsed | None:
+        """One try of ``operation`` signed here (:mod:`~.calls`); None where the client
+        must send it (the data plane's uploads are off, the bucket's URL is not known
+        here, or the endpoint redirected it: then every later one too)."""
         calls = self.calls
-        if calls is not None and calls.serves(operation, params):
-            try:
-                answer = await calls.call(bucket, operation, params)
-            except Redirected:
-                self.redirected()
-            else:
-                if answer is not None:
-                    return answer
-        return await self.client_transport.request(bucket, operation, params)
+        if calls is None:
+            return None
+        try:
+            return await calls.call(bucket, operation, params)
+        except Redirected:
+            self.redirected()
+            return None
+
+    async def _either(
+        self,
+        bucket: str,
+        operation: str,
+        params: Params,
+        through_client: Callable[[], Awaitable[Parsed]],
+    ) -> Parsed:
+        """``operation`` signed here, or else ``through_client``."""
+        answer = await self._signed(bucket, operation, params)
+        return answer if answer is not None else await through_client()
+
+    async def head_object(self, bucket: str, key: str) -> Parsed:
+        return await self._either(
+            bucket,
+            "HeadObject",
+            operations.head_object(key),
+            lambda: self.client_transport.head_object(bucket, key),
+        )
+
+    async def head_bucket(self, bucket: str) -> Parsed:
+        return await self._either(
+            bucket, "HeadBucket", {}, lambda: self.client_transport.head_bucket(bucket)
+        )
+
+    async def create_multipart_upload(self, bucket: str, key: str, *, checksum: bool) -> Parsed:
+        return await self._either(
+            bucket,
+            "CreateMultipartUpload",
+            operations.create_multipart_upload(key, checksum=checksum),
+            lambda: self.client_transport.create_multipart_upload(bucket, key, checksum=checksum),
+        )
+
+    async def complete_multipart_upload(
+        self, bucket: str, key: str, upload_id: str, parts: CompletedParts, *, create: bool
+    ) -> Parsed:
+        return await self._either(
+            bucket,
+            "CompleteMultipartUpload",
+            operations.complete_multipart_upload(key, upload_id, parts, create=create),
+            lambda: self.client_transport.complete_multipart_upload(
+                bucket, key, upload_id, parts, create=create
+            ),
+        )
+
+    async def list_objects(self, bucket: str, prefix: str, **page: str | None) -> Parsed:
+        return await self._either(
+            bucket,
+            "ListObjectsV2",
+            operations.list_objects(prefix, **page),
+            lambda: self.client_transport.list_objects(bucket, prefix, **page),
+        )
+
+    async def delete_objects(self, bucket: str, objects: ObjectIds) -> Parsed:
+        return await self._either(
+            bucket,
+            "DeleteObjects",
+            operations.delete_objects(objects),
+            lambda: self.client_transport.delete_objects(bucket, objects),
+        )
+
+    async def abort_multipart_upload(self, bucket: str, key: str, upload_id: str) -> Parsed:
+        return await self.client_transport.abort_multipart_upload(bucket, key, upload_id)
+
+    async def list_multipart_uploads(self, bucket: str, prefix: str, **page: str | None) -> Parsed:
+        return await self.client_transport.list_multipart_uploads(bucket, prefix, **page)
+
+    async def list_object_versions(self, bucket: str, prefix: str, **page: str | None) -> Parsed:
+        return await self.client_transport.list_object_versions(bucket, prefix, **page)
+
+    async def copy_object(
+        self, bucket: str, key: str, source_bucket: str, source_key: str
+    ) -> Parsed:
+        return await self.client_transport.copy_object(bucket, key, source_bucket, source_key)
+
+    async def upload_part_copy(
+        self,
+        bucket: str,
+        key: str,
+        upload_id: str,
+        part_number: int,
+        source: tuple[str, str, int, int],
+    ) -> Parsed:
+        return await self.client_transport.upload_part_copy(
+            bucket, key, upload_id, part_number, source
+        )
+
+    async def delete_object(self, bucket: str, key: str, *, if_match: str | None) -> Parsed:
+        return await self.client_transport.delete_object(bucket, key, if_match=if_match)
+
+    async def get_bucket_versioning(self, bucket: str) -> Parsed:
+        return await self.client_transport.get_bucket_versioning(bucket)
+
+    async def get_bucket_lifecycle_configuration(self, bucket: str) -> Parsed:
+        return await self.client_transport.get_bucket_lifecycle_configuration(bucket)
 
     async def put_object(self, bucket: str, params: dict[str, Any]) -> dict[str, Any]:
         puts, headers = self.puts, put_headers(params)

@@ -23,25 +23,6 @@ from s3ckpt.s3.client import create_client
 # -- botocore ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("operation", "method"),
-    [
-        ("HeadObject", "head_object"),
-        ("ListObjectsV2", "list_objects_v2"),
-        ("DeleteObjects", "delete_objects"),
-        ("CompleteMultipartUpload", "complete_multipart_upload"),
-        ("UploadPartCopy", "upload_part_copy"),
-    ],
-)
-def test_botocore_names_each_operations_client_method(operation: str, method: str) -> None:
-    class Client:
-        pass
-
-    client = Client()
-    setattr(client, method, lambda: method)
-    assert compat_botocore.operation_method(client, operation)() == method
-
-
 def test_botocore_tls_defaults_and_ca_bundle() -> None:
     context = compat_botocore.default_tls_context()
     assert isinstance(context, ssl.SSLContext)

@@ -66,16 +66,16 @@ def test_a_programming_error_inside_a_request_surfaces_unchanged(monkeypatch):
     import asyncio
 
     from s3ckpt.config import S3Config
-    from s3ckpt.s3 import aiobotocore_transport
+    from s3ckpt.s3.aiobotocore_transport import AiobotocoreTransport
     from s3ckpt.s3.store import ObjectStore
 
     calls: list[str] = []
 
-    def broken(client: object, operation: str) -> object:
-        calls.append(operation)
+    async def broken(self: AiobotocoreTransport, *args: object) -> object:
+        calls.append("CopyObject")
         raise AttributeError("'AioBaseClient' object has no attribute 'get_object'")
 
-    monkeypatch.setattr(aiobotocore_transport, "operation_method", broken)
+    monkeypatch.setattr(AiobotocoreTransport, "copy_object", broken)
     config = S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="a", secret_access_key="b")
     store = ObjectStore(config, "bucket")
     with pytest.raises(AttributeError, match="no attribute 'get_object'"):

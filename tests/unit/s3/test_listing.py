@@ -11,6 +11,7 @@ from botocore.exceptions import ClientError
 
 from s3ckpt.config import make_config
 from s3ckpt.errors import StorageError, TransientStorageError
+from s3ckpt.s3 import operations
 from s3ckpt.s3.error_mapping import translate
 from s3ckpt.s3.store import ObjectStore
 
@@ -18,13 +19,13 @@ from s3ckpt.s3.store import ObjectStore
 def _store(pages: list[dict[str, Any]], seen: list[dict[str, Any]]) -> ObjectStore:
     store = ObjectStore(make_config(None, endpoint_url="http://127.0.0.1:9"), "bucket")
 
-    async def call(operation: str, key: str | None, **params: Any) -> dict[str, Any]:
-        seen.append(params)
+    async def list_objects(prefix: str, **page: Any) -> dict[str, Any]:
+        seen.append(operations.list_objects(prefix, **page))  # the request's parameters
         if len(seen) > 10:
             raise AssertionError("the listing did not end")
         return pages[min(len(seen), len(pages)) - 1]
 
-    store.requests.call = call  # type: ignore[method-assign]
+    store.requests.list_objects = list_objects  # type: ignore[method-assign]
     return store
 
 
@@ -74,10 +75,10 @@ def test_a_multipart_listing_that_repeats_its_marker_is_an_error() -> None:
         "NextUploadIdMarker": "u1",
     }
 
-    async def call(operation: str, key: str | None, **params: Any) -> dict[str, Any]:
+    async def list_multipart_uploads(prefix: str, **markers: Any) -> dict[str, Any]:
         return page
 
-    store.requests.call = call  # type: ignore[method-assign]
+    store.requests.list_multipart_uploads = list_multipart_uploads  # type: ignore[method-assign]
 
     async def collect() -> list[str]:
         return [u.upload_id async for u in store.list_multipart_uploads("p/")]

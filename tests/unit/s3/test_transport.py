@@ -95,3 +95,107 @@ def test_one_redirect_sends_every_later_request_through_the_client(serve):
     transport, _ = _transports(config)
     assert isinstance(transport, DataPlane)
     assert transport.puts is None and transport.calls is None and not transport.sends_batches()
+
+
+class _RecordingClient:
+    """An aiobotocore client that records each method called and its parameters."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+
+    def __getattr__(self, method: str) -> Any:
+        async def send(**params: Any) -> dict[str, Any]:
+            self.sent.append((method, params))
+            return {}
+
+        return send
+
+
+_PARTS = [{"PartNumber": 1, "ETag": '"e-1"'}]
+
+
+@pytest.mark.parametrize(
+    ("call", "method", "params"),
+    [
+        (lambda t: t.head_object("b", "k"), "head_object", {"Key": "k"}),
+        (lambda t: t.head_bucket("b"), "head_bucket", {}),
+        (
+            lambda t: t.create_multipart_upload("b", "k", checksum=True),
+            "create_multipart_upload",
+            {"Key": "k", "ChecksumAlgorithm": "CRC32C"},
+        ),
+        (
+            lambda t: t.create_multipart_upload("b", "k", checksum=False),
+            "create_multipart_upload",
+            {"Key": "k"},
+        ),
+        (
+            lambda t: t.complete_multipart_upload("b", "k", "u", _PARTS, create=True),
+            "complete_multipart_upload",
+            {"Key": "k", "UploadId": "u", "MultipartUpload": {"Parts": _PARTS}, "IfNoneMatch": "*"},
+        ),
+        (
+            lambda t: t.abort_multipart_upload("b", "k", "u"),
+            "abort_multipart_upload",
+            {"Key": "k", "UploadId": "u"},
+        ),
+        (
+            lambda t: t.list_objects("b", "p/", delimiter="/", start_after="p/a"),
+            "list_objects_v2",
+            {"Prefix": "p/", "Delimiter": "/", "StartAfter": "p/a"},
+        ),
+        (
+            lambda t: t.list_objects("b", "p/", continuation_token="t"),
+            "list_objects_v2",
+            {"Prefix": "p/", "ContinuationToken": "t"},
+        ),
+        (
+            lambda t: t.list_multipart_uploads("b", "p/", key_marker="p/x", upload_id_marker=""),
+            "list_multipart_uploads",
+            {"Prefix": "p/", "KeyMarker": "p/x", "UploadIdMarker": ""},
+        ),
+        (
+            lambda t: t.list_object_versions("b", "p/", key_marker="p/x", version_id_marker="v"),
+            "list_object_versions",
+            {"Prefix": "p/", "KeyMarker": "p/x", "VersionIdMarker": "v"},
+        ),
+        (
+            lambda t: t.copy_object("b", "k", "src", "s/k"),
+            "copy_object",
+            {"Key": "k", "CopySource": {"Bucket": "src", "Key": "s/k"}},
+        ),
+        (
+            lambda t: t.upload_part_copy("b", "k", "u", 2, ("src", "s/k", 10, 20)),
+            "upload_part_copy",
+            {
+                "Key": "k",
+                "UploadId": "u",
+                "PartNumber": 2,
+                "CopySource": {"Bucket": "src", "Key": "s/k"},
+                "CopySourceRange": "bytes=10-19",
+            },
+        ),
+        (
+            lambda t: t.delete_object("b", "k", if_match='"e"'),
+            "delete_object",
+            {"Key": "k", "IfMatch": '"e"'},
+        ),
+        (
+            lambda t: t.delete_objects("b", [{"Key": "k", "VersionId": "v"}]),
+            "delete_objects",
+            {"Delete": {"Objects": [{"Key": "k", "VersionId": "v"}], "Quiet": True}},
+        ),
+        (lambda t: t.get_bucket_versioning("b"), "get_bucket_versioning", {}),
+        (
+            lambda t: t.get_bucket_lifecycle_configuration("b"),
+            "get_bucket_lifecycle_configuration",
+            {},
+        ),
+    ],
+)
+def test_each_operation_is_the_clients_method_with_its_parameters(call, method, params):
+    """Through the client, each method of the seam calls the client's method for its
+    operation with the parameters the caller would pass it by hand."""
+    client = _RecordingClient()
+    io_loop().run(call(AiobotocoreTransport(client, "the endpoint")))
+    assert client.sent == [(method, {"Bucket": "b", **params})]

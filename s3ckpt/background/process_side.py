@@ -18,8 +18,8 @@ with a :class:`HoldRequest` first records its copy as a memory-tier checkpoint (
 its descriptor, :mod:`s3ckpt.background.held`) and answers :class:`CopyHeld`; then, with
 several nodes, exchanges copies with its peers (:class:`Replicated`); then uploads it, if
 it has a writer, from the same memory; after an upload's :class:`Saved`, the retention
-the :class:`Hello` carried (rank 0's) deletes what the run's policy expires, then
-:class:`Retained` says so. Any other message ends the process with an error.
+the :class:`Hello` carried (rank 0's) deletes what the run's policy expires, on a thread
+of its own beside the next save, then :class:`Retained` says so. Any other message ends the process with an error.
 
 With several ranks the checkpoint processes form a gloo group of their own (the default
 group of this process), met through the trainer rank 0's store, so a save's collectives
@@ -148,9 +148,13 @@ def _join(meeting: Meeting | None) -> None:
 
 
 def _serve(channel: Channel, *, distributed: bool, retention: Any) -> int:
+    from concurrent.futures import ThreadPoolExecutor
+
     from s3ckpt.background.arena import StagingArena
     from s3ckpt.dcp.local_plan import ReusingSavePlanner
 
+    # Retention lists and deletes beside the next save, never in its way.
+    retaining = ThreadPoolExecutor(1, thread_name_prefix="s3ckpt-retention")
     arenas: dict[int, StagingArena] = {}
     # Per slot (its copies live at its own addresses), when the trainer gave no planner.
     planners: dict[int, ReusingSavePlanner] = {}
@@ -177,16 +181,25 @@ def _serve(channel: Channel, *, distributed: bool, retention: Any) -> int:
                     if not saved and distributed:
                         return 1
                     if saved and retention is not None and message.writer is not None:
-                        retention.after_commit(message.writer.location)
-                        _answer(channel, Retained(message.save_id))
+                        retaining.submit(_retain, channel, retention, message)
                 case Stop():
                     return 0
                 case _:
                     raise unknown(message, "the trainer")
     finally:
+        retaining.shutdown(wait=True)
         for arena in arenas.values():
             arena.close()
         _leave(distributed)
+
+
+def _retain(channel: Channel, retention: Any, request: SaveRequest) -> None:
+    """The run's retention after the commit of ``request``, then :class:`Retained`."""
+    try:
+        retention.after_commit(request.writer.location)
+    except Exception:  # it logs its own failures; never leave the trainer waiting
+        log.exception("retention after save %d failed", request.save_id)
+    _answer(channel, Retained(request.save_id))
 
 
 def _save(channel: Channel, arena: Any, request: SaveRequest, planner: Any) -> bool:
@@ -272,8 +285,11 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 def _answer(channel: Channel, message: ToTrainer) -> None:
-    with contextlib.suppress(ChannelClosed):  # the trainer is gone: nobody to tell
+    with _sending, contextlib.suppress(ChannelClosed):  # the trainer is gone: nobody to tell
         channel.send(message)
+
+
+_sending = threading.Lock()  # the save's answers and retention's, one message at a time
 
 
 def _leave(distributed: bool) -> None:

@@ -71,6 +71,7 @@ class BackgroundSaver:
         self.mode = mode
         self._reply = reply
         self._retention = retention
+        self._retaining: ThreadPoolExecutor | None = None  # thread mode's retention
         self._retained: Future[None] | None = None
         self._group = process_group
         distributed = dist.is_available() and dist.is_initialized()
@@ -206,8 +207,9 @@ class BackgroundSaver:
             process_group=self._save_group, no_dist=self._save_group is None,
         )  # fmt: skip
         if self._retention is not None and writer is not None:
-            # the next job of the save's thread: after the save, once its outcome is out
-            self._retained = self._thread.submit(_retain, future, self._retention, writer)
+            if self._retaining is None:  # beside the next save, as in the checkpoint process
+                self._retaining = ThreadPoolExecutor(1, thread_name_prefix="s3ckpt-retention")
+            self._retained = self._retaining.submit(_retain, future, self._retention, writer)
         return future
 
     def wait_retained(self) -> None:
@@ -225,6 +227,8 @@ class BackgroundSaver:
                 self._process.close()
             if self._thread is not None:
                 self._thread.shutdown(wait=True)
+            if self._retaining is not None:
+                self._retaining.shutdown(wait=True)
         finally:
             if self._stager is not None:
                 self._stager.close()
@@ -253,7 +257,7 @@ def _nothing_to_send(hold: TierHold) -> TierHold:
 
 
 def _retain(save: Future[Any], retention: RunRetention, writer: S3StorageWriter) -> None:
-    """Thread mode: ``retention`` after ``save``, if it committed."""
+    """Thread mode: ``retention`` once ``save`` has ended, if it committed."""
     if save.exception() is None and writer.location is not None:
         retention.after_commit(writer.location)
 

@@ -90,7 +90,7 @@ class TrainerSide:
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}  # by save id
         self._retains = hello.retention is not None
-        self._retained: Future[None] | None = None  # the retention after the last upload
+        self._retaining: dict[int, Future[None]] = {}  # retentions after uploads, by save id
         self.failed = False
         self.gone = False
         self._start_error: BaseException | None = None
@@ -178,9 +178,10 @@ class TrainerSide:
         return future
 
     def wait_retained(self) -> None:
-        """Until the retention after the last upload is done (or the process is gone)."""
-        retained = self._retained
-        if retained is not None:
+        """Until the retentions after the uploads so far are done (or the process is gone)."""
+        with self._lock:
+            retaining = list(self._retaining.values())
+        for retained in retaining:
             retained.result()
 
     def _send_segments(self, slot: int) -> None:
@@ -203,9 +204,11 @@ class TrainerSide:
             self.gone = True
             pending, self._pending = self._pending, {}
         self._ready.set()
-        retained = self._retained
-        if retained is not None and not retained.done():
+        with self._lock:
+            retaining, self._retaining = self._retaining, {}
+        if retaining:
             log.warning("the checkpoint process %d ended before its retention did", self.pid)
+        for retained in retaining.values():
             retained.set_result(None)
         self._priority.stop()
         meeting = self._meeting
@@ -238,11 +241,13 @@ class TrainerSide:
                 save = self._finish(save_id)
                 if save is not None:
                     if self._retains and save.writer is not None:
-                        self._retained = Future()  # before the save is seen done
+                        with self._lock:  # before the save is seen done
+                            self._retaining[save_id] = Future()
                     save.future.set_result(metadata)
-            case Retained():
-                retained = self._retained
-                if retained is not None and not retained.done():
+            case Retained(save_id):
+                with self._lock:
+                    retained = self._retaining.pop(save_id, None)
+                if retained is not None:
                     retained.set_result(None)
             case Failed(save_id, error):
                 self._failed(save_id, error)

@@ -72,6 +72,7 @@ class Requests:
         handle = client_handle(self.config)
         policy = retry.RetryPolicy(
             max_attempts=self.config.max_attempts,
+            base_delay=self.config.retry_base_delay_s,
             deadline=self.deadline,
             tally=self.tally,
             stall_timeout=self.config.stall_timeout_s,

@@ -15,8 +15,8 @@ import json
 import logging
 import os
 import socket
-import subprocess
-import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from benchmarks.zygote import Zygote
 from s3ckpt import (
     CheckpointManager,
     MemoryTier,
@@ -34,7 +35,11 @@ from s3ckpt import (
 )
 
 HERE = Path(__file__).parent
-WORKER = HERE / "_whole_restore_worker.py"
+WORKER = "_whole_restore_worker"
+# What the worker imports when it runs, imported once where its processes are forked.
+PRELOAD = ("s3ckpt.CheckpointManager", "s3ckpt.S3StorageWriter", "s3ckpt.S3StorageReader",
+           "s3ckpt.MemoryTier", "s3ckpt.TieredCheckpointProcess", "torch.distributed.fsdp",
+           "torch.distributed.device_mesh")  # fmt: skip
 
 
 def _free_port() -> int:
@@ -43,33 +48,64 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_phase(how: str, phase: str, config: Path, out: Path, ranks: int = 1) -> None:
-    """Run the worker's ``phase`` in fresh processes (one per rank), as a user runs a script."""
+def _worker_env() -> dict[str, str]:
     paths = [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(ranks))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), how, phase, str(config), str(out)],
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for rank in range(ranks)
-    ]
-    for proc in procs:
-        output, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, output.decode(errors="replace")[-4000:]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+class Workers:
+    """The worker script's processes, each a process of its own running the script as
+    ``__main__``, forked from an interpreter that imported it and :data:`PRELOAD` once
+    (:class:`benchmarks.zygote.Zygote`): one such interpreter per rank, since ranks run
+    side by side. A context manager."""
+
+    def __init__(self) -> None:
+        self._zygotes: list[Zygote] = []
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for zygote in self._zygotes:
+            zygote.close()
+
+    def run_phase(self, how: str, phase: str, config: Path, out: Path, ranks: int = 1) -> None:
+        """Run the worker's ``phase`` in new processes (one per rank), as a user runs a
+        script."""
+        while len(self._zygotes) < ranks:
+            self._zygotes.append(Zygote(WORKER, _worker_env(), PRELOAD))
+        env = _worker_env()
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(ranks))
+        args = [how, phase, str(config), str(out)]
+
+        def rank_run(rank: int) -> Any:
+            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            return self._zygotes[rank].run(args, rank_env, timeout=300)
+
+        with ThreadPoolExecutor(ranks) as pool:
+            for done in pool.map(rank_run, range(ranks)):
+                assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[Workers]:
+    with Workers() as running:
+        yield running
 
 
 def save_and_resume(
-    how: str, s3_options: dict[str, Any], uri: str, tmp_path: Path, ranks: int = 1
+    workers: Workers,
+    how: str,
+    s3_options: dict[str, Any],
+    uri: str,
+    tmp_path: Path,
+    ranks: int = 1,
 ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """The uninterrupted run's record and the resumed run's, per rank."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"uri": uri, "s3": s3_options, "root": str(tmp_path / "memory")}))
-    run_phase(how, "save", config, tmp_path / "straight.pt", ranks)
-    run_phase(how, "resume", config, tmp_path / "resumed.pt", ranks)
+    workers.run_phase(how, "save", config, tmp_path / "straight.pt", ranks)
+    workers.run_phase(how, "resume", config, tmp_path / "resumed.pt", ranks)
     return [
         (
             torch.load(
@@ -107,9 +143,9 @@ def assert_same_run(straight: dict[str, Any], resumed: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("how", ["process", "thread", "tiered", "dcp"])
 def test_resumed_run_matches_the_uninterrupted_one(
-    how: str, s3_options: dict[str, Any], s3_prefix: str, tmp_path: Path
+    how: str, workers: Workers, s3_options: dict[str, Any], s3_prefix: str, tmp_path: Path
 ) -> None:
-    ((straight, resumed),) = save_and_resume(how, s3_options, s3_prefix, tmp_path)
+    ((straight, resumed),) = save_and_resume(workers, how, s3_options, s3_prefix, tmp_path)
     assert resumed["loaded"] == 3
     # the fresh optimizer got Adam's moments for every parameter, at the saved step
     assert len(resumed["after_load"]) == 6
@@ -120,10 +156,10 @@ def test_resumed_run_matches_the_uninterrupted_one(
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_fsdp2_resumed_run_matches(
-    ranks: int, s3_options: dict[str, Any], s3_prefix: str, tmp_path: Path
+    ranks: int, workers: Workers, s3_options: dict[str, Any], s3_prefix: str, tmp_path: Path
 ) -> None:
     runs = save_and_resume(
-        "fsdp" if ranks == 1 else "fsdp2", s3_options, s3_prefix, tmp_path, ranks
+        workers, "fsdp" if ranks == 1 else "fsdp2", s3_options, s3_prefix, tmp_path, ranks
     )
     for straight, resumed in runs:
         assert resumed["loaded"] == 3
@@ -132,9 +168,9 @@ def test_fsdp2_resumed_run_matches(
 
 
 def test_optimizer_saved_before_its_first_step_loads_fresh(
-    s3_options: dict[str, Any], s3_prefix: str, tmp_path: Path
+    workers: Workers, s3_options: dict[str, Any], s3_prefix: str, tmp_path: Path
 ) -> None:
-    ((straight, resumed),) = save_and_resume("fresh", s3_options, s3_prefix, tmp_path)
+    ((straight, resumed),) = save_and_resume(workers, "fresh", s3_options, s3_prefix, tmp_path)
     assert resumed["loaded"] == 0
     assert resumed["after_load"] == {}
     assert_same_run(straight, resumed)

@@ -37,6 +37,7 @@ def test_uri_parsing_and_keys():
         {"max_concurrency": 0},
         {"access_key_id": "only-half"},
         {"addressing_style": "sideways"},
+        {"retry_base_delay_s": 0},
         {"no_such_option": 1},
     ],
 )

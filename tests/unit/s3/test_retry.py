@@ -80,6 +80,21 @@ def test_full_jitter_stays_under_an_exponential_cap():
         assert max(delays) > ceiling * 0.8  # jitter spreads over the whole interval
 
 
+def test_the_backoff_base_is_the_configured_one():
+    """``S3Config.retry_base_delay_s`` is the base of every request's backoff."""
+    from s3ckpt.config import S3Config
+    from s3ckpt.s3.requests import Requests
+
+    def policy_of(config: S3Config) -> retry.RetryPolicy:
+        return Requests(config, "b").retrying("PutObject", "k").tries.policy
+
+    assert policy_of(S3Config()).base_delay == 0.25
+    short = policy_of(S3Config(retry_base_delay_s=0.01))
+    rng = random.Random(1)
+    delays = [short.delay(n, rng) for n in (1, 2, 3) for _ in range(100)]
+    assert all(0 <= d <= 0.04 for d in delays) and max(delays) > 0.03
+
+
 async def tried(attempt, policy, sleep=asyncio.sleep, clock=time.monotonic, answered=None):
     """Send ``attempt(n)`` for n = 1, 2, ... as a request's owner does, asking its tries
     after each failure whether another try may go and after how long (``answered``:

@@ -61,9 +61,11 @@ async def open_range(
 
 
 class RangeResponse:
-    """One response, read by a reader callback on the event loop while a receive is
-    pending: the head (and any body but the expected one) through h11, then the expected
-    body straight into the memory each :meth:`receive_into` names."""
+    """One response, read while a step (its head, or a receive) is pending: at once where
+    the socket has the bytes, else by a reader callback on the event loop; the head (and
+    any body but the expected one) through h11, then the expected body straight into the
+    memory each :meth:`receive_into` names. A reader callback that finds no step pending
+    takes itself off the loop, so the socket is read only for a receive."""
 
     def __init__(self, pool: ConnectionPool, connection: Connection, start: int, end: int) -> None:
         self.pool = pool
@@ -71,7 +73,10 @@ class RangeResponse:
         self.loop = asyncio.get_running_loop()
         self.start = start
         self.end = end
-        self.waiter: asyncio.Future[None] | None = None  # the pending head or receive
+        self.pending = False  # a step (the head, or a receive) is under way
+        self.waiter: asyncio.Future[None] | None = None  # the task waiting for that step
+        self.reading = False  # the reader callback is on the loop
+        self.fd = connection.sock.fileno()
         self.error: BaseException | None = None  # what ended the response early
         self.answer = SmallResponse(body_in_place=True)  # the head, or an error and its body
         self.scratch = memoryview(bytearray(MAX_HEADER_BYTES))
@@ -118,7 +123,8 @@ class RangeResponse:
             self.connection.progress = time.monotonic()  # stalls count while a receive waits
             await self._wait()
         else:
-            self._delivered(filled)
+            self.position += filled
+            self.whole = self.position == self.end
         return len(view)
 
     async def aclose(self) -> None:
@@ -129,33 +135,54 @@ class RangeResponse:
         """Stop watching; the connection serves again where the response was read whole."""
         if self.watch is not None:
             self.watch.stop()
+        self._pause()
         self.pool.release(self.connection, keep_alive=self.keep_alive and self.whole)
 
     async def _wait(self) -> None:
         """Read until the pending step (the head, or a receive) is done."""
-        self.waiter = self.loop.create_future()
-        self._readable()  # bytes (TLS records) may already be waiting
-        if not self.waiter.done():
-            fd = self.connection.sock.fileno()
-            self.loop.add_reader(fd, self._readable)
+        self.pending = True
+        self._readable()  # the bytes (TLS records) may be waiting already
+        if self.pending:
+            self.waiter = self.loop.create_future()
+            if not self.reading:
+                self.loop.add_reader(self.fd, self._readable)
+                self.reading = True
             try:
                 await self.waiter
+            except BaseException:  # cancelled: nothing is read into the memory from now on
+                self.pending = False
+                self._pause()
+                raise
             finally:
-                self.loop.remove_reader(fd)
-        self.waiter.result()
+                self.waiter = None
+        if self.error is not None:
+            raise self.error
+
+    def _done(self) -> None:
+        """The pending step is done (or failed)."""
+        self.pending = False
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def _pause(self) -> None:
+        """Take the reader callback off the loop: the socket is not read."""
+        if self.reading:
+            self.reading = False
+            self.loop.remove_reader(self.fd)
 
     # -- the reader callback ------------------------------------------------------------
 
     def _readable(self) -> None:
         """Read what the socket has (over TLS, record by record) until the pending step is
-        done or it would block; the body's loop is kept short, as it runs once per 16 KiB
-        record over TLS."""
+        done or it would block; with none pending, stop reading. The body's loop is kept
+        short, as it runs once per 16 KiB record over TLS."""
+        if not self.pending:
+            self._pause()
+            return
         connection = self.connection
-        waiter = self.waiter
-        assert waiter is not None
         received = 0
         try:
-            while not waiter.done():
+            while self.pending:
                 if self.in_body:
                     view = self.view
                     assert view is not None
@@ -190,10 +217,8 @@ class RangeResponse:
         """``count`` more bytes of the range are in the caller's memory."""
         self.position += count
         self.view = None
-        if self.position == self.end:
-            self.whole = True
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
+        self.whole = self.position == self.end
+        self._done()
 
     def _head_buffer(self) -> memoryview:
         if self.skip:
@@ -267,8 +292,7 @@ class RangeResponse:
     def _start_body(self) -> None:
         """The head is in (and any bytes before the range skipped): the body is the caller's."""
         self.in_body = True
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
+        self._done()
 
     def _answered(self) -> None:
         """A response other than the body expected, read whole."""
@@ -284,8 +308,8 @@ class RangeResponse:
         self.keep_alive = self.keep_alive and keep_alive
         if self.error is None:
             self.error = exc
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(exc)
+        self._pause()
+        self._done()
 
     def _stalled(self, connection: Connection) -> None:
         connection.timed_out = True

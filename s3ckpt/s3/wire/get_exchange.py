@@ -2,10 +2,10 @@
 
 :func:`open_range` sends the request and reads the response head; the caller then pulls
 the body with :meth:`RangeResponse.receive_into`, which receives straight into the memory
-it names: a reader callback on the loop calls the non-blocking socket's ``recv_into``
-with that memory, so each byte is copied once, by the kernel (plain TCP) or by OpenSSL as
-it decrypts (TLS). While no receive is pending the socket is not read, so the kernel's
-buffer, not ours, holds what arrives. Reads stay on the loop thread because over TLS
+it names: the receive calls the non-blocking socket's ``recv_into`` with that memory
+(woken by a reader callback on the loop when bytes arrive), so each byte is copied once,
+by the kernel (plain TCP) or by OpenSSL as it decrypts (TLS). While no receive is pending
+the socket is not read, so the kernel's buffer, not ours, holds what arrives. Reads stay on the loop thread because over TLS
 OpenSSL hands over one 16 KiB record per call, and in worker threads each call's release
 and re-take of the GIL would contend with the other requests' threads
 (docs/decisions/0004-tls-path.md). Error responses become the botocore ``ClientError``
@@ -61,11 +61,12 @@ async def open_range(
 
 
 class RangeResponse:
-    """One response, read while a step (its head, or a receive) is pending: at once where
-    the socket has the bytes, else by a reader callback on the event loop; the head (and
-    any body but the expected one) through h11, then the expected body straight into the
-    memory each :meth:`receive_into` names. A reader callback that finds no step pending
-    takes itself off the loop, so the socket is read only for a receive."""
+    """One response, read by the task that pulls it while a step (its head, or a
+    receive) is pending, woken by a reader callback on the event loop when bytes arrive:
+    the head (and any body but the expected one) through h11, then the expected body
+    straight into the memory each :meth:`receive_into` names. A reader callback that
+    finds no step pending takes itself off the loop, so the socket is read only for a
+    receive."""
 
     def __init__(self, pool: ConnectionPool, connection: Connection, start: int, end: int) -> None:
         self.pool = pool
@@ -74,7 +75,7 @@ class RangeResponse:
         self.start = start
         self.end = end
         self.pending = False  # a step (the head, or a receive) is under way
-        self.waiter: asyncio.Future[None] | None = None  # the task waiting for that step
+        self.waiter: asyncio.Future[None] | None = None  # the task waiting for bytes
         self.reading = False  # the reader callback is on the loop
         self.fd = connection.sock.fileno()
         self.error: BaseException | None = None  # what ended the response early
@@ -139,10 +140,13 @@ class RangeResponse:
         self.pool.release(self.connection, keep_alive=self.keep_alive and self.whole)
 
     async def _wait(self) -> None:
-        """Read until the pending step (the head, or a receive) is done."""
+        """Read until the pending step (the head, or a receive) is done: what the socket
+        has at once, then more each time the reader callback says some arrived. The
+        reading is this task's own, so a receive's caller checks the bytes it landed right
+        after, while they are in cache, before other connections' bytes come through."""
         self.pending = True
-        self._readable()  # the bytes (TLS records) may be waiting already
-        if self.pending:
+        self._read()
+        while self.pending:
             self.waiter = self.loop.create_future()
             if not self.reading:
                 self.loop.add_reader(self.fd, self._readable)
@@ -155,6 +159,7 @@ class RangeResponse:
                 raise
             finally:
                 self.waiter = None
+            self._read()
         if self.error is not None:
             raise self.error
 
@@ -170,15 +175,21 @@ class RangeResponse:
             self.reading = False
             self.loop.remove_reader(self.fd)
 
-    # -- the reader callback ------------------------------------------------------------
-
     def _readable(self) -> None:
-        """Read what the socket has (over TLS, record by record) until the pending step is
-        done or it would block; with none pending, stop reading. The body's loop is kept
-        short, as it runs once per 16 KiB record over TLS."""
-        if not self.pending:
+        """The reader callback: bytes arrived; wake the task waiting to read them, or,
+        with none waiting, stop reading (the kernel holds them until a receive asks)."""
+        waiter = self.waiter
+        if waiter is None or waiter.done():
             self._pause()
-            return
+        else:
+            waiter.set_result(None)
+
+    # -- reading --------------------------------------------------------------------------
+
+    def _read(self) -> None:
+        """Read what the socket has (over TLS, record by record) until the pending step is
+        done or it would block. The body's loop is kept short, as it runs once per 16 KiB
+        record over TLS."""
         connection = self.connection
         received = 0
         try:

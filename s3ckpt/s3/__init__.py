@@ -6,6 +6,7 @@
 * :mod:`~s3ckpt.s3.requests`: one try of each operation and the retries around it;
 * :mod:`~s3ckpt.s3.transport`: how a try travels, chosen once per client: through
   :mod:`~s3ckpt.s3.aiobotocore_transport`, or on the data plane (:mod:`~s3ckpt.s3.wire`);
+* :mod:`~s3ckpt.s3.ranged_read`: a ranged GET its reader pulls, failed tries resumed;
 * :mod:`~s3ckpt.s3.get_attempt`: one attempt of a ranged GET through aiobotocore;
 * :mod:`~s3ckpt.s3.retry`: what is retried, backoff, deadlines;
 * :mod:`~s3ckpt.s3.error_mapping`: the one place S3 and HTTP errors become ``s3ckpt.errors``;

@@ -36,6 +36,9 @@ from s3ckpt.s3.wire.stall import StallTimer
 log = logging.getLogger(__name__)
 
 
+_NOTHING = memoryview(b"")
+
+
 class UnsupportedResponse(Exception):
     """A successful response this reader cannot receive in place; use aiobotocore instead."""
 
@@ -88,7 +91,7 @@ class RangeResponse:
         self.keep_alive = True
         self.position = start  # next body byte to deliver
         self.skip = 0  # body bytes before the range, from a server that ignored Range
-        self.leftover = memoryview(b"")  # body bytes that came with the head
+        self.leftover = _NOTHING  # body bytes that came with the head
         self.view: memoryview | None = None  # the memory of the pending receive
         self.filled = 0  # bytes of ``view`` received so far
         self.watch: StallTimer | None = None
@@ -118,7 +121,8 @@ class RangeResponse:
         if self.leftover:
             filled = min(len(self.leftover), len(view))
             view[:filled] = self.leftover[:filled]
-            self.leftover = self.leftover[filled:]
+            # a view of nothing, once taken, rather than of the bytes read with the head
+            self.leftover = self.leftover[filled:] if filled < len(self.leftover) else _NOTHING
         if filled < len(view):
             self.view, self.filled = view, filled
             self.connection.progress = time.monotonic()  # stalls count while a receive waits

@@ -31,6 +31,7 @@ A run is ``RANKS`` (with ``--items`` items per rank) or ``RANKSxITEMS``; ``4x400
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import threading
@@ -171,22 +172,24 @@ class Counted:
         self.whole = 0
         self.ranged = 0
         self.puts: list[str] = []
-        real_get, real_range, real_put = ObjectStore.get, ObjectStore.read_range, ObjectStore.put
+        real_get, real_open, real_put = ObjectStore.get, ObjectStore.open_range, ObjectStore.put
 
         async def get(store: ObjectStore, key: str) -> bytes:
             body = await real_get(store, key)
             self.whole += len(body)
             return body
 
-        async def read_range(store: ObjectStore, key: str, start: int, end: int, sink: Any) -> None:
-            await real_range(store, key, start, end, sink)
+        @contextlib.asynccontextmanager
+        async def open_range(store: ObjectStore, key: str, start: int, end: int) -> Any:
+            async with real_open(store, key, start, end) as read:
+                yield read
             self.ranged += end - start
 
         async def put(store: ObjectStore, key: str, body: Any, **kwargs: Any) -> str:
             self.puts.append(key)
             return await real_put(store, key, body, **kwargs)
 
-        ObjectStore.get, ObjectStore.read_range, ObjectStore.put = get, read_range, put  # type: ignore[method-assign]
+        ObjectStore.get, ObjectStore.open_range, ObjectStore.put = get, open_range, put  # type: ignore[method-assign]
 
     def reset(self) -> None:
         self.whole = self.ranged = 0

@@ -38,20 +38,6 @@ class Endpoints:
         return self.source.config.client_key() == self.destination.config.client_key()
 
 
-class _PartSink:
-    """Receives one ranged GET into a preallocated buffer (a ``RangeSink``)."""
-
-    def __init__(self, start: int, size: int) -> None:
-        self.start = start
-        self.data = memoryview(bytearray(size))
-
-    def buffer(self, offset: int) -> memoryview:
-        return self.data[offset - self.start :]
-
-    def filled(self, offset: int, nbytes: int) -> None:
-        """Nothing to track: the store resumes retries at the first byte not delivered."""
-
-
 async def copy_object(sides: Endpoints, source_key: str, key: str, size: int) -> str:
     """Copy ``source_key`` (``size`` bytes) to ``key``; the new object's ETag."""
     if sides.server_side and size <= sides.copy_object_limit:
@@ -63,10 +49,10 @@ async def copy_object(sides: Endpoints, source_key: str, key: str, size: int) ->
 
 
 async def _read(store: ObjectStore, key: str, start: int, end: int) -> memoryview:
-    sink = _PartSink(start, end - start)
+    data = memoryview(bytearray(end - start))
     if end > start:
-        await store.read_range(key, start, end, sink)
-    return sink.data
+        await store.read_range(key, start, end, data)
+    return data
 
 
 async def _multipart(sides: Endpoints, source_key: str, key: str, size: int) -> str:

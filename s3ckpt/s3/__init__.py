@@ -9,6 +9,7 @@
   (:mod:`~s3ckpt.s3.wire`);
 * :mod:`~s3ckpt.s3.operations`: each operation's parameters as the client takes them,
   built once for both;
+* :mod:`~s3ckpt.s3.ranged_read`: a ranged GET its reader pulls, failed tries resumed;
 * :mod:`~s3ckpt.s3.get_attempt`: one attempt of a ranged GET through aiobotocore;
 * :mod:`~s3ckpt.s3.retry`: what is retried, backoff, deadlines;
 * :mod:`~s3ckpt.s3.error_mapping`: the one place S3 and HTTP errors become ``s3ckpt.errors``;

@@ -11,7 +11,7 @@ from typing import Any
 from s3ckpt.s3 import get_attempt, operations
 from s3ckpt.s3.error_mapping import check_s3_answer
 from s3ckpt.s3.operations import CompletedParts, ObjectIds, Parsed
-from s3ckpt.s3.wire import RangeSink
+from s3ckpt.s3.wire import RangeBody
 
 
 class AiobotocoreTransport:
@@ -110,10 +110,8 @@ class AiobotocoreTransport:
             check_s3_answer("GetObject", response, bucket, key)  # no web pages
             return await stream.read(), str(response.get("ETag", ""))
 
-    async def read_range(
-        self, bucket: str, key: str, start: int, end: int, sink: RangeSink
-    ) -> None:
-        await get_attempt.stream(self.client, self.endpoint, bucket, key, start, end, sink)
+    async def open_range(self, bucket: str, key: str, start: int, end: int) -> RangeBody:
+        return await get_attempt.open_range(self.client, self.endpoint, bucket, key, start, end)
 
     def close_idle(self) -> None:
         """Nothing to close: aiohttp's pool keeps its own."""

@@ -1,10 +1,10 @@
-"""One attempt of a ranged GET into a sink through aiobotocore.
+"""One attempt of a ranged GET through aiobotocore, its body pulled into the caller's memory.
 
-:meth:`s3ckpt.s3.store.ObjectStore.read_range` retries, each try sent by the client's
+:meth:`s3ckpt.s3.store.ObjectStore.open_range` retries, each try opened by the client's
 transport (:mod:`s3ckpt.s3.transport`). Both transports deliver the bytes of
-``[start, end)`` to the sink in offset order, each once: the data plane
-(:mod:`s3ckpt.s3.wire.gets`) lets the socket write into the sink's memory; this path
-copies each received buffer in. A server that ignores ``Range`` and sends the whole
+``[start, end)`` into the memory each receive names, in offset order, each once: the
+data plane (:mod:`s3ckpt.s3.wire.gets`) lets the socket write into it; this path copies
+each buffer aiohttp received in. A server that ignores ``Range`` and sends the whole
 object is cut to the range on both.
 """
 
@@ -15,32 +15,67 @@ from typing import Any
 from s3ckpt.errors import StorageError
 from s3ckpt.s3 import retry
 from s3ckpt.s3.compat_aiobotocore import received_chunks
-from s3ckpt.s3.wire import RangeSink, copy_into, warn_range_ignored
+from s3ckpt.s3.wire import warn_range_ignored
 
 
-async def stream(
-    client: Any, endpoint: str, bucket: str, key: str, start: int, end: int, sink: RangeSink
-) -> None:
-    """One ranged GET through ``client`` (of ``endpoint``, named in warnings);
-    :class:`retry.ShortReadError` if it ends early."""
+async def open_range(
+    client: Any, endpoint: str, bucket: str, key: str, start: int, end: int
+) -> ClientRangeBody:
+    """One ranged GET through ``client`` (of ``endpoint``, named in warnings): its body,
+    to pull from and then close."""
     response = await client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")
-    position = _body_offset(response, start, f"s3://{bucket}/{key}", endpoint)
-    async with response["Body"] as body:
+    body = response["Body"]
+    try:
+        position = _body_offset(response, start, f"s3://{bucket}/{key}", endpoint)
+    except BaseException:
+        await body.aclose()
+        raise
+    return ClientRangeBody(body, position, start, end)
+
+
+class ClientRangeBody:
+    """The body of one ranged GET as aiohttp receives it, copied into the memory each
+    :meth:`receive_into` names; ``position``: where in the object the body starts."""
+
+    def __init__(self, body: Any, position: int, start: int, end: int) -> None:
+        self.body = body
         # readchunk() hands over one received buffer as is; readany() and
         # read(n) join everything buffered into a new bytes object first.
-        content = received_chunks(body)
-        while position < end:
-            chunk, _ = await content.readchunk()
-            if not chunk:
-                break
-            useful = memoryview(chunk)[max(start - position, 0) : end - position]
-            if useful:
-                copy_into(sink, max(position, start), useful)
-            position += len(chunk)
-    if position < end:
-        raise retry.ShortReadError(
-            f"the response ended after {position - start} of {end - start} bytes"
-        )
+        self.content = received_chunks(body)
+        self.position = position  # the object offset after the last chunk taken
+        self.start = start
+        self.end = end
+        self.delivered = start  # the next byte of the range to deliver
+        self.pending = memoryview(b"")  # bytes of the range taken, not yet delivered
+
+    async def receive_into(self, view: memoryview) -> int:
+        view = view[: self.end - self.delivered]
+        filled = 0
+        while filled < len(view):
+            if not self.pending:
+                await self._take()
+                continue
+            count = min(len(self.pending), len(view) - filled)
+            view[filled : filled + count] = self.pending[:count]
+            self.pending = self.pending[count:]
+            filled += count
+        self.delivered += filled
+        return filled
+
+    async def aclose(self) -> None:
+        await self.body.aclose()
+
+    async def _take(self) -> None:
+        """The next received chunk's bytes within the range into :attr:`pending`."""
+        chunk, _ = await self.content.readchunk()
+        if not chunk:
+            raise retry.ShortReadError(
+                f"the response ended after {self.position - self.start} of "
+                f"{self.end - self.start} bytes"
+            )
+        position = self.position
+        self.position += len(chunk)
+        self.pending = memoryview(chunk)[max(self.start - position, 0) : self.end - position]
 
 
 def _body_offset(response: dict[str, Any], start: int, where: str, endpoint: str) -> int:

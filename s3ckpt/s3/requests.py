@@ -28,7 +28,7 @@ from s3ckpt.s3.error_mapping import (
 )
 from s3ckpt.s3.operations import CompletedParts, ObjectIds, Parsed
 from s3ckpt.s3.transport import Transport
-from s3ckpt.s3.wire import RangeSink
+from s3ckpt.s3.wire import RangeBody
 
 Body = bytes | bytearray | memoryview
 
@@ -244,11 +244,16 @@ class Requests:
         async with self._sending("GetObject") as transport:
             return await transport.get_object(self.bucket, key)
 
-    async def read_range(self, key: str, start: int, end: int, sink: RangeSink) -> None:
-        """One ranged GET of bytes ``[start, end)`` of ``key`` into ``sink``, holding a
-        request slot."""
+    @contextlib.asynccontextmanager
+    async def range_try(self, key: str, start: int, end: int) -> AsyncIterator[RangeBody]:
+        """One try of a ranged GET of bytes ``[start, end)`` of ``key``, its head read:
+        the body to pull from inside ``async with``, a request slot held until it ends."""
         async with self._sending("GetObject") as transport:
-            await transport.read_range(self.bucket, key, start, end, sink)
+            body = await transport.open_range(self.bucket, key, start, end)
+            try:
+                yield body
+            finally:
+                await body.aclose()
 
     def close_idle(self) -> None:
         """Make the next requests open fresh connections."""

@@ -15,7 +15,7 @@ caller's memory). Each sends one try; the retries are here.
 
 Failed requests are retried here, by :mod:`s3ckpt.s3.retry` (botocore's own retries are off),
 because a retry must know what the request meant: a ranged GET resumes at the first byte
-not yet delivered, so its sink sees every byte exactly once; a retried create-only PUT or
+not yet delivered, so its reader sees every byte exactly once; a retried create-only PUT or
 CompleteMultipartUpload whose first response was lost recognises its own landed write
 instead of reporting a conflict; a retried CreateMultipartUpload aborts the uploads its
 lost responses created. Bodies are memory, so resending one costs no copy.
@@ -23,7 +23,9 @@ lost responses created. Bodies are memory, so resending one costs no copy.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from email.utils import parsedate_to_datetime
 from typing import Any, Literal
 
@@ -35,8 +37,8 @@ from s3ckpt.s3 import retry
 from s3ckpt.s3.error_mapping import PRECONDITION_CODES, error_code
 from s3ckpt.s3.listing import Listings, ObjectMeta, PendingUpload
 from s3ckpt.s3.multipart import MultipartUploads, PartResult, crc32c_header
+from s3ckpt.s3.ranged_read import RangedRead
 from s3ckpt.s3.requests import Body, Requests, Retrying, flat
-from s3ckpt.s3.wire import RangeSink, ResumingSink
 
 
 class ObjectStore(Listings, MultipartUploads):
@@ -155,21 +157,28 @@ class ObjectStore(Listings, MultipartUploads):
             raise
         return etag if memoryview(body).cast("B") == stored else None
 
-    async def read_range(self, key: str, start: int, end: int, sink: RangeSink) -> None:
-        """Receive bytes ``[start, end)`` of ``key`` into ``sink`` as they arrive.
-
-        The sink names the memory each byte goes to (usually a tensor), so the range is
-        never held twice; on the data plane (:mod:`s3ckpt.s3.wire`) the socket writes into it directly.
-        Bytes arrive in offset order and each exactly once: a retry asks only for the
-        bytes not yet delivered.
-        """
-        progress = ResumingSink(sink, start)
+    @contextlib.asynccontextmanager
+    async def open_range(self, key: str, start: int, end: int) -> AsyncIterator[RangedRead]:
+        """Bytes ``[start, end)`` of ``key``, to pull inside ``async with`` into memory the
+        caller names (:meth:`RangedRead.receive_into`; usually a tensor), so the range is
+        never held twice; on the data plane (:mod:`s3ckpt.s3.wire`) the socket writes into
+        it directly. Bytes arrive in offset order and each exactly once: a failed try is
+        retried here, asking only for the bytes not yet delivered. The request is sent
+        (and its head read) on entry."""
         async with self.requests.retrying("GetObject", key) as tries:
-            while progress.position < end:
-                try:
-                    await self.requests.read_range(key, progress.position, end, progress)
-                except Exception as exc:
-                    await tries.failed(exc)
+            read = RangedRead(self.requests, tries, key, start, end)
+            await read.open()
+            try:
+                yield read
+            except BaseException as exc:
+                await read.close(exc)
+                raise
+            await read.close(None)
+
+    async def read_range(self, key: str, start: int, end: int, into: memoryview) -> None:
+        """Bytes ``[start, end)`` of ``key`` into ``into`` (``end - start`` bytes long)."""
+        async with self.open_range(key, start, end) as read:
+            await read.receive_into(into)
 
     async def close_idle_connections(self) -> None:
         """Make the next ranged GETs open fresh connections (after bytes came in damaged)."""

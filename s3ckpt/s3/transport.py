@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from s3ckpt.config import S3Config
 from s3ckpt.s3.aiobotocore_transport import AiobotocoreTransport
 from s3ckpt.s3.operations import CompletedParts, ObjectIds, Params, Parsed
-from s3ckpt.s3.wire import DataPlane, RangeSink, proxied
+from s3ckpt.s3.wire import DataPlane, RangeBody, proxied
 
 PartTry = tuple[int, memoryview, str | None]  # part number, body, CRC32C header
 
@@ -147,11 +147,9 @@ class Transport(Protocol):
         """One GET of a whole (small) object: its bytes and ETag."""
         ...
 
-    async def read_range(
-        self, bucket: str, key: str, start: int, end: int, sink: RangeSink
-    ) -> None:
-        """One ranged GET of bytes ``[start, end)`` into ``sink``, in offset order, each
-        byte once; :class:`~s3ckpt.s3.retry.ShortReadError` where the answer ends early."""
+    async def open_range(self, bucket: str, key: str, start: int, end: int) -> RangeBody:
+        """One ranged GET of bytes ``[start, end)``, its head read: the body the caller
+        pulls, in offset order, each byte once (and then closes)."""
         ...
 
     def close_idle(self) -> None:

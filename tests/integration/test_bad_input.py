@@ -131,27 +131,13 @@ def test_direct_ranged_gets_refuse_an_unverifiable_certificate_at_once(
         config = make_config(None, **{**s3_options, "endpoint_url": endpoint, "verify": verify})
         store = ObjectStore(config, local_s3.bucket)
         received = bytearray(100)
-        sink = _Whole(received)
-        io_loop().run(store.read_range(key, 0, 100, sink))
+        io_loop().run(store.read_range(key, 0, 100, memoryview(received)))
         return bytes(received)
 
     with pytest.raises(EndpointError, match="TLS"):
         read(True)
     assert retries() == []  # a certificate is not retried
     assert read(str(cert)) == b"x" * 100
-
-
-class _Whole:
-    """A sink receiving a whole range into one buffer."""
-
-    def __init__(self, buffer: bytearray) -> None:
-        self.view = memoryview(buffer)
-
-    def buffer(self, offset: int) -> memoryview:
-        return self.view[offset:]
-
-    def filled(self, offset: int, nbytes: int) -> None:
-        pass
 
 
 @pytest.mark.parametrize("verify", ["ca-bundle", False], ids=["private-ca", "verify-off"])

@@ -45,11 +45,11 @@ def test_an_endpoint_answering_oddly_falls_back_to_aiobotocore(
     dcp.save(_state(), storage_writer=make_writer(s3_prefix))
     calls = []
 
-    async def unsupported(self, bucket, key, start, end, sink):
+    async def unsupported(self, bucket, key, start, end):
         calls.append(key)
         raise UnsupportedResponse("chunked response")
 
-    monkeypatch.setattr(RangedGets, "read", unsupported)
+    monkeypatch.setattr(RangedGets, "open", unsupported)
     # a config of its own, so that the fallback does not outlive this test
     with caplog.at_level(logging.WARNING, logger="s3ckpt.s3.client"):
         _assert_same(_load(make_reader(s3_prefix, read_timeout=119.0)))

@@ -221,9 +221,7 @@ class FileReader(io.RawIOBase):
         start = item.offset + first
         for attempt in range(2):
             if len(view):
-                io_loop().run(
-                    self._store.read_range(self._key, start, start + len(view), _Into(view, start))
-                )
+                io_loop().run(self._store.read_range(self._key, start, start + len(view), view))
             try:
                 verify_blocks(
                     view, item.crc32c, block_size=item.block_size,
@@ -234,16 +232,3 @@ class FileReader(io.RawIOBase):
                 if attempt:
                     raise
                 io_loop().run(self._store.close_idle_connections())
-
-
-class _Into:
-    """A ranged GET received into ``view``, which holds bytes from ``start`` on."""
-
-    def __init__(self, view: memoryview, start: int) -> None:
-        self._view, self._start = view, start
-
-    def buffer(self, offset: int) -> memoryview:
-        return self._view[offset - self._start :]
-
-    def filled(self, offset: int, nbytes: int) -> None:
-        """Nothing to track: the store resumes a retried GET at the first missing byte."""

@@ -13,8 +13,8 @@ upload bodies (``UploadPart``, ``PutObject``) and ranged GETs, plain HTTP and HT
 through this package alone: one connection pool per client (:mod:`~.pool`: keep-alive,
 stale connections, stalls, cancellation, TLS as aiobotocore verifies it), one response
 parser (h11, :mod:`~.exchange`), bodies sent from the tensor's memory (:mod:`~.uploads`;
-:mod:`~.on_loop`) and received straight into it
-(:mod:`~.gets`, :mod:`~.get_exchange`).
+:mod:`~.on_loop`) and received straight into it as its reader pulls them
+(:mod:`~.gets`, :mod:`~.get_exchange`, :mod:`~.range_body`).
 
 Where each exchange runs, chosen for the least client CPU per GiB
 (docs/decisions/0004-tls-path.md):
@@ -39,15 +39,13 @@ responses the transport cannot receive in place (chunked, redirects).
 
 from s3ckpt.s3.wire.data_plane import DataPlane
 from s3ckpt.s3.wire.get_exchange import UnsupportedResponse, warn_range_ignored
-from s3ckpt.s3.wire.sink import RangeSink, ResumingSink, copy_into
+from s3ckpt.s3.wire.range_body import RangeBody
 from s3ckpt.s3.wire.tls import proxied, tls_context
 
 __all__ = [
     "DataPlane",
-    "RangeSink",
-    "ResumingSink",
+    "RangeBody",
     "UnsupportedResponse",
-    "copy_into",
     "proxied",
     "tls_context",
     "warn_range_ignored",

@@ -23,7 +23,7 @@ from s3ckpt.s3.wire.get_exchange import UnsupportedResponse
 from s3ckpt.s3.wire.gets import RangedGets
 from s3ckpt.s3.wire.on_loop import BodyTransport
 from s3ckpt.s3.wire.pool import ConnectionPool
-from s3ckpt.s3.wire.sink import RangeSink
+from s3ckpt.s3.wire.range_body import RangeBody
 from s3ckpt.s3.wire.uploads import (
     BodySender,
     Redirected,
@@ -246,17 +246,14 @@ class DataPlane:
     async def get_object(self, bucket: str, key: str) -> tuple[bytes, str]:
         return await self.client_transport.get_object(bucket, key)
 
-    async def read_range(
-        self, bucket: str, key: str, start: int, end: int, sink: RangeSink
-    ) -> None:
+    async def open_range(self, bucket: str, key: str, start: int, end: int) -> RangeBody:
         gets = self.gets
         if gets is not None:
             try:
-                await gets.read(bucket, key, start, end, sink)
-                return
+                return await gets.open(bucket, key, start, end)
             except UnsupportedResponse as exc:
                 self.odd_read(str(exc))
-        await self.client_transport.read_range(bucket, key, start, end, sink)
+        return await self.client_transport.open_range(bucket, key, start, end)
 
     def close_idle(self) -> None:
         self.pool.close_idle()

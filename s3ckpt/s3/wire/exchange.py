@@ -3,7 +3,7 @@
 Request bodies are sent by ``sendall`` from the caller's memory; response heads, interim
 ``1xx`` responses and small bodies (upload answers, error documents, chunked or
 close-delimited included) are parsed by h11, a well-kept HTTP/1.1 state machine. The
-bodies of ranged GETs bypass it and go straight into the sink (:mod:`s3ckpt.s3.wire.get_exchange`).
+bodies of ranged GETs bypass it and go straight into the reader's memory (:mod:`s3ckpt.s3.wire.get_exchange`).
 
 Failures come out as what :mod:`s3ckpt.s3.retry` and :mod:`s3ckpt.s3.error_mapping` know:
 a connection that stalled past ``read_timeout`` as botocore's ``ReadTimeoutError``; a

@@ -1,14 +1,16 @@
-"""One ranged GET on one connection, on the event loop, its body received into a sink.
+"""One ranged GET on one connection, on the event loop, its body pulled into the caller's memory.
 
-The expected answer, a ``206`` whose ``Content-Range`` and ``Content-Length`` match the
-range asked for, is received straight into the memory the sink names: a reader callback
-on the loop calls the non-blocking socket's ``recv_into`` with that memory, so each byte
-is copied once, by the kernel (plain TCP) or by OpenSSL as it decrypts (TLS). Reads stay
-on the loop thread because over TLS OpenSSL hands over one 16 KiB record per call, and in
-worker threads each call's release and re-take of the GIL would contend with the other
-requests' threads (docs/decisions/0004-tls-path.md). Error responses become the botocore
-``ClientError`` aiobotocore would raise; a successful response that cannot be received in
-place (chunked, no length, a redirect) raises :class:`UnsupportedResponse`, and the caller
+:func:`open_range` sends the request and reads the response head; the caller then pulls
+the body with :meth:`RangeResponse.receive_into`, which receives straight into the memory
+it names: the receive calls the non-blocking socket's ``recv_into`` with that memory
+(woken by a reader callback on the loop when bytes arrive), so each byte is copied once,
+by the kernel (plain TCP) or by OpenSSL as it decrypts (TLS). While no receive is pending
+the socket is not read, so the kernel's buffer, not ours, holds what arrives. Reads stay on the loop thread because over TLS
+OpenSSL hands over one 16 KiB record per call, and in worker threads each call's release
+and re-take of the GIL would contend with the other requests' threads
+(docs/decisions/0004-tls-path.md). Error responses become the botocore ``ClientError``
+aiobotocore would raise; a successful response that cannot be received in place
+(chunked, no length, a redirect) raises :class:`UnsupportedResponse`, and the caller
 hands the request to aiobotocore. A server that ignores ``Range`` and sends the whole
 object has the range cut from it (and the connection closed once it is in).
 """
@@ -29,111 +31,182 @@ from s3ckpt.s3.wire.connection import Connection, Origin, StaleConnection
 from s3ckpt.s3.wire.exchange import MAX_HEADER_BYTES, SmallResponse, failure
 from s3ckpt.s3.wire.on_loop import send_all
 from s3ckpt.s3.wire.pool import ConnectionPool
-from s3ckpt.s3.wire.sink import RangeSink, copy_into
 from s3ckpt.s3.wire.stall import StallTimer
 
 log = logging.getLogger(__name__)
 
-# Largest single receive: big enough that a call moves a lot, small enough that the
-# bytes are still in cache when the sink checksums them right after.
-MAX_RECEIVE = 1024 * 1024
+
+_NOTHING = memoryview(b"")
 
 
 class UnsupportedResponse(Exception):
     """A successful response this reader cannot receive in place; use aiobotocore instead."""
 
 
-async def receive_range(
-    pool: ConnectionPool, origin: Origin, request: bytes, start: int, end: int, sink: RangeSink
-) -> None:
-    """Send the GET ``request`` for ``[start, end)`` on a connection to ``origin`` and
-    receive its body into ``sink``; raises the ``ClientError`` the server answered
-    instead. A kept-alive connection the server had closed is replaced silently."""
+async def open_range(
+    pool: ConnectionPool, origin: Origin, request: bytes, start: int, end: int
+) -> RangeResponse:
+    """Send the GET ``request`` for ``[start, end)`` on a connection to ``origin`` and read
+    its head: the response whose body the caller pulls (and then closes). Raises the
+    ``ClientError`` the server answered instead. A kept-alive connection the server had
+    closed is replaced silently."""
     while True:
-        error: ClientError | None = None
+        response = RangeResponse(pool, await pool.checkout(origin), start, end)
         try:
-            async with pool.lease(origin) as lease:
-                response = _RangeResponse(lease.connection, start, end, sink, pool.read_timeout)
-                try:
-                    await response.run(request)
-                except ClientError as answer:  # an error answer, its body read whole: kept alive
-                    error = answer
-                lease.keep_alive = response.keep_alive
+            await response.open(request)
         except StaleConnection:
+            response.close()
             continue
-        if error is not None:
-            raise error
-        return
+        except BaseException:
+            response.close()
+            raise
+        return response
 
 
-class _RangeResponse:
-    """One response, read by a reader callback on the event loop: the head (and any body
-    but the expected one) through h11, then the expected body straight into the sink,
-    up to :data:`MAX_RECEIVE` bytes per call of ``sink.filled``."""
+class RangeResponse:
+    """One response, read by the task that pulls it while a step (its head, or a
+    receive) is pending, woken by a reader callback on the event loop when bytes arrive:
+    the head (and any body but the expected one) through h11, then the expected body
+    straight into the memory each :meth:`receive_into` names. A reader callback that
+    finds no step pending takes itself off the loop, so the socket is read only for a
+    receive."""
 
-    def __init__(
-        self, connection: Connection, start: int, end: int, sink: RangeSink, read_timeout: float
-    ) -> None:
+    def __init__(self, pool: ConnectionPool, connection: Connection, start: int, end: int) -> None:
+        self.pool = pool
         self.connection = connection
         self.loop = asyncio.get_running_loop()
         self.start = start
         self.end = end
-        self.sink = sink
-        self.read_timeout = read_timeout
-        self.future: asyncio.Future[None] = self.loop.create_future()
+        self.pending = False  # a step (the head, or a receive) is under way
+        self.waiter: asyncio.Future[None] | None = None  # the task waiting for bytes
+        self.reading = False  # the reader callback is on the loop
+        self.fd = connection.sock.fileno()
+        self.error: BaseException | None = None  # what ended the response early
         self.answer = SmallResponse(body_in_place=True)  # the head, or an error and its body
         self.scratch = memoryview(bytearray(MAX_HEADER_BYTES))
         self.received = False  # any byte of a response arrived
         self.reused = False  # the connection carried a request before (it may be stale)
-        self.in_body = False  # the expected body is being received into the sink
+        self.in_body = False  # the expected body is being received
+        self.whole = False  # the response was read to its end (the connection may serve again)
         self.keep_alive = True
-        self.position = start  # next body byte expected
+        self.position = start  # next body byte to deliver
         self.skip = 0  # body bytes before the range, from a server that ignored Range
-        self.piece: memoryview | None = None  # the sink memory being filled
-        self.piece_filled = 0
+        self.leftover = _NOTHING  # body bytes that came with the head
+        self.view: memoryview | None = None  # the memory of the pending receive
+        self.filled = 0  # bytes of ``view`` received so far
+        self.watch: StallTimer | None = None
 
-    async def run(self, request: bytes) -> None:
-        """Send ``request`` and receive its response; a failure is read by the data
+    async def open(self, request: bytes) -> None:
+        """Send ``request`` and read the response's head; a failure is read by the data
         plane's one policy (:func:`~s3ckpt.s3.wire.exchange.failure`)."""
         connection = self.connection
         self.reused, connection.used = connection.used, True
-        fd = connection.sock.fileno()
-        watch = StallTimer(self.loop, lambda: connection, self.read_timeout, self._stalled)
+        self.watch = StallTimer(
+            self.loop, lambda: connection, self.pool.read_timeout, self._stalled
+        )
         try:
-            await self._send(request)
-            self.loop.add_reader(fd, self._readable)
-            try:
-                self._readable()  # bytes (TLS records) may already be waiting
-                await self.future
-            finally:
-                self.loop.remove_reader(fd)
-        finally:
-            watch.stop()
-
-    async def _send(self, data: bytes) -> None:
-        """Write the (small) request on the non-blocking connection."""
-        try:
-            await send_all(self.connection, data)
+            await send_all(connection, request)
         except OSError as exc:
-            raise failure(self.connection, exc, reused=self.reused, received=False) from exc
+            raise failure(connection, exc, reused=self.reused, received=False) from exc
+        await self._wait()
 
-    # -- the reader callback ------------------------------------------------------------
+    async def receive_into(self, view: memoryview) -> int:
+        """Receive the next bytes of the range into ``view``; answers once ``view`` is
+        full or the range is in (the count). :class:`~s3ckpt.s3.retry.ShortReadError`
+        where the response ends early."""
+        view = view[: self.end - self.position]
+        if self.error is not None:
+            raise self.error
+        filled = 0
+        if self.leftover:
+            filled = min(len(self.leftover), len(view))
+            view[:filled] = self.leftover[:filled]
+            # a view of nothing, once taken, rather than of the bytes read with the head
+            self.leftover = self.leftover[filled:] if filled < len(self.leftover) else _NOTHING
+        if filled < len(view):
+            self.view, self.filled = view, filled
+            self.connection.progress = time.monotonic()  # stalls count while a receive waits
+            await self._wait()
+        else:
+            self.position += filled
+            self.whole = self.position == self.end
+        return len(view)
+
+    async def aclose(self) -> None:
+        """Stop receiving; the connection serves again only where the body was read whole."""
+        self.close()
+
+    def close(self) -> None:
+        """Stop watching; the connection serves again where the response was read whole."""
+        if self.watch is not None:
+            self.watch.stop()
+        self._pause()
+        self.pool.release(self.connection, keep_alive=self.keep_alive and self.whole)
+
+    async def _wait(self) -> None:
+        """Read until the pending step (the head, or a receive) is done: what the socket
+        has at once, then more each time the reader callback says some arrived. The
+        reading is this task's own, so a receive's caller checks the bytes it landed right
+        after, while they are in cache, before other connections' bytes come through."""
+        self.pending = True
+        self._read()
+        while self.pending:
+            self.waiter = self.loop.create_future()
+            if not self.reading:
+                self.loop.add_reader(self.fd, self._readable)
+                self.reading = True
+            try:
+                await self.waiter
+            except BaseException:  # cancelled: nothing is read into the memory from now on
+                self.pending = False
+                self._pause()
+                raise
+            finally:
+                self.waiter = None
+            self._read()
+        if self.error is not None:
+            raise self.error
+
+    def _done(self) -> None:
+        """The pending step is done (or failed)."""
+        self.pending = False
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def _pause(self) -> None:
+        """Take the reader callback off the loop: the socket is not read."""
+        if self.reading:
+            self.reading = False
+            self.loop.remove_reader(self.fd)
 
     def _readable(self) -> None:
-        """Read everything the socket has (over TLS, record by record) until it would block;
-        the body's loop is kept short, as it runs once per 16 KiB record over TLS."""
+        """The reader callback: bytes arrived; wake the task waiting to read them, or,
+        with none waiting, stop reading (the kernel holds them until a receive asks)."""
+        waiter = self.waiter
+        if waiter is None or waiter.done():
+            self._pause()
+        else:
+            waiter.set_result(None)
+
+    # -- reading --------------------------------------------------------------------------
+
+    def _read(self) -> None:
+        """Read what the socket has (over TLS, record by record) until the pending step is
+        done or it would block. The body's loop is kept short, as it runs once per 16 KiB
+        record over TLS."""
         connection = self.connection
         received = 0
         try:
-            while not self.future.done():
+            while self.pending:
                 if self.in_body:
-                    piece = self.piece if self.piece is not None else self._next_piece()
-                    count = connection.recv_ready(piece[self.piece_filled :])
+                    view = self.view
+                    assert view is not None
+                    count = connection.recv_ready(view[self.filled :])
                     if count > 0:
                         received += count
-                        self.piece_filled += count
-                        if self.piece_filled == len(piece):
-                            self._flush()
+                        self.filled += count
+                        if self.filled == len(view):
+                            self._delivered(len(view))
                         continue
                 else:
                     count = connection.recv_ready(self._head_buffer())
@@ -142,12 +215,11 @@ class _RangeResponse:
                         self.received = True
                         self._data(count)
                         continue
-                self._flush()
                 if count == 0:
                     self._closed()
                 return
         except (BlockingIOError, InterruptedError):
-            self._flush()
+            pass
         except OSError as exc:
             got = self.received or received > 0
             self._fail(failure(connection, exc, reused=self.reused, received=got))
@@ -156,12 +228,12 @@ class _RangeResponse:
                 self.received = True
                 connection.progress = time.monotonic()
 
-    def _next_piece(self) -> memoryview:
-        """The sink's memory for the next bytes, at most :data:`MAX_RECEIVE` of them."""
-        view = self.sink.buffer(self.position)
-        self.piece = view[: min(len(view), self.end - self.position, MAX_RECEIVE)]
-        self.piece_filled = 0
-        return self.piece
+    def _delivered(self, count: int) -> None:
+        """``count`` more bytes of the range are in the caller's memory."""
+        self.position += count
+        self.view = None
+        self.whole = self.position == self.end
+        self._done()
 
     def _head_buffer(self) -> memoryview:
         if self.skip:
@@ -176,16 +248,6 @@ class _RangeResponse:
         else:
             self._parse(bytes(self.scratch[:count]))
 
-    def _flush(self) -> None:
-        """Hand the bytes received into the current piece to the sink."""
-        if self.piece is None or not self.piece_filled:
-            return
-        filled, self.piece, self.piece_filled = self.piece_filled, None, 0
-        self.sink.filled(self.position, filled)
-        self.position += filled
-        if self.position == self.end:
-            self._finish()
-
     def _closed(self) -> None:
         """The server closed the connection: ends a close-delimited body, or the response."""
         if self.connection.timed_out:
@@ -193,12 +255,11 @@ class _RangeResponse:
         elif self.in_body or self.skip:
             self._fail(
                 ShortReadError(
-                    f"the connection closed after {self.position - self.start} "
+                    f"the connection closed after {self.position + self.filled - self.start} "
                     f"bytes of a {self.end - self.start}-byte range"
                 )
             )
         elif self.reused and not self.received:
-            self.keep_alive = False
             self._fail(StaleConnection())  # a kept-alive connection the server had closed
         else:
             self.keep_alive = False
@@ -220,10 +281,10 @@ class _RangeResponse:
             self._fail(UnsupportedResponse(exc))
             return
         self.keep_alive = self.answer.keep_alive
-        self._finish()
+        self._answered()
 
     def _response(self) -> None:
-        """A successful head: its body goes into the sink, or is skipped up to the range."""
+        """A successful head: its body is the caller's, or is skipped up to the range."""
         status, headers = self.answer.status, self.answer.headers
         self.keep_alive = self.answer.keep_alive
         length = in_place_length(status, headers, self.start, self.end)
@@ -239,36 +300,31 @@ class _RangeResponse:
         if len(leftover) > self.end - self.start and self.keep_alive:
             self._fail(ConnectionResetError("the server sent more than the response"))
             return
+        self.leftover = leftover[: self.end - self.start]
         if not self.skip:
             self._start_body()
-        if leftover:
-            useful = leftover[: self.end - self.start]
-            copy_into(self.sink, self.position, useful)
-            self.position += len(useful)
-            if self.position == self.end:
-                self._finish()
 
     def _start_body(self) -> None:
+        """The head is in (and any bytes before the range skipped): the body is the caller's."""
         self.in_body = True
-        if self.position == self.end:
-            self._finish()
+        self._done()
 
-    def _finish(self) -> None:
-        if self.future.done():
-            return
+    def _answered(self) -> None:
+        """A response other than the body expected, read whole."""
+        self.whole = True
         status = self.answer.status
-        if 200 <= status < 300:
-            self.future.set_result(None)
-        elif 300 <= status < 400:
+        if 300 <= status < 400:
             location = self.answer.headers.get("location", "?")
-            self.future.set_exception(UnsupportedResponse(f"redirect {status} to {location}"))
+            self._fail(UnsupportedResponse(f"redirect {status} to {location}"))
         else:
-            self.future.set_exception(client_error(*self.answer.result()))
+            self._fail(client_error(*self.answer.result()), keep_alive=True)
 
-    def _fail(self, exc: BaseException) -> None:
-        self.keep_alive = False
-        if not self.future.done():
-            self.future.set_exception(exc)
+    def _fail(self, exc: BaseException, *, keep_alive: bool = False) -> None:
+        self.keep_alive = self.keep_alive and keep_alive
+        if self.error is None:
+            self.error = exc
+        self._pause()
+        self._done()
 
     def _stalled(self, connection: Connection) -> None:
         connection.timed_out = True

@@ -17,9 +17,8 @@ from urllib.parse import SplitResult, urlsplit
 from botocore.exceptions import ClientError
 
 from s3ckpt._version import __version__
-from s3ckpt.s3.wire.get_exchange import receive_range
+from s3ckpt.s3.wire.get_exchange import RangeResponse, open_range
 from s3ckpt.s3.wire.pool import ConnectionPool
-from s3ckpt.s3.wire.sink import RangeSink
 
 PRESIGN_EXPIRES_S = 3600
 REUSE_SIGNATURE_S = 300.0
@@ -34,17 +33,18 @@ class RangedGets:
         self.pool = pool
         self._urls: dict[tuple[str, str], tuple[float, SplitResult]] = {}
 
-    async def read(self, bucket: str, key: str, start: int, end: int, sink: RangeSink) -> None:
-        """Receive bytes ``[start, end)`` of ``bucket/key`` into ``sink``, in offset order."""
+    async def open(self, bucket: str, key: str, start: int, end: int) -> RangeResponse:
+        """Ask for bytes ``[start, end)`` of ``bucket/key``: the response, its head read,
+        whose body the caller pulls (and then closes)."""
         url, reused = await self._signed(bucket, key)
         try:
-            await self._get(url, start, end, sink)
+            return await self._open(url, start, end)
         except ClientError as exc:
             if not reused or exc.response["ResponseMetadata"]["HTTPStatusCode"] != 403:
                 raise
             # A reused signature may have outlived the credentials that made it: sign anew.
             url, _ = await self._signed(bucket, key, fresh=True)
-            await self._get(url, start, end, sink)
+            return await self._open(url, start, end)
 
     async def _signed(
         self, bucket: str, key: str, *, fresh: bool = False
@@ -62,7 +62,7 @@ class RangedGets:
         self._urls[(bucket, key)] = (now, urlsplit(url))
         return self._urls[(bucket, key)][1], False
 
-    async def _get(self, url: SplitResult, start: int, end: int, sink: RangeSink) -> None:
+    async def _open(self, url: SplitResult, start: int, end: int) -> RangeResponse:
         origin = (
             url.scheme,
             url.hostname or "",
@@ -73,4 +73,4 @@ class RangedGets:
             f"Range: bytes={start}-{end - 1}\r\nAccept-Encoding: identity\r\n"
             f"User-Agent: s3ckpt/{__version__}\r\n\r\n"
         ).encode("ascii")
-        await receive_range(self.pool, origin, request, start, end, sink)
+        return await open_range(self.pool, origin, request, start, end)

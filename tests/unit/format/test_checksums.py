@@ -1,3 +1,4 @@
+import asyncio
 import os
 import platform
 import random
@@ -5,11 +6,11 @@ import random
 import pytest
 import torch
 from crc32c import crc32c
+from ranged_bodies import PayloadRange
 
 from s3ckpt.dcp.tensor_bytes import tensor_view
 from s3ckpt.format import checksums
 from s3ckpt.format.checksums import StreamingCheck, block_crcs, combine, range_crc
-from s3ckpt.s3.wire import copy_into
 from s3ckpt.transfer.download import ReadTarget, _Scatter, plan_requests
 
 MiB = 1024 * 1024
@@ -65,9 +66,8 @@ def test_requests_are_cut_on_block_boundaries_and_verify_in_flight():
             for edge in (max(request.start, target.start), min(request.end, target.end)):
                 assert edge in (target.start, target.end) or (edge - target.start) % block == 0
     for request in reversed(requests):  # responses finishing in any order
-        sink = _Scatter(request, lambda t: None)
-        for lo in range(request.start, request.end, 256 * 1024):
-            copy_into(sink, lo, data[lo : min(lo + 256 * 1024, request.end)])
+        body = PayloadRange(data, request.start, request.end)
+        asyncio.run(_Scatter(request, lambda t: None).receive(body))
     for target, buffer in zip(targets, buffers, strict=True):
         assert target.check.active and target.check.bad_block is None
         assert bytes(buffer) == data[target.start : target.end]

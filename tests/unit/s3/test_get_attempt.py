@@ -1,4 +1,4 @@
-"""The aiobotocore path of ranged reads (``get_attempt.stream``) against servers that
+"""The aiobotocore path of ranged reads (``get_attempt.open_range``) against servers that
 answer a ranged GET with something other than the range."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from s3ckpt.errors import StorageError
-from s3ckpt.s3 import get_attempt
+from s3ckpt.s3 import get_attempt, retry
 
 OBJECT = bytes(range(256)) * 64  # 16 KiB
 
@@ -25,12 +25,10 @@ class _Content:
 class _Body:
     def __init__(self, body: bytes, chunk: int) -> None:
         self.raw_stream = type("Raw", (), {"content": _Content(body, chunk)})()
+        self.closed = False
 
-    async def __aenter__(self) -> _Body:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
+    async def aclose(self) -> None:
+        self.closed = True
 
 
 class _Client:
@@ -47,21 +45,21 @@ class _Client:
         return response
 
 
-class _Sink:
-    def __init__(self, start: int, end: int) -> None:
-        self.start, self.data = start, bytearray(end - start)
+def _stream(client: _Client, start: int, end: int, piece: int | None = None) -> bytes:
+    """Bytes ``[start, end)`` pulled through one try, ``piece`` bytes per receive at most."""
+    data = memoryview(bytearray(end - start))
 
-    def buffer(self, offset: int) -> memoryview:
-        return memoryview(self.data)[offset - self.start :]
+    async def pull() -> None:
+        body = await get_attempt.open_range(client, "http://127.0.0.1:9", "b", "k", start, end)
+        try:
+            done = 0
+            while done < len(data):
+                done += await body.receive_into(data[done:][:piece])
+        finally:
+            await body.aclose()
 
-    def filled(self, offset: int, nbytes: int) -> None:
-        pass
-
-
-def _stream(client: _Client, start: int, end: int) -> bytes:
-    sink = _Sink(start, end)
-    asyncio.run(get_attempt.stream(client, "http://127.0.0.1:9", "bucket", "key", start, end, sink))
-    return bytes(sink.data)
+    asyncio.run(pull())
+    return bytes(data)
 
 
 def test_a_whole_object_for_a_ranged_get_is_cut_to_the_range(caplog) -> None:
@@ -79,4 +77,15 @@ def test_a_partial_response_lands_at_its_offset() -> None:
 def test_a_response_for_bytes_after_the_range_start_is_refused() -> None:
     client = _Client(206, OBJECT[150:200], f"bytes 150-199/{len(OBJECT)}")
     with pytest.raises(StorageError, match="answered bytes"):
+        _stream(client, 100, 200)
+
+
+def test_a_received_chunk_is_split_across_the_memory_receives_name() -> None:
+    client = _Client(206, OBJECT[0:2500], f"bytes 0-2499/{len(OBJECT)}")  # 1000-byte chunks
+    assert _stream(client, 0, 2500, piece=300) == OBJECT[:2500]
+
+
+def test_a_response_that_ends_early_is_a_short_read() -> None:
+    client = _Client(206, OBJECT[100:150], f"bytes 100-199/{len(OBJECT)}")
+    with pytest.raises(retry.ShortReadError, match="after 50 of 100 bytes"):
         _stream(client, 100, 200)

@@ -1,9 +1,11 @@
 import asyncio
+import contextlib
 
 import pytest
+from ranged_bodies import PayloadRange, PayloadStore
 
-from s3ckpt.s3.wire import copy_into
-from s3ckpt.transfer.download import ReadTarget, _Admission, _Scatter, plan_requests
+from s3ckpt.format.checksums import StreamingCheck, block_crcs
+from s3ckpt.transfer.download import _PIECE, ReadTarget, _Admission, _Scatter, plan_requests
 
 
 def _target(key, start, end, token=None):
@@ -39,11 +41,8 @@ def test_scatter_fills_every_target_and_reports_completion_once():
     buffers = {t.token: t.buffer for t in targets}
     done = []
     for request in plan_requests(targets, max_request_size=64, max_gap=0):
-        sink = _Scatter(request, lambda t: done.append(t.token))
-        # deliver in uneven chunks, as a socket would
-        for lo in range(request.start, request.end, 7):
-            hi = min(lo + 7, request.end)
-            copy_into(sink, lo, payload[lo:hi])
+        scatter = _Scatter(request, lambda t: done.append(t.token))
+        asyncio.run(scatter.receive(PayloadRange(payload, request.start, request.end)))
     assert done == ["x", "y"]
     assert bytes(buffers["x"]) == payload[:100]
     assert bytes(buffers["y"]) == payload[100:]
@@ -73,9 +72,9 @@ def test_overlapping_targets_each_receive_their_bytes_through_a_bounce_buffer():
     payload = PAYLOAD
     (buffer_a, buffer_b), _, request = _two_targets((0, 10_000), (8_000, 16_000))
     done = []
-    sink = _Scatter(request, lambda t: done.append(t.token))
-    assert sink.bounce is not None
-    copy_into(sink, 0, payload[:16_000])
+    scatter = _Scatter(request, lambda t: done.append(t.token))
+    assert scatter.bounce is not None
+    asyncio.run(scatter.receive(PayloadRange(payload, 0, 16_000)))
     assert bytes(buffer_a) == payload[:10_000] and bytes(buffer_b) == payload[8_000:16_000]
     assert done == ["a", "b"]
 
@@ -83,12 +82,14 @@ def test_overlapping_targets_each_receive_their_bytes_through_a_bounce_buffer():
 def test_disjoint_targets_are_received_in_place_and_gaps_discarded():
     payload = PAYLOAD
     (buffer_a, buffer_b), (a, b), request = _two_targets((0, 1_000), (3_000, 4_000))
-    sink = _Scatter(request, lambda t: None)
-    first = sink.buffer(0)
+    scatter = _Scatter(request, lambda t: None)
+    first = scatter.buffer(0)
     assert first.obj is a.buffer.obj  # the target's own memory: the socket writes into it
-    gap = sink.buffer(1_000)
+    gap = scatter.buffer(1_000)
     assert len(gap) == 2_000 and gap.obj is not a.buffer.obj and gap.obj is not b.buffer.obj
-    copy_into(_Scatter(request, lambda t: None), 0, payload[:4_000])  # offsets only go up
+    body = PayloadRange(payload, 0, 4_000)
+    asyncio.run(_Scatter(request, lambda t: None).receive(body))  # offsets only go up
+    assert body.receives == [1_000, 2_000, 1_000]  # target, gap, target
     assert bytes(buffer_a) == payload[:1_000] and bytes(buffer_b) == payload[3_000:4_000]
 
 
@@ -101,10 +102,43 @@ def test_a_lazily_allocated_target_takes_its_memory_when_bytes_arrive():
 
     target = ReadTarget("k", 0, 100, None, "t", allocate=allocate)
     (request,) = plan_requests([target])
-    sink = _Scatter(request, lambda t: None)
+    scatter = _Scatter(request, lambda t: None)
     assert allocated == []
-    copy_into(sink, 0, bytes(range(100)))
+    asyncio.run(scatter.receive(PayloadRange(bytes(range(100)), 0, 100)))
     assert len(allocated) == 1 and bytes(allocated[0]) == bytes(range(100))
+
+
+def test_a_lazily_allocated_target_takes_its_memory_once_its_request_is_answered():
+    """Memory is taken as the first byte is about to arrive: after the store has opened the
+    range (sent the request, read the head), not when the request starts."""
+    from s3ckpt.transfer.download import Downloader
+
+    events: list[str] = []
+
+    class Store(PayloadStore):
+        def open_range(self, key, start, end):
+            events.append("open")
+            return super().open_range(key, start, end)
+
+    def allocate():
+        events.append("allocate")
+        return memoryview(bytearray(100))
+
+    target = ReadTarget("k", 0, 100, None, "t", allocate=allocate)
+    assert list(Downloader(Store(lambda key: bytes(100))).fetch([target])) == ["t"]  # type: ignore[arg-type]
+    assert events == ["open", "allocate"]
+
+
+def test_a_large_target_is_received_in_pieces_its_block_checks_fed_as_each_lands():
+    payload = bytes(range(256)) * (4 * _PIECE // 256 + 3)
+    block = _PIECE // 2
+    check = StreamingCheck(block_crcs(memoryview(payload), block), block, 0, len(payload))
+    target = ReadTarget("k", 0, len(payload), memoryview(bytearray(len(payload))), "t", check)
+    (request,) = plan_requests([target], max_request_size=len(payload))
+    body = PayloadRange(payload, 0, len(payload))
+    asyncio.run(_Scatter(request, lambda t: None).receive(body))
+    assert body.receives == [_PIECE] * 4 + [len(payload) - 4 * _PIECE]
+    assert check.active and check.bad_block is None
 
 
 def test_a_target_needs_a_buffer_or_an_allocator():
@@ -189,17 +223,21 @@ def test_an_abandoned_fetch_stops_its_requests_before_the_caller_moves_on():
 
     writes: list[str] = []
 
-    class SlowStore:
-        async def read_range(self, key, start, end, sink):
-            if key == "slow":
-                try:
-                    await asyncio.sleep(5)
-                except asyncio.CancelledError:
-                    await asyncio.sleep(0.2)  # the bytes under way still land
-                    copy_into(sink, start, b"\x02" * (end - start))
-                    writes.append(key)
-                    raise
-            copy_into(sink, start, b"\x01" * (end - start))
+    class SlowBody:
+        async def receive_into(self, view):
+            try:
+                await asyncio.sleep(5)
+            except asyncio.CancelledError:
+                await asyncio.sleep(0.2)  # the bytes under way still land
+                view[:] = b"\x02" * len(view)
+                writes.append("slow")
+                raise
+
+    class SlowStore(PayloadStore):
+        def open_range(self, key, start, end):
+            if key != "slow":
+                return super().open_range(key, start, end)
+            return contextlib.nullcontext(SlowBody())
 
     fast, slow = bytearray(10), bytearray(10)
     targets = [
@@ -207,7 +245,7 @@ def test_an_abandoned_fetch_stops_its_requests_before_the_caller_moves_on():
         ReadTarget("slow", 0, 10, memoryview(slow), "slow"),
     ]
     with pytest.raises(RuntimeError, match="caller failed"):
-        for token in Downloader(SlowStore()).fetch(targets):  # type: ignore[arg-type]
+        for token in Downloader(SlowStore(lambda key: b"\x01" * 10)).fetch(targets):  # type: ignore[arg-type]
             assert token == "fast"
             raise RuntimeError("caller failed")
     # The caller has moved on: the write under way has landed already, not later.
@@ -234,16 +272,12 @@ def test_a_fetch_asks_its_caller_to_give_memory_back_before_it_waits():
     the budget back. The budget here admits one lazily allocated target at a time."""
     from s3ckpt.transfer.download import NOTHING_YET, Downloader
 
-    class Store:
-        async def read_range(self, key, start, end, sink):
-            copy_into(sink, start, b"\x07" * (end - start))
-
     buffers = [memoryview(bytearray(10)) for _ in range(3)]
     targets = [
         ReadTarget("k", 100 * i, 100 * i + 10, None, i, allocate=lambda i=i: buffers[i], reserve=10)
         for i in range(3)
     ]
-    reader = Downloader(Store(), lazy_budget=10)  # type: ignore[arg-type]
+    reader = Downloader(PayloadStore(lambda key: b"\x07" * 300), lazy_budget=10)  # type: ignore[arg-type]
     held: list[int] = []
 
     arrived = []

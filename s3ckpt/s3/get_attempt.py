@@ -47,13 +47,24 @@ class ClientRangeBody:
         self.end = end
         self.delivered = start  # the next byte of the range to deliver
         self.pending = memoryview(b"")  # bytes of the range taken, not yet delivered
+        self.error: Exception | None = None  # what ended the body after bytes were delivered
 
     async def receive_into(self, view: memoryview) -> int:
+        if self.error is not None:
+            raise self.error
         view = view[: self.end - self.delivered]
         filled = 0
         while filled < len(view):
             if not self.pending:
-                await self._take()
+                try:
+                    await self._take()
+                except Exception as exc:
+                    if not filled:
+                        raise
+                    # the bytes that came are delivered (a retry resumes after them);
+                    # the error is the next receive's
+                    self.error = exc
+                    break
                 continue
             count = min(len(self.pending), len(view) - filled)
             view[filled : filled + count] = self.pending[:count]

@@ -69,10 +69,10 @@ def test_loop_benchmark_smoke_run(tmp_path):
 
     modes = "manager_default,checkpoint_process,dcp_thread,floor_process"
     completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.loop", "--size-mib", "1", "--reps", "1",
+        [sys.executable, "-m", "benchmarks.loop", "--size-mib", "8", "--reps", "1",
          "--loops", "dispatch", "--modes", modes, "--out", str(tmp_path), "--fork-cases"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "BENCH_LOOP_ALONE_S": "0.05"},
+        env={**os.environ, "BENCH_LOOP_ALONE_S": "0.2"},
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr[-2000:]
     report = json.loads((tmp_path / "loop.json").read_text())

@@ -72,13 +72,13 @@ def test_every_part_of_a_save_goes_in_native_batches(
     s3_prefix, s3_options, sender, local_s3, monkeypatch
 ):
     one_at_a_time: list[int] = []
-    usual = Requests.upload_part
+    usual = Requests.try_upload_part
 
-    async def counted(self: Requests, params: dict[str, Any]) -> Any:
+    async def counted(self: Requests, params: dict[str, Any], tries: Any) -> Any:
         one_at_a_time.append(params["PartNumber"])
-        return await usual(self, params)
+        return await usual(self, params, tries)
 
-    monkeypatch.setattr(Requests, "upload_part", counted)
+    monkeypatch.setattr(Requests, "try_upload_part", counted)
     uri = f"{s3_prefix}/step-1"
     _round_trip(uri, s3_options)
     assert sum(sender.batches) >= 4  # the large tensor's parts at least

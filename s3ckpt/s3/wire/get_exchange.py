@@ -126,7 +126,16 @@ class RangeResponse:
         if filled < len(view):
             self.view, self.filled = view, filled
             self.connection.progress = time.monotonic()  # stalls count while a receive waits
-            await self._wait()
+            try:
+                await self._wait()
+            except Exception:
+                if not self.filled or self.view is None:
+                    raise
+                # the bytes that landed are delivered (a retry resumes after them); the
+                # error, kept, is the next receive's
+                count, self.view = self.filled, None
+                self.position += count
+                return count
         else:
             self.position += filled
             self.whole = self.position == self.end

@@ -16,8 +16,10 @@ class RangeBody(Protocol):
 
     async def receive_into(self, view: memoryview) -> int:
         """Receive the next bytes of the range into ``view``: the count, ``len(view)``
-        unless the range ends first. :class:`~s3ckpt.s3.retry.ShortReadError` where the
-        response ends before the range does."""
+        unless the range ends first, or fewer where the response failed after bytes landed
+        (they count: a retry resumes after them; the failure is the next receive's).
+        :class:`~s3ckpt.s3.retry.ShortReadError` where the response ends before the range
+        does."""
         ...
 
     async def aclose(self) -> None:

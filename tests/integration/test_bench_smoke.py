@@ -91,7 +91,10 @@ def test_loop_benchmark_smoke_run(tmp_path):
             factors = (1 + rep["waiting"]) * (1 + rep["cpu_growth"])
             alone_ratio = rep["step_alone_us"] / rep["step_cpu_alone_us"]
             assert factors == pytest.approx((1 + rep["slowdown"]) * alone_ratio, rel=1e-6)
-            assert rep["waiting"] > -0.05 and rep["sleeps"] >= 0, rep
+            assert rep["sleeps"] >= 0, rep
+            if rep["upload_s"] > 0.01:  # an upload over before the loop's first steps
+                # leaves one step's clocks, whose ratio is noise
+                assert rep["waiting"] > -0.05, rep
             off_core = rep["upload_s"] * rep["waiting"] / (1 + rep["waiting"])
             lost_waiting = (rep["blocked_s"] + off_core) / row["gib"]
             assert rep["lost_waiting_s_per_gib"] == pytest.approx(lost_waiting), rep

@@ -13,7 +13,7 @@ scheduling hops that led to it (its *path*): a task continues the stack that cre
 (through a task factory set on every event loop made, and
 ``asyncio.run_coroutine_threadsafe``), a thread the stack that started
 it, an executor's job the stack that submitted it. At exit the process writes what it saw
-to ``<S3CKPT_WALK_DIR>/<pid>.json``.
+to ``<S3CKPT_WALK_DIR>/<pid>.json``: the calls, and each send's stack with its path.
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ def install() -> None:
     with open(os.environ["S3CKPT_WALK_WINDOW"], "r+b") as file:
         window = mmap.mmap(file.fileno(), 1)
     seen: dict[str, set[tuple[str | None, str]]] = {name: set() for name in WINDOWS.values()}
-    stacks: dict[str, set[tuple[str, ...]]] = {name: set() for name in WINDOWS.values()}
-    stacks["other"] = set()
-    paths: dict[str, set[tuple[str, ...]]] = {name: set() for name in stacks}
+    # Per window, each send's (stack, path).
+    sends: dict[str, set[tuple[tuple[str, ...], tuple[str, ...]]]] = {
+        name: set() for name in [*WINDOWS.values(), "other"]
+    }
     names: dict[str, str | None] = {}
     origins: weakref.WeakKeyDictionary[Any, tuple[str, ...]] = weakref.WeakKeyDictionary()
     submitted: dict[int, tuple[str, ...]] = {}  # id(coroutine) -> the stack that handed it over
@@ -166,8 +167,7 @@ def install() -> None:
         name = WINDOWS.get(which, "other")
         if event == "c_call":
             if is_send(arg):
-                stacks[name].add(stack_of(frame))
-                paths[name].add(path_of(frame))
+                sends[name].add((stack_of(frame), path_of(frame)))
             return
         if event != "call":
             return
@@ -181,8 +181,10 @@ def install() -> None:
         record: dict[str, Any] = {
             name: sorted([a or "", b] for a, b in edges) for name, edges in seen.items()
         }
-        record["stacks"] = {name: sorted(map(list, found)) for name, found in stacks.items()}
-        record["paths"] = {name: sorted(map(list, found)) for name, found in paths.items()}
+        record["sends"] = {
+            name: sorted([list(stack), list(path)] for stack, path in found)
+            for name, found in sends.items()
+        }
         (out / f"{os.getpid()}.json").write_text(json.dumps({"argv": sys.argv, **record}))
 
     seen["other"] = set()

@@ -15,7 +15,10 @@ executor jobs) that a stack alone loses, and the longest such path; and the call
 climb back: across layers, a call from a
 subpackage into one of a layer above it (the layers contract in pyproject.toml); within a
 subpackage, a call from module A into module B where B imports A and A does not import B.
-Both are callbacks from below into the layer above. With ``--json``
+Both are callbacks from below into the layer above. The sends whose path goes through the
+manager's retention (:data:`RETENTION`, applied by the checkpoint process after the save's
+commit, on a thread of its own) are the ``retention`` walk's: its deepest stack, the files
+on its paths and its longest path, per process; the save's are the others. With ``--json``
 the same as one JSON object.
 """
 
@@ -34,6 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # Runners of the coroutines handed to them (the event loop thread, the bounded fan-out).
 SCHEDULERS = {"s3ckpt/s3/loop.py", "s3ckpt/transfer/fanout.py"}
 BACKGROUND = f"s3ckpt{os.sep}background{os.sep}"  # the checkpoint process's entry module
+# The manager's retention, which the engine that committed a save applies after it (on a
+# thread of its own): the paths through it are reported as their own walk, not the save's.
+RETENTION = "s3ckpt/catalog/run_retention.py"
 SITECUSTOMIZE = (
     "import os\n"
     "if os.environ.get('S3CKPT_WALK_DIR'):\n"
@@ -148,22 +154,30 @@ def trace() -> dict[str, Any]:
         subprocess.run([sys.executable, "-m", "benchmarks.walks", "--case"], env=env, check=True)
         records = [json.loads(path.read_text()) for path in sorted(out.glob("*.json"))]
     walks: dict[str, Any] = {}
+    retention: dict[str, dict[str, Any]] = {
+        "socket_stacks": {},
+        "to_sockets": {},
+        "longest_path": {},
+    }
     for name in ("save", "load"):
         per_process: dict[str, list[str]] = {}
         edges: set[tuple[str, str]] = set()
-        deepest: dict[str, list[str]] = {}
-        on_path: dict[str, set[str]] = {}
-        longest: dict[str, list[str]] = {}
+        found: dict[str, dict[str, Any]] = {
+            "socket_stacks": {},
+            "to_sockets": {},
+            "longest_path": {},
+        }
         for record in records:
             side = "checkpoint process" if BACKGROUND in record["argv"][0] else "trainer"
             pairs = record.get(name, [])
-            for stack in record["stacks"].get(name, []):
-                if len(stack) > len(deepest.get(side, [])):
-                    deepest[side] = stack
-            for path in record.get("paths", {}).get(name, []):
-                on_path.setdefault(side, set()).update(path)
-                if len(path) > len(longest.get(side, [])):
-                    longest[side] = path
+            for stack, path in record["sends"].get(name, []):
+                # The manager's retention, applied after a save's commit, is a walk of its own.
+                walk = retention if name == "save" and RETENTION in path else found
+                if len(stack) > len(walk["socket_stacks"].get(side, [])):
+                    walk["socket_stacks"][side] = stack
+                walk["to_sockets"].setdefault(side, set()).update(path)
+                if len(path) > len(walk["longest_path"].get(side, [])):
+                    walk["longest_path"][side] = path
             if pairs:
                 files = sorted({callee for _caller, callee in pairs})
                 per_process[side] = sorted(set(per_process.get(side, [])) | set(files))
@@ -173,11 +187,21 @@ def trace() -> dict[str, Any]:
             "files": len(every),
             "per_process": per_process,
             "climbing": climbing(edges),
-            "socket_stacks": deepest,
-            "to_sockets": {side: sorted(files) for side, files in on_path.items()},
-            "longest_path": longest,
+            **sends(found),
         }
+    if retention["to_sockets"]:
+        walks["retention"] = sends(retention)
     return walks
+
+
+def sends(walk: dict[str, Any]) -> dict[str, Any]:
+    """A walk's sends as reported: its deepest stack at a send, the files on its paths to
+    its sends and its longest path, per process."""
+    return {
+        "socket_stacks": walk["socket_stacks"],
+        "to_sockets": {side: sorted(files) for side, files in walk["to_sockets"].items()},
+        "longest_path": walk["longest_path"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,10 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(walks, indent=2))
         return 0
     for name, walk in walks.items():
-        print(f"{name}: {walk['files']} files")
-        for side, files in walk["per_process"].items():
+        if "files" in walk:
+            print(f"{name}: {walk['files']} files")
+        else:
+            print(f"{name}: the sends of the save's window on paths through {RETENTION}")
+        for side, files in walk.get("per_process", {}).items():
             print(f"  {side} ({len(files)}): {' '.join(files)}")
-        for side, stack in walk["socket_stacks"].items():
+        for side, stack in walk.get("socket_stacks", {}).items():
             print(
                 f"  {side}: {len(stack)} files on the stack at a socket send: {' > '.join(stack)}"
             )
@@ -206,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         for side, path in walk["longest_path"].items():
             print(f"  {side}: {len(path)} files on its longest path: {' > '.join(path)}")
-        for kind, calls in walk["climbing"].items():
+        for kind, calls in walk.get("climbing", {}).items():
             print(f"  calls climbing back {kind} layers ({len(calls)}):")
             for caller, callee in calls:
                 print(f"    {caller} -> {callee}")

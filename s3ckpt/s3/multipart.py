@@ -1,4 +1,5 @@
-"""Multipart uploads and server-side copies: the operations a large object is written with.
+"""Multipart uploads and server-side copies: the operations a large object is written with,
+and the listing of the multipart uploads left open under a prefix.
 
 Every retry knows what its request meant: a retried CreateMultipartUpload aborts the
 uploads its lost responses created, and a retried CompleteMultipartUpload whose first
@@ -9,14 +10,15 @@ from __future__ import annotations
 
 import base64
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Literal
 
 from botocore.exceptions import ClientError
 
 from s3ckpt.errors import StorageError
 from s3ckpt.s3.error_mapping import error_code
-from s3ckpt.s3.listing import Listings
 from s3ckpt.s3.operations import CompletedParts, Parsed
 from s3ckpt.s3.requests import Body, Retrying, StorePart, flat
 from s3ckpt.s3.wire.batch import NotSent
@@ -35,6 +37,13 @@ class PartResult:
         if self.crc32c:
             entry["ChecksumCRC32C"] = self.crc32c
         return entry
+
+
+@dataclass(frozen=True)
+class PendingUpload:
+    key: str
+    upload_id: str
+    initiated: datetime | None
 
 
 def crc32c_header(value: int) -> str:
@@ -59,13 +68,36 @@ class MultipartUploads(StorePart):
             await self._abort_others(key, upload_id)
         return upload_id
 
+    async def list_multipart_uploads(self, prefix: str) -> AsyncIterator[PendingUpload]:
+        """Every multipart upload left open under ``prefix``, page by page; a page marked
+        truncated that names no next one (or the same again) ends it with an error."""
+        key_marker: str | None = None
+        upload_marker: str | None = None
+        while True:
+            response = await self.requests.list_multipart_uploads(
+                prefix,
+                key_marker=key_marker or None,
+                upload_id_marker=(upload_marker or "") if key_marker else None,
+            )
+            for item in response.get("Uploads", []):
+                yield PendingUpload(item["Key"], item["UploadId"], item.get("Initiated"))
+            if not response.get("IsTruncated"):
+                return
+            if not response.get("NextKeyMarker") or (
+                (response.get("NextKeyMarker"), response.get("NextUploadIdMarker"))
+                == (key_marker, upload_marker)
+            ):
+                raise self.stuck_listing("ListMultipartUploads", prefix)
+            key_marker = response.get("NextKeyMarker")
+            upload_marker = response.get("NextUploadIdMarker")
+
     async def _abort_others(self, key: str, upload_id: str) -> None:
         """Abort the uploads of ``key`` other than ``upload_id`` (keys are unique per save).
 
         Best effort: what this misses, ``gc`` removes later.
         """
         try:
-            async for pending in Listings(self.requests).list_multipart_uploads(key):
+            async for pending in self.list_multipart_uploads(key):
                 if pending.key == key and pending.upload_id != upload_id:
                     await self.abort_multipart(key, pending.upload_id)
         except StorageError as exc:

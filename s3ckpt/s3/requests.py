@@ -15,7 +15,7 @@ from typing import Any
 from botocore.exceptions import ClientError
 
 from s3ckpt.config import S3Config
-from s3ckpt.errors import S3CkptError, StoreStalledError
+from s3ckpt.errors import S3CkptError, StorageError, StoreStalledError
 from s3ckpt.s3 import retry
 from s3ckpt.s3.client import ClientHandle, client_handle
 from s3ckpt.s3.compat_botocore import read_timeout
@@ -443,8 +443,20 @@ class Retrying:
 
 class StorePart:
     """A part of :class:`~s3ckpt.s3.store.ObjectStore`, one kind of operation in its own
-    module (whole objects, listings, multipart uploads), all sending through one
+    module (whole objects and listings, multipart uploads), all sending through one
     ``requests``: the store is made of its parts, each part's methods its own."""
 
     def __init__(self, requests: Requests) -> None:
         self.requests = requests
+
+    def stuck_listing(self, operation: str, prefix: str) -> StorageError:
+        """The error a listing of ``prefix`` ends with where a page was marked truncated
+        but gave no way to the next one (rather than asking for the same page forever)."""
+        bucket = self.requests.bucket
+        return StorageError(
+            f"{operation} s3://{bucket}/{prefix} failed: a page was marked truncated but gave "
+            "no way to the next one",
+            operation=operation,
+            bucket=bucket,
+            key=prefix,
+        )

@@ -1,4 +1,5 @@
-"""A small, typed, async object-store API over aiobotocore, bound to one bucket.
+"""A small, typed, async object-store API over aiobotocore, bound to one bucket: whole
+objects, deletes, ranged reads and listings here, multipart uploads and copies beside them.
 
 Every method runs on the process's I/O loop (:mod:`s3ckpt.s3.loop`) and raises only s3ckpt
 errors (translated in :mod:`s3ckpt.s3.error_mapping`); a missing object is
@@ -26,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, Literal
 
@@ -35,21 +38,31 @@ from s3ckpt.config import S3Config
 from s3ckpt.errors import PreconditionFailedError, StorageError
 from s3ckpt.s3 import retry
 from s3ckpt.s3.error_mapping import PRECONDITION_CODES, error_code
-from s3ckpt.s3.listing import Listings, ObjectMeta, PendingUpload
-from s3ckpt.s3.multipart import MultipartUploads, PartResult, crc32c_header
+from s3ckpt.s3.multipart import MultipartUploads, PartResult, PendingUpload, crc32c_header
 from s3ckpt.s3.ranged_read import RangedRead
 from s3ckpt.s3.requests import Body, Requests, Retrying, flat
 
+_LAST_CHARACTER = "\U0010ffff"
 
-class ObjectStore(Listings, MultipartUploads):
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    key: str
+    size: int
+    etag: str
+    last_modified: datetime | None = None
+
+
+class ObjectStore(MultipartUploads):
     """Async S3 operations on one bucket. Call the coroutines on :func:`s3ckpt.s3.loop.io_loop`.
 
     Made of one part per kind of operation, each in its own module, all sending through
     one :class:`~s3ckpt.s3.requests.Requests` (the bucket, the retries, the retry budget):
-    whole objects and deletes here, :class:`~s3ckpt.s3.listing.Listings` and
-    :class:`~s3ckpt.s3.multipart.MultipartUploads` (and copies) beside them, whose methods
-    are the store's. ``deadline`` (see :meth:`with_deadline`) ends retrying; ``tally``
-    counts the retries of every request made through it.
+    whole objects, deletes and listings here, and
+    :class:`~s3ckpt.s3.multipart.MultipartUploads` (and copies, and the listing of open
+    uploads) beside them, whose methods are the store's. ``deadline`` (see
+    :meth:`with_deadline`) ends retrying; ``tally`` counts the retries of every request
+    made through it.
     """
 
     def __init__(
@@ -212,6 +225,59 @@ class ObjectStore(Listings, MultipartUploads):
             return parsedate_to_datetime(date).timestamp() if date else None
         except (TypeError, ValueError):
             return None
+
+    # -- listings -------------------------------------------------------------------------
+
+    async def list(self, prefix: str) -> AsyncIterator[ObjectMeta]:
+        """Every object under ``prefix``, one LIST page (1000 keys) per request."""
+        async for entry in self._pages(prefix, None):
+            if isinstance(entry, ObjectMeta):
+                yield entry
+
+    async def list_level(self, prefix: str) -> AsyncIterator[ObjectMeta | str]:
+        """One level below ``prefix`` (which ends in ``/``): its objects, and each deeper
+        "directory" once, as a key prefix ending in ``/`` (``Delimiter="/"``). A listing of
+        N checkpoints costs N/1000 pages however many objects each holds."""
+        async for entry in self._pages(prefix, "/"):
+            yield entry
+
+    async def _pages(self, prefix: str, delimiter: str | None) -> AsyncIterator[ObjectMeta | str]:
+        """ListObjectsV2 page by page, on servers that paginate oddly too.
+
+        A page marked truncated without a continuation token (some servers send none) is
+        followed with ``StartAfter`` its last key; one that gives neither ends the listing
+        with an error rather than asking for the same page forever.
+        """
+        page: dict[str, str] = {}  # where the next page starts
+        seen = set()
+        while True:
+            response = await self.requests.list_objects(prefix, delimiter=delimiter, **page)
+            contents = response.get("Contents", [])
+            for item in contents:
+                yield ObjectMeta(
+                    item["Key"],
+                    int(item["Size"]),
+                    str(item.get("ETag", "")),
+                    item.get("LastModified"),
+                )
+            folders = [str(p["Prefix"]) for p in response.get("CommonPrefixes") or []]
+            for folder in folders:
+                if folder not in seen:
+                    seen.add(folder)
+                    yield folder
+            if not response.get("IsTruncated"):
+                return
+            # Past a folder means past every key in it: U+10FFFF sorts after any of them.
+            ends = [*(c["Key"] for c in contents), *(f + _LAST_CHARACTER for f in folders)]
+            last = max(ends, default=None)
+            if response.get("NextContinuationToken"):
+                page = {"continuation_token": response["NextContinuationToken"]}
+            elif last is not None:
+                page = {"start_after": last}
+            else:
+                raise self.stuck_listing("ListObjectsV2", prefix)
+
+    # -- deletes ----------------------------------------------------------------------------
 
     async def delete_many(self, keys: list[str]) -> None:
         """Delete ``keys`` with batched DeleteObjects (1000 per request); missing keys are fine."""

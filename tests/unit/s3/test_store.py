@@ -1,5 +1,6 @@
-"""Listings against servers that paginate oddly, and the error class of a retryable
-status that outlived its retries."""
+"""The store: its listings against servers that paginate oddly (and the listing of open
+multipart uploads it has from :mod:`s3ckpt.s3.multipart`), the error class of a retryable
+status that outlived its retries, its client's rotation and DeleteObjects' Content-MD5."""
 
 from __future__ import annotations
 

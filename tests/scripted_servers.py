@@ -1,6 +1,6 @@
 """Threaded servers on loopback that answer each connection with a scripted handler, for
 the data plane's exchanges (``tests/unit/s3/wire/``: ``test_uploads.py``,
-``test_uploads_signed.py``, ``test_calls_heads.py``, ``test_calls.py``)."""
+``test_uploads_signed.py``, ``test_data_plane.py``)."""
 
 from __future__ import annotations
 

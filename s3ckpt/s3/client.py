@@ -34,7 +34,7 @@ from s3ckpt.s3.compat_botocore import note_endpoints, on_before_sign
 from s3ckpt.s3.loop import io_loop
 from s3ckpt.s3.retry import StoreAnswers
 from s3ckpt.s3.transport import Transport, choose_transport
-from s3ckpt.s3.wire.calls import content_md5
+from s3ckpt.s3.wire.data_plane import content_md5
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class ClientHandle:
 
 
 def add_content_md5(request: Any, **_: Any) -> None:
-    """:func:`~s3ckpt.s3.wire.calls.content_md5` on the DeleteObjects the client sends."""
+    """:func:`~s3ckpt.s3.wire.data_plane.content_md5` on the DeleteObjects the client sends."""
     body = request.body or b""
     if isinstance(body, str):
         body = body.encode()

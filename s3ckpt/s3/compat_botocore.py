@@ -25,7 +25,8 @@ The internals s3ckpt relies on, each behind a function here:
   an error document), ``escape_xml_payload`` (DeleteObjects) and
   ``decode_list_object_v2`` (listings asked with ``EncodingType=url``)
   (:class:`SerializedRequest`, :func:`serialized`, :func:`answer_status`,
-  :func:`escaped_xml`, :func:`decoded_listing`; :mod:`s3ckpt.s3.wire.calls`);
+  :func:`escaped_xml`, :func:`decoded_listing`;
+  :class:`s3ckpt.s3.wire.data_plane.SignedCalls`);
 * ``botocore.httpsession``'s ``create_urllib3_context`` and ``get_cert_path``, from which
   botocore's HTTP session, and aiobotocore's, derive their TLS context and CA bundle
   (:func:`default_tls_context`, :func:`ca_bundle`: the ranged GETs and the TLS upload

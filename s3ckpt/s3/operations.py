@@ -2,7 +2,8 @@
 for it takes them (``Bucket`` aside), built from the typed arguments of the transport seam
 (:mod:`s3ckpt.s3.transport`) in this one place: the client sends them
 (:mod:`s3ckpt.s3.aiobotocore_transport`), and so does the data plane, through the client's
-own serializer (:mod:`s3ckpt.s3.wire.calls`), so both send the same request.
+own serializer (:class:`s3ckpt.s3.wire.data_plane.SignedCalls`), so both send the same
+request.
 
 A parameter given as None is left out, as a caller that does not pass it to the client.
 """

@@ -3,7 +3,7 @@
 
 Part uploads and the whole-object PUTs of :class:`~s3ckpt.s3.store.ObjectStore`
 (:mod:`~.uploads`) and the other requests of a save (its HEADs, create and complete of its
-multipart uploads, its listings, its batch deletes: :mod:`~.calls`) are built and signed
+multipart uploads, its listings, its batch deletes: :class:`~.data_plane.SignedCalls`) are built and signed
 here, at the URLs the client would use (:mod:`~.addresses`), and
 answered as the client answers them; aiobotocore keeps the rest (aborts, copies, small
 GETs, listings of multipart uploads and of versions, single deletes, the bucket's

@@ -15,10 +15,10 @@ client s3ckpt configures (:mod:`s3ckpt.s3.client`: SigV4, payload signing off, s
 ``UNSIGNED-PAYLOAD``): the parts and PUTs of :class:`~.uploads.SignedPuts` (``PUT`` on
 the object's URL as the client addresses it, a query of ``partNumber`` and ``uploadId``,
 the part's CRC32C header where it has one) and the requests of
-:class:`~.calls.SignedCalls` (the method, query and headers the client's serializer
+:class:`~.data_plane.SignedCalls` (the method, query and headers the client's serializer
 built), with the session token where the credentials carry one.
-``tests/unit/s3/wire/test_signing.py`` and ``tests/unit/s3/wire/test_calls.py`` check the
-signatures against botocore's signer for the same request at the same instant; SeaweedFS
+``tests/unit/s3/wire/test_signing.py`` and ``tests/unit/s3/wire/test_data_plane.py`` check
+the signatures against botocore's signer for the same request at the same instant; SeaweedFS
 checks them itself (``tests/integration/test_signed_parts.py`` and every save).
 """
 

@@ -35,7 +35,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 # Runners of the coroutines handed to them (the event loop thread, the bounded fan-out).
-SCHEDULERS = {"s3ckpt/s3/loop.py", "s3ckpt/transfer/fanout.py"}
+SCHEDULERS = {"s3ckpt/s3/loop.py"}
 BACKGROUND = f"s3ckpt{os.sep}background{os.sep}"  # the checkpoint process's entry module
 # The manager's retention, which the engine that committed a save applies after it (on a
 # thread of its own): the paths through it are reported as their own walk, not the save's.

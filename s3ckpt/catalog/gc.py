@@ -60,11 +60,10 @@ from s3ckpt.catalog.scan import (
 from s3ckpt.config import S3URI, S3Config
 from s3ckpt.errors import CorruptCheckpointError, ForeignObjectError, StorageError
 from s3ckpt.format.layout import LEASE_S
-from s3ckpt.s3.loop import io_loop
+from s3ckpt.s3.loop import bounded, io_loop
 from s3ckpt.s3.store import ObjectMeta, ObjectStore, PendingUpload
 from s3ckpt.s3.versions import ObjectVersion, delete_versions, list_versions
 from s3ckpt.transfer.commit import CLAIM_MAX_AGE_S, read_manifest
-from s3ckpt.transfer.fanout import bounded
 
 # A writer gives up a claim it has held for CLAIM_MAX_AGE_S (its own clock) before writing
 # the manifest; removing claims only well after that keeps the claim protocol safe.

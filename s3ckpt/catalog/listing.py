@@ -21,9 +21,8 @@ from s3ckpt.config import S3URI, S3Config
 from s3ckpt.errors import ForeignObjectError
 from s3ckpt.format.layout import HEARTBEAT_S, LEASE_S, SAVING_PREFIX
 from s3ckpt.format.manifest import Manifest
-from s3ckpt.s3.loop import io_loop
+from s3ckpt.s3.loop import bounded, io_loop
 from s3ckpt.s3.store import ObjectStore
-from s3ckpt.transfer.fanout import bounded
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from s3ckpt.catalog.scan import Group, child
 from s3ckpt.config import S3URI
 from s3ckpt.errors import CorruptCheckpointError, ForeignObjectError
 from s3ckpt.format.manifest import Manifest
+from s3ckpt.s3.loop import bounded
 from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer.commit import read_manifest
-from s3ckpt.transfer.fanout import bounded
 
 
 def extent(group: Group, manifest: Manifest | None) -> tuple[int, int]:

@@ -16,9 +16,8 @@ from s3ckpt.catalog.scan import child, open_store, scan_checkpoints
 from s3ckpt.config import S3URI, S3Config
 from s3ckpt.errors import ForeignObjectError
 from s3ckpt.format.manifest import MANIFEST_NAME, Manifest
-from s3ckpt.s3.loop import io_loop
+from s3ckpt.s3.loop import bounded, io_loop
 from s3ckpt.s3.store import ObjectStore
-from s3ckpt.transfer.fanout import bounded
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,9 @@ from s3ckpt.catalog.unpublish import Unpublished, conditional_deletes, unpublish
 from s3ckpt.config import S3URI, S3Config
 from s3ckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from s3ckpt.format.manifest import MANIFEST_NAME
-from s3ckpt.s3.loop import io_loop
+from s3ckpt.s3.loop import bounded, io_loop
 from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer.commit import read_manifest
-from s3ckpt.transfer.fanout import bounded
 
 log = logging.getLogger(__name__)
 

@@ -42,10 +42,9 @@ from s3ckpt.catalog.scan import (
 from s3ckpt.catalog.steps import leaf, not_a_step, preferred, step_of
 from s3ckpt.config import S3URI, S3Config
 from s3ckpt.errors import ForeignObjectError
-from s3ckpt.s3.loop import io_loop
+from s3ckpt.s3.loop import bounded, io_loop
 from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer.commit import manifest_exists
-from s3ckpt.transfer.fanout import bounded
 
 _FOLDERS_CHECKED = 16  # folders named like steps, outside any checkpoint, looked into at most
 _DIED = "a save in flight, or one that died: s3ckpt gc removes its objects"

@@ -37,9 +37,9 @@ from s3ckpt.errors import CheckpointNotFoundError, StorageError
 from s3ckpt.format.layout import CLAIM_PREFIX, LEASE_S, SAVING_PREFIX
 from s3ckpt.format.manifest import Manifest
 from s3ckpt.s3.error_mapping import UNSUPPORTED_CODES
+from s3ckpt.s3.loop import bounded
 from s3ckpt.s3.store import ObjectMeta, ObjectStore, PendingUpload
 from s3ckpt.transfer.commit import PROBE_PREFIX, read_manifest
-from s3ckpt.transfer.fanout import bounded
 
 DELETE_BATCH = 1000  # keys per DeleteObjects request, S3's maximum
 _PARALLEL = 8  # manifest GETs, directory listings or DeleteObjects batches in flight

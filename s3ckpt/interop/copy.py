@@ -43,10 +43,9 @@ from s3ckpt.interop.objects import (
     Endpoints,
     copy_object,
 )
-from s3ckpt.s3.loop import io_loop
+from s3ckpt.s3.loop import bounded, io_loop
 from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer.commit import commit_manifest, committed_save_id
-from s3ckpt.transfer.fanout import bounded
 from s3ckpt.transfer.inflight import Heartbeat, clear_in_flight, mark_in_flight
 from s3ckpt.transfer.parts import MAX_PART_SIZE, MIN_PART_SIZE
 

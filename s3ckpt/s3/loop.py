@@ -1,4 +1,5 @@
-"""One asyncio event loop per process, on a dedicated daemon thread, owning the S3 clients.
+"""Where s3ckpt's coroutines run: one asyncio event loop per process, on a dedicated daemon
+thread, owning the S3 clients; and many requests run on it at once under a bound.
 
 Every transfer in a process shares this loop, its clients and its request bound, so two
 checkpoints saving at once cannot oversubscribe the endpoint. The loop is keyed by pid:
@@ -10,6 +11,13 @@ A :class:`CancelScope` lets another thread stop what a thread waits for on the l
 CLI's ``--timeout``): the scope's tasks are cancelled on the loop, and the thread's waits
 raise the scope's error once they have ended, so the error comes out of a request, where
 every caller expects errors, never out of whatever line the thread was running.
+
+:func:`bounded` is the fan-out every batch of requests uses. A listing of folders, the
+manifests of many checkpoints, a load's rank indexes, batches of deletes: each is a set of
+independent requests whose results are all needed. They run concurrently, at most
+``limit`` at a time, and the first failure cancels the rest and waits for them, so nothing
+keeps reading or deleting after an error has been reported. :func:`settled` runs every
+one whatever the others do, for clean-ups.
 """
 
 from __future__ import annotations
@@ -20,12 +28,14 @@ import contextlib
 import contextvars
 import os
 import threading
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from concurrent.futures import Future
 from types import TracebackType
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+DEFAULT_LIMIT = 8  # requests at once in a fan-out
 
 
 class EventLoopThread:
@@ -185,6 +195,59 @@ def io_loop() -> EventLoopThread:
         if _current is None or _current.pid != os.getpid():
             _current = EventLoopThread()
         return _current
+
+
+async def bounded(
+    calls: Iterable[Callable[[], Awaitable[T]]], limit: int = DEFAULT_LIMIT
+) -> list[T]:
+    """Run the calls concurrently, at most ``limit`` at a time; their results in order.
+
+    The first failure is raised once every other call has been cancelled and has stopped;
+    no call starts after it.
+    """
+    slots = asyncio.Semaphore(limit)
+    failed = False
+
+    async def run(call: Callable[[], Awaitable[T]]) -> T:
+        nonlocal failed
+        async with slots:
+            if failed:  # a call failed as this one got its slot: wait to be cancelled
+                await asyncio.get_running_loop().create_future()
+            try:
+                return await call()
+            except BaseException:
+                failed = True
+                raise
+
+    tasks = [asyncio.ensure_future(run(c)) for c in calls]
+    try:
+        # Cancelled from outside, gather cancels every call and returns once they all
+        # ended, clean-up included: the cancels below then change nothing.
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def settled(
+    calls: Iterable[Callable[[], Awaitable[T]]], limit: int = DEFAULT_LIMIT
+) -> list[T | Exception]:
+    """Run every call concurrently, at most ``limit`` at a time, whatever the others do;
+    each one's result or the exception it raised, in order.
+
+    For clean-ups: one abort or delete that fails must not stop the rest.
+    """
+    slots = asyncio.Semaphore(limit)
+
+    async def run(call: Callable[[], Awaitable[T]]) -> T | Exception:
+        async with slots:
+            try:
+                return await call()
+            except Exception as exc:
+                return exc
+
+    return list(await asyncio.gather(*(run(c) for c in calls)))
 
 
 def _shutdown() -> None:

@@ -11,8 +11,8 @@ whatever the others did; what failed is reported at the end, for ``gc``.
 from __future__ import annotations
 
 from s3ckpt.format.layout import is_rank_data
+from s3ckpt.s3.loop import settled
 from s3ckpt.s3.store import ObjectStore
-from s3ckpt.transfer.fanout import settled
 
 CLEAN_UP_REQUESTS = 16  # aborts of one failed rank's uploads in flight at once
 

@@ -44,10 +44,10 @@ from s3ckpt.errors import (
 from s3ckpt.format.layout import CLAIM_PREFIX, claim_key
 from s3ckpt.format.manifest import MANIFEST_NAME, Manifest, check_s3ckpt
 from s3ckpt.s3.error_mapping import UNSUPPORTED_CODES
+from s3ckpt.s3.loop import bounded
 from s3ckpt.s3.store import ObjectMeta, ObjectStore
 from s3ckpt.s3.versions import delete_every_version, versioning
 from s3ckpt.transfer.checked import Rereads
-from s3ckpt.transfer.fanout import bounded
 
 log = logging.getLogger(__name__)
 

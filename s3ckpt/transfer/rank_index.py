@@ -18,10 +18,10 @@ from s3ckpt.config import S3URI
 from s3ckpt.errors import CorruptCheckpointError, StorageError
 from s3ckpt.format.manifest import IndexRef, Manifest
 from s3ckpt.format.rank_index import RankIndex
+from s3ckpt.s3.loop import bounded
 from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer.checked import Rereads, intact
 from s3ckpt.transfer.collector import collector_paused
-from s3ckpt.transfer.fanout import bounded
 
 PARALLEL_INDEX_READS = 32
 

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 from s3ckpt.errors import StorageError, StoreStalledError
 from s3ckpt.format.layout import DEFAULT_BLOCK_SIZE
-from s3ckpt.s3.loop import io_loop
+from s3ckpt.s3.loop import bounded, io_loop, settled
 from s3ckpt.s3.retry import STILL_STALLED_S
 from s3ckpt.s3.store import Body, ObjectStore, PartResult
 from s3ckpt.transfer.aborts import (
@@ -47,7 +47,6 @@ from s3ckpt.transfer.aborts import (
     abort_listed_uploads,
     abort_upload,
 )
-from s3ckpt.transfer.fanout import bounded, settled
 from s3ckpt.transfer.parts import (
     CompleteUpload,
     ObjectStream,

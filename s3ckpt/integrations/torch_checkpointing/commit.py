@@ -30,9 +30,9 @@ from s3ckpt.format.layout import StoredItem, index_key
 from s3ckpt.format.manifest import IndexRef, ItemEntry, Manifest, ObjectEntry
 from s3ckpt.format.rank_index import RankIndex
 from s3ckpt.integrations.torch_checkpointing.files import Committed, Saving
+from s3ckpt.s3.loop import bounded
 from s3ckpt.s3.store import ObjectStore
 from s3ckpt.transfer.commit import commit_manifest, read_manifest
-from s3ckpt.transfer.fanout import bounded
 from s3ckpt.transfer.inflight import clear_in_flight
 from s3ckpt.transfer.object_writer import WrittenObject
 from s3ckpt.transfer.rank_index import index_body

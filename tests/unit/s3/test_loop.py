@@ -1,4 +1,4 @@
-"""transfer.fanout.bounded: results in order, the bound held, the first failure stops the rest."""
+"""s3.loop.bounded: results in order, the bound held, the first failure stops the rest."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from s3ckpt.transfer.fanout import bounded
+from s3ckpt.s3.loop import bounded
 
 
 def test_results_come_in_call_order_under_the_bound() -> None:

@@ -3,8 +3,8 @@
 :meth:`s3ckpt.s3.store.ObjectStore.open_range` retries, each try opened by the client's
 transport (:mod:`s3ckpt.s3.transport`). Both transports deliver the bytes of
 ``[start, end)`` into the memory each receive names, in offset order, each once: the
-data plane (:mod:`s3ckpt.s3.wire.gets`) lets the socket write into it; this path copies
-each buffer aiohttp received in. A server that ignores ``Range`` and sends the whole
+data plane (:mod:`s3ckpt.s3.wire.get_exchange`) lets the socket write into it; this path
+copies each buffer aiohttp received in. A server that ignores ``Range`` and sends the whole
 object is cut to the range on both.
 """
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from s3ckpt.s3.wire import UnsupportedResponse
-from s3ckpt.s3.wire.gets import RangedGets
+from s3ckpt.s3.wire.get_exchange import RangedGets
 
 MiB = 1024 * 1024
 

@@ -14,7 +14,7 @@ through this package alone: one connection pool per client (:mod:`~.pool`: keep-
 stale connections, stalls, cancellation, TLS as aiobotocore verifies it), one response
 parser (h11, :mod:`~.exchange`), bodies sent from the tensor's memory (:mod:`~.uploads`;
 :mod:`~.on_loop`) and received straight into it as its reader pulls them
-(:mod:`~.gets`, :mod:`~.get_exchange`, :mod:`~.range_body`).
+(:mod:`~.get_exchange`, :mod:`~.range_body`).
 
 Where each exchange runs, chosen for the least client CPU per GiB
 (docs/decisions/0004-tls-path.md):

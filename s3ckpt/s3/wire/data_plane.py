@@ -54,8 +54,7 @@ from s3ckpt.s3.compat_botocore import (
 from s3ckpt.s3.operations import CompletedParts, ObjectIds, Params, Parsed
 from s3ckpt.s3.wire.addresses import Address, ObjectAddresses
 from s3ckpt.s3.wire.batch import NativeBatch, native_batches
-from s3ckpt.s3.wire.get_exchange import UnsupportedResponse
-from s3ckpt.s3.wire.gets import RangedGets
+from s3ckpt.s3.wire.get_exchange import RangedGets, UnsupportedResponse
 from s3ckpt.s3.wire.on_loop import BodyTransport
 from s3ckpt.s3.wire.pool import ConnectionPool
 from s3ckpt.s3.wire.range_body import RangeBody

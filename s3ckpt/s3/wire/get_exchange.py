@@ -1,4 +1,11 @@
-"""One ranged GET on one connection, on the event loop, its body pulled into the caller's memory.
+"""Ranged GETs on the pool's connections, on the event loop, each body pulled into the
+caller's memory.
+
+:class:`RangedGets` signs each request as a presigned URL from the aiobotocore client
+(SigV4 query authentication), so credentials, regions, session tokens and addressing
+style are handled by the client in one place and never appear in a header built here. A
+presigned URL is reused for every range of its object for a few minutes (``Range`` is not
+signed), and signed anew when a reused one is refused.
 
 :func:`open_range` sends the request and reads the response head; the caller then pulls
 the body with :meth:`RangeResponse.receive_into`, which receives straight into the memory
@@ -9,7 +16,8 @@ the socket is not read, so the kernel's buffer, not ours, holds what arrives. Re
 OpenSSL hands over one 16 KiB record per call, and in worker threads each call's release
 and re-take of the GIL would contend with the other requests' threads
 (docs/decisions/0004-tls-path.md). Error responses become the botocore ``ClientError``
-aiobotocore would raise; a successful response that cannot be received in place
+aiobotocore would raise, so :mod:`s3ckpt.s3.retry` and :mod:`s3ckpt.s3.error_mapping`
+treat them like any other; a successful response that cannot be received in place
 (chunked, no length, a redirect) raises :class:`UnsupportedResponse`, and the caller
 hands the request to aiobotocore. A server that ignores ``Range`` and sends the whole
 object has the range cut from it (and the connection closed once it is in).
@@ -22,9 +30,12 @@ import contextlib
 import logging
 import time
 import xml.etree.ElementTree as ElementTree
+from typing import Any
+from urllib.parse import SplitResult, urlsplit
 
 from botocore.exceptions import ClientError
 
+from s3ckpt._version import __version__
 from s3ckpt.s3.compat_botocore import read_timeout
 from s3ckpt.s3.retry import ShortReadError
 from s3ckpt.s3.wire.connection import Connection, Origin, StaleConnection
@@ -35,12 +46,67 @@ from s3ckpt.s3.wire.stall import StallTimer
 
 log = logging.getLogger(__name__)
 
+PRESIGN_EXPIRES_S = 3600
+REUSE_SIGNATURE_S = 300.0
+MAX_CACHED_URLS = 4096
+
 
 _NOTHING = memoryview(b"")
 
 
 class UnsupportedResponse(Exception):
     """A successful response this reader cannot receive in place; use aiobotocore instead."""
+
+
+class RangedGets:
+    """Ranged GETs over the pool's kept-alive connections, signed by an aiobotocore client."""
+
+    def __init__(self, client: Any, pool: ConnectionPool) -> None:
+        self.client = client
+        self.pool = pool
+        self._urls: dict[tuple[str, str], tuple[float, SplitResult]] = {}
+
+    async def open(self, bucket: str, key: str, start: int, end: int) -> RangeResponse:
+        """Ask for bytes ``[start, end)`` of ``bucket/key``: the response, its head read,
+        whose body the caller pulls (and then closes)."""
+        url, reused = await self._signed(bucket, key)
+        try:
+            return await self._open(url, start, end)
+        except ClientError as exc:
+            if not reused or exc.response["ResponseMetadata"]["HTTPStatusCode"] != 403:
+                raise
+            # A reused signature may have outlived the credentials that made it: sign anew.
+            url, _ = await self._signed(bucket, key, fresh=True)
+            return await self._open(url, start, end)
+
+    async def _signed(
+        self, bucket: str, key: str, *, fresh: bool = False
+    ) -> tuple[SplitResult, bool]:
+        """A presigned GET URL for the object and whether it was reused."""
+        now = time.monotonic()
+        cached = self._urls.get((bucket, key))
+        if cached is not None and not fresh and now - cached[0] < REUSE_SIGNATURE_S:
+            return cached[1], True
+        url = await self.client.generate_presigned_url(
+            "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=PRESIGN_EXPIRES_S
+        )
+        if len(self._urls) >= MAX_CACHED_URLS:
+            self._urls.clear()
+        self._urls[(bucket, key)] = (now, urlsplit(url))
+        return self._urls[(bucket, key)][1], False
+
+    async def _open(self, url: SplitResult, start: int, end: int) -> RangeResponse:
+        origin = (
+            url.scheme,
+            url.hostname or "",
+            url.port or (443 if url.scheme == "https" else 80),
+        )
+        request = (
+            f"GET {url.path}?{url.query} HTTP/1.1\r\nHost: {url.netloc}\r\n"
+            f"Range: bytes={start}-{end - 1}\r\nAccept-Encoding: identity\r\n"
+            f"User-Agent: s3ckpt/{__version__}\r\n\r\n"
+        ).encode("ascii")
+        return await open_range(self.pool, origin, request, start, end)
 
 
 async def open_range(

@@ -12,7 +12,7 @@ from botocore.exceptions import ClientError
 
 from s3ckpt.s3.retry import ShortReadError
 from s3ckpt.s3.wire import UnsupportedResponse, proxied
-from s3ckpt.s3.wire.gets import RangedGets
+from s3ckpt.s3.wire.get_exchange import RangedGets
 from s3ckpt.s3.wire.pool import ConnectionPool
 
 OBJECT = bytes(range(256)) * 4096  # 1 MiB

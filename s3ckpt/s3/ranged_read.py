@@ -66,7 +66,7 @@ class RangedRead:
         """A new try from :attr:`position`: its body, the head read."""
         stack = contextlib.AsyncExitStack()
         self._body = await stack.enter_async_context(
-            self.requests.range_try(self.key, self.position, self.end)
+            self.requests.range_try(self.key, self.position, self.end, self.tries)
         )
         self._try = stack
         return self._body

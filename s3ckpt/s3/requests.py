@@ -83,18 +83,14 @@ class Requests:
         return Retrying(self, operation, key, tries, handle)
 
     @contextlib.asynccontextmanager
-    async def _sending(
-        self, operation: str, handle: ClientHandle | None = None
-    ) -> AsyncIterator[Transport]:
+    async def _sending(self, operation: str, handle: ClientHandle) -> AsyncIterator[Transport]:
         """The transport (:mod:`s3ckpt.s3.transport`) of ``handle``'s client, one of its
         request slots held, for one try of ``operation``: the client of the request's
-        tries (:attr:`Retrying.handle`), else this process's for the configuration and
-        the AWS environment, looked up now (:func:`~s3ckpt.s3.client.client_handle`:
-        rotated credentials make a new one). The try is noted as the store's answer when
-        it returns or fails with an S3 error response (which only a reachable endpoint
-        sends), and as silence when it is stopped for silence or cancelled
+        tries (:attr:`Retrying.handle`, looked up as the request began and again before
+        each retry: rotated credentials make a new one). The try is noted as the store's
+        answer when it returns or fails with an S3 error response (which only a reachable
+        endpoint sends), and as silence when it is stopped for silence or cancelled
         (:class:`~s3ckpt.s3.retry.StoreAnswers`, for stalls)."""
-        handle = handle if handle is not None else client_handle(self.config)
         answers = handle.answers
         answers.asking()
         try:
@@ -239,16 +235,20 @@ class Requests:
                 answers.note("UploadPart OK")
         return outcomes
 
-    async def get_object(self, key: str) -> tuple[bytes, str]:
-        """One GET of a whole (small) object, holding a request slot: its bytes and ETag."""
-        async with self._sending("GetObject") as transport:
+    async def get_object(self, key: str, tries: Retrying) -> tuple[bytes, str]:
+        """One GET of a whole (small) object among ``tries``, holding a request slot: its
+        bytes and ETag."""
+        async with self._sending("GetObject", tries.handle) as transport:
             return await transport.get_object(self.bucket, key)
 
     @contextlib.asynccontextmanager
-    async def range_try(self, key: str, start: int, end: int) -> AsyncIterator[RangeBody]:
-        """One try of a ranged GET of bytes ``[start, end)`` of ``key``, its head read:
-        the body to pull from inside ``async with``, a request slot held until it ends."""
-        async with self._sending("GetObject") as transport:
+    async def range_try(
+        self, key: str, start: int, end: int, tries: Retrying
+    ) -> AsyncIterator[RangeBody]:
+        """One try of a ranged GET of bytes ``[start, end)`` of ``key`` among ``tries``, its
+        head read: the body to pull from inside ``async with``, a request slot held until
+        it ends."""
+        async with self._sending("GetObject", tries.handle) as transport:
             body = await transport.open_range(self.bucket, key, start, end)
             try:
                 yield body

@@ -140,7 +140,7 @@ class ObjectStore(MultipartUploads):
             response = await self.requests.try_put_object(params, tries)
         except ClientError as exc:
             if "IfNoneMatch" in params and error_code(exc) in PRECONDITION_CODES:  # create
-                etag = await self._etag_if_holds(key, body)
+                etag = await self._etag_if_holds(key, body, tries)
                 if etag is not None:
                     return etag
             raise
@@ -151,19 +151,20 @@ class ObjectStore(MultipartUploads):
         async with self.requests.retrying("GetObject", key) as tries:
             while True:
                 try:
-                    body, _ = await self._fetch(key)
+                    body, _ = await self._fetch(key, tries)
                     return body
                 except Exception as exc:
                     await tries.failed(exc)
 
-    async def _fetch(self, key: str) -> tuple[bytes, str]:
-        """One GET of a whole object: its bytes and ETag."""
-        return await self.requests.get_object(key)
+    async def _fetch(self, key: str, tries: Retrying) -> tuple[bytes, str]:
+        """One GET of a whole object among ``tries``: its bytes and ETag."""
+        return await self.requests.get_object(key, tries)
 
-    async def _etag_if_holds(self, key: str, body: Body) -> str | None:
-        """The ETag of ``key`` if it holds exactly ``body``, else None."""
+    async def _etag_if_holds(self, key: str, body: Body, tries: Retrying) -> str | None:
+        """The ETag of ``key`` if it holds exactly ``body``, else None (one GET, inside a
+        try of ``tries``)."""
         try:
-            stored, etag = await self._fetch(key)
+            stored, etag = await self._fetch(key, tries)
         except ClientError as exc:
             if error_code(exc) in ("NoSuchKey", "404"):
                 return None

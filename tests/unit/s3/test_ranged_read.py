@@ -38,10 +38,12 @@ class _Requests:
         self.cuts = cuts
         self.opened: list[tuple[int, int]] = []
         self.ended: list[BaseException | None] = []
+        self.under: list[_Tries] = []  # the tries each try was made among
 
     @contextlib.asynccontextmanager
-    async def range_try(self, key: str, start: int, end: int) -> AsyncIterator[_Try]:
+    async def range_try(self, key: str, start: int, end: int, tries: _Tries) -> AsyncIterator[_Try]:
         self.opened.append((start, end))
+        self.under.append(tries)
         try:
             yield _Try(start, self.cuts[len(self.opened) - 1])
         except BaseException as exc:
@@ -85,6 +87,7 @@ def test_a_try_cut_short_resumes_at_the_first_byte_not_delivered() -> None:
     assert requests.opened == [(100, 900), (300, 900), (300, 900)]
     assert [type(e) for e in tries.failures] == [ShortReadError, ShortReadError]
     assert [type(e) if e else None for e in requests.ended] == [ShortReadError] * 2 + [None]
+    assert requests.under == [tries] * 3  # every try among the read's one request's tries
 
 
 def test_a_read_out_of_tries_raises_the_last_failure() -> None:

@@ -1,6 +1,7 @@
 """The S3 transport: typed S3 operations on one asyncio event loop per process. No torch.
 
-* :mod:`~s3ckpt.s3.loop`: the event loop thread, fork-safe;
+* :mod:`~s3ckpt.s3.loop`: the event loop thread, fork-safe, and the bounded fan-out of
+  requests on it;
 * :mod:`~s3ckpt.s3.client`: the aiobotocore client, created lazily once per loop;
 * :mod:`~s3ckpt.s3.store`: :class:`ObjectStore`, one short method per S3 operation;
 * :mod:`~s3ckpt.s3.requests`: one try of each operation and the retries around it;

@@ -5,6 +5,10 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.s3ckpt-installed
 BENCH_STAMP := $(VENV)/.s3ckpt-bench-installed
+# The four environments only `make test` runs in are installed without compiling their
+# modules' bytecode: the test phases write it (PYTHONDONTWRITEBYTECODE lifted there) for the
+# modules their processes import, a fraction of the tens of thousands pip would compile.
+PIP_TEST_ENV := --quiet --no-compile
 # torchtitan gets its own environment: it pins older fsspec, aiobotocore and lightning than
 # the main one runs on, so its tests run there and everything else on today's releases.
 TITAN_VENV ?= .venv-torchtitan
@@ -17,7 +21,17 @@ TITAN_TESTS := tests/integration/test_torchtitan.py
 NEWEST_TORCH_SPEC ?= torch==2.15.0
 NEWEST_VENV ?= .venv-torch-newest
 NEWEST_STAMP := $(NEWEST_VENV)/.s3ckpt-installed
-NEWEST_TESTS := tests/unit \
+# There: the unit tests of the packages that use torch, and every other unit test module
+# that imports torch itself. The transport, transfer, format, catalog and CLI import no torch
+# (the import contracts in pyproject.toml), so their other unit tests, and those of the docs,
+# the architecture and the benchmark tools, would run the same code on the same releases
+# again: they run in the main phase only.
+TORCH_FREE_UNIT := tests/unit/s3 tests/unit/transfer tests/unit/format tests/unit/catalog \
+	tests/unit/cli tests/unit/benchmarks tests/unit/testing
+NEWEST_UNIT := tests/unit/background tests/unit/dcp tests/unit/interop tests/unit/manager \
+	tests/unit/tier tests/unit/integrations \
+	$(shell grep -rlE '^ *(import torch|from torch)' $(TORCH_FREE_UNIT) tests/unit/*.py | sort)
+NEWEST_TESTS := $(NEWEST_UNIT) \
 	tests/integration/test_roundtrip.py tests/integration/test_dtypes.py \
 	tests/integration/test_async_save.py tests/integration/test_distributed.py \
 	tests/integration/test_plan_caching.py tests/integration/test_manager.py \
@@ -62,21 +76,21 @@ $(STAMP): pyproject.toml setup.py $(C_SOURCES)
 
 $(TITAN_STAMP): pyproject.toml setup.py $(C_SOURCES)
 	$(PYTHON) -m venv $(TITAN_VENV)
-	$(TITAN_VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
-	$(TITAN_VENV)/bin/pip install --quiet -e ".[test,torchtitan]" "$(TORCH_SPEC)"
+	$(TITAN_VENV)/bin/pip install $(PIP_TEST_ENV) "$(TORCH_SPEC)"
+	$(TITAN_VENV)/bin/pip install $(PIP_TEST_ENV) -e ".[test,torchtitan]" "$(TORCH_SPEC)"
 	touch $@
 
 $(NEWEST_STAMP): pyproject.toml setup.py $(C_SOURCES)
 	$(PYTHON) -m venv $(NEWEST_VENV)
-	PIP_CONSTRAINT=/dev/null $(NEWEST_VENV)/bin/pip install --quiet "$(NEWEST_TORCH_SPEC)"
-	PIP_CONSTRAINT=/dev/null $(NEWEST_VENV)/bin/pip install --quiet -e ".[test]" "$(NEWEST_TORCH_SPEC)"
+	PIP_CONSTRAINT=/dev/null $(NEWEST_VENV)/bin/pip install $(PIP_TEST_ENV) "$(NEWEST_TORCH_SPEC)"
+	PIP_CONSTRAINT=/dev/null $(NEWEST_VENV)/bin/pip install $(PIP_TEST_ENV) -e ".[test]" "$(NEWEST_TORCH_SPEC)"
 	touch $@
 
 $(DS_STAMP): pyproject.toml setup.py $(C_SOURCES)
 	$(PYTHON) -m venv $(DS_VENV)
-	$(DS_VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
-	$(DS_VENV)/bin/pip install --quiet -e ".[test]" "$(TORCH_SPEC)"
-	DS_BUILD_OPS=0 $(DS_VENV)/bin/pip install --quiet --no-build-isolation "$(DS_SPEC)" \
+	$(DS_VENV)/bin/pip install $(PIP_TEST_ENV) "$(TORCH_SPEC)"
+	$(DS_VENV)/bin/pip install $(PIP_TEST_ENV) -e ".[test]" "$(TORCH_SPEC)"
+	DS_BUILD_OPS=0 $(DS_VENV)/bin/pip install $(PIP_TEST_ENV) --no-build-isolation "$(DS_SPEC)" \
 		einops hjson msgpack ninja psutil py-cpuinfo pydantic tqdm "$(TORCH_SPEC)"
 	$(DS_BUILD_ENV) $(DS_VENV)/bin/python -c "from deepspeed.accelerator import get_accelerator; \
 		get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
@@ -84,9 +98,9 @@ $(DS_STAMP): pyproject.toml setup.py $(C_SOURCES)
 
 $(DLIO_STAMP): pyproject.toml setup.py $(C_SOURCES)
 	$(PYTHON) -m venv $(DLIO_VENV)
-	$(DLIO_VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
-	$(DLIO_VENV)/bin/pip install --quiet -e ".[test,dlio]" "$(TORCH_SPEC)"
-	$(DLIO_VENV)/bin/pip install --quiet --no-deps "$(DLIO_SPEC)"
+	$(DLIO_VENV)/bin/pip install $(PIP_TEST_ENV) "$(TORCH_SPEC)"
+	$(DLIO_VENV)/bin/pip install $(PIP_TEST_ENV) -e ".[test,dlio]" "$(TORCH_SPEC)"
+	$(DLIO_VENV)/bin/pip install $(PIP_TEST_ENV) --no-deps "$(DLIO_SPEC)"
 	touch $@
 
 # The memory tier's peers measured beside it (benchmarks/tier_peers): NVRx from the registry
@@ -165,7 +179,7 @@ PHASE_RESULTS := build/test-phases
 # reads the status.
 .PHONY: $(PHASES:%=test-phase-%)
 $(PHASES:%=test-phase-%): test-phase-%:
-	@echo '$(PHASE_$*)'; start=$$(date +%s); \
+	@echo '$(PHASE_$*)'; start=$$(date +%s); unset PYTHONDONTWRITEBYTECODE; \
 	$(PHASE_$*); code=$$?; \
 	echo "$$code $$(($$(date +%s) - start))" > $(PHASE_RESULTS)/$*
 

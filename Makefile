@@ -22,15 +22,19 @@ NEWEST_TORCH_SPEC ?= torch==2.15.0
 NEWEST_VENV ?= .venv-torch-newest
 NEWEST_STAMP := $(NEWEST_VENV)/.s3ckpt-installed
 # There: the unit tests of the packages that use torch, and every other unit test module
-# that imports torch itself. The transport, transfer, format, catalog and CLI import no torch
-# (the import contracts in pyproject.toml), so their other unit tests, and those of the docs,
-# the architecture and the benchmark tools, would run the same code on the same releases
-# again: they run in the main phase only.
+# that uses torch, itself or through the parts of s3ckpt that do (S3StorageWriter and
+# S3StorageReader, the manager, the DCP adapters, the checkpoint process, the memory tier).
+# The transport, transfer, format, catalog and CLI import no torch (the import contracts in
+# pyproject.toml), so their other unit tests, and those of the tools, would run the same
+# code on the same releases again: they run in the main phase only. Every folder of
+# tests/unit is in one of the two lists (tests/unit/test_phases.py).
+USES_TORCH := ^ *(import torch|from torch)|S3Storage(Writer|Reader)|CheckpointManager|async_save|s3ckpt[.](dcp|manager|tier|background|interop|integrations)
 TORCH_FREE_UNIT := tests/unit/s3 tests/unit/transfer tests/unit/format tests/unit/catalog \
 	tests/unit/cli tests/unit/benchmarks tests/unit/testing
 NEWEST_UNIT := tests/unit/background tests/unit/dcp tests/unit/interop tests/unit/manager \
 	tests/unit/tier tests/unit/integrations \
-	$(shell grep -rlE '^ *(import torch|from torch)' $(TORCH_FREE_UNIT) tests/unit/*.py | sort)
+	$(shell grep -rlE --include='*.py' --exclude-dir=__pycache__ '$(USES_TORCH)' \
+		$(TORCH_FREE_UNIT) tests/unit/*.py | sort)
 NEWEST_TESTS := $(NEWEST_UNIT) \
 	tests/integration/test_roundtrip.py tests/integration/test_dtypes.py \
 	tests/integration/test_async_save.py tests/integration/test_distributed.py \

@@ -1,4 +1,4 @@
-"""Rank side of the checkpoint-process tests on several gloo ranks (spawned by
+"""Rank side of the checkpoint-process tests on several gloo ranks (started by
 ``_dist_worker.run_ranks``): sharded DTensor state saved by the checkpoint processes and
 loaded back, and a checkpoint process killed in the middle of a save or while the
 processes meet."""

@@ -1,6 +1,6 @@
 """The ranks of ``test_deepspeed.py``: DeepSpeed engines on the CPU accelerator over gloo.
 
-Each entry point runs in a process spawned by ``_dist_worker.run_ranks`` (with the
+Each entry point runs in a process started by ``_dist_worker.run_ranks`` (with the
 environment ``test_deepspeed.py`` sets up: DeepSpeed's CPU accelerator, its built op) and
 receives the S3 connection, the checkpoint folder and a report directory. A rank compares
 what it can compare itself (bit-exact state after a load) and leaves a report

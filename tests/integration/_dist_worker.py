@@ -95,7 +95,7 @@ def run_ranks(fn: Any, world_size: int, *args: Any, timeout: float = 120.0) -> N
     or ``ProcessExitedException``) as soon as one rank fails, after the others are
     killed; raises ``TimeoutError`` if the ranks are not all done after ``timeout`` s.
     """
-    from s3_servers import held_port  # parent side only: ranks run without tests/ on sys.path
+    from s3_servers import held_port  # parent side only
 
     forkserver = multiprocessing.get_context("forkserver")
     forkserver.set_forkserver_preload(RANK_PRELOAD)

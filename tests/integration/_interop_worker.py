@@ -1,5 +1,6 @@
-"""A checkpoint saved by two spawned gloo ranks, tensors sharded across them, for the
-export tests (:mod:`test_interop`). Runs in ``spawn``ed processes, so it lives here."""
+"""A checkpoint saved by two gloo ranks, tensors sharded across them, for the
+export tests (:mod:`test_interop`). Runs in processes started by ``run_ranks``, so it
+lives here."""
 
 from __future__ import annotations
 

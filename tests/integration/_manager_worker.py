@@ -1,4 +1,4 @@
-"""Rank entry points for the multi-rank CheckpointManager test (spawned ranks over gloo).
+"""Rank entry points for the multi-rank CheckpointManager test (gloo ranks).
 
 Same pattern as :mod:`_dist_worker` (whose launcher and process-group set-up are reused):
 everything a rank needs comes in as arguments, and each rank leaves a ``torch.save``

@@ -1,4 +1,4 @@
-"""Rank side of the memory tier's resharding restores (spawned by
+"""Rank side of the memory tier's resharding restores (started by
 ``_dist_worker.run_ranks``): a job saves DTensor-sharded state on some ranks, and a job
 with another world size restores it from the node's copies."""
 

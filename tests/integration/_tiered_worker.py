@@ -1,4 +1,4 @@
-"""Rank entry point for the two-rank TieredCheckpointProcess test (spawned ranks over
+"""Rank entry point for the two-rank TieredCheckpointProcess test (ranks over
 gloo, each rank's memory root a simulated node's): a dcp.async_save-style script that
 names its own S3 checkpoints, its saves held, replicated and every second one uploaded;
 a node lost; everything lost but S3."""

@@ -1,4 +1,4 @@
-"""Rank side of the torch-checkpointing test on two gloo ranks (spawned by
+"""Rank side of the torch-checkpointing test on two gloo ranks (started by
 ``_dist_worker.run_ranks``): each rank saves its own state through torch-checkpointing's
 asynchronous manager, rank 0 commits, and each rank loads its state back."""
 

@@ -1,6 +1,6 @@
 """Multi-process DCP saves and loads over gloo against the local S3 server.
 
-Two spawned jobs keep the cost down (every rank imports torch): a 2-rank job saves and
+Two jobs of ranks: a 2-rank job saves and
 reloads a per-rank state and saves a DTensor state sharded on 2 ranks; a 4-rank job
 saves and reloads its own per-rank state and loads the DTensor checkpoint resharded onto
 4 ranks. Ranks leave reports that the tests below check; the single-process reshard
